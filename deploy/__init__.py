@@ -1,0 +1,1 @@
+"""The ``kvroute`` command and the Ray / Kubernetes wiring."""

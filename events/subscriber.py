@@ -1,0 +1,515 @@
+"""ZmqEventSubscriber: every replica's event stream, in order, with nothing silently lost.
+
+Per replica the subscriber keeps ``last_seq``, the seq of the newest batch delivered, and a
+small state machine:
+
+- LIVE: a batch with ``seq == last_seq + 1`` is delivered. A higher seq is a gap: the
+  batch is held back and the missing range is asked for on the replay socket. A lower seq
+  means the engine restarted (its seq starts again at 0): everything known about the
+  replica is dropped (a synthetic ``AllBlocksCleared`` is delivered) and the new stream is
+  read from seq 0.
+- SYNCING: a replay or snapshot request is outstanding; live batches wait in a bounded
+  list. A replay that does not reach back to ``last_seq + 1`` (the engine's buffer no longer
+  holds it) turns into a snapshot request. A snapshot is delivered as batches whose first
+  event is ``AllBlocksCleared``, so applying deliveries in order always yields the engine's
+  state. A publisher that cannot answer (vLLM without a replay socket, or one that is
+  gone) costs only hits: the replica's state is dropped and rebuilt from what follows.
+
+A new publisher starts in SYNCING with a snapshot request, so a subscriber that joins late
+still sees every block the engine already holds.
+
+Malformed frames and payloads are counted, logged once per replica, and skipped; a
+malformed payload is treated as a lost batch (its seq is recovered by replay or snapshot).
+All sockets live on the subscriber's thread; deliveries go to ``on_batch`` on that thread,
+and, if asked, to an asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from .protocol import SNAPSHOT_REQUEST, Waker, pack_seq, unpack_seq
+from .wire import AllBlocksCleared, EventBatch, MalformedBatchError, decode_batch
+
+log = logging.getLogger(__name__)
+
+Source = Literal["live", "replay", "snapshot", "reset"]
+
+
+@dataclass(slots=True)
+class ReplicaBatch:
+    """One delivery: apply ``batch`` to ``replica_id``'s state, in delivery order."""
+
+    replica_id: str
+    seq: int
+    batch: EventBatch
+    source: Source
+
+
+@dataclass(slots=True)
+class ReplicaStats:
+    received: int = 0  # live messages read
+    delivered: int = 0  # batches handed to the consumer (all sources)
+    gaps: int = 0
+    replays: int = 0  # replay requests sent
+    snapshots: int = 0  # snapshot requests sent
+    restarts: int = 0
+    resets: int = 0  # times the replica's state was dropped (restart or unrecoverable gap)
+    malformed: int = 0
+    request_timeouts: int = 0
+    last_seq: int = -1
+    last_heard: float = 0.0  # time.monotonic() of the newest live message
+
+
+@dataclass
+class _Replica:
+    replica_id: str
+    endpoint: str
+    replay_endpoint: str | None
+    topic: bytes
+    sub: zmq.Socket
+    dealer: zmq.Socket | None = None
+    stats: ReplicaStats = field(default_factory=ReplicaStats)
+    last_seq: int = -1
+    syncing: Literal["", "replay", "snapshot"] = ""
+    deadline: float = 0.0
+    attempts: int = 0
+    pending: list[tuple[int, EventBatch | None]] = field(default_factory=list)
+    reply: list[tuple[int, bytes]] = field(default_factory=list)
+    snapshot_supported: bool = True
+    warned_malformed: bool = False
+    live_seq: int | None = None  # newest seq read on the live socket
+    monitor: zmq.Socket | None = None
+    was_disconnected: bool = False
+
+
+class ZmqEventSubscriber:
+    def __init__(
+        self,
+        on_batch: Callable[[ReplicaBatch], None] | None = None,
+        *,
+        request_timeout: float = 2.0,
+        max_attempts: int = 3,
+        max_pending: int = 100_000,
+        max_message_bytes: int = 64 << 20,
+        rcvhwm: int = 100_000,
+        context: zmq.Context | None = None,
+    ) -> None:
+        self._on_batch = on_batch
+        self.request_timeout = request_timeout
+        self.max_attempts = max_attempts
+        self.max_pending = max_pending
+        self.max_message_bytes = max_message_bytes
+        self.rcvhwm = rcvhwm
+        self.malformed_frames = 0  # messages whose framing named no seq
+        self._ctx = context or zmq.Context.instance()
+        self._replicas: dict[str, _Replica] = {}
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._waker = Waker()
+        self._async_sinks: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="kvroute-subscriber", daemon=True)
+        self._thread.start()
+
+    # -- public API (any thread) -------------------------------------------------------
+    def add_publisher(
+        self,
+        replica_id: str,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+    ) -> None:
+        """Follow one engine. ``replay_endpoint`` enables gap recovery and snapshots."""
+        self._call(lambda: self._add(replica_id, endpoint, replay_endpoint, topic.encode()))
+
+    def remove_publisher(self, replica_id: str) -> None:
+        self._call(lambda: self._remove(replica_id))
+
+    def stats(self) -> dict[str, ReplicaStats]:
+        out: dict[str, ReplicaStats] = {}
+        done = threading.Event()
+
+        def read() -> None:
+            for rid, r in self._replicas.items():
+                r.stats.last_seq = r.last_seq
+                out[rid] = ReplicaStats(**{k: getattr(r.stats, k) for k in r.stats.__slots__})
+            done.set()
+
+        self._call(read)
+        done.wait(5.0)
+        return out
+
+    def in_sync(self, replica_id: str) -> bool:
+        """True when no recovery is outstanding for the replica (its view is current)."""
+        r = self._replicas.get(replica_id)
+        return r is not None and not r.syncing and not r.pending
+
+    async def stream(self, maxsize: int = 0) -> AsyncIterator[ReplicaBatch]:
+        """Deliveries as an async iterator on the caller's event loop."""
+        q: asyncio.Queue[ReplicaBatch] = asyncio.Queue(maxsize)
+        sink = (asyncio.get_running_loop(), q)
+        self._call(lambda: self._async_sinks.append(sink))
+        try:
+            while True:
+                yield await q.get()
+        finally:
+            self._call(lambda: self._async_sinks.remove(sink))
+
+    def close(self) -> None:
+        if not self._running:
+            return
+        self._running = False
+        self._waker.wake()
+        self._thread.join(5.0)
+        for r in self._replicas.values():
+            self._close_sockets(r)
+        self._waker.close()
+
+    def __enter__(self) -> ZmqEventSubscriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, fn: Callable[[], None]) -> None:
+        if not self._running:
+            raise RuntimeError("subscriber is closed")
+        self._commands.put(fn)
+        self._waker.wake()
+
+    # -- subscriber thread -------------------------------------------------------------
+    def _run(self) -> None:
+        self._poller = zmq.Poller()
+        self._poller.register(self._waker.fd, zmq.POLLIN)
+        while self._running:
+            try:
+                ready = dict(self._poller.poll(self._poll_timeout_ms()))
+            except zmq.ZMQError:
+                if not self._running:
+                    break
+                raise
+            if self._waker.fd in ready:
+                self._waker.drain()
+                while True:
+                    try:
+                        cmd = self._commands.get_nowait()
+                    except queue.Empty:
+                        break
+                    try:
+                        cmd()
+                    except Exception:
+                        log.exception("subscriber command failed")
+            for r in list(self._replicas.values()):
+                if r.monitor is not None and r.monitor in ready:
+                    self._on_monitor(r)
+                if r.dealer is not None and r.dealer in ready:
+                    self._read_reply(r)
+                if r.sub in ready:
+                    self._read_live(r)
+            self._check_deadlines()
+
+    def _poll_timeout_ms(self) -> int:
+        deadlines = [r.deadline for r in self._replicas.values() if r.syncing]
+        if not deadlines:
+            return 1000
+        return max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
+
+    def _add(self, rid: str, endpoint: str, replay_endpoint: str | None, topic: bytes) -> None:
+        if rid in self._replicas:
+            raise ValueError(f"replica {rid!r} is already followed")
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.RCVHWM, self.rcvhwm)
+        sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, topic)
+        r = _Replica(rid, endpoint, replay_endpoint, topic, sub)
+        r.monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        sub.connect(endpoint)
+        self._replicas[rid] = r
+        self._poller.register(sub, zmq.POLLIN)
+        self._poller.register(r.monitor, zmq.POLLIN)
+        if replay_endpoint is not None:
+            self._request(r, "snapshot", SNAPSHOT_REQUEST)
+
+    def _remove(self, rid: str) -> None:
+        r = self._replicas.pop(rid, None)
+        if r is not None:
+            self._close_sockets(r)
+
+    def _close_sockets(self, r: _Replica) -> None:
+        if r.monitor is not None:
+            try:
+                r.sub.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        for s in (r.monitor, r.sub, r.dealer):
+            if s is None:
+                continue
+            try:
+                self._poller.unregister(s)
+            except (KeyError, AttributeError):
+                pass
+            s.close(linger=0)
+        r.dealer = r.monitor = None
+
+    def _cancel_request(self, r: _Replica) -> None:
+        """Forget an outstanding request; a fresh socket makes sure a late reply is never
+        mistaken for the answer to a later request."""
+        if r.dealer is not None:
+            self._poller.unregister(r.dealer)
+            r.dealer.close(linger=0)
+            r.dealer = None
+        r.syncing, r.reply = "", []
+
+    # -- live stream -------------------------------------------------------------------
+    def _read_live(self, r: _Replica, budget: int = 1024) -> None:
+        for _ in range(budget):
+            try:
+                frames = r.sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            r.stats.received += 1
+            r.stats.last_heard = time.monotonic()
+            if len(frames) != 3:
+                self._malformed(r, f"{len(frames)} frames")
+                self.malformed_frames += 1
+                continue
+            try:
+                seq = unpack_seq(frames[1])
+            except ValueError as e:
+                self._malformed(r, str(e))
+                self.malformed_frames += 1
+                continue
+            batch = self._decode(r, frames[2])
+            self._on_live(r, seq, batch)
+
+    def _decode(self, r: _Replica, payload: bytes) -> EventBatch | None:
+        try:
+            return decode_batch(payload)
+        except MalformedBatchError as e:
+            self._malformed(r, str(e))
+            return None
+
+    def _malformed(self, r: _Replica, why: str) -> None:
+        r.stats.malformed += 1
+        if not r.warned_malformed:
+            r.warned_malformed = True
+            log.warning(
+                "replica %s: malformed event message skipped (%s); further ones are only counted",
+                r.replica_id,
+                why,
+            )
+
+    def _on_live(self, r: _Replica, seq: int, batch: EventBatch | None) -> None:
+        # One connection delivers in order, so the live seq only goes back on a restart.
+        # (Comparing with last_seq instead would mistake batches that were still queued
+        # in the socket when a snapshot overtook them for a restart.)
+        if r.live_seq is not None and seq <= r.live_seq:
+            self._restart(r)
+        r.live_seq = seq
+        if r.syncing:
+            if len(r.pending) >= self.max_pending:
+                r.pending.pop(0)  # the gap this opens is recovered after the sync
+            r.pending.append((seq, batch))
+            return
+        if seq <= r.last_seq:
+            return  # already covered by a snapshot or replay
+        if seq == r.last_seq + 1 and batch is not None:
+            self._deliver(r, seq, batch, "live")
+            return
+        # A gap (or a malformed batch, which is as good as lost).
+        r.stats.gaps += 1
+        r.pending.append((seq, batch))
+        self._recover(r)
+
+    def _restart(self, r: _Replica) -> None:
+        r.stats.restarts += 1
+        log.info("replica %s restarted (seq went back from %s)", r.replica_id, r.live_seq)
+        self._cancel_request(r)
+        r.pending = []
+        self._reset(r)
+
+    def _on_monitor(self, r: _Replica) -> None:
+        """A reconnect may hide a restart: resynchronize from a snapshot to be sure."""
+        while r.monitor is not None:
+            try:
+                msg = recv_monitor_message(r.monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if msg["event"] == zmq.EVENT_DISCONNECTED:
+                r.was_disconnected = True
+            elif msg["event"] == zmq.EVENT_CONNECTED and r.was_disconnected:
+                r.was_disconnected = False
+                r.live_seq = None
+                if r.replay_endpoint is not None and r.snapshot_supported:
+                    self._cancel_request(r)
+                    r.pending = []
+                    self._request(r, "snapshot", SNAPSHOT_REQUEST)
+
+    def _reset(self, r: _Replica) -> None:
+        r.stats.resets += 1
+        r.last_seq = -1
+        cleared = EventBatch(time.time(), [AllBlocksCleared()])
+        self._emit(r, ReplicaBatch(r.replica_id, -1, cleared, "reset"))
+
+    def _recover(self, r: _Replica) -> None:
+        """Fill the gap before ``r.pending``: replay if possible, else give up the state."""
+        if r.replay_endpoint is None:
+            self._give_up(r)
+        else:
+            self._request(r, "replay", r.last_seq + 1)
+
+    def _give_up(self, r: _Replica) -> None:
+        """No way to fill the gap: drop what we knew and follow the stream from here on.
+
+        The view then lacks blocks stored before the hole -- that costs hits, never
+        correctness: blocks we do show are ones the engine announced after the reset."""
+        self._cancel_request(r)
+        r.attempts = 0
+        if r.last_seq >= 0 or r.stats.delivered:
+            self._reset(r)
+        r.pending = [(seq, b) for seq, b in r.pending if b is not None]
+        if r.pending:
+            r.last_seq = r.pending[0][0] - 1
+        self._drain_pending(r)
+
+    def _drain_pending(self, r: _Replica) -> None:
+        pending, r.pending = r.pending, []
+        for i, (seq, batch) in enumerate(pending):
+            if seq <= r.last_seq:
+                continue
+            if seq == r.last_seq + 1 and batch is not None:
+                self._deliver(r, seq, batch, "live")
+                continue
+            r.stats.gaps += 1
+            r.pending = pending[i:]
+            self._recover(r)
+            return
+
+    # -- replay and snapshot -----------------------------------------------------------
+    def _request(self, r: _Replica, kind: Literal["replay", "snapshot"], start: int) -> None:
+        if r.dealer is None:
+            r.dealer = self._ctx.socket(zmq.DEALER)
+            r.dealer.setsockopt(zmq.LINGER, 0)
+            r.dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+            r.dealer.connect(r.replay_endpoint)
+            self._poller.register(r.dealer, zmq.POLLIN)
+        if kind == "replay":
+            r.stats.replays += 1
+        else:
+            r.stats.snapshots += 1
+        r.syncing = kind
+        r.reply = []
+        r.deadline = time.monotonic() + self.request_timeout
+        r.dealer.send_multipart((b"", pack_seq(start)))
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        for r in list(self._replicas.values()):
+            if r.syncing and now >= r.deadline:
+                r.stats.request_timeouts += 1
+                kind = r.syncing
+                self._cancel_request(r)
+                r.attempts += 1
+                if r.attempts >= self.max_attempts:
+                    log.warning(
+                        "replica %s: no answer on %s, dropping its state",
+                        r.replica_id,
+                        r.replay_endpoint,
+                    )
+                    self._give_up(r)
+                else:
+                    start = SNAPSHOT_REQUEST if kind == "snapshot" else r.last_seq + 1
+                    self._request(r, kind, start)
+
+    def _read_reply(self, r: _Replica) -> None:
+        while r.dealer is not None:
+            try:
+                frames = r.dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            # [b"", topic, seq, payload] (kvroute) or [b"", seq, payload] (vLLM)
+            if len(frames) == 4:
+                seq_raw, payload = frames[2], frames[3]
+            elif len(frames) == 3:
+                seq_raw, payload = frames[1], frames[2]
+            else:
+                self._malformed(r, f"replay reply of {len(frames)} frames")
+                continue
+            try:
+                seq = unpack_seq(seq_raw)
+            except ValueError as e:
+                self._malformed(r, str(e))
+                continue
+            if payload == b"":  # end marker
+                self._finish_reply(r)
+                return
+            r.reply.append((seq, payload))
+
+    def _finish_reply(self, r: _Replica) -> None:
+        kind, reply = r.syncing, r.reply
+        r.syncing, r.reply, r.attempts = "", [], 0
+        if kind == "snapshot":
+            self._apply_snapshot(r, reply)
+        else:
+            self._apply_replay(r, reply)
+
+    def _apply_snapshot(self, r: _Replica, reply: list[tuple[int, bytes]]) -> None:
+        if not reply:
+            # The publisher keeps no snapshots (vLLM): read its stream from the start.
+            r.snapshot_supported = False
+            if r.pending:
+                self._drain_pending(r)
+            return
+        batches = [self._decode(r, payload) for _, payload in reply]
+        if any(b is None for b in batches) or len({s for s, _ in reply}) != 1:
+            self._give_up(r)
+            return
+        seq = reply[0][0]
+        for b in batches:
+            self._deliver(r, seq, b, "snapshot")  # type: ignore[arg-type]
+        r.last_seq = seq
+        self._drain_pending(r)
+
+    def _apply_replay(self, r: _Replica, reply: list[tuple[int, bytes]]) -> None:
+        for seq, payload in reply:
+            if seq <= r.last_seq:
+                continue
+            batch = self._decode(r, payload) if seq == r.last_seq + 1 else None
+            if batch is None:
+                break  # the replay does not reach back far enough, or holds garbage
+            self._deliver(r, seq, batch, "replay")
+        first = next(((seq, b) for seq, b in r.pending if seq > r.last_seq), None)
+        if first is not None and (first[0] != r.last_seq + 1 or first[1] is None):
+            # Still a hole: the engine's buffer no longer holds it.
+            if r.snapshot_supported:
+                self._request(r, "snapshot", SNAPSHOT_REQUEST)
+            else:
+                self._give_up(r)
+            return
+        self._drain_pending(r)
+
+    # -- delivery ----------------------------------------------------------------------
+    def _deliver(self, r: _Replica, seq: int, batch: EventBatch, source: Source) -> None:
+        r.last_seq = seq
+        r.stats.delivered += 1
+        self._emit(r, ReplicaBatch(r.replica_id, seq, batch, source))
+
+    def _emit(self, r: _Replica, item: ReplicaBatch) -> None:
+        if self._on_batch is not None:
+            try:
+                self._on_batch(item)
+            except Exception:
+                log.exception("on_batch callback failed for replica %s", r.replica_id)
+        for loop, q in self._async_sinks:
+            loop.call_soon_threadsafe(q.put_nowait, item)

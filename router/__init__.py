@@ -1,0 +1,4 @@
+"""Prefix index, routing policy, tenants and the OpenAI-compatible front door.
+
+Not built yet: see the router issues.
+"""

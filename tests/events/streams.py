@@ -1,0 +1,143 @@
+"""Test helpers: an engine-like source of block churn, a lossy forwarding proxy, and views."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import zmq
+
+from kvroute.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockSet,
+    BlockStored,
+    KVCacheEvent,
+    ReplicaBatch,
+)
+
+BS = 4
+
+
+class Churn:
+    """Random stores (new chains, extensions, duplicate copies), removes and rare clears,
+    with the true multiset of held hashes kept independently of any kvroute code."""
+
+    def __init__(self, seed: int, clear_every: int = 0) -> None:
+        self.rng = random.Random(seed)
+        self.truth: Counter[bytes] = Counter()
+        self.next_id = 0
+        self.clear_every = clear_every
+        self.steps = 0
+
+    def _new_hash(self) -> bytes:
+        self.next_id += 1
+        return self.next_id.to_bytes(16, "big")
+
+    def step(self, max_events: int = 6) -> list[KVCacheEvent]:
+        self.steps += 1
+        rng, events = self.rng, []
+        if self.clear_every and self.steps % self.clear_every == 0:
+            self.truth.clear()
+            return [AllBlocksCleared()]
+        for _ in range(rng.randint(1, max_events)):
+            held = list(self.truth)
+            r = rng.random()
+            if r < 0.45 or not held:
+                n = rng.randint(1, 4)
+                parent = rng.choice(held) if held and rng.random() < 0.7 else None
+                hs = [self._new_hash() for _ in range(n)]
+                events.append(
+                    BlockStored(
+                        hs,
+                        parent,
+                        [rng.randrange(50_000) for _ in range(n * BS)],
+                        BS,
+                        None,
+                        "GPU",
+                        None,
+                    )
+                )
+                self.truth.update(hs)
+            elif r < 0.55:
+                h = rng.choice(held)  # a second physical copy of a held hash
+                events.append(BlockStored([h], None, [1] * BS, BS, None, "GPU", None))
+                self.truth[h] += 1
+            else:
+                k = rng.randint(1, min(3, len(held)))
+                hs = rng.sample(held, k)
+                events.append(BlockRemoved(hs, "GPU"))
+                for h in hs:
+                    self.truth[h] -= 1
+                    if not self.truth[h]:
+                        del self.truth[h]
+        return events
+
+
+class Views:
+    """What a consumer of the subscriber rebuilds, one BlockSet per replica."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.sets: dict[str, BlockSet] = {}
+        self.sources: Counter[str] = Counter()
+
+    def __call__(self, item: ReplicaBatch) -> None:
+        with self.lock:
+            self.sets.setdefault(item.replica_id, BlockSet()).apply_batch(item.batch)
+            self.sources[item.source] += 1
+
+    def counts(self, rid: str) -> dict:
+        with self.lock:
+            s = self.sets.get(rid)
+            return s.counts() if s else {}
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 30.0, every: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(every)
+    return cond()
+
+
+class LossyProxy:
+    """Forwards a PUB stream, dropping (or corrupting) messages as ``fate`` decides."""
+
+    def __init__(self, upstream: str, fate: Callable[[list[bytes]], list[bytes] | None]) -> None:
+        ctx = zmq.Context.instance()
+        self._sub = ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sub.setsockopt(zmq.RCVHWM, 0)
+        self._sub.connect(upstream)
+        self._pub = ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, 0)
+        self._pub.bind("tcp://127.0.0.1:*")
+        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.fate = fate
+        self.forwarded = self.dropped = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._sub.poll(50):
+                continue
+            frames = self._sub.recv_multipart()
+            out = self.fate(frames)
+            if out is None:
+                self.dropped += 1
+            else:
+                self.forwarded += 1
+                self._pub.send_multipart(out)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self._sub.close(0)
+        self._pub.close(0)

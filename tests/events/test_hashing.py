@@ -1,0 +1,198 @@
+"""Block hashing: chained, canonical, deterministic, and byte-identical to vLLM's sha256_cbor."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import subprocess
+import sys
+
+import pytest
+import xxhash
+
+from kvroute.events import BlockHasher, HashConfig, to_external
+
+
+# -- an independent, minimal canonical-CBOR encoder (RFC 8949 §4.2.1) for the vectors ----
+def _cbor_head(major: int, n: int) -> bytes:
+    if n < 24:
+        return bytes([major << 5 | n])
+    for info, fmt in ((24, ">B"), (25, ">H"), (26, ">I"), (27, ">Q")):
+        if n < 1 << (8 * struct.calcsize(fmt)):
+            return bytes([major << 5 | info]) + struct.pack(fmt, n)
+    raise ValueError(n)
+
+
+def cbor(x: object) -> bytes:
+    if x is None:
+        return b"\xf6"
+    if isinstance(x, int):
+        return _cbor_head(0, x) if x >= 0 else _cbor_head(1, -1 - x)
+    if isinstance(x, bytes):
+        return _cbor_head(2, len(x)) + x
+    if isinstance(x, str):
+        raw = x.encode()
+        return _cbor_head(3, len(raw)) + raw
+    if isinstance(x, (list, tuple)):
+        return _cbor_head(4, len(x)) + b"".join(cbor(i) for i in x)
+    raise TypeError(type(x))
+
+
+def vllm_reference(tokens, block_size, seed, salt=None, lora=None):
+    """vLLM's scheme written out from its spec: H(x) = sha256(cbor(x))."""
+    none_hash = hashlib.sha256(cbor(seed)).digest()
+    parent, out = none_hash, []
+    for i in range(len(tokens) // block_size):
+        extra = ([lora] if lora else []) + ([salt] if salt and i == 0 else [])
+        item = [parent, tokens[i * block_size : (i + 1) * block_size], extra or None]
+        parent = hashlib.sha256(cbor(item)).digest()
+        out.append(parent)
+    return out
+
+
+def xxh3_reference(tokens, block_size, seed, salt=None, lora=None):
+    """The documented xxh3_128 layout, written out independently."""
+
+    def extra(tag, value):
+        raw = value.encode()
+        return bytes([tag]) + struct.pack("<I", len(raw)) + raw
+
+    parent, out = xxhash.xxh3_128_digest(b"kvroute:" + seed.encode()), []
+    for i in range(len(tokens) // block_size):
+        blk = tokens[i * block_size : (i + 1) * block_size]
+        data = parent + struct.pack("<I", block_size) + struct.pack(f"<{block_size}I", *blk)
+        if lora:
+            data += extra(1, lora)
+        if salt and i == 0:
+            data += extra(2, salt)
+        parent = xxhash.xxh3_128_digest(data)
+        out.append(parent)
+    return out
+
+
+TOKENS = [(i * 7919 + 13) % 151_936 for i in range(100)]
+
+
+@pytest.mark.parametrize("salt,lora", [(None, None), ("tenant-a", None), (None, "ad"), ("s", "ad")])
+def test_sha256_cbor_matches_vllm_spec(salt, lora):
+    h = BlockHasher("sha256_cbor", seed="vllm-none-hash", block_size=16)
+    assert h.hash_blocks(TOKENS, cache_salt=salt, lora_name=lora) == vllm_reference(
+        TOKENS, 16, "vllm-none-hash", salt, lora
+    )
+
+
+def test_sha256_cbor_large_token_ids_use_wide_cbor_ints():
+    toks = [0, 23, 24, 255, 256, 65535, 65536, 2**32 - 1] * 2
+    h = BlockHasher("sha256_cbor", seed="42", block_size=8)
+    assert h.hash_blocks(toks) == vllm_reference(toks, 8, "42")
+
+
+@pytest.mark.parametrize("salt,lora", [(None, None), ("tenant-a", None), (None, "ad"), ("s", "ad")])
+def test_xxh3_matches_documented_layout(salt, lora):
+    h = BlockHasher("xxh3_128", seed="fleet-1", block_size=16)
+    got = h.hash_blocks(TOKENS, cache_salt=salt, lora_name=lora)
+    assert got == xxh3_reference(TOKENS, 16, "fleet-1", salt, lora)
+    assert all(len(x) == 16 for x in got)
+
+
+@pytest.mark.parametrize("algo", ["xxh3_128", "sha256_cbor"])
+def test_only_full_blocks_and_chaining(algo):
+    h = BlockHasher(algo, block_size=16)
+    assert h.hash_blocks(TOKENS[:15]) == []
+    full = h.hash_blocks(TOKENS)
+    assert len(full) == 100 // 16
+    assert h.hash_blocks(TOKENS[:99]) == full  # a partial tail changes nothing
+    # changing one token of block 2 changes block 2 and every later block, nothing before
+    t = list(TOKENS)
+    t[40] += 1
+    changed = h.hash_blocks(t)
+    assert changed[:2] == full[:2]
+    assert all(a != b for a, b in zip(changed[2:], full[2:], strict=True))
+
+
+@pytest.mark.parametrize("algo", ["xxh3_128", "sha256_cbor"])
+def test_continuing_a_chain_equals_hashing_at_once(algo):
+    h = BlockHasher(algo, block_size=16)
+    full = h.hash_blocks(TOKENS, cache_salt="s", lora_name="l")
+    head = h.hash_blocks(TOKENS[:32], cache_salt="s", lora_name="l")
+    rest = h.hash_blocks(TOKENS[32:], cache_salt="s", lora_name="l", parent=head[-1], start_block=2)
+    assert head + rest == full
+    with pytest.raises(ValueError):
+        h.hash_blocks(TOKENS, parent=head[-1])
+
+
+@pytest.mark.parametrize("algo", ["xxh3_128", "sha256_cbor"])
+def test_salt_seed_block_size_and_algo_all_change_hashes(algo):
+    base = BlockHasher(algo, seed="a", block_size=16).hash_blocks(TOKENS)
+    salted = BlockHasher(algo, seed="a", block_size=16).hash_blocks(TOKENS, cache_salt="t1")
+    other_salt = BlockHasher(algo, seed="a", block_size=16).hash_blocks(TOKENS, cache_salt="t2")
+    assert not set(base) & set(salted)  # the salt reaches every block through the chain
+    assert not set(salted) & set(other_salt)
+    assert not set(base) & set(BlockHasher(algo, seed="b", block_size=16).hash_blocks(TOKENS))
+    assert not set(base) & set(BlockHasher(algo, seed="a", block_size=8).hash_blocks(TOKENS))
+    other = "sha256_cbor" if algo == "xxh3_128" else "xxh3_128"
+    assert not set(base) & set(BlockHasher(other, seed="a", block_size=16).hash_blocks(TOKENS))
+
+
+def test_inputs_of_other_int_types_hash_the_same():
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    h = BlockHasher(block_size=16)
+    ref = h.hash_blocks(TOKENS)
+    assert h.hash_blocks(np.array(TOKENS, dtype=np.int64)) == ref
+    assert h.hash_blocks(torch.tensor(TOKENS).tolist()) == ref
+    assert h.hash_blocks(tuple(TOKENS)) == ref
+
+
+def test_bad_arguments_are_clear_errors():
+    with pytest.raises(ValueError, match="unknown hash algorithm"):
+        BlockHasher("md5")
+    with pytest.raises(ValueError, match="block_size"):
+        BlockHasher(block_size=0)
+    with pytest.raises(OverflowError):
+        BlockHasher().hash_blocks([-1] * 16)
+
+
+def test_external_forms():
+    digest = bytes(range(32))
+    assert to_external(digest, "bytes") == digest
+    assert to_external(digest, "int") == int.from_bytes(bytes(range(24, 32)), "big")
+    assert to_external(b"\xff" * 16, "int") == 2**64 - 1
+    with pytest.raises(ValueError):
+        to_external(digest, "hex")  # type: ignore[arg-type]
+
+
+def test_config_mismatch_names_the_difference():
+    a = HashConfig("xxh3_128", "s", 16)
+    assert a.mismatch(HashConfig("xxh3_128", "s", 16)) is None
+    why = a.mismatch(HashConfig("sha256_cbor", "s", 32))
+    assert "algo" in why and "block_size" in why and "seed" not in why
+
+
+def test_deterministic_across_processes():
+    code = (
+        "import json,sys;from kvroute.events import BlockHasher;"
+        "t=list(range(1000,1100));"
+        "print(json.dumps({a: [h.hex() for h in BlockHasher(a, seed='x').hash_blocks(t, "
+        "cache_salt='s')] for a in ('xxh3_128','sha256_cbor')}))"
+    )
+    outs = [
+        subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={"PYTHONHASHSEED": str(i), "PATH": ""},
+        ).stdout
+        for i in (1, 2)
+    ]
+    assert outs[0] == outs[1]
+    here = {
+        a: [
+            h.hex()
+            for h in BlockHasher(a, seed="x").hash_blocks(list(range(1000, 1100)), cache_salt="s")
+        ]
+        for a in ("xxh3_128", "sha256_cbor")
+    }
+    assert json.loads(outs[0]) == here

@@ -1,0 +1,436 @@
+"""Publisher and subscriber over real loopback sockets: nothing is silently lost."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+from kvroute.events import (
+    BlockStored,
+    EventBatch,
+    ZmqEventPublisher,
+    ZmqEventSubscriber,
+    encode_batch,
+)
+from kvroute.events.protocol import pack_seq, unpack_seq
+
+from .streams import BS, Churn, LossyProxy, Views, wait_for
+
+LOCAL = "tcp://127.0.0.1:*"
+
+
+def publisher(**kw) -> ZmqEventPublisher:
+    kw.setdefault("heartbeat_interval", 0.05)
+    return ZmqEventPublisher(LOCAL, LOCAL, **kw)
+
+
+def wait_until_synced(sub, views, rid, truth, timeout=60.0) -> None:
+    ok = wait_for(lambda: sub.in_sync(rid) and views.counts(rid) == dict(truth), timeout)
+    assert ok, (
+        f"view of {rid} never matched the engine: {len(views.counts(rid))} vs {len(truth)} "
+        f"hashes; stats {sub.stats().get(rid)}"
+    )
+
+
+def test_100k_events_through_a_lossy_path_rebuild_the_exact_block_set():
+    churn = Churn(seed=1)
+    pub = publisher(topic="r0", buffer_steps=200)
+    rng = random.Random(7)
+    proxy = LossyProxy(pub.endpoint, lambda f: None if rng.random() < 0.05 else f)
+    views = Views()
+    sub = ZmqEventSubscriber(views)
+    try:
+        sub.add_publisher("r0", proxy.endpoint, pub.replay_endpoint, "r0")
+        n_events = 0
+        while n_events < 100_000:
+            events = churn.step()
+            n_events += len(events)
+            pub.publish(events)
+            # An engine publishes once per step, then computes (releasing the GIL); a
+            # producer that never lets go of it would starve every thread of this process.
+            time.sleep(0.0001)
+        wait_until_synced(sub, views, "r0", churn.truth)
+        stats = sub.stats()["r0"]
+        assert proxy.dropped > 500  # the path really lost messages...
+        assert stats.gaps > 50 and stats.replays > 50  # ...which were noticed and replayed
+        assert stats.malformed == 0 and stats.restarts == 0
+        assert pub.state.counts() == dict(churn.truth)  # the publisher's own ledger agrees
+    finally:
+        sub.close()
+        proxy.close()
+        pub.close()
+
+
+def test_gap_older_than_replay_buffer_falls_back_to_snapshot():
+    churn = Churn(seed=2)
+    pub = publisher(topic="r0", buffer_steps=4)
+    state = {"drop": False}
+    proxy = LossyProxy(pub.endpoint, lambda f: None if state["drop"] else f)
+    views = Views()
+    sub = ZmqEventSubscriber(views)
+    try:
+        sub.add_publisher("r0", proxy.endpoint, pub.replay_endpoint, "r0")
+        for _ in range(50):
+            pub.publish(churn.step())
+        wait_until_synced(sub, views, "r0", churn.truth)
+        state["drop"] = True  # a burst of 40 lost batches: far more than the 4 buffered
+        for _ in range(40):
+            pub.publish(churn.step())
+        pub.flush()
+        time.sleep(0.2)
+        state["drop"] = False
+        for _ in range(20):
+            pub.publish(churn.step())
+        wait_until_synced(sub, views, "r0", churn.truth)
+        stats = sub.stats()["r0"]
+        assert stats.snapshots >= 2  # the join, and the fallback
+        assert views.sources["snapshot"] >= 2
+    finally:
+        sub.close()
+        proxy.close()
+        pub.close()
+
+
+def test_late_joiner_gets_a_snapshot():
+    churn = Churn(seed=3)
+    pub = publisher(topic="r0", buffer_steps=10)
+    views = Views()
+    sub = ZmqEventSubscriber(views)
+    try:
+        for _ in range(1000):
+            pub.publish(churn.step())
+        pub.flush()
+        sub.add_publisher("r0", pub.endpoint, pub.replay_endpoint, "r0")
+        wait_until_synced(sub, views, "r0", churn.truth)
+        for _ in range(100):  # and it keeps following live after the snapshot
+            pub.publish(churn.step())
+        wait_until_synced(sub, views, "r0", churn.truth)
+        assert len(churn.truth) > 100
+        assert views.sources["snapshot"] >= 1 and views.sources["live"] >= 50
+    finally:
+        sub.close()
+        pub.close()
+
+
+def test_duplicate_copies_are_counted_per_hash():
+    pub = publisher(topic="r0")
+    views = Views()
+    sub = ZmqEventSubscriber(views)
+    h = b"\x07" * 16
+    try:
+        sub.add_publisher("r0", pub.endpoint, pub.replay_endpoint, "r0")
+        wait_for(lambda: sub.in_sync("r0"))
+        from kvroute.events import BlockRemoved
+
+        pub.publish([BlockStored([h], None, [1] * BS, BS, None, "GPU", None)])
+        pub.publish([BlockStored([h], None, [1] * BS, BS, None, "GPU", None)])
+        pub.publish([BlockRemoved([h], "GPU")])
+        assert wait_for(lambda: views.counts("r0") == {h: 1})
+        pub.publish([BlockRemoved([h], "GPU")])
+        assert wait_for(lambda: views.counts("r0") == {})
+    finally:
+        sub.close()
+        pub.close()
+
+
+@pytest.mark.parametrize("new_batches", [5, 400])
+def test_publisher_restart_mid_stream_drops_the_old_state(new_batches):
+    old = Churn(seed=4)
+    pub = publisher(topic="r0")
+    port = pub.endpoint.rsplit(":", 1)[1]
+    rport = pub.replay_endpoint.rsplit(":", 1)[1]
+    views = Views()
+    sub = ZmqEventSubscriber(views)
+    try:
+        sub.add_publisher("r0", pub.endpoint, pub.replay_endpoint, "r0")
+        for _ in range(200):
+            pub.publish(old.step())
+        wait_until_synced(sub, views, "r0", old.truth)
+        pub.close()
+        # Same addresses, a new engine with an empty cache and seq starting again at 0.
+        new = Churn(seed=5)
+        new.next_id = 10**9  # hashes the old engine never had
+        pub = ZmqEventPublisher(
+            f"tcp://127.0.0.1:{port}",
+            f"tcp://127.0.0.1:{rport}",
+            topic="r0",
+            heartbeat_interval=0.05,
+        )
+        for _ in range(new_batches):
+            pub.publish(new.step())
+        wait_until_synced(sub, views, "r0", new.truth)
+        assert not set(views.counts("r0")) & set(old.truth)
+    finally:
+        sub.close()
+        pub.close()
+
+
+def test_many_publishers_each_with_their_own_view():
+    pubs = [publisher(topic=f"r{i}") for i in range(4)]
+    churns = [Churn(seed=10 + i) for i in range(4)]
+    views = Views()
+    sub = ZmqEventSubscriber(views)
+    try:
+        for i, p in enumerate(pubs):
+            sub.add_publisher(f"r{i}", p.endpoint, p.replay_endpoint, f"r{i}")
+        for _ in range(300):
+            for p, c in zip(pubs, churns, strict=True):
+                p.publish(c.step())
+        for i, c in enumerate(churns):
+            wait_until_synced(sub, views, f"r{i}", c.truth)
+    finally:
+        sub.close()
+        for p in pubs:
+            p.close()
+
+
+def test_publish_never_blocks_and_counts_overflow():
+    pub = publisher(topic="r0", max_queue_size=8)
+    churn = Churn(seed=6)
+    views = Views()
+    sub = ZmqEventSubscriber(views)
+    try:
+        sub.add_publisher("r0", pub.endpoint, pub.replay_endpoint, "r0")
+        wait_for(lambda: sub.in_sync("r0"))
+        for _ in range(20_000):
+            pub.publish(churn.step(max_events=2))
+        assert pub.dropped > 0  # the queue overflowed and said so...
+        # ...and the subscriber still ends up with the engine's exact state (via snapshot).
+        wait_until_synced(sub, views, "r0", churn.truth)
+    finally:
+        sub.close()
+        pub.close()
+
+
+def test_idle_publisher_sends_heartbeats_so_a_lost_last_batch_is_noticed():
+    pub = publisher(topic="r0", heartbeat_interval=0.05)
+    dropped = {"n": 0}
+
+    def drop_first_real_batch(frames):
+        if msgspec.msgpack.decode(frames[2])[1] and not dropped["n"]:
+            dropped["n"] = 1
+            return None
+        return frames
+
+    proxy = LossyProxy(pub.endpoint, drop_first_real_batch)
+    views = Views()
+    sub = ZmqEventSubscriber(views)
+    try:
+        sub.add_publisher("r0", proxy.endpoint, pub.replay_endpoint, "r0")
+        wait_for(lambda: sub.in_sync("r0") and sub.stats()["r0"].received > 0)
+        h = b"\x09" * 16
+        pub.publish([BlockStored([h], None, [0] * BS, BS, None, "GPU", None)])
+        # Nothing else is published: only the heartbeat reveals that a batch went missing.
+        assert wait_for(lambda: views.counts("r0") == {h: 1}, timeout=10)
+        assert dropped["n"] == 1 and sub.stats()["r0"].gaps >= 1
+    finally:
+        sub.close()
+        proxy.close()
+        pub.close()
+
+
+def test_async_stream_delivers_in_order():
+    import asyncio
+
+    pub = publisher(topic="r0", heartbeat_interval=None)
+    sub = ZmqEventSubscriber()
+
+    async def main():
+        it = sub.stream()
+        first = asyncio.ensure_future(it.__anext__())
+        await asyncio.sleep(0.05)
+        sub.add_publisher("r0", pub.endpoint, pub.replay_endpoint, "r0")
+        got = [await asyncio.wait_for(first, 10)]
+        for i in range(20):
+            pub.publish([BlockStored([bytes([i + 1]) * 16], None, [0] * BS, BS, None, "GPU", None)])
+        while not got or got[-1].seq < 19:
+            got.append(await asyncio.wait_for(it.__anext__(), 10))
+        await it.aclose()
+        return got
+
+    try:
+        got = asyncio.run(main())
+        assert got[0].source == "snapshot"
+        live = [g.seq for g in got if g.source != "snapshot"]
+        assert live == sorted(live) and live[-1] == 19
+    finally:
+        sub.close()
+        pub.close()
+
+
+# -- garbage on the wire ------------------------------------------------------------------
+def test_garbage_is_counted_and_skipped_and_the_stream_goes_on():
+    ctx = zmq.Context.instance()
+    raw_pub = ctx.socket(zmq.PUB)
+    raw_pub.bind(LOCAL)
+    endpoint = raw_pub.getsockopt_string(zmq.LAST_ENDPOINT)
+    views = Views()
+    sub = ZmqEventSubscriber(views)
+    try:
+        sub.add_publisher("r0", endpoint)  # no replay socket: garbage cannot be recovered
+        # wait until the SUB connection is up: keep sending seq 0 until it is seen
+        h0 = b"\x01" * 16
+        ok = EventBatch(0.0, [BlockStored([h0], None, [0] * BS, BS, None, "GPU", None)])
+        assert wait_for(
+            lambda: (
+                raw_pub.send_multipart([b"", pack_seq(0), encode_batch(ok)])
+                or views.counts("r0") == {h0: 1}
+            ),
+            timeout=10,
+        )
+        malformed_before = sub.stats()["r0"].malformed
+        garbage = [
+            [b"only one frame"],
+            [b"", b"short", b"x"],
+            [b"", pack_seq(1), b"\xc1\xc1"],  # not msgpack
+            [b"", pack_seq(2), encode_batch(ok)[:-4]],  # truncated
+            [b"", pack_seq(3), msgspec.msgpack.encode([1.0, [{"type": "BlockStored"}]])],
+            [b"", pack_seq(4), msgspec.msgpack.encode({"ts": "x", "events": 5})],
+            [b"", pack_seq(5), b"\xdd\x7f\xff\xff\xff" + b"\x00" * 64],  # claims a huge list
+            [
+                b"",
+                pack_seq(6),
+                msgspec.msgpack.encode(
+                    [
+                        1.0,
+                        [
+                            {
+                                "type": "BlockRemoved",
+                                "block_hashes": list(range(200_000)),
+                                "medium": 3,
+                            }
+                        ],
+                    ]
+                ),
+            ],
+            [b"", pack_seq(7), b"", b"", b""],
+        ]
+        for frames in garbage:
+            raw_pub.send_multipart(frames)
+        h8 = b"\x08" * 16
+        good = EventBatch(0.0, [BlockStored([h8], None, [0] * BS, BS, None, "GPU", None)])
+        raw_pub.send_multipart([b"", pack_seq(8), encode_batch(good)])
+        assert wait_for(lambda: h8 in views.counts("r0"), timeout=10)
+        stats = sub.stats()["r0"]
+        assert stats.malformed - malformed_before == len(garbage)
+        assert stats.resets >= 1  # the unrecoverable hole dropped the old state
+    finally:
+        sub.close()
+        raw_pub.close(0)
+
+
+# -- a vLLM engine's stream ---------------------------------------------------------------
+class VllmLikePublisher:
+    """A publisher that frames exactly as vLLM does: int hashes, tagged-array events,
+    replay replies of [b"", seq, payload] without a topic frame, and no snapshots."""
+
+    def __init__(self) -> None:
+        ctx = zmq.Context.instance()
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.bind(LOCAL)
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.bind(LOCAL)
+        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.buffer: list[tuple[int, bytes]] = []
+        self.seq = 0
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._serve, daemon=True)
+        self._t.start()
+
+    def publish(self, events: list, send: bool = True) -> None:
+        payload = msgspec.msgpack.encode([time.time(), events])
+        with self.lock:
+            self.buffer.append((self.seq, payload))
+            if send:
+                self.pub.send_multipart([b"", self.seq.to_bytes(8, "big"), payload])
+            self.seq += 1
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self.router.poll(20):
+                continue
+            ident, _, start_raw = self.router.recv_multipart()
+            start = int.from_bytes(start_raw, "big")  # vLLM reads it unsigned
+            with self.lock:
+                for seq, payload in self.buffer:
+                    if seq >= start:
+                        self.router.send_multipart([ident, b"", seq.to_bytes(8, "big"), payload])
+                # vLLM's end marker has no topic frame either: [b"", -1, b""]
+                self.router.send_multipart([ident, b"", pack_seq(-1), b""])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._t.join(2)
+        self.pub.close(0)
+        self.router.close(0)
+
+
+def test_reads_a_vllm_style_stream_with_int_hashes_and_recovers_a_gap():
+    vllm = VllmLikePublisher()
+    views = Views()
+    sub = ZmqEventSubscriber(views)
+    try:
+        sub.add_publisher("vllm-0", vllm.endpoint, vllm.replay_endpoint)
+        # The snapshot request is answered with just the end marker: no snapshots in vLLM.
+        assert wait_for(lambda: sub.in_sync("vllm-0"), timeout=10)
+        time.sleep(0.2)  # SUB connection settles
+        truth = {}
+        for i in range(30):
+            h = 1000 + i
+            vllm.publish(
+                [["BlockStored", [h], (h - 1) if i else None, list(range(16)), 16, None, "GPU"]],
+                send=(i % 7 != 3),
+            )  # some batches never go out live
+            truth[h] = 1
+        vllm.publish([["BlockRemoved", [1000], "GPU"]])
+        del truth[1000]
+        assert wait_for(lambda: views.counts("vllm-0") == truth, timeout=10), sub.stats()
+        assert sub.stats()["vllm-0"].gaps >= 1 and sub.stats()["vllm-0"].replays >= 1
+    finally:
+        sub.close()
+        vllm.close()
+
+
+def test_replay_protocol_frames_as_designed():
+    """A bare DEALER speaking the documented protocol to a kvroute publisher."""
+    pub = publisher(topic="r7", heartbeat_interval=None)
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.connect(pub.replay_endpoint)
+    try:
+        for i in range(5):
+            pub.publish([BlockStored([bytes([i + 1]) * 16], None, [0] * BS, BS, None, "GPU", None)])
+        pub.flush()
+        dealer.send_multipart([b"", pack_seq(3)])
+        replies = [dealer.recv_multipart() for _ in range(3)]
+        assert [r[:3] for r in replies[:2]] == [
+            [b"", b"r7", pack_seq(3)],
+            [b"", b"r7", pack_seq(4)],
+        ]
+        assert msgspec.msgpack.decode(replies[0][3])[1][0]["block_hashes"] == [bytes([4]) * 16]
+        assert replies[2] == [b"", b"", pack_seq(-1), b""]
+        dealer.send_multipart([b"", pack_seq(-2)])  # snapshot
+        snap = [dealer.recv_multipart() for _ in range(2)]
+        assert snap[0][:3] == [b"", b"r7", pack_seq(4)]  # consistent with seq 4
+        events = msgspec.msgpack.decode(snap[0][3])[1]
+        assert events[0] == {"type": "AllBlocksCleared"}
+        assert sorted(e["block_hashes"][0] for e in events[1:]) == [
+            bytes([i + 1]) * 16 for i in range(5)
+        ]
+        assert snap[1] == [b"", b"", pack_seq(-1), b""]
+    finally:
+        dealer.close(0)
+        pub.close()
+
+
+def test_seq_frame_is_8_byte_big_endian_signed():
+    assert pack_seq(1) == b"\x00" * 7 + b"\x01"
+    assert unpack_seq(pack_seq(-1)) == -1
+    with pytest.raises(ValueError):
+        unpack_seq(b"\x00" * 4)
