@@ -1,0 +1,229 @@
+"""Per-request KV bookkeeping over a :class:`BlockPool`: block tables, hash chains, hits.
+
+Shaped after vLLM v1's ``KVCacheManager`` (full attention, one KV cache group). The
+scheduler drives it, per request:
+
+1. ``blocks, n = get_computed_blocks(req)`` -- the longest cached prefix (no side effect on
+   the pool; updates the hit counters);
+2. ``allocate_slots(req, num_new_tokens, n, blocks)`` -- touches the hit blocks, allocates
+   slots for the tokens scheduled this step, and (unless ``delay_cache_blocks``) registers
+   the blocks those tokens fill; ``None`` means "not enough free blocks", nothing changed;
+3. later steps: ``allocate_slots(req, k)`` for the next chunk or decode token;
+4. ``free(req)`` when it finishes, is aborted or is preempted (recompute resumes it by a
+   fresh lookup, which usually hits its own freed blocks).
+
+Registering at allocation time (vLLM's choice) lets a request scheduled in the same step hit
+blocks whose KV this very step writes; that is only sound when the runner writes every
+scheduled token's KV before any attention reads it (one batched forward pass, cache write
+before attention in each layer). A runner that is not so should pass
+``delay_cache_blocks=True`` and call :meth:`KVCacheManager.cache_blocks` after the step.
+
+Invariants:
+- ``req_to_blocks[r]`` holds distinct blocks; each block's ``ref_cnt`` equals the number of
+  tables holding it;
+- the first ``num_cached_block[r]`` blocks of a table carry the request's chained hashes
+  ``req_to_block_hashes[r][i]``; the rest carry none (or are about to be cached);
+- a hit covers at most ``num_tokens - 1`` tokens (so one forward pass always yields logits)
+  and is block-aligned; for a fresh request ``num_tokens`` is its prompt length;
+- driven only through this class, the set of cached hashes is prefix-closed (every cached
+  hash's parent is cached too): a holder holds its whole prefix, and reverse-order free
+  queues a parent behind its children. Events therefore never describe an orphan block.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Protocol
+
+from kvroute.events import MEDIUM_GPU, BlockHasher, KVCacheEvent
+from kvroute.events.hashing import HashForm
+
+from .block_pool import BlockHash, BlockPool, KVCacheBlock
+
+
+class CacheRequest(Protocol):
+    """What the manager reads from a scheduler's request (tokens only ever grow)."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def all_token_ids(self) -> Sequence[int]: ...  # prompt, then output tokens
+    @property
+    def num_computed_tokens(self) -> int: ...  # before this step's scheduling
+    @property
+    def cache_salt(self) -> str | None: ...
+    @property
+    def lora_name(self) -> str | None: ...
+
+
+class KVCacheManager:
+    """Block tables of live requests and the prefix-cache walk, over one block pool."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        hasher: BlockHasher | None = None,
+        *,
+        enable_caching: bool = True,
+        hash_form: HashForm = "bytes",
+        medium: str = MEDIUM_GPU,
+        enable_kv_cache_events: bool = True,
+    ) -> None:
+        self.hasher = hasher if hasher is not None else BlockHasher()
+        self.block_size = self.hasher.block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(
+            num_blocks,
+            enable_caching=enable_caching,
+            hash_form=hash_form,
+            medium=medium,
+            enable_kv_cache_events=enable_kv_cache_events,
+        )
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
+        self.num_cached_block: dict[str, int] = {}
+        # In tokens, like vLLM's prefix_cache_queries / prefix_cache_hits. Every lookup
+        # counts, so a request retried while waiting for blocks counts each time.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # -- hashing -----------------------------------------------------------------------
+    def block_hashes(self, request: CacheRequest) -> list[BlockHash]:
+        """The request's chained hashes of all its full blocks, extended incrementally."""
+        rid = request.request_id
+        hashes = self.req_to_block_hashes.setdefault(rid, [])
+        tokens = request.all_token_ids
+        bs = self.block_size
+        num_full = len(tokens) // bs
+        start = len(hashes)
+        if num_full > start:
+            hashes.extend(
+                self.hasher.hash_blocks(
+                    tokens[start * bs : num_full * bs],
+                    cache_salt=request.cache_salt,
+                    lora_name=request.lora_name,
+                    parent=hashes[-1] if hashes else None,
+                    start_block=start,
+                )
+            )
+        return hashes
+
+    # -- the scheduler's calls ---------------------------------------------------------
+    def get_computed_blocks(self, request: CacheRequest) -> tuple[list[KVCacheBlock], int]:
+        """The cached blocks of the request's longest cached prefix, and the tokens they hold.
+
+        Walks the hash chain and stops at the first miss (block i+1's hash folds in block
+        i's, so nothing past a miss can be a valid hit). Leaves the pool untouched.
+        """
+        if not self.enable_caching:
+            return [], 0
+        num_tokens = len(request.all_token_ids)
+        max_blocks = max(num_tokens - 1, 0) // self.block_size
+        hit: list[KVCacheBlock] = []
+        get = self.block_pool.get_cached_block
+        for h in itertools.islice(self.block_hashes(request), max_blocks):
+            block = get(h)
+            if block is None:
+                break
+            hit.append(block)
+        num_hit_tokens = len(hit) * self.block_size
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+        return hit, num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: CacheRequest,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Sequence[KVCacheBlock] | None = None,
+        delay_cache_blocks: bool = False,
+    ) -> list[KVCacheBlock] | None:
+        """Slots for ``num_new_tokens`` tokens after the computed ones; the new blocks.
+
+        Returns None, changing nothing, when the pool cannot supply them. Hit blocks that
+        sit in the free queue count against the free blocks, since touching removes them.
+        """
+        if num_new_tokens <= 0:
+            raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
+        rid = request.request_id
+        hit = list(new_computed_blocks or ())
+        bs = self.block_size
+        req_blocks = self.req_to_blocks.get(rid, [])
+        if hit:
+            if not self.enable_caching:
+                raise ValueError("prefix-cache hits with caching disabled")
+            if req_blocks or request.num_computed_tokens:
+                raise ValueError(f"request {rid!r} already has blocks; hits come first")
+            hashes = self.block_hashes(request)
+            if any(b.block_hash != hashes[i] for i, b in enumerate(hit)):
+                raise ValueError("a hit block was evicted between lookup and allocation")
+        if num_new_computed_tokens != len(hit) * bs:
+            raise ValueError("num_new_computed_tokens must be len(new_computed_blocks) * B")
+        total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        if total > len(request.all_token_ids):
+            raise ValueError(f"{total} tokens scheduled, request {rid!r} has fewer")
+
+        num_required = -(-total // bs)
+        num_new_blocks = max(num_required - len(req_blocks) - len(hit), 0)
+        pool = self.block_pool
+        num_evictable_hits = sum(1 for b in hit if b.ref_cnt == 0)
+        if num_new_blocks > pool.get_num_free_blocks() - num_evictable_hits:
+            return None
+
+        req_blocks = self.req_to_blocks.setdefault(rid, req_blocks)
+        if hit:
+            pool.touch(hit)
+            req_blocks.extend(hit)
+            self.num_cached_block[rid] = len(hit)
+        new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
+        req_blocks.extend(new_blocks)
+        if self.enable_caching and not delay_cache_blocks:
+            self.cache_blocks(request, total)
+        return new_blocks
+
+    def cache_blocks(self, request: CacheRequest, num_computed_tokens: int) -> None:
+        """Registers the request's blocks filled by its first ``num_computed_tokens`` tokens."""
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        num_full = min(num_computed_tokens, len(request.all_token_ids)) // self.block_size
+        num_cached = self.num_cached_block.get(rid, 0)
+        if num_full <= num_cached:
+            return
+        self.block_pool.cache_full_blocks(
+            self.req_to_blocks[rid],
+            self.block_hashes(request),
+            num_cached,
+            num_full,
+            self.block_size,
+            request.all_token_ids,
+            lora_name=request.lora_name,
+        )
+        self.num_cached_block[rid] = num_full
+
+    def free(self, request: CacheRequest) -> None:
+        """Releases the request's blocks, tail first; safe for a request holding none."""
+        rid = request.request_id
+        blocks = self.req_to_blocks.pop(rid, [])
+        self.num_cached_block.pop(rid, None)
+        self.req_to_block_hashes.pop(rid, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    # -- pass-throughs -----------------------------------------------------------------
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def get_num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.block_pool.take_events()
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
