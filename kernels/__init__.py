@@ -1,4 +1,105 @@
-"""Paged-attention and KV-store kernels: plain-torch reference (CPU) and Triton (GPU).
+"""Paged-attention and KV-store kernels: a plain-torch reference (CPU, tests) and Triton (GPU).
 
-Not built yet: see the engine issue.
+``store_kv`` and ``paged_attention`` dispatch on the tensors: CUDA tensors go to the Triton
+kernels when Triton imports, everything else to the torch reference. Both paths share one
+signature. ``KVROUTE_KERNELS_BACKEND=torch`` forces the reference (to bisect a GPU bug);
+``=triton`` makes a missing Triton an error instead of a silent fallback.
+
+Triton is imported lazily and only when CUDA is available: importing it (and its autotuner)
+on a machine without a GPU can fail.
 """
+
+from __future__ import annotations
+
+import functools
+import os
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from kvroute.kernels import reference
+from kvroute.kernels.metadata import AttentionMetadata
+
+__all__ = [
+    "AttentionMetadata",
+    "available_backends",
+    "paged_attention",
+    "reference",
+    "store_kv",
+]
+
+_ENV = "KVROUTE_KERNELS_BACKEND"
+
+
+@functools.cache
+def _triton_module() -> ModuleType | None:
+    """The Triton kernels module, or None where CUDA or Triton is missing."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from kvroute.kernels import triton_kernels
+    except ImportError:
+        return None
+    return triton_kernels
+
+
+def available_backends() -> list[str]:
+    """Backends usable in this process: always "torch", plus "triton" with CUDA and Triton."""
+    return ["torch"] + (["triton"] if _triton_module() is not None else [])
+
+
+def _backend(t: Tensor) -> ModuleType:
+    choice = os.environ.get(_ENV, "").strip().lower()
+    if choice == "torch" or not t.is_cuda:
+        return reference
+    mod = _triton_module()
+    if mod is None:
+        if choice == "triton":
+            raise RuntimeError(f"{_ENV}=triton but Triton (or CUDA) is not available")
+        return reference
+    return mod
+
+
+def store_kv(
+    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+) -> None:
+    """Write each token's K/V to ``slot_mapping[i]`` of one layer's cache; negative = skip.
+
+    key/value: [num_tokens, num_kv_heads, head_dim]; caches: [num_blocks, block_size,
+    num_kv_heads, head_dim]; slot = block_id * block_size + offset (int64).
+    """
+    _backend(k_cache).store_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_attention(
+    query: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    *,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+) -> Tensor:
+    """Bottom-right causal attention of a flattened varlen batch over the paged cache.
+
+    query: [num_tokens, num_heads, head_dim]; sequence i's new tokens are
+    ``query[query_start_loc[i]:query_start_loc[i+1]]`` at positions
+    ``seq_lens[i] - q_len_i .. seq_lens[i] - 1``, already stored by ``store_kv``. GQA when
+    num_heads is a multiple of num_kv_heads. Returns [num_tokens, num_heads, head_dim] in
+    ``query.dtype``, accumulated in fp32 (rows past the last sequence are zero).
+    """
+    return _backend(query).paged_attention(
+        query,
+        k_cache,
+        v_cache,
+        block_tables=block_tables,
+        seq_lens=seq_lens,
+        query_start_loc=query_start_loc,
+        scale=scale,
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
+    )

@@ -1,0 +1,223 @@
+"""Plain-torch paged KV store and paged attention: the definition of truth, and the CPU path.
+
+The CPU engine runs this for real, so it is shaped for speed as well as clarity:
+
+* prefills (``q_len > 1``) run one SDPA call per sequence over its gathered blocks; a fresh
+  prefill (``q_len == seq_len``) uses ``is_causal=True`` (top-left and bottom-right alignment
+  coincide there, and it takes torch's fused CPU flash kernel), a chunk over a cached prefix
+  passes an explicit bottom-right mask, because ``is_causal`` aligns top-left;
+* decodes (``q_len == 1``) of similar length are gathered into one padded batch and computed
+  with two batched matmuls, so a 64-sequence decode costs one gather, not 64 Python calls.
+
+Cache slots that were never written may hold anything (``torch.empty`` garbage, even NaN), so
+no value from a position at or beyond a sequence's length may reach the output, not even
+multiplied by a zero probability.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+__all__ = ["paged_attention", "store_kv"]
+
+# Decodes are grouped so that the longest context in a group is at most this factor (or this
+# many tokens) above the shortest: padding waste stays bounded without one call per sequence.
+_DECODE_GROUP_RATIO = 1.5
+_DECODE_GROUP_SLACK = 256
+
+
+def _flat_slots(cache: Tensor) -> Tensor | None:
+    """[num_blocks * block_size, H, D] view of a cache, or None if its strides forbid one."""
+    try:
+        return cache.view(-1, *cache.shape[2:])
+    except RuntimeError:
+        return None
+
+
+def store_kv(
+    key: Tensor, value: Tensor, k_cache: Tensor, v_cache: Tensor, slot_mapping: Tensor
+) -> None:
+    """Write each token's K/V into its cache slot; negative slots are padding and skipped.
+
+    ``key``/``value`` may hold more rows than ``slot_mapping`` (a padded batch): only the
+    first ``len(slot_mapping)`` rows are stored.
+    """
+    n = slot_mapping.shape[0]
+    if n == 0:
+        return
+    if key.shape[0] < n or value.shape[0] < n:
+        raise ValueError(f"slot_mapping has {n} slots but key/value have {key.shape[0]} rows")
+    slots = slot_mapping.to(device=k_cache.device, dtype=torch.long)
+    key, value = key[:n], value[:n]
+    valid = slots >= 0
+    if not bool(valid.all()):
+        slots, key, value = slots[valid], key[valid], value[valid]
+    block_size = k_cache.shape[1]
+    for src, cache in ((key, k_cache), (value, v_cache)):
+        src = src.to(cache.dtype)
+        flat = _flat_slots(cache)
+        if flat is not None:
+            flat.index_copy_(0, slots, src)
+        else:  # a strided cache (e.g. one half of a fused KV tensor): index by (block, offset)
+            cache[slots // block_size, slots % block_size] = src
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp16/bf16 accumulate in fp32; fp32 and fp64 stay as they are (tests use fp64)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _gather_seq(cache: Tensor, blocks: Tensor, seq_len: int, dtype: torch.dtype) -> Tensor:
+    """One sequence's first ``seq_len`` cache positions as [num_kv_heads, seq_len, D]."""
+    g = cache.index_select(0, blocks)  # [nb, bs, Hk, D], a fresh copy
+    g = g.view(-1, *cache.shape[2:])[:seq_len]
+    return g.to(dtype).transpose(0, 1)
+
+
+def _prefill(
+    out: Tensor,
+    query: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    blocks: Tensor,
+    start: int,
+    q_len: int,
+    seq_len: int,
+    scale: float,
+    cdt: torch.dtype,
+) -> None:
+    """One sequence with q_len > 1 through SDPA, bottom-right causal."""
+    num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    k = _gather_seq(k_cache, blocks, seq_len, cdt)
+    v = _gather_seq(v_cache, blocks, seq_len, cdt)
+    if group > 1:
+        # Expanding beats enable_gqa here: with it, torch 2.13's CPU SDPA leaves the flash kernel.
+        k = k.repeat_interleave(group, dim=0)
+        v = v.repeat_interleave(group, dim=0)
+    q = query[start : start + q_len].to(cdt).transpose(0, 1)  # [H, q_len, D]
+    if q_len == seq_len:
+        o = sdpa(q, k, v, is_causal=True, scale=scale)
+    else:
+        # Query i sits at position seq_len - q_len + i and sees keys 0..that position.
+        key_pos = torch.arange(seq_len, device=query.device)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        mask = key_pos[None, :] <= q_pos[:, None]
+        o = sdpa(q, k, v, attn_mask=mask, scale=scale)
+    out[start : start + q_len] = o.transpose(0, 1).to(out.dtype)
+
+
+def _decode_groups(seqs: list[int], seq_lens: list[int]) -> list[list[int]]:
+    """Split decode sequences into groups of similar context length (sorted, greedy)."""
+    order = sorted(seqs, key=lambda i: seq_lens[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups:
+            first = seq_lens[groups[-1][0]]
+            if seq_lens[i] <= max(first * _DECODE_GROUP_RATIO, first + _DECODE_GROUP_SLACK):
+                groups[-1].append(i)
+                continue
+        groups.append([i])
+    return groups
+
+
+def _decode_batch(
+    out: Tensor,
+    query: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seqs: list[int],
+    starts: list[int],
+    seq_lens: list[int],
+    scale: float,
+    cdt: torch.dtype,
+) -> None:
+    """Sequences with q_len == 1, padded to the group's longest context, two batched matmuls."""
+    device = query.device
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    num_heads = query.shape[1]
+    group = num_heads // num_kv_heads
+    b = len(seqs)
+    idx = torch.tensor(seqs, device=device)
+    lens = torch.tensor([seq_lens[i] for i in seqs], device=device)
+    max_len = max(seq_lens[i] for i in seqs)
+    nb = -(-max_len // block_size)
+    bt = block_tables.index_select(0, idx)[:, :nb].long()
+    # Entries past a sequence's blocks are arbitrary (maybe out of range): point them at block 0.
+    n_blocks = (lens + block_size - 1) // block_size
+    bt = bt.masked_fill(torch.arange(nb, device=device)[None, :] >= n_blocks[:, None], 0)
+    length = nb * block_size
+    pad = torch.arange(length, device=device)[None, :] >= lens[:, None]  # [B, L]
+    k = k_cache[bt].view(b, length, num_kv_heads, head_dim).to(cdt)
+    v = v_cache[bt].view(b, length, num_kv_heads, head_dim).to(cdt)
+    # Unwritten slots may hold NaN: zero them, as 0 * NaN would survive a zero probability.
+    v = v.masked_fill(pad[:, :, None, None], 0.0)
+    rows = torch.tensor([starts[i] for i in seqs], device=device)
+    q = query.index_select(0, rows).to(cdt).view(b, num_kv_heads, group, head_dim)
+    # [B, Hk, G, D] @ [B, Hk, D, L] -> [B, Hk, G, L]
+    scores = torch.matmul(q, k.permute(0, 2, 3, 1)) * scale
+    scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    o = torch.matmul(probs, v.transpose(1, 2))  # [B, Hk, G, D]
+    out.index_copy_(0, rows, o.reshape(b, num_heads, head_dim).to(out.dtype))
+
+
+def paged_attention(
+    query: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    *,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+) -> Tensor:
+    """Causal (bottom-right) attention of a varlen batch of new tokens over the paged cache.
+
+    The maxima are accepted for parity with the Triton path, which relies on them; here
+    they are only checked, so a runner that passes wrong ones fails on CPU first.
+    """
+    if query.dim() != 3 or k_cache.dim() != 4:
+        raise ValueError("query must be [T, H, D] and caches [num_blocks, block_size, Hk, D]")
+    num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if query.shape[2] != k_cache.shape[3] or k_cache.shape != v_cache.shape:
+        raise ValueError("query, k_cache and v_cache disagree on head_dim or shape")
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    num_seqs = len(lens)
+    if len(qsl) != num_seqs + 1 or qsl[0] != 0 or qsl[-1] > query.shape[0]:
+        raise ValueError("query_start_loc must be [num_seqs + 1], start at 0, end <= num_tokens")
+    block_size = k_cache.shape[1]
+    cdt = _compute_dtype(query.dtype)
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    out[qsl[-1] :].zero_()  # rows past the last sequence are padding
+
+    q_lens = [qsl[i + 1] - qsl[i] for i in range(num_seqs)]
+    for i, (q_len, seq_len) in enumerate(zip(q_lens, lens, strict=True)):
+        if q_len < 0 or q_len > seq_len:
+            raise ValueError(f"sequence {i}: {q_len} new tokens but seq_len {seq_len}")
+        if seq_len > block_tables.shape[1] * block_size:
+            raise ValueError(f"sequence {i}: seq_len {seq_len} exceeds its block table")
+    if max_query_len is not None and max_query_len < max(q_lens, default=0):
+        raise ValueError(f"max_query_len {max_query_len} < actual {max(q_lens)}")
+    if max_seq_len is not None and max_seq_len < max(lens, default=0):
+        raise ValueError(f"max_seq_len {max_seq_len} < actual {max(lens)}")
+
+    decodes: list[int] = []
+    for i in range(num_seqs):
+        q_len, seq_len = q_lens[i], lens[i]
+        if q_len == 1:
+            decodes.append(i)
+        elif q_len > 1:
+            blocks = block_tables[i, : -(-seq_len // block_size)].long()
+            _prefill(out, query, k_cache, v_cache, blocks, qsl[i], q_len, seq_len, scale, cdt)
+    for group in _decode_groups(decodes, lens):
+        _decode_batch(out, query, k_cache, v_cache, block_tables, group, qsl, lens, scale, cdt)
+    return out
