@@ -154,6 +154,24 @@ def test_bad_arguments_are_clear_errors():
         BlockHasher().hash_blocks([-1] * 16)
 
 
+@pytest.mark.parametrize("accelerate", [False, None])
+def test_bad_tokens_are_named_in_the_error(accelerate):
+    h = BlockHasher(block_size=4, accelerate=accelerate)
+    with pytest.raises(OverflowError, match=r"uint32.*token 2 is -1"):
+        h.hash_blocks([1, 2, -1, 3])
+    with pytest.raises(OverflowError, match=r"token 3 is 4294967296"):
+        h.hash_blocks((1, 2, 3, 2**32))
+    # a float or numeric string is not silently truncated or parsed
+    with pytest.raises(TypeError, match=r"token 1 is float 1.5"):
+        h.hash_blocks([1, 1.5, 2, 3])
+    with pytest.raises(TypeError, match=r"token 0 is str '5'"):
+        h.hash_blocks(["5", 1, 2, 3])
+    with pytest.raises(TypeError, match="not str"):
+        h.hash_blocks("0123")
+    with pytest.raises(ValueError, match="16-byte"):
+        h.hash_blocks([1, 2, 3, 4], parent=b"\0" * 32, start_block=1)
+
+
 def test_external_forms():
     digest = bytes(range(32))
     assert to_external(digest, "bytes") == digest
