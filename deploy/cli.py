@@ -39,12 +39,126 @@ def main(argv: Sequence[str] | None = None) -> int:
     hash_cmd.add_argument("--cache-salt", default=None)
     hash_cmd.add_argument("--form", choices=("bytes", "int"), default="bytes")
 
+    _add_simulate(sub)
+
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)
     if args.command == "events":
         return _events(args)
+    if args.command == "simulate":
+        return _simulate(args)
     return _hash(args)
+
+
+def _add_simulate(sub: argparse._SubParsersAction) -> None:
+    sim = sub.add_parser(
+        "simulate",
+        help="replay a trace or a built-in workload on a simulated fleet, per routing policy",
+        description="Discrete-event fleet simulation with the engine's real block pool, "
+        "real KV events and the real prefix index and policies.",
+    )
+    src = sim.add_mutually_exclusive_group(required=True)
+    src.add_argument("--trace", help="Mooncake jsonl trace (timestamp, hash_ids, ...)")
+    src.add_argument("--workload", choices=("tenants", "chat", "rag", "agents"))
+    sim.add_argument("--replicas", type=int, default=8)
+    sim.add_argument(
+        "--blocks-per-replica", type=int, default=None, help="KV blocks (default: profile's)"
+    )
+    sim.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="tokens per KV block (default: 512 for traces, their granularity; 64 otherwise)",
+    )
+    sim.add_argument(
+        "--policy",
+        default="kv,round_robin,random,least_loaded,approx_text",
+        help="comma-separated: kv, round_robin, random, least_loaded, approx_text",
+    )
+    sim.add_argument("--profile", default="h100-8b")
+    sim.add_argument("--speed", type=float, default=1.0, help="arrival-rate multiplier")
+    sim.add_argument("--limit", type=int, default=None, help="first K requests")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--event-delay-ms", type=float, default=5.0)
+    sim.add_argument("--event-loss", type=float, default=0.0, help="fraction of batches lost")
+    sim.add_argument("--kv-prefill-weight", type=float, default=None)
+    sim.add_argument("--kv-decode-weight", type=float, default=None)
+    sim.add_argument("--kv-ttl", type=float, default=None, help="prediction TTL (s)")
+    sim.add_argument("--no-bounds", action="store_true", help="skip ceiling and pooled bound")
+    sim.add_argument("--json", action="store_true", help="print one JSON object")
+    sim.add_argument("--plot", default=None, metavar="FILE.png", help="needs matplotlib")
+    sim.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    import json
+
+    from kvroute.router.cost_model import PROFILES
+    from kvroute.router.policy import POLICIES
+    from kvroute.router.sim_report import format_table, simulate, stderr_progress, to_json
+    from kvroute.router.simulator import SimConfig
+    from kvroute.router.synthetic import make_workload
+    from kvroute.router.workloads import load_mooncake, specs_from_trace
+
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    bad = [p for p in policies if p not in POLICIES]
+    if bad or not policies:
+        print(f"kvroute simulate: unknown policy {bad}; choose from {POLICIES}", file=sys.stderr)
+        return 2
+    if args.profile not in PROFILES:
+        print(f"kvroute simulate: unknown profile {args.profile!r}", file=sys.stderr)
+        return 2
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("kvroute simulate: --plot needs matplotlib (pip install matplotlib)",
+                  file=sys.stderr)  # fmt: skip
+            return 2
+    try:
+        if args.trace:
+            specs = specs_from_trace(load_mooncake(args.trace, args.limit), args.speed)
+        else:
+            specs = make_workload(args.workload, args.limit or 4000, args.seed, args.speed)
+    except (OSError, ValueError) as e:
+        print(f"kvroute simulate: {e}", file=sys.stderr)
+        return 2
+    kv_params = {
+        k: v
+        for k, v in (
+            ("prefill_weight", args.kv_prefill_weight),
+            ("decode_weight", args.kv_decode_weight),
+            ("prediction_ttl_s", args.kv_ttl),
+        )
+        if v is not None
+    }
+    cfg = SimConfig(
+        replicas=args.replicas,
+        blocks_per_replica=args.blocks_per_replica,
+        block_size=args.block_size or (512 if args.trace else 64),
+        profile=PROFILES[args.profile],
+        event_delay_s=args.event_delay_ms / 1000.0,
+        event_loss=args.event_loss,
+        seed=args.seed,
+        kv_params=kv_params,
+    )
+    show = args.progress if args.progress is not None else sys.stderr.isatty()
+    result = simulate(
+        specs, policies, cfg, stderr_progress if show else None, with_bounds=not args.no_bounds
+    )
+    result["workload"]["source"] = args.trace or args.workload
+    result["workload"]["speed"] = args.speed
+    if args.plot:
+        from kvroute.router.sim_report import plot
+
+        src = args.trace.rsplit("/", 1)[-1] if args.trace else args.workload
+        plot(result, args.plot, f"{src}, {args.replicas} replicas, speed {args.speed}")
+    if args.json:
+        print(json.dumps(to_json(result), indent=1))
+    else:
+        print(format_table(result))
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -1,0 +1,282 @@
+"""Routing policies: which replica serves a request.
+
+One interface for the simulator and the HTTP front door: the caller hashes the prompt
+(fleet hasher, tenant salt), builds a :class:`RequestView`, calls :meth:`Policy.route` with
+the replicas it considers alive, and reports :meth:`Policy.on_first_token` and
+:meth:`Policy.on_finished` as the response streams. Nothing here knows about simulation.
+
+``kv`` (default): per alive replica, predicted cost in prefill-token units::
+
+    cost = uncached prompt tokens there          (index: leading blocks it holds)
+         + prefill_weight * prefill tokens queued there
+         + decode_weight  * KV context of requests decoding there
+
+queued/decoding figures come from :class:`~kvroute.router.load.LoadTracker` (the router's
+own accounting, raised to the replica's load report while fresh). Lowest cost wins; ties go
+to fewer requests in flight, then to a seeded coin. Once routed, the request's blocks are
+predicted on that replica for ``prediction_ttl_s`` so a burst of siblings follows it before
+its BlockStored events arrive.
+
+Invariants:
+- ``route`` returns one of the replicas it was given, never another (a dead or removed
+  replica is simply not passed in), and raises :class:`NoReplicaError` when given none;
+- hits are counted only along the request's own salted hash chain, so a tenant can never be
+  credited with another tenant's blocks (``approx_text`` deliberately ignores salts, as a
+  text tree does, and is only a baseline);
+- a hit never exceeds ``num_prompt_tokens - 1`` (the engine always computes one token).
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvroute.events import BlockHasher, BlockStored, EventBatch
+from kvroute.events import ExternalBlockHash as Hash
+
+from .index import PrefixIndex
+from .load import LoadTracker
+
+
+class NoReplicaError(RuntimeError):
+    """No alive replica to route to."""
+
+
+@dataclass(slots=True)
+class RequestView:
+    """What a policy may know of a request."""
+
+    request_id: str
+    num_prompt_tokens: int
+    block_hashes: Sequence[Hash]  # the prompt's full blocks, fleet hasher, tenant salt
+    block_size: int
+    token_ids: Sequence[int] | None = None  # for text-tree baselines
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    replica: str
+    hit_tokens: int  # tokens the policy expects the replica to have cached (0: unknown)
+
+
+class Policy(ABC):
+    """Base: load accounting and the route/notify cycle; subclasses only choose."""
+
+    name = "policy"
+
+    def __init__(self, load: LoadTracker | None = None, seed: int | str = 0) -> None:
+        self.load = load if load is not None else LoadTracker()
+        self.rng = random.Random(f"{self.name}:{seed}")
+
+    @abstractmethod
+    def choose(self, req: RequestView, replicas: Sequence[str], now: float) -> Decision: ...
+
+    def route(self, req: RequestView, replicas: Sequence[str], now: float) -> Decision:
+        if not replicas:
+            raise NoReplicaError(f"no replica to route {req.request_id!r} to")
+        decision = self.choose(req, replicas, now)
+        self.on_routed(req, decision, now)
+        return decision
+
+    def on_routed(self, req: RequestView, decision: Decision, now: float) -> None:
+        n = req.num_prompt_tokens
+        self.load.on_routed(req.request_id, decision.replica, n - decision.hit_tokens, n)
+
+    def on_first_token(self, request_id: str, now: float) -> None:
+        self.load.on_first_token(request_id)
+
+    def on_finished(self, request_id: str, now: float) -> None:
+        self.load.on_finished(request_id)
+
+    def on_replica_removed(self, replica: str) -> list[str]:
+        """Forget a replica; returns the requests that were in flight there."""
+        return self.load.drop_replica(replica)
+
+    def _least(self, replicas: Sequence[str], key: dict[str, float]) -> str:
+        low = min(key[r] for r in replicas)
+        return self.rng.choice([r for r in replicas if key[r] == low])
+
+
+class RoundRobin(Policy):
+    name = "round_robin"
+
+    def __init__(self, load: LoadTracker | None = None, seed: int | str = 0) -> None:
+        super().__init__(load, seed)
+        self._next = 0
+
+    def choose(self, req: RequestView, replicas: Sequence[str], now: float) -> Decision:
+        r = replicas[self._next % len(replicas)]
+        self._next += 1
+        return Decision(r, 0)
+
+
+class RandomPolicy(Policy):
+    name = "random"
+
+    def choose(self, req: RequestView, replicas: Sequence[str], now: float) -> Decision:
+        return Decision(self.rng.choice(list(replicas)), 0)
+
+
+class LeastLoaded(Policy):
+    """Fewest requests in flight (the router's count), ties at random."""
+
+    name = "least_loaded"
+
+    def choose(self, req: RequestView, replicas: Sequence[str], now: float) -> Decision:
+        counts = {r: float(self.load.get(r, now)[2]) for r in replicas}
+        return Decision(self._least(replicas, counts), 0)
+
+
+class KVPolicy(Policy):
+    """Event-driven prefix index + load: see the module docstring."""
+
+    name = "kv"
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        load: LoadTracker | None = None,
+        seed: int | str = 0,
+        prefill_weight: float = 1.0,
+        decode_weight: float = 0.0,
+        prediction_ttl_s: float = 5.0,
+    ) -> None:
+        super().__init__(load, seed)
+        self.index = index
+        self.prefill_weight = prefill_weight
+        self.decode_weight = decode_weight
+        self.prediction_ttl_s = prediction_ttl_s
+
+    def costs(self, req: RequestView, replicas: Sequence[str], now: float) -> dict[str, float]:
+        """Per replica, the predicted cost (for inspection and tests)."""
+        return {r: c for r, (c, _, _) in self._costs(req, replicas, now).items()}
+
+    def _costs(
+        self, req: RequestView, replicas: Sequence[str], now: float
+    ) -> dict[str, tuple[float, int, int]]:
+        n, bs = req.num_prompt_tokens, req.block_size
+        cap = max(n - 1, 0) // bs
+        matched = self.index.match(req.block_hashes[:cap], now) if cap else {}
+        out: dict[str, tuple[float, int, int]] = {}
+        wp, wd = self.prefill_weight, self.decode_weight
+        for r in replicas:
+            hit = matched.get(r, 0) * bs
+            prefill, decode, count = self.load.get(r, now)
+            out[r] = ((n - hit) + wp * prefill + wd * decode, count, hit)
+        return out
+
+    def choose(self, req: RequestView, replicas: Sequence[str], now: float) -> Decision:
+        costs = self._costs(req, replicas, now)
+        best = min(costs.values())[:2]
+        tied = [r for r in replicas if costs[r][:2] == best]
+        r = tied[0] if len(tied) == 1 else self.rng.choice(tied)
+        return Decision(r, costs[r][2])
+
+    def on_routed(self, req: RequestView, decision: Decision, now: float) -> None:
+        super().on_routed(req, decision, now)
+        cap = max(req.num_prompt_tokens - 1, 0) // req.block_size
+        if cap:
+            self.index.predict(decision.replica, req.block_hashes[:cap], self.prediction_ttl_s, now)
+
+    def on_replica_removed(self, replica: str) -> list[str]:
+        self.index.drop_replica(replica)
+        return super().on_replica_removed(replica)
+
+
+class ApproxText(Policy):
+    """SGLang-style cache-aware routing over an approximate tree of what was routed where.
+
+    The tree records each request's prompt for the replica it was sent to -- never what the
+    engines actually hold or evicted -- and forgets only by its own LRU size bound. Rules,
+    with SGLang router's defaults (cache threshold 0.3, balance thresholds 64 absolute and
+    1.5 relative): if the fleet is imbalanced (max - min in-flight > abs and max > rel *
+    min), send to the least loaded; else if the best match covers more than the threshold of
+    the prompt, send there; else send to the replica with the smallest tree.
+
+    The tree is over token chunks of ``chunk_tokens`` (chained, unsalted hashes: a text
+    tree sees no tenant salt); with the simulator's 512-token blocks this matches at the
+    trace's own granularity, where a character tree could resolve no finer sharing.
+    """
+
+    name = "approx_text"
+
+    def __init__(
+        self,
+        chunk_tokens: int,
+        load: LoadTracker | None = None,
+        seed: int | str = 0,
+        cache_threshold: float = 0.3,
+        balance_abs_threshold: int = 64,
+        balance_rel_threshold: float = 1.5,
+        max_tree_tokens: int = 2**26,
+    ) -> None:
+        super().__init__(load, seed)
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self.hasher = BlockHasher(block_size=chunk_tokens)
+        self.tree = PrefixIndex(max_blocks_per_replica=max(1, max_tree_tokens // chunk_tokens))
+        self._pending: dict[str, list[bytes]] = {}
+
+    def choose(self, req: RequestView, replicas: Sequence[str], now: float) -> Decision:
+        if req.token_ids is None:
+            raise ValueError("approx_text needs the request's token ids")
+        chunks = self.hasher.hash_blocks(req.token_ids)
+        self._pending[req.request_id] = chunks
+        counts = {r: float(self.load.get(r, now)[2]) for r in replicas}
+        hi, lo = max(counts.values()), min(counts.values())
+        if hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo:
+            return Decision(self._least(replicas, counts), 0)
+        matched = self.tree.match(chunks, now)
+        alive = [r for r in replicas if r in matched]
+        if alive:
+            best = max(matched[r] for r in alive)
+            rate = best * self.hasher.block_size / max(req.num_prompt_tokens, 1)
+            if rate > self.cache_threshold:
+                return Decision(self.rng.choice([r for r in alive if matched[r] == best]), 0)
+        sizes = {r: float(self.tree.num_blocks(r)) for r in replicas}
+        return Decision(self._least(replicas, sizes), 0)
+
+    def on_routed(self, req: RequestView, decision: Decision, now: float) -> None:
+        super().on_routed(req, decision, now)
+        chunks = self._pending.pop(req.request_id, None)
+        if chunks:
+            bs = self.hasher.block_size
+            ev = BlockStored(list(chunks), None, [], bs, None, None, None)
+            self.tree.apply(decision.replica, EventBatch(now, [ev]))
+
+    def on_replica_removed(self, replica: str) -> list[str]:
+        self.tree.drop_replica(replica)
+        return super().on_replica_removed(replica)
+
+
+POLICIES = ("kv", "round_robin", "random", "least_loaded", "approx_text")
+
+
+def make_policy(
+    name: str,
+    *,
+    index: PrefixIndex | None = None,
+    block_size: int = 16,
+    seed: int | str = 0,
+    load: LoadTracker | None = None,
+    **kv_params: float,
+) -> Policy:
+    """A policy by name. ``kv`` needs the event-fed ``index``; ``approx_text`` chunks by
+    ``block_size``; ``kv_params`` (prefill_weight, decode_weight, prediction_ttl_s) tune kv."""
+    if name == "kv":
+        if index is None:
+            raise ValueError("the kv policy needs a PrefixIndex fed by the replicas' events")
+        return KVPolicy(index, load, seed, **kv_params)
+    if name == "approx_text":
+        return ApproxText(block_size, load, seed)
+    simple: dict[str, type[Policy]] = {
+        "round_robin": RoundRobin,
+        "random": RandomPolicy,
+        "least_loaded": LeastLoaded,
+    }
+    if name not in simple:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+    return simple[name](load, seed)

@@ -1,0 +1,253 @@
+"""Runs policies over one workload, computes the bounds, and reports (table, JSON, plot).
+
+The bounds use the same hashing and the same engine code as the fleet:
+
+- ``ceiling``: an infinite cache -- a request hits its leading full blocks seen before (at
+  most ``prompt - 1`` tokens); no router or cache can do better;
+- ``pooled``: one real :class:`KVCacheManager` of ``replicas x blocks`` blocks serving the
+  requests one at a time in arrival order (lazy LRU, no concurrency, no output blocks): the
+  hit rate of a perfect router over perfectly shared memory.
+
+JSON field names are stable; times are seconds, rates fractions of prompt tokens.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from array import array
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from kvroute.events import BlockHasher
+from kvroute.replica.kv_cache_manager import KVCacheManager
+
+from .simulator import Fleet, SimConfig, SimRequest
+from .workloads import RequestSpec, TokenSource
+
+Progress = Callable[[str, int, int], None]
+
+
+def router_hashes(
+    specs: Sequence[RequestSpec], cfg: SimConfig, tokens: TokenSource
+) -> list[list[bytes]]:
+    """Each prompt's salted block hashes, as the front door computes them (once per run)."""
+    hasher = BlockHasher(block_size=cfg.block_size)
+    out = []
+    for spec in specs:
+        toks = array("I")
+        toks.frombytes(tokens.prompt_bytes(spec))
+        out.append(hasher.hash_blocks(toks, cache_salt=spec.cache_salt))
+    return out
+
+
+def bounds(
+    specs: Sequence[RequestSpec],
+    hashes: Sequence[Sequence[bytes]],
+    cfg: SimConfig,
+    tokens: TokenSource,
+) -> dict[str, float]:
+    bs = cfg.block_size
+    seen: set[bytes] = set()
+    total = ceil_hit = pooled_hit = 0
+    kv = KVCacheManager(cfg.replicas * cfg.blocks, BlockHasher(block_size=bs))
+    for i, (spec, chain) in enumerate(zip(specs, hashes, strict=True)):
+        n = spec.input_length
+        total += n
+        k = 0
+        for h in chain[: (n - 1) // bs]:
+            if h not in seen:
+                break
+            k += 1
+        ceil_hit += k * bs
+        seen.update(chain)
+        toks = array("I")
+        toks.frombytes(tokens.prompt_bytes(spec))
+        req = SimRequest(i, RequestSpec(0.0, spec.segments, 1, spec.cache_salt), toks)
+        blocks, hit = kv.get_computed_blocks(req)
+        if kv.allocate_slots(req, n - hit, hit, blocks) is not None:
+            pooled_hit += hit
+        kv.free(req)
+    return {
+        "prompt_tokens": total,
+        "ceiling_hit_rate": ceil_hit / total if total else 0.0,
+        "pooled_hit_rate": pooled_hit / total if total else 0.0,
+    }
+
+
+def _pct(xs: np.ndarray, q: float) -> float:
+    return float(np.percentile(xs, q)) if len(xs) else float("nan")
+
+
+def summarize(fleet: Fleet, wall_s: float) -> dict[str, Any]:
+    done = [r for r in fleet.reqs if r is not None and r.done_s is not None]
+    ttft = np.array([r.first_s - r.spec.arrival_s for r in done])  # type: ignore[operator]
+    e2e = np.array([r.done_s - r.spec.arrival_s for r in done])  # type: ignore[operator]
+    prompt = sum(r.prompt_len for r in done)
+    hit = sum(r.hit or 0 for r in done)
+    out_tokens = sum(r.output_len for r in done)
+    t0 = min((r.spec.arrival_s for r in done), default=0.0)
+    t1 = max((r.done_s for r in done), default=0.0)  # type: ignore[type-var]
+    span = max(t1 - t0, 1e-9)
+    busy = np.array([rep.busy_s for rep in fleet.reps])
+    mean_busy = float(busy.mean()) if busy.sum() else 1.0
+    return {
+        "completed": len(done),
+        "rejected": fleet.rejected,
+        "prompt_tokens": prompt,
+        "hit_tokens": hit,
+        "hit_rate": hit / prompt if prompt else 0.0,
+        "prefill_tokens": sum(rep.prefill_tokens for rep in fleet.reps),
+        "decode_tokens": fleet.decode_tokens,
+        "output_tokens": out_tokens,
+        "ttft_s": {
+            "mean": float(ttft.mean()) if len(ttft) else float("nan"),
+            "p50": _pct(ttft, 50),
+            "p90": _pct(ttft, 90),
+            "p99": _pct(ttft, 99),
+        },
+        "e2e_s": {"mean": float(e2e.mean()) if len(e2e) else float("nan"), "p90": _pct(e2e, 90)},
+        "makespan_s": span,
+        "throughput_tok_s": out_tokens / span,
+        "requests_per_s": len(done) / span,
+        "imbalance": float(busy.max() / mean_busy) if len(busy) else 1.0,
+        "replicas": [
+            {
+                "id": rep.id,
+                "routed": rep.routed,
+                "busy_s": rep.busy_s,
+                "work_share": rep.busy_s / busy.sum() if busy.sum() else 0.0,
+                "prefill_tokens": rep.prefill_tokens,
+            }
+            for rep in fleet.reps
+        ],
+        "preemptions": fleet.preemptions,
+        "lost_batches": fleet.lost_batches,
+        "wall_s": wall_s,
+        "ttft_samples": ttft,  # dropped from JSON; for the plot
+    }
+
+
+def simulate(
+    specs: Sequence[RequestSpec],
+    policies: Sequence[str],
+    cfg: SimConfig,
+    progress: Progress | None = None,
+    with_bounds: bool = True,
+) -> dict[str, Any]:
+    tokens = TokenSource()
+    hashes = router_hashes(specs, cfg, tokens)
+    result: dict[str, Any] = {
+        "config": {
+            "replicas": cfg.replicas,
+            "blocks_per_replica": cfg.blocks,
+            "block_size": cfg.block_size,
+            "profile": cfg.profile.name,
+            "event_delay_s": cfg.event_delay_s,
+            "event_loss": cfg.event_loss,
+            "seed": cfg.seed,
+            "kv_params": dict(cfg.kv_params),
+        },
+        "workload": {
+            "requests": len(specs),
+            "prompt_tokens": sum(s.input_length for s in specs),
+            "output_tokens": sum(s.output_length for s in specs),
+            "span_s": specs[-1].arrival_s - specs[0].arrival_s if specs else 0.0,
+        },
+    }
+    if with_bounds:
+        result["bounds"] = bounds(specs, hashes, cfg, tokens)
+    result["policies"] = {}
+    for name in policies:
+        tick = None if progress is None else (lambda d, t, n=name: progress(n, d, t))
+        start = time.perf_counter()
+        fleet = Fleet(specs, name, cfg, tokens, hashes, tick).run()
+        result["policies"][name] = summarize(fleet, time.perf_counter() - start)
+    return result
+
+
+def to_json(result: dict[str, Any]) -> dict[str, Any]:
+    """The result without numpy samples: what ``--json`` prints."""
+    out = dict(result)
+    out["policies"] = {
+        k: {f: v for f, v in m.items() if f != "ttft_samples"}
+        for k, m in result["policies"].items()
+    }
+    return out
+
+
+def format_table(result: dict[str, Any]) -> str:
+    cfg, wl = result["config"], result["workload"]
+    lines = [
+        f"{wl['requests']} requests, {wl['prompt_tokens']:,} prompt tokens, "
+        f"{cfg['replicas']} replicas x {cfg['blocks_per_replica']} blocks of "
+        f"{cfg['block_size']} tokens ({cfg['profile']})",
+    ]
+    if "bounds" in result:
+        b = result["bounds"]
+        lines.append(
+            f"bounds: infinite-cache ceiling {b['ceiling_hit_rate']:.3f}, "
+            f"pooled ({cfg['replicas']}x{cfg['blocks_per_replica']} blocks, LRU) "
+            f"{b['pooled_hit_rate']:.3f}"
+        )
+    head = (
+        f"{'policy':<13}{'hit':>7}{'hit tok':>14}{'prefill tok':>14}{'TTFT mean':>10}"
+        f"{'p50':>8}{'p90':>8}{'p99':>8}{'e2e mean':>9}{'p90':>8}{'tok/s':>8}{'imbal':>7}"
+    )
+    lines += [head, "-" * len(head)]
+    for name, m in result["policies"].items():
+        t, e = m["ttft_s"], m["e2e_s"]
+        lines.append(
+            f"{name:<13}{m['hit_rate']:>7.3f}{m['hit_tokens']:>14,}{m['prefill_tokens']:>14,}"
+            f"{t['mean']:>10.2f}{t['p50']:>8.2f}{t['p90']:>8.2f}{t['p99']:>8.2f}"
+            f"{e['mean']:>9.2f}{e['p90']:>8.2f}{m['throughput_tok_s']:>8.0f}{m['imbalance']:>7.2f}"
+        )
+    lines.append("work share per replica (busy time):")
+    for name, m in result["policies"].items():
+        shares = " ".join(f"{r['work_share']:.3f}" for r in m["replicas"])
+        extra = f"  preempted {m['preemptions']}, rejected {m['rejected']}, {m['wall_s']:.0f}s"
+        lines.append(f"  {name:<13}{shares}{extra}")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: str, title: str = "") -> None:
+    """TTFT CDF per policy and hit-rate bars against the bounds. Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, m in result["policies"].items():
+        xs = np.sort(m["ttft_samples"])
+        ax1.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=name)
+    ax1.set_xscale("log")
+    ax1.set_xlabel("TTFT (s, log)")
+    ax1.set_ylabel("fraction of requests")
+    ax1.set_title("TTFT CDF")
+    ax1.grid(True, which="both", alpha=0.3)
+    ax1.legend()
+    names = list(result["policies"])
+    rates = [result["policies"][n]["hit_rate"] for n in names]
+    if "bounds" in result:
+        names += ["pooled", "ceiling"]
+        rates += [result["bounds"]["pooled_hit_rate"], result["bounds"]["ceiling_hit_rate"]]
+    ax2.bar(names, rates, color=[f"C{i}" for i in range(len(names))])
+    ax2.set_ylabel("prompt tokens served from cache")
+    ax2.set_title("hit rate")
+    ax2.tick_params(axis="x", rotation=30)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def stderr_progress(name: str, done: int, total: int) -> None:
+    width = 30
+    fill = width * done // max(total, 1)
+    sys.stderr.write(f"\r{name:<13}[{'#' * fill}{'.' * (width - fill)}] {done}/{total}")
+    if done == total:
+        sys.stderr.write("\n")
+    sys.stderr.flush()
