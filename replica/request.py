@@ -1,0 +1,117 @@
+"""One generation request as the scheduler tracks it (vLLM v1's ``Request``, trimmed).
+
+Prompt and generated tokens live in one growing list, ``all_token_ids``, because that is
+what the KV cache covers: prefix hashing, recompute after preemption and the model runner
+all treat a generated token exactly like a prompt token.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+
+from .sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle; every value above ``PREEMPTED`` is final."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: RequestStatus) -> str | None:
+        """OpenAI-style ``finish_reason``; None while unfinished."""
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """A request's tokens and progress; satisfies ``kv_cache_manager.CacheRequest``.
+
+    ``num_computed_tokens`` counts tokens whose KV is in the cache *as scheduled*: the
+    scheduler advances it when it schedules a chunk, before the runner computes it.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams | None = None,
+        eos_token_id: int | None = None,
+        *,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r} has an empty prompt")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
+        self.eos_token_id = eos_token_id
+        self.cache_salt = cache_salt
+        self.lora_name = lora_name
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        # A second list rather than a slice of all_token_ids: read every step, O(1) here.
+        self._output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prefix-hit tokens at first scheduling
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None  # the stop token id or stop string
+
+    # -- tokens ------------------------------------------------------------------------
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Generated tokens so far. The scheduler's list: do not mutate."""
+        return self._output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self._output_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+        self._output_token_ids.append(token_id)
+
+    # -- status ------------------------------------------------------------------------
+    @property
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return RequestStatus.get_finished_reason(self.status)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"prompt={self.num_prompt_tokens}, out={self.num_output_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

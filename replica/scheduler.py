@@ -1,0 +1,329 @@
+"""Continuous-batching scheduler over a :class:`KVCacheManager` (vLLM v1's design).
+
+One step = one call to :meth:`Scheduler.schedule`, one forward pass of the model runner,
+one call to :meth:`Scheduler.update_from_output`. Per step:
+
+1. running requests, oldest admitted first: a decode costs 1 token, a partially prefilled
+   request continues its prompt with as many tokens as the budget leaves (chunked prefill);
+   when the pool runs out of blocks, the newest running request is preempted (recompute:
+   its blocks are freed, it goes back to the FRONT of the queue with its outputs kept);
+2. if nobody was preempted, waiting requests in FCFS order: a prefix-cache lookup, then
+   slots for the rest of the prompt (or the first chunk of it). A request that does not
+   fit stops admission for this step (no skipping: FCFS).
+
+``num_computed_tokens`` advances at schedule time, so the runner reads the pre-step value
+from :class:`ScheduledRequest`. No request holds blocks while waiting.
+
+Liveness: ``max_model_len`` is capped to what the whole cache holds (and, without chunked
+prefill, to the token budget), prompts beyond it are rejected at :meth:`add_request`, and a
+request finishes with ``length`` at it. So a request alone in the engine always fits, and
+everything running can always make progress by preempting others.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .kv_cache_manager import KVCacheManager
+from .request import Request, RequestStatus
+
+
+class RequestTooLongError(ValueError):
+    """The request can never run here: longer than max_model_len or the whole KV cache."""
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048  # per-step token budget
+    max_num_seqs: int = 128
+    max_model_len: int = 8192
+    enable_chunked_prefill: bool = True
+    # >0: cap one request's prefill chunk per step, so one long prompt cannot take the whole
+    # budget from other prefills (only with chunked prefill).
+    long_prefill_token_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2 (one prompt token, one output)")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    The runner feeds ``request.all_token_ids[num_computed_tokens : num_computed_tokens +
+    num_new_tokens]`` at those positions, writing their KV into ``block_ids`` (the whole
+    block table; position p lives in block ``block_ids[p // block_size]``).
+    """
+
+    request: Request
+    num_computed_tokens: int  # before this step
+    num_new_tokens: int
+    block_ids: list[int]
+    # The request's length when scheduled; the default (-1) reads it from the request.
+    num_tokens: int = field(default=-1, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 0:
+            self.num_tokens = self.request.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        """This step reaches the end of the known tokens: the runner samples one token."""
+        return self.num_computed_tokens + self.num_new_tokens >= self.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]  # running first, then newly admitted
+    num_scheduled_tokens: int
+    preempted_request_ids: list[str]
+    finished_request_ids: list[str]  # finished or aborted since the last step
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Decides, each step, which requests run and how many tokens each feeds."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        capacity = kv_cache_manager.block_pool.num_blocks * self.block_size
+        limit = min(config.max_model_len, capacity)
+        if not config.enable_chunked_prefill:
+            # A (re)computed prompt must fit one step's budget, or it would wait forever.
+            limit = min(limit, config.max_num_batched_tokens)
+        if limit < 2:
+            raise ValueError(f"the KV cache / token budget allow only {limit} token(s)")
+        self.max_model_len = limit  # the effective limit: prompt + outputs < this + 1
+        self.requests: dict[str, Request] = {}  # live (unfinished) requests by id
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: preemption takes the last
+        self.finished_req_ids: set[str] = set()  # since the last schedule()
+        self.num_preemptions = 0  # total, over the scheduler's life
+
+    # -- requests in and out -----------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queues a request, or rejects it at once if it could never run here."""
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"duplicate request id {rid!r}")
+        if request.status != RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"request {rid!r} is not fresh ({request.status.name})")
+        n = request.num_tokens
+        if n + 1 > self.max_model_len:
+            cfg = self.config
+            capacity = self.kv_cache_manager.block_pool.num_blocks * self.block_size
+            why = f"max_model_len={cfg.max_model_len}"
+            if capacity < cfg.max_model_len:
+                why += f", whole KV cache={capacity} tokens"
+            if not cfg.enable_chunked_prefill:
+                why += f", max_num_batched_tokens={cfg.max_num_batched_tokens} (no chunking)"
+            raise RequestTooLongError(
+                f"request {rid!r}: {n} prompt tokens + 1 output exceed the limit of "
+                f"{self.max_model_len} tokens ({why})"
+            )
+        self.requests[rid] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Ends live requests (stop string, abort); frees their blocks now. Unknown or
+        already finished ids are ignored: a client may abort a request that just ended."""
+        if not RequestStatus.is_finished(status):
+            raise ValueError(f"{status.name} is not a finished status")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, status)
+
+    def abort_requests(self, request_ids: str | Iterable[str]) -> None:
+        """A client went away: its blocks go back to the pool at once."""
+        self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        """Bookkeeping for a request already taken out of ``waiting``/``running``."""
+        req.status = status
+        self.kv_cache_manager.free(req)
+        del self.requests[req.request_id]
+        self.finished_req_ids.add(req.request_id)
+
+    # -- one step ----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        kv = self.kv_cache_manager
+        budget = cfg.max_num_batched_tokens
+        threshold = cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else 0
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+
+        # 1. Running requests: decodes and unfinished prefill chunks.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = req.num_tokens - req.num_computed_tokens
+            if 0 < threshold < num_new:
+                num_new = threshold
+            num_new = min(num_new, budget)
+            if num_new <= 0:  # scheduled again before update_from_output: nothing to feed
+                i += 1
+                continue
+            while kv.allocate_slots(req, num_new) is None:
+                victim = self.running.pop()  # the newest; req itself when it is the last
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                break  # req preempted itself: nothing after it is running any more
+            scheduled.append(self._scheduled(req, num_new))
+            budget -= num_new
+            i += 1
+
+        # 2. Waiting requests, FCFS, unless this step already had to preempt.
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+                req = self.waiting[0]
+                hit_blocks, num_hit = kv.get_computed_blocks(req)
+                num_new = req.num_tokens - num_hit
+                if 0 < threshold < num_new:
+                    num_new = threshold
+                if num_new > budget:
+                    if not cfg.enable_chunked_prefill:
+                        break
+                    num_new = budget
+                if kv.allocate_slots(req, num_new, num_hit, hit_blocks) is None:
+                    if not self.running:  # unreachable given max_model_len; never hang
+                        self.waiting.popleft()
+                        req.stop_reason = "kv_cache_capacity"
+                        self._finish(req, RequestStatus.FINISHED_ABORTED)
+                        continue
+                    break
+                self.waiting.popleft()
+                self.running.append(req)
+                req.status = RequestStatus.RUNNING
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_hit
+                req.num_computed_tokens = num_hit
+                scheduled.append(self._scheduled(req, num_new))
+                budget -= num_new
+
+        finished = sorted(self.finished_req_ids)
+        self.finished_req_ids = set()
+        return SchedulerOutput(
+            scheduled=scheduled,
+            num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
+            preempted_request_ids=[r.request_id for r in preempted],
+            finished_request_ids=finished,
+        )
+
+    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+        """Records the chunk and advances ``num_computed_tokens`` (blocks are allocated)."""
+        sr = ScheduledRequest(
+            request=req,
+            num_computed_tokens=req.num_computed_tokens,
+            num_new_tokens=num_new,
+            block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
+        )
+        req.num_computed_tokens += num_new
+        return sr
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute preemption: drop the KV, keep the tokens, queue it first."""
+        self.kv_cache_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
+    ) -> list[Request]:
+        """Appends the sampled tokens and applies token-level stops.
+
+        Returns the requests that got a token this step (finished ones included). Requests
+        finished or aborted since ``output`` was scheduled are skipped.
+        """
+        changed: list[Request] = []
+        for sr in output.scheduled:
+            req = sr.request
+            if req.status != RequestStatus.RUNNING or not sr.samples:
+                continue
+            rid = req.request_id
+            if rid not in sampled_token_ids:
+                raise KeyError(f"no sampled token for request {rid!r}, which samples")
+            req.append_output_token(sampled_token_ids[rid])
+            status = self._check_stop(req)
+            if status is not None:
+                self.running.remove(req)
+                self._finish(req, status)
+            changed.append(req)
+        return changed
+
+    def _check_stop(self, req: Request) -> RequestStatus | None:
+        """Token-level stops; a stop token wins over length when both apply."""
+        sp = req.sampling_params
+        if req.num_output_tokens >= sp.min_tokens:
+            last = req.output_token_ids[-1]
+            if not sp.ignore_eos and last == req.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if last in sp.stop_token_ids:
+                req.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # -- observation -------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def stats(self) -> dict[str, float]:
+        """Load as a router sees it. Prefill tokens are counted before any prefix hit:
+        a waiting request's hit is only known once it is looked up."""
+        queued_prefill = sum(r.num_tokens for r in self.waiting)
+        decoding = 0
+        for r in self.running:
+            pending = r.num_tokens - r.num_computed_tokens
+            if pending <= 1:
+                decoding += 1
+            else:
+                queued_prefill += pending
+        kv = self.kv_cache_manager
+        return {
+            "num_waiting": len(self.waiting),
+            "num_running": len(self.running),
+            "num_decoding": decoding,
+            "num_queued_prefill_tokens": queued_prefill,
+            "kv_cache_usage": kv.usage,
+            "num_free_blocks": kv.get_num_free_blocks(),
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
+            "num_preemptions": self.num_preemptions,
+        }
