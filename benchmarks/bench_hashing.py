@@ -88,7 +88,7 @@ def main() -> None:
                 print(f"{n:>8} {name:>12} {'not built':>10}")
                 continue
             print(
-                f"{n:>8} {name:>12} {t * 1e3:>10.3f} {n // bs / t:>12,.0f} {n / t:>13,.0f}"
+                f"{n:>8} {name:>12} {t * 1e3:>10.4f} {n // bs / t:>12,.0f} {n / t:>13,.0f}"
                 f" {t_naive / t:>8.1f}x"
             )
 
