@@ -61,6 +61,7 @@ class SimConfig:
     seed: int = 0
     kv_params: dict[str, float] = field(default_factory=dict)
     faults: tuple[Fault, ...] = ()
+    fast_decode: bool = True  # advance runs of pure decode steps in one event (exact)
 
     @property
     def blocks(self) -> int:
@@ -223,7 +224,7 @@ class Fleet:
         if not running and not waiting:
             return
         bs = self.cfg.block_size
-        if not waiting and running and self._try_macro(rep):
+        if not waiting and running and self.cfg.fast_decode and self._try_macro(rep):
             return
         budget = self.cfg.profile.max_batched_tokens
         sched: list[tuple[SimRequest, int, bool]] = []
@@ -347,14 +348,14 @@ class Fleet:
 
     def _publish(self, rep: _Replica, events: list | None = None) -> None:
         events = rep.kv.take_events() if events is None else events
-        report = None
+        if not events:
+            return
+        report = None  # load reports ride on event batches, at most one per interval
         if self.now - rep.last_report >= self.cfg.report_interval_s:
             rep.last_report = self.now
             report = self._load_report(rep)
-        if not events and report is None:
-            return
         t = self.now + self.cfg.event_delay_s
-        if events and self.cfg.event_loss and self.rng.random() < self.cfg.event_loss:
+        if self.cfg.event_loss and self.rng.random() < self.cfg.event_loss:
             t += self.cfg.recovery_s
             self.lost_batches += 1
         t = rep.last_deliver = max(t, rep.last_deliver)
