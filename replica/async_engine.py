@@ -1,0 +1,171 @@
+"""AsyncLLMEngine: the engine on its own thread, requests streamed to asyncio callers.
+
+Why a thread and not the event loop: a model step holds the CPU/GPU for milliseconds to
+seconds, and torch releases the GIL inside it, so the loop stays free to accept requests and
+stream tokens while the engine computes. The thread owns the engine outright; callers talk
+to it through a command queue and get :class:`RequestOutput` deltas back on asyncio queues.
+
+A caller that stops iterating (client gone, task cancelled) aborts its request, which frees
+its blocks before the next step. If a step raises, every live request gets the error and the
+engine refuses new work (``errored``): a replica actor should then exit so Ray restarts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .engine import EngineConfig, EventSink, LLMEngine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed; the replica should be restarted."""
+
+
+@dataclass(slots=True)
+class _Add:
+    request_id: str
+    prompt: str | Sequence[int]
+    params: SamplingParams
+    cache_salt: str | None
+    lora_name: str | None
+    sink: asyncio.Queue[RequestOutput | BaseException]
+    loop: asyncio.AbstractEventLoop
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+class AsyncLLMEngine:
+    """Thread-hosted :class:`LLMEngine` with an async streaming ``generate``."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._sinks: dict[str, tuple[asyncio.Queue[Any], asyncio.AbstractEventLoop]] = {}
+        self._ids = itertools.count()
+        self.error: BaseException | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="kvroute-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(
+        cls, config: EngineConfig, event_sinks: Sequence[EventSink] = ()
+    ) -> AsyncLLMEngine:
+        return cls(LLMEngine(config, event_sinks))
+
+    @property
+    def errored(self) -> bool:
+        return self.error is not None
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields the request's output after each step that changed it, the last finished."""
+        if self.error is not None:
+            raise EngineDeadError("the engine has failed") from self.error
+        if self._stopped:
+            raise EngineDeadError("the engine is shut down")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        self._commands.put(
+            _Add(rid, prompt, params or SamplingParams(), cache_salt, lora_name, sink, loop)
+        )
+        finished = False
+        try:
+            while True:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._commands.put(_Abort(rid))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stopped = True
+        self._commands.put(None)
+        self._thread.join(timeout)
+
+    # -- the engine thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                idle = not engine.has_unfinished_requests()
+                # Block only when there is nothing to compute.
+                if not self._drain(block=idle):
+                    return
+                if engine.has_unfinished_requests():
+                    for out in engine.step():
+                        self._deliver(out.request_id, out, last=out.finished)
+        except BaseException as exc:
+            log.exception("engine step failed")
+            self.error = exc
+            err = EngineDeadError(f"engine step failed: {exc!r}")
+            for rid in list(self._sinks):
+                self._deliver(rid, err, last=True)
+
+    def _drain(self, block: bool) -> bool:
+        """Applies queued commands; False when asked to stop."""
+        while True:
+            try:
+                cmd = self._commands.get(block=block, timeout=0.5 if block else None)
+            except queue.Empty:
+                return True
+            block = False
+            if cmd is None:
+                return False
+            if isinstance(cmd, _Abort):
+                for out in self.engine.abort_requests([cmd.request_id]):
+                    self._deliver(out.request_id, out, last=True)
+                continue
+            self._sinks[cmd.request_id] = (cmd.sink, cmd.loop)
+            try:
+                self.engine.add_request(
+                    cmd.request_id,
+                    cmd.prompt,
+                    cmd.params,
+                    cache_salt=cmd.cache_salt,
+                    lora_name=cmd.lora_name,
+                )
+            except Exception as exc:  # a bad request fails alone
+                self._deliver(cmd.request_id, exc, last=True)
+
+    def _deliver(self, rid: str, item: RequestOutput | BaseException, last: bool) -> None:
+        entry = self._sinks.pop(rid, None) if last else self._sinks.get(rid)
+        if entry is None:
+            return
+        sink, loop = entry
+        try:
+            loop.call_soon_threadsafe(sink.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed: nobody is listening
+            if not last:
+                self._commands.put(_Abort(rid))

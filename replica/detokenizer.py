@@ -1,0 +1,79 @@
+"""Incremental detokenization with stop strings, for streaming.
+
+Why hold text back: a multi-byte character split across tokens decodes to U+FFFD until its
+last byte arrives, and the first characters of a stop string must not reach a client that
+the stop string's match would then cut. So only text that can no longer change is emitted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+_REPLACEMENT = "\ufffd"
+# Re-decoding a few tokens before the new ones keeps merges (spaces, byte pieces) exact
+# without decoding the whole output every step.
+_CONTEXT_TOKENS = 6
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output token ids into stable text deltas."""
+
+    def __init__(
+        self, tokenizer: Any, stop: Sequence[str] = (), skip_special_tokens: bool = True
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.skip_special_tokens = skip_special_tokens
+        self._hold = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""  # all decoded text (cut at a stop string once one matched)
+        self.sent = 0  # characters of ``text`` already handed out
+        self._ids: list[int] = []
+        self._prefix_offset = 0  # tokens before this start the context window
+        self._read_offset = 0  # tokens before this are in ``self.text`` for good
+        self.stop_string: str | None = None
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def update(self, new_token_ids: Sequence[int], finished: bool = False) -> str:
+        """Adds tokens; returns the text that became final. Sets ``stop_string`` on a match."""
+        if self.stop_string is not None:
+            return ""
+        self._ids.extend(new_token_ids)
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full = self._decode(self._ids[self._prefix_offset :])
+        if full.endswith(_REPLACEMENT) and not finished:
+            new_text = ""  # an incomplete character: wait for its next byte
+        else:
+            new_text = full[len(prefix) :]
+            self._prefix_offset = max(len(self._ids) - _CONTEXT_TOKENS, 0)
+            self._read_offset = len(self._ids)
+        if new_text:
+            start = max(len(self.text) - self._hold, 0)
+            self.text += new_text
+            self._match_stop(start)
+        ready = len(self.text) if (finished or self.stop_string) else len(self.text) - self._hold
+        if ready <= self.sent:
+            return ""
+        delta = self.text[self.sent : ready]
+        self.sent = ready
+        return delta
+
+    def _match_stop(self, start: int) -> None:
+        best: tuple[int, str] | None = None
+        for s in self.stop:
+            i = self.text.find(s, start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is not None:
+            self.text = self.text[: best[0]]
+            self.stop_string = best[1]
+
+    def flush(self) -> str:
+        """The held-back tail, once the request has finished for another reason."""
+        if self.sent >= len(self.text):
+            return ""
+        delta = self.text[self.sent :]
+        self.sent = len(self.text)
+        return delta

@@ -1,0 +1,299 @@
+"""LLMEngine: tokenizer, scheduler, model runner and event publishing, one step at a time.
+
+The engine is synchronous and single-threaded on purpose: :mod:`.async_engine` runs it on a
+thread of its own, the offline :class:`kvroute.replica.LLM` drives it in a loop. After every
+step the block pool's events (stores and evictions of that step) leave as one batch to each
+event sink -- normally a :class:`kvroute.events.ZmqEventPublisher` -- so a router's view
+trails the cache by one step at most.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoTokenizer, GenerationConfig
+
+from kvroute.events import DEFAULT_SEED, BlockHasher, HashConfig, KVCacheEvent
+from kvroute.events.hashing import HashForm
+
+from .detokenizer import IncrementalDetokenizer
+from .kv_cache_manager import KVCacheManager
+from .model_runner import ModelRunner
+from .models import resolve_model
+from .outputs import CompletionOutput, RequestOutput
+from .request import Request, RequestStatus
+from .sampler import SampledToken
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+EventSink = Callable[[list[KVCacheEvent]], Any]
+
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass
+class EngineConfig:
+    """Everything that shapes one engine. Defaults suit the CPU and the built-in models."""
+
+    model: str = "tiny"
+    block_size: int = 16
+    num_blocks: int | None = None  # None: as many as kv_cache_memory_bytes holds
+    kv_cache_memory_bytes: int = 1 << 30
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int | None = None  # None: the model's max positions, capped by the cache
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    hash_algo: str = "xxh3_128"
+    hash_seed: str = DEFAULT_SEED
+    hash_form: HashForm = "bytes"
+    dtype: str | None = None  # "float32", "bfloat16", ... None: bf16 on CUDA, fp32 on CPU
+    device: str | None = None
+    seed: int = 0
+    stream_text: bool = True  # detokenize every step (streaming); False: once at the end
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _RequestState:
+    """Per-request output bookkeeping that the scheduler need not know."""
+
+    __slots__ = ("detok", "logprobs", "prompt", "request", "sent_tokens")
+
+    def __init__(self, request: Request, prompt: str | None, detok: IncrementalDetokenizer):
+        self.request = request
+        self.prompt = prompt
+        self.detok = detok
+        self.sent_tokens = 0
+        self.logprobs: list[dict[int, float]] | None = (
+            [] if request.sampling_params.logprobs is not None else None
+        )
+
+
+class LLMEngine:
+    """One replica's engine: requests in, token deltas and KV events out."""
+
+    def __init__(self, config: EngineConfig, event_sinks: Sequence[EventSink] = ()) -> None:
+        self.config = config
+        path = resolve_model(config.model)
+        self.model_path = path
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        dtype = getattr(torch, config.dtype) if config.dtype else None
+        self.runner = ModelRunner(
+            path,
+            block_size=config.block_size,
+            num_blocks=config.num_blocks,
+            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+            dtype=dtype,
+            device=config.device,
+            seed=config.seed,
+        )
+        self.hasher = BlockHasher(config.hash_algo, config.hash_seed, config.block_size)
+        self.kv_cache_manager = KVCacheManager(
+            self.runner.num_blocks,
+            self.hasher,
+            enable_caching=config.enable_prefix_caching,
+            hash_form=config.hash_form,
+            medium="GPU" if self.runner.device.type == "cuda" else "CPU",
+        )
+        max_len = min(
+            self.runner.max_position_embeddings, self.runner.num_blocks * config.block_size
+        )
+        if config.max_model_len is not None:
+            max_len = min(max_len, config.max_model_len)
+        self.max_model_len = max_len
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=max_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            ),
+            self.kv_cache_manager,
+        )
+        self.event_sinks: list[EventSink] = list(event_sinks)
+        self.eos_token_id, self.extra_eos_token_ids = _eos_token_ids(path, self.tokenizer)
+        self._states: dict[str, _RequestState] = {}
+        self.num_steps = 0
+
+    # -- requests ------------------------------------------------------------------------
+    @property
+    def hash_config(self) -> HashConfig:
+        return self.hasher.config
+
+    def tokenize(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt).input_ids)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return list(ids)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Queues a request; raises ValueError (nothing queued) if it can never run."""
+        if request_id in self._states:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        if self.extra_eos_token_ids and not params.ignore_eos:
+            # generation_config.json may name several EOS tokens (chat models often do).
+            params = dataclasses.replace(
+                params, stop_token_ids=[*params.stop_token_ids, *self.extra_eos_token_ids]
+            )
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.runner.model.config.vocab_size
+        if min(token_ids) < 0 or max(token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+            cache_salt=cache_salt,
+            lora_name=lora_name,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+        )
+        self.scheduler.add_request(req)
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+        self._states[request_id] = _RequestState(req, text, detok)
+        return req
+
+    def abort_requests(self, request_ids: Sequence[str]) -> list[RequestOutput]:
+        """Frees the requests' blocks now; returns their final (aborted) outputs."""
+        live = [rid for rid in request_ids if rid in self._states]
+        self.scheduler.abort_requests(live)
+        outs = [self._output(self._states[rid], [], "") for rid in live]
+        for rid in live:
+            self._forget(rid)
+        return outs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        ok = self.kv_cache_manager.reset_prefix_cache()
+        self._publish_events()
+        return ok
+
+    # -- the step ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedules, runs the model once, applies the sampled tokens, publishes events."""
+        sched = self.scheduler.schedule()
+        for rid in sched.finished_request_ids:
+            self.runner.forget(rid)
+        sampled = self.runner.execute(sched) if sched.scheduled else {}
+        updated = self.scheduler.update_from_output(
+            sched, {rid: s.token_id for rid, s in sampled.items()}
+        )
+        outputs = [self._on_update(req, sampled.get(req.request_id)) for req in updated]
+        self.num_steps += 1
+        self._publish_events()
+        return outputs
+
+    def _on_update(self, req: Request, sampled: SampledToken | None) -> RequestOutput:
+        state = self._states[req.request_id]
+        if sampled is not None and state.logprobs is not None:
+            entry = dict(sampled.top_logprobs or {})
+            entry[sampled.token_id] = sampled.logprob if sampled.logprob is not None else 0.0
+            state.logprobs.append(entry)
+        new_ids = req.output_token_ids[state.sent_tokens :]
+        state.sent_tokens = len(req.output_token_ids)
+        delta = ""
+        if self._detokenizes(state):
+            delta = state.detok.update(new_ids, finished=req.is_finished)
+            if state.detok.stop_string is not None and not req.is_finished:
+                req.stop_reason = state.detok.stop_string
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+        out = self._output(state, new_ids, delta)
+        if req.is_finished:
+            self._forget(req.request_id)
+        return out
+
+    def _detokenizes(self, state: _RequestState) -> bool:
+        """Text every step when streaming or when stop strings must be watched."""
+        return self.config.stream_text or bool(state.detok.stop)
+
+    def _output(self, state: _RequestState, new_ids: list[int], delta: str) -> RequestOutput:
+        req = state.request
+        finished = req.is_finished
+        if self._detokenizes(state):
+            if finished:
+                delta += state.detok.flush()
+            text = state.detok.text
+        elif finished:
+            text = delta = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        else:
+            text = ""
+        completion = CompletionOutput(
+            index=0,
+            text=text,
+            token_ids=list(req.output_token_ids),
+            finish_reason=_FINISH_REASON.get(req.status) if finished else None,
+            stop_reason=req.stop_reason,
+            logprobs=state.logprobs,
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[completion],
+            finished=finished,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            delta_text=delta,
+            delta_token_ids=list(new_ids),
+        )
+
+    def _forget(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+        self.runner.forget(request_id)
+
+    def _publish_events(self) -> None:
+        events = self.kv_cache_manager.take_events()
+        if events:
+            for sink in self.event_sinks:
+                sink(events)
+
+    # -- observation ---------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        s = dict(self.scheduler.stats())
+        s["num_blocks"] = self.runner.num_blocks
+        s["block_size"] = self.config.block_size
+        s["steps"] = self.num_steps
+        return s
+
+
+def _eos_token_ids(path: Path, tokenizer: Any) -> tuple[int | None, list[int]]:
+    """The tokenizer's EOS, and any other EOS ids the model's generation config names."""
+    primary = tokenizer.eos_token_id
+    try:
+        gen_eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:  # no generation_config.json
+        gen_eos = None
+    ids = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
+    if primary is None and ids:
+        primary = ids[0]
+    return primary, [i for i in ids if i != primary]

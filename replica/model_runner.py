@@ -1,0 +1,206 @@
+"""Runs one engine step: a flattened varlen batch through a transformers model over the paged cache.
+
+Why no forked model code: transformers lets a model call a registered attention function
+(``AttentionInterface``) with each layer's Q/K/V after rotary embedding. kvroute registers
+``"kvroute_paged"``, which writes the step's K/V into the paged cache and attends over it
+with :mod:`kvroute.kernels`. Every Llama/Qwen2-style definition in transformers therefore
+runs unchanged; the step's metadata reaches the attention function through a context
+variable, as vLLM's forward context does.
+
+The batch is one sequence of ``num_scheduled_tokens`` tokens (batch dimension 1): prefills,
+chunks over a cached prefix and decodes side by side, each token with its own position.
+Only the last position of a request that samples this step goes through the LM head.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, PretrainedConfig
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_utils import AttentionInterface
+
+from kvroute.kernels import AttentionMetadata, paged_attention, store_kv
+
+from .sampler import SampledToken, Sampler
+from .scheduler import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+ATTN_IMPLEMENTATION = "kvroute_paged"
+
+
+@dataclass(slots=True)
+class _ForwardContext:
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    meta: AttentionMetadata
+
+
+_FORWARD_CONTEXT: contextvars.ContextVar[_ForwardContext] = contextvars.ContextVar("kvroute_fwd")
+
+
+def _paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention signature: Q/K/V are [1, heads, tokens, head_dim]."""
+    ctx = _FORWARD_CONTEXT.get()
+    meta = ctx.meta
+    k_cache, v_cache = ctx.kv_caches[module.layer_idx]
+    q = query[0].transpose(0, 1)
+    store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, meta.slot_mapping)
+    out = paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        block_tables=meta.block_tables,
+        seq_lens=meta.seq_lens,
+        query_start_loc=meta.query_start_loc,
+        scale=scaling if scaling is not None else q.shape[-1] ** -0.5,
+        max_query_len=meta.max_query_len,
+        max_seq_len=meta.max_seq_len,
+    )
+    return out.unsqueeze(0), None  # [1, tokens, heads, head_dim], no weights
+
+
+def _no_mask(*args: object, **kwargs: object) -> None:
+    """Causality lives in the paged kernel; transformers must not build an N x N mask."""
+    return None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, _paged_attention_forward)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
+
+
+def kv_layout(config: PretrainedConfig) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of a transformers decoder config."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return config.num_hidden_layers, kv_heads, head_dim
+
+
+def kv_bytes_per_token(config: PretrainedConfig, dtype: torch.dtype) -> int:
+    """Bytes of K and V one token takes across all layers."""
+    layers, kv_heads, head_dim = kv_layout(config)
+    return 2 * layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class ModelRunner:
+    """Owns the model weights, the paged KV cache tensors and the sampler of one engine."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        block_size: int,
+        num_blocks: int | None = None,
+        kv_cache_memory_bytes: int = 1 << 30,
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dtype is None:
+            dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.dtype = dtype
+        self.block_size = block_size
+        t0 = time.perf_counter()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
+        ).to(self.device)
+        self.model.eval()
+        log.info("loaded %s in %.1f s", model_path, time.perf_counter() - t0)
+        self.decoder = self.model.get_decoder()
+        self.lm_head = self.model.get_output_embeddings()
+        cfg = self.model.config
+        num_layers, kv_heads, head_dim = kv_layout(cfg)
+        if num_blocks is None:
+            per_block = kv_bytes_per_token(cfg, dtype) * block_size
+            num_blocks = max(int(kv_cache_memory_bytes // per_block), 1)
+        self.num_blocks = num_blocks
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        self.kv_caches = [
+            (
+                torch.zeros(shape, dtype=dtype, device=self.device),
+                torch.zeros(shape, dtype=dtype, device=self.device),
+            )
+            for _ in range(num_layers)
+        ]
+        self.sampler = Sampler(seed)
+
+    @property
+    def max_position_embeddings(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 1 << 20))
+
+    def forget(self, request_id: str) -> None:
+        self.sampler.forget(request_id)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> dict[str, SampledToken]:
+        """Computes every scheduled token's KV; samples for the requests that reach their end."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        query_start = [0]
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        sample_reqs = []
+        bs = self.block_size
+        for item in sched.scheduled:
+            req = item.request
+            start, n = item.num_computed_tokens, item.num_new_tokens
+            end = start + n
+            input_ids.extend(req.all_token_ids[start:end])
+            positions.extend(range(start, end))
+            table = item.block_ids
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            seq_lens.append(end)
+            query_start.append(query_start[-1] + n)
+            tables.append(table)
+            if item.samples:
+                sample_rows.append(query_start[-1] - 1)
+                sample_reqs.append(req)
+        if not input_ids:
+            return {}
+        dev = self.device
+        width = max(len(t) for t in tables)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.tensor(
+                [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev
+            ),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
+            max_query_len=max(it.num_new_tokens for it in sched.scheduled),
+            max_seq_len=max(seq_lens),
+        )
+        token = _FORWARD_CONTEXT.set(_ForwardContext(self.kv_caches, meta))
+        try:
+            hidden = self.decoder(
+                input_ids=torch.tensor([input_ids], device=dev),
+                position_ids=torch.tensor([positions], device=dev),
+                use_cache=False,
+            ).last_hidden_state[0]
+        finally:
+            _FORWARD_CONTEXT.reset(token)
+        if not sample_rows:
+            return {}
+        logits = self.lm_head(hidden[torch.tensor(sample_rows, device=dev)])
+        sampled = self.sampler.sample(
+            logits,
+            [r.request_id for r in sample_reqs],
+            [r.sampling_params for r in sample_reqs],
+        )
+        return {r.request_id: s for r, s in zip(sample_reqs, sampled, strict=True)}

@@ -1,0 +1,36 @@
+"""What the engine hands back per request and step: vLLM's output shapes, kept small."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    """One generated sequence so far. ``text`` and ``token_ids`` are cumulative."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[dict[int, float]] | None = None  # per token: {token_id: logprob, ...}
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """A request's state after one engine step; ``delta_*`` is what this step added."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished

@@ -1,0 +1,85 @@
+"""Turns one step's last-position logits into one token per sampling request.
+
+Why per-request generators: a request with ``seed`` must draw the same tokens whatever else
+shares its batch, so each seeded request owns a ``torch.Generator`` that lives as long as the
+request; unseeded ones share the engine's generator. Greedy rows never draw at all.
+
+Sampling uses the exponential race (``argmax(p / E)``, ``E ~ Exp(1)``), which equals a draw
+from ``p`` and needs no cumulative sum per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SampledToken:
+    """A token and, when asked, its log-probability and the top alternatives."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None
+
+
+class Sampler:
+    """Stateless across steps except for the generators of seeded requests."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._shared = torch.Generator().manual_seed(seed)
+        self._per_request: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._per_request.pop(request_id, None)
+
+    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
+        if params.seed is None:
+            return self._shared
+        gen = self._per_request.get(request_id)
+        if gen is None:
+            gen = self._per_request[request_id] = torch.Generator().manual_seed(params.seed)
+        return gen
+
+    @torch.inference_mode()
+    def sample(
+        self,
+        logits: torch.Tensor,
+        request_ids: list[str],
+        params: list[SamplingParams],
+    ) -> list[SampledToken]:
+        """``logits``: [num_requests, vocab] for the requests in ``request_ids`` order."""
+        logits = logits.float()
+        greedy = logits.argmax(dim=-1).tolist()
+        out: list[SampledToken] = []
+        want_logprobs = any(p.logprobs is not None for p in params)
+        logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        for i, (rid, p) in enumerate(zip(request_ids, params, strict=True)):
+            token = greedy[i] if p.temperature == 0.0 else self._draw(logits[i], rid, p)
+            sampled = SampledToken(token)
+            if logprobs is not None and p.logprobs is not None:
+                row = logprobs[i]
+                sampled.logprob = float(row[token])
+                if p.logprobs > 0:
+                    vals, idx = row.topk(p.logprobs)
+                    sampled.top_logprobs = dict(zip(idx.tolist(), vals.tolist(), strict=True))
+            out.append(sampled)
+        return out
+
+    def _draw(self, row: torch.Tensor, request_id: str, p: SamplingParams) -> int:
+        row = row / p.temperature
+        if 0 < p.top_k < row.numel():
+            kth = row.topk(p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = probs.sort(descending=True)
+            # Keep the smallest head whose mass reaches top_p (always at least one token).
+            drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        race = torch.empty_like(probs).exponential_(generator=self._generator(request_id, p))
+        return int((probs / race).argmax())
