@@ -200,6 +200,11 @@ class Scheduler:
         # 2. Waiting requests, FCFS, unless this step already had to preempt.
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+                if kv.get_num_free_blocks() == 0 and self.running:
+                    # Admission always needs a new block (a hit is block-aligned and stops
+                    # before the last token); skipping the lookup keeps a request stuck at
+                    # the head from inflating the hit-rate counters every step.
+                    break
                 req = self.waiting[0]
                 hit_blocks, num_hit = kv.get_computed_blocks(req)
                 num_new = req.num_tokens - num_hit
@@ -304,7 +309,7 @@ class Scheduler:
     def num_running(self) -> int:
         return len(self.running)
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, int | float]:
         """Load as a router sees it. Prefill tokens are counted before any prefix hit:
         a waiting request's hit is only known once it is looked up."""
         queued_prefill = sum(r.num_tokens for r in self.waiting)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from kvroute.replica.request import Request, RequestStatus
@@ -40,7 +42,7 @@ def test_sampling_params_defaults_and_normalisation() -> None:
         ({"logprobs": -1}, "logprobs"),
     ],
 )
-def test_sampling_params_rejects(kwargs: dict, match: str) -> None:
+def test_sampling_params_rejects(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
 

@@ -11,6 +11,7 @@ tokens alone, whatever the cache size, budget or interleaving.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
@@ -98,7 +99,7 @@ class Harness:
         self,
         num_blocks: int,
         runner: Callable[[SchedulerOutput], dict[str, int]] | None = None,
-        **cfg,
+        **cfg: Any,
     ) -> None:
         self.config = SchedulerConfig(**cfg)
         self.kv = KVCacheManager(num_blocks, BlockHasher(block_size=B))
@@ -106,11 +107,10 @@ class Harness:
         self.pool = self.kv.block_pool
         self.run = runner or FakeRunner().execute
         self.replay = BlockSet()
-        self.outputs: dict[str, list[SchedulerOutput]] = {}
         self.history: list[SchedulerOutput] = []
         self.done: dict[str, Request] = {}
 
-    def add(self, rid: str, prompt: list[int], eos: int | None = None, **sp) -> Request:
+    def add(self, rid: str, prompt: list[int], eos: int | None = None, **sp: Any) -> Request:
         req = Request(rid, prompt, SamplingParams(**sp), eos, arrival_time=0.0)
         self.sched.add_request(req)
         return req
@@ -322,6 +322,19 @@ def test_prefix_hit_from_finished_request() -> None:
     assert stats["prefix_cache_queries"] == 30 + 27 + 30 + 32 + 35 + 30 + 30
 
 
+def test_full_cache_skips_lookups_of_a_stuck_request() -> None:
+    h = Harness(4)  # 16 tokens of KV
+    h.add("a", prompt(1, 12), max_tokens=4, ignore_eos=True)
+    h.step()
+    h.add("b", prompt(2, 3))
+    for _ in range(3):  # a holds all 4 blocks until it finishes (in the 3rd of these)
+        assert "b" not in scheduled_ids(h.step())
+        assert h.pool.get_num_free_blocks() == (4 if "a" in h.done else 0)
+    assert h.kv.prefix_cache_queries == 12  # b was never looked up meanwhile
+    assert "b" in scheduled_ids(h.step())
+    assert h.kv.prefix_cache_queries == 12 + 3
+
+
 def test_admission_in_same_step_hits_blocks_being_written() -> None:
     h = Harness(64)
     p = prompt(1, 17)
@@ -415,7 +428,9 @@ def scripted(tokens: list[int]) -> Callable[[SchedulerOutput], dict[str, int]]:
         ({"max_tokens": 1}, None, [5], "length", None),
     ],
 )
-def test_stop_conditions(sp, eos, outputs, status, stop_reason) -> None:
+def test_stop_conditions(
+    sp: dict[str, Any], eos: int | None, outputs: list[int], status: str, stop_reason: int | None
+) -> None:
     h = Harness(100, runner=scripted(list(range(5, 25))))
     r = h.add("a", prompt(1, 6), eos=eos, **sp)
     h.run_all()
