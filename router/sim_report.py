@@ -92,7 +92,9 @@ def summarize(fleet: Fleet, wall_s: float) -> dict[str, Any]:
     t1 = max((r.done_s for r in done), default=0.0)  # type: ignore[type-var]
     span = max(t1 - t0, 1e-9)
     busy = np.array([rep.busy_s for rep in fleet.reps])
-    mean_busy = float(busy.mean()) if busy.sum() else 1.0
+    # work: tokens each replica computed (prefill, recomputation included, and decode)
+    work = np.array([rep.prefill_tokens + rep.decode_tokens for rep in fleet.reps], float)
+    total_work = float(work.sum()) or 1.0
     return {
         "completed": len(done),
         "rejected": fleet.rejected,
@@ -112,16 +114,18 @@ def summarize(fleet: Fleet, wall_s: float) -> dict[str, Any]:
         "makespan_s": span,
         "throughput_tok_s": out_tokens / span,
         "requests_per_s": len(done) / span,
-        "imbalance": float(busy.max() / mean_busy) if len(busy) else 1.0,
+        "imbalance": float(work.max() / work.mean()) if work.sum() else 1.0,
+        "busy_fraction": float(busy.sum() / (len(busy) * span)) if len(busy) else 0.0,
         "replicas": [
             {
                 "id": rep.id,
                 "routed": rep.routed,
                 "busy_s": rep.busy_s,
-                "work_share": rep.busy_s / busy.sum() if busy.sum() else 0.0,
+                "work_share": float(w) / total_work,
                 "prefill_tokens": rep.prefill_tokens,
+                "decode_tokens": rep.decode_tokens,
             }
-            for rep in fleet.reps
+            for rep, w in zip(fleet.reps, work, strict=True)
         ],
         "preemptions": fleet.preemptions,
         "lost_batches": fleet.lost_batches,
@@ -204,10 +208,13 @@ def format_table(result: dict[str, Any]) -> str:
             f"{t['mean']:>10.2f}{t['p50']:>8.2f}{t['p90']:>8.2f}{t['p99']:>8.2f}"
             f"{e['mean']:>9.2f}{e['p90']:>8.2f}{m['throughput_tok_s']:>8.0f}{m['imbalance']:>7.2f}"
         )
-    lines.append("work share per replica (busy time):")
+    lines.append("work share per replica (prefill + decode tokens computed):")
     for name, m in result["policies"].items():
         shares = " ".join(f"{r['work_share']:.3f}" for r in m["replicas"])
-        extra = f"  preempted {m['preemptions']}, rejected {m['rejected']}, {m['wall_s']:.0f}s"
+        extra = (
+            f"  busy {m['busy_fraction']:.2f}, preempted {m['preemptions']}, "
+            f"rejected {m['rejected']}, {m['wall_s']:.0f}s"
+        )
         lines.append(f"  {name:<13}{shares}{extra}")
     return "\n".join(lines)
 

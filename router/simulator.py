@@ -101,8 +101,8 @@ class SimRequest:
 
 class _Replica:
     __slots__ = (
-        "alive", "busy_s", "epoch", "id", "kv", "last_deliver", "last_report", "macro",
-        "prefill_tokens", "routed", "running", "step", "version", "waiting",
+        "alive", "busy_s", "decode_tokens", "epoch", "id", "kv", "last_deliver", "last_report",
+        "macro", "prefill_tokens", "routed", "running", "step", "version", "waiting",
     )  # fmt: skip
 
     def __init__(self, i: int, kv: KVCacheManager) -> None:
@@ -111,7 +111,7 @@ class _Replica:
         self.running: list[SimRequest] = []
         self.step: list[tuple[SimRequest, int, bool]] | None = None  # a normal step in flight
         self.macro: tuple[float, np.ndarray, int] | None = None  # (start, cum times, steps)
-        self.version = self.epoch = self.routed = self.prefill_tokens = 0
+        self.version = self.epoch = self.routed = self.prefill_tokens = self.decode_tokens = 0
         self.busy_s, self.last_deliver, self.last_report = 0.0, 0.0, -1.0
         self.alive = True
 
@@ -317,12 +317,14 @@ class Fleet:
                 if r.generated >= r.output_len:
                     finished.append(r)
             self.decode_tokens += m * len(rep.running)
+            rep.decode_tokens += m * len(rep.running)
         else:
             sched, rep.step = rep.step or [], None
             for r, n, decode in sched:
                 r.num_computed_tokens += n
                 if decode:
                     self.decode_tokens += 1
+                    rep.decode_tokens += 1
                 else:
                     rep.prefill_tokens += n
                 if r.num_computed_tokens < r.num_tokens:

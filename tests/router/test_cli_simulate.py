@@ -1,0 +1,50 @@
+"""`kvroute simulate`: a small run end to end, its JSON fields, and its errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvroute.deploy.cli import main
+
+TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+TRACE = TRACE / "mooncake_synthetic_trace.jsonl"
+
+
+def test_simulate_workload_json(capsys):
+    rc = main(
+        ["simulate", "--workload", "rag", "--limit", "200", "--replicas", "3",
+         "--policy", "kv,least_loaded", "--json", "--seed", "1", "--speed", "2"]
+    )  # fmt: skip
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"config", "workload", "bounds", "policies"}
+    assert out["config"]["replicas"] == 3 and out["config"]["block_size"] == 64
+    b = out["bounds"]
+    assert 0 < b["pooled_hit_rate"] <= b["ceiling_hit_rate"] < 1
+    for name in ("kv", "least_loaded"):
+        m = out["policies"][name]
+        assert m["completed"] == 200 and len(m["replicas"]) == 3
+        assert m["prompt_tokens"] == out["workload"]["prompt_tokens"]
+        assert m["hit_tokens"] + m["prefill_tokens"] >= m["prompt_tokens"]
+        t = m["ttft_s"]
+        assert 0 < t["p50"] <= t["p90"] <= t["p99"] and m["e2e_s"]["p90"] >= t["p90"]
+        assert abs(sum(r["work_share"] for r in m["replicas"]) - 1) < 1e-9
+        assert m["imbalance"] >= 1
+
+
+@pytest.mark.skipif(not TRACE.is_file(), reason="shared/traces not present")
+def test_simulate_trace_table(capsys):
+    rc = main(["simulate", "--trace", str(TRACE), "--limit", "150", "--replicas", "2",
+               "--policy", "kv,round_robin", "--speed", "4"])  # fmt: skip
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "infinite-cache ceiling" in out and "pooled" in out
+    assert out.count("\nkv ") == 1 and "round_robin" in out
+
+
+def test_simulate_rejects_unknown_policy(capsys):
+    assert main(["simulate", "--workload", "chat", "--policy", "kv,nope"]) == 2
+    assert "nope" in capsys.readouterr().err
