@@ -139,9 +139,9 @@ class KVPolicy(Policy):
         index: PrefixIndex,
         load: LoadTracker | None = None,
         seed: int | str = 0,
-        prefill_weight: float = 1.0,
+        prefill_weight: float = 0.1,
         decode_weight: float = 0.0,
-        prediction_ttl_s: float = 5.0,
+        prediction_ttl_s: float = 10.0,
     ) -> None:
         super().__init__(load, seed)
         self.index = index

@@ -83,17 +83,20 @@ def test_a_dead_replica_is_never_chosen(name):
 
 
 def test_hot_prefix_spreads_instead_of_overloading_its_holder():
+    """A replica's queue may exceed the others' by at most what a hit saves, over the prefill
+    weight: past that, siblings go elsewhere (and warm the prefix there)."""
     index = PrefixIndex()
     hold(index, "replica-0", prefix(8192))
     policy = KVPolicy(index, seed=7)
+    n = 1500
     got = Counter(
         policy.route(view(f"r{i}", prefix(8192) + [i] * 256), REPLICAS, 0.0).replica
-        for i in range(400)
+        for i in range(n)
     )  # a burst: nothing finishes, every request queues its prefill
     assert set(got) == set(REPLICAS)
-    assert max(got.values()) < 0.4 * 400
+    assert max(got.values()) < 0.4 * n
     queued = [policy.load.get(r, 0.0)[0] for r in REPLICAS]
-    assert max(queued) < 1.5 * min(queued) + 8192 + 256
+    assert max(queued) - min(queued) <= 8192 / policy.prefill_weight + 8192 + 256
 
 
 def test_kv_follows_siblings_before_any_event_arrives():
