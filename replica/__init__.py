@@ -2,14 +2,29 @@
 
 Offline use mirrors vLLM: ``LLM(model="tiny").generate(prompts, SamplingParams(...))``;
 online use is :class:`AsyncLLMEngine`, which streams per-request outputs.
+
+Names are imported lazily: ``kvroute.replica.models`` or ``.block_pool`` alone must not pay
+for importing torch and transformers' model code (seconds).
 """
 
-from .async_engine import AsyncLLMEngine, EngineDeadError
-from .engine import EngineConfig, LLMEngine
-from .llm import LLM
-from .models import BUILTIN_MODELS, resolve_model, tiny_model_path
-from .outputs import CompletionOutput, RequestOutput
-from .sampling_params import SamplingParams
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "AsyncLLMEngine": ".async_engine",
+    "EngineDeadError": ".async_engine",
+    "EngineConfig": ".engine",
+    "LLMEngine": ".engine",
+    "LLM": ".llm",
+    "BUILTIN_MODELS": ".models",
+    "resolve_model": ".models",
+    "tiny_model_path": ".models",
+    "CompletionOutput": ".outputs",
+    "RequestOutput": ".outputs",
+    "SamplingParams": ".sampling_params",
+}
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -24,3 +39,20 @@ __all__ = [
     "resolve_model",
     "tiny_model_path",
 ]
+
+if TYPE_CHECKING:
+    from .async_engine import AsyncLLMEngine, EngineDeadError
+    from .engine import EngineConfig, LLMEngine
+    from .llm import LLM
+    from .models import BUILTIN_MODELS, resolve_model, tiny_model_path
+    from .outputs import CompletionOutput, RequestOutput
+    from .sampling_params import SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
