@@ -110,9 +110,12 @@ class AsyncLLMEngine:
         self._commands.put(_Abort(request_id))
 
     def shutdown(self, timeout: float = 5.0) -> None:
+        """Stops the engine thread; live streams end with :class:`EngineDeadError`."""
         self._stopped = True
         self._commands.put(None)
         self._thread.join(timeout)
+        if not self._thread.is_alive():  # a request queued while it stopped: fail it too
+            self._fail_queued(EngineDeadError("the engine is shut down"))
 
     # -- the engine thread ---------------------------------------------------------------
     def _run(self) -> None:
@@ -122,6 +125,7 @@ class AsyncLLMEngine:
                 idle = not engine.has_unfinished_requests()
                 # Block only when there is nothing to compute.
                 if not self._drain(block=idle):
+                    self._fail_all(EngineDeadError("the engine is shut down"))
                     return
                 if engine.has_unfinished_requests():
                     for out in engine.step():
@@ -132,6 +136,25 @@ class AsyncLLMEngine:
             err = EngineDeadError(f"engine step failed: {exc!r}")
             for rid in list(self._sinks):
                 self._deliver(rid, err, last=True)
+            self._fail_queued(err)
+
+    def _fail_all(self, err: EngineDeadError) -> None:
+        """On shutdown: free every live request's blocks and end its stream with ``err``."""
+        live = list(self._sinks)
+        self.engine.abort_requests(live)
+        for rid in live:
+            self._deliver(rid, err, last=True)
+        self._fail_queued(err)
+
+    def _fail_queued(self, err: EngineDeadError) -> None:
+        """Requests still in the command queue will never run: their callers must not wait."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                self._put(cmd.sink, cmd.loop, err)
 
     def _drain(self, block: bool) -> bool:
         """Applies queued commands; False when asked to stop."""
@@ -146,6 +169,11 @@ class AsyncLLMEngine:
             if isinstance(cmd, _Abort):
                 for out in self.engine.abort_requests([cmd.request_id]):
                     self._deliver(out.request_id, out, last=True)
+                continue
+            if cmd.request_id in self._sinks:
+                # The id is live: refuse the newcomer without touching the owner's stream.
+                err = ValueError(f"request id {cmd.request_id!r} is already in use")
+                self._put(cmd.sink, cmd.loop, err)
                 continue
             self._sinks[cmd.request_id] = (cmd.sink, cmd.loop)
             try:
@@ -163,9 +191,14 @@ class AsyncLLMEngine:
         entry = self._sinks.pop(rid, None) if last else self._sinks.get(rid)
         if entry is None:
             return
-        sink, loop = entry
+        if not self._put(*entry, item) and not last:
+            self._commands.put(_Abort(rid))  # nobody is listening any more
+
+    @staticmethod
+    def _put(sink: asyncio.Queue[Any], loop: asyncio.AbstractEventLoop, item: object) -> bool:
+        """Hands ``item`` to a caller's queue; False when the caller's loop is closed."""
         try:
             loop.call_soon_threadsafe(sink.put_nowait, item)
-        except RuntimeError:  # the caller's loop is closed: nobody is listening
-            if not last:
-                self._commands.put(_Abort(rid))
+        except RuntimeError:
+            return False
+        return True

@@ -168,6 +168,11 @@ class LLMEngine:
         vocab = self.runner.model.config.vocab_size
         if min(token_ids) < 0 or max(token_ids) >= vocab:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if params.logprobs is not None and params.logprobs > vocab:
+            # Caught here, not in the sampler's topk, where it would fail the whole step.
+            raise ValueError(
+                f"logprobs must be <= the vocabulary size {vocab}, got {params.logprobs}"
+            )
         req = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -224,10 +229,15 @@ class LLMEngine:
         state.sent_tokens = len(req.output_token_ids)
         delta = ""
         if self._detokenizes(state):
-            delta = state.detok.update(new_ids, finished=req.is_finished)
-            if state.detok.stop_string is not None and not req.is_finished:
+            # A stop token (EOS, stop_token_ids) ends the request but is no text, as in vLLM.
+            text_ids = new_ids[:-1] if _stopped_by_token(req) else new_ids
+            delta = state.detok.update(text_ids, finished=req.is_finished)
+            if state.detok.stop_string is not None:
                 req.stop_reason = state.detok.stop_string
-                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+                if req.is_finished:  # max_tokens hit on the token that completed the string:
+                    req.status = RequestStatus.FINISHED_STOPPED  # the string wins (vLLM)
+                else:
+                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
         out = self._output(state, new_ids, delta)
         if req.is_finished:
             self._forget(req.request_id)
@@ -245,7 +255,8 @@ class LLMEngine:
                 delta += state.detok.flush()
             text = state.detok.text
         elif finished:
-            text = delta = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+            ids = req.output_token_ids[:-1] if _stopped_by_token(req) else req.output_token_ids
+            text = delta = self.tokenizer.decode(ids, skip_special_tokens=True)
         else:
             text = ""
         completion = CompletionOutput(
@@ -284,6 +295,14 @@ class LLMEngine:
         s["block_size"] = self.config.block_size
         s["steps"] = self.num_steps
         return s
+
+
+def _stopped_by_token(req: Request) -> bool:
+    """Finished by EOS or a stop token id: its last token is the stop, not output text.
+
+    Only valid where stop strings cannot have set the status yet (or are not watched).
+    """
+    return req.status == RequestStatus.FINISHED_STOPPED and not isinstance(req.stop_reason, str)
 
 
 def _eos_token_ids(path: Path, tokenizer: Any) -> tuple[int | None, list[int]]:
