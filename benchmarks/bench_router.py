@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import platform
 import random
@@ -152,6 +153,12 @@ def main() -> None:
     ap.add_argument("--decisions", type=int, default=2000)
     ap.add_argument("--ray-warm", type=int, default=300)
     ap.add_argument("--ray-requests", type=int, default=300)
+    ap.add_argument(
+        "--gc",
+        choices=("on", "freeze", "off"),
+        default="on",
+        help="during decisions: default GC, gc.freeze() of the built index, or GC disabled",
+    )
     args = ap.parse_args()
     print(f"# python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} cpus")
     pb = args.prompt_tokens // BS
@@ -161,15 +168,23 @@ def main() -> None:
         f"stores {rates['store_blocks_per_s']:,.0f} blocks/s, "
         f"removes {rates['remove_blocks_per_s']:,.0f} blocks/s (64-block batches)"
     )
+    if args.gc == "freeze":
+        gc.freeze()  # what a router process can do once its index is warm
+    elif args.gc == "off":
+        gc.disable()
     d = decisions(index, held, args.replicas, pb, args.decisions)
+    gc.enable()
     print(
         f"decision, {args.prompt_tokens}-token prompt ({pb} hashes given), {args.replicas} "
-        f"replicas: choose p50 {d['choose_p50_us']:.0f} us, p99 {d['choose_p99_us']:.0f} us; "
+        f"replicas, gc {args.gc}: choose p50 {d['choose_p50_us']:.0f} us, "
+        f"p99 {d['choose_p99_us']:.0f} us; "
         f"route (+ accounting, predictions) p50 {d['route_p50_us']:.0f} us, "
         f"p99 {d['route_p99_us']:.0f} us"
     )
     del index, held
-    r = versus_ray(args.replicas, args.prompt_tokens, args.ray_warm, args.ray_requests)
+    r = None
+    if args.ray_requests > 0:
+        r = versus_ray(args.replicas, args.prompt_tokens, args.ray_warm, args.ray_requests)
     if r is not None:
         print(
             f"same stream, per request (median): Ray Serve PrefixTree prefix_match+insert "
