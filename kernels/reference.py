@@ -2,12 +2,15 @@
 
 The CPU engine runs this for real, so it is shaped for speed as well as clarity:
 
-* prefills (``q_len > 1``) run one SDPA call per sequence over its gathered blocks; a fresh
+* a sequence with new tokens is attended with one SDPA call over its gathered blocks; a fresh
   prefill (``q_len == seq_len``) uses ``is_causal=True`` (top-left and bottom-right alignment
   coincide there, and it takes torch's fused CPU flash kernel), a chunk over a cached prefix
-  passes an explicit bottom-right mask, because ``is_causal`` aligns top-left;
-* decodes (``q_len == 1``) of similar length are gathered into one padded batch and computed
-  with two batched matmuls, so a 64-sequence decode costs one gather, not 64 Python calls.
+  passes an explicit bottom-right mask, because ``is_causal`` aligns top-left; a lone decode
+  needs no mask and runs its GQA group as the query length (no KV head expansion);
+* several decodes (``q_len == 1``) are sorted by length and cut into chunks whose gathered
+  K/V stay within a few MiB, each chunk one padded SDPA call. Small chunks matter on CPU:
+  a fresh tens-of-MiB temporary costs more in page faults than the attention itself, while
+  allocations of a few MiB are recycled by the allocator.
 
 Cache slots that were never written may hold anything (``torch.empty`` garbage, even NaN), so
 no value from a position at or beyond a sequence's length may reach the output, not even
@@ -22,10 +25,12 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 __all__ = ["paged_attention", "store_kv"]
 
-# Decodes are grouped so that the longest context in a group is at most this factor (or this
-# many tokens) above the shortest: padding waste stays bounded without one call per sequence.
-_DECODE_GROUP_RATIO = 1.5
-_DECODE_GROUP_SLACK = 256
+# Bytes of gathered K (and again of V) per decode chunk: big enough to batch dozens of short
+# sequences, small enough to be recycled by malloc rather than page-faulted in every call.
+_DECODE_CHUNK_BYTES = 4 << 20
+
+# SDPA's enable_gqa (torch >= 2.5) reads each KV head once instead of a repeated copy.
+_HAS_ENABLE_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 def _flat_slots(cache: Tensor) -> Tensor | None:
@@ -70,13 +75,13 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _gather_seq(cache: Tensor, blocks: Tensor, seq_len: int, dtype: torch.dtype) -> Tensor:
-    """One sequence's first ``seq_len`` cache positions as [num_kv_heads, seq_len, D]."""
+    """One sequence's first ``seq_len`` cache positions as a [1, num_kv_heads, seq_len, D] view."""
     g = cache.index_select(0, blocks)  # [nb, bs, Hk, D], a fresh copy
     g = g.view(-1, *cache.shape[2:])[:seq_len]
-    return g.to(dtype).transpose(0, 1)
+    return g.to(dtype).transpose(0, 1)[None]
 
 
-def _prefill(
+def _attend_one(
     out: Tensor,
     query: Tensor,
     k_cache: Tensor,
@@ -88,42 +93,49 @@ def _prefill(
     scale: float,
     cdt: torch.dtype,
 ) -> None:
-    """One sequence with q_len > 1 through SDPA, bottom-right causal."""
-    num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
+    """One sequence through SDPA, bottom-right causal. Inputs are 4-D on purpose: torch's
+    CPU flash kernel takes only those (3-D falls back to the math path, ~15x slower at 2k)."""
+    num_heads, num_kv_heads, head_dim = query.shape[1], k_cache.shape[2], k_cache.shape[3]
     group = num_heads // num_kv_heads
     k = _gather_seq(k_cache, blocks, seq_len, cdt)
     v = _gather_seq(v_cache, blocks, seq_len, cdt)
-    if group > 1:
-        # Expanding beats enable_gqa here: with it, torch 2.13's CPU SDPA leaves the flash kernel.
-        k = k.repeat_interleave(group, dim=0)
-        v = v.repeat_interleave(group, dim=0)
-    q = query[start : start + q_len].to(cdt).transpose(0, 1)  # [H, q_len, D]
+    q = query[start : start + q_len].to(cdt)
+    if q_len == 1:  # sees every key: the GQA group stands in for the query length, no mask
+        o = sdpa(q.view(1, num_kv_heads, group, head_dim), k, v, scale=scale)
+        out[start] = o.reshape(num_heads, head_dim).to(out.dtype)
+        return
+    gqa: dict[str, bool] = {}
+    if group > 1 and _HAS_ENABLE_GQA:
+        gqa["enable_gqa"] = True
+    elif group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    q = q.transpose(0, 1)[None]  # [1, H, q_len, D]
     if q_len == seq_len:
-        o = sdpa(q, k, v, is_causal=True, scale=scale)
+        o = sdpa(q, k, v, is_causal=True, scale=scale, **gqa)
     else:
         # Query i sits at position seq_len - q_len + i and sees keys 0..that position.
         key_pos = torch.arange(seq_len, device=query.device)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
         mask = key_pos[None, :] <= q_pos[:, None]
-        o = sdpa(q, k, v, attn_mask=mask, scale=scale)
-    out[start : start + q_len] = o.transpose(0, 1).to(out.dtype)
+        o = sdpa(q, k, v, attn_mask=mask, scale=scale, **gqa)
+    out[start : start + q_len] = o[0].transpose(0, 1).to(out.dtype)
 
 
-def _decode_groups(seqs: list[int], seq_lens: list[int]) -> list[list[int]]:
-    """Split decode sequences into groups of similar context length (sorted, greedy)."""
-    order = sorted(seqs, key=lambda i: seq_lens[i])
-    groups: list[list[int]] = []
-    for i in order:
-        if groups:
-            first = seq_lens[groups[-1][0]]
-            if seq_lens[i] <= max(first * _DECODE_GROUP_RATIO, first + _DECODE_GROUP_SLACK):
-                groups[-1].append(i)
-                continue
-        groups.append([i])
-    return groups
+def _decode_chunks(seqs: list[int], seq_lens: list[int], per_token: int) -> list[list[int]]:
+    """Decode sequences sorted by length, cut so that each chunk's padded K stays within
+    ``_DECODE_CHUNK_BYTES`` (``per_token`` bytes per cached token); a longer one stands alone.
+    """
+    chunks: list[list[int]] = []
+    for i in sorted(seqs, key=lambda i: seq_lens[i]):
+        # Sorted ascending, so i is the longest in the chunk it would join.
+        if chunks and (len(chunks[-1]) + 1) * seq_lens[i] * per_token <= _DECODE_CHUNK_BYTES:
+            chunks[-1].append(i)
+        else:
+            chunks.append([i])
+    return chunks
 
 
-def _decode_batch(
+def _decode_chunk(
     out: Tensor,
     query: Tensor,
     k_cache: Tensor,
@@ -135,34 +147,38 @@ def _decode_batch(
     scale: float,
     cdt: torch.dtype,
 ) -> None:
-    """Sequences with q_len == 1, padded to the group's longest context, two batched matmuls."""
+    """Several q_len == 1 sequences, padded to the chunk's longest, in one SDPA call."""
     device = query.device
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     num_heads = query.shape[1]
     group = num_heads // num_kv_heads
-    b = len(seqs)
+    n = len(seqs)
     idx = torch.tensor(seqs, device=device)
     lens = torch.tensor([seq_lens[i] for i in seqs], device=device)
-    max_len = max(seq_lens[i] for i in seqs)
-    nb = -(-max_len // block_size)
+    nb = -(-max(seq_lens[i] for i in seqs) // block_size)
     bt = block_tables.index_select(0, idx)[:, :nb].long()
     # Entries past a sequence's blocks are arbitrary (maybe out of range): point them at block 0.
     n_blocks = (lens + block_size - 1) // block_size
     bt = bt.masked_fill(torch.arange(nb, device=device)[None, :] >= n_blocks[:, None], 0)
     length = nb * block_size
-    pad = torch.arange(length, device=device)[None, :] >= lens[:, None]  # [B, L]
-    k = k_cache[bt].view(b, length, num_kv_heads, head_dim).to(cdt)
-    v = v_cache[bt].view(b, length, num_kv_heads, head_dim).to(cdt)
-    # Unwritten slots may hold NaN: zero them, as 0 * NaN would survive a zero probability.
-    v = v.masked_fill(pad[:, :, None, None], 0.0)
+    keep = torch.arange(length, device=device)[None, :] < lens[:, None]  # [n, L]
+    flat = bt.flatten()
+    # [n, L, Hk, D] copies, read through [n, Hk, L, D] views: SDPA takes the strides as they are.
+    k = k_cache.index_select(0, flat).view(n, length, num_kv_heads, head_dim).to(cdt)
+    v = v_cache.index_select(0, flat).view(n, length, num_kv_heads, head_dim).to(cdt)
+    # Unwritten slots may hold NaN: zero them in both, as SDPA masks by adding -inf (NaN
+    # stays NaN) and 0 * NaN would survive a zero probability. Only the padded rows are
+    # touched (a full masked_fill costs as much as the attention).
+    pad_rows = (~keep).flatten().nonzero().squeeze(1)
+    if pad_rows.numel():
+        k.view(n * length, num_kv_heads, head_dim).index_fill_(0, pad_rows, 0.0)
+        v.view(n * length, num_kv_heads, head_dim).index_fill_(0, pad_rows, 0.0)
     rows = torch.tensor([starts[i] for i in seqs], device=device)
-    q = query.index_select(0, rows).to(cdt).view(b, num_kv_heads, group, head_dim)
-    # [B, Hk, G, D] @ [B, Hk, D, L] -> [B, Hk, G, L]
-    scores = torch.matmul(q, k.permute(0, 2, 3, 1)) * scale
-    scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    o = torch.matmul(probs, v.transpose(1, 2))  # [B, Hk, G, D]
-    out.index_copy_(0, rows, o.reshape(b, num_heads, head_dim).to(out.dtype))
+    q = query.index_select(0, rows).to(cdt).view(n, num_kv_heads, group, head_dim)
+    o = sdpa(
+        q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=keep[:, None, None, :], scale=scale
+    )  # [n, Hk, G, D]: the GQA group as the query length again
+    out.index_copy_(0, rows, o.reshape(n, num_heads, head_dim).to(out.dtype))
 
 
 def paged_attention(
@@ -217,7 +233,13 @@ def paged_attention(
             decodes.append(i)
         elif q_len > 1:
             blocks = block_tables[i, : -(-seq_len // block_size)].long()
-            _prefill(out, query, k_cache, v_cache, blocks, qsl[i], q_len, seq_len, scale, cdt)
-    for group in _decode_groups(decodes, lens):
-        _decode_batch(out, query, k_cache, v_cache, block_tables, group, qsl, lens, scale, cdt)
+            _attend_one(out, query, k_cache, v_cache, blocks, qsl[i], q_len, seq_len, scale, cdt)
+    per_token = num_kv_heads * k_cache.shape[3] * torch.finfo(cdt).bits // 8
+    for chunk in _decode_chunks(decodes, lens, per_token):
+        if len(chunk) == 1:
+            i = chunk[0]
+            blocks = block_tables[i, : -(-lens[i] // block_size)].long()
+            _attend_one(out, query, k_cache, v_cache, blocks, qsl[i], 1, lens[i], scale, cdt)
+        else:
+            _decode_chunk(out, query, k_cache, v_cache, block_tables, chunk, qsl, lens, scale, cdt)
     return out

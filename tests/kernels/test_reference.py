@@ -146,14 +146,29 @@ def test_rejects_inconsistent_inputs() -> None:
         paged_attention(batch.query, batch.k_cache, batch.v_cache, **kw_bad)
 
 
-def test_decode_groups_cover_every_sequence_once() -> None:
-    lens = [1, 5, 300, 1000, 2, 1200, 310]
-    groups = ref._decode_groups([0, 1, 2, 3, 4, 5, 6], lens)
-    assert sorted(i for grp in groups for i in grp) == list(range(7))
-    assert len(groups) > 1  # lengths 1 and 1,200 are not padded together
-    for grp in groups:
-        lo = min(lens[i] for i in grp)
-        assert max(lens[i] for i in grp) <= max(lo * 1.5, lo + 256)
+def test_decode_chunks_cover_every_sequence_once_within_budget() -> None:
+    lens = [1, 5, 300, 1000, 2, 1200, 310, 40_000]
+    per_token = 512
+    chunks = ref._decode_chunks(list(range(len(lens))), lens, per_token)
+    assert sorted(i for c in chunks for i in c) == list(range(len(lens)))
+    assert len(chunks) > 1 and [7] in chunks  # a 20 MB sequence stands alone
+    for c in chunks:
+        assert (
+            len(c) == 1 or len(c) * max(lens[i] for i in c) * per_token <= ref._DECODE_CHUNK_BYTES
+        )
+
+
+@pytest.mark.parametrize("budget", [1, 64 * 512, ref._DECODE_CHUNK_BYTES])
+@pytest.mark.parametrize("scenario", ["decode", "mixed"])
+def test_decode_chunking_does_not_change_results(
+    budget: int, scenario: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every sequence alone, a few per chunk, all in one: the same answer."""
+    monkeypatch.setattr(ref, "_DECODE_CHUNK_BYTES", budget)
+    batch = make_batch(SCENARIOS[scenario], num_heads=8, num_kv_heads=2, dtype=torch.float64)
+    _fill(batch)
+    out = paged_attention(batch.query, batch.k_cache, batch.v_cache, **batch.kwargs())
+    torch.testing.assert_close(out, dense_attention(batch), **tolerance(torch.float64))
 
 
 @settings(max_examples=40, deadline=None)
