@@ -129,6 +129,12 @@ class Case:
             calls.append(lambda q=q, k=k, v=v, m=mask: sdpa(q, k, v, attn_mask=m, **gqa))
         return lambda: [c() for c in calls]
 
+    def flops(self) -> int:
+        """2 matmuls x 2 flops per multiply-add over every (query, visible key) pair."""
+        lens = zip(self.seq_lens, self.q_lens, strict=True)
+        pairs = sum(q * (s - q) + q * (q + 1) // 2 for s, q in lens)
+        return 4 * pairs * HEADS * HEAD_DIM
+
     def bytes_moved(self) -> int:
         """Q read + K and V read once + output written: the memory-traffic lower bound."""
         elem = torch.empty(0, dtype=self.dtype).element_size()
@@ -146,13 +152,18 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument(
+        "--triton",
+        action="store_true",
+        help="run the Triton path off CUDA too (a smoke test under TRITON_INTERPRET=1)",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     cuda = args.device.startswith("cuda")
     dtype = getattr(torch, args.dtype or ("bfloat16" if cuda else "float32"))
     triton = None
-    if cuda and "triton" in available_backends():
+    if (cuda and "triton" in available_backends()) or args.triton:
         from kvroute.kernels import triton_kernels as triton
     rng = torch.Generator().manual_seed(1)
     ctx = [1072 + int(x) for x in torch.randint(0, 64, (64,), generator=rng)]
@@ -170,7 +181,7 @@ def main() -> None:
     )
     header = "| case | reference | dense SDPA floor | reference / floor |"
     if triton is not None:
-        header += " triton | triton GB/s | max abs diff |"
+        header += " triton | triton GB/s | triton TFLOP/s | max abs diff vs reference |"
     print(header)
     print("|" + " --- |" * (header.count("|") - 1))
     for case in cases:
@@ -192,7 +203,11 @@ def main() -> None:
             t_med, t_best = timeit(tri, args.repeat, cuda)
             diff = (tri().float() - ref().float()).abs().max().item()
             gbps = case.bytes_moved() / t_med / 1e9
-            row += f" {t_med * 1e3:.3f} ({t_best * 1e3:.3f}) | {gbps:.0f} | {diff:.2e} |"
+            tflops = case.flops() / t_med / 1e12
+            row += (
+                f" {t_med * 1e3:.3f} ({t_best * 1e3:.3f}) | {gbps:.0f} | {tflops:.2f} |"
+                f" {diff:.2e} |"
+            )
         print(row)
     # store_kv: one prefill's and one decode batch's worth of new tokens.
     case = cases[0]
