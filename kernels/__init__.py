@@ -32,14 +32,18 @@ __all__ = [
 _ENV = "KVROUTE_KERNELS_BACKEND"
 
 
+_triton_error: list[BaseException] = []  # why Triton is unusable, for the error message
+
+
 @functools.cache
 def _triton_module() -> ModuleType | None:
-    """The Triton kernels module, or None where CUDA or Triton is missing."""
+    """The Triton kernels module, or None where CUDA or Triton is missing or broken."""
     if not torch.cuda.is_available():
         return None
     try:
         from kvroute.kernels import triton_kernels
-    except ImportError:
+    except Exception as exc:  # not only ImportError: a broken install can raise anything
+        _triton_error.append(exc)
         return None
     return triton_kernels
 
@@ -56,7 +60,8 @@ def _backend(t: Tensor) -> ModuleType:
     mod = _triton_module()
     if mod is None:
         if choice == "triton":
-            raise RuntimeError(f"{_ENV}=triton but Triton (or CUDA) is not available")
+            why = f": {_triton_error[0]!r}" if _triton_error else ""
+            raise RuntimeError(f"{_ENV}=triton but Triton is not usable{why}")
         return reference
     return mod
 

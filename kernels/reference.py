@@ -195,8 +195,9 @@ def paged_attention(
 ) -> Tensor:
     """Causal (bottom-right) attention of a varlen batch of new tokens over the paged cache.
 
-    The maxima are accepted for parity with the Triton path, which relies on them; here
-    they are only checked, so a runner that passes wrong ones fails on CPU first.
+    The maxima are accepted for parity with the Triton path (which sizes its tiles from
+    ``max_query_len``); here they are only checked, so a runner that passes maxima below the
+    real ones fails on CPU, in tests, rather than silently on a GPU.
     """
     if query.dim() != 3 or k_cache.dim() != 4:
         raise ValueError("query must be [T, H, D] and caches [num_blocks, block_size, Hk, D]")

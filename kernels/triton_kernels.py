@@ -224,7 +224,7 @@ def store_kv(
         value,
         k_cache,
         v_cache,
-        slot_mapping,
+        slot_mapping.contiguous(),
         num_kv_heads,
         head_dim,
         *key.stride(),
@@ -273,8 +273,9 @@ def paged_attention(
 ) -> Tensor:
     """Same contract as ``kvroute.kernels.reference.paged_attention``; never syncs.
 
-    ``max_query_len`` only picks the tile size (and must not understate the real maximum);
-    ``max_seq_len`` is accepted for parity and unused: each program reads its own length.
+    ``max_query_len`` only picks the tile size (results are right whatever it says; 1 for a
+    decode-only step gets the small tile); ``max_seq_len`` is accepted for parity and unused:
+    each program reads its own sequence's length.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -286,6 +287,9 @@ def paged_attention(
     num_seqs = seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
+    # The kernel indexes these as dense vectors / rows (no-ops for the runner's tensors).
+    block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()
+    query_start_loc = query_start_loc.contiguous()
     cfg = launch_config(num_heads, num_kv_heads, head_dim, max_query_len)
     grid = (num_tokens // cfg["BLOCK_Q"] + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](

@@ -80,7 +80,7 @@ def test_store_kv_rejects_too_few_rows() -> None:
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.parametrize("block_size", [1, 16])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_matches_dense(scenario: str, group: int, block_size: int, dtype: torch.dtype) -> None:
     batch = make_batch(
         SCENARIOS[scenario],
@@ -243,3 +243,25 @@ def test_backends_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     _fill(batch)
     out = paged_attention(batch.query, batch.k_cache, batch.v_cache, **batch.kwargs())
     torch.testing.assert_close(out.double(), dense_attention(batch), **tolerance(out.dtype))
+
+
+def test_dispatch_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA tensors go to Triton when it is usable; the env var forces either side."""
+    import types
+
+    import kvroute.kernels as kernels
+
+    fake_triton = types.ModuleType("fake_triton")
+    cuda_tensor = types.SimpleNamespace(is_cuda=True)
+    monkeypatch.setattr(kernels, "_triton_module", lambda: fake_triton)
+    monkeypatch.delenv("KVROUTE_KERNELS_BACKEND", raising=False)
+    assert kernels._backend(cuda_tensor) is fake_triton
+    assert kernels._backend(torch.zeros(1)) is ref
+    monkeypatch.setenv("KVROUTE_KERNELS_BACKEND", "torch")
+    assert kernels._backend(cuda_tensor) is ref
+    monkeypatch.setattr(kernels, "_triton_module", lambda: None)
+    monkeypatch.delenv("KVROUTE_KERNELS_BACKEND")
+    assert kernels._backend(cuda_tensor) is ref  # silent fallback by default...
+    monkeypatch.setenv("KVROUTE_KERNELS_BACKEND", "triton")
+    with pytest.raises(RuntimeError, match="not usable"):  # ...an error when asked for
+        kernels._backend(cuda_tensor)
