@@ -78,7 +78,7 @@ def test_store_kv_rejects_too_few_rows() -> None:
 
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("group", [1, 2, 3, 4])  # 3: SmolLM2-135M (9 heads, 3 KV heads)
 @pytest.mark.parametrize("block_size", [1, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_matches_dense(scenario: str, group: int, block_size: int, dtype: torch.dtype) -> None:

@@ -105,18 +105,27 @@ def test_paged_attention_matches(
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_head_dim_not_power_of_two_and_large_group(device: str) -> None:
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim"),
+    [(16, 1, 24), (9, 3, 64)],  # odd head_dim, big group; SmolLM2-135M's group of 3
+)
+@pytest.mark.parametrize("max_query_len", [None, 5])
+def test_odd_shapes(
+    device: str, heads: int, kv_heads: int, head_dim: int, max_query_len: int | None
+) -> None:
     batch = make_batch(
-        [(30, 5), (0, 1), (77, 1)],
-        num_heads=16,
-        num_kv_heads=1,
-        head_dim=24,
+        [(30, 5), (0, 1), (77, 1), (3, 4)],
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
         block_size=8,
         device=device,
     )
     tk = _tk()
     tk.store_kv(batch.new_keys, batch.new_values, batch.k_cache, batch.v_cache, batch.slot_mapping)
-    out = tk.paged_attention(batch.query, batch.k_cache, batch.v_cache, **batch.kwargs())
+    out = tk.paged_attention(
+        batch.query, batch.k_cache, batch.v_cache, max_query_len=max_query_len, **batch.kwargs()
+    )
     torch.testing.assert_close(out.cpu().double(), dense_attention(batch), atol=1e-4, rtol=1e-4)
 
 
