@@ -10,17 +10,17 @@ from hypothesis import strategies as st
 from kvroute.kernels import AttentionMetadata, available_backends, paged_attention, store_kv
 from kvroute.kernels import reference as ref
 
-from .batches import SCENARIOS, dense_attention, make_batch, tolerance
+from .batches import SCENARIOS, Batch, dense_attention, make_batch, tolerance
 
 
-def _fill(batch) -> None:
+def _fill(batch: Batch) -> None:
     store_kv(batch.new_keys, batch.new_values, batch.k_cache, batch.v_cache, batch.slot_mapping)
 
 
 # --------------------------------------------------------------------------- store_kv
 
 
-def _expected_store(cache, key, slots):
+def _expected_store(cache: torch.Tensor, key: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Slot by slot, the slow and obvious way."""
     exp = cache.clone()
     bs = cache.shape[1]

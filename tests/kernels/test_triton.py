@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
+from types import ModuleType
 
 import pytest
 import torch
@@ -42,7 +44,7 @@ DEVICES = [
 ]
 
 
-def _tk():
+def _tk() -> ModuleType:
     from kvroute.kernels import triton_kernels
 
     return triton_kernels
@@ -150,7 +152,7 @@ def test_kernels_compile_for_ampere_and_hopper(dtype: str) -> None:
 
     tk = _tk()
 
-    def signature(fn, pointers: dict[str, str], consts: dict) -> dict[str, str]:
+    def signature(fn: Callable, pointers: dict[str, str], consts: dict) -> dict[str, str]:
         kinds = {"scale_log2": "fp32", **pointers, **dict.fromkeys(consts, "constexpr")}
         return {name: kinds.get(name, "i32") for name in fn.arg_names}
 
