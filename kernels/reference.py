@@ -181,6 +181,98 @@ def _decode_chunk(
     out.index_copy_(0, rows, o.reshape(n, num_heads, head_dim).to(out.dtype))
 
 
+# Decodes whose block tables begin with the same blocks (siblings of one cached prefix)
+# attend to that shared prefix once, as one matmul for all of them, and to their own tails
+# separately; the two partial softmaxes merge by log-sum-exp (cascade attention, as vLLM
+# and FlashInfer do for shared prefixes). Below these sizes the split does not pay.
+_CASCADE_MIN_SEQS = 4
+_CASCADE_MIN_TOKENS = 256
+
+
+def _cascade_groups(
+    decodes: list[int], block_tables: Tensor, seq_lens: list[int], block_size: int
+) -> tuple[list[tuple[list[int], int]], list[int]]:
+    """(members, shared full blocks) per cascade group, and the decodes left over.
+
+    Members share block ids (physically the same KV), and only blocks every member has
+    filled and moved past count, so each member keeps at least one token of its own tail.
+    """
+    by_first: dict[int, list[int]] = {}
+    for i in decodes:
+        if seq_lens[i] > _CASCADE_MIN_TOKENS:
+            by_first.setdefault(int(block_tables[i, 0]), []).append(i)
+    groups: list[tuple[list[int], int]] = []
+    grouped: set[int] = set()
+    for members in by_first.values():
+        if len(members) < _CASCADE_MIN_SEQS:
+            continue
+        limit = min((seq_lens[i] - 1) // block_size for i in members)
+        rows = block_tables[members, :limit]
+        same = (rows == rows[0]).all(dim=0)
+        shared = int(same.long().cumprod(0).sum()) if limit else 0
+        if shared * block_size >= _CASCADE_MIN_TOKENS:
+            groups.append((members, shared))
+            grouped.update(members)
+    return groups, [i for i in decodes if i not in grouped]
+
+
+def _partial(q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, scale: float):
+    """Softmax attention over one key range: (normalized output, log-sum-exp per row)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    return torch.matmul(torch.exp(scores - lse), v), lse
+
+
+def _decode_cascade(
+    out: Tensor,
+    query: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seqs: list[int],
+    shared_blocks: int,
+    starts: list[int],
+    seq_lens: list[int],
+    scale: float,
+    cdt: torch.dtype,
+) -> None:
+    """Decodes sharing their first ``shared_blocks`` blocks: the prefix once, tails apart."""
+    device = query.device
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    num_heads = query.shape[1]
+    group = num_heads // num_kv_heads
+    n = len(seqs)
+    rows = torch.tensor([starts[i] for i in seqs], device=device)
+    q = query.index_select(0, rows).to(cdt).view(n, num_kv_heads, group, head_dim)
+    # Shared prefix: [Hk, n*G, D] against [Hk, Ls, D], one gather, one pair of matmuls.
+    prefix = block_tables[seqs[0], :shared_blocks].long()
+    ks = _gather_seq(k_cache, prefix, shared_blocks * block_size, cdt)  # [Hk, Ls, D]
+    vs = _gather_seq(v_cache, prefix, shared_blocks * block_size, cdt)
+    qs = q.permute(1, 0, 2, 3).reshape(num_kv_heads, n * group, head_dim)
+    o1, lse1 = _partial(qs, ks, vs, None, scale)
+    o1 = o1.view(num_kv_heads, n, group, head_dim).permute(1, 0, 2, 3)
+    lse1 = lse1.view(num_kv_heads, n, group, 1).permute(1, 0, 2, 3)
+    # Tails: each sequence's own blocks after the prefix, padded to the longest.
+    tails = [seq_lens[i] - shared_blocks * block_size for i in seqs]
+    nb = -(-max(tails) // block_size)
+    idx = torch.tensor(seqs, device=device)
+    bt = block_tables.index_select(0, idx)[:, shared_blocks : shared_blocks + nb].long()
+    lens = torch.tensor(tails, device=device)
+    n_blocks = (lens + block_size - 1) // block_size
+    bt = bt.masked_fill(torch.arange(nb, device=device)[None, :] >= n_blocks[:, None], 0)
+    length = nb * block_size
+    keep = torch.arange(length, device=device)[None, :] < lens[:, None]  # [n, L]
+    k = k_cache.index_select(0, bt.flatten()).view(n, length, num_kv_heads, head_dim).to(cdt)
+    v = v_cache.index_select(0, bt.flatten()).view(n, length, num_kv_heads, head_dim).to(cdt)
+    v = v.masked_fill(~keep[:, :, None, None], 0.0)  # unwritten slots may hold NaN
+    o2, lse2 = _partial(q, k.transpose(1, 2), v.transpose(1, 2), keep[:, None, None, :], scale)
+    lse = torch.logaddexp(lse1, lse2)
+    o = o1 * torch.exp(lse1 - lse) + o2 * torch.exp(lse2 - lse)
+    out.index_copy_(0, rows, o.reshape(n, num_heads, head_dim).to(out.dtype))
+
+
 def paged_attention(
     query: Tensor,
     k_cache: Tensor,
@@ -235,6 +327,11 @@ def paged_attention(
         elif q_len > 1:
             blocks = block_tables[i, : -(-seq_len // block_size)].long()
             _attend_one(out, query, k_cache, v_cache, blocks, qsl[i], q_len, seq_len, scale, cdt)
+    groups, decodes = _cascade_groups(decodes, block_tables, lens, block_size)
+    for members, shared in groups:
+        _decode_cascade(
+            out, query, k_cache, v_cache, block_tables, members, shared, qsl, lens, scale, cdt
+        )
     per_token = num_kv_heads * k_cache.shape[3] * torch.finfo(cdt).bits // 8
     for chunk in _decode_chunks(decodes, lens, per_token):
         if len(chunk) == 1:

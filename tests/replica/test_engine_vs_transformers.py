@@ -143,3 +143,23 @@ def test_cache_salt_isolates(reference):
     assert same.num_cached_tokens == 96
     for o in (first, other, plain, same):
         assert o.outputs[0].token_ids == reference(prompt)
+
+
+def test_siblings_decoding_over_a_shared_prefix(reference, monkeypatch):
+    """Requests hitting one cached prefix decode side by side (the cascade-attention path)."""
+    from kvroute.kernels import reference as kernels_ref
+
+    calls = []
+    real = kernels_ref._decode_cascade
+    monkeypatch.setattr(
+        kernels_ref, "_decode_cascade", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    rng = random.Random(8)
+    prefix = random_prompts(reference.vocab, 1, seed=9, lo=320, hi=320)[0]
+    prompts = [prefix + [rng.randrange(3, reference.vocab) for _ in range(rng.randint(1, 40))]]
+    prompts += [prefix + [rng.randrange(3, reference.vocab) for _ in range(20)] for _ in range(7)]
+    llm = LLM("tiny", num_blocks=512)
+    outs = llm.generate(prompts, GREEDY)
+    assert_matches(reference, prompts, outs)
+    assert calls, "no step took the shared-prefix decode path"
+    assert sum(o.num_cached_tokens == 320 for o in outs) == 7
