@@ -49,19 +49,28 @@ class Case:
     """One batch: paged cache + metadata, and the same data laid out densely for the floor."""
 
     def __init__(
-        self, name: str, specs: list[tuple[int, int]], dtype: torch.dtype, device: str
+        self,
+        name: str,
+        specs: list[tuple[int, int]],
+        dtype: torch.dtype,
+        device: str,
+        shared_tokens: int = 0,
     ) -> None:
+        """``shared_tokens``: every sequence's table starts with the same physical blocks
+        (siblings of one cached prefix, as prefix caching leaves them)."""
         g = torch.Generator().manual_seed(0)
         self.name, self.specs = name, specs
         seq_lens = [c + q for c, q in specs]
         nblocks = [-(-s // BLOCK) for s in seq_lens]
-        num_blocks = sum(nblocks) * 2  # half the cache belongs to nobody
+        num_shared = shared_tokens // BLOCK
+        num_blocks = (sum(nblocks) - num_shared * (len(specs) - 1)) * 2  # half: nobody's
         perm = torch.randperm(num_blocks, generator=g)
-        width, used = max(nblocks), 0
+        width, used = max(nblocks), num_shared
         tables = torch.zeros(len(specs), width, dtype=torch.int32)
         for i, n in enumerate(nblocks):
-            tables[i, :n] = perm[used : used + n]
-            used += n
+            tables[i, :num_shared] = perm[:num_shared]
+            tables[i, num_shared:n] = perm[used : used + n - num_shared]
+            used += n - num_shared
         shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
         self.k_cache = torch.randn(shape, generator=g).to(dtype).to(device)
         self.v_cache = torch.randn(shape, generator=g).to(dtype).to(device)
@@ -172,6 +181,13 @@ def main() -> None:
         Case("32 new over 2,016 cached", [(2016, 32)], dtype, args.device),
         Case("decode x1 @ ~1,100", [(ctx[0] - 1, 1)], dtype, args.device),
         Case("decode x64 @ ~1,100", [(c - 1, 1) for c in ctx], dtype, args.device),
+        Case(
+            "decode x64 @ ~1,100, 1,024 shared",
+            [(c - 1, 1) for c in ctx],
+            dtype,
+            args.device,
+            shared_tokens=1024,
+        ),
     ]
     dev_name = torch.cuda.get_device_name() if cuda else platform.processor() or "cpu"
     print(

@@ -135,6 +135,42 @@ def _decode_chunks(seqs: list[int], seq_lens: list[int], per_token: int) -> list
     return chunks
 
 
+def _gather_padded(
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    seqs: list[int],
+    first_block: int,
+    lengths: list[int],
+    cdt: torch.dtype,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """K/V of ``lengths[j]`` positions of sequence ``seqs[j]`` from block ``first_block`` on,
+    as [n, L, Hk, D] padded to the longest, and the [n, L] mask of real positions."""
+    device = k_cache.device
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    n = len(seqs)
+    lens = torch.tensor(lengths, device=device)
+    nb = -(-max(lengths) // block_size)
+    idx = torch.tensor(seqs, device=device)
+    bt = block_tables.index_select(0, idx)[:, first_block : first_block + nb].long()
+    # Entries past a sequence's blocks are arbitrary (maybe out of range): point them at block 0.
+    n_blocks = (lens + block_size - 1) // block_size
+    bt = bt.masked_fill(torch.arange(nb, device=device)[None, :] >= n_blocks[:, None], 0)
+    length = nb * block_size
+    keep = torch.arange(length, device=device)[None, :] < lens[:, None]  # [n, L]
+    flat = bt.flatten()
+    k = k_cache.index_select(0, flat).view(n, length, num_kv_heads, head_dim).to(cdt)
+    v = v_cache.index_select(0, flat).view(n, length, num_kv_heads, head_dim).to(cdt)
+    # Unwritten slots may hold NaN: zero them in both, as SDPA masks by adding -inf (NaN
+    # stays NaN) and 0 * NaN would survive a zero probability. Only the padded rows are
+    # touched (a full masked_fill costs as much as the attention).
+    pad_rows = (~keep).flatten().nonzero().squeeze(1)
+    if pad_rows.numel():
+        k.view(n * length, num_kv_heads, head_dim).index_fill_(0, pad_rows, 0.0)
+        v.view(n * length, num_kv_heads, head_dim).index_fill_(0, pad_rows, 0.0)
+    return k, v, keep
+
+
 def _decode_chunk(
     out: Tensor,
     query: Tensor,
@@ -149,30 +185,14 @@ def _decode_chunk(
 ) -> None:
     """Several q_len == 1 sequences, padded to the chunk's longest, in one SDPA call."""
     device = query.device
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    num_kv_heads, head_dim = k_cache.shape[2:]
     num_heads = query.shape[1]
     group = num_heads // num_kv_heads
     n = len(seqs)
-    idx = torch.tensor(seqs, device=device)
-    lens = torch.tensor([seq_lens[i] for i in seqs], device=device)
-    nb = -(-max(seq_lens[i] for i in seqs) // block_size)
-    bt = block_tables.index_select(0, idx)[:, :nb].long()
-    # Entries past a sequence's blocks are arbitrary (maybe out of range): point them at block 0.
-    n_blocks = (lens + block_size - 1) // block_size
-    bt = bt.masked_fill(torch.arange(nb, device=device)[None, :] >= n_blocks[:, None], 0)
-    length = nb * block_size
-    keep = torch.arange(length, device=device)[None, :] < lens[:, None]  # [n, L]
-    flat = bt.flatten()
     # [n, L, Hk, D] copies, read through [n, Hk, L, D] views: SDPA takes the strides as they are.
-    k = k_cache.index_select(0, flat).view(n, length, num_kv_heads, head_dim).to(cdt)
-    v = v_cache.index_select(0, flat).view(n, length, num_kv_heads, head_dim).to(cdt)
-    # Unwritten slots may hold NaN: zero them in both, as SDPA masks by adding -inf (NaN
-    # stays NaN) and 0 * NaN would survive a zero probability. Only the padded rows are
-    # touched (a full masked_fill costs as much as the attention).
-    pad_rows = (~keep).flatten().nonzero().squeeze(1)
-    if pad_rows.numel():
-        k.view(n * length, num_kv_heads, head_dim).index_fill_(0, pad_rows, 0.0)
-        v.view(n * length, num_kv_heads, head_dim).index_fill_(0, pad_rows, 0.0)
+    k, v, keep = _gather_padded(
+        k_cache, v_cache, block_tables, seqs, 0, [seq_lens[i] for i in seqs], cdt
+    )
     rows = torch.tensor([starts[i] for i in seqs], device=device)
     q = query.index_select(0, rows).to(cdt).view(n, num_kv_heads, group, head_dim)
     o = sdpa(
@@ -256,17 +276,7 @@ def _decode_cascade(
     lse1 = lse1.view(num_kv_heads, n, group, 1).permute(1, 0, 2, 3)
     # Tails: each sequence's own blocks after the prefix, padded to the longest.
     tails = [seq_lens[i] - shared_blocks * block_size for i in seqs]
-    nb = -(-max(tails) // block_size)
-    idx = torch.tensor(seqs, device=device)
-    bt = block_tables.index_select(0, idx)[:, shared_blocks : shared_blocks + nb].long()
-    lens = torch.tensor(tails, device=device)
-    n_blocks = (lens + block_size - 1) // block_size
-    bt = bt.masked_fill(torch.arange(nb, device=device)[None, :] >= n_blocks[:, None], 0)
-    length = nb * block_size
-    keep = torch.arange(length, device=device)[None, :] < lens[:, None]  # [n, L]
-    k = k_cache.index_select(0, bt.flatten()).view(n, length, num_kv_heads, head_dim).to(cdt)
-    v = v_cache.index_select(0, bt.flatten()).view(n, length, num_kv_heads, head_dim).to(cdt)
-    v = v.masked_fill(~keep[:, :, None, None], 0.0)  # unwritten slots may hold NaN
+    k, v, keep = _gather_padded(k_cache, v_cache, block_tables, seqs, shared_blocks, tails, cdt)
     o2, lse2 = _partial(q, k.transpose(1, 2), v.transpose(1, 2), keep[:, None, None, :], scale)
     lse = torch.logaddexp(lse1, lse2)
     o = o1 * torch.exp(lse1 - lse) + o2 * torch.exp(lse2 - lse)
