@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -180,7 +179,7 @@ class LLMEngine:
             eos_token_id=self.eos_token_id,
             cache_salt=cache_salt,
             lora_name=lora_name,
-            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            arrival_time=arrival_time,
         )
         self.scheduler.add_request(req)
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)

@@ -33,4 +33,3 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
-    metrics: dict[str, float] = field(default_factory=dict)  # arrival, first_token, finished
