@@ -10,9 +10,10 @@ Invariants (all guarded by ``_lock``):
 - ``_masks`` and ``_nodes`` have the same keys, and no mask is 0. Bit ``rep.bit`` of
   ``_masks[h]`` is set iff ``h`` is in ``rep.blocks`` (stored copies) or in
   ``rep.predicted`` (a prediction not yet purged), never both.
-- ``rep.blocks[h] >= 1`` counts stores minus removes of ``h`` on that replica since its last
-  reset (an engine may hold two copies of one hash), less what the memory bound forgot. It
-  never exceeds what the engine holds, so :meth:`PrefixIndex.match` is exact or an
+- ``rep.blocks`` maps each hash the replica holds to its LRU stamp and ``rep.copies`` its
+  count where above 1: stores minus removes of ``h`` on that replica since its last reset (an
+  engine may hold two copies of one hash), less what the memory bound forgot. It never
+  exceeds what the engine holds, so :meth:`PrefixIndex.match` is exact or an
   under-approximation: forgetting costs hits, never correctness.
 - Tree: ``node.parent`` is the parent's hash (None: block 0 of a chain, or unknown). A node
   whose parent node exists is in that node's ``children``; otherwise it waits in
@@ -20,14 +21,23 @@ Invariants (all guarded by ``_lock``):
   blocks before it; while a node's parent exists, ``depth == parent.depth + 1`` (None when
   the parent's is: a chain not yet linked to block 0). An orphan keeps its last depth. A
   None parent never overrides a known one; a conflicting one is counted and ignored. The
-  tree serves inspection only: matching reads ``_masks`` alone.
-- ``children`` and ``_orphans`` values are None, one hash, or a set of hashes: most nodes
-  have one child, and a set per node would triple the index's memory.
+  tree serves inspection only: matching reads ``_masks`` alone. (Bogus events can close a
+  parent cycle, whose depths cannot all hold; chained hashes cannot, and nothing hangs.)
+- ``children`` and ``_orphans`` values are None, one hash, or a dict of hashes to None (an
+  untracked set): most nodes have one child, and a container per node would triple the
+  index's memory.
 - Masks are interned (one object per value, best effort), so ``match`` skips a block whose
   holders are exactly the replicas still matching with one identity test.
 - ``rep.blocks`` is an LRU: stores, and :meth:`PrefixIndex.predict` (a request was just
   routed there), touch entries leaf first, so a chain's shared root is forgotten last; past
-  ``max_blocks_per_replica`` the least recent entries are forgotten.
+  ``max_blocks_per_replica`` the least recent entries are forgotten. A touch gives the entry
+  the replica's next stamp; ``rep.order`` maps each live stamp back to its hash (a
+  bijection with ``rep.blocks``) and no live stamp is below ``rep.low``, so the oldest entry
+  is found by counting up from ``rep.low``.
+- Garbage-collector silence: every per-block container is a plain dict of atomic keys and
+  values (bytes or int hashes, int masks and stamps, float expiries, None) or a ``gc=False``
+  struct, none of which CPython tracks. A full collection therefore never walks the index
+  (an OrderedDict LRU, always tracked, made one walk ~1.25 M entries: ~120 ms).
 
 Thread-safety: one non-reentrant :class:`threading.Lock`. ``apply`` (subscriber thread) takes
 it per event, and per 256 blocks of a longer event, so ``match`` (asyncio thread, which
@@ -41,7 +51,6 @@ import heapq
 import itertools
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from operator import length_hint
 from typing import Any
@@ -51,10 +60,13 @@ import msgspec
 from kvroute.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, ReplicaBatch
 from kvroute.events import ExternalBlockHash as Hash
 
-_Kids = Hash | set[Hash] | None  # compact child set, see module docstring
+_Kids = Hash | dict[Hash, None] | None  # compact child set, see module docstring
+_UNRESOLVED: Any = object()  # predict: the parent's node is not looked up yet
 _CHUNK = 256  # blocks applied per lock hold
+_INTERN_MAX = 65536  # interned masks kept before the cache starts over
 # Approximate bytes per node / stored entry / prediction (measured on CPython 3.11, 16-byte
-# digests): node object + its slot in _nodes + the key; OrderedDict entry; dict entry.
+# digests): node object + its slots in _masks and _nodes + the key; a stored entry's slots
+# in blocks and order + its stamp; a prediction's dict slot + its expiry.
 _NODE_BYTES, _ENTRY_BYTES, _PRED_BYTES = 200, 110, 70
 
 
@@ -69,32 +81,48 @@ class _Node(msgspec.Struct, gc=False):
 
 
 class _Replica:
-    __slots__ = ("bit", "blocks", "evicted", "predicted", "unknown_removals")
+    """One replica's holdings, in plain dicts the garbage collector leaves alone."""
+
+    __slots__ = (
+        "bit",
+        "blocks",
+        "copies",
+        "evicted",
+        "low",
+        "order",
+        "predicted",
+        "tick",
+        "unknown_removals",
+    )
 
     def __init__(self, bit: int) -> None:
         self.bit = bit
-        self.blocks: OrderedDict[Hash, int] = OrderedDict()  # hash -> copies, LRU order
+        self.blocks: dict[Hash, int] = {}  # hash -> LRU stamp of its last touch
+        self.order: dict[int, Hash] = {}  # live stamp -> hash: the LRU order
+        self.copies: dict[Hash, int] = {}  # hash -> copies, only where more than 1
+        self.tick = 0  # the next stamp
+        self.low = 0  # no live stamp is below it
         self.predicted: dict[Hash, float] = {}  # hash -> expiry
         self.evicted = 0  # entries forgotten by the memory bound
         self.unknown_removals = 0  # removes of hashes the index did not hold
 
 
 def _add(kids: _Kids, h: Hash) -> _Kids:
-    if type(kids) is set:
-        kids.add(h)
+    if type(kids) is dict:
+        kids[h] = None
         return kids
-    return h if kids is None or kids == h else {kids, h}
+    return h if kids is None or kids == h else {kids: None, h: None}
 
 
 def _discard(kids: _Kids, h: Hash) -> _Kids:
-    if type(kids) is set:
-        kids.discard(h)
+    if type(kids) is dict:
+        kids.pop(h, None)
         return kids if len(kids) > 1 else next(iter(kids), None)
     return None if kids == h else kids
 
 
 def _members(kids: _Kids) -> Iterable[Hash]:
-    return () if kids is None else kids if type(kids) is set else (kids,)
+    return () if kids is None else kids if type(kids) is dict else (kids,)
 
 
 def _external(h: Hash | None) -> str | int | None:
@@ -131,23 +159,32 @@ class PrefixIndex:
         self.apply(item.replica_id, item.batch)
 
     def apply(self, replica_id: str, batch: EventBatch) -> None:
+        lock = self._lock
         for ev in batch.events:
-            if isinstance(ev, AllBlocksCleared):
-                with self._lock:
+            stored = isinstance(ev, BlockStored)
+            if not stored and not isinstance(ev, BlockRemoved):
+                if not isinstance(ev, AllBlocksCleared):
+                    raise TypeError(f"not a KV cache event: {type(ev).__name__}")
+                with lock:
                     self._reset(self._replica(replica_id))
                 continue
-            if not isinstance(ev, BlockStored | BlockRemoved):
-                raise TypeError(f"not a KV cache event: {type(ev).__name__}")
             hashes = ev.block_hashes
-            for i in range(0, len(hashes), _CHUNK):
-                chunk = hashes if len(hashes) <= _CHUNK else hashes[i : i + _CHUNK]
-                with self._lock:
-                    rep = self._replica(replica_id)
-                    if isinstance(ev, BlockStored):
-                        parent = ev.parent_block_hash if i == 0 else hashes[i - 1]
-                        self._store(rep, chunk, parent, ev.block_size)
+            if len(hashes) <= _CHUNK:  # the engine's usual event: one lock hold
+                with lock:
+                    rep = self._replicas.get(replica_id) or self._replica(replica_id)
+                    if stored:
+                        self._store(rep, hashes, ev.parent_block_hash, ev.block_size)
                     else:
-                        self._remove(rep, chunk)
+                        self._remove(rep, hashes)
+                continue
+            for i in range(0, len(hashes), _CHUNK):
+                with lock:
+                    rep = self._replica(replica_id)
+                    if stored:
+                        parent = ev.parent_block_hash if i == 0 else hashes[i - 1]
+                        self._store(rep, hashes[i : i + _CHUNK], parent, ev.block_size)
+                    else:
+                        self._remove(rep, hashes[i : i + _CHUNK])
 
     def _replica(self, rid: str) -> _Replica:
         rep = self._replicas.get(rid)
@@ -159,75 +196,142 @@ class PrefixIndex:
             rep = self._replicas[rid] = _Replica(1 << idx)
         return rep
 
+    def _interner(self) -> Callable[[int, int], int]:
+        """``intern(mask, mask)`` returns the one object kept for that value, so ``match``
+        can compare by identity. Bounded per call, not per mask: a call adds few values."""
+        if len(self._interned) > _INTERN_MAX:  # a cache only: a miss takes the slower test
+            self._interned.clear()
+        return self._interned.setdefault
+
     def _store(self, rep: _Replica, hashes: Sequence[Hash], parent: Hash | None, bs: int) -> None:
-        blocks, masks, bit = rep.blocks, self._masks, rep.bit
+        """One pass over the chunk, most blocks on the first branch (a new hash whose parent
+        node is the block before it): locals and inline links, no call per block, as few
+        dict operations as the invariants allow. (C-level passes -- map, zip, dict.update --
+        were tried and lost: 3.11's specialised dict stores beat ``dict.update(zip(...))``.)"""
+        masks, nodes, orphans, predicted = self._masks, self._nodes, self._orphans, rep.predicted
+        blocks, order, copies, bit = rep.blocks, rep.order, rep.copies, rep.bit
+        intern = self._interner()
+        solo = intern(bit, bit)
+        s0 = rep.tick
+        st = rep.tick = s0 + len(hashes)  # stamps s0.. counted down: the leaf gets the oldest
+        pnode = None if parent is None else nodes.get(parent)
         for h in hashes:
-            if h not in masks:
-                self._new_node(h, parent, bs, bit)
-                blocks[h] = 1
+            st -= 1
+            m = masks.get(h)
+            if m is None:
+                if pnode is not None:  # pnode exists, h does not: so parent != h
+                    d = pnode.depth
+                    node = _Node(parent, bs, None, None if d is None else d + 1)
+                    kids = pnode.children
+                    pnode.children = h if kids is None else _add(kids, h)
+                elif parent is None or parent == h:
+                    node = _Node(None, bs, None, 0)
+                else:  # the parent is not known (yet): wait among the orphans
+                    node = _Node(parent, bs)
+                    orphans[parent] = _add(orphans.get(parent), h)
+                masks[h] = solo
+                nodes[h] = node
+                if orphans and (kids := orphans.pop(h, None)) is not None:
+                    node.children = kids  # adopt the blocks that arrived before h
+                    self._fix_depths(node)
+                blocks[h] = st
+                order[st] = h
             else:
-                node = self._nodes[h]
+                node = nodes[h]
                 if parent is not None and node.parent != parent:
                     self._reparent(h, node, parent)
                 if not node.tokens:
                     node.tokens = bs
-                copies = blocks.get(h)
-                if copies is not None:
-                    blocks[h] = copies + 1
+                old = blocks.get(h)
+                if old is None:
+                    if m & bit:  # not stored, so predicted: the real copy replaces it
+                        del predicted[h]
+                    else:
+                        m |= bit
+                        masks[h] = intern(m, m)
+                    blocks[h] = st
+                    order[st] = h
                 else:
-                    blocks[h] = 1
-                    if rep.predicted.pop(h, None) is None:  # else the real copy replaces it
-                        masks[h] = self._intern(masks[h] | bit)
-            parent = h
-        for h in reversed(hashes):  # leaf first: a chain's root is the last forgotten
-            blocks.move_to_end(h)
-        while len(blocks) > self.max_blocks_per_replica:
-            h, _ = blocks.popitem(last=False)
-            self._clear_bit(h, bit)
+                    copies[h] = copies.get(h, 1) + 1
+                    if old < s0:  # else touched earlier in this chunk, nearer the root
+                        del order[old]
+                        blocks[h] = st
+                        order[st] = h
+            parent, pnode = h, node
+        if len(blocks) > self.max_blocks_per_replica:
+            self._evict(rep)
+
+    def _evict(self, rep: _Replica) -> None:
+        """Forget the replica's least recently touched entries, down to the bound."""
+        blocks, order, copies = rep.blocks, rep.order, rep.copies
+        low = rep.low
+        for _ in range(len(blocks) - self.max_blocks_per_replica):
+            h = order.pop(low, None)
+            if h is None:  # a run of stamps touched again since: skip it in C
+                low = next(filter(order.__contains__, itertools.count(low + 1)))
+                h = order.pop(low)
+            low += 1
+            del blocks[h]
+            if copies:
+                copies.pop(h, None)
+            self._clear_bit(h, rep.bit)
             rep.evicted += 1
+        rep.low = low
 
     def _remove(self, rep: _Replica, hashes: Sequence[Hash]) -> None:
-        blocks = rep.blocks
+        blocks, order, copies, bit = rep.blocks, rep.order, rep.copies, rep.bit
+        self._interner()  # bounds the cache _clear_bit adds to
         for h in hashes:
-            copies = blocks.get(h)
-            if copies is None:
+            old = blocks.get(h)
+            if old is None:
                 rep.unknown_removals += 1
                 if rep.predicted.pop(h, None) is not None:
-                    self._clear_bit(h, rep.bit)
-            elif copies > 1:
-                blocks[h] = copies - 1
+                    self._clear_bit(h, bit)
+            elif copies and h in copies:
+                c = copies.pop(h)
+                if c > 2:
+                    copies[h] = c - 1
             else:
                 del blocks[h]
-                self._clear_bit(h, rep.bit)
+                del order[old]
+                self._clear_bit(h, bit)
 
     def _reset(self, rep: _Replica) -> None:
+        self._interner()
         for h in itertools.chain(rep.blocks, rep.predicted):
             self._clear_bit(h, rep.bit)
         rep.blocks.clear()
+        rep.order.clear()
+        rep.copies.clear()
         rep.predicted.clear()
+        rep.low = rep.tick
 
     # -- tree upkeep -----------------------------------------------------------------------
-    def _new_node(self, h: Hash, parent: Hash | None, tokens: int, mask: int) -> None:
-        self._masks[h] = self._intern(mask)
+    def _new_node(self, h: Hash, parent: Hash | None, tokens: int, mask: int) -> _Node:
+        m = self._interned.setdefault(mask, mask)
+        self._masks[h] = m
         node = self._nodes[h] = _Node(None if parent == h else parent, tokens)
         node.children = self._orphans.pop(h, None)
         self._link(h, node)
+        return node
 
     def _link(self, h: Hash, node: _Node) -> None:
         """Hang ``node`` under its parent (or among the orphans) and fix depths below it."""
         parent = node.parent
         if parent is None:
-            depth: int | None = 0
+            node.depth = 0
         elif (p := self._nodes.get(parent)) is not None:
             p.children = _add(p.children, h)
-            depth = None if p.depth is None else p.depth + 1
+            node.depth = None if p.depth is None else p.depth + 1
         else:
             self._orphans[parent] = _add(self._orphans.get(parent), h)
-            depth = node.depth
-        if node.children is None:
-            node.depth = depth
-            return
-        stack, seen = [(node, depth)], set()  # seen: bogus events may close a cycle
+        if node.children is not None:
+            self._fix_depths(node)
+
+    def _fix_depths(self, node: _Node) -> None:
+        """Give ``node``'s subtree the depths that ``node.depth`` implies."""
+        nodes = self._nodes
+        stack, seen = [(node, node.depth)], set()  # seen: bogus events may close a cycle
         while stack:
             n, d = stack.pop()
             if id(n) in seen:
@@ -236,15 +340,9 @@ class PrefixIndex:
             n.depth = d
             cd = None if d is None else d + 1
             for c in _members(n.children):
-                child = self._nodes[c]
+                child = nodes[c]
                 if child.depth != cd:
                     stack.append((child, cd))
-
-    def _intern(self, mask: int) -> int:
-        """One object per mask value, so ``match`` can compare by identity in its loop."""
-        if len(self._interned) > 65536:  # a cache only: a miss just takes the slower test
-            self._interned.clear()
-        return self._interned.setdefault(mask, mask)
 
     def _reparent(self, h: Hash, node: _Node, parent: Hash) -> None:
         if node.parent is not None or parent == h:
@@ -254,11 +352,12 @@ class PrefixIndex:
         self._link(h, node)
 
     def _clear_bit(self, h: Hash, bit: int) -> None:
-        mask = self._masks[h] & ~bit
+        masks = self._masks
+        mask = masks[h] & ~bit
         if mask:
-            self._masks[h] = self._intern(mask)
+            masks[h] = self._interned.setdefault(mask, mask)
             return
-        del self._masks[h]
+        del masks[h]
         node = self._nodes.pop(h)
         parent = node.parent
         if parent is not None:
@@ -275,7 +374,7 @@ class PrefixIndex:
     def match(self, hashes: Sequence[Hash], now: float | None = None) -> dict[str, int]:
         """Per replica with at least one hit, the number of leading blocks of ``hashes`` it
         holds (stored or predicted). One walk; stops when no replica is left."""
-        if not isinstance(hashes, list | tuple):
+        if type(hashes) is not list and type(hashes) is not tuple:
             hashes = list(hashes)
         total, out = len(hashes), {}
         with self._lock:
@@ -283,6 +382,7 @@ class PrefixIndex:
                 self._expire(self._clock() if now is None else now)
             # Lookups run in C (map); the block number is only needed when a replica drops
             # out, and is read off the list iterator then: this loop is the routing hot path.
+            # Its cost is memory, not bytecode: one cache miss per block in a dict of ~1 M.
             rest = iter(hashes)
             masks = map(self._masks.get, rest, itertools.repeat(0))
             alive = next(masks, 0)
@@ -316,23 +416,67 @@ class PrefixIndex:
             now = self._clock() if now is None else now
             self._expire(now)
             rep = self._replica(replica_id)
+            masks, nodes, blocks, predicted = self._masks, self._nodes, rep.blocks, rep.predicted
+            intern, bit = self._interner(), rep.bit
+            solo = intern(bit, bit)
+            room = self.max_blocks_per_replica - len(predicted)  # predictions the bound allows
             expiry, added, held = now + ttl_s, [], []
+            pnode: Any = _UNRESOLVED  # the node of ``parent``, looked up only when needed
             for h in hashes:
-                if h in rep.blocks:
-                    held.append(h)
-                elif h in rep.predicted or len(rep.predicted) < self.max_blocks_per_replica:
-                    node = self._nodes.get(h)
-                    if node is None:
-                        self._new_node(h, parent, 0, rep.bit)
+                m = masks.get(h)
+                if m is None:  # new to the index: usually the request's unseen tail
+                    if room > 0:
+                        if pnode is _UNRESOLVED:
+                            pnode = None if parent is None else nodes.get(parent)
+                        if pnode is not None:  # pnode exists, h does not: so parent != h
+                            d = pnode.depth
+                            node = _Node(parent, 0, None, None if d is None else d + 1)
+                            kids = pnode.children
+                            pnode.children = h if kids is None else _add(kids, h)
+                            masks[h] = solo
+                            nodes[h] = node
+                            orphans = self._orphans
+                            if orphans and (kids := orphans.pop(h, None)) is not None:
+                                node.children = kids
+                                self._fix_depths(node)
+                        else:
+                            node = self._new_node(h, parent, 0, solo)
+                        predicted[h] = expiry
+                        added.append(h)
+                        room -= 1
+                        pnode = node
                     else:
-                        if parent is not None and node.parent != parent:
-                            self._reparent(h, node, parent)
-                        self._masks[h] = self._intern(self._masks[h] | rep.bit)
-                    rep.predicted[h] = max(expiry, rep.predicted.get(h, expiry))
+                        pnode = None  # h stays unindexed
+                elif h in blocks:
+                    held.append(h)
+                    pnode = _UNRESOLVED
+                elif (old := predicted.get(h)) is not None or room > 0:
+                    node = nodes[h]
+                    if parent is not None and node.parent != parent:
+                        self._reparent(h, node, parent)
+                    if old is None:
+                        m |= bit
+                        masks[h] = intern(m, m)
+                        predicted[h] = expiry
+                        room -= 1
+                    elif old < expiry:
+                        predicted[h] = expiry
                     added.append(h)
+                    pnode = node
+                else:
+                    pnode = _UNRESOLVED
                 parent = h
-            for h in reversed(held):
-                rep.blocks.move_to_end(h)
+            if held:  # leaf first, as stores do: the first held block is the most recent
+                order = rep.order
+                s0 = rep.tick
+                st = rep.tick = s0 + len(held)
+                for h in held:
+                    st -= 1
+                    old = blocks[h]
+                    if old < s0:
+                        del order[old]
+                        blocks[h] = st
+                        order[st] = h
             if added:
                 heapq.heappush(self._expiries, (expiry, next(self._seq), replica_id, tuple(added)))
             return len(added)
@@ -382,10 +526,15 @@ class PrefixIndex:
             return len(rep.predicted) if rep else 0
 
     def counts(self, replica_id: str) -> dict[Hash, int]:
-        """Hash -> copies held by the replica (a copy, safe to keep)."""
+        """Hash -> copies held by the replica, least recently touched first (a copy)."""
         with self._lock:
             rep = self._replicas.get(replica_id)
-            return dict(rep.blocks) if rep else {}
+            return dict(self._lru(rep)) if rep else {}
+
+    def _lru(self, rep: _Replica) -> list[tuple[Hash, int]]:
+        """(hash, copies) of a replica's stored entries, least recently touched first."""
+        order, copies = rep.order, rep.copies
+        return [(h, copies.get(h, 1)) for h in map(order.__getitem__, sorted(order))]
 
     def memory_bytes(self) -> int:
         """Approximate heap bytes, for metrics (calibrated constants, not a measurement)."""
@@ -401,7 +550,7 @@ class PrefixIndex:
             rep = self._replicas.get(replica_id)
             if rep is None:
                 raise KeyError(replica_id)
-            held = [*rep.blocks.items(), *((h, 0) for h in rep.predicted)]  # 0: predicted
+            held = [*self._lru(rep), *((h, 0) for h in rep.predicted)]  # 0: predicted
             nodes = [self._export_node(h, copies) for h, copies in held]
             out: dict[str, Any] = {
                 "replica_id": replica_id,
@@ -426,8 +575,13 @@ class PrefixIndex:
             want: dict[Hash, int] = {}
             for rep in self._replicas.values():
                 assert not rep.blocks.keys() & rep.predicted.keys(), "stored and predicted"
-                assert all(c >= 1 for c in rep.blocks.values()), "zero count kept"
+                assert all(c >= 2 for c in rep.copies.values()), "copies below 2 kept"
+                assert rep.copies.keys() <= rep.blocks.keys(), "copies of a hash not held"
                 assert len(rep.blocks) <= self.max_blocks_per_replica, "bound exceeded"
+                assert len(rep.order) == len(rep.blocks), "LRU order disagrees"
+                for h, stamp in rep.blocks.items():
+                    assert rep.order.get(stamp) == h, "LRU stamp not in order"
+                    assert rep.low <= stamp < rep.tick, "LRU stamp out of range"
                 for h in itertools.chain(rep.blocks, rep.predicted):
                     want[h] = want.get(h, 0) | rep.bit
             assert self._masks == want and self._nodes.keys() == want.keys(), "masks disagree"

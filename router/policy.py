@@ -150,35 +150,47 @@ class KVPolicy(Policy):
         self.prediction_ttl_s = prediction_ttl_s
 
     def costs(self, req: RequestView, replicas: Sequence[str], now: float) -> dict[str, float]:
-        """Per replica, the predicted cost (for inspection and tests)."""
-        return {r: c for r, (c, _, _) in self._costs(req, replicas, now).items()}
-
-    def _costs(
-        self, req: RequestView, replicas: Sequence[str], now: float
-    ) -> dict[str, tuple[float, int, int]]:
-        n, bs = req.num_prompt_tokens, req.block_size
-        cap = max(n - 1, 0) // bs
-        matched = self.index.match(req.block_hashes[:cap], now) if cap else {}
-        out: dict[str, tuple[float, int, int]] = {}
+        """Per replica, the predicted cost (for inspection and tests; ``choose`` computes
+        the same figures in its own loop)."""
+        matched, n, bs = self._match(req, now), req.num_prompt_tokens, req.block_size
         wp, wd = self.prefill_weight, self.decode_weight
+        out: dict[str, float] = {}
         for r in replicas:
-            hit = matched.get(r, 0) * bs
-            prefill, decode, count = self.load.get(r, now)
-            out[r] = ((n - hit) + wp * prefill + wd * decode, count, hit)
+            prefill, decode, _ = self.load.get(r, now)
+            out[r] = (n - matched.get(r, 0) * bs) + wp * prefill + wd * decode
         return out
 
+    def _match(self, req: RequestView, now: float) -> dict[str, int]:
+        """Leading blocks held per replica, over the blocks a hit may cover (prompt - 1)."""
+        cap = max(req.num_prompt_tokens - 1, 0) // req.block_size
+        if not cap:
+            return {}
+        hashes = req.block_hashes
+        return self.index.match(hashes[:cap] if len(hashes) > cap else hashes, now)
+
     def choose(self, req: RequestView, replicas: Sequence[str], now: float) -> Decision:
-        costs = self._costs(req, replicas, now)
-        best = min(costs.values())[:2]
-        tied = [r for r in replicas if costs[r][:2] == best]
+        """Lowest (cost, requests in flight), then a seeded coin among the tied, in one pass
+        with no per-replica allocation: this loop and the index walk are the decision."""
+        matched, n, bs = self._match(req, now), req.num_prompt_tokens, req.block_size
+        wp, wd, load = self.prefill_weight, self.decode_weight, self.load.get
+        best, fewest, tied = float("inf"), 0, []
+        for r in replicas:
+            prefill, decode, count = load(r, now)
+            cost = (n - matched.get(r, 0) * bs) + wp * prefill + wd * decode
+            if cost < best or (cost == best and count < fewest):
+                best, fewest, tied = cost, count, [r]
+            elif cost == best and count == fewest:
+                tied.append(r)
         r = tied[0] if len(tied) == 1 else self.rng.choice(tied)
-        return Decision(r, costs[r][2])
+        return Decision(r, matched.get(r, 0) * bs)
 
     def on_routed(self, req: RequestView, decision: Decision, now: float) -> None:
         super().on_routed(req, decision, now)
         cap = max(req.num_prompt_tokens - 1, 0) // req.block_size
         if cap:
-            self.index.predict(decision.replica, req.block_hashes[:cap], self.prediction_ttl_s, now)
+            hashes = req.block_hashes
+            hashes = hashes[:cap] if len(hashes) > cap else hashes
+            self.index.predict(decision.replica, hashes, self.prediction_ttl_s, now)
 
     def on_replica_removed(self, replica: str) -> list[str]:
         self.index.drop_replica(replica)

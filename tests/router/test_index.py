@@ -1,13 +1,15 @@
 """PrefixIndex: exact per-replica counts under churn, leading-block matching checked against
-a brute-force reference, memory bound, predictions, export, and a real ZeroMQ stream."""
+a brute-force reference, memory bound and LRU order against a reference LRU, predictions,
+export, garbage-collector silence, and a real ZeroMQ stream."""
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 import pytest
@@ -428,3 +430,105 @@ def test_match_stops_when_no_replica_is_left() -> None:
     CountingDict.lookups = 0
     assert index.match([b"\x00" * 16, *chain]) == {}
     assert CountingDict.lookups == 1
+
+
+class ReferenceLRU:
+    """The memory bound's rule on an OrderedDict, as the index implemented it before LRU
+    stamps: a store counts each hash, then touches the event's hashes leaf first (so a
+    chain's root is the most recent); a prediction touches the held ones the same way; past
+    the bound the least recent go. Removes and clears touch nothing."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.d: OrderedDict = OrderedDict()
+
+    def store(self, hashes: list) -> None:
+        for h in hashes:
+            self.d[h] = self.d.get(h, 0) + 1
+        self.touch(hashes)
+        while len(self.d) > self.cap:
+            self.d.popitem(last=False)
+
+    def touch(self, hashes: list) -> None:
+        for h in reversed(hashes):
+            if h in self.d:
+                self.d.move_to_end(h)
+
+    def remove(self, hashes: list) -> None:
+        for h in hashes:
+            if h in self.d:
+                self.d[h] -= 1
+                if not self.d[h]:
+                    del self.d[h]
+
+
+@pytest.mark.parametrize("form", ["bytes", "int"])
+def test_eviction_order_equals_a_reference_lru(form: str) -> None:
+    """Duplicates within an event, copies, touches by predictions, removes and clears, on a
+    small universe so that the bound bites all the time: the index forgets exactly what an
+    LRU would, and ``counts`` lists what it keeps least recent first."""
+    rng, cap = random.Random(8), 12
+    universe = [i.to_bytes(16, "big") if form == "bytes" else i for i in range(1, 41)]
+    index = PrefixIndex(max_blocks_per_replica=cap, clock=lambda: 0.0)
+    refs = {rid: ReferenceLRU(cap) for rid in ("r0", "r1")}
+    evicted = 0
+    for step in range(3000):
+        rid = rng.choice(list(refs))
+        ref, r = refs[rid], rng.random()
+        if r < 0.5:
+            hs = sorted(rng.sample(universe, rng.randint(1, 8)))  # ascending: no parent cycle
+            if rng.random() < 0.2:  # the same hash twice in one event
+                i = rng.randrange(len(hs))
+                hs.insert(i, hs[i])
+            parent = rng.choice([None, *(u for u in universe if u < hs[0])])
+            feed(index, rid, stored(hs, parent))
+            before = len(ref.d) + len(set(hs) - ref.d.keys())
+            ref.store(hs)
+            evicted += max(0, before - cap)
+        elif r < 0.7:
+            hs = rng.sample(universe, rng.randint(1, 6))
+            feed(index, rid, BlockRemoved(hs, "GPU"))
+            ref.remove(hs)
+        elif r < 0.97:
+            hs = sorted(rng.sample(universe, rng.randint(1, 10)))
+            index.predict(rid, hs, ttl_s=rng.choice([0.0, 5.0]), now=0.0)
+            ref.touch(hs)
+        else:
+            feed(index, rid, AllBlocksCleared())
+            ref.d.clear()
+        assert list(index.counts(rid).items()) == list(ref.d.items()), step
+        if step % 100 == 0:
+            index.check_invariants()
+    assert evicted > 500  # the bound really bit, often
+    assert sum(index.export(rid)["evicted"] for rid in refs) == evicted
+    index.check_invariants()
+
+
+def test_index_adds_no_work_to_the_garbage_collector() -> None:
+    """A full collection follows every reference of every tracked container. CPython tracks
+    any OrderedDict, set or list, and only those dicts that hold a tracked object: per-block
+    containers of the tracked kind (an OrderedDict LRU, a set of children per fork) made a
+    1 M-block index cost ~120 ms per full collection. The index's stay untracked, so what it
+    adds to a collection does not grow with its size."""
+
+    def referents() -> int:
+        gc.collect()
+        return sum(len(gc.get_referents(o)) for o in gc.get_objects())
+
+    base = referents()
+    indexes = [PrefixIndex(max_blocks_per_replica=3000) for _ in range(2)]
+    rng = random.Random(9)
+    for index, form in zip(indexes, ["bytes", "int"], strict=True):
+        x = (lambda i: i.to_bytes(16, "big")) if form == "bytes" else (lambda i: i)
+        for k, rid in enumerate(("r0", "r1", "r2")):
+            for c in range(60):  # 60 chains of 64 under one shared root: forks and evictions
+                chain = [x(10_000_000 * (k + 1) + 100_000 * c + i) for i in range(64)]
+                feed(index, rid, stored([x(1)]), stored(chain, x(1)), stored(chain[:2], x(1)))
+                feed(index, rid, BlockRemoved(chain[10:12], "GPU"))  # orphans their children
+            index.predict(rid, [x(7_000_000 + i) for i in range(50)], now=0.0)
+            for _ in range(40):  # single-block roots, some stored twice: copies
+                feed(index, rid, stored([x(9_000_000 + rng.randrange(30))]))
+        index.check_invariants()
+        assert len(index) > 8000 and index._orphans
+    added = referents() - base
+    assert added < 500, added  # vs > 2 per block (9,000+ blocks here) when tracked

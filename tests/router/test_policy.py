@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import pytest
@@ -97,6 +98,49 @@ def test_hot_prefix_spreads_instead_of_overloading_its_holder():
     assert max(got.values()) < 0.4 * n
     queued = [policy.load.get(r, 0.0)[0] for r in REPLICAS]
     assert max(queued) - min(queued) <= 8192 / policy.prefill_weight + 8192 + 256
+
+
+def test_kv_choose_is_the_documented_rule_draw_for_draw():
+    """``choose`` (one pass, no per-replica tuples) picks what the rule says -- lowest cost
+    as ``costs`` reports it, then fewest in flight, then a seeded coin over the tied in
+    replica order -- the same replica, draw for draw, as a policy seeded alike would by
+    computing every cost first, and credits the chosen replica's own hit."""
+    rng = random.Random(3)
+    index = PrefixIndex()
+    replicas = [f"replica-{i}" for i in range(10)]
+    prompts = [prefix(1024, base=100_000 * i) for i in range(4)]  # the 4th held nowhere
+    for i, r in enumerate(replicas[:6]):
+        hold(index, r, prompts[i % 3][: 256 * (1 + i % 4)])
+    policy = KVPolicy(index, seed=9, prefill_weight=0.25, decode_weight=0.01)
+    coin = KVPolicy(index, seed=9).rng  # the same seeded coin, drawn by the reference
+    kinds: Counter = Counter()
+    flights: list[str] = []
+    for k in range(300):
+        if rng.random() < 0.6:  # often a quiet fleet, where costs tie
+            for f in flights:
+                policy.load.on_finished(f)
+            flights.clear()
+        for r in rng.sample(replicas, rng.randint(0, 3)):
+            flights.append(f"l{k}{r}")  # prefill 0: a count apart at equal cost
+            policy.load.on_routed(flights[-1], r, rng.choice([0, 0, 64]), 256)
+            if rng.random() < 0.2:
+                policy.load.on_first_token(flights[-1])
+        if k % 7 == 0:
+            policy.load.report(rng.choice(replicas), 4096, 0, 3, now=float(k))
+        req = view(f"q{k}", rng.choice(prompts)[: rng.choice([16, 300, 1024])] + [k] * 40)
+        costs = policy.costs(req, replicas, float(k))
+        key = {r: (costs[r], policy.load.get(r, float(k))[2]) for r in replicas}
+        best = min(key.values())
+        tied = [r for r in replicas if key[r] == best]
+        want = tied[0] if len(tied) == 1 else coin.choice(tied)
+        got = policy.choose(req, replicas, float(k))
+        held = index.match(req.block_hashes[: (req.num_prompt_tokens - 1) // BS])
+        assert (got.replica, got.hit_tokens) == (want, held.get(want, 0) * BS), k
+        kinds["tied" if len(tied) > 1 else "alone"] += 1
+        kinds["hit" if got.hit_tokens else "miss"] += 1
+        kinds["count broke a cost tie"] += sum(c == best[0] for c, _ in key.values()) > len(tied)
+    for kind in ("alone", "tied", "hit", "miss", "count broke a cost tie"):
+        assert kinds[kind] > 10, kinds  # every branch of the rule was exercised
 
 
 def test_kv_follows_siblings_before_any_event_arrives():
