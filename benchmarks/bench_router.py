@@ -11,6 +11,10 @@
 3. Same stream through Ray Serve's ``PrefixTree`` (prefix_match + insert on the prompt
    text, ~5 characters per token) and through kvroute (hash the tokens + match + predict),
    per request, if ``ray[serve]`` is importable.
+
+Also printed: the machine's load average before and after (these figures move with it), and
+one full garbage collection timed with the index alive and again once it is dropped (what
+is left is the benchmark's own request chains), so the index's share of a GC pause shows.
 """
 
 from __future__ import annotations
@@ -160,7 +164,10 @@ def main() -> None:
         help="during decisions: default GC, gc.freeze() of the built index, or GC disabled",
     )
     args = ap.parse_args()
-    print(f"# python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} cpus")
+    print(
+        f"# python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} cpus; "
+        f"load average {_load()} at start"
+    )
     pb = args.prompt_tokens // BS
     index, rates, held = ingest(args.replicas, args.blocks, pb)
     print(
@@ -168,12 +175,14 @@ def main() -> None:
         f"stores {rates['store_blocks_per_s']:,.0f} blocks/s, "
         f"removes {rates['remove_blocks_per_s']:,.0f} blocks/s (64-block batches)"
     )
+    with_index = full_gc_ms()
     if args.gc == "freeze":
         gc.freeze()  # what a router process can do once its index is warm
     elif args.gc == "off":
         gc.disable()
     d = decisions(index, held, args.replicas, pb, args.decisions)
     gc.enable()
+    gc.unfreeze()  # (a no-op unless frozen) so the GC pass timed below walks everything
     print(
         f"decision, {args.prompt_tokens}-token prompt ({pb} hashes given), {args.replicas} "
         f"replicas, gc {args.gc}: choose p50 {d['choose_p50_us']:.0f} us, "
@@ -181,7 +190,12 @@ def main() -> None:
         f"route (+ accounting, predictions) p50 {d['route_p50_us']:.0f} us, "
         f"p99 {d['route_p99_us']:.0f} us"
     )
-    del index, held
+    del index
+    print(
+        f"full gc pass: {with_index:.1f} ms with the index alive, {full_gc_ms():.1f} ms once "
+        f"it is dropped (the benchmark's own {len(held):,} request chains)"
+    )
+    del held
     r = None
     if args.ray_requests > 0:
         r = versus_ray(args.replicas, args.prompt_tokens, args.ray_warm, args.ray_requests)
@@ -191,6 +205,19 @@ def main() -> None:
             f"{r['ray_prefixtree_ms']:.2f} ms; kvroute hash+match+predict "
             f"{r['kvroute_ms']:.2f} ms; ratio {r['ratio']:.1f}x"
         )
+    print(f"# load average {_load()} at end")
+
+
+def full_gc_ms() -> float:
+    """One full collection, timed: what a router pays whenever the collector reaches gen 2."""
+    gc.collect()  # settle first, so the timed pass walks what is alive, not fresh garbage
+    t = time.perf_counter()
+    gc.collect()
+    return (time.perf_counter() - t) * 1e3
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 if __name__ == "__main__":

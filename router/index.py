@@ -67,7 +67,7 @@ _INTERN_MAX = 65536  # interned masks kept before the cache starts over
 # Approximate bytes per node / stored entry / prediction (measured on CPython 3.11, 16-byte
 # digests): node object + its slots in _masks and _nodes + the key; a stored entry's slots
 # in blocks and order + its stamp; a prediction's dict slot + its expiry.
-_NODE_BYTES, _ENTRY_BYTES, _PRED_BYTES = 200, 110, 70
+_NODE_BYTES, _ENTRY_BYTES, _PRED_BYTES = 190, 140, 65
 
 
 class _Node(msgspec.Struct, gc=False):
