@@ -245,7 +245,7 @@ class PrefixIndex:
                 old = blocks.get(h)
                 if old is None:
                     if m & bit:  # not stored, so predicted: the real copy replaces it
-                        del predicted[h]
+                        predicted.pop(h, None)
                     else:
                         m |= bit
                         masks[h] = intern(m, m)
