@@ -50,7 +50,8 @@ class EngineConfig:
     model: str = "tiny"
     block_size: int = 16
     num_blocks: int | None = None  # None: as many as kv_cache_memory_bytes holds
-    kv_cache_memory_bytes: int = 1 << 30
+    kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU; on CUDA see below
+    gpu_memory_utilization: float = 0.9  # CUDA: share of the card weights + KV may use
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     max_model_len: int | None = None  # None: the model's max positions, capped by the cache
@@ -95,6 +96,7 @@ class LLMEngine:
             block_size=config.block_size,
             num_blocks=config.num_blocks,
             kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+            gpu_memory_utilization=config.gpu_memory_utilization,
             dtype=dtype,
             device=config.device,
             seed=config.seed,

@@ -33,6 +33,9 @@ from .scheduler import SchedulerOutput
 log = logging.getLogger(__name__)
 
 ATTN_IMPLEMENTATION = "kvroute_paged"
+CPU_KV_CACHE_BYTES = 1 << 30
+# Room for one step's activations on a GPU, not profiled (vLLM runs a dummy step instead).
+ACTIVATION_MARGIN_BYTES = 2 << 30
 
 
 @dataclass(slots=True)
@@ -105,7 +108,8 @@ class ModelRunner:
         *,
         block_size: int,
         num_blocks: int | None = None,
-        kv_cache_memory_bytes: int = 1 << 30,
+        kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
         seed: int = 0,
@@ -126,8 +130,9 @@ class ModelRunner:
         cfg = self.model.config
         num_layers, kv_heads, head_dim = kv_layout(cfg)
         if num_blocks is None:
+            budget = kv_cache_memory_bytes or self._default_kv_budget(gpu_memory_utilization)
             per_block = kv_bytes_per_token(cfg, dtype) * block_size
-            num_blocks = max(int(kv_cache_memory_bytes // per_block), 1)
+            num_blocks = max(int(budget // per_block), 1)
         self.num_blocks = num_blocks
         shape = (num_blocks, block_size, kv_heads, head_dim)
         self.kv_caches = [
@@ -138,6 +143,20 @@ class ModelRunner:
             for _ in range(num_layers)
         ]
         self.sampler = Sampler(seed)
+
+    def _default_kv_budget(self, utilization: float) -> int:
+        """CPU: 1 GiB. CUDA: as vLLM sizes it -- the card's share ``utilization`` minus
+        what is already used (weights), less a margin for one step's activations."""
+        if self.device.type != "cuda":
+            return CPU_KV_CACHE_BYTES
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = int(free - total * (1.0 - utilization)) - ACTIVATION_MARGIN_BYTES
+        if budget <= 0:
+            raise ValueError(
+                f"no GPU memory left for the KV cache: {free / 2**30:.1f} GiB free of "
+                f"{total / 2**30:.1f} GiB at gpu_memory_utilization={utilization}"
+            )
+        return budget
 
     @property
     def max_position_embeddings(self) -> int:
