@@ -17,15 +17,17 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from .engine import EngineConfig, EventSink, LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -48,12 +50,19 @@ class _Abort:
     request_id: str
 
 
+@dataclass(slots=True)
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    future: asyncio.Future[Any]
+    loop: asyncio.AbstractEventLoop
+
+
 class AsyncLLMEngine:
     """Thread-hosted :class:`LLMEngine` with an async streaming ``generate``."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
         self._sinks: dict[str, tuple[asyncio.Queue[Any], asyncio.AbstractEventLoop]] = {}
         self._ids = itertools.count()
         self.error: BaseException | None = None
@@ -109,6 +118,21 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Runs ``fn(engine)`` on the engine thread between steps and returns its result.
+
+        The engine is not thread-safe: stats, cache resets and the like must not run while
+        a step mutates the scheduler. ``fn`` raising fails this call only.
+        """
+        if self.error is not None:
+            raise EngineDeadError("the engine has failed") from self.error
+        if self._stopped:
+            raise EngineDeadError("the engine is shut down")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._commands.put(_Call(fn, future, loop))
+        return await future
+
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stops the engine thread; live streams end with :class:`EngineDeadError`."""
         self._stopped = True
@@ -155,6 +179,8 @@ class AsyncLLMEngine:
                 return
             if isinstance(cmd, _Add):
                 self._put(cmd.sink, cmd.loop, err)
+            elif isinstance(cmd, _Call):
+                _resolve(cmd, err)
 
     def _drain(self, block: bool) -> bool:
         """Applies queued commands; False when asked to stop."""
@@ -169,6 +195,14 @@ class AsyncLLMEngine:
             if isinstance(cmd, _Abort):
                 for out in self.engine.abort_requests([cmd.request_id]):
                     self._deliver(out.request_id, out, last=True)
+                continue
+            if isinstance(cmd, _Call):
+                try:
+                    result = cmd.fn(self.engine)
+                except Exception as exc:
+                    _resolve(cmd, exc)
+                else:
+                    _resolve(cmd, result, ok=True)
                 continue
             if cmd.request_id in self._sinks:
                 # The id is live: refuse the newcomer without touching the owner's stream.
@@ -202,3 +236,20 @@ class AsyncLLMEngine:
         except RuntimeError:
             return False
         return True
+
+
+def _resolve(call: _Call, value: Any, ok: bool = False) -> None:
+    """Completes a :meth:`AsyncLLMEngine.call` future from the engine thread."""
+
+    def settle() -> None:
+        if call.future.done():  # the caller gave up (cancelled)
+            return
+        if ok:
+            call.future.set_result(value)
+        else:
+            call.future.set_exception(value)
+
+    try:
+        call.loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the caller's loop is closed
+        pass

@@ -1,0 +1,295 @@
+"""ReplicaActor: one engine and its KV-event publisher inside a Ray actor.
+
+Why the shape:
+- The engine runs on its own thread (:class:`AsyncLLMEngine`); the actor is an *async* actor,
+  so its event loop only moves messages: many streams are served at once while a step runs.
+- ``generate`` is an async generator consumed with ``.options(num_returns="streaming")``.
+  ``ray.cancel`` on the stream cancels the actor's asyncio task, which aborts the request and
+  frees its blocks. Ray 2.60 does NOT cancel the task when the caller merely drops the
+  ``ObjectRefGenerator``, nor when the caller's process dies (both observed): the request
+  then runs to its end. Use
+  :func:`stream_generate`, which cancels on any early exit of its consumer.
+- A dead engine thread must not leave a live but useless actor (Ray would never restart it):
+  a watchdog lets in-flight streams end with :class:`ReplicaDeadError`, then ``os._exit(1)``
+  so Ray restarts the process when the actor has ``max_restarts``. The new process binds new
+  ports and starts its event seq at 0; ``info().incarnation`` tells the router it changed.
+- Errors cross the boundary as :mod:`.protocol` types, so a router never imports torch to
+  unpickle them.
+
+Create replicas with :func:`start_replica` (resources, restarts, CPU pinning) or directly:
+``ReplicaActor.options(num_cpus=1, max_restarts=-1).remote("r0", {"model": "tiny"})``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import sys
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import ray
+
+from .protocol import (
+    GenerateDelta,
+    GenerateRequest,
+    InvalidRequestError,
+    ReplicaDeadError,
+    ReplicaInfo,
+)
+
+if TYPE_CHECKING:  # the engine pulls in torch; a router creating actors need not
+    from .engine import EngineConfig
+
+log = logging.getLogger(__name__)
+
+EXIT_GRACE_S = 5.0  # at most this long for in-flight streams to end before the exit
+_WILDCARD_HOSTS = ("", "*", "0.0.0.0")
+
+
+class ReplicaServer:
+    """The actor's body; a plain class so it can also be run (and tested) in-process.
+
+    ``events_host``: the interface the event sockets bind on. ``127.0.0.1`` for a local Ray;
+    ``0.0.0.0`` binds all interfaces and advertises the node's IP. ``torch_threads`` caps
+    torch's intra-op pool: several replicas sharing a host must not each spin a full one.
+    """
+
+    def __init__(
+        self,
+        replica_id: str,
+        engine_config: EngineConfig | dict[str, Any],
+        events_host: str = "127.0.0.1",
+        torch_threads: int | None = None,
+    ) -> None:
+        import torch
+
+        from kvroute.events import ZmqEventPublisher
+
+        from .async_engine import AsyncLLMEngine
+        from .engine import EngineConfig
+
+        if torch_threads is not None:
+            torch.set_num_threads(torch_threads)
+        config = (
+            engine_config
+            if isinstance(engine_config, EngineConfig)
+            else EngineConfig(**engine_config)
+        )
+        node_ip = ray.util.get_node_ip_address()
+        bind = "*" if events_host in _WILDCARD_HOSTS else events_host
+        advertised = node_ip if bind == "*" else events_host
+        self.replica_id = replica_id
+        self.publisher = ZmqEventPublisher(f"tcp://{bind}:*", f"tcp://{bind}:*", topic=replica_id)
+        try:
+            self.engine = AsyncLLMEngine.from_config(config, [self.publisher.publish])
+        except BaseException:
+            self.publisher.close()
+            raise
+        eng = self.engine.engine
+        hc = eng.hash_config
+        replay = self.publisher.replay_endpoint
+        actor_id = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
+        self._in_actor = actor_id is not None
+        self._info = ReplicaInfo(
+            replica_id=replica_id,
+            model=config.model,
+            model_path=str(eng.model_path),
+            hash_algo=hc.algo,
+            hash_seed=hc.seed,
+            hash_form=config.hash_form,
+            block_size=hc.block_size,
+            num_blocks=eng.runner.num_blocks,
+            max_model_len=eng.max_model_len,
+            events_endpoint=_advertise(self.publisher.endpoint, advertised),
+            replay_endpoint=_advertise(replay, advertised) if replay else None,
+            topic=replica_id,
+            node_ip=node_ip,
+            pid=os.getpid(),
+            incarnation=uuid.uuid4().hex,
+            restarted=self._in_actor and _was_reconstructed(),
+        )
+        self._streams = 0  # generate() calls in flight (the watchdog waits for them)
+        threading.Thread(target=self._watch, name="kvroute-replica-watchdog", daemon=True).start()
+
+    def __repr__(self) -> str:  # Ray prefixes the actor's log lines and errors with it
+        return f"ReplicaServer({self.replica_id})"
+
+    def info(self) -> ReplicaInfo:
+        return self._info
+
+    async def generate(self, req: GenerateRequest | dict[str, Any]) -> AsyncIterator[GenerateDelta]:
+        """Yields one :class:`GenerateDelta` per engine output, the last with ``finished``.
+
+        Raises :class:`InvalidRequestError` for a request that can never run here and
+        :class:`ReplicaDeadError` when the engine fails; being cancelled aborts the request.
+        """
+        from .async_engine import EngineDeadError
+
+        try:
+            if not isinstance(req, GenerateRequest):
+                req = msgspec.convert(req, GenerateRequest)
+            params = req.sampling.to_params()
+        except (ValueError, TypeError, msgspec.ValidationError) as exc:
+            raise InvalidRequestError(f"request rejected: {exc}") from None
+        self._streams += 1
+        try:
+            outputs = self.engine.generate(
+                req.prompt_token_ids, params, req.request_id, cache_salt=req.cache_salt
+            )
+            async for out in outputs:
+                yield GenerateDelta.from_output(out)
+        except EngineDeadError as exc:
+            raise ReplicaDeadError(f"replica {self.replica_id}: {exc}") from None
+        except ValueError as exc:  # raised by add_request: nothing was queued
+            raise InvalidRequestError(f"request {req.request_id!r} rejected: {exc}") from None
+        finally:
+            self._streams -= 1
+
+    def abort(self, request_id: str) -> None:
+        """Ends a request (its stream finishes with ``finish_reason="abort"``); unknown or
+        finished ids are ignored."""
+        self.engine.abort(request_id)
+
+    async def stats(self) -> dict[str, Any]:
+        """Engine load and cache counters (read between steps) plus the publisher's."""
+        import torch
+
+        # On the engine thread: the thread whose torch pool does the work.
+        s = await self._on_engine(lambda e: {**e.stats(), "torch_threads": torch.get_num_threads()})
+        pub = self.publisher
+        s.update(
+            replica_id=self.replica_id,
+            num_streams=self._streams,
+            events_published=pub.published,
+            events_sent=pub.sent,
+            events_dropped=pub.dropped,
+            events_last_seq=pub.last_seq,
+        )
+        return s
+
+    async def reset_prefix_cache(self) -> bool:
+        """False when blocks are in use (nothing is reset then); True after AllBlocksCleared."""
+        return await self._on_engine(lambda e: e.reset_prefix_cache())
+
+    def health(self) -> bool:
+        """True, or :class:`ReplicaDeadError` in the moment before a dead replica exits."""
+        if self.engine.errored:
+            raise ReplicaDeadError(
+                f"replica {self.replica_id}: engine failed: {self.engine.error!r}"
+            )
+        return True
+
+    def inject_engine_failure(self, message: str = "injected engine failure") -> None:
+        """Fault injection (tests, drills): the engine's next step raises ``message``."""
+
+        def fail() -> None:
+            raise RuntimeError(message)
+
+        self.engine.engine.step = fail  # type: ignore[method-assign]
+
+    def shutdown(self) -> None:
+        """For in-process use: stop the engine (live streams fail) and close the sockets."""
+        self.engine.shutdown()
+        self.publisher.close()
+
+    async def _on_engine(self, fn: Any) -> Any:
+        from .async_engine import EngineDeadError
+
+        try:
+            return await self.engine.call(fn)
+        except EngineDeadError as exc:
+            raise ReplicaDeadError(f"replica {self.replica_id}: {exc}") from None
+
+    def _watch(self) -> None:
+        """Exit the process once the engine thread has died (inside a Ray actor only)."""
+        while not self.engine.errored:
+            time.sleep(0.1)
+        log.error("replica %s: engine died (%r)", self.replica_id, self.engine.error)
+        if not self._in_actor:
+            return
+        deadline = time.monotonic() + EXIT_GRACE_S
+        while self._streams and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(1.0)  # Ray reports a stream's final error asynchronously: let it leave
+        log.error("replica %s: exiting so Ray restarts it", self.replica_id)
+        sys.stderr.flush()
+        os._exit(1)
+
+
+ReplicaActor = ray.remote(ReplicaServer)
+
+
+def start_replica(
+    replica_id: str,
+    engine_config: EngineConfig | dict[str, Any],
+    *,
+    num_cpus: float = 1,
+    num_gpus: float = 0,
+    max_restarts: int = -1,
+    events_host: str = "127.0.0.1",
+    torch_threads: int | None = None,
+    **options: Any,
+) -> Any:
+    """Creates a replica actor; returns its handle (``info()`` waits until it is up).
+
+    ``torch_threads`` defaults to ``num_cpus`` (at least 1) for a CPU replica. A CPU replica
+    (``num_gpus=0``) runs on the CPU even on a GPU node: Ray leaves the GPUs visible to it.
+    Generate calls are never retried by Ray (``max_task_retries=0``): a retried stream
+    would repeat tokens. ``options`` go to ``ReplicaActor.options`` (name, scheduling, ...).
+    """
+    if not num_gpus:
+        if isinstance(engine_config, dict):
+            engine_config = {"device": "cpu", **engine_config}
+        elif engine_config.device is None:
+            engine_config = dataclasses.replace(engine_config, device="cpu")
+        if torch_threads is None:
+            torch_threads = max(1, int(num_cpus))
+    actor_cls = ReplicaActor.options(  # type: ignore[attr-defined]
+        num_cpus=num_cpus,
+        num_gpus=num_gpus,
+        max_restarts=max_restarts,
+        max_task_retries=0,
+        **options,
+    )
+    return actor_cls.remote(replica_id, engine_config, events_host, torch_threads)
+
+
+async def stream_generate(actor: Any, req: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+    """Streams a request from a replica actor; cancels it remotely if the consumer stops
+    early (break, task cancelled, generator closed), which frees its blocks at once."""
+    gen = actor.generate.options(num_returns="streaming").remote(req)
+    ended = False  # the remote task is over: nothing to cancel
+    try:
+        async for ref in gen:
+            try:
+                delta: GenerateDelta = await ref
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the stream's own error is its last item
+                ended = True
+                raise
+            yield delta
+        ended = True
+    finally:
+        if not ended:
+            ray.cancel(gen)
+
+
+def _was_reconstructed() -> bool:
+    with warnings.catch_warnings():  # Ray 2.60's own property trips its deprecation warning
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+
+
+def _advertise(endpoint: str, host: str) -> str:
+    """``tcp://0.0.0.0:5557`` as bound -> ``tcp://<host>:5557`` as others reach it."""
+    port = endpoint.rsplit(":", 1)[1]
+    return f"tcp://{host}:{port}"

@@ -1,0 +1,126 @@
+"""Messages between a router and a replica actor, as msgspec Structs.
+
+Why Structs and not dataclasses: they pickle (Ray's transport) and encode to msgpack or JSON
+(any other transport, logs) with the same schema, and they are cheap to build per token.
+This module imports neither torch nor transformers, so a router process can import it
+without paying for the engine (unpickling a :class:`GenerateDelta` imports it anyway).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgspec
+
+from kvroute.events import HashConfig
+
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+
+class InvalidRequestError(ValueError):
+    """The request can never run on this replica (too long, bad parameters): a 4xx, not a
+    reason to retry elsewhere. Raised by the actor in place of the engine's own errors, so
+    a caller can catch it without importing the engine."""
+
+
+class ReplicaDeadError(RuntimeError):
+    """The replica's engine failed; the actor is exiting so Ray can restart it. Retry the
+    request on another replica (tokens already streamed are not undone)."""
+
+
+class ReplicaInfo(msgspec.Struct, kw_only=True, frozen=True):
+    """What a router must know to use a replica and to follow its event stream.
+
+    ``incarnation`` changes every time the actor process starts: a router that sees a new
+    one knows the replica restarted (new endpoints, empty cache, event seq from 0).
+    """
+
+    replica_id: str
+    model: str  # as configured: a built-in name or a path
+    model_path: str  # the local Hugging Face folder the engine loaded
+    hash_algo: str
+    hash_seed: str
+    hash_form: str  # "bytes" | "int": how block hashes appear in events
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    events_endpoint: str  # PUB socket, as reachable from other nodes
+    replay_endpoint: str | None  # ROUTER socket for replay and snapshots
+    topic: str
+    node_ip: str
+    pid: int
+    incarnation: str
+    restarted: bool  # Ray reconstructed this actor (max_restarts)
+
+    @property
+    def hash_config(self) -> HashConfig:
+        """Compare with the router's own :class:`HashConfig` (``mismatch``) before routing."""
+        return HashConfig(self.hash_algo, self.hash_seed, self.block_size)
+
+
+class SamplingSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """:class:`SamplingParams` on the wire: same fields, same defaults, validated on arrival."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None
+
+    def to_params(self) -> SamplingParams:
+        """Raises ValueError for a nonsensical value (SamplingParams validates)."""
+        return SamplingParams(**msgspec.structs.asdict(self))
+
+    @classmethod
+    def from_params(cls, params: SamplingParams) -> SamplingSpec:
+        return cls(**dataclasses.asdict(params))
+
+
+class GenerateRequest(msgspec.Struct, kw_only=True):
+    """One request, already tokenized by the router (which hashed the same tokens)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec = msgspec.field(default_factory=SamplingSpec)
+    cache_salt: str | None = None
+
+
+class GenerateDelta(msgspec.Struct, kw_only=True):
+    """What one engine step added to a request; the last one has ``finished`` set."""
+
+    request_id: str
+    delta_text: str
+    delta_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or string that ended it
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_output_tokens: int = 0  # cumulative
+    logprobs: list[dict[int, float]] | None = None  # one entry per token of this delta
+
+    @classmethod
+    def from_output(cls, out: RequestOutput) -> GenerateDelta:
+        comp = out.outputs[0]
+        n_out = len(comp.token_ids)
+        logprobs = None
+        if comp.logprobs is not None:
+            logprobs = comp.logprobs[n_out - len(out.delta_token_ids) : n_out]
+        return cls(
+            request_id=out.request_id,
+            delta_text=out.delta_text,
+            delta_token_ids=list(out.delta_token_ids),
+            finished=out.finished,
+            finish_reason=comp.finish_reason,
+            stop_reason=comp.stop_reason,
+            num_prompt_tokens=len(out.prompt_token_ids),
+            num_cached_tokens=out.num_cached_tokens,
+            num_output_tokens=n_out,
+            logprobs=logprobs,
+        )

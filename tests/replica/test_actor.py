@@ -1,0 +1,355 @@
+"""ReplicaActor on a real local Ray: info and event endpoints, streaming, cancellation, bad
+requests, and an engine death that Ray repairs by restarting the process.
+
+Why a real Ray and not the plain class: what can go wrong here lives in Ray itself -- how a
+streaming generator is cancelled, what crosses a process boundary (pickled Structs and
+exceptions), what a restart does to endpoints and the event seq.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import pickle
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgspec
+import pytest
+import ray
+import zmq
+
+from kvroute.events import (
+    DEFAULT_SEED,
+    BlockHasher,
+    BlockSet,
+    HashConfig,
+    ReplicaBatch,
+    ZmqEventSubscriber,
+)
+from kvroute.events.protocol import END_SEQ, pack_seq, unpack_seq
+from kvroute.replica import LLM, EngineConfig, SamplingParams
+from kvroute.replica.actor import ReplicaServer, start_replica, stream_generate
+from kvroute.replica.protocol import (
+    GenerateDelta,
+    GenerateRequest,
+    InvalidRequestError,
+    ReplicaDeadError,
+    ReplicaInfo,
+    SamplingSpec,
+)
+
+BLOCK = 4
+NUM_BLOCKS = 64
+MAX_LEN = NUM_BLOCKS * BLOCK  # 256: the tiny model allows more, the cache does not
+CONFIG = {"model": "tiny", "block_size": BLOCK, "num_blocks": NUM_BLOCKS}
+GREEDY = SamplingSpec(temperature=0.0, max_tokens=8, ignore_eos=True)
+LONG = SamplingSpec(temperature=0.0, max_tokens=MAX_LEN - 20, ignore_eos=True)  # ~240 steps
+PROMPTS = [list(range(10 + i, 10 + i + 5 + 3 * i)) for i in range(4)] + [list(range(30, 62))]
+
+
+@pytest.fixture(scope="module")
+def actors() -> Iterator[dict[str, Any]]:
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
+    try:
+        # Both start at once: their processes load torch while the driver builds its own LLM.
+        handles = {
+            "main": start_replica("r0", CONFIG, num_cpus=0.5),
+            # An EngineConfig works as well as a dict (and must pickle).
+            "fragile": start_replica(
+                "r-fragile", EngineConfig(**CONFIG), num_cpus=0.5, max_restarts=1
+            ),
+        }
+        yield handles
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def replica(actors: dict[str, Any]) -> Any:
+    return actors["main"]
+
+
+@pytest.fixture(scope="module")
+def reference() -> LLM:
+    return LLM("tiny", block_size=BLOCK, num_blocks=NUM_BLOCKS)
+
+
+def req(rid: str, prompt: list[int], sampling: SamplingSpec = GREEDY, **kw: Any) -> GenerateRequest:
+    return GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling, **kw)
+
+
+async def collect(actor: Any, request: GenerateRequest) -> list[GenerateDelta]:
+    return [d async for d in stream_generate(actor, request)]
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} not reached within {timeout} s"
+        time.sleep(0.05)
+
+
+def all_blocks_free(actor: Any) -> Callable[[], bool]:
+    def check() -> bool:
+        s = ray.get(actor.stats.remote())
+        return s["num_free_blocks"] == NUM_BLOCKS and s["num_running"] == 0
+
+    return check
+
+
+def replay_seqs(endpoint: str, start: int = 0) -> list[int]:
+    """The seqs a replay from ``start`` returns, read with a raw DEALER (the wire contract)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart([b"", pack_seq(start)])
+        seqs = []
+        while True:
+            frames = sock.recv_multipart()
+            seq = unpack_seq(frames[2])
+            if seq == END_SEQ:
+                return seqs
+            seqs.append(seq)
+    finally:
+        sock.close()
+
+
+# -- messages ------------------------------------------------------------------------------
+def test_messages_pickle_and_encode() -> None:
+    spec = SamplingSpec(temperature=0.5, stop=["x"], logprobs=2)
+    for msg in (
+        req("a", [1, 2, 3], spec, cache_salt="t"),
+        GenerateDelta(request_id="a", delta_text="é", delta_token_ids=[7], finished=False),
+        GenerateDelta(
+            request_id="a", delta_text="", delta_token_ids=[], finished=True, logprobs=[{1: -0.5}]
+        ),
+    ):
+        assert pickle.loads(pickle.dumps(msg)) == msg
+        assert msgspec.msgpack.decode(msgspec.msgpack.encode(msg), type=type(msg)) == msg
+    # The wire spec must not drift from SamplingParams: same fields, same defaults.
+    assert SamplingSpec().to_params() == SamplingParams()
+    assert set(SamplingSpec.__struct_fields__) == {
+        f.name for f in dataclasses.fields(SamplingParams)
+    }
+    assert SamplingSpec.from_params(spec.to_params()) == spec
+
+
+# -- (1) info and the event endpoints ------------------------------------------------------
+def test_info_and_events_match_the_cache(replica: Any) -> None:
+    info: ReplicaInfo = ray.get(replica.info.remote(), timeout=60)
+    assert (info.replica_id, info.topic, info.model) == ("r0", "r0", "tiny")
+    assert os.path.isdir(info.model_path)  # same node
+    assert info.hash_config == HashConfig("xxh3_128", DEFAULT_SEED, BLOCK)
+    assert info.hash_form == "bytes"
+    assert (info.block_size, info.num_blocks, info.max_model_len) == (BLOCK, NUM_BLOCKS, MAX_LEN)
+    assert info.events_endpoint.startswith("tcp://127.0.0.1:")
+    assert info.replay_endpoint and info.replay_endpoint.startswith("tcp://127.0.0.1:")
+    assert info.events_endpoint != info.replay_endpoint
+    assert info.pid != os.getpid() and not info.restarted
+    assert ray.get(replica.health.remote())
+    assert ray.get(replica.stats.remote())["torch_threads"] == 1  # start_replica: num_cpus 0.5
+
+    view, lock = BlockSet(), threading.Lock()
+
+    def on_batch(item: ReplicaBatch) -> None:
+        assert item.replica_id == "r0"
+        with lock:
+            view.apply_batch(item.batch)
+
+    sub = ZmqEventSubscriber(on_batch)
+    try:
+        assert ray.get(replica.reset_prefix_cache.remote())  # idle: empty cache, cleared event
+        sub.add_publisher("r0", info.events_endpoint, info.replay_endpoint, info.topic)
+        prompt = list(range(50, 63))  # 13 tokens: 3 full blocks
+        out = asyncio.run(collect(replica, req("ev-1", prompt, cache_salt="tenant-a")))
+        tokens = [t for d in out for t in d.delta_token_ids]
+        # Cached: every full block of prompt + output except the last token (never fed back).
+        hasher = BlockHasher(info.hash_algo, info.hash_seed, info.block_size)
+        want = hasher.hash_blocks(prompt + tokens[:-1], cache_salt="tenant-a")
+        assert len(want) == (13 + 8 - 1) // BLOCK
+
+        def converged() -> bool:
+            with lock:
+                return view.counts() == dict.fromkeys(want, 1)
+
+        wait_for(converged, 10, "subscriber view == the request's blocks")
+        stats = ray.get(replica.stats.remote())
+        assert stats["events_sent"] >= 2 and stats["events_dropped"] == 0
+        assert stats["prefix_cache_hits"] == 0
+        # The same prompt and salt again: a hit, counted by the engine.
+        again = asyncio.run(collect(replica, req("ev-2", prompt, cache_salt="tenant-a")))
+        assert again[-1].num_cached_tokens == 12
+    finally:
+        sub.close()
+
+
+# -- (2) greedy streaming == offline --------------------------------------------------------
+async def test_concurrent_streams_match_offline_greedy(replica: Any, reference: LLM) -> None:
+    expected = reference.generate(PROMPTS, GREEDY.to_params())
+    reqs = [req(f"g-{i}", p) for i, p in enumerate(PROMPTS)]
+    # One request through the raw Ray API, the rest through the helper, all at once.
+    raw = replica.generate.options(num_returns="streaming").remote(reqs[0])
+
+    async def consume_raw() -> list[GenerateDelta]:
+        return [await ref async for ref in raw]
+
+    results = await asyncio.gather(consume_raw(), *(collect(replica, r) for r in reqs[1:]))
+    for prompt, deltas, ref in zip(PROMPTS, results, expected, strict=True):
+        assert [t for d in deltas for t in d.delta_token_ids] == ref.outputs[0].token_ids
+        assert "".join(d.delta_text for d in deltas) == ref.outputs[0].text
+        last = deltas[-1]
+        assert last.finished and not any(d.finished for d in deltas[:-1])
+        assert (last.finish_reason, last.num_output_tokens) == ("length", GREEDY.max_tokens)
+        assert last.num_prompt_tokens == len(prompt)
+    # Logprobs arrive per delta, one entry per new token, holding the chosen token.
+    spec = SamplingSpec(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2)
+    deltas = await collect(replica, req("lp", PROMPTS[1], spec))
+    for d in deltas:
+        assert d.logprobs is not None and len(d.logprobs) == len(d.delta_token_ids)
+        assert all(t in lp for t, lp in zip(d.delta_token_ids, d.logprobs, strict=True))
+
+
+# -- (3) cancellation frees blocks -----------------------------------------------------------
+def steps(actor: Any) -> int:
+    return ray.get(actor.stats.remote())["steps"]
+
+
+def test_ray_cancel_aborts_the_request(replica: Any) -> None:
+    start = steps(replica)
+    gen = replica.generate.options(num_returns="streaming").remote(req("c-1", PROMPTS[0], LONG))
+    for _ in range(2):
+        assert not ray.get(next(gen)).finished
+    ray.cancel(gen)
+    with pytest.raises(ray.exceptions.TaskCancelledError):
+        for ref in gen:
+            ray.get(ref)
+    wait_for(all_blocks_free(replica), what="all blocks free")
+    # Run to its end, LONG takes > 200 steps: far fewer means it was aborted.
+    assert steps(replica) - start < 100
+
+
+async def test_consumer_leaving_early_aborts_the_request(replica: Any) -> None:
+    start = steps(replica)
+    # (a) the consumer breaks out and closes the stream
+    stream = stream_generate(replica, req("c-2", PROMPTS[1], LONG))
+    async for delta in stream:
+        assert not delta.finished
+        break
+    await stream.aclose()
+    await asyncio.to_thread(wait_for, all_blocks_free(replica), 20.0, "blocks freed (close)")
+
+    # (b) the consuming task is cancelled
+    first = asyncio.Event()
+
+    async def consume() -> None:
+        async for _ in stream_generate(replica, req("c-3", PROMPTS[2], LONG)):
+            first.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(first.wait(), 20)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.to_thread(wait_for, all_blocks_free(replica), 20.0, "blocks freed (cancel)")
+
+    # (c) abort(request_id) from anyone: the stream ends normally, reason "abort"
+    deltas = []
+    async for d in stream_generate(replica, req("c-4", PROMPTS[3], LONG)):
+        if not deltas:
+            await replica.abort.remote("c-4")
+        deltas.append(d)
+    assert deltas[-1].finished and deltas[-1].finish_reason == "abort"
+    await asyncio.to_thread(wait_for, all_blocks_free(replica), 20.0, "blocks freed (abort)")
+    assert steps(replica) - start < 150  # three LONG requests run out would take > 600
+
+
+# -- (4) bad requests fail alone -------------------------------------------------------------
+def test_bad_requests_raise_clear_errors_and_the_actor_lives(replica: Any) -> None:
+    bad = [
+        (req("b-1", [3 + i % 200 for i in range(MAX_LEN + 10)]), "exceed the limit of 256"),
+        (req("b-2", [1, 2, 10**9]), "token ids must lie in"),
+        (req("b-3", [1, 2], SamplingSpec(temperature=-1.0)), "temperature"),
+        ({"request_id": "b-4", "prompt_token_ids": "not tokens"}, "Expected `array`"),
+    ]
+    for request, message in bad:
+        gen = replica.generate.options(num_returns="streaming").remote(request)
+        with pytest.raises(InvalidRequestError, match=message) as err:
+            ray.get(next(gen))
+        assert isinstance(err.value, ValueError)  # a 4xx for the front door
+    assert ray.get(replica.health.remote())
+    # A plain dict request works too (a caller need not build Structs).
+    ok = {"request_id": "b-5", "prompt_token_ids": [5, 6, 7], "sampling": {"max_tokens": 2}}
+    gen = replica.generate.options(num_returns="streaming").remote(ok)
+    assert ray.get(list(gen))[-1].num_output_tokens == 2
+
+
+# -- (5) engine death: streams fail, Ray restarts the process, seq starts again at 0 -------
+async def test_engine_death_restarts_the_replica(actors: dict[str, Any], reference: LLM) -> None:
+    actor = actors["fragile"]
+    before: ReplicaInfo = await actor.info.remote()
+    warm = await collect(actor, req("f-0", PROMPTS[4]))
+    assert (await actor.stats.remote())["events_last_seq"] >= 1
+
+    stream = stream_generate(actor, req("f-1", PROMPTS[0], LONG))
+    assert not (await anext(stream)).finished
+    await actor.inject_engine_failure.remote("boom for the test")
+    with pytest.raises(ReplicaDeadError, match="boom for the test"):
+        async for _ in stream:
+            pass
+
+    deadline = time.monotonic() + 45
+    while True:  # calls fail while the process is down, then reach the new one
+        try:
+            after: ReplicaInfo = await actor.info.remote()
+            if after.incarnation != before.incarnation:
+                break
+        except ray.exceptions.RayActorError:
+            pass
+        assert time.monotonic() < deadline, "the replica was not restarted"
+        await asyncio.sleep(0.2)
+    assert after.restarted and after.pid != before.pid and after.replica_id == "r-fragile"
+    assert after.replay_endpoint is not None
+    # It serves: the same greedy tokens as before the death, and as offline.
+    again = await collect(actor, req("f-2", PROMPTS[4]))
+    tokens = [t for d in again for t in d.delta_token_ids]
+    assert tokens == [t for d in warm for t in d.delta_token_ids]
+    assert tokens == reference.generate([PROMPTS[4]], GREEDY.to_params())[0].outputs[0].token_ids
+    assert await actor.health.remote()
+    # The new publisher counts from 0 again (the request above published at least one batch;
+    # the replay buffer holds every batch of this young process).
+    seqs = await asyncio.to_thread(replay_seqs, after.replay_endpoint, 0)
+    assert seqs[:1] == [0] and seqs == list(range(len(seqs)))
+
+
+async def test_in_process_server_reports_death_without_exiting(actors: dict[str, Any]) -> None:
+    """Outside an actor the watchdog must not kill the host process; health() tells.
+    Bound on all interfaces, the server advertises the node's address, which answers."""
+    server = ReplicaServer("local", CONFIG, events_host="0.0.0.0", torch_threads=1)
+    try:
+        info = server.info()
+        assert info.node_ip == ray.util.get_node_ip_address()
+        assert info.replay_endpoint and info.replay_endpoint.startswith(f"tcp://{info.node_ip}:")
+        assert info.events_endpoint.startswith(f"tcp://{info.node_ip}:")
+        assert await asyncio.to_thread(replay_seqs, info.replay_endpoint) is not None
+        assert server.health()
+        # AsyncLLMEngine.call: fn raising fails that call only.
+        with pytest.raises(ZeroDivisionError):
+            await server.engine.call(lambda e: 1 / 0)
+        assert (await server.stats())["num_free_blocks"] == NUM_BLOCKS
+        server.inject_engine_failure("boom in-process")
+        with pytest.raises(ReplicaDeadError, match="boom in-process"):
+            async for _ in server.generate(req("l-1", PROMPTS[0])):
+                pass
+        with pytest.raises(ReplicaDeadError, match="boom in-process"):
+            server.health()
+        with pytest.raises(ReplicaDeadError):
+            await server.stats()
+        await asyncio.sleep(0.3)  # the watchdog has seen it by now, and we are still here
+    finally:
+        server.shutdown()
