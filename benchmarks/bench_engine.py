@@ -1,6 +1,6 @@
 """Engine benchmarks: prefix-hit TTFT and shared-prefix throughput, beside their baselines.
 
-    python benchmarks/bench_engine.py [--model tiny] [--reps 5] [--requests 64]
+    python benchmarks/bench_engine.py [--model tiny] [--reps 5] [--requests 64] [--plot F.png]
 
 1. TTFT of a request (2,048-token prefix + 32 fresh tokens) when its prefix is cached vs
    the same kind of request on a cold cache, same engine, same run (median of --reps).
@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import random
 import statistics
@@ -28,7 +29,7 @@ def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(3, vocab - 8) for _ in range(n)]
 
 
-def bench_ttft(model: str, reps: int) -> None:
+def bench_ttft(model: str, reps: int) -> tuple[float, float]:
     llm = LLM(model, max_num_batched_tokens=4096)
     vocab = llm.llm_engine.runner.model.config.vocab_size
     rng = random.Random(0)
@@ -51,9 +52,10 @@ def bench_ttft(model: str, reps: int) -> None:
     print(f"| cold cache | {c * 1e3:.1f} | 0 |")
     print(f"| prefix cached | {h * 1e3:.1f} | {statistics.median(cached):.0f} |")
     print(f"\nhit/miss = 1/{c / h:.1f}")
+    return c, h
 
 
-def bench_throughput(model: str, n: int, out_tokens: int) -> None:
+def bench_throughput(model: str, n: int, out_tokens: int) -> list[tuple[str, float, int]]:
     rng = random.Random(1)
     path = resolve_model(model)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
@@ -92,6 +94,29 @@ def bench_throughput(model: str, n: int, out_tokens: int) -> None:
     print("| --- | ---: | ---: | ---: | ---: |")
     for label, dt, gen in rows:
         print(f"| {label} | {dt:.2f} | {gen / dt:.1f} | {n / dt:.2f} | {gen / dt / base:.1f}x |")
+    return rows
+
+
+def plot(path: str, model: str, ttft: tuple[float, float] | None, rows: list) -> None:
+    """TTFT bars and throughput bars, side by side (needs matplotlib: the [sim] extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    if ttft is not None:
+        axes[0].bar(["cold cache", "prefix cached"], [ttft[0] * 1e3, ttft[1] * 1e3])
+        axes[0].set_ylabel("TTFT (ms)")
+        axes[0].set_title(f"2,048-token prefix + 32 new ({model})")
+    if rows:
+        labels = [r[0].replace("kvroute, ", "").replace(" (batched)", "") for r in rows]
+        axes[1].barh(labels, [r[2] / r[1] for r in rows])
+        axes[1].set_xlabel("generated tokens/s")
+        axes[1].set_title("64 requests, shared 1,024-token prefix")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"\nplot: {path}")
 
 
 def main() -> None:
@@ -101,13 +126,18 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--out-tokens", type=int, default=64)
     ap.add_argument("--skip", choices=("ttft", "throughput"), default=None)
+    ap.add_argument("--plot", default=None, help="write a PNG of both results")
     args = ap.parse_args()
-    print(f"machine: {platform.processor() or platform.machine()}, torch {torch.__version__}, ")
-    print(f"threads {torch.get_num_threads()}, cuda {torch.cuda.is_available()}")
-    if args.skip != "ttft":
-        bench_ttft(args.model, args.reps)
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
+        f"threads {torch.get_num_threads()}, cuda {torch.cuda.is_available()}"
+    )
+    ttft = bench_ttft(args.model, args.reps) if args.skip != "ttft" else None
+    rows = []
     if args.skip != "throughput":
-        bench_throughput(args.model, args.requests, args.out_tokens)
+        rows = bench_throughput(args.model, args.requests, args.out_tokens)
+    if args.plot:
+        plot(args.plot, args.model, ttft, rows)
 
 
 if __name__ == "__main__":
