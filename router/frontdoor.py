@@ -1,0 +1,312 @@
+"""FrontDoor: the router's runtime -- replicas, their event streams, the index, the policy.
+
+One object per router process, used from one asyncio loop (the HTTP server's). The event
+subscriber runs on its own thread and feeds :class:`PrefixIndex` (which locks); everything
+else (policy, load, counters) is touched only from the loop.
+
+Why the shape:
+- The fleet's :class:`BlockHasher` comes from the replicas' own :class:`ReplicaInfo`, and a
+  replica whose hash config or model disagrees with the fleet is refused: a router hashing
+  differently from its engines silently gets 0% hits (DESIGN, "Facts worth knowing").
+- :meth:`open` routes and waits for the first delta before returning, so everything that can
+  go wrong before the first token (a bad request, a dead replica) is settled while the HTTP
+  status can still say so; a replica that fails then is dropped and the request is retried
+  once elsewhere. After the first token a failure ends the stream with an error.
+- Replicas restart with new ports (Ray ``max_restarts``): a monitor polls ``info()`` and,
+  on a new incarnation, drops what the index knew and follows the new event endpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from kvroute.events import BlockHasher, HashConfig, ZmqEventSubscriber, to_external
+from kvroute.events.replica_api import (
+    GenerateDelta,
+    GenerateRequest,
+    InvalidRequestError,
+    ReplicaDeadError,
+    ReplicaInfo,
+    SamplingSpec,
+    stream_generate,
+)
+
+from .index import PrefixIndex
+from .load import LoadTracker
+from .policy import NoReplicaError, Policy, RequestView, make_policy
+from .tenants import Tenant
+
+log = logging.getLogger(__name__)
+
+# What a call to a dead, restarting or unreachable actor raises: retry elsewhere.
+REPLICA_FAILURES: tuple[type[BaseException], ...] = (ReplicaDeadError, ray.exceptions.RayActorError)
+if hasattr(ray.exceptions, "ActorUnavailableError"):
+    REPLICA_FAILURES += (ray.exceptions.ActorUnavailableError,)
+
+
+class FleetMismatchError(ValueError):
+    """A replica that cannot join this router's fleet (hash config or model differ)."""
+
+
+@dataclass(slots=True)
+class Replica:
+    info: ReplicaInfo
+    actor: Any
+    alive: bool = True
+    routed: int = 0
+
+
+class Stream:
+    """One request's deltas, the first already received; iterate once, or ``aclose``."""
+
+    def __init__(
+        self,
+        door: FrontDoor,
+        request_id: str,
+        replica: str,
+        first: GenerateDelta,
+        rest: AsyncIterator[GenerateDelta],
+    ) -> None:
+        self.door, self.request_id, self.replica = door, request_id, replica
+        self._first: GenerateDelta | None = first
+        self._rest = rest
+        self._done = False
+
+    async def __aiter__(self) -> AsyncIterator[GenerateDelta]:
+        try:
+            if self._first is not None:
+                first, self._first = self._first, None
+                yield first
+                if first.finished:
+                    return
+            async for delta in self._rest:
+                yield delta
+                if delta.finished:
+                    return
+        except REPLICA_FAILURES:
+            self.door.on_replica_failure(self.replica)
+            raise
+        finally:
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        """Ends the request (cancelling it on the replica if it still runs); idempotent."""
+        if self._done:
+            return
+        self._done = True
+        with contextlib.suppress(Exception):
+            await self._rest.aclose()  # type: ignore[attr-defined]
+        self.door.policy.on_finished(self.request_id, time.monotonic())
+
+
+class FrontDoor:
+    """Replicas + event subscriber + prefix index + policy, for one router."""
+
+    def __init__(
+        self,
+        replicas: Sequence[tuple[Any, ReplicaInfo]],
+        *,
+        policy: str = "kv",
+        tokenizer: Any = None,
+        monitor_interval_s: float = 2.0,
+    ) -> None:
+        if not replicas:
+            raise ValueError("a front door needs at least one replica")
+        first = replicas[0][1]
+        self.model = first.model
+        self.model_path = first.model_path
+        self.max_model_len = min(info.max_model_len for _, info in replicas)
+        self.hash_config: HashConfig = first.hash_config
+        self.hash_form = first.hash_form
+        self.hasher = BlockHasher(self.hash_config.algo, self.hash_config.seed, first.block_size)
+        self.index = PrefixIndex()
+        self.load = LoadTracker()
+        self.policy: Policy = make_policy(
+            policy, index=self.index, block_size=first.block_size, load=self.load
+        )
+        self.replicas: dict[str, Replica] = {}
+        self.subscriber = ZmqEventSubscriber(self.index.on_batch)
+        self.counters: Counter[str] = Counter()
+        self.errors: Counter[str] = Counter()
+        self.monitor_interval_s = monitor_interval_s
+        self._monitor: asyncio.Task[None] | None = None
+        if tokenizer is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.tokenizer = tokenizer
+        for actor, info in replicas:
+            self.add_replica(actor, info)
+
+    @classmethod
+    async def connect(cls, actors: Sequence[Any], **kw: Any) -> FrontDoor:
+        """Waits for every actor's ``info()`` (model loaded), then builds the front door."""
+        infos = await asyncio.gather(*(a.info.remote() for a in actors))
+        return cls(list(zip(actors, infos, strict=True)), **kw)
+
+    # -- membership ------------------------------------------------------------------------
+    def check(self, info: ReplicaInfo) -> None:
+        """Raises :class:`FleetMismatchError` unless the replica hashes and serves as the
+        fleet does."""
+        why = self.hash_config.mismatch(info.hash_config)
+        if why:
+            raise FleetMismatchError(f"replica {info.replica_id}: hash config differs ({why})")
+        if info.hash_form != self.hash_form:
+            raise FleetMismatchError(
+                f"replica {info.replica_id}: hash form {info.hash_form!r} != {self.hash_form!r}"
+            )
+        if info.model != self.model:
+            raise FleetMismatchError(
+                f"replica {info.replica_id}: model {info.model!r} != fleet's {self.model!r}"
+            )
+
+    def add_replica(self, actor: Any, info: ReplicaInfo) -> None:
+        """Follows the replica's events (a snapshot first) and makes it routable."""
+        self.check(info)
+        rid = info.replica_id
+        old = self.replicas.get(rid)
+        if old is not None:
+            self._forget(rid)
+        self.replicas[rid] = Replica(info, actor)
+        self.subscriber.add_publisher(rid, info.events_endpoint, info.replay_endpoint, info.topic)
+        log.info("replica %s (incarnation %s) added", rid, info.incarnation[:8])
+
+    def _forget(self, rid: str) -> None:
+        with contextlib.suppress(RuntimeError):
+            self.subscriber.remove_publisher(rid)
+        self.policy.on_replica_removed(rid)  # drops its index entries and load for kv
+
+    def on_replica_failure(self, rid: str) -> None:
+        """A call to the replica failed: stop routing to it until the monitor sees it back."""
+        rep = self.replicas.get(rid)
+        if rep is None or not rep.alive:
+            return
+        rep.alive = False
+        self.errors["replica_failure"] += 1
+        self._forget(rid)
+        log.warning("replica %s failed; not routing to it until it is back", rid)
+
+    def alive(self) -> list[str]:
+        return [rid for rid, r in self.replicas.items() if r.alive]
+
+    def start(self) -> None:
+        """Starts the restart monitor on the running loop."""
+        if self._monitor is None:
+            self._monitor = asyncio.get_running_loop().create_task(self._watch())
+
+    async def close(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+        self.subscriber.close()
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.monitor_interval_s)
+            await asyncio.gather(*(self._poll(rid) for rid in list(self.replicas)))
+
+    async def _poll(self, rid: str) -> None:
+        rep = self.replicas[rid]
+        try:
+            info = await asyncio.wait_for(rep.actor.info.remote(), self.monitor_interval_s * 5)
+        except Exception as exc:
+            if rep.alive:
+                log.warning("replica %s does not answer (%s)", rid, type(exc).__name__)
+            self.on_replica_failure(rid)
+            return
+        if info.incarnation != rep.info.incarnation:
+            log.warning("replica %s restarted: following its new endpoints", rid)
+            try:
+                self.add_replica(rep.actor, info)
+            except FleetMismatchError as exc:
+                log.error("%s", exc)
+                self.on_replica_failure(rid)
+        elif not rep.alive:
+            rep.alive = True  # same process answering again (a transient failure)
+            self.subscriber.add_publisher(
+                rid, info.events_endpoint, info.replay_endpoint, info.topic
+            )
+            log.info("replica %s is back", rid)
+
+    # -- requests ----------------------------------------------------------------------------
+    def block_hashes(self, prompt_token_ids: Sequence[int], salt: str) -> list[Any]:
+        form = self.hash_form
+        hashes = self.hasher.hash_blocks(prompt_token_ids, cache_salt=salt)
+        return [to_external(h, form) for h in hashes]  # type: ignore[arg-type]
+
+    async def open(
+        self,
+        tenant: Tenant,
+        prompt_token_ids: list[int],
+        sampling: SamplingSpec,
+        request_salt: str | None = None,
+        request_id: str | None = None,
+    ) -> Stream:
+        """Routes the request and waits for its first delta (see the module docstring).
+
+        Raises :class:`InvalidRequestError` (the client's fault), :class:`NoReplicaError`
+        (none alive), or the replica's failure when the retry failed too."""
+        request_id = request_id or uuid.uuid4().hex
+        salt = tenant.salt_for(request_salt)
+        view = RequestView(
+            request_id=request_id,
+            num_prompt_tokens=len(prompt_token_ids),
+            block_hashes=self.block_hashes(prompt_token_ids, salt),
+            block_size=self.hasher.block_size,
+            token_ids=prompt_token_ids,
+        )
+        tried: set[str] = set()
+        self.counters["requests"] += 1
+        for attempt in range(2):
+            candidates = [r for r in self.alive() if r not in tried]
+            if not candidates:
+                self.errors["no_replica"] += 1
+                raise NoReplicaError("no replica is available")
+            rid = self.policy.route(view, candidates, time.monotonic()).replica
+            tried.add(rid)
+            rep = self.replicas[rid]
+            req = GenerateRequest(
+                request_id=f"{request_id}-{attempt}" if attempt else request_id,
+                prompt_token_ids=prompt_token_ids,
+                sampling=sampling,
+                cache_salt=salt,
+            )
+            rest = stream_generate(rep.actor, req)
+            try:
+                first = await rest.__anext__()
+            except BaseException as exc:
+                self.policy.on_finished(request_id, time.monotonic())
+                with contextlib.suppress(Exception):
+                    await rest.aclose()
+                if isinstance(exc, InvalidRequestError):
+                    self.errors["invalid_request"] += 1
+                    raise
+                if isinstance(exc, REPLICA_FAILURES) and attempt == 0:
+                    self.on_replica_failure(rid)
+                    self.counters["retries"] += 1
+                    log.warning("request %s: replica %s failed, retrying", request_id, rid)
+                    continue
+                if isinstance(exc, REPLICA_FAILURES):
+                    self.on_replica_failure(rid)
+                raise
+            rep.routed += 1
+            self.policy.on_first_token(request_id, time.monotonic())
+            return Stream(self, request_id, rid, first, rest)
+        raise AssertionError("unreachable")
+
+    def record(self, prompt: int, completion: int, cached: int) -> None:
+        """Token counters for /metrics, once per finished request."""
+        self.counters["prompt_tokens"] += prompt
+        self.counters["completion_tokens"] += completion
+        self.counters["cached_tokens"] += cached

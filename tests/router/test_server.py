@@ -1,0 +1,236 @@
+"""The HTTP front door end to end, with real parts: a local Ray, two replica actors of the
+tiny model, the FastAPI app under uvicorn, and the official ``openai`` client.
+
+Why real parts: what breaks a front door lives between them -- SSE framing as the SDK parses
+it, the salt the router hashes with against the one the engine caches with, a stream whose
+client left, a replica that dies before its first token.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import ray
+import uvicorn
+
+from kvroute.replica.actor import start_replica
+from kvroute.router.frontdoor import FrontDoor
+from kvroute.router.server import REPLICA_HEADER, create_app
+from kvroute.router.tenants import AuthError, Tenants, load_api_keys, tenant_salt
+
+MODEL = "tiny"
+CONFIG = {"model": MODEL, "block_size": 16, "num_blocks": 160}  # 2,560 tokens a replica
+KEYS = {"key-a": "alpha", "key-b": "beta"}
+# ~300 bytes = ~300 tokens of the byte-level tiny tokenizer: 18 full blocks to share.
+LONG = "The quick brown fox jumps over the lazy dog while the router watches. " * 4
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[dict[str, Any]]:
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
+    try:
+        actors = [
+            start_replica(f"r{i}", CONFIG, num_cpus=0.5, torch_threads=1, max_restarts=-1)
+            for i in range(2)
+        ]
+        infos = ray.get([a.info.remote() for a in actors], timeout=120)
+        door = FrontDoor(list(zip(actors, infos, strict=True)), monitor_interval_s=0.5)
+        app = create_app(door, Tenants(KEYS, "test-secret"))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+        )
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        wait_for(lambda: server.started, 30, "uvicorn started")
+        url = f"http://127.0.0.1:{port}"
+        yield {"url": url, "door": door, "actors": dict(zip(("r0", "r1"), actors, strict=True))}
+        server.should_exit = True
+        thread.join(10)
+    finally:
+        ray.shutdown()
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what} not reached within {timeout} s"
+        time.sleep(0.05)
+
+
+def client(fleet: dict[str, Any], key: str = "key-a") -> openai.OpenAI:
+    return openai.OpenAI(base_url=fleet["url"] + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+# -- tenants (no server) --------------------------------------------------------------------
+def test_tenants_salt_isolates_and_request_salt_only_narrows(tmp_path: Any) -> None:
+    t = Tenants(KEYS, "s")
+    a, b = t.authenticate("Bearer key-a"), t.authenticate("bearer key-b")
+    assert (a.tenant_id, b.tenant_id) == ("alpha", "beta")
+    assert a.cache_salt == tenant_salt("s", "alpha") != b.cache_salt
+    assert Tenants(KEYS, "other").authenticate("Bearer key-a").cache_salt != a.cache_salt
+    # A request's own salt is appended: it can never equal another tenant's salt.
+    assert a.salt_for("x") == a.cache_salt + ":x" and a.salt_for(None) == a.cache_salt
+    for bad in (None, "", "Bearer", "Bearer nope", "Basic key-a"):
+        with pytest.raises(AuthError):
+            t.authenticate(bad)
+    assert Tenants(None, "s").authenticate(None).tenant_id == "default"
+    (tmp_path / "k.txt").write_text("# keys\nk1:t1\n\nk2 : t2\n")
+    (tmp_path / "k.json").write_text('{"k1": "t1"}')
+    assert load_api_keys(tmp_path / "k.txt") == {"k1": "t1", "k2": "t2"}
+    assert load_api_keys(tmp_path / "k.json") == {"k1": "t1"}
+    (tmp_path / "bad.txt").write_text("no-colon\n")
+    with pytest.raises(ValueError, match=r"bad\.txt:1"):
+        load_api_keys(tmp_path / "bad.txt")
+
+
+# -- serving ---------------------------------------------------------------------------------
+def test_health_models_and_unknown_routes(fleet: dict[str, Any]) -> None:
+    url = fleet["url"]
+    h = httpx.get(url + "/health")
+    assert h.status_code == 200 and sorted(h.json()["replicas"]) == ["r0", "r1"]
+    models = client(fleet).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    r = httpx.get(url + "/v1/nope", headers={"Authorization": "Bearer key-a"})
+    assert r.status_code == 404 and "message" in r.json()["error"]
+
+
+def test_completion_stream_equals_non_stream(fleet: dict[str, Any]) -> None:
+    c = client(fleet)
+    kw: dict[str, Any] = {"model": MODEL, "prompt": "Hello there", "max_tokens": 12}
+    kw.update(temperature=0.0, extra_body={"ignore_eos": True})
+    full = c.completions.with_raw_response.create(**kw)
+    assert full.headers[REPLICA_HEADER] in ("r0", "r1")
+    body = full.parse()
+    assert body.choices[0].finish_reason == "length"
+    assert body.usage.completion_tokens == 12
+    assert body.usage.prompt_tokens == len("Hello there")
+    pieces, finishes = [], []
+    for chunk in c.completions.create(**kw, stream=True):
+        pieces.append(chunk.choices[0].text)
+        finishes.append(chunk.choices[0].finish_reason)
+    assert "".join(pieces) == body.choices[0].text
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+
+
+def test_chat_stream_and_non_stream(fleet: dict[str, Any]) -> None:
+    c = client(fleet)
+    kw: dict[str, Any] = {"model": MODEL, "max_tokens": 10, "temperature": 0.0}
+    kw.update(messages=[{"role": "user", "content": "hi"}], extra_body={"ignore_eos": True})
+    full = c.chat.completions.create(**kw)
+    assert full.choices[0].message.role == "assistant"
+    assert full.usage.completion_tokens == 10 and full.usage.prompt_tokens > len("hi")
+    chunks = list(
+        c.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+
+
+def test_shared_prefix_goes_to_the_same_replica_and_hits(fleet: dict[str, Any]) -> None:
+    c = client(fleet)
+    kw: dict[str, Any] = {"model": MODEL, "max_tokens": 2, "temperature": 0.0}
+    first = c.completions.with_raw_response.create(prompt=LONG + "first question?", **kw)
+    second = c.completions.with_raw_response.create(prompt=LONG + "second one!", **kw)
+    assert second.headers[REPLICA_HEADER] == first.headers[REPLICA_HEADER]
+    assert first.parse().usage.prompt_tokens_details.cached_tokens == 0
+    cached = second.parse().usage.prompt_tokens_details.cached_tokens
+    assert cached >= 16 * (len(LONG) // 16) - 16 and cached > 200
+    # Another tenant, same prompt: its salt differs, so nothing of alpha's can be hit.
+    other = client(fleet, "key-b").completions.create(prompt=LONG + "second one!", **kw)
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    # The same tenant with its own extra salt is isolated from its unsalted blocks too.
+    salted = c.completions.create(prompt=LONG + "second one!", extra_body={"cache_salt": "x"}, **kw)
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    # The index learned alpha's blocks from the events of the replica that served them.
+    door = fleet["door"]
+    wait_for(lambda: door.index.num_blocks(first.headers[REPLICA_HEADER]) >= 18, 10, "events")
+
+
+def test_errors_are_openai_style(fleet: dict[str, Any]) -> None:
+    url = fleet["url"] + "/v1/completions"
+    auth = {"Authorization": "Bearer key-a"}
+    with pytest.raises(openai.AuthenticationError):
+        client(fleet, "wrong").completions.create(model=MODEL, prompt="x")
+    r = httpx.post(url, json={"model": MODEL, "prompt": "x"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "invalid_request_error"
+    cases = [
+        (b"{not json", None),
+        ({"model": MODEL}, "prompt"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": "many"}, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 10**6}, "max_tokens"),
+        ({"model": "gpt-9", "prompt": "x"}, "model"),
+        ({"model": MODEL, "prompt": ""}, "prompt"),
+    ]
+    for body, param in cases:
+        if isinstance(body, bytes):
+            r = httpx.post(url, content=body, headers={**auth, "content-type": "application/json"})
+        else:
+            r = httpx.post(url, json=body, headers=auth)
+        assert r.status_code == 400, (body, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+        if param:
+            assert err["param"] == param, (body, err)
+    with pytest.raises(openai.BadRequestError):
+        client(fleet).chat.completions.create(model=MODEL, messages=[])
+
+
+def test_client_disconnect_aborts_on_the_replica(fleet: dict[str, Any]) -> None:
+    body = {"model": MODEL, "prompt": "go", "max_tokens": 2000, "stream": True}
+    body.update(temperature=0.0, ignore_eos=True)
+    auth = {"Authorization": "Bearer key-a"}
+    with httpx.stream("POST", fleet["url"] + "/v1/completions", json=body, headers=auth) as r:
+        rid = r.headers[REPLICA_HEADER]
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+    actor = fleet["actors"][rid]
+    # 2,000 tokens take far longer than this; the request must be gone well before.
+    wait_for(lambda: ray.get(actor.stats.remote())["num_running"] == 0, 5, "request aborted")
+
+
+def test_metrics(fleet: dict[str, Any]) -> None:
+    text = httpx.get(fleet["url"] + "/metrics").text
+    samples = dict(
+        line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#")
+    )
+    assert float(samples["kvroute_requests_total"]) >= 5
+    assert float(samples["kvroute_cached_tokens_total"]) > 200
+    assert float(samples['kvroute_errors_total{kind="auth"}']) >= 1
+    routed = [float(samples[f'kvroute_replica_routed_total{{replica="r{i}"}}']) for i in (0, 1)]
+    assert sum(routed) >= 5
+    assert 'kvroute_index_blocks{replica="r0"}' in samples
+
+
+def test_replica_failure_before_first_token_is_retried_elsewhere(fleet: dict[str, Any]) -> None:
+    """Last: it kills a replica. Its cached prefix draws the request; its engine fails on the
+    next step; the router drops it, the request is served by the other one, and once Ray
+    restarted it the monitor routes to it again."""
+    c = client(fleet)
+    kw: dict[str, Any] = {"model": MODEL, "max_tokens": 2, "temperature": 0.0}
+    prompt = "failure drill " + LONG
+    victim = c.completions.with_raw_response.create(prompt=prompt, **kw).headers[REPLICA_HEADER]
+    door = fleet["door"]
+    wait_for(lambda: door.index.num_blocks(victim) >= 18, 10, "victim's events indexed")
+    old = door.replicas[victim].info.incarnation
+    ray.get(fleet["actors"][victim].inject_engine_failure.remote())
+    resp = c.completions.with_raw_response.create(prompt=prompt, **kw)
+    assert resp.headers[REPLICA_HEADER] != victim
+    assert resp.parse().usage.completion_tokens == 2
+    assert victim not in door.alive() and door.index.num_blocks(victim) == 0
+    assert door.counters["retries"] == 1 and door.errors["replica_failure"] >= 1
+    wait_for(lambda: door.replicas[victim].info.incarnation != old, 60, "replica restarted")
+    wait_for(lambda: victim in door.alive(), 10, "replica routable again")
+    assert httpx.get(fleet["url"] + "/health").json()["replicas"].count(victim) == 1
