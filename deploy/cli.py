@@ -16,12 +16,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
+    from .serve import add_arguments
+
     serve = sub.add_parser("serve", help="start replicas and the OpenAI-compatible front door")
-    serve.add_argument("--model", default="smollm2-135m")
-    serve.add_argument("--replicas", type=int, default=2)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--address", default=None, help="Ray cluster address (e.g. auto)")
+    add_arguments(serve)
 
     watch = sub.add_parser(
         "events", help="print a replica's (or a vLLM engine's) KV-event stream as it arrives"
@@ -162,13 +160,9 @@ def _simulate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    print(
-        "kvroute serve: not available yet -- the engine, router and front door are still "
-        "being built (only the event contract, kvroute.events, exists so far). "
-        "See README.md for what works today.",
-        file=sys.stderr,
-    )
-    return 2
+    from .serve import run
+
+    return run(args)
 
 
 def _hash(args: argparse.Namespace) -> int:

@@ -2,19 +2,62 @@
 
 from __future__ import annotations
 
+import signal
+import socket
 import subprocess
 import sys
 import time
+
+import httpx
 
 from kvroute.events import BlockHasher, BlockStored, ZmqEventPublisher
 
 KVROUTE = [sys.executable, "-m", "kvroute.deploy.cli"]
 
 
-def test_serve_says_clearly_that_it_is_not_built_yet():
-    out = subprocess.run([*KVROUTE, "serve"], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2
-    assert "not available yet" in out.stderr
+def test_serve_refuses_bad_arguments_before_starting_anything():
+    for args, why in (
+        (["--api-keys", "/nonexistent/keys"], "--api-keys"),
+        (["--policy", "nope"], "unknown policy"),
+        (["--replicas", "0"], "--replicas"),
+    ):
+        out = subprocess.run([*KVROUTE, "serve", *args], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and why in out.stderr, (args, out.stderr)
+
+
+def test_serve_end_to_end_then_ctrl_c(tmp_path):
+    """The real command: local Ray, one tiny replica, a request over HTTP, Ctrl-C."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "keys").write_text("sk-test:acme\n")
+    args = ["serve", "--model", "tiny", "--replicas", "1", "--port", str(port)]
+    args += ["--num-blocks", "64", "--api-keys", str(tmp_path / "keys")]
+    proc = subprocess.Popen([*KVROUTE, *args], stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if "ready: model 'tiny'" in line:
+                break
+        assert any(f"http://127.0.0.1:{port}/v1" in x for x in lines), "".join(lines)
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 3, "ignore_eos": True}
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/completions",
+            json=body,
+            headers={"Authorization": "Bearer sk-test"},
+            timeout=60,
+        )
+        assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "r0"
+        assert r.json()["usage"]["completion_tokens"] == 3
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body).status_code == 401
+        proc.send_signal(signal.SIGINT)
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=60) == 0 and "stopped" in rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 def test_hash_prints_the_same_hashes_as_the_library():
