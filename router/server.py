@@ -106,6 +106,12 @@ def create_app(door: FrontDoor, tenants: Tenants, served_model: str | None = Non
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return _error(exc.status, exc.message, exc.type, exc.param, exc.code)
 
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("request failed", exc_info=exc)
+        door.errors["internal"] += 1
+        return _error(500, f"internal error: {type(exc).__name__}", "internal_error")
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error(exc.status_code, str(exc.detail), "invalid_request_error")
@@ -303,6 +309,10 @@ async def _sse(
     except REPLICA_FAILURES as exc:
         door.errors["stream_failure"] += 1
         yield _data(error_body(f"replica failed mid-stream: {exc}", "service_unavailable", 503))
+    except Exception as exc:  # never a silently cut stream: say so, then [DONE]
+        log.exception("stream failed")
+        door.errors["internal"] += 1
+        yield _data(error_body(f"internal error: {type(exc).__name__}", "internal_error", 500))
     finally:
         await stream.aclose()
     yield "data: [DONE]\n\n"

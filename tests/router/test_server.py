@@ -8,6 +8,7 @@ client left, a replica that dies before its first token.
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -15,13 +16,15 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
+import msgspec
 import openai
 import pytest
 import ray
 import uvicorn
 
+from kvroute.events.replica_api import ReplicaInfo
 from kvroute.replica.actor import start_replica
-from kvroute.router.frontdoor import FrontDoor
+from kvroute.router.frontdoor import FleetMismatchError, FrontDoor
 from kvroute.router.server import REPLICA_HEADER, create_app
 from kvroute.router.tenants import AuthError, Tenants, load_api_keys, tenant_salt
 
@@ -91,6 +94,32 @@ def test_tenants_salt_isolates_and_request_salt_only_narrows(tmp_path: Any) -> N
     (tmp_path / "bad.txt").write_text("no-colon\n")
     with pytest.raises(ValueError, match=r"bad\.txt:1"):
         load_api_keys(tmp_path / "bad.txt")
+
+
+def test_front_door_refuses_a_replica_that_hashes_or_serves_differently() -> None:
+    base = ReplicaInfo(
+        replica_id="a", model=MODEL, model_path="/nonexistent", hash_algo="xxh3_128",
+        hash_seed="s", hash_form="bytes", block_size=16, num_blocks=8, max_model_len=128,
+        events_endpoint="tcp://127.0.0.1:9", replay_endpoint=None, topic="a",
+        node_ip="127.0.0.1", pid=1, incarnation="x", restarted=False,
+    )  # fmt: skip
+    door = FrontDoor([(None, base)], tokenizer=object())
+    try:
+        for change, why in (
+            ({"hash_seed": "other"}, "seed"),
+            ({"block_size": 32}, "block_size"),
+            ({"hash_algo": "sha256_cbor"}, "algo"),
+            ({"hash_form": "int"}, "hash form"),
+            ({"model": "smollm2-135m"}, "model"),
+        ):
+            bad = msgspec.structs.replace(base, replica_id="b", **change)
+            with pytest.raises(FleetMismatchError, match=why):
+                door.add_replica(None, bad)
+        assert list(door.replicas) == ["a"]
+        door.add_replica(None, msgspec.structs.replace(base, replica_id="b"))
+        assert door.alive() == ["a", "b"]
+    finally:
+        door.subscriber.close()
 
 
 # -- serving ---------------------------------------------------------------------------------
@@ -234,3 +263,24 @@ def test_replica_failure_before_first_token_is_retried_elsewhere(fleet: dict[str
     wait_for(lambda: door.replicas[victim].info.incarnation != old, 60, "replica restarted")
     wait_for(lambda: victim in door.alive(), 10, "replica routable again")
     assert httpx.get(fleet["url"] + "/health").json()["replicas"].count(victim) == 1
+
+
+def test_replica_failure_mid_stream_ends_the_stream_with_an_error(fleet: dict[str, Any]) -> None:
+    """After the first token there is no retry: the SSE stream says what happened and ends
+    with [DONE] -- it neither hangs nor is cut without a word."""
+    body = {"model": MODEL, "prompt": "mid-stream", "max_tokens": 2000, "stream": True}
+    body.update(temperature=0.0, ignore_eos=True)
+    auth = {"Authorization": "Bearer key-a"}
+    events = []
+    with httpx.stream(
+        "POST", fleet["url"] + "/v1/completions", json=body, headers=auth, timeout=30
+    ) as r:
+        rid = r.headers[REPLICA_HEADER]
+        lines = (x for x in r.iter_lines() if x)
+        events.append(next(lines))
+        ray.get(fleet["actors"][rid].inject_engine_failure.remote())
+        events.extend(lines)
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2].removeprefix("data: "))
+    assert error["error"]["type"] == "service_unavailable", error
+    assert rid not in fleet["door"].alive()
