@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 
@@ -32,6 +33,12 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--fleet-secret", default=None, help="default: $KVROUTE_FLEET_SECRET")
     serve.add_argument("--policy", default="kv")
     serve.add_argument("--served-model-name", default=None)
+    serve.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=None,
+        help="requests admitted at once; more get 429 (default: 128 per replica)",
+    )
 
 
 def _say(msg: str) -> None:
@@ -122,8 +129,20 @@ def _run(args: argparse.Namespace, keys: dict[str, str] | None, secret: str) -> 
             f"replica {info.replica_id} ready on {info.node_ip} ({info.num_blocks} KV blocks, "
             f"max_model_len {info.max_model_len}) after {time.monotonic() - t0:.0f} s"
         )
+    tokenizer = None
+    if not Path(infos[actors[0]].model_path).is_dir():  # a replica on another node
+        from transformers import AutoTokenizer
+
+        from kvroute.replica.models import resolve_model
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
     try:
-        door = FrontDoor([(a, infos[a]) for a in actors], policy=args.policy)
+        door = FrontDoor(
+            [(a, infos[a]) for a in actors],
+            policy=args.policy,
+            tokenizer=tokenizer,
+            max_in_flight=args.max_in_flight or 128 * n,
+        )
     except FleetMismatchError as exc:
         _say(str(exc))
         return 2

@@ -54,6 +54,10 @@ if hasattr(ray.exceptions, "ActorUnavailableError"):
     REPLICA_FAILURES += (ray.exceptions.ActorUnavailableError,)
 
 
+class OverloadedError(RuntimeError):
+    """The router already has ``max_in_flight`` requests in flight (HTTP 429)."""
+
+
 class FleetMismatchError(ValueError):
     """A replica that cannot join this router's fleet (hash config or model differ)."""
 
@@ -119,7 +123,10 @@ class FrontDoor:
         policy: str = "kv",
         tokenizer: Any = None,
         monitor_interval_s: float = 2.0,
+        max_in_flight: int | None = None,
     ) -> None:
+        """``max_in_flight``: requests this router admits at once (None: no limit); one
+        more is refused at once (429) rather than queued without bound."""
         if not replicas:
             raise ValueError("a front door needs at least one replica")
         first = replicas[0][1]
@@ -139,6 +146,7 @@ class FrontDoor:
         self.counters: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.monitor_interval_s = monitor_interval_s
+        self.max_in_flight = max_in_flight
         self._monitor: asyncio.Task[None] | None = None
         if tokenizer is None:
             from transformers import AutoTokenizer
@@ -255,8 +263,12 @@ class FrontDoor:
     ) -> Stream:
         """Routes the request and waits for its first delta (see the module docstring).
 
-        Raises :class:`InvalidRequestError` (the client's fault), :class:`NoReplicaError`
-        (none alive), or the replica's failure when the retry failed too."""
+        Raises :class:`InvalidRequestError` (the client's fault), :class:`OverloadedError`,
+        :class:`NoReplicaError` (none alive), or the replica's failure when the retry failed
+        too."""
+        if self.max_in_flight is not None and self.load.in_flight() >= self.max_in_flight:
+            self.errors["overloaded"] += 1
+            raise OverloadedError(f"{self.max_in_flight} requests in flight; retry shortly")
         request_id = request_id or uuid.uuid4().hex
         salt = tenant.salt_for(request_salt)
         view = RequestView(

@@ -12,22 +12,23 @@ Why the shape:
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvroute.events.replica_api import InvalidRequestError, SamplingSpec
 
-from .frontdoor import REPLICA_FAILURES, FrontDoor, Stream
+from .frontdoor import REPLICA_FAILURES, FrontDoor, OverloadedError, Stream
 from .openai_api import (
     ChatChoice,
     ChatCompletionChunk,
@@ -48,6 +49,7 @@ from .tenants import AuthError, Tenant, Tenants
 
 log = logging.getLogger(__name__)
 REPLICA_HEADER = "x-kvroute-replica"
+DISCONNECT_POLL_S = 0.5
 
 
 class APIError(Exception):
@@ -77,6 +79,21 @@ def _error(
     return JSONResponse(error_body(message, type_, status, param, code), status_code=status)
 
 
+def _authenticate(request: Request) -> Tenant:
+    """A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware wraps ``receive``
+    and hides a client's disconnect from the handler. Dependencies run before the body is
+    validated, so a bad key is a 401 whatever the body."""
+    state = request.app.state
+    try:
+        return state.tenants.authenticate(request.headers.get("authorization"))
+    except AuthError as exc:
+        state.door.errors["auth"] += 1
+        raise APIError(401, str(exc), "invalid_request_error", code="invalid_api_key") from None
+
+
+TenantDep = Annotated[Tenant, Depends(_authenticate)]
+
+
 def create_app(door: FrontDoor, tenants: Tenants, served_model: str | None = None) -> FastAPI:
     """The app; it starts ``door``'s restart monitor on its own loop and closes ``door`` on
     shutdown. ``served_model``: the name clients use in ``model`` (default: the replicas'
@@ -92,6 +109,7 @@ def create_app(door: FrontDoor, tenants: Tenants, served_model: str | None = Non
             await door.close()
 
     app = FastAPI(title="kvroute", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.state.door, app.state.tenants = door, tenants
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -116,16 +134,6 @@ def create_app(door: FrontDoor, tenants: Tenants, served_model: str | None = Non
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error(exc.status_code, str(exc.detail), "invalid_request_error")
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Callable[[Request], Any]) -> Any:
-        if request.url.path.startswith("/v1/"):
-            try:
-                request.state.tenant = tenants.authenticate(request.headers.get("authorization"))
-            except AuthError as exc:
-                door.errors["auth"] += 1
-                return _error(401, str(exc), "invalid_request_error")
-        return await call_next(request)
-
     @app.get("/health")
     async def health() -> JSONResponse:
         alive = door.alive()
@@ -133,7 +141,7 @@ def create_app(door: FrontDoor, tenants: Tenants, served_model: str | None = Non
         return JSONResponse({"status": "ok" if alive else "no replica", "replicas": alive}, status)
 
     @app.get("/v1/models")
-    async def models() -> ModelList:
+    async def models(_: TenantDep) -> ModelList:
         return ModelList(data=[ModelCard(id=model_name, max_model_len=door.max_model_len)])
 
     @app.get("/metrics")
@@ -184,21 +192,23 @@ def create_app(door: FrontDoor, tenants: Tenants, served_model: str | None = Non
             return await door.open(tenant, ids, spec, salt)
         except InvalidRequestError as exc:
             raise APIError(400, str(exc), "invalid_request_error") from None
+        except OverloadedError as exc:
+            raise APIError(
+                429, str(exc), "rate_limit_exceeded", code="rate_limit_exceeded"
+            ) from None
         except NoReplicaError as exc:
             raise APIError(503, str(exc), "service_unavailable") from None
         except REPLICA_FAILURES as exc:
             raise APIError(503, f"replica failed: {exc}", "service_unavailable") from None
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Any:
+    async def completions(body: CompletionRequest, request: Request, tenant: TenantDep) -> Any:
         check_model(body.model)
         if isinstance(body.prompt, str):
             ids = door.tokenizer(body.prompt).input_ids
         else:
             ids = list(body.prompt)
-        stream = await open_stream(
-            request.state.tenant, ids, sampling(body, len(ids)), body.cache_salt
-        )
+        stream = await open_stream(tenant, ids, sampling(body, len(ids)), body.cache_salt)
         rid = f"cmpl-{uuid.uuid4().hex}"
         prefix = body.prompt if body.echo and isinstance(body.prompt, str) else ""
 
@@ -211,10 +221,10 @@ def create_app(door: FrontDoor, tenants: Tenants, served_model: str | None = Non
             resp = CompletionResponse(id=rid, model=body.model, choices=[choice], usage=usage)
             return resp.model_dump()
 
-        return await respond(body, stream, prefix, chunk, final)
+        return await respond(request, body, stream, prefix, chunk, final)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+    async def chat(body: ChatCompletionRequest, request: Request, tenant: TenantDep) -> Any:
         check_model(body.model)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
@@ -224,9 +234,7 @@ def create_app(door: FrontDoor, tenants: Tenants, served_model: str | None = Non
         except Exception as exc:  # no template, or the template rejects the roles
             raise APIError(400, f"cannot render chat: {exc}", "invalid_request_error") from None
         ids = door.tokenizer(text, add_special_tokens=False).input_ids
-        stream = await open_stream(
-            request.state.tenant, ids, sampling(body, len(ids)), body.cache_salt
-        )
+        stream = await open_stream(tenant, ids, sampling(body, len(ids)), body.cache_salt)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
 
@@ -242,9 +250,10 @@ def create_app(door: FrontDoor, tenants: Tenants, served_model: str | None = Non
             resp = ChatCompletionResponse(id=rid, model=body.model, choices=[choice], usage=usage)
             return resp.model_dump()
 
-        return await respond(body, stream, "", chunk, final, role_first=True)
+        return await respond(request, body, stream, "", chunk, final, role_first=True)
 
     async def respond(
+        request: Request,
         body: CompletionRequest | ChatCompletionRequest,
         stream: Stream,
         prefix: str,
@@ -255,14 +264,36 @@ def create_app(door: FrontDoor, tenants: Tenants, served_model: str | None = Non
         headers = {REPLICA_HEADER: stream.replica}
         if not body.stream:
             parts, finish, last = [prefix], None, None
-            try:
+
+            async def collect() -> None:
+                nonlocal finish, last
                 async for d in stream:
                     parts.append(d.delta_text)
                     finish, last = d.finish_reason, d
+
+            task = asyncio.ensure_future(collect())
+            gone = False
+            try:
+                # Starlette does not cancel a handler whose client left: watch for it, so
+                # an abandoned request stops using the replica.
+                while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
+                    if await request.is_disconnected():
+                        door.errors["client_gone"] += 1
+                        gone = True
+                        break
+                if gone:
+                    return Response(status_code=499)  # nobody reads it
+                await task
             except REPLICA_FAILURES as exc:
                 raise APIError(
                     503, f"replica failed mid-request: {exc}", "service_unavailable"
                 ) from None
+            finally:
+                if not task.done():  # cancelling it cancels the request on the replica
+                    task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await task
+                await stream.aclose()
             usage = _usage(door, last)
             return JSONResponse(final("".join(parts), finish, usage), headers=headers)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

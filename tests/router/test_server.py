@@ -217,17 +217,48 @@ def test_errors_are_openai_style(fleet: dict[str, Any]) -> None:
         client(fleet).chat.completions.create(model=MODEL, messages=[])
 
 
+def running(fleet: dict[str, Any]) -> int:
+    stats = ray.get([a.stats.remote() for a in fleet["actors"].values()])
+    return sum(s["num_running"] + s["num_waiting"] for s in stats)
+
+
+# ~8 s of decoding on an idle core (tiny: ~3 ms a token): far longer than the waits below.
+ENDLESS = {"model": MODEL, "max_tokens": 2500, "temperature": 0.0, "ignore_eos": True}
+AUTH = {"Authorization": "Bearer key-a"}
+
+
 def test_client_disconnect_aborts_on_the_replica(fleet: dict[str, Any]) -> None:
-    body = {"model": MODEL, "prompt": "go", "max_tokens": 2000, "stream": True}
-    body.update(temperature=0.0, ignore_eos=True)
-    auth = {"Authorization": "Bearer key-a"}
-    with httpx.stream("POST", fleet["url"] + "/v1/completions", json=body, headers=auth) as r:
-        rid = r.headers[REPLICA_HEADER]
-        lines = r.iter_lines()
+    url = fleet["url"] + "/v1/completions"
+    with httpx.stream(
+        "POST", url, json={**ENDLESS, "prompt": "go", "stream": True}, headers=AUTH
+    ) as r:
+        assert r.headers[REPLICA_HEADER] in ("r0", "r1")
+        lines = r.iter_lines()  # held: dropping the iterator would close the response
         assert next(lines).startswith("data: ")
-    actor = fleet["actors"][rid]
-    # 2,000 tokens take far longer than this; the request must be gone well before.
-    wait_for(lambda: ray.get(actor.stats.remote())["num_running"] == 0, 5, "request aborted")
+        assert running(fleet) == 1
+    wait_for(lambda: running(fleet) == 0, 3, "streamed request aborted")
+    # Non-streaming: the handler notices the client left and cancels the request too.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url, json={**ENDLESS, "prompt": "go on"}, headers=AUTH, timeout=1.0)
+    wait_for(lambda: running(fleet) == 0, 3, "non-streamed request aborted")
+    assert fleet["door"].load.in_flight() == 0
+
+
+def test_overload_is_a_429_not_a_queue(fleet: dict[str, Any]) -> None:
+    door = fleet["door"]
+    door.max_in_flight = 1
+    try:
+        url = fleet["url"] + "/v1/completions"
+        with httpx.stream(
+            "POST", url, json={**ENDLESS, "prompt": "a", "stream": True}, headers=AUTH
+        ) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            with pytest.raises(openai.RateLimitError):
+                client(fleet).completions.create(model=MODEL, prompt="b", max_tokens=1)
+    finally:
+        door.max_in_flight = None
+    wait_for(lambda: door.load.in_flight() == 0 and running(fleet) == 0, 3, "stream ended")
 
 
 def test_metrics(fleet: dict[str, Any]) -> None:
@@ -268,12 +299,10 @@ def test_replica_failure_before_first_token_is_retried_elsewhere(fleet: dict[str
 def test_replica_failure_mid_stream_ends_the_stream_with_an_error(fleet: dict[str, Any]) -> None:
     """After the first token there is no retry: the SSE stream says what happened and ends
     with [DONE] -- it neither hangs nor is cut without a word."""
-    body = {"model": MODEL, "prompt": "mid-stream", "max_tokens": 2000, "stream": True}
-    body.update(temperature=0.0, ignore_eos=True)
-    auth = {"Authorization": "Bearer key-a"}
+    body = {**ENDLESS, "prompt": "mid-stream", "stream": True}
     events = []
     with httpx.stream(
-        "POST", fleet["url"] + "/v1/completions", json=body, headers=auth, timeout=30
+        "POST", fleet["url"] + "/v1/completions", json=body, headers=AUTH, timeout=30
     ) as r:
         rid = r.headers[REPLICA_HEADER]
         lines = (x for x in r.iter_lines() if x)
