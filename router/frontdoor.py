@@ -147,6 +147,7 @@ class FrontDoor:
         self.errors: Counter[str] = Counter()
         self.monitor_interval_s = monitor_interval_s
         self.max_in_flight = max_in_flight
+        self.cordoned: set[str] = set()
         self._monitor: asyncio.Task[None] | None = None
         if tokenizer is None:
             from transformers import AutoTokenizer
@@ -206,6 +207,13 @@ class FrontDoor:
 
     def alive(self) -> list[str]:
         return [rid for rid, r in self.replicas.items() if r.alive]
+
+    def cordon(self, rid: str, cordoned: bool = True) -> None:
+        """Stop (or resume) routing new requests to a live replica, e.g. to drain it before
+        maintenance; requests already there run to their end."""
+        if rid not in self.replicas:
+            raise KeyError(rid)
+        (self.cordoned.add if cordoned else self.cordoned.discard)(rid)
 
     def start(self) -> None:
         """Starts the restart monitor on the running loop."""
@@ -281,7 +289,7 @@ class FrontDoor:
         tried: set[str] = set()
         self.counters["requests"] += 1
         for attempt in range(2):
-            candidates = [r for r in self.alive() if r not in tried]
+            candidates = [r for r in self.alive() if r not in tried and r not in self.cordoned]
             if not candidates:
                 self.errors["no_replica"] += 1
                 raise NoReplicaError("no replica is available")

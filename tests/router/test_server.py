@@ -176,15 +176,27 @@ def test_shared_prefix_goes_to_the_same_replica_and_hits(fleet: dict[str, Any]) 
     assert first.parse().usage.prompt_tokens_details.cached_tokens == 0
     cached = second.parse().usage.prompt_tokens_details.cached_tokens
     assert cached >= 16 * (len(LONG) // 16) - 16 and cached > 200
-    # Another tenant, same prompt: its salt differs, so nothing of alpha's can be hit.
-    other = client(fleet, "key-b").completions.create(prompt=LONG + "second one!", **kw)
-    assert other.usage.prompt_tokens_details.cached_tokens == 0
-    # The same tenant with its own extra salt is isolated from its unsalted blocks too.
-    salted = c.completions.create(prompt=LONG + "second one!", extra_body={"cache_salt": "x"}, **kw)
-    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    # Another tenant, same prompt, on the very replica that holds alpha's blocks (the other
+    # one cordoned): its salt differs, so nothing of alpha's can be hit.
+    door, served = fleet["door"], first.headers[REPLICA_HEADER]
+    door.cordon("r1" if served == "r0" else "r0")
+    try:
+        other = client(fleet, "key-b").completions.with_raw_response.create(
+            prompt=LONG + "second one!", **kw
+        )
+        # The same tenant with its own extra salt is isolated from its unsalted blocks too.
+        salted = c.completions.with_raw_response.create(
+            prompt=LONG + "second one!", extra_body={"cache_salt": "x"}, **kw
+        )
+        again = c.completions.create(prompt=LONG + "second one!", **kw)
+    finally:
+        door.cordon("r1" if served == "r0" else "r0", False)
+    assert other.headers[REPLICA_HEADER] == salted.headers[REPLICA_HEADER] == served
+    assert other.parse().usage.prompt_tokens_details.cached_tokens == 0
+    assert salted.parse().usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens > 200  # still there, for alpha
     # The index learned alpha's blocks from the events of the replica that served them.
-    door = fleet["door"]
-    wait_for(lambda: door.index.num_blocks(first.headers[REPLICA_HEADER]) >= 18, 10, "events")
+    wait_for(lambda: door.index.num_blocks(served) >= 18, 10, "events")
 
 
 def test_errors_are_openai_style(fleet: dict[str, Any]) -> None:
