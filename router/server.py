@@ -26,6 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvroute.events import ReplicaStats
 from kvroute.events.replica_api import InvalidRequestError, SamplingSpec
 
 from .frontdoor import REPLICA_FAILURES, FrontDoor, OverloadedError, Stream
@@ -146,7 +147,9 @@ def create_app(door: FrontDoor, tenants: Tenants, served_model: str | None = Non
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(render_metrics(door), media_type="text/plain; version=0.0.4")
+        events = await asyncio.to_thread(door.subscriber.stats)  # a hop to its thread
+        text = render_metrics(door, events)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     def check_model(model: str) -> None:
         if model not in (model_name, door.model):
@@ -353,7 +356,7 @@ def _data(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-def render_metrics(door: FrontDoor) -> str:
+def render_metrics(door: FrontDoor, events: dict[str, ReplicaStats] | None = None) -> str:
     """Prometheus text exposition, by hand (no client library needed for a few series)."""
     c, lines = door.counters, []
 
@@ -378,4 +381,13 @@ def render_metrics(door: FrontDoor) -> str:
            [(f'{{replica="{r}"}}', x.routed) for r, x in reps])  # fmt: skip
     metric("index_blocks", "gauge", "Blocks the prefix index holds per replica.",
            [(f'{{replica="{r}"}}', door.index.num_blocks(r)) for r, _ in reps])  # fmt: skip
+    ev = sorted((events or {}).items())
+    for field, help_ in (
+        ("delivered", "Event batches applied to the index."),
+        ("gaps", "Event seq gaps detected (recovered by replay or snapshot)."),
+        ("restarts", "Engine restarts seen on the event stream."),
+        ("resets", "Times a replica's indexed state was dropped and rebuilt."),
+    ):
+        metric(f"events_{field}_total", "counter", help_,
+               [(f'{{replica="{r}"}}', getattr(st, field)) for r, st in ev])  # fmt: skip
     return "\n".join(lines) + "\n"

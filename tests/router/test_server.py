@@ -284,6 +284,8 @@ def test_metrics(fleet: dict[str, Any]) -> None:
     routed = [float(samples[f'kvroute_replica_routed_total{{replica="r{i}"}}']) for i in (0, 1)]
     assert sum(routed) >= 5
     assert 'kvroute_index_blocks{replica="r0"}' in samples
+    delivered = [samples[f'kvroute_events_delivered_total{{replica="r{i}"}}'] for i in (0, 1)]
+    assert min(map(float, delivered)) >= 1  # at least the snapshot each replica answered on joining
 
 
 def test_replica_failure_before_first_token_is_retried_elsewhere(fleet: dict[str, Any]) -> None:
