@@ -1,21 +1,26 @@
-"""Messages between a router and a replica actor, as msgspec Structs.
+"""Messages between a router and a replica actor, as msgspec Structs, and the one call
+that streams a request from an actor.
+
+Why here (``events``) and not in ``replica``: like the KV events, these are the contract
+between the two sides, and ``router`` never imports ``replica``. Conversions to and from
+the engine's own types live in :mod:`kvroute.replica.actor`.
 
 Why Structs and not dataclasses: they pickle (Ray's transport) and encode to msgpack or JSON
 (any other transport, logs) with the same schema, and they are cheap to build per token.
-This module imports neither torch nor transformers, so a router process can import it
-without paying for the engine (unpickling a :class:`GenerateDelta` imports it anyway).
+This module imports neither torch nor transformers, only msgspec and (for
+:func:`stream_generate`) ray.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
+import ray
 
-from kvroute.events import HashConfig
-
-from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from .hashing import HashConfig
 
 
 class InvalidRequestError(ValueError):
@@ -73,14 +78,6 @@ class SamplingSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     min_tokens: int = 0
     logprobs: int | None = None
 
-    def to_params(self) -> SamplingParams:
-        """Raises ValueError for a nonsensical value (SamplingParams validates)."""
-        return SamplingParams(**msgspec.structs.asdict(self))
-
-    @classmethod
-    def from_params(cls, params: SamplingParams) -> SamplingSpec:
-        return cls(**dataclasses.asdict(params))
-
 
 class GenerateRequest(msgspec.Struct, kw_only=True):
     """One request, already tokenized by the router (which hashed the same tokens)."""
@@ -105,22 +102,26 @@ class GenerateDelta(msgspec.Struct, kw_only=True):
     num_output_tokens: int = 0  # cumulative
     logprobs: list[dict[int, float]] | None = None  # one entry per token of this delta
 
-    @classmethod
-    def from_output(cls, out: RequestOutput) -> GenerateDelta:
-        comp = out.outputs[0]
-        n_out = len(comp.token_ids)
-        logprobs = None
-        if comp.logprobs is not None:
-            logprobs = comp.logprobs[n_out - len(out.delta_token_ids) : n_out]
-        return cls(
-            request_id=out.request_id,
-            delta_text=out.delta_text,
-            delta_token_ids=list(out.delta_token_ids),
-            finished=out.finished,
-            finish_reason=comp.finish_reason,
-            stop_reason=comp.stop_reason,
-            num_prompt_tokens=len(out.prompt_token_ids),
-            num_cached_tokens=out.num_cached_tokens,
-            num_output_tokens=n_out,
-            logprobs=logprobs,
-        )
+
+async def stream_generate(actor: Any, req: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+    """Streams a request from a replica actor; cancels it remotely if the consumer stops
+    early (break, task cancelled, generator closed), which frees its blocks at once.
+
+    Ray 2.60 does not cancel a streaming task whose ``ObjectRefGenerator`` is merely
+    dropped, so this ``ray.cancel``s it on any early exit."""
+    gen = actor.generate.options(num_returns="streaming").remote(req)
+    ended = False  # the remote task is over: nothing to cancel
+    try:
+        async for ref in gen:
+            try:
+                delta: GenerateDelta = await ref
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the stream's own error is its last item
+                ended = True
+                raise
+            yield delta
+        ended = True
+    finally:
+        if not ended:
+            ray.cancel(gen)

@@ -8,13 +8,14 @@ Why the shape:
   frees its blocks. Ray 2.60 does NOT cancel the task when the caller merely drops the
   ``ObjectRefGenerator``, nor when the caller's process dies (both observed): the request
   then runs to its end. Use
-  :func:`stream_generate`, which cancels on any early exit of its consumer.
+  :func:`~kvroute.events.replica_api.stream_generate`, which cancels on any early exit of
+  its consumer (re-exported here).
 - A dead engine thread must not leave a live but useless actor (Ray would never restart it):
   a watchdog lets in-flight streams end with :class:`ReplicaDeadError`, then ``os._exit(1)``
   so Ray restarts the process when the actor has ``max_restarts``. The new process binds new
   ports and starts its event seq at 0; ``info().incarnation`` tells the router it changed.
-- Errors cross the boundary as :mod:`.protocol` types, so a router never imports torch to
-  unpickle them.
+- Messages and errors cross the boundary as :mod:`kvroute.events.replica_api` types (the
+  router/replica contract), so a router never imports torch to unpickle them.
 
 Create replicas with :func:`start_replica` (resources, restarts, CPU pinning) or directly:
 ``ReplicaActor.options(num_cpus=1, max_restarts=-1).remote("r0", {"model": "tiny"})``.
@@ -22,7 +23,6 @@ Create replicas with :func:`start_replica` (resources, restarts, CPU pinning) or
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import os
@@ -37,16 +37,31 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import ray
 
-from .protocol import (
+from kvroute.events.replica_api import (
     GenerateDelta,
     GenerateRequest,
     InvalidRequestError,
     ReplicaDeadError,
     ReplicaInfo,
+    SamplingSpec,
+    stream_generate,
 )
+
+from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the engine pulls in torch; a router creating actors need not
     from .engine import EngineConfig
+    from .outputs import RequestOutput
+
+__all__ = [
+    "ReplicaActor",
+    "ReplicaServer",
+    "delta_from_output",
+    "spec_from_params",
+    "spec_to_params",
+    "start_replica",
+    "stream_generate",
+]
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +151,7 @@ class ReplicaServer:
         try:
             if not isinstance(req, GenerateRequest):
                 req = msgspec.convert(req, GenerateRequest)
-            params = req.sampling.to_params()
+            params = spec_to_params(req.sampling)
         except (ValueError, TypeError, msgspec.ValidationError) as exc:
             raise InvalidRequestError(f"request rejected: {exc}") from None
         self._streams += 1
@@ -145,7 +160,7 @@ class ReplicaServer:
                 req.prompt_token_ids, params, req.request_id, cache_salt=req.cache_salt
             )
             async for out in outputs:
-                yield GenerateDelta.from_output(out)
+                yield delta_from_output(out)
         except EngineDeadError as exc:
             raise ReplicaDeadError(f"replica {self.replica_id}: {exc}") from None
         except ValueError as exc:  # raised by add_request: nothing was queued
@@ -262,25 +277,34 @@ def start_replica(
     return actor_cls.remote(replica_id, engine_config, events_host, torch_threads)
 
 
-async def stream_generate(actor: Any, req: GenerateRequest) -> AsyncIterator[GenerateDelta]:
-    """Streams a request from a replica actor; cancels it remotely if the consumer stops
-    early (break, task cancelled, generator closed), which frees its blocks at once."""
-    gen = actor.generate.options(num_returns="streaming").remote(req)
-    ended = False  # the remote task is over: nothing to cancel
-    try:
-        async for ref in gen:
-            try:
-                delta: GenerateDelta = await ref
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # the stream's own error is its last item
-                ended = True
-                raise
-            yield delta
-        ended = True
-    finally:
-        if not ended:
-            ray.cancel(gen)
+def spec_to_params(spec: SamplingSpec) -> SamplingParams:
+    """The wire spec as the engine's params; raises ValueError for a nonsensical value."""
+    return SamplingParams(**msgspec.structs.asdict(spec))
+
+
+def spec_from_params(params: SamplingParams) -> SamplingSpec:
+    return SamplingSpec(**dataclasses.asdict(params))
+
+
+def delta_from_output(out: RequestOutput) -> GenerateDelta:
+    """One engine output as the delta a router receives."""
+    comp = out.outputs[0]
+    n_out = len(comp.token_ids)
+    logprobs = None
+    if comp.logprobs is not None:
+        logprobs = comp.logprobs[n_out - len(out.delta_token_ids) : n_out]
+    return GenerateDelta(
+        request_id=out.request_id,
+        delta_text=out.delta_text,
+        delta_token_ids=list(out.delta_token_ids),
+        finished=out.finished,
+        finish_reason=comp.finish_reason,
+        stop_reason=comp.stop_reason,
+        num_prompt_tokens=len(out.prompt_token_ids),
+        num_cached_tokens=out.num_cached_tokens,
+        num_output_tokens=n_out,
+        logprobs=logprobs,
+    )
 
 
 def _was_reconstructed() -> bool:

@@ -31,16 +31,17 @@ from kvroute.events import (
     ZmqEventSubscriber,
 )
 from kvroute.events.protocol import END_SEQ, pack_seq, unpack_seq
-from kvroute.replica import LLM, EngineConfig, SamplingParams
-from kvroute.replica.actor import ReplicaServer, start_replica, stream_generate
-from kvroute.replica.protocol import (
+from kvroute.events.replica_api import (
     GenerateDelta,
     GenerateRequest,
     InvalidRequestError,
     ReplicaDeadError,
     ReplicaInfo,
     SamplingSpec,
+    stream_generate,
 )
+from kvroute.replica import LLM, EngineConfig, SamplingParams
+from kvroute.replica.actor import ReplicaServer, spec_from_params, spec_to_params, start_replica
 
 BLOCK = 4
 NUM_BLOCKS = 64
@@ -133,11 +134,11 @@ def test_messages_pickle_and_encode() -> None:
         assert pickle.loads(pickle.dumps(msg)) == msg
         assert msgspec.msgpack.decode(msgspec.msgpack.encode(msg), type=type(msg)) == msg
     # The wire spec must not drift from SamplingParams: same fields, same defaults.
-    assert SamplingSpec().to_params() == SamplingParams()
+    assert spec_to_params(SamplingSpec()) == SamplingParams()
     assert set(SamplingSpec.__struct_fields__) == {
         f.name for f in dataclasses.fields(SamplingParams)
     }
-    assert SamplingSpec.from_params(spec.to_params()) == spec
+    assert spec_from_params(spec_to_params(spec)) == spec
 
 
 # -- (1) info and the event endpoints ------------------------------------------------------
@@ -191,7 +192,7 @@ def test_info_and_events_match_the_cache(replica: Any) -> None:
 
 # -- (2) greedy streaming == offline --------------------------------------------------------
 async def test_concurrent_streams_match_offline_greedy(replica: Any, reference: LLM) -> None:
-    expected = reference.generate(PROMPTS, GREEDY.to_params())
+    expected = reference.generate(PROMPTS, spec_to_params(GREEDY))
     reqs = [req(f"g-{i}", p) for i, p in enumerate(PROMPTS)]
     # One request through the raw Ray API, the rest through the helper, all at once.
     raw = replica.generate.options(num_returns="streaming").remote(reqs[0])
@@ -319,7 +320,8 @@ async def test_engine_death_restarts_the_replica(actors: dict[str, Any], referen
     again = await collect(actor, req("f-2", PROMPTS[4]))
     tokens = [t for d in again for t in d.delta_token_ids]
     assert tokens == [t for d in warm for t in d.delta_token_ids]
-    assert tokens == reference.generate([PROMPTS[4]], GREEDY.to_params())[0].outputs[0].token_ids
+    expected = reference.generate([PROMPTS[4]], spec_to_params(GREEDY))[0].outputs[0].token_ids
+    assert tokens == expected
     assert await actor.health.remote()
     # The new publisher counts from 0 again (the request above published at least one batch;
     # the replay buffer holds every batch of this young process).
