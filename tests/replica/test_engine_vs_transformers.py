@@ -17,6 +17,8 @@ from kvroute.replica import LLM, SamplingParams
 from kvroute.replica.engine import EngineConfig, LLMEngine
 from kvroute.replica.models import tiny_model_path
 
+from .hf_reference import hf_greedy
+
 NEW_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
 
@@ -33,14 +35,7 @@ def reference():
     def continuation(prompt: list[int]) -> list[int]:
         key = tuple(prompt)
         if key not in memo:
-            with torch.inference_mode():
-                out = model.generate(
-                    torch.tensor([prompt]),
-                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                    max_new_tokens=NEW_TOKENS,
-                    do_sample=False,
-                )
-            memo[key] = out[0, len(prompt) :].tolist()
+            memo[key] = hf_greedy(model, prompt, NEW_TOKENS)
         return memo[key]
 
     continuation.vocab = vocab  # type: ignore[attr-defined]

@@ -17,6 +17,8 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from kvroute.replica import LLM, SamplingParams
 from kvroute.replica.models import tiny_model_path
 
+from .hf_reference import hf_greedy
+
 NEW_TOKENS = 10
 
 
@@ -59,12 +61,6 @@ def test_qwen2_greedy_equals_transformers_cold_and_cached(qwen2_path: Path) -> N
     rest = llm.generate(prompts[1:], params)
     assert all(o.num_cached_tokens == 96 for o in rest)
     for prompt, out in zip(prompts, first + rest, strict=True):
-        with torch.inference_mode():
-            ref = hf.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-            )[0, len(prompt) :].tolist()
+        ref = hf_greedy(hf, prompt, NEW_TOKENS)
         assert out.outputs[0].token_ids == ref
     assert len({tuple(o.outputs[0].token_ids) for o in first + rest}) > 1

@@ -12,6 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from kvroute.replica import LLM, SamplingParams
 from kvroute.replica.models import smollm2_path
 
+from .hf_reference import hf_greedy
+
 pytestmark = pytest.mark.slow
 
 QUESTIONS = [
@@ -34,13 +36,7 @@ def test_smollm2_greedy_chat_equals_transformers():
             conv, add_generation_prompt=True, tokenize=True, return_dict=False
         )
         assert out.prompt_token_ids == list(ids)
-        with torch.inference_mode():
-            ref = hf.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-            )[0, len(ids) :].tolist()
+        ref = hf_greedy(hf, list(ids), MAX_TOKENS)
         assert out.outputs[0].token_ids == ref
         assert out.outputs[0].text == tok.decode(ref, skip_special_tokens=True)
     assert "Paris" in outs[0].outputs[0].text
