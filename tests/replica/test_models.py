@@ -115,7 +115,7 @@ def test_tiny_folder_is_complete_and_versioned(tiny_dir: Path) -> None:
 def test_second_call_reuses_the_folder(tiny_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVROUTE_CACHE", str(tiny_dir.parent.parent))
     before = (tiny_dir / "model.safetensors").stat().st_mtime_ns
-    monkeypatch.setattr(models, "_write_tiny", _fail_if_called)
+    monkeypatch.setattr(models, "write_tiny", _fail_if_called)
     assert tiny_model_path() == tiny_dir
     assert (tiny_dir / "model.safetensors").stat().st_mtime_ns == before
 
