@@ -136,17 +136,18 @@ class ZmqEventSubscriber:
         self._call(lambda: self._remove(replica_id))
 
     def stats(self) -> dict[str, ReplicaStats]:
+        """Counters per replica, read from the caller's thread.
+
+        Not routed through the subscriber's thread: a busy or stalled receive loop must not
+        make monitoring wait, or answer with some replicas missing. Copying the replica
+        table is one C-level call under the GIL; each counter is read whole, so a snapshot
+        may straddle a batch but never holds torn or absent entries.
+        """
         out: dict[str, ReplicaStats] = {}
-        done = threading.Event()
-
-        def read() -> None:
-            for rid, r in self._replicas.items():
-                r.stats.last_seq = r.last_seq
-                out[rid] = ReplicaStats(**{k: getattr(r.stats, k) for k in r.stats.__slots__})
-            done.set()
-
-        self._call(read)
-        done.wait(5.0)
+        for rid, r in list(self._replicas.items()):
+            fields = {k: getattr(r.stats, k) for k in r.stats.__slots__}
+            fields["last_seq"] = r.last_seq
+            out[rid] = ReplicaStats(**fields)
         return out
 
     def in_sync(self, replica_id: str) -> bool:
