@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +36,6 @@ log = logging.getLogger(__name__)
 
 EventSink = Callable[[list[KVCacheEvent]], Any]
 
-_FINISH_REASON = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-}
-
 
 @dataclass
 class EngineConfig:
@@ -64,7 +58,6 @@ class EngineConfig:
     device: str | None = None
     seed: int = 0
     stream_text: bool = True  # detokenize every step (streaming); False: once at the end
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class _RequestState:
@@ -264,7 +257,7 @@ class LLMEngine:
             index=0,
             text=text,
             token_ids=list(req.output_token_ids),
-            finish_reason=_FINISH_REASON.get(req.status) if finished else None,
+            finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
             logprobs=state.logprobs,
         )
