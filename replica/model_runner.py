@@ -170,40 +170,25 @@ class ModelRunner:
         """Computes every scheduled token's KV; samples for the requests that reach their end."""
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        query_start = [0]
-        tables: list[list[int]] = []
         sample_rows: list[int] = []
         sample_reqs = []
-        bs = self.block_size
         for item in sched.scheduled:
             req = item.request
-            start, n = item.num_computed_tokens, item.num_new_tokens
-            end = start + n
+            start, end = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
             input_ids.extend(req.all_token_ids[start:end])
             positions.extend(range(start, end))
-            table = item.block_ids
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            seq_lens.append(end)
-            query_start.append(query_start[-1] + n)
-            tables.append(table)
             if item.samples:
-                sample_rows.append(query_start[-1] - 1)
+                sample_rows.append(len(input_ids) - 1)
                 sample_reqs.append(req)
         if not input_ids:
             return {}
         dev = self.device
-        width = max(len(t) for t in tables)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.tensor(
-                [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev
-            ),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            max_query_len=max(it.num_new_tokens for it in sched.scheduled),
-            max_seq_len=max(seq_lens),
+        meta = AttentionMetadata.build(
+            [item.block_ids for item in sched.scheduled],
+            [item.num_computed_tokens + item.num_new_tokens for item in sched.scheduled],
+            [item.num_new_tokens for item in sched.scheduled],
+            self.block_size,
+            device=dev,
         )
         token = _FORWARD_CONTEXT.set(_ForwardContext(self.kv_caches, meta))
         try:
