@@ -249,7 +249,13 @@ class FrontDoor:
                 log.error("%s", exc)
                 self.on_replica_failure(rid)
         elif not rep.alive:
-            rep.alive = True  # same process answering again (a transient failure)
+            # The same process answers info() even while its engine is dead (it exits a
+            # moment later, so Ray restarts it): only a passing health check brings it back.
+            try:
+                await asyncio.wait_for(rep.actor.health.remote(), self.monitor_interval_s * 5)
+            except Exception:
+                return
+            rep.alive = True  # the same process, healthy again (a transient failure)
             self.subscriber.add_publisher(
                 rid, info.events_endpoint, info.replay_endpoint, info.topic
             )
