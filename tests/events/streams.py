@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -18,6 +17,8 @@ from kvroute.events import (
     KVCacheEvent,
     ReplicaBatch,
 )
+
+from ..waiting import poll as wait_for  # noqa: F401 - re-exported for the events tests
 
 BS = 4
 
@@ -94,15 +95,6 @@ class Views:
         with self.lock:
             s = self.sets.get(rid)
             return s.counts() if s else {}
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 30.0, every: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(every)
-    return cond()
 
 
 class LossyProxy:

@@ -43,6 +43,8 @@ from kvroute.events.replica_api import (
 from kvroute.replica import LLM, EngineConfig, SamplingParams
 from kvroute.replica.actor import ReplicaServer, spec_from_params, spec_to_params, start_replica
 
+from ..waiting import wait_for
+
 BLOCK = 4
 NUM_BLOCKS = 64
 MAX_LEN = NUM_BLOCKS * BLOCK  # 256: the tiny model allows more, the cache does not
@@ -85,13 +87,6 @@ def req(rid: str, prompt: list[int], sampling: SamplingSpec = GREEDY, **kw: Any)
 
 async def collect(actor: Any, request: GenerateRequest) -> list[GenerateDelta]:
     return [d async for d in stream_generate(actor, request)]
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"{what} not reached within {timeout} s"
-        time.sleep(0.05)
 
 
 def all_blocks_free(actor: Any) -> Callable[[], bool]:

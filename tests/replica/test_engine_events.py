@@ -9,9 +9,8 @@ bytes and vLLM's int).
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -26,6 +25,8 @@ from kvroute.events import (
     ZmqEventSubscriber,
 )
 from kvroute.replica import EngineConfig, LLMEngine, SamplingParams
+
+from ..waiting import poll as wait_for
 
 LOCAL = "tcp://127.0.0.1:*"
 BLOCK = 4
@@ -59,15 +60,6 @@ class Tally:
     def __call__(self, events: list[KVCacheEvent]) -> None:
         for ev in events:
             self.kinds[type(ev).__name__] += 1
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.01)
-    return cond()
 
 
 @pytest.fixture(params=["bytes", "int"])

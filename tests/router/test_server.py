@@ -11,8 +11,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -27,6 +26,8 @@ from kvroute.replica.actor import start_replica
 from kvroute.router.frontdoor import FleetMismatchError, FrontDoor
 from kvroute.router.server import REPLICA_HEADER, create_app
 from kvroute.router.tenants import AuthError, Tenants, load_api_keys, tenant_salt
+
+from ..waiting import wait_for
 
 MODEL = "tiny"
 CONFIG = {"model": MODEL, "block_size": 16, "num_blocks": 160}  # 2,560 tokens a replica
@@ -61,13 +62,6 @@ def fleet() -> Iterator[dict[str, Any]]:
         thread.join(10)
     finally:
         ray.shutdown()
-
-
-def wait_for(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"{what} not reached within {timeout} s"
-        time.sleep(0.05)
 
 
 def client(fleet: dict[str, Any], key: str = "key-a") -> openai.OpenAI:
