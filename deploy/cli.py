@@ -92,12 +92,12 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
 def _simulate(args: argparse.Namespace) -> int:
     import json
 
-    from kvroute.router.cost_model import PROFILES
+    from kvroute.replica.cost_model import PROFILES
     from kvroute.router.policy import POLICIES
-    from kvroute.router.sim_report import format_table, simulate, stderr_progress, to_json
-    from kvroute.router.simulator import SimConfig
-    from kvroute.router.synthetic import make_workload
-    from kvroute.router.workloads import load_mooncake, specs_from_trace
+    from kvroute.sim.report import format_table, simulate, stderr_progress, to_json
+    from kvroute.sim.simulator import SimConfig
+    from kvroute.sim.traces import load_mooncake, specs_from_trace
+    from kvroute.sim.workloads import make_workload
 
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     bad = [p for p in policies if p not in POLICIES]
@@ -148,7 +148,7 @@ def _simulate(args: argparse.Namespace) -> int:
     result["workload"]["source"] = args.trace or args.workload
     result["workload"]["speed"] = args.speed
     if args.plot:
-        from kvroute.router.sim_report import plot
+        from kvroute.sim.report import plot
 
         src = args.trace.rsplit("/", 1)[-1] if args.trace else args.workload
         plot(result, args.plot, f"{src}, {args.replicas} replicas, speed {args.speed}")

@@ -1,7 +1,7 @@
-"""Prefix index, routing policy, load accounting, and the fleet simulator.
+"""What runs in a front-door process: prefix index, routing policy, load view, tenants, HTTP.
 
 :mod:`.index` (prefix index from KV events), :mod:`.policy` (``kv`` and baselines),
-:mod:`.load` (router-side in-flight accounting), :mod:`.simulator` / :mod:`.sim_report` /
-:mod:`.cost_model` (``kvroute simulate``), :mod:`.workloads` / :mod:`.synthetic` (traces
-and generators). Tenants and the OpenAI-compatible front door are still to come.
+:mod:`.load` (the load view: replicas' reports plus in-flight accounting), :mod:`.tenants`,
+:mod:`.frontdoor` (replicas, event streams, retries) and :mod:`.server` (the OpenAI-compatible
+HTTP API). Depends on :mod:`kvroute.events` alone.
 """

@@ -1,6 +1,6 @@
 """Built-in workload generators for the simulator: the prefix-sharing shapes routers meet.
 
-Each returns :class:`~kvroute.router.workloads.RequestSpec` in arrival order, fully
+Each returns :class:`RequestSpec` in arrival order, fully
 determined by ``seed``. Segment ids are drawn from one counter per call, so equal ids mean
 genuinely shared tokens and nothing else does. Sizes follow common public descriptions of
 these workloads (system prompts of 1-8k tokens, RAG chunks of ~1k, agent contexts of tens
@@ -11,10 +11,58 @@ replicas busy but not saturated under round robin; ``--speed`` scales them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
-from .workloads import RequestSpec
+SEGMENT_TOKENS = 512  # tokens generated per segment id at least (Mooncake's block)
+DEFAULT_VOCAB = 128_256  # Llama 3's vocabulary: token ids fit in uint32
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    """One request of a workload: its prompt as segments whose tokens are fixed by their id.
+
+    Two prompts that start with the same segments (same ids, same lengths) share a genuine
+    token prefix. ``cache_salt`` isolates a tenant, as in vLLM's API.
+    """
+
+    arrival_s: float
+    segments: tuple[tuple[int, int], ...]  # (segment id, tokens)
+    output_length: int
+    cache_salt: str | None = None
+
+    @property
+    def input_length(self) -> int:
+        return sum(n for _, n in self.segments)
+
+
+class TokenSource:
+    """Segment id -> its fixed uint32 tokens, generated once and kept (little-endian bytes).
+
+    A segment's tokens are ``block_tokens(id, vocab, n)``: a PCG64 stream seeded by the id,
+    whose first k values do not depend on n, so a short (cut) segment is a prefix of the
+    full one.
+    """
+
+    def __init__(self, vocab_size: int = DEFAULT_VOCAB) -> None:
+        self.vocab_size = vocab_size
+        self._cache: dict[int, bytes] = {}
+
+    def segment(self, seg_id: int, n: int) -> bytes:
+        raw = self._cache.get(seg_id)
+        if raw is None or len(raw) < 4 * n:
+            gen = np.random.Generator(np.random.PCG64(seg_id))
+            size = max(n, SEGMENT_TOKENS)
+            raw = gen.integers(0, self.vocab_size, size=size, dtype=np.int64)
+            raw = self._cache[seg_id] = raw.astype("<u4").tobytes()
+        return raw if len(raw) == 4 * n else raw[: 4 * n]
+
+    def prompt_bytes(self, spec: RequestSpec) -> bytes:
+        return b"".join([self.segment(s, n) for s, n in spec.segments])
+
+    def __len__(self) -> int:
+        return len(self._cache)
 
 
 class _Ids:

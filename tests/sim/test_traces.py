@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.router.workloads import (
+from kvroute.sim.traces import (
     TraceRequest,
     block_tokens,
     iter_arrivals,
@@ -15,7 +15,7 @@ from kvroute.router.workloads import (
     prompt_tokens,
 )
 
-TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[2] / "traces"
 needs_traces = pytest.mark.skipif(not TRACES.is_dir(), reason="shared/traces not present")
 
 

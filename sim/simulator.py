@@ -5,7 +5,7 @@ Each replica is the engine's own :class:`~kvroute.replica.kv_cache_manager.KVCac
 first (a decode token each, or their next prefill chunk), then waiting ones FCFS while the
 token budget, ``max_num_seqs`` and free blocks allow; when a running request needs a block
 and none is free, the most recently admitted one is preempted (freed, recomputed later).
-Step times come from :mod:`kvroute.router.cost_model`. After each step the pool's events go
+Step times come from :mod:`kvroute.replica.cost_model`. After each step the pool's events go
 out as a real ``EventBatch`` over a per-replica FIFO channel (``event_delay_s``; a batch lost
 with probability ``event_loss`` arrives ``recovery_s`` late, as a replay would, and later
 batches wait behind it, as the subscriber applies in order) into the real
@@ -31,11 +31,11 @@ from typing import Any
 import numpy as np
 
 from kvroute.events import AllBlocksCleared, BlockHasher, EventBatch
+from kvroute.replica.cost_model import H100_8B, CostModel, Profile
 from kvroute.replica.kv_cache_manager import KVCacheManager
+from kvroute.router.index import PrefixIndex
+from kvroute.router.policy import Policy, RequestView, make_policy
 
-from .cost_model import H100_8B, CostModel, Profile
-from .index import PrefixIndex
-from .policy import Policy, RequestView, make_policy
 from .workloads import RequestSpec, TokenSource
 
 _ARRIVE, _STEP, _DELIVER, _FAULT = 0, 1, 2, 3

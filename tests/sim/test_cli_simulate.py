@@ -9,7 +9,7 @@ import pytest
 
 from kvroute.deploy.cli import main
 
-TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+TRACE = Path(__file__).resolve().parents[2] / "traces"
 TRACE = TRACE / "mooncake_synthetic_trace.jsonl"
 
 

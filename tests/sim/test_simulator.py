@@ -10,17 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.router.sim_report import router_hashes, simulate, to_json
-from kvroute.router.simulator import Fault, Fleet, SimConfig
-from kvroute.router.synthetic import make_workload
-from kvroute.router.workloads import (
-    TokenSource,
+from kvroute.sim.report import router_hashes, simulate, to_json
+from kvroute.sim.simulator import Fault, Fleet, SimConfig
+from kvroute.sim.traces import (
     load_mooncake,
     prompt_tokens,
     specs_from_trace,
 )
+from kvroute.sim.workloads import TokenSource, make_workload
 
-TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+TRACES = Path(__file__).resolve().parents[2] / "traces"
 
 
 def fleet(specs, policy: str, cfg: SimConfig) -> Fleet:
