@@ -8,6 +8,8 @@ to it through a command queue and get :class:`RequestOutput` deltas back on asyn
 A caller that stops iterating (client gone, task cancelled) aborts its request, which frees
 its blocks before the next step. If a step raises, every live request gets the error and the
 engine refuses new work (``errored``): a replica actor should then exit so Ray restarts it.
+A fault of one request's own (its seed, its text, its stop strings) does not get here: the
+engine ends that request with ``finish_reason="error"`` and steps on.
 """
 
 from __future__ import annotations
@@ -31,7 +33,15 @@ T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread failed; the replica should be restarted."""
+    """The engine thread failed; the replica should be restarted.
+
+    ``suspect``: the request was in the step that failed (or that step's batch is unknown),
+    so it may have caused the failure and must not be replayed elsewhere blindly. False for
+    a request that was only queued or waiting, or that arrived after the engine died."""
+
+    def __init__(self, message: str, *, suspect: bool = False) -> None:
+        super().__init__(message)
+        self.suspect = suspect
 
 
 @dataclass(slots=True)
@@ -155,12 +165,14 @@ class AsyncLLMEngine:
                     for out in engine.step():
                         self._deliver(out.request_id, out, last=out.finished)
         except BaseException as exc:
-            log.exception("engine step failed")
+            batch = engine.current_batch  # None: it failed before the batch was known
+            log.exception("engine step failed (batch: %s)", "unknown" if batch is None else batch)
             self.error = exc
-            err = EngineDeadError(f"engine step failed: {exc!r}")
             for rid in list(self._sinks):
+                suspect = batch is None or rid in batch
+                err = EngineDeadError(f"engine step failed: {exc!r}", suspect=suspect)
                 self._deliver(rid, err, last=True)
-            self._fail_queued(err)
+            self._fail_queued(EngineDeadError(f"engine step failed: {exc!r}"))
 
     def _fail_all(self, err: EngineDeadError) -> None:
         """On shutdown: free every live request's blocks and end its stream with ``err``."""

@@ -5,12 +5,21 @@ thread of its own, the offline :class:`kvroute.replica.LLM` drives it in a loop.
 step the block pool's events (stores and evictions of that step) leave as one batch to each
 event sink -- normally a :class:`kvroute.events.ZmqEventPublisher` -- so a router's view
 trails the cache by one step at most.
+
+Why per-request guards inside the step: a batch mixes many clients' requests, and a fault
+that belongs to one of them -- its seed, sampling, logits, detokenization, stop strings --
+must end that request alone (``finish_reason="error"`` and a one-line ``error``) while the
+others finish exactly as they would have without it. Only shared state (the model forward,
+the KV cache, the scheduler's bookkeeping, running out of memory) may still raise out of
+:meth:`LLMEngine.step` and take the engine down; ``current_batch`` then names the requests
+whose step failed, so a router can tell a possible query of death from a bystander.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +30,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from kvroute.events import DEFAULT_SEED, BlockHasher, HashConfig, KVCacheEvent
 from kvroute.events.hashing import HashForm
+from kvroute.events.replica_api import check_prompt_token_ids, check_text
 
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache_manager import KVCacheManager
@@ -28,7 +38,7 @@ from .model_runner import ModelRunner
 from .models import resolve_model
 from .outputs import CompletionOutput, RequestOutput
 from .request import Request, RequestStatus
-from .sampler import SampledToken
+from .sampler import RequestFailure, SampledToken
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 
@@ -121,11 +131,19 @@ class LLMEngine:
         self.eos_token_id, self.extra_eos_token_ids = _eos_token_ids(path, self.tokenizer)
         self._states: dict[str, _RequestState] = {}
         self.num_steps = 0
+        self.num_request_failures = 0  # requests ended by a fault of their own
+        # The requests of the step in progress; None while it is not known yet (schedule).
+        self.current_batch: frozenset[str] | None = frozenset()
 
     # -- requests ------------------------------------------------------------------------
     @property
     def hash_config(self) -> HashConfig:
         return self.hasher.config
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the embedding: a prompt token id must be below this."""
+        return int(self.runner.model.config.vocab_size)
 
     def tokenize(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt).input_ids)
@@ -156,12 +174,16 @@ class LLMEngine:
                 params, stop_token_ids=[*params.stop_token_ids, *self.extra_eos_token_ids]
             )
         text = prompt if isinstance(prompt, str) else None
-        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.runner.model.config.vocab_size
-        if min(token_ids) < 0 or max(token_ids) >= vocab:
-            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        vocab = self.vocab_size
+        if isinstance(prompt, str):
+            check_text(prompt, "prompt")
+            try:
+                token_ids = self.tokenize(prompt)
+            except Exception as exc:  # e.g. a lone surrogate: the prompt's fault, a 4xx
+                raise ValueError(f"the prompt cannot be tokenized ({type(exc).__name__})") from exc
+        else:
+            token_ids = [t if isinstance(t, bool) else operator.index(t) for t in prompt]
+        check_prompt_token_ids(token_ids, vocab)
         if params.logprobs is not None and params.logprobs > vocab:
             # Caught here, not in the sampler's topk, where it would fail the whole step.
             raise ValueError(
@@ -200,18 +222,70 @@ class LLMEngine:
 
     # -- the step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedules, runs the model once, applies the sampled tokens, publishes events."""
+        """Schedules, runs the model once, applies the sampled tokens, publishes events.
+
+        A request whose own stage fails (see the module docstring) comes back finished with
+        ``finish_reason="error"``; the step goes on for the others."""
+        self.current_batch = None
         sched = self.scheduler.schedule()
+        self.current_batch = frozenset(item.request.request_id for item in sched.scheduled)
         for rid in sched.finished_request_ids:
             self.runner.forget(rid)
-        sampled = self.runner.execute(sched) if sched.scheduled else {}
+        results = self.runner.execute(sched) if sched.scheduled else {}
+        sampled: dict[str, SampledToken] = {}
+        outputs: list[RequestOutput] = []
+        for rid, result in results.items():
+            if isinstance(result, RequestFailure):
+                outputs.append(self._fail(rid, result.stage, result.error))
+            else:
+                sampled[rid] = result
         updated = self.scheduler.update_from_output(
             sched, {rid: s.token_id for rid, s in sampled.items()}
         )
-        outputs = [self._on_update(req, sampled.get(req.request_id)) for req in updated]
+        for req in updated:
+            if req.status == RequestStatus.FINISHED_ERROR:  # its stop check failed
+                outputs.append(self._fail(req.request_id, "stop check", None))
+                continue
+            try:
+                outputs.append(self._on_update(req, sampled.get(req.request_id)))
+            except Exception as exc:  # its text: detokenization and stop strings
+                outputs.append(self._fail(req.request_id, "detokenization", exc))
         self.num_steps += 1
         self._publish_events()
+        self.current_batch = frozenset()
         return outputs
+
+    def _fail(self, request_id: str, stage: str, exc: Exception | None) -> RequestOutput:
+        """Ends one request with ``finish_reason="error"`` (its blocks freed now); the text
+        already produced is kept, nothing is decoded again."""
+        state = self._states[request_id]
+        req = state.request
+        self.num_request_failures += 1
+        if exc is not None:
+            log.warning("request %s failed in %s", request_id, stage, exc_info=exc)
+            req.error = f"{stage} failed: {type(exc).__name__}"
+        elif req.error is None:
+            req.error = f"{stage} failed"
+        if not req.is_finished:
+            self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ERROR)
+        req.status = RequestStatus.FINISHED_ERROR  # also over a finish the output never told
+        completion = CompletionOutput(
+            index=0,
+            text=state.detok.text[: state.detok.sent],
+            token_ids=list(req.output_token_ids),
+            finish_reason=req.finish_reason,
+            error=req.error,
+        )
+        out = RequestOutput(
+            request_id=request_id,
+            prompt=state.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            outputs=[completion],
+            finished=True,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+        )
+        self._forget(request_id)
+        return out
 
     def _on_update(self, req: Request, sampled: SampledToken | None) -> RequestOutput:
         state = self._states[req.request_id]
@@ -260,6 +334,7 @@ class LLMEngine:
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
             logprobs=state.logprobs,
+            error=req.error,
         )
         return RequestOutput(
             request_id=req.request_id,

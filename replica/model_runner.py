@@ -27,7 +27,7 @@ from transformers.modeling_utils import AttentionInterface
 
 from kvroute.kernels import AttentionMetadata, paged_attention, store_kv
 
-from .sampler import SampledToken, Sampler
+from .sampler import RequestFailure, SampledToken, Sampler
 from .scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -166,8 +166,9 @@ class ModelRunner:
         self.sampler.forget(request_id)
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> dict[str, SampledToken]:
-        """Computes every scheduled token's KV; samples for the requests that reach their end."""
+    def execute(self, sched: SchedulerOutput) -> dict[str, SampledToken | RequestFailure]:
+        """Computes every scheduled token's KV; samples for the requests that reach their end
+        (a request whose own sampling failed gets a :class:`RequestFailure`)."""
         input_ids: list[int] = []
         positions: list[int] = []
         sample_rows: list[int] = []

@@ -12,9 +12,10 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None: running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[dict[int, float]] | None = None  # per token: {token_id: logprob, ...}
+    error: str | None = None  # with finish_reason "error": what failed, one line
 
     @property
     def finished(self) -> bool:

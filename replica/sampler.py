@@ -4,6 +4,11 @@ Why per-request generators: a request with ``seed`` must draw the same tokens wh
 shares its batch, so each seeded request owns a ``torch.Generator`` that lives as long as the
 request; unseeded ones share the engine's generator. Greedy rows never draw at all.
 
+Why each row is guarded on its own: a seed, a temperature or a top-k belong to one request,
+and a value that makes torch raise for it (the query of death: a seed torch cannot unpack)
+must fail that request alone, not the step every other request of the batch shares. A row
+that raises comes back as a :class:`RequestFailure` in its place.
+
 Sampling uses the exponential race (``argmax(p / E)``, ``E ~ Exp(1)``), which equals a draw
 from ``p`` and needs no cumulative sum per row.
 """
@@ -26,6 +31,14 @@ class SampledToken:
     top_logprobs: dict[int, float] | None = None
 
 
+@dataclass(slots=True)
+class RequestFailure:
+    """One request's own fault inside a step's shared work; the engine fails that request."""
+
+    stage: str  # "sampling", "seed", "logprobs", ...
+    error: Exception
+
+
 class Sampler:
     """Stateless across steps except for the generators of seeded requests."""
 
@@ -41,7 +54,9 @@ class Sampler:
             return self._shared
         gen = self._per_request.get(request_id)
         if gen is None:
-            gen = self._per_request[request_id] = torch.Generator().manual_seed(params.seed)
+            # torch takes any value in [-2**63, 2**64); the shared bounds keep seeds in int64.
+            gen = torch.Generator().manual_seed(params.seed)
+            self._per_request[request_id] = gen
         return gen
 
     @torch.inference_mode()
@@ -50,26 +65,40 @@ class Sampler:
         logits: torch.Tensor,
         request_ids: list[str],
         params: list[SamplingParams],
-    ) -> list[SampledToken]:
-        """``logits``: [num_requests, vocab] for the requests in ``request_ids`` order."""
+    ) -> list[SampledToken | RequestFailure]:
+        """``logits``: [num_requests, vocab] for the requests in ``request_ids`` order.
+
+        Batch-wide work (argmax, log-softmax) may raise: that is shared state. Per-row work
+        that raises yields a :class:`RequestFailure` for that row only."""
         logits = logits.float()
         greedy = logits.argmax(dim=-1).tolist()
-        out: list[SampledToken] = []
+        out: list[SampledToken | RequestFailure] = []
         want_logprobs = any(p.logprobs is not None for p in params)
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         for i, (rid, p) in enumerate(zip(request_ids, params, strict=True)):
-            token = greedy[i] if p.temperature == 0.0 else self._draw(logits[i], rid, p)
-            sampled = SampledToken(token)
-            if logprobs is not None and p.logprobs is not None:
-                row = logprobs[i]
-                sampled.logprob = float(row[token])
-                if p.logprobs > 0:
-                    vals, idx = row.topk(p.logprobs)
-                    sampled.top_logprobs = dict(zip(idx.tolist(), vals.tolist(), strict=True))
+            stage = "seed"
+            try:
+                if p.temperature == 0.0:
+                    token = greedy[i]
+                else:
+                    gen = self._generator(rid, p)
+                    stage = "sampling"
+                    token = self._draw(logits[i], p, gen)
+                sampled = SampledToken(token)
+                if logprobs is not None and p.logprobs is not None:
+                    stage = "logprobs"
+                    row = logprobs[i]
+                    sampled.logprob = float(row[token])
+                    if p.logprobs > 0:
+                        vals, idx = row.topk(p.logprobs)
+                        sampled.top_logprobs = dict(zip(idx.tolist(), vals.tolist(), strict=True))
+            except Exception as exc:
+                out.append(RequestFailure(stage, exc))
+                continue
             out.append(sampled)
         return out
 
-    def _draw(self, row: torch.Tensor, request_id: str, p: SamplingParams) -> int:
+    def _draw(self, row: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
         row = row / p.temperature
         if 0 < p.top_k < row.numel():
             kth = row.topk(p.top_k).values[-1]
@@ -81,5 +110,5 @@ class Sampler:
             drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        race = torch.empty_like(probs).exponential_(generator=self._generator(request_id, p))
+        race = torch.empty_like(probs).exponential_(generator=generator)
         return int((probs / race).argmax())

@@ -22,12 +22,15 @@ everything running can always make progress by preempting others.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
+
+log = logging.getLogger(__name__)
 
 
 class RequestTooLongError(ValueError):
@@ -275,8 +278,13 @@ class Scheduler:
             rid = req.request_id
             if rid not in sampled_token_ids:
                 raise KeyError(f"no sampled token for request {rid!r}, which samples")
-            req.append_output_token(sampled_token_ids[rid])
-            status = self._check_stop(req)
+            try:  # this request's own data: a fault here ends it alone (FINISHED_ERROR)
+                req.append_output_token(sampled_token_ids[rid])
+                status = self._check_stop(req)
+            except Exception as exc:
+                log.warning("request %s: stop check failed", rid, exc_info=True)
+                req.error = f"stop check failed: {type(exc).__name__}"
+                status = RequestStatus.FINISHED_ERROR
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)

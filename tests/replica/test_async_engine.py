@@ -126,14 +126,22 @@ async def test_explicit_abort_ends_the_stream_with_abort(engine: AsyncLLMEngine)
     await wait_until(all_blocks_free(engine))
 
 
+def past_bounds(**fields: object) -> SamplingParams:
+    """Params the shared bounds would refuse, as a caller that skipped them would send."""
+    params = SamplingParams(max_tokens=2)
+    for name, value in fields.items():
+        setattr(params, name, value)
+    return params
+
+
 @pytest.mark.parametrize(
     ("prompt", "params", "message"),
     [
         ("", GREEDY, "empty"),
-        ([5, 10_000], GREEDY, r"token ids must lie in \[0, 261\)"),
-        ([-1], GREEDY, r"token ids must lie in \[0, 261\)"),
+        ([5, 10_000], GREEDY, r"token ids must be ints in \[0, 261\)"),
+        ([-1], GREEDY, r"token ids must be ints in \[0, 261\)"),
         ([7] * MAX_MODEL_LEN, GREEDY, "exceed the limit of 256 tokens"),
-        ("fine prompt", SamplingParams(max_tokens=2, logprobs=10_000), "logprobs"),
+        ("fine prompt", past_bounds(logprobs=10_000), "logprobs"),
     ],
     ids=["empty", "token-too-big", "token-negative", "too-long", "too-many-logprobs"],
 )

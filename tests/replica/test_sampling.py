@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from kvroute.events.replica_api import SEED_MAX, SEED_MIN, BoundsError, SamplingSpec
 from kvroute.replica import LLM, SamplingParams, tiny_model_path
 
 PROMPTS = ["The quick brown fox", "kvroute serves", "a b c d e f g", "0123456789abcdef0123"]
@@ -156,8 +157,10 @@ def test_logprobs_zero_gives_the_sampled_token_only_and_none_gives_nothing(llm: 
 
 def test_more_logprobs_than_the_vocabulary_is_refused_and_the_engine_lives_on(llm: LLM) -> None:
     vocab = llm.llm_engine.runner.model.config.vocab_size
+    params = SamplingParams(max_tokens=2)
+    params.logprobs = vocab + 1  # past the shared bounds, as a caller that skipped them
     with pytest.raises(ValueError, match="logprobs"):
-        llm.generate(PROMPTS[0], SamplingParams(max_tokens=2, logprobs=vocab + 1))
+        llm.generate(PROMPTS[0], params)
     assert not llm.llm_engine.has_unfinished_requests()
     out = llm.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=2, logprobs=2))
     assert len(tokens(out[0])) == 2
@@ -166,26 +169,42 @@ def test_more_logprobs_than_the_vocabulary_is_refused_and_the_engine_lives_on(ll
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"max_tokens": 0}, "max_tokens must be an int >= 1, got 0"),
-        ({"max_tokens": 2.5}, "max_tokens must be an int >= 1, got 2.5"),
-        ({"temperature": -0.1}, "temperature must be finite and >= 0, got -0.1"),
-        ({"temperature": float("nan")}, "temperature must be finite and >= 0, got nan"),
-        ({"temperature": "hot"}, "temperature must be a number, got 'hot'"),
-        ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
-        ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
-        ({"top_k": -2}, "top_k must be an int >= 0 (0 or -1 = off), got -2"),
-        ({"seed": "seven"}, "seed must be an int or None, got 'seven'"),
-        ({"stop": [""]}, "stop must hold non-empty strings, got ''"),
-        ({"stop_token_ids": [-1]}, "stop_token_ids must hold ints >= 0, got -1"),
-        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens must be an int in [0, max_tokens=4]"),
-        ({"logprobs": -1}, "logprobs must be None or an int >= 0, got -1"),
+        ({"max_tokens": 0}, "max_tokens: must be an int >= 1, got 0"),
+        ({"max_tokens": 2.5}, "max_tokens: must be an int >= 1, got 2.5"),
+        ({"max_tokens": True}, "max_tokens: must be an int >= 1, got True"),
+        ({"temperature": -0.1}, "temperature: must be a finite number >= 0, got -0.1"),
+        ({"temperature": float("nan")}, "temperature: must be a finite number >= 0, got nan"),
+        ({"temperature": "hot"}, "temperature: must be a finite number >= 0, got 'hot'"),
+        ({"top_p": 0.0}, "top_p: must be a number in (0, 1], got 0.0"),
+        ({"top_p": 1.5}, "top_p: must be a number in (0, 1], got 1.5"),
+        ({"top_k": -2}, "top_k: must be an int >= 0 (0 or -1: off), got -2"),
+        ({"seed": "seven"}, "seed: must be an int in [-9223372036854775808, 9223372036854775807]"),
+        ({"seed": 2**70}, "seed: must be an int in [-9223372036854775808, 9223372036854775807]"),
+        ({"seed": 2**63}, "seed: must be an int in [-9223372036854775808, 9223372036854775807]"),
+        ({"stop": [""]}, "stop: must hold strings of 1 to 512 characters"),
+        ({"stop": ["\ud800"]}, "stop: must be valid Unicode (no lone surrogates)"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids: must hold ints in [0, 4294967295]"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens: must be an int in [0, max_tokens=4]"),
+        ({"logprobs": -1}, "logprobs: must be None or an int in [0, 20]"),
+        ({"logprobs": 21}, "logprobs: must be None or an int in [0, 20]"),
     ],
 )
 def test_sampling_params_reject_bad_values_naming_field_and_value(
     kwargs: dict[str, object], message: str
 ) -> None:
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises(BoundsError, match=re.escape(message)) as err:
         SamplingParams(**kwargs)  # type: ignore[arg-type]
+    assert err.value.param == message.split(":")[0]
+    # The wire spec the front door builds checks the very same bounds.
+    with pytest.raises(BoundsError, match=re.escape(message)):
+        SamplingSpec(**kwargs)  # type: ignore[arg-type]
+
+
+def test_seeds_at_the_bounds_sample() -> None:
+    """Every seed the bounds let through is one torch takes (the bounds are not too wide)."""
+    for seed in (SEED_MIN, -1, 0, SEED_MAX):
+        SamplingParams(seed=seed)
+        torch.Generator().manual_seed(seed)
 
 
 def test_sampling_params_normalise_vllm_spellings() -> None:
