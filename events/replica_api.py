@@ -118,8 +118,23 @@ class InvalidRequestError(ValueError):
 
 
 class ReplicaDeadError(RuntimeError):
-    """The replica's engine failed; the actor is exiting so Ray can restart it. Retry the
-    request on another replica (tokens already streamed are not undone)."""
+    """The replica's engine failed; the actor is exiting so Ray can restart it.
+
+    ``suspect``: the request was in the engine step that failed (or that step's batch is not
+    known), so it may be a query of death -- replaying it elsewhere could kill that replica
+    too. A request that was not (queued, or sent to an engine already dead) can be retried
+    on another replica. Tokens already streamed are not undone either way."""
+
+    def __init__(self, message: str, *, suspect: bool = True) -> None:
+        super().__init__(message)
+        self.suspect = suspect
+
+    def __reduce__(self) -> tuple[Any, ...]:  # crosses Ray: keep the flag
+        return (_replica_dead, (str(self), self.suspect))
+
+
+def _replica_dead(message: str, suspect: bool) -> ReplicaDeadError:
+    return ReplicaDeadError(message, suspect=suspect)
 
 
 class ReplicaInfo(msgspec.Struct, kw_only=True, frozen=True):
@@ -145,6 +160,7 @@ class ReplicaInfo(msgspec.Struct, kw_only=True, frozen=True):
     pid: int
     incarnation: str
     restarted: bool  # Ray reconstructed this actor (max_restarts)
+    vocab_size: int | None = None  # prompt token ids must be below it (None: not reported)
 
     @property
     def hash_config(self) -> HashConfig:
@@ -189,8 +205,9 @@ class GenerateDelta(msgspec.Struct, kw_only=True):
     delta_text: str
     delta_token_ids: list[int]
     finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or string that ended it
+    error: str | None = None  # with "error": the request's own stage that failed, one line
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_output_tokens: int = 0  # cumulative
@@ -202,7 +219,10 @@ async def stream_generate(actor: Any, req: GenerateRequest) -> AsyncIterator[Gen
     early (break, task cancelled, generator closed), which frees its blocks at once.
 
     Ray 2.60 does not cancel a streaming task whose ``ObjectRefGenerator`` is merely
-    dropped, so this ``ray.cancel``s it on any early exit."""
+    dropped, so this ``ray.cancel``s it on any early exit. This contract's own errors
+    (:class:`InvalidRequestError`, :class:`ReplicaDeadError`) are raised as themselves, not
+    wrapped in Ray's ``RayTaskError``, whose text is a remote traceback (pids, addresses)
+    that must never reach a client."""
     gen = actor.generate.options(num_returns="streaming").remote(req)
     ended = False  # the remote task is over: nothing to cancel
     try:
@@ -211,7 +231,13 @@ async def stream_generate(actor: Any, req: GenerateRequest) -> AsyncIterator[Gen
                 delta: GenerateDelta = await ref
             except asyncio.CancelledError:
                 raise
-            except Exception:  # the stream's own error is its last item
+            except ray.exceptions.RayTaskError as exc:  # the stream's own error: its last item
+                ended = True
+                cause = getattr(exc, "cause", None)
+                if isinstance(cause, InvalidRequestError | ReplicaDeadError):
+                    raise cause from None
+                raise
+            except Exception:
                 ended = True
                 raise
             yield delta

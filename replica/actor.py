@@ -130,6 +130,7 @@ class ReplicaServer:
             pid=os.getpid(),
             incarnation=uuid.uuid4().hex,
             restarted=self._in_actor and _was_reconstructed(),
+            vocab_size=eng.vocab_size,
         )
         self._streams = 0  # generate() calls in flight (the watchdog waits for them)
         threading.Thread(target=self._watch, name="kvroute-replica-watchdog", daemon=True).start()
@@ -162,7 +163,9 @@ class ReplicaServer:
             async for out in outputs:
                 yield delta_from_output(out)
         except EngineDeadError as exc:
-            raise ReplicaDeadError(f"replica {self.replica_id}: {exc}") from None
+            raise ReplicaDeadError(
+                f"replica {self.replica_id}: {exc}", suspect=exc.suspect
+            ) from None
         except ValueError as exc:  # raised by add_request: nothing was queued
             raise InvalidRequestError(f"request {req.request_id!r} rejected: {exc}") from None
         finally:
@@ -304,6 +307,7 @@ def delta_from_output(out: RequestOutput) -> GenerateDelta:
         num_cached_tokens=out.num_cached_tokens,
         num_output_tokens=n_out,
         logprobs=logprobs,
+        error=comp.error,
     )
 
 
