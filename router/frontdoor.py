@@ -11,7 +11,18 @@ Why the shape:
 - :meth:`open` routes and waits for the first delta before returning, so everything that can
   go wrong before the first token (a bad request, a dead replica) is settled while the HTTP
   status can still say so; a replica that fails then is dropped and the request is retried
-  once elsewhere. After the first token a failure ends the stream with an error.
+  once elsewhere -- but only when the failure cannot have been caused by the request (see
+  below). After the first token a failure ends the stream with an error.
+- Query of death: a request that crashes an engine would, replayed blindly, crash the next
+  replica too, and the next. A request is retried only when its replica was already failing
+  (the engine had died before the request reached it, another request reported the
+  failure first, or the actor was restarting), or when the engine reports that the request
+  was not in the step that failed (``ReplicaDeadError.suspect``). A suspect is not retried;
+  its fingerprint (a hash of its tokens and sampling parameters) is logged and quarantined
+  for ``quarantine_s``, so the client's own retry is refused (:class:`QueryOfDeathError`)
+  instead of taking down another replica. A process that died outright (no word from its
+  engine) is ambiguous: such a request is not retried either, and is quarantined at its
+  second such failure.
 - Replicas restart with new ports (Ray ``max_restarts``): a monitor polls ``info()`` and,
   on a new incarnation, drops what the index knew and follows the new event endpoints.
 """
@@ -20,14 +31,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import ray
 
 from kvroute.events import BlockHasher, HashConfig, ZmqEventSubscriber, to_external
@@ -58,6 +71,22 @@ class OverloadedError(RuntimeError):
     """The router already has ``max_in_flight`` requests in flight (HTTP 429)."""
 
 
+class QueryOfDeathError(RuntimeError):
+    """The request (by fingerprint) was being computed when a replica failed and is refused
+    for a while rather than replayed onto another replica (HTTP 400)."""
+
+
+QUARANTINE_S = 600.0
+MAX_QUARANTINED = 10_000
+
+
+def fingerprint(prompt_token_ids: Sequence[int], sampling: SamplingSpec) -> str:
+    """What identifies a request's content across retries and tenants: its tokens and
+    sampling parameters (a query of death is one whoever sends it)."""
+    data = msgspec.msgpack.encode([list(prompt_token_ids), sampling])
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
 class FleetMismatchError(ValueError):
     """A replica that cannot join this router's fleet (hash config or model differ)."""
 
@@ -68,6 +97,7 @@ class Replica:
     actor: Any
     alive: bool = True
     routed: int = 0
+    failures: int = 0  # failures reported so far: one that changed meanwhile was not ours
 
 
 class Stream:
@@ -80,8 +110,10 @@ class Stream:
         replica: str,
         first: GenerateDelta,
         rest: AsyncIterator[GenerateDelta],
+        fingerprint: str = "",
     ) -> None:
         self.door, self.request_id, self.replica = door, request_id, replica
+        self.fingerprint = fingerprint
         self._first: GenerateDelta | None = first
         self._rest = rest
         self._done = False
@@ -97,8 +129,11 @@ class Stream:
                 yield delta
                 if delta.finished:
                     return
-        except REPLICA_FAILURES:
-            self.door.on_replica_failure(self.replica)
+        except REPLICA_FAILURES as exc:
+            door = self.door
+            if getattr(exc, "suspect", False):  # its engine died computing it: no replay
+                door.quarantine(self.fingerprint, self.request_id, self.replica, strikes=2)
+            door.on_replica_failure(self.replica)
             raise
         finally:
             await self.aclose()
@@ -148,6 +183,10 @@ class FrontDoor:
         self.monitor_interval_s = monitor_interval_s
         self.max_in_flight = max_in_flight
         self.cordoned: set[str] = set()
+        self.quarantine_s = QUARANTINE_S
+        # fingerprint -> (strikes, refused until): requests that were computing when a
+        # replica failed (see the module docstring); oldest first, bounded.
+        self.suspects: OrderedDict[str, tuple[int, float]] = OrderedDict()
         self._monitor: asyncio.Task[None] | None = None
         if tokenizer is None:
             from transformers import AutoTokenizer
@@ -201,6 +240,7 @@ class FrontDoor:
         if rep is None or not rep.alive:
             return
         rep.alive = False
+        rep.failures += 1
         self.errors["replica_failure"] += 1
         self._forget(rid)
         log.warning("replica %s failed; not routing to it until it is back", rid)
@@ -283,6 +323,8 @@ class FrontDoor:
         if self.max_in_flight is not None and self.load.in_flight() >= self.max_in_flight:
             self.errors["overloaded"] += 1
             raise OverloadedError(f"{self.max_in_flight} requests in flight; retry shortly")
+        fp = fingerprint(prompt_token_ids, sampling)
+        self._refuse_if_quarantined(fp)
         request_id = request_id or uuid.uuid4().hex
         salt = tenant.salt_for(request_salt)
         view = RequestView(
@@ -308,6 +350,7 @@ class FrontDoor:
                 sampling=sampling,
                 cache_salt=salt,
             )
+            failures_at_send = rep.failures
             rest = stream_generate(rep.actor, req)
             try:
                 first = await rest.__anext__()
@@ -318,21 +361,73 @@ class FrontDoor:
                 if isinstance(exc, InvalidRequestError):
                     self.errors["invalid_request"] += 1
                     raise
-                if isinstance(exc, REPLICA_FAILURES) and attempt == 0:
-                    self.on_replica_failure(rid)
+                if not isinstance(exc, REPLICA_FAILURES):
+                    raise
+                innocent = _not_caused_by(exc, rep.failures != failures_at_send)
+                self.on_replica_failure(rid)
+                if innocent is None:  # the engine saw it in the failing step
+                    self.quarantine(fp, request_id, rid, strikes=2)
+                elif not innocent:  # the process died with it: one strike of two
+                    self.quarantine(fp, request_id, rid, strikes=1)
+                elif attempt == 0:
                     self.counters["retries"] += 1
                     log.warning("request %s: replica %s failed, retrying", request_id, rid)
                     continue
-                if isinstance(exc, REPLICA_FAILURES):
-                    self.on_replica_failure(rid)
                 raise
             rep.routed += 1
             self.policy.on_first_token(request_id, time.monotonic())
-            return Stream(self, request_id, rid, first, rest)
+            return Stream(self, request_id, rid, first, rest, fp)
         raise AssertionError("unreachable")
+
+    def quarantine(self, fp: str, request_id: str, replica: str, strikes: int) -> None:
+        """Counts a failure of ``replica`` that the request ``fp`` may have caused; at two
+        strikes its fingerprint is refused for ``quarantine_s``."""
+        now = time.monotonic()
+        old, until = self.suspects.pop(fp, (0, 0.0))
+        total = (old if until == 0.0 or until > now else 0) + strikes
+        refused = total >= 2
+        self.suspects[fp] = (total, now + self.quarantine_s if refused else 0.0)
+        while len(self.suspects) > MAX_QUARANTINED:
+            self.suspects.popitem(last=False)
+        self.errors["suspect_request"] += 1
+        log.error(
+            "request %s (fingerprint %s) was being computed when replica %s failed: not retried%s",
+            request_id,
+            fp,
+            replica,
+            f"; refused for {self.quarantine_s:.0f} s" if refused else "",
+        )
+
+    def _refuse_if_quarantined(self, fp: str) -> None:
+        entry = self.suspects.get(fp)
+        if entry is None or entry[1] == 0.0:
+            return
+        left = entry[1] - time.monotonic()
+        if left <= 0:
+            del self.suspects[fp]
+            return
+        self.errors["quarantined"] += 1
+        log.warning("refused request fingerprint %s: quarantined for %.0f s more", fp, left)
+        raise QueryOfDeathError(
+            f"This request (fingerprint {fp}) was being computed when a replica failed, so it "
+            f"is refused for {left:.0f} s rather than risked on another replica."
+        )
 
     def record(self, prompt: int, completion: int, cached: int) -> None:
         """Token counters for /metrics, once per finished request."""
         self.counters["prompt_tokens"] += prompt
         self.counters["completion_tokens"] += completion
         self.counters["cached_tokens"] += cached
+
+
+def _not_caused_by(exc: BaseException, reported_before: bool) -> bool | None:
+    """True when the replica's failure cannot have been this request's doing, None when its
+    engine says it may have been (it was in the failing step), False when nobody can tell
+    (the process died). ``reported_before``: another request reported the failure first."""
+    suspect = getattr(exc, "suspect", None)
+    if suspect is not None:  # the engine's own word (ReplicaDeadError)
+        return None if suspect else True
+    if reported_before:
+        return True
+    unavailable = getattr(ray.exceptions, "ActorUnavailableError", ())
+    return isinstance(exc, unavailable)  # restarting: it never reached the engine

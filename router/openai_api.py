@@ -1,70 +1,176 @@
 """OpenAI-compatible request and response models for the front door.
 
-Why pydantic here (msgspec elsewhere): FastAPI validates request bodies with pydantic, and
-its errors become the OpenAI-style 400s clients expect. Unknown request fields are ignored
-(as OpenAI and vLLM do), so SDKs that send newer fields keep working. ``cache_salt`` is
-vLLM's extension; ``usage.prompt_tokens_details.cached_tokens`` is OpenAI's field for the
-prompt tokens served from cache (the engine's ``num_cached_tokens``).
+Why pydantic here (msgspec elsewhere): FastAPI's schemas and its users' expectations. Types
+are strict, as OpenAI's are: ``"stream": "yes"``, ``"max_tokens": "5"``, ``"max_tokens":
+true`` and string token ids are refused, not coerced. Ranges come from the bounds the engine
+enforces (:mod:`kvroute.events.replica_api`), so a request the front door accepts is one no
+engine stage will fail on. Unknown fields are ignored (as OpenAI and vLLM do, so SDKs that
+send newer fields keep working), but the OpenAI parameters this server does not implement
+are declared, so that setting one is refused by name (:meth:`_Request.unsupported`) instead
+of being silently ignored. ``cache_salt``, ``top_k``, ``ignore_eos``, ``min_tokens`` and
+``stop_token_ids`` are vLLM's extensions; ``usage.prompt_tokens_details.cached_tokens`` is
+OpenAI's field for the prompt tokens served from cache.
 """
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from kvroute.events.replica_api import (
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SEED_MAX,
+    SEED_MIN,
+    TOKEN_ID_MAX,
+    BoundsError,
+    check_text,
+)
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+def _utf8(text: str) -> str:
+    try:
+        check_text(text, "text")
+    except BoundsError:
+        raise ValueError("must be valid Unicode (no lone surrogates)") from None
+    return text
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+Text = Annotated[str, AfterValidator(_utf8)]
+StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+TokenId = Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]
 
-    model: str
+# Parameters of OpenAI's API this server does not implement, with the values that ask for
+# nothing (and so are accepted): anything else is a 400 naming the parameter.
+UNSUPPORTED: dict[str, tuple[object, ...]] = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "web_search_options": (None,),
+}
+
+
+def _neutral(value: object, neutral: tuple[object, ...]) -> bool:
+    """``value`` is one of ``neutral``, type included (``0`` is not ``False``)."""
+    return any(value is n or (type(value) is type(n) and value == n) for n in neutral)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+
+
+class _Request(_Strict):
+    model: Text
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)  # vLLM extension; 0 or -1: off
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool = False
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)  # None: 1
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)  # None: 1
+    top_k: int | None = Field(default=None, ge=-1)  # vLLM extension; 0 or -1: off
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1)  # one choice per request (n > 1 is not served)
-    user: str | None = None
-    cache_salt: str | None = Field(default=None, min_length=1)  # vLLM extension
-    ignore_eos: bool = False  # vLLM extension
-    min_tokens: int = Field(default=0, ge=0)  # vLLM extension
+    user: Text | None = None
+    cache_salt: Text | None = Field(default=None, min_length=1, max_length=256)  # vLLM
+    ignore_eos: bool | None = False  # vLLM extension
+    min_tokens: int | None = Field(default=None, ge=0)  # vLLM extension
+    # Declared only to be refused by name when set (see UNSUPPORTED); never used.
+    n: int | None = None
+    best_of: int | None = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    def unsupported(self) -> str | None:
+        """The first OpenAI parameter set that this server does not implement, or None."""
+        for name, neutral in UNSUPPORTED.items():
+            if name in self.model_fields_set and not _neutral(getattr(self, name), neutral):
+                return name
+        return None
+
 
 class CompletionRequest(_Request):
-    prompt: str | list[int]  # text, or token ids (one prompt per request)
-    echo: bool = False
+    # Text, or token ids; one prompt per request (a list of prompts is refused).
+    prompt: Text | Annotated[list[TokenId], Field(min_length=1)]
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
+    echo: bool | None = None
+    suffix: Text | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ContentPart(_Strict):
+    """A part of a message's content; only ``text`` parts can be served by a text model."""
 
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Text
+    text: Text | None = None
+
+
+class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: Text | list[ContentPart] | None = None
+    name: Text | None = None
 
     def text(self) -> str:
-        """Text parts joined; other part types (images) are not served by a text model."""
+        """The message's text (parts joined); non-text parts are refused before this."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+        return "".join(p.text or "" for p in self.content)
+
+    def non_text_part(self) -> tuple[int, str] | None:
+        """(index, type) of the first part that is not text (an image, audio, a file)."""
+        if isinstance(self.content, list):
+            for i, part in enumerate(self.content):
+                if part.type != "text" or part.text is None:
+                    return i, part.type
+        return None
 
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class PromptTokensDetails(BaseModel):
@@ -158,6 +264,7 @@ class ErrorInfo(BaseModel):
     type: str
     param: str | None = None
     code: str | int | None = None
+    request_id: str | None = None  # finds the full trace in the server's log
 
 
 class ErrorResponse(BaseModel):
@@ -165,8 +272,25 @@ class ErrorResponse(BaseModel):
 
 
 def error_body(
-    message: str, type_: str, status: int, param: str | None = None, code: str | None = None
+    message: str,
+    type_: str,
+    status: int,
+    param: str | None = None,
+    code: str | None = None,
+    request_id: str | None = None,
 ) -> dict[str, Any]:
     """``{"error": {...}}`` as OpenAI sends it (``code`` defaults to the HTTP status)."""
-    info = ErrorInfo(message=message, type=type_, param=param, code=code or str(status))
+    info = ErrorInfo(
+        message=message,
+        type=type_,
+        param=param,
+        code=code or str(status),
+        request_id=request_id,
+    )
     return ErrorResponse(error=info).model_dump()
+
+
+def dumps(obj: Any) -> str:
+    """JSON for error bodies and SSE lines: ASCII only, so text a client sent back to it (a
+    lone surrogate in ``model``) can always be encoded."""
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=True)

@@ -14,22 +14,38 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Annotated, Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Annotated, Any, TypeVar
 
+import pydantic
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvroute.events import ReplicaStats
-from kvroute.events.replica_api import InvalidRequestError, SamplingSpec
+from kvroute.events.replica_api import (
+    BoundsError,
+    InvalidRequestError,
+    SamplingSpec,
+    check_prompt_token_ids,
+)
 
-from .frontdoor import REPLICA_FAILURES, FrontDoor, OverloadedError, Stream
+from .errors import (
+    APIError,
+    RequestIdMiddleware,
+    api_error_response,
+    error_response,
+    one_line,
+    read_body,
+    request_id,
+    validation_error,
+)
+from .frontdoor import REPLICA_FAILURES, FrontDoor, OverloadedError, QueryOfDeathError, Stream
 from .openai_api import (
     ChatChoice,
     ChatCompletionChunk,
@@ -42,6 +58,7 @@ from .openai_api import (
     CompletionResponse,
     ModelCard,
     ModelList,
+    dumps,
     error_body,
     make_usage,
 )
@@ -51,39 +68,19 @@ from .tenants import AuthError, Tenant, Tenants
 log = logging.getLogger(__name__)
 REPLICA_HEADER = "x-kvroute-replica"
 DISCONNECT_POLL_S = 0.5
-
-
-class APIError(Exception):
-    """Raised by a handler; answered with an OpenAI-style error body."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type_: str,
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status,
-            message,
-            type_,
-            param,
-            code,
-        )
-
-
-def _error(
-    status: int, message: str, type_: str, param: str | None = None, code: str | None = None
-) -> JSONResponse:
-    return JSONResponse(error_body(message, type_, status, param, code), status_code=status)
+MAX_BODY_BYTES = 4 << 20  # default cap on a request body, checked before it is parsed
+# A token covers at most this many characters in the cheap bound applied before tokenizing
+# (the tokenizer's longest vocabulary entry, when it can be read, replaces it).
+DEFAULT_CHARS_PER_TOKEN = 32
+OFF_LOOP_BODY_BYTES = 64 << 10  # bodies past this are parsed on a worker thread
+FAILED = "the replica serving this request failed; the request id finds it in the server log"
+M = TypeVar("M", bound=pydantic.BaseModel)
 
 
 def _authenticate(request: Request) -> Tenant:
     """A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware wraps ``receive``
-    and hides a client's disconnect from the handler. Dependencies run before the body is
-    validated, so a bad key is a 401 whatever the body."""
+    and hides a client's disconnect from the handler. The handlers read their body
+    themselves, after this has run: a bad or missing key is a 401 whatever the body."""
     state = request.app.state
     try:
         return state.tenants.authenticate(request.headers.get("authorization"))
@@ -95,11 +92,23 @@ def _authenticate(request: Request) -> Tenant:
 TenantDep = Annotated[Tenant, Depends(_authenticate)]
 
 
-def create_app(door: FrontDoor, tenants: Tenants, served_model: str | None = None) -> FastAPI:
+def create_app(
+    door: FrontDoor,
+    tenants: Tenants,
+    served_model: str | None = None,
+    *,
+    max_body_bytes: int = MAX_BODY_BYTES,
+) -> FastAPI:
     """The app; it starts ``door``'s restart monitor on its own loop and closes ``door`` on
     shutdown. ``served_model``: the name clients use in ``model`` (default: the replicas'
-    configured model)."""
+    configured model). ``max_body_bytes``: a larger body is a 413, refused before it is
+    read whole or parsed."""
     model_name = served_model or door.model
+    # Parsing big bodies, chat templates and tokenization run here, off the event loop, so
+    # one large prompt never stalls /health or other tenants. One thread: a tokenizer is not
+    # safe to share between threads.
+    pool = ThreadPoolExecutor(1, thread_name_prefix="kvroute-tokenize")
+    chars_per_token = _chars_per_token(door.tokenizer)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -108,32 +117,44 @@ def create_app(door: FrontDoor, tenants: Tenants, served_model: str | None = Non
             yield
         finally:
             await door.close()
+            pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kvroute", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.door, app.state.tenants = door, tenants
+    app.add_middleware(
+        RequestIdMiddleware, on_internal_error=lambda: door.errors.update(["internal"])
+    )
+    schemas: dict[str, Any] = {}  # request bodies' sub-models, for /openapi.json
+
+    def body_schema(model: type[pydantic.BaseModel]) -> dict[str, Any]:
+        """The body in the OpenAPI schema (the handlers read the body themselves)."""
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(schema.pop("$defs", {}))
+        content = {"application/json": {"schema": schema}}
+        return {"requestBody": {"required": True, "content": content}}
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            spec = FastAPI.openapi(app)
+            spec.setdefault("components", {}).setdefault("schemas", {}).update(schemas)
+        return app.openapi_schema  # type: ignore[return-value]
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errs = exc.errors()
-        first = errs[0] if errs else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
-        msg = f"{param}: {first.get('msg')}" if param else str(first.get("msg", "invalid body"))
-        return _error(400, msg, "invalid_request_error", param)
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+        return api_error_response(request, validation_error(list(exc.errors())))
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return _error(exc.status, exc.message, exc.type, exc.param, exc.code)
-
-    @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("request failed", exc_info=exc)
-        door.errors["internal"] += 1
-        return _error(500, f"internal error: {type(exc).__name__}", "internal_error")
+    async def _api_error(request: Request, exc: APIError) -> Response:
+        return api_error_response(request, exc)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, str(exc.detail), "invalid_request_error")
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        msg = one_line(str(exc.detail))
+        return error_response(
+            exc.status_code, msg, "invalid_request_error", rid=request_id(request)
+        )
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -151,16 +172,70 @@ def create_app(door: FrontDoor, tenants: Tenants, served_model: str | None = Non
         text = render_metrics(door, events)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
-    def check_model(model: str) -> None:
-        if model not in (model_name, door.model):
+    async def off_loop(fn: Callable[[], Any]) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn)
+
+    async def parse(request: Request, model: type[M]) -> M:
+        """The body as ``model``: read under the size cap, then validated strictly."""
+        raw = await read_body(request, max_body_bytes)
+        try:
+            if len(raw) > OFF_LOOP_BODY_BYTES:
+                return await off_loop(lambda: model.model_validate_json(raw))
+            return model.model_validate_json(raw)
+        except pydantic.ValidationError as exc:
+            raise validation_error(list(exc.errors(include_url=False))) from None
+
+    def check(body: CompletionRequest | ChatCompletionRequest) -> None:
+        if body.model not in (model_name, door.model):
             # 400 (vLLM answers 404): the body names what is served.
             raise APIError(
                 400,
-                f"The model `{model}` does not exist; this server serves `{model_name}`.",
+                f"The model `{body.model[:100]}` does not exist; this server serves "
+                f"`{model_name}`.",
                 "invalid_request_error",
                 "model",
                 "model_not_found",
             )
+        param = body.unsupported()
+        if param is not None:
+            raise APIError(
+                400,
+                f"`{param}` is not supported by this server.",
+                "invalid_request_error",
+                param,
+                "unsupported_parameter",
+            )
+        if isinstance(body, ChatCompletionRequest):
+            for i, m in enumerate(body.messages):
+                bad = m.non_text_part()
+                if bad is not None:
+                    raise APIError(
+                        400,
+                        f"Content parts of type `{one_line(bad[1])[:40]}` are not supported "
+                        "(a text model is served); send `text` parts.",
+                        "invalid_request_error",
+                        f"messages.{i}.content.{bad[0]}",
+                        "unsupported_parameter",
+                    )
+
+    def check_length(chars: int) -> None:
+        """A cheap bound before tokenizing: so many characters cannot fit the context."""
+        if chars > door.max_model_len * chars_per_token:
+            raise APIError(
+                400,
+                f"The prompt is longer than this model's context of {door.max_model_len} "
+                "tokens can hold.",
+                "invalid_request_error",
+                "prompt",
+                "context_length_exceeded",
+            )
+
+    def check_ids(ids: list[int]) -> None:
+        vocab = [r.info.vocab_size for r in door.replicas.values() if r.info.vocab_size]
+        try:
+            check_prompt_token_ids(ids, min(vocab, default=None))
+        except BoundsError as exc:
+            raise APIError(400, str(exc), "invalid_request_error", exc.param) from None
 
     def sampling(body: CompletionRequest | ChatCompletionRequest, n_prompt: int) -> SamplingSpec:
         room = door.max_model_len - n_prompt
@@ -174,46 +249,68 @@ def create_app(door: FrontDoor, tenants: Tenants, served_model: str | None = Non
                 f"prompt has {n_prompt} tokens and max_tokens is {max_tokens}.",
                 "invalid_request_error",
                 "max_tokens",
+                "context_length_exceeded",
             )
-        return SamplingSpec(
-            max_tokens=max_tokens or room,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=max(body.top_k, 0),
-            seed=body.seed,
-            stop=body.stop_list(),
-            ignore_eos=body.ignore_eos,
-            min_tokens=body.min_tokens,
-        )
+        try:  # the shared bounds, as the engine will check them
+            return SamplingSpec(
+                max_tokens=max_tokens or room,
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                top_k=max(body.top_k or 0, 0),
+                seed=body.seed,
+                stop=body.stop_list(),
+                stop_token_ids=list(body.stop_token_ids or ()),
+                ignore_eos=bool(body.ignore_eos),
+                min_tokens=body.min_tokens or 0,
+            )
+        except BoundsError as exc:
+            raise APIError(400, str(exc), "invalid_request_error", exc.param) from None
 
     async def open_stream(
-        tenant: Tenant, ids: list[int], spec: SamplingSpec, salt: str | None
+        request: Request, tenant: Tenant, ids: list[int], spec: SamplingSpec, salt: str | None
     ) -> Stream:
-        if not ids:
-            raise APIError(400, "The prompt is empty.", "invalid_request_error", "prompt")
+        rid = request_id(request)
         try:
-            return await door.open(tenant, ids, spec, salt)
+            return await door.open(tenant, ids, spec, salt, request_id=rid)
         except InvalidRequestError as exc:
-            raise APIError(400, str(exc), "invalid_request_error") from None
+            raise APIError(400, one_line(str(exc)), "invalid_request_error") from None
+        except QueryOfDeathError as exc:
+            raise APIError(
+                400, str(exc), "invalid_request_error", code="request_quarantined"
+            ) from None
         except OverloadedError as exc:
             raise APIError(
-                429, str(exc), "rate_limit_exceeded", code="rate_limit_exceeded"
-            ) from None
+                429, str(exc), "rate_limit_exceeded", code="rate_limit_exceeded",
+                headers={"retry-after": "1"},
+            ) from None  # fmt: skip
         except NoReplicaError as exc:
-            raise APIError(503, str(exc), "service_unavailable") from None
+            raise APIError(
+                503, str(exc), "service_unavailable", headers={"retry-after": "1"}
+            ) from None
         except REPLICA_FAILURES as exc:
-            raise APIError(503, f"replica failed: {exc}", "service_unavailable") from None
+            log.warning("request %s: replica failed: %s", rid, one_line(str(exc)))
+            suspect = getattr(exc, "suspect", False)
+            msg = FAILED + (
+                "; it was not retried elsewhere, as it may have caused the failure"
+                if suspect
+                else ""
+            )
+            raise APIError(503, msg, "service_unavailable", code="replica_failed") from None
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request, tenant: TenantDep) -> Any:
-        check_model(body.model)
+    @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
+    async def completions(request: Request, tenant: TenantDep) -> Any:
+        body = await parse(request, CompletionRequest)
+        check(body)
         if isinstance(body.prompt, str):
-            ids = door.tokenizer(body.prompt).input_ids
+            text = body.prompt
+            check_length(len(text))
+            ids = await off_loop(lambda: list(door.tokenizer(text).input_ids))
         else:
             ids = list(body.prompt)
-        stream = await open_stream(tenant, ids, sampling(body, len(ids)), body.cache_salt)
+        check_ids(ids)
+        spec = sampling(body, len(ids))
+        stream = await open_stream(request, tenant, ids, spec, body.cache_salt)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        prefix = body.prompt if body.echo and isinstance(body.prompt, str) else ""
 
         def chunk(text: str, finish: str | None) -> dict[str, Any]:
             choice = CompletionChoice(text=text, finish_reason=finish)
@@ -224,20 +321,30 @@ def create_app(door: FrontDoor, tenants: Tenants, served_model: str | None = Non
             resp = CompletionResponse(id=rid, model=body.model, choices=[choice], usage=usage)
             return resp.model_dump()
 
-        return await respond(request, body, stream, prefix, chunk, final)
+        return await respond(request, body, stream, chunk, final)
 
-    @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request, tenant: TenantDep) -> Any:
-        check_model(body.model)
+    @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
+    async def chat(request: Request, tenant: TenantDep) -> Any:
+        body = await parse(request, ChatCompletionRequest)
+        check(body)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        try:
+        check_length(sum(len(m["content"]) for m in messages))
+
+        def render() -> list[int]:
             text = door.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=False
             )
+            return list(door.tokenizer(text, add_special_tokens=False).input_ids)
+
+        try:
+            ids = await off_loop(render)
         except Exception as exc:  # no template, or the template rejects the roles
-            raise APIError(400, f"cannot render chat: {exc}", "invalid_request_error") from None
-        ids = door.tokenizer(text, add_special_tokens=False).input_ids
-        stream = await open_stream(tenant, ids, sampling(body, len(ids)), body.cache_salt)
+            log.warning("request %s: chat template failed", request_id(request), exc_info=True)
+            raise APIError(
+                400, f"cannot render chat: {one_line(str(exc))}", "invalid_request_error"
+            ) from None
+        check_ids(ids)
+        stream = await open_stream(request, tenant, ids, sampling(body, len(ids)), body.cache_salt)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
 
@@ -253,20 +360,20 @@ def create_app(door: FrontDoor, tenants: Tenants, served_model: str | None = Non
             resp = ChatCompletionResponse(id=rid, model=body.model, choices=[choice], usage=usage)
             return resp.model_dump()
 
-        return await respond(request, body, stream, "", chunk, final, role_first=True)
+        return await respond(request, body, stream, chunk, final, role_first=True)
 
     async def respond(
         request: Request,
         body: CompletionRequest | ChatCompletionRequest,
         stream: Stream,
-        prefix: str,
         chunk: Callable[..., dict[str, Any]],
         final: Callable[[str, str | None, Any], dict[str, Any]],
         role_first: bool = False,
     ) -> Any:
         headers = {REPLICA_HEADER: stream.replica}
+        rid = request_id(request)
         if not body.stream:
-            parts, finish, last = [prefix], None, None
+            parts, finish, last = [], None, None
 
             async def collect() -> None:
                 nonlocal finish, last
@@ -288,25 +395,45 @@ def create_app(door: FrontDoor, tenants: Tenants, served_model: str | None = Non
                     return Response(status_code=499)  # nobody reads it
                 await task
             except REPLICA_FAILURES as exc:
-                raise APIError(
-                    503, f"replica failed mid-request: {exc}", "service_unavailable"
-                ) from None
+                log.warning("request %s: replica failed mid-request: %s", rid, one_line(str(exc)))
+                raise APIError(503, FAILED, "service_unavailable", code="replica_failed") from None
             finally:
                 if not task.done():  # cancelling it cancels the request on the replica
                     task.cancel()
                     with contextlib.suppress(BaseException):
                         await task
                 await stream.aclose()
+            if finish == "error":
+                raise _request_failed(rid, last)
             usage = _usage(door, last)
             return JSONResponse(final("".join(parts), finish, usage), headers=headers)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            _sse(door, stream, prefix, chunk, include_usage, role_first),
+            _sse(door, stream, rid, chunk, include_usage, role_first),
             media_type="text/event-stream",
             headers=headers,
         )
 
     return app
+
+
+def _chars_per_token(tokenizer: Any) -> int:
+    """The most characters one token can stand for (its longest vocabulary entry)."""
+    try:
+        vocab = tokenizer.get_vocab()
+        longest = max((len(t) for t in vocab), default=0)
+    except Exception:  # a stand-in tokenizer in tests
+        return DEFAULT_CHARS_PER_TOKEN
+    return max(longest, 1)
+
+
+def _request_failed(rid: str, last: Any) -> APIError:
+    """A request whose own stage failed on the replica (the others there ran on)."""
+    why = one_line(getattr(last, "error", None) or "unknown")
+    log.warning("request %s failed on its replica: %s", rid, why)
+    return APIError(
+        500, f"The request failed on its replica ({why}).", "server_error", code="request_failed"
+    )
 
 
 def _usage(door: FrontDoor, last: Any) -> Any:
@@ -319,7 +446,7 @@ def _usage(door: FrontDoor, last: Any) -> Any:
 async def _sse(
     door: FrontDoor,
     stream: Stream,
-    prefix: str,
+    rid: str,
     chunk: Callable[..., dict[str, Any]],
     include_usage: bool,
     role_first: bool,
@@ -329,31 +456,40 @@ async def _sse(
     try:
         if role_first:
             yield _data(chunk("", None, True))
-        if prefix:
-            yield _data(chunk(prefix, None))
         async for d in stream:
             last = d
+            if d.finish_reason == "error":
+                err = _request_failed(rid, d)
+                yield _data(error_body(err.message, err.type, 500, code=err.code, request_id=rid))
+                break
             if d.delta_text or d.finished:
                 yield _data(chunk(d.delta_text, d.finish_reason if d.finished else None))
-        usage = _usage(door, last)
-        if include_usage and usage is not None:
-            payload = chunk("", None)
-            payload["choices"], payload["usage"] = [], usage.model_dump()
-            yield _data(payload)
+        else:
+            usage = _usage(door, last)
+            if include_usage and usage is not None:
+                payload = chunk("", None)
+                payload["choices"], payload["usage"] = [], usage.model_dump()
+                yield _data(payload)
     except REPLICA_FAILURES as exc:
         door.errors["stream_failure"] += 1
-        yield _data(error_body(f"replica failed mid-stream: {exc}", "service_unavailable", 503))
-    except Exception as exc:  # never a silently cut stream: say so, then [DONE]
-        log.exception("stream failed")
+        log.warning("request %s: replica failed mid-stream: %s", rid, one_line(str(exc)))
+        body = error_body(FAILED, "service_unavailable", 503, code="replica_failed", request_id=rid)
+        yield _data(body)
+    except Exception:  # never a silently cut stream: say so, then [DONE]
+        log.exception("request %s: stream failed", rid)
         door.errors["internal"] += 1
-        yield _data(error_body(f"internal error: {type(exc).__name__}", "internal_error", 500))
+        body = error_body(
+            "internal error; the request id finds it in the server log", "server_error", 500,
+            code="internal_error", request_id=rid,
+        )  # fmt: skip
+        yield _data(body)
     finally:
         await stream.aclose()
     yield "data: [DONE]\n\n"
 
 
 def _data(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+    return f"data: {dumps(obj)}\n\n"
 
 
 def render_metrics(door: FrontDoor, events: dict[str, ReplicaStats] | None = None) -> str:

@@ -216,7 +216,8 @@ def test_errors_are_openai_style(fleet: dict[str, Any]) -> None:
             r = httpx.post(url, json=body, headers=auth)
         assert r.status_code == 400, (body, r.text)
         err = r.json()["error"]
-        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+        assert set(err) == {"message", "type", "param", "code", "request_id"} and err["message"]
+        assert err["request_id"] == r.headers["x-request-id"]
         if param:
             assert err["param"] == param, (body, err)
     with pytest.raises(openai.BadRequestError):

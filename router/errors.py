@@ -1,0 +1,161 @@
+"""Errors as a client sees them: the OpenAI shape, one line, and a request id.
+
+Why: an error body is read by people and by SDKs, and nothing of the server's insides
+(remote tracebacks, pids, addresses, colour codes) belongs in it. Every response carries an
+``x-request-id`` header; an error body repeats it, and the server's log line for the
+failure names it, so the full trace is one search away for whoever runs the server.
+
+The request id is set by a plain ASGI middleware rather than Starlette's
+``BaseHTTPMiddleware``, which wraps ``receive`` and would hide a client's disconnect from the
+handlers (they cancel abandoned requests on the replica). The same middleware turns an
+unhandled exception into a 500 that still carries the id.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import Response
+from starlette.datastructures import MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .openai_api import dumps, error_body
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "x-request-id"
+MAX_MESSAGE_CHARS = 300
+# Union branches pydantic puts in an error's path (``prompt.list[int].0``): not field names.
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"}
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
+
+
+class APIError(Exception):
+    """Raised by a handler; answered with an OpenAI-style error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type_
+        self.param, self.code, self.headers = param, code, headers
+
+
+def one_line(text: str) -> str:
+    """The first non-empty line of ``text``, colour codes stripped, at most a few hundred
+    characters: what an exception's text may contribute to an error message."""
+    text = _ANSI.sub("", text)
+    line = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
+    if len(line) > MAX_MESSAGE_CHARS:
+        line = line[: MAX_MESSAGE_CHARS - 3] + "..."
+    return line
+
+
+def request_id(request: Request) -> str:
+    """The id :class:`RequestIdMiddleware` gave this request."""
+    return str(getattr(request.state, "request_id", "") or "")
+
+
+def error_response(
+    status: int,
+    message: str,
+    type_: str,
+    param: str | None = None,
+    code: str | None = None,
+    rid: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response:
+    body = error_body(message, type_, status, param, code, rid or None)
+    return Response(dumps(body), status, headers=headers, media_type="application/json")
+
+
+def api_error_response(request: Request, exc: APIError) -> Response:
+    return error_response(
+        exc.status, exc.message, exc.type, exc.param, exc.code, request_id(request), exc.headers
+    )
+
+
+class RequestIdMiddleware:
+    """Gives every HTTP request an id (``request.state.request_id``), returns it in the
+    ``x-request-id`` header, and answers an unhandled exception with a 500 naming it."""
+
+    def __init__(self, app: ASGIApp, on_internal_error: Callable[[], Any] | None = None) -> None:
+        self.app = app
+        self.on_internal_error = on_internal_error
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = f"req-{uuid.uuid4().hex}"
+        scope.setdefault("state", {})["request_id"] = rid
+        started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                MutableHeaders(scope=message).append(REQUEST_ID_HEADER, rid)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            log.exception("request %s failed (%s %s)", rid, scope.get("method"), scope.get("path"))
+            if self.on_internal_error is not None:
+                self.on_internal_error()
+            if started:  # the status is out: the body simply ends
+                return
+            response = error_response(
+                500, "internal error; the request id finds it in the server log",
+                "server_error", code="internal_error", rid=rid,
+            )  # fmt: skip
+            await response(scope, receive, send_with_id)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused (413) past ``limit`` bytes before more than that is read:
+    a declared length is checked first, a chunked body as it arrives."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, _too_large(limit), "invalid_request_error", code="body_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, _too_large(limit), "invalid_request_error", code="body_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def validation_error(errors: list[Any]) -> APIError:
+    """A pydantic error list as one 400 naming the most specific field (union branches such
+    as ``list[int]`` dropped from the path)."""
+    if not errors:
+        return APIError(400, "invalid body", "invalid_request_error")
+    first = max(errors, key=lambda e: len(e.get("loc", ())))
+    loc = [
+        str(p)
+        for p in first.get("loc", ())
+        if p != "body"
+        and not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS))
+        and not (isinstance(p, str) and p.startswith("constrained-"))
+    ]
+    param = ".".join(loc) or None
+    msg = one_line(str(first.get("msg", "invalid body")))
+    return APIError(400, f"{param}: {msg}" if param else msg, "invalid_request_error", param)
+
+
+def _too_large(limit: int) -> str:
+    return f"The request body exceeds this server's limit of {limit} bytes."
