@@ -80,8 +80,6 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--event-delay-ms", type=float, default=5.0)
     sim.add_argument("--event-loss", type=float, default=0.0, help="fraction of batches lost")
-    sim.add_argument("--kv-prefill-weight", type=float, default=None)
-    sim.add_argument("--kv-decode-weight", type=float, default=None)
     sim.add_argument("--kv-ttl", type=float, default=None, help="prediction TTL (s)")
     sim.add_argument("--no-bounds", action="store_true", help="skip ceiling and pooled bound")
     sim.add_argument("--json", action="store_true", help="print one JSON object")
@@ -125,8 +123,6 @@ def _simulate(args: argparse.Namespace) -> int:
     kv_params = {
         k: v
         for k, v in (
-            ("prefill_weight", args.kv_prefill_weight),
-            ("decode_weight", args.kv_decode_weight),
             ("prediction_ttl_s", args.kv_ttl),
         )
         if v is not None

@@ -1,4 +1,4 @@
-"""Step-time cost model of one replica, for the fleet simulator.
+"""Step-time cost model of one replica: what it reports to routers, what the simulator runs.
 
 One engine step runs a batch: prefill chunks and decode tokens together (chunked prefill,
 as vLLM V1 schedules). Its time is a roofline plus a fixed per-step overhead::
@@ -39,6 +39,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from kvroute.events.load import CostCoefficients
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +92,21 @@ class CostModel:
         self._dense = 2.0 * profile.params
         self._attn = profile.attn_flops
         self._kvb = float(profile.kv_bytes_per_token)
+
+    def coefficients(self) -> CostCoefficients:
+        """The profile as a replica reports it: the same roofline, term by term."""
+        p = self.p
+        return CostCoefficients(
+            prefill_s_per_token=self._dense / p.peak_flops,
+            attention_s_per_pair=self._attn / p.peak_flops,
+            step_overhead_s=p.overhead_s,
+            weights_read_s=p.weight_bytes / p.mem_bw,
+            kv_read_s_per_token=self._kvb / p.mem_bw,
+            kv_capacity_tokens=p.kv_tokens,
+            max_batched_tokens=p.max_batched_tokens,
+            max_num_seqs=p.max_num_seqs,
+            source=f"profile:{p.name}",
+        )
 
     def step_time(self, tokens: int, pair_sum: float, ctx_sum: int) -> float:
         """``tokens`` = sum n, ``pair_sum`` = sum (n*p0 + n*(n-1)/2), ``ctx_sum`` = sum (p0+n)."""

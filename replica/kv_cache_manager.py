@@ -132,6 +132,19 @@ class KVCacheManager:
         self.prefix_cache_hits += num_hit_tokens
         return hit, num_hit_tokens
 
+    def peek_cached_tokens(self, request: CacheRequest) -> int:
+        """Tokens a lookup would hit now, without counting it: what a waiting request's
+        prefill will save, for load reports."""
+        if not self.enable_caching:
+            return 0
+        max_blocks = max(len(request.all_token_ids) - 1, 0) // self.block_size
+        get, n = self.block_pool.get_cached_block, 0
+        for h in itertools.islice(self.block_hashes(request), max_blocks):
+            if get(h) is None:
+                break
+            n += 1
+        return n * self.block_size
+
     def allocate_slots(
         self,
         request: CacheRequest,

@@ -1,15 +1,21 @@
-"""Router-side load accounting: what each replica has in flight, as this router sees it.
+"""The router's load view: each replica's own reports, filled in by in-flight accounting.
 
-The router knows every request it routed, when its first token streamed back and when it
-ended, so it can count, per replica, the prefill tokens still queued and the KV context of
-requests decoding -- without waiting for any report. Replicas' own load reports (which also
-see preemptions and other routers' traffic) are folded in by taking, per replica, the larger
-of the two while a report is fresh.
+A replica reports its load (:class:`~kvroute.events.load.LoadReport`) every short interval;
+every front door sees the same reports, so several front doors agree. Between reports a
+router knows what it routed itself: per replica, the prefill tokens it expects the replica
+to compute (until the first token streams back), the KV context of requests decoding, and
+the KV blocks they will hold. The view takes, per figure, the larger of the report and the
+router's own count while the report is fresh (a report also sees other routers' traffic and
+preemptions; the router's count sees what it routed after the report was taken), and free
+blocks as the report's minus what this router has placed since.
+
+Replicas register their :class:`~kvroute.events.load.CostCoefficients` (from their info),
+so a policy can price each one in its own seconds.
 
 Invariants:
 - every in-flight request is in ``_flights`` under exactly one replica, and that replica's
-  ``prefill`` / ``decode`` / ``count`` sums equal the sums over its flights (prefill counts
-  until the first token, decode context after it);
+  ``prefill`` / ``decode`` / ``decoding`` / ``count`` / ``blocks`` sums equal the sums over
+  its flights (prefill counts until the first token, decode context after it);
 - sums never go negative; a request finished, aborted or dropped with its replica leaves
   no trace.
 """
@@ -18,33 +24,49 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvroute.events.load import CostCoefficients, LoadReport
+
+# A view: (queued prefill tokens, decode context tokens, decoding requests, requests in
+# flight, free KV blocks). Tuples, not objects: the policy reads one per replica per request.
+LoadView = tuple[int, int, int, int, int]
+
 
 @dataclass(slots=True)
 class _Flight:
     replica: str
     prefill: int  # uncached prompt tokens the router expects the replica to compute
     context: int  # KV tokens it will hold while decoding
+    blocks: int  # KV blocks it will hold (uncached prompt + expected output)
     decoding: bool = False
 
 
 @dataclass(slots=True)
 class ReplicaLoad:
-    prefill: int = 0  # queued prefill tokens (not yet first token)
+    """One replica as this router sees it: its coefficients, its last report, its flights."""
+
+    coefficients: CostCoefficients | None = None
+    total_blocks: int = 0
+    prefill: int = 0  # queued prefill tokens (requests before their first token)
     decode: int = 0  # KV context tokens of requests past their first token
+    decoding: int = 0  # requests past their first token
     count: int = 0  # requests in flight
-    report_prefill: int = 0
-    report_decode: int = 0
-    report_count: int = 0
+    blocks: int = 0  # KV blocks this router's flights will hold
+    report: LoadReport | None = None
     report_expiry: float = float("-inf")
+    blocks_at_report: int = 0  # ``blocks`` when the report arrived
 
 
 class LoadTracker:
-    """Per-replica in-flight prefill, decode context and request count."""
+    """Per-replica load: fresh reports merged with this router's in-flight accounting."""
 
-    def __init__(self, report_ttl_s: float = 1.0) -> None:
+    def __init__(self, report_ttl_s: float = 1.0, prior_output_tokens: int = 256) -> None:
         self.report_ttl_s = report_ttl_s
         self._flights: dict[str, _Flight] = {}
         self._loads: dict[str, ReplicaLoad] = {}
+        # Mean output length of finished requests (a prior of 8 requests' weight): what a
+        # request with no max_tokens is expected to generate.
+        self._out_sum = 8.0 * prior_output_tokens
+        self._out_n = 8.0
 
     def _load(self, replica: str) -> ReplicaLoad:
         load = self._loads.get(replica)
@@ -52,13 +74,26 @@ class LoadTracker:
             load = self._loads[replica] = ReplicaLoad()
         return load
 
-    def on_routed(self, request_id: str, replica: str, prefill: int, context: int) -> None:
+    def register(self, replica: str, coefficients: CostCoefficients, total_blocks: int) -> None:
+        """A replica's cost coefficients and KV size, from its info (again after a restart)."""
+        load = self._load(replica)
+        load.coefficients, load.total_blocks = coefficients, total_blocks
+
+    def coefficients(self, replica: str) -> CostCoefficients | None:
+        load = self._loads.get(replica)
+        return load.coefficients if load is not None else None
+
+    # -- this router's requests ------------------------------------------------------------
+    def on_routed(
+        self, request_id: str, replica: str, prefill: int, context: int, blocks: int = 0
+    ) -> None:
         if request_id in self._flights:
             self.on_finished(request_id)
-        self._flights[request_id] = _Flight(replica, prefill, context)
+        self._flights[request_id] = _Flight(replica, prefill, context, blocks)
         load = self._load(replica)
         load.prefill += prefill
         load.count += 1
+        load.blocks += blocks
 
     def on_first_token(self, request_id: str) -> None:
         f = self._flights.get(request_id)
@@ -68,43 +103,68 @@ class LoadTracker:
         load = self._load(f.replica)
         load.prefill -= f.prefill
         load.decode += f.context
+        load.decoding += 1
 
-    def on_finished(self, request_id: str) -> None:
+    def on_finished(self, request_id: str, output_tokens: int | None = None) -> None:
+        if output_tokens is not None and output_tokens > 0:
+            self._out_sum += output_tokens
+            self._out_n += 1
         f = self._flights.pop(request_id, None)
         if f is None:
             return
         load = self._load(f.replica)
         if f.decoding:
             load.decode -= f.context
+            load.decoding -= 1
         else:
             load.prefill -= f.prefill
         load.count -= 1
+        load.blocks -= f.blocks
+        load.blocks_at_report = min(load.blocks_at_report, load.blocks)
 
-    def report(self, replica: str, prefill: int, decode: int, count: int, now: float) -> None:
-        """The replica's own figures (waiting + partial prefill tokens, decode context)."""
+    def expected_output_tokens(self, max_tokens: int | None = None) -> float:
+        """The mean output of finished requests, capped by the request's ``max_tokens``."""
+        mean = self._out_sum / self._out_n
+        return float(min(mean, max_tokens)) if max_tokens else mean
+
+    # -- replicas' reports -----------------------------------------------------------------
+    def report(self, replica: str, report: LoadReport, now: float) -> None:
+        """A replica's own figures; fresh for ``report_ttl_s``."""
         load = self._load(replica)
-        load.report_prefill, load.report_decode, load.report_count = prefill, decode, count
-        load.report_expiry = now + self.report_ttl_s
+        load.report, load.report_expiry = report, now + self.report_ttl_s
+        load.blocks_at_report = load.blocks
+        if not load.total_blocks:
+            load.total_blocks = report.total_blocks
 
     def drop_replica(self, replica: str) -> list[str]:
-        """Forget a replica; returns the ids of the requests that were in flight there."""
+        """Forget a replica's load (not its coefficients: it may come back); returns the ids
+        of the requests that were in flight there."""
         gone = [rid for rid, f in self._flights.items() if f.replica == replica]
         for rid in gone:
             del self._flights[rid]
-        self._loads.pop(replica, None)
+        old = self._loads.pop(replica, None)
+        if old is not None and old.coefficients is not None:
+            self.register(replica, old.coefficients, old.total_blocks)
         return gone
 
-    def get(self, replica: str, now: float) -> tuple[int, int, int]:
-        """(queued prefill tokens, decode context tokens, requests in flight)."""
+    # -- the view --------------------------------------------------------------------------
+    def get(self, replica: str, now: float) -> LoadView:
+        """(queued prefill tokens, decode context tokens, decoding requests, requests in
+        flight, free KV blocks)."""
         load = self._loads.get(replica)
         if load is None:
-            return 0, 0, 0
-        if load.report_expiry < now:
-            return load.prefill, load.decode, load.count
+            return 0, 0, 0, 0, 1 << 40
+        rep = load.report
+        if rep is None or load.report_expiry < now:
+            free = load.total_blocks - load.blocks if load.total_blocks else 1 << 40
+            return load.prefill, load.decode, load.decoding, load.count, free
+        placed = load.blocks - load.blocks_at_report  # placed since the report was taken
         return (
-            max(load.prefill, load.report_prefill),
-            max(load.decode, load.report_decode),
-            max(load.count, load.report_count),
+            max(load.prefill, rep.queued_prefill_tokens),
+            max(load.decode, rep.decode_context_tokens),
+            max(load.decoding, rep.num_decoding),
+            max(load.count, rep.num_waiting + rep.num_running),
+            rep.free_blocks - max(placed, 0),
         )
 
     def in_flight(self) -> int:

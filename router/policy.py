@@ -5,17 +5,36 @@ One interface for the simulator and the HTTP front door: the caller hashes the p
 the replicas it considers alive, and reports :meth:`Policy.on_first_token` and
 :meth:`Policy.on_finished` as the response streams. Nothing here knows about simulation.
 
-``kv`` (default): per alive replica, predicted cost in prefill-token units::
+``kv`` (default) prices, per alive replica and in that replica's own seconds (its
+:class:`~kvroute.events.load.CostCoefficients`), every second this request would wait there
+or make others wait there, and picks the cheapest (:func:`price`). With ``n`` prompt tokens,
+``h`` of them cached there (the event-fed index), ``o`` expected output tokens (the request's
+``max_tokens``, else the mean output of finished requests) and the replica's load view
+(:class:`~kvroute.router.load.LoadTracker`: ``Q`` queued prefill tokens, ``B`` decoding
+requests holding ``C`` KV tokens, ``F`` free blocks)::
 
-    cost = uncached prompt tokens there          (index: leading blocks it holds)
-         + prefill_weight * prefill tokens queued there
-         + decode_weight  * KV context of requests decoding there
+    wait     = prefill_s_per_token * Q                  the prefill queued ahead (FCFS)
+    prefill  = prefill_s(n - h, cached=h)               its own uncached prefill
+    decode   = o * step(B + 1, C + n + o/2)             its own decode steps in that batch
+    others   = B * (prefill + o/2 * (step(B + 1, ...) - step(B, C)))
+                                                        the decoders it stalls: each waits
+                                                        out its prefill (chunked prefill
+                                                        shares their steps) and reads its
+                                                        context for ~o/2 of their steps
+    capacity = 2 * prefill_s(max(0, need - F) * block)  blocks it needs beyond the free ones
+                                                        preempt a running request: its
+                                                        tokens are recomputed, and it waits
 
-queued/decoding figures come from :class:`~kvroute.router.load.LoadTracker` (the router's
-own accounting, raised to the replica's load report while fresh). Lowest cost wins; ties go
-to fewer requests in flight, then to a seeded coin. Once routed, the request's blocks are
-predicted on that replica for ``prediction_ttl_s`` so a burst of siblings follows it before
-its BlockStored events arrive.
+Nothing is tuned per workload: every term is seconds on the replica's own roofline, and the
+two halves (o/2) are the mean overlap of two requests' decodes. Because a holder's queue
+and decode batch grow with every sibling sent there, a hot prefix stays on one replica only
+while its hit saves more than the holder's load costs; then the next sibling pays the
+prefill once elsewhere and later ones spread over all holders by load. A cold prefix is
+never copied: without load there is nothing to save by moving it.
+
+Ties go to fewer requests in flight, then to a seeded coin. Once routed, the request's
+blocks are predicted on that replica for ``prediction_ttl_s`` so a burst of siblings
+follows it before its BlockStored events arrive.
 
 Invariants:
 - ``route`` returns one of the replicas it was given, never another (a dead or removed
@@ -32,12 +51,14 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvroute.events import BlockHasher, BlockStored, EventBatch
 from kvroute.events import ExternalBlockHash as Hash
+from kvroute.events.load import REFERENCE_COEFFICIENTS, CostCoefficients
 
 from .index import PrefixIndex
-from .load import LoadTracker
+from .load import LoadTracker, LoadView
 
 
 class NoReplicaError(RuntimeError):
@@ -53,6 +74,35 @@ class RequestView:
     block_hashes: Sequence[Hash]  # the prompt's full blocks, fleet hasher, tenant salt
     block_size: int
     token_ids: Sequence[int] | None = None  # for text-tree baselines
+    max_tokens: int | None = None  # the request's output cap, if it set one
+
+
+class CostParts(NamedTuple):
+    """Predicted seconds of serving one request on one replica, by part."""
+
+    wait: float
+    prefill: float
+    decode: float
+    capacity: float
+
+    @property
+    def total(self) -> float:
+        return self.wait + self.prefill + self.decode + self.capacity
+
+
+def price(
+    c: CostCoefficients, view: LoadView, n: int, hit: int, out: float, block_size: int
+) -> CostParts:
+    """The seconds a request of ``n`` prompt tokens (``hit`` cached there, ``out`` expected
+    output tokens) costs on a replica with coefficients ``c`` and load ``view``; the formula
+    and why each term is there are in the module docstring."""
+    queued, context, decoding, _, free = view
+    prefill = c.prefill_s(n - hit, hit)
+    # The decoders there are halfway through their outputs on average: ours overlaps half.
+    decode = out * c.decode_step_s(0.5 * decoding + 1, 0.5 * context + n + 0.5 * out)
+    short = -(-(n + int(out)) // block_size) - hit // block_size - free
+    capacity = 2.0 * c.prefill_s(short * block_size) if short > 0 else 0.0
+    return CostParts(queued * c.prefill_s_per_token, prefill, decode, capacity)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,14 +131,18 @@ class Policy(ABC):
         return decision
 
     def on_routed(self, req: RequestView, decision: Decision, now: float) -> None:
-        n = req.num_prompt_tokens
-        self.load.on_routed(req.request_id, decision.replica, n - decision.hit_tokens, n)
+        n, bs, hit = req.num_prompt_tokens, req.block_size, decision.hit_tokens
+        out = int(self.load.expected_output_tokens(req.max_tokens))
+        blocks = -(-(n + out) // bs) - hit // bs
+        self.load.on_routed(req.request_id, decision.replica, n - hit, n, blocks)
 
     def on_first_token(self, request_id: str, now: float) -> None:
         self.load.on_first_token(request_id)
 
-    def on_finished(self, request_id: str, now: float) -> None:
-        self.load.on_finished(request_id)
+    def on_finished(self, request_id: str, now: float, output_tokens: int | None = None) -> None:
+        """The request ended (``output_tokens`` generated, when known: it teaches the load
+        view what a request without ``max_tokens`` is expected to generate)."""
+        self.load.on_finished(request_id, output_tokens)
 
     def on_replica_removed(self, replica: str) -> list[str]:
         """Forget a replica; returns the requests that were in flight there."""
@@ -125,12 +179,12 @@ class LeastLoaded(Policy):
     name = "least_loaded"
 
     def choose(self, req: RequestView, replicas: Sequence[str], now: float) -> Decision:
-        counts = {r: float(self.load.get(r, now)[2]) for r in replicas}
+        counts = {r: float(self.load.get(r, now)[3]) for r in replicas}
         return Decision(self._least(replicas, counts), 0)
 
 
 class KVPolicy(Policy):
-    """Event-driven prefix index + load: see the module docstring."""
+    """Event-driven prefix index + load, priced in seconds: see the module docstring."""
 
     name = "kv"
 
@@ -139,26 +193,13 @@ class KVPolicy(Policy):
         index: PrefixIndex,
         load: LoadTracker | None = None,
         seed: int | str = 0,
-        prefill_weight: float = 0.1,
-        decode_weight: float = 0.0,
         prediction_ttl_s: float = 10.0,
+        default_coefficients: CostCoefficients = REFERENCE_COEFFICIENTS,
     ) -> None:
         super().__init__(load, seed)
         self.index = index
-        self.prefill_weight = prefill_weight
-        self.decode_weight = decode_weight
         self.prediction_ttl_s = prediction_ttl_s
-
-    def costs(self, req: RequestView, replicas: Sequence[str], now: float) -> dict[str, float]:
-        """Per replica, the predicted cost (for inspection and tests; ``choose`` computes
-        the same figures in its own loop)."""
-        matched, n, bs = self._match(req, now), req.num_prompt_tokens, req.block_size
-        wp, wd = self.prefill_weight, self.decode_weight
-        out: dict[str, float] = {}
-        for r in replicas:
-            prefill, decode, _ = self.load.get(r, now)
-            out[r] = (n - matched.get(r, 0) * bs) + wp * prefill + wd * decode
-        return out
+        self.default_coefficients = default_coefficients
 
     def _match(self, req: RequestView, now: float) -> dict[str, int]:
         """Leading blocks held per replica, over the blocks a hit may cover (prompt - 1)."""
@@ -168,15 +209,31 @@ class KVPolicy(Policy):
         hashes = req.block_hashes
         return self.index.match(hashes[:cap] if len(hashes) > cap else hashes, now)
 
+    def breakdown(
+        self, req: RequestView, replicas: Sequence[str], now: float
+    ) -> dict[str, CostParts]:
+        """Per replica, the predicted seconds by part (for inspection, tests and logs)."""
+        matched, o = self._match(req, now), self.load.expected_output_tokens(req.max_tokens)
+        out = {}
+        for r in replicas:
+            c = self.load.coefficients(r) or self.default_coefficients
+            hit = matched.get(r, 0) * req.block_size
+            out[r] = price(c, self.load.get(r, now), req.num_prompt_tokens, hit, o, req.block_size)
+        return out
+
+    def costs(self, req: RequestView, replicas: Sequence[str], now: float) -> dict[str, float]:
+        return {r: p.total for r, p in self.breakdown(req, replicas, now).items()}
+
     def choose(self, req: RequestView, replicas: Sequence[str], now: float) -> Decision:
-        """Lowest (cost, requests in flight), then a seeded coin among the tied, in one pass
-        with no per-replica allocation: this loop and the index walk are the decision."""
+        """Lowest (seconds, requests in flight), then a seeded coin among the tied."""
         matched, n, bs = self._match(req, now), req.num_prompt_tokens, req.block_size
-        wp, wd, load = self.prefill_weight, self.decode_weight, self.load.get
+        o = self.load.expected_output_tokens(req.max_tokens)
+        load, coef, default = self.load.get, self.load.coefficients, self.default_coefficients
         best, fewest, tied = float("inf"), 0, []
         for r in replicas:
-            prefill, decode, count = load(r, now)
-            cost = (n - matched.get(r, 0) * bs) + wp * prefill + wd * decode
+            view = load(r, now)
+            cost = price(coef(r) or default, view, n, matched.get(r, 0) * bs, o, bs).total
+            count = view[3]
             if cost < best or (cost == best and count < fewest):
                 best, fewest, tied = cost, count, [r]
             elif cost == best and count == fewest:
@@ -237,7 +294,7 @@ class ApproxText(Policy):
             raise ValueError("approx_text needs the request's token ids")
         chunks = self.hasher.hash_blocks(req.token_ids)
         self._pending[req.request_id] = chunks
-        counts = {r: float(self.load.get(r, now)[2]) for r in replicas}
+        counts = {r: float(self.load.get(r, now)[3]) for r in replicas}
         hi, lo = max(counts.values()), min(counts.values())
         if hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo:
             return Decision(self._least(replicas, counts), 0)
@@ -277,7 +334,7 @@ def make_policy(
     **kv_params: float,
 ) -> Policy:
     """A policy by name. ``kv`` needs the event-fed ``index``; ``approx_text`` chunks by
-    ``block_size``; ``kv_params`` (prefill_weight, decode_weight, prediction_ttl_s) tune kv."""
+    ``block_size``; ``kv_params`` (prediction_ttl_s) tune kv."""
     if name == "kv":
         if index is None:
             raise ValueError("the kv policy needs a PrefixIndex fed by the replicas' events")

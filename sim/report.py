@@ -81,10 +81,19 @@ def _pct(xs: np.ndarray, q: float) -> float:
     return float(np.percentile(xs, q)) if len(xs) else float("nan")
 
 
+def _dist(xs: np.ndarray) -> dict[str, float]:
+    mean = float(xs.mean()) if len(xs) else float("nan")
+    return {"mean": mean, "p50": _pct(xs, 50), "p90": _pct(xs, 90), "p99": _pct(xs, 99)}
+
+
 def summarize(fleet: Fleet, wall_s: float) -> dict[str, Any]:
     done = [r for r in fleet.reqs if r is not None and r.done_s is not None]
     ttft = np.array([r.first_s - r.spec.arrival_s for r in done])  # type: ignore[operator]
     e2e = np.array([r.done_s - r.spec.arrival_s for r in done])  # type: ignore[operator]
+    # inter-token latency: each request's mean gap between output tokens after the first
+    itl = np.array(
+        [(r.done_s - r.first_s) / (r.output_len - 1) for r in done if r.output_len > 1]  # type: ignore[operator]
+    )
     prompt = sum(r.prompt_len for r in done)
     hit = sum(r.hit or 0 for r in done)
     out_tokens = sum(r.output_len for r in done)
@@ -104,13 +113,9 @@ def summarize(fleet: Fleet, wall_s: float) -> dict[str, Any]:
         "prefill_tokens": sum(rep.prefill_tokens for rep in fleet.reps),
         "decode_tokens": fleet.decode_tokens,
         "output_tokens": out_tokens,
-        "ttft_s": {
-            "mean": float(ttft.mean()) if len(ttft) else float("nan"),
-            "p50": _pct(ttft, 50),
-            "p90": _pct(ttft, 90),
-            "p99": _pct(ttft, 99),
-        },
-        "e2e_s": {"mean": float(e2e.mean()) if len(e2e) else float("nan"), "p90": _pct(e2e, 90)},
+        "ttft_s": _dist(ttft),
+        "e2e_s": _dist(e2e),
+        "itl_s": _dist(itl),
         "makespan_s": span,
         "throughput_tok_s": out_tokens / span,
         "requests_per_s": len(done) / span,
@@ -197,16 +202,17 @@ def format_table(result: dict[str, Any]) -> str:
             f"{b['pooled_hit_rate']:.3f}"
         )
     head = (
-        f"{'policy':<13}{'hit':>7}{'hit tok':>14}{'prefill tok':>14}{'TTFT mean':>10}"
-        f"{'p50':>8}{'p90':>8}{'p99':>8}{'e2e mean':>9}{'p90':>8}{'tok/s':>8}{'imbal':>7}"
+        f"{'policy':<13}{'hit':>7}{'prefill tok':>14}{'TTFT mean':>10}{'p50':>7}{'p90':>7}"
+        f"{'p99':>7}{'e2e mean':>9}{'p90':>7}{'ITL p90':>8}{'tok/s':>7}{'imbal':>6}{'preempt':>8}"
     )
     lines += [head, "-" * len(head)]
     for name, m in result["policies"].items():
         t, e = m["ttft_s"], m["e2e_s"]
         lines.append(
-            f"{name:<13}{m['hit_rate']:>7.3f}{m['hit_tokens']:>14,}{m['prefill_tokens']:>14,}"
-            f"{t['mean']:>10.2f}{t['p50']:>8.2f}{t['p90']:>8.2f}{t['p99']:>8.2f}"
-            f"{e['mean']:>9.2f}{e['p90']:>8.2f}{m['throughput_tok_s']:>8.0f}{m['imbalance']:>7.2f}"
+            f"{name:<13}{m['hit_rate']:>7.3f}{m['prefill_tokens']:>14,}"
+            f"{t['mean']:>10.2f}{t['p50']:>7.2f}{t['p90']:>7.2f}{t['p99']:>7.2f}"
+            f"{e['mean']:>9.2f}{e['p90']:>7.2f}{m['itl_s']['p90'] * 1e3:>6.0f}ms"
+            f"{m['throughput_tok_s']:>7.0f}{m['imbalance']:>6.2f}{m['preemptions']:>8}"
         )
     lines.append("work share per replica (prefill + decode tokens computed):")
     for name, m in result["policies"].items():

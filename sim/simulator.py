@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from kvroute.events import AllBlocksCleared, BlockHasher, EventBatch
+from kvroute.events.load import LoadReport
 from kvroute.replica.cost_model import H100_8B, CostModel, Profile
 from kvroute.replica.kv_cache_manager import KVCacheManager
 from kvroute.router.index import PrefixIndex
@@ -139,6 +140,9 @@ class Fleet:
         )  # fmt: skip
         self.rng = random.Random(f"loss:{cfg.seed}")
         self.reps = [_Replica(i, self._new_kv()) for i in range(cfg.replicas)]
+        coefficients = self.cm.coefficients()  # what each replica's info carries
+        for rep in self.reps:
+            self.policy.load.register(rep.id, coefficients, cfg.blocks)
         self._by_id = {rep.id: rep for rep in self.reps}
         self._index_of = {rep.id: i for i, rep in enumerate(self.reps)}
         self.reqs: list[SimRequest | None] = [None] * len(specs)
@@ -173,7 +177,7 @@ class Fleet:
                 if epoch == rep.epoch and rep.alive:
                     self.index.apply(rep.id, batch)
                     if report is not None:
-                        self.policy.load.report(rep.id, *report, t)
+                        self.policy.load.report(rep.id, report, t)
             elif kind == _ARRIVE:
                 self._arrive(payload)
                 done += 1
@@ -344,18 +348,21 @@ class Fleet:
                 rep.kv.free(r)
                 r.done_s = now
                 r.tokens = array("I")  # release the token buffer
-                policy.on_finished(r.request_id, now)
+                policy.on_finished(r.request_id, now, r.generated)
         self._publish(rep)
         self._start_step(rep)
 
     def _publish(self, rep: _Replica, events: list | None = None) -> None:
+        """After a step: its events, and a load report when one is due (one per interval,
+        riding on the event stream; an empty batch carries it when the step stored nothing,
+        as a live replica's heartbeat would)."""
         events = rep.kv.take_events() if events is None else events
-        if not events:
-            return
-        report = None  # load reports ride on event batches, at most one per interval
+        report = None
         if self.now - rep.last_report >= self.cfg.report_interval_s:
             rep.last_report = self.now
             report = self._load_report(rep)
+        if not events and report is None:
+            return
         t = self.now + self.cfg.event_delay_s
         if self.cfg.event_loss and self.rng.random() < self.cfg.event_loss:
             t += self.cfg.recovery_s
@@ -364,16 +371,28 @@ class Fleet:
         self._push(t, _DELIVER, (rep, rep.epoch, EventBatch(self.now, events), report))
 
     @staticmethod
-    def _load_report(rep: _Replica) -> tuple[int, int, int]:
-        prefill = decode = 0
+    def _load_report(rep: _Replica) -> LoadReport:
+        """The figures a live replica reports (``Scheduler.load_report``), from this one."""
+        prefill = decode = decoding = 0
         for r in rep.running:
             if r.generated and r.num_tokens - r.num_computed_tokens == 1:
                 decode += r.num_tokens
+                decoding += 1
             else:
                 prefill += r.num_tokens - r.num_computed_tokens
+        peek = rep.kv.peek_cached_tokens
         for r in rep.waiting:
-            prefill += r.num_tokens - r.num_computed_tokens
-        return prefill, decode, len(rep.running) + len(rep.waiting)
+            prefill += r.num_tokens - peek(r)
+        pool = rep.kv.block_pool
+        return LoadReport(
+            num_waiting=len(rep.waiting),
+            num_running=len(rep.running),
+            num_decoding=decoding,
+            queued_prefill_tokens=prefill,
+            decode_context_tokens=decode,
+            free_blocks=rep.kv.get_num_free_blocks(),
+            total_blocks=pool.num_blocks,
+        )
 
     # -- faults ----------------------------------------------------------------------------
     def _fault(self, f: Fault) -> None:

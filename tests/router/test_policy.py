@@ -5,9 +5,11 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import msgspec
 import pytest
 
 from kvroute.events import BlockHasher, BlockStored, EventBatch
+from kvroute.events.load import REFERENCE_COEFFICIENTS, LoadReport
 from kvroute.router.index import PrefixIndex
 from kvroute.router.load import LoadTracker
 from kvroute.router.policy import (
@@ -16,6 +18,7 @@ from kvroute.router.policy import (
     NoReplicaError,
     RequestView,
     make_policy,
+    price,
 )
 
 BS = 16
@@ -83,23 +86,6 @@ def test_a_dead_replica_is_never_chosen(name):
         policy.route(view("x", prefix(64)), [], 0.0)
 
 
-def test_hot_prefix_spreads_instead_of_overloading_its_holder():
-    """A replica's queue may exceed the others' by at most what a hit saves, over the prefill
-    weight: past that, siblings go elsewhere (and warm the prefix there)."""
-    index = PrefixIndex()
-    hold(index, "replica-0", prefix(8192))
-    policy = KVPolicy(index, seed=7)
-    n = 1500
-    got = Counter(
-        policy.route(view(f"r{i}", prefix(8192) + [i] * 256), REPLICAS, 0.0).replica
-        for i in range(n)
-    )  # a burst: nothing finishes, every request queues its prefill
-    assert set(got) == set(REPLICAS)
-    assert max(got.values()) < 0.4 * n
-    queued = [policy.load.get(r, 0.0)[0] for r in REPLICAS]
-    assert max(queued) - min(queued) <= 8192 / policy.prefill_weight + 8192 + 256
-
-
 def test_kv_choose_is_the_documented_rule_draw_for_draw():
     """``choose`` (one pass, no per-replica tuples) picks what the rule says -- lowest cost
     as ``costs`` reports it, then fewest in flight, then a seeded coin over the tied in
@@ -111,7 +97,7 @@ def test_kv_choose_is_the_documented_rule_draw_for_draw():
     prompts = [prefix(1024, base=100_000 * i) for i in range(4)]  # the 4th held nowhere
     for i, r in enumerate(replicas[:6]):
         hold(index, r, prompts[i % 3][: 256 * (1 + i % 4)])
-    policy = KVPolicy(index, seed=9, prefill_weight=0.25, decode_weight=0.01)
+    policy = KVPolicy(index, seed=9)
     coin = KVPolicy(index, seed=9).rng  # the same seeded coin, drawn by the reference
     kinds: Counter = Counter()
     flights: list[str] = []
@@ -126,10 +112,10 @@ def test_kv_choose_is_the_documented_rule_draw_for_draw():
             if rng.random() < 0.2:
                 policy.load.on_first_token(flights[-1])
         if k % 7 == 0:
-            policy.load.report(rng.choice(replicas), 4096, 0, 3, now=float(k))
+            policy.load.report(rng.choice(replicas), report(4096, 0, 0, 3), now=float(k))
         req = view(f"q{k}", rng.choice(prompts)[: rng.choice([16, 300, 1024])] + [k] * 40)
         costs = policy.costs(req, replicas, float(k))
-        key = {r: (costs[r], policy.load.get(r, float(k))[2]) for r in replicas}
+        key = {r: (costs[r], policy.load.get(r, float(k))[3]) for r in replicas}
         best = min(key.values())
         tied = [r for r in replicas if key[r] == best]
         want = tied[0] if len(tied) == 1 else coin.choice(tied)
@@ -145,8 +131,9 @@ def test_kv_choose_is_the_documented_rule_draw_for_draw():
 
 def test_kv_follows_siblings_before_any_event_arrives():
     index = PrefixIndex()
-    policy = KVPolicy(index, seed=11, prefill_weight=0.0)
+    policy = KVPolicy(index, seed=11)
     first = policy.route(view("a", prefix(4096) + [1] * 32), REPLICAS, 0.0)
+    policy.on_first_token("a", 0.3)  # its prefill is done; its BlockStored not yet in
     for i in range(20):
         d = policy.route(view(f"s{i}", prefix(4096) + [i + 2] * 32), REPLICAS, 0.5)
         assert d.replica == first.replica and d.hit_tokens == 4096
@@ -162,7 +149,7 @@ def test_least_loaded_and_round_robin():
     ll = make_policy("least_loaded", seed=2)
     for i in range(40):
         ll.route(view(f"r{i}", prefix(32)), REPLICAS, 0.0)
-    assert {ll.load.get(r, 0.0)[2] for r in REPLICAS} == {10}
+    assert {ll.load.get(r, 0.0)[3] for r in REPLICAS} == {10}
 
 
 def test_approx_text_follows_its_tree_until_imbalance_then_balances():
@@ -179,17 +166,116 @@ def test_approx_text_follows_its_tree_until_imbalance_then_balances():
     assert policy.route(view("d", prefix(1024)), REPLICAS, 0.0).replica != first
 
 
+def report(queued: int, context: int, decoding: int, requests: int, free: int = 1000):
+    return LoadReport(
+        num_waiting=requests - decoding,
+        num_running=decoding,
+        num_decoding=decoding,
+        queued_prefill_tokens=queued,
+        decode_context_tokens=context,
+        free_blocks=free,
+        total_blocks=1000,
+    )
+
+
 def test_load_tracker_accounting_and_reports():
     t = LoadTracker(report_ttl_s=1.0)
-    t.on_routed("a", "r", 1000, 1200)
-    t.on_routed("b", "r", 500, 600)
-    assert t.get("r", 0.0) == (1500, 0, 2)
+    t.register("r", REFERENCE_COEFFICIENTS, total_blocks=1000)
+    t.on_routed("a", "r", 1000, 1200, blocks=80)
+    t.on_routed("b", "r", 500, 600, blocks=40)
+    assert t.get("r", 0.0) == (1500, 0, 0, 2, 880)
     t.on_first_token("a")
-    assert t.get("r", 0.0) == (500, 1200, 2)
-    t.on_finished("a")
+    assert t.get("r", 0.0) == (500, 1200, 1, 2, 880)
+    t.on_finished("a", output_tokens=100)
     t.on_finished("a")  # twice is harmless
-    assert t.get("r", 0.0) == (500, 0, 1)
-    t.report("r", 9000, 0, 5, now=10.0)
-    assert t.get("r", 10.5) == (9000, 0, 5)
-    assert t.get("r", 11.5) == (500, 0, 1)  # stale report ignored
-    assert t.drop_replica("r") == ["b"] and t.get("r", 0.0) == (0, 0, 0)
+    assert t.get("r", 0.0) == (500, 0, 0, 1, 960)
+    t.report("r", report(9000, 50_000, 3, 5, free=700), now=10.0)
+    assert t.get("r", 10.5) == (9000, 50_000, 3, 5, 700)
+    t.on_routed("c", "r", 100, 100, blocks=25)  # placed after the report: not in its figures
+    assert t.get("r", 10.5) == (9000, 50_000, 3, 5, 675)  # counts: the larger figure
+    assert t.get("r", 11.5) == (600, 0, 0, 2, 935)  # stale report ignored
+    assert sorted(t.drop_replica("r")) == ["b", "c"]
+    assert t.get("r", 0.0) == (0, 0, 0, 0, 1000)  # coefficients and size survive a drop
+    assert t.coefficients("r") is REFERENCE_COEFFICIENTS
+
+
+def test_expected_output_learns_from_finished_requests():
+    t = LoadTracker(prior_output_tokens=256)
+    assert t.expected_output_tokens() == 256
+    for i in range(92):
+        t.on_routed(f"x{i}", "r", 10, 10)
+        t.on_finished(f"x{i}", output_tokens=16)
+    assert t.expected_output_tokens() == pytest.approx((8 * 256 + 92 * 16) / 100)
+    assert t.expected_output_tokens(max_tokens=8) == 8  # a request's own cap wins
+
+
+# -- the kv cost, one part at a time ---------------------------------------------------------
+C = REFERENCE_COEFFICIENTS
+IDLE = (0, 0, 0, 0, 10_000)
+
+
+def test_cost_queued_prefill_is_waited_out_at_the_replicas_prefill_rate():
+    quiet, queued = (
+        price(C, IDLE, 1000, 0, 100, BS),
+        price(C, (50_000, 0, 0, 3, 10_000), 1000, 0, 100, BS),
+    )
+    assert quiet.wait == 0 and queued.wait == pytest.approx(50_000 * C.prefill_s_per_token)
+    assert queued._replace(wait=0) == quiet  # nothing else moved
+
+
+def test_cost_prefill_counts_only_uncached_tokens_with_the_quadratic_term():
+    cold, warm = price(C, IDLE, 8192, 0, 100, BS), price(C, IDLE, 8192, 8000, 100, BS)
+    assert cold.prefill == pytest.approx(C.prefill_s(8192))
+    assert warm.prefill == pytest.approx(C.prefill_s(192, 8000))
+    assert cold.prefill > warm.prefill * 20
+    # attention is quadratic: twice the prompt costs more than twice the time
+    assert C.prefill_s(16_384) > 2 * C.prefill_s(8192)
+
+
+def test_cost_decode_grows_with_the_context_the_replica_is_decoding():
+    light = price(C, (0, 10_000, 4, 4, 10_000), 1000, 0, 200, BS)
+    heavy = price(C, (0, 400_000, 4, 4, 10_000), 1000, 0, 200, BS)
+    # memory-bound: half the extra context (the decoders are halfway through) read per step
+    extra = 200 * 0.5 * 390_000 * C.kv_read_s_per_token
+    assert heavy.decode - light.decode == pytest.approx(extra)
+    assert (heavy.wait, heavy.prefill, heavy.capacity) == (light.wait, light.prefill, 0.0)
+
+
+def test_cost_capacity_prices_preemption_only_when_free_blocks_run_short():
+    need = -(-(1000 + 200) // BS)
+    roomy = price(C, (0, 0, 0, 0, need), 1000, 0, 200, BS)
+    tight = price(C, (0, 0, 0, 0, need - 10), 1000, 0, 200, BS)
+    assert roomy.capacity == 0.0
+    assert tight.capacity == pytest.approx(2 * C.prefill_s(10 * BS))
+    # a hit needs fewer new blocks: the same replica has room for a request it holds
+    assert price(C, (0, 0, 0, 0, need - 10), 1000, 512, 200, BS).capacity == 0.0
+
+
+def test_a_slower_replica_is_priced_in_its_own_seconds():
+    """A mixed fleet needs no flag: a replica whose coefficients are 3x slower still gets
+    work from a burst of cold requests, but less than a third, since its queue drains 3x
+    slower and each request decodes 3x slower there."""
+    slow = msgspec.structs.replace(
+        C,
+        prefill_s_per_token=3 * C.prefill_s_per_token,
+        attention_s_per_pair=3 * C.attention_s_per_pair,
+        weights_read_s=3 * C.weights_read_s,
+        kv_read_s_per_token=3 * C.kv_read_s_per_token,
+    )
+    policy = KVPolicy(PrefixIndex(), seed=1)
+    policy.load.register("fast", C, 10_000)
+    policy.load.register("slow", slow, 10_000)
+    got = Counter(
+        policy.route(view(f"r{i}", [i] * 2048), ["fast", "slow"], 0.0).replica for i in range(80)
+    )
+    assert got["slow"] > 0 and got["fast"] >= 3 * got["slow"], got
+
+
+def test_reference_coefficients_are_the_h100_8b_profile():
+    """The router's fallback for a replica that reports none is the simulator's profile."""
+    from kvroute.replica.cost_model import H100_8B, CostModel
+
+    ref = CostModel(H100_8B).coefficients()
+    for field in ref.__struct_fields__:
+        if field != "source":
+            assert getattr(REFERENCE_COEFFICIENTS, field) == pytest.approx(getattr(ref, field))

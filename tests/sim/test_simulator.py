@@ -101,7 +101,9 @@ def test_same_seed_same_numbers():
 @pytest.mark.parametrize("blocks", [4000, 260])
 def test_fast_decode_path_is_exact(blocks):
     specs = make_workload("chat", 200, seed=4, speed=3.0)
-    cfg = SimConfig(replicas=2, block_size=64, blocks_per_replica=blocks)
+    # No load reports: a run of decode steps advanced as one event reports once at its end,
+    # not after each step, so the policy would see other figures; the decode math is exact.
+    cfg = SimConfig(replicas=2, block_size=64, blocks_per_replica=blocks, report_interval_s=1e9)
     fast = fleet(specs, "kv", cfg)
     cfg.fast_decode = False
     slow = fleet(specs, "kv", cfg)
@@ -151,3 +153,23 @@ def test_trace_specs_replay_the_trace_tokens():
         toks = array("I")
         toks.frombytes(src.prompt_bytes(spec))
         assert toks.tolist() == prompt_tokens(req, src.vocab_size)
+
+
+def test_simulated_replicas_report_load_through_the_routers_load_tracker():
+    """The policy reads simulated replicas the way the front door reads live ones: their
+    coefficients registered from their info, their LoadReports fed to LoadTracker.report."""
+    from kvroute.events.load import LoadReport
+
+    specs = make_workload("rag", 120, seed=3, speed=4.0)
+    cfg = SimConfig(replicas=3, block_size=64, blocks_per_replica=3000)
+    src = TokenSource()
+    f = Fleet(specs, "kv", cfg, src, router_hashes(specs, cfg, src))
+    seen: list[tuple[str, LoadReport]] = []
+    report = f.policy.load.report
+    f.policy.load.report = lambda r, rep, now: (seen.append((r, rep)), report(r, rep, now))[1]
+    f.run()
+    assert {r for r, _ in seen} == {rep.id for rep in f.reps}
+    assert all(isinstance(rep, LoadReport) and rep.total_blocks == 3000 for _, rep in seen)
+    assert any(rep.num_decoding and rep.decode_context_tokens for _, rep in seen)
+    assert any(rep.queued_prefill_tokens for _, rep in seen)
+    assert f.policy.load.coefficients("replica-0") == f.cm.coefficients()

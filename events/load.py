@@ -1,0 +1,86 @@
+"""What a replica tells routers about its speed and its load, so they can price it in seconds.
+
+Why the replica says it, and not a router flag: each replica knows its own hardware and
+model. A router that prices every replica with that replica's own coefficients places work
+correctly on a mixed fleet (an H100 beside an A100, an 8B model beside a 70B) with no flag.
+
+The step-time model behind :class:`CostCoefficients` is a roofline: one engine step runs a
+batch of prefill chunks and decode tokens together and takes ::
+
+    t = step_overhead_s + max(compute, memory)
+    compute = prefill_s_per_token * (tokens in the step) + attention_s_per_pair * (pairs)
+    memory  = weights_read_s + kv_read_s_per_token * (KV tokens read)
+
+so a long prefill is compute-bound (and quadratic through attention pairs), and a decode
+step is memory-bound: its time grows with the total context of the batch it reads.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class CostCoefficients(msgspec.Struct, frozen=True, kw_only=True):
+    """One replica's step-time model, in its own seconds (see the module docstring)."""
+
+    prefill_s_per_token: float  # dense GEMMs per token (2 x params / effective FLOP/s)
+    attention_s_per_pair: float  # QK^T + AV per (query, key) pair, all layers
+    step_overhead_s: float  # scheduling, sampling, launch: per step, whatever it holds
+    weights_read_s: float  # reading every weight once: the floor of a decode step
+    kv_read_s_per_token: float  # reading one token's K and V, all layers
+    kv_capacity_tokens: int  # KV cache size
+    max_batched_tokens: int  # token budget per step (chunked prefill)
+    max_num_seqs: int
+    source: str = "profile"  # "profile:<name>" or "measured"
+
+    def prefill_s(self, num_new: int, num_cached: int = 0) -> float:
+        """Seconds to prefill ``num_new`` tokens on top of ``num_cached`` cached ones."""
+        if num_new <= 0:
+            return 0.0
+        pairs = num_new * num_cached + num_new * (num_new + 1) / 2
+        steps = -(-num_new // self.max_batched_tokens)
+        return (
+            steps * self.step_overhead_s
+            + num_new * self.prefill_s_per_token
+            + pairs * self.attention_s_per_pair
+        )
+
+    def decode_step_s(self, num_seqs: int, context_tokens: float) -> float:
+        """One decode step of ``num_seqs`` sequences holding ``context_tokens`` KV tokens."""
+        compute = num_seqs * self.prefill_s_per_token + context_tokens * self.attention_s_per_pair
+        memory = self.weights_read_s + context_tokens * self.kv_read_s_per_token
+        return self.step_overhead_s + max(compute, memory)
+
+
+class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
+    """A replica's load at one instant, as its scheduler sees it.
+
+    ``queued_prefill_tokens`` counts prompt tokens not yet computed (waiting requests before
+    their prefix lookup, and the unfinished part of running prefills); decode figures cover
+    running requests past their prompt. Free blocks include cached blocks no request holds
+    (they are evictable); a shortage of them means preemption.
+    """
+
+    num_waiting: int
+    num_running: int
+    num_decoding: int
+    queued_prefill_tokens: int
+    decode_context_tokens: int
+    free_blocks: int
+    total_blocks: int
+
+
+# For a replica that reports no coefficients (an older kvroute, a vLLM engine): an 8B model
+# in bf16 on one H100 SXM, the figures of kvroute.replica.cost_model's ``h100-8b`` profile
+# (a test keeps the two equal). Only ratios between replicas matter for a uniform fleet.
+REFERENCE_COEFFICIENTS = CostCoefficients(
+    prefill_s_per_token=2 * 8.03e9 / (0.45 * 989e12),
+    attention_s_per_pair=4 * 32 * 32 * 128 / (0.45 * 989e12),
+    step_overhead_s=1.5e-3,
+    weights_read_s=16.06e9 / (0.75 * 3.35e12),
+    kv_read_s_per_token=131_072 / (0.75 * 3.35e12),
+    kv_capacity_tokens=434_176,
+    max_batched_tokens=8192,
+    max_num_seqs=256,
+    source="reference:h100-8b",
+)
