@@ -1,0 +1,236 @@
+"""The front door's edge: strict validation from the engine's own bounds, unsupported OpenAI
+parameters refused by name, authentication before the body, error bodies without internals,
+request ids, and a body cap that keeps large bodies off the event loop.
+
+Why over real HTTP with a real replica: every case below was, on an earlier main, a 200 that
+ignored a field, a 500, a 400 whose text was a Ray traceback, or a replica killed by one
+request -- failures that live between the parser, the handlers, Ray and the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import ray
+
+from kvroute.events.replica_api import SEED_MAX, SEED_MIN
+from kvroute.replica.actor import start_replica
+
+from .fleet import MODEL, Served, serve
+
+CONFIG = {"model": MODEL, "block_size": 16, "num_blocks": 64}
+AUTH = {"Authorization": "Bearer key-a", "content-type": "application/json"}
+BODY_CAP = 1 << 20
+C, H = "/v1/completions", "/v1/chat/completions"
+LEAKS = ("Traceback", "ray::", "\x1b", "pid=", 'File "', "127.0.0.1", "Actor", "RayTaskError")
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[Served]:
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
+    try:
+        actors = [start_replica("e0", CONFIG, num_cpus=0.5, torch_threads=1)]
+        with serve(actors, max_body_bytes=BODY_CAP) as s:
+            yield s
+    finally:
+        ray.shutdown()
+
+
+def post(served: Served, path: str, body: Any, headers: dict[str, str] = AUTH) -> httpx.Response:
+    """JSON as the SDKs send it (ASCII escapes: a lone surrogate arrives as ``\\ud800``)."""
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(served.url + path, content=content, headers=headers, timeout=60)
+
+
+def assert_clean_error(r: httpx.Response, status: int) -> dict[str, Any]:
+    """The status, the OpenAI shape, one line, the request id, and nothing of the insides."""
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert {"message", "type", "param", "code", "request_id"} <= set(err)
+    assert err["request_id"] == r.headers["x-request-id"]
+    assert err["message"] and "\n" not in err["message"] and len(err["message"]) <= 300
+    for leak in LEAKS:
+        assert leak not in r.text, (leak, r.text)
+    return err
+
+
+def completion(**kw: Any) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": "x", "max_tokens": 1, **kw}
+
+
+def chat(content: Any = "hi", **kw: Any) -> dict[str, Any]:
+    messages = [{"role": "user", "content": content}]
+    return {"model": MODEL, "max_tokens": 1, "messages": messages, **kw}
+
+
+BAD: list[tuple[str, str, dict[str, Any], str | None]] = [
+    # Once a 400 whose message was a Ray traceback.
+    ("empty-stop", C, completion(stop=""), "stop"),
+    ("empty-stop-in-list", C, completion(stop=["a", ""]), "stop.1"),
+    ("token-past-uint32", C, completion(prompt=[1_000_000_000_000]), "prompt.0"),
+    ("token-negative", C, completion(prompt=[-5]), "prompt.0"),
+    ("token-past-vocab", C, completion(prompt=[3, 300]), "prompt"),
+    # Once 500s.
+    ("long-prompt-negative-id", C, completion(prompt=[-1] + [0] * 20), "prompt.0"),
+    ("surrogate-prompt", C, completion(prompt="\ud800"), None),
+    ("surrogate-chat", H, chat("a \udc00 b"), None),
+    ("text-part-not-string", H, chat([{"type": "text", "text": 1}]), "messages.0.content.0.text"),
+    ("surrogate-model", C, completion(model="\ud800"), None),
+    # The query of death: past int64, which torch's generator cannot take.
+    ("seed-2**70", C, completion(seed=2**70, temperature=0.5), "seed"),
+    ("seed-below-int64", C, completion(seed=SEED_MIN - 1, temperature=0.5), "seed"),
+    # Strict types, as OpenAI's.
+    ("stream-string", C, completion(stream="yes"), "stream"),
+    ("max-tokens-string", C, completion(max_tokens="5"), "max_tokens"),
+    ("max-tokens-bool", C, completion(max_tokens=True), "max_tokens"),
+    ("token-ids-strings", C, completion(prompt=["1", "2"]), "prompt.0"),
+    ("ignore-eos-string", C, completion(ignore_eos="yes"), "ignore_eos"),
+    ("temperature-string", C, completion(temperature="1"), "temperature"),
+    ("temperature-range", C, completion(temperature=2.5), "temperature"),
+    ("top-p-zero", C, completion(top_p=0), "top_p"),
+    ("max-tokens-past-context", C, completion(max_tokens=10**6), "max_tokens"),
+    ("no-messages", H, chat() | {"messages": []}, "messages"),
+    ("bad-role", H, chat() | {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [c[1:] for c in BAD], ids=[c[0] for c in BAD])
+def test_invalid_requests_are_clean_400s(
+    served: Served, path: str, body: dict[str, Any], param: str | None
+) -> None:
+    err = assert_clean_error(post(served, path, body), 400)
+    assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param, err
+
+
+UNSUPPORTED: list[tuple[str, dict[str, Any], str]] = [
+    (H, chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    (H, chat(tool_choice="auto"), "tool_choice"),
+    (C, completion(logit_bias={"5": 10}), "logit_bias"),
+    (H, chat(response_format={"type": "json_object"}), "response_format"),
+    (H, chat(n=2), "n"),
+    (C, completion(best_of=2), "best_of"),
+    (C, completion(echo=True), "echo"),
+    (C, completion(suffix="tail"), "suffix"),
+    (C, completion(logprobs=0), "logprobs"),
+    (H, chat(logprobs=True), "logprobs"),
+    (H, chat(top_logprobs=2), "top_logprobs"),
+    (C, completion(presence_penalty=0.5), "presence_penalty"),
+    (H, chat(frequency_penalty=1), "frequency_penalty"),
+    (H, chat([{"type": "image_url", "image_url": {"url": "http://x"}}]), "messages.0.content.0"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), UNSUPPORTED, ids=[u[2] for u in UNSUPPORTED])
+def test_unsupported_parameters_are_refused_by_name(
+    served: Served, path: str, body: dict[str, Any], param: str
+) -> None:
+    err = assert_clean_error(post(served, path, body), 400)
+    assert (err["param"], err["code"]) == (param, "unsupported_parameter")
+    assert param.split(".")[0] in err["message"] or "Content parts" in err["message"]
+
+
+def test_neutral_values_and_bounds_are_served(served: Served) -> None:
+    """What asks for nothing unsupported is accepted; the bounds' own edges sample."""
+    neutral = completion(n=1, tools=[], echo=False, logprobs=None, temperature=1, top_p=1)
+    assert post(served, C, neutral).status_code == 200
+    ok = post(served, H, chat(logprobs=False, tool_choice="none", top_logprobs=0))
+    assert ok.status_code == 200, ok.text
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="key-a", max_retries=0)
+    for seed in (SEED_MIN, SEED_MAX):
+        out = client.completions.create(
+            model=MODEL, prompt="seeded", max_tokens=3, temperature=0.9, seed=seed
+        )
+        assert out.choices[0].finish_reason in ("length", "stop")
+    parts = [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]
+    assert post(served, H, chat(parts)).status_code == 200
+    assert post(served, C, completion(prompt=[1, 2, 260])).status_code == 200  # vocab's last
+
+
+def test_authentication_comes_before_the_body(served: Served) -> None:
+    headers = {"content-type": "application/json"}
+    for body in (b"{not json", b"", b"[]", json.dumps({"model": 5}).encode()):
+        assert_clean_error(post(served, C, body, headers), 401)
+        assert_clean_error(post(served, C, body, {**headers, "Authorization": "Bearer no"}), 401)
+        assert_clean_error(post(served, C, body), 400)  # with a key: now the body counts
+    # A body past the cap, without a key: 401 all the same, before it is read.
+    big = b"x" * (2 * BODY_CAP)
+    assert_clean_error(post(served, C, big, headers), 401)
+
+
+def test_every_response_carries_a_request_id(served: Served) -> None:
+    ids = [
+        httpx.get(served.url + "/health").headers["x-request-id"],
+        httpx.get(served.url + "/metrics").headers["x-request-id"],
+        httpx.get(served.url + "/v1/models", headers=AUTH).headers["x-request-id"],
+        httpx.get(served.url + "/v1/nope", headers=AUTH).headers["x-request-id"],
+        post(served, C, completion()).headers["x-request-id"],
+    ]
+    with httpx.stream(
+        "POST", served.url + C, content=json.dumps(completion(stream=True)), headers=AUTH
+    ) as r:
+        ids.append(r.headers["x-request-id"])
+        assert r.read().decode().rstrip().endswith("data: [DONE]")
+    assert all(re.fullmatch(r"req-[0-9a-f]{32}", i) for i in ids) and len(set(ids)) == len(ids)
+
+
+def health_latencies(served: Served, stop: threading.Event, out: list[float]) -> None:
+    with httpx.Client() as c:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            assert c.get(served.url + "/health").status_code == 200
+            out.append(time.perf_counter() - t0)
+            time.sleep(0.01)
+
+
+def test_large_bodies_never_stall_the_event_loop(served: Served) -> None:
+    """A 10 MB body is refused (413) before it is read; one under the cap is parsed off the
+    loop and refused by a cheap length bound before any tokenization. Meanwhile /health
+    answers as fast as it does idle (within 100 ms of its idle worst case)."""
+    idle: list[float] = []
+    stop = threading.Event()
+    probe = threading.Thread(target=health_latencies, args=(served, stop, idle))
+    probe.start()
+    time.sleep(1.0)
+    stop.set()
+    probe.join()
+
+    busy: list[float] = []
+    stop = threading.Event()
+    probe = threading.Thread(target=health_latencies, args=(served, stop, busy))
+    probe.start()
+    try:
+        t0 = time.perf_counter()
+        huge = json.dumps(completion(prompt="x" * (10 << 20))).encode()
+        err = assert_clean_error(post(served, C, huge), 413)
+        assert err["code"] == "body_too_large"
+
+        def chunks() -> Iterator[bytes]:  # no content-length: counted as it arrives
+            yield huge[: 1 << 20]
+            yield huge[1 << 20 :]
+
+        chunked = httpx.post(served.url + C, content=chunks(), headers=AUTH, timeout=60)
+        assert_clean_error(chunked, 413)
+        near_cap = json.dumps(completion(prompt="y" * (BODY_CAP - 1000))).encode()
+        err = assert_clean_error(post(served, C, near_cap), 400)
+        assert err["code"] == "context_length_exceeded"
+        many = [{"role": "user", "content": "z" * 100_000}] * 9
+        err = assert_clean_error(post(served, H, chat() | {"messages": many}), 400)
+        assert err["code"] == "context_length_exceeded"
+        elapsed = time.perf_counter() - t0
+        time.sleep(0.3)
+    finally:
+        stop.set()
+        probe.join()
+    assert elapsed < 10, elapsed
+    assert len(busy) >= 10
+    assert max(busy) < max(idle) + 0.1, (max(busy), max(idle))
