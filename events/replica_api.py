@@ -22,6 +22,7 @@ import msgspec
 import ray
 
 from .hashing import HashConfig
+from .load import CostCoefficients
 
 # -- request bounds: one definition, checked by the front door (a 400 naming the field) and
 # again by the engine (the last line of defence: a value past these bounds must never reach
@@ -161,6 +162,7 @@ class ReplicaInfo(msgspec.Struct, kw_only=True, frozen=True):
     incarnation: str
     restarted: bool  # Ray reconstructed this actor (max_restarts)
     vocab_size: int | None = None  # prompt token ids must be below it (None: not reported)
+    cost: CostCoefficients | None = None  # its step-time model: routers price it in it
 
     @property
     def hash_config(self) -> HashConfig:

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import ray
 
+from kvroute.events.load import CostCoefficients, LoadReport
 from kvroute.events.replica_api import (
     GenerateDelta,
     GenerateRequest,
@@ -131,6 +132,7 @@ class ReplicaServer:
             incarnation=uuid.uuid4().hex,
             restarted=self._in_actor and _was_reconstructed(),
             vocab_size=eng.vocab_size,
+            cost=_cost_coefficients(config, eng),
         )
         self._streams = 0  # generate() calls in flight (the watchdog waits for them)
         threading.Thread(target=self._watch, name="kvroute-replica-watchdog", daemon=True).start()
@@ -192,6 +194,10 @@ class ReplicaServer:
             events_last_seq=pub.last_seq,
         )
         return s
+
+    async def load(self) -> LoadReport:
+        """The scheduler's load now (routers poll it every few hundred ms)."""
+        return await self._on_engine(lambda e: e.scheduler.load_report())
 
     async def reset_prefix_cache(self) -> bool:
         """False when blocks are in use (nothing is reset then); True after AllBlocksCleared."""
@@ -309,6 +315,27 @@ def delta_from_output(out: RequestOutput) -> GenerateDelta:
         logprobs=logprobs,
         error=comp.error,
     )
+
+
+def _cost_coefficients(config: EngineConfig, eng: Any) -> CostCoefficients:
+    """The replica's step-time model from its own model and device (see cost_model)."""
+    import torch
+
+    from .cost_model import CostModel, profile_for_model
+
+    runner = eng.runner
+    device = torch.cuda.get_device_name() if runner.device.type == "cuda" else None
+    profile = profile_for_model(
+        name=f"{config.model}@{device or 'cpu'}",
+        config=runner.model.config,
+        num_params=sum(p.numel() for p in runner.model.parameters()),
+        dtype_bytes=torch.finfo(runner.dtype).bits // 8,
+        kv_tokens=runner.num_blocks * runner.block_size,
+        max_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs,
+        device_name=device,
+    )
+    return CostModel(profile).coefficients()
 
 
 def _was_reconstructed() -> bool:

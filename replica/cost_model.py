@@ -125,3 +125,83 @@ class CostModel:
         nbytes = p.weight_bytes + self._kvb * (pos + batch)
         t = p.overhead_s + np.maximum(flops / p.peak_flops, nbytes / p.mem_bw)
         return np.cumsum(t)
+
+
+# Dense bf16 FLOP/s and memory bytes/s from the vendors' datasheets (SXM / PCIe as named).
+DEVICE_PEAKS: dict[str, tuple[float, float]] = {
+    "H200": (989e12, 4.8e12),
+    "H100": (989e12, 3.35e12),
+    "A100": (312e12, 2.0e12),
+    "L40S": (362e12, 0.864e12),
+    "A10G": (125e12, 0.6e12),
+    "L4": (121e12, 0.3e12),
+}
+PREFILL_EFFICIENCY, DECODE_EFFICIENCY = 0.45, 0.75  # as in h100-8b (see the docstring)
+
+
+def measure_device_peaks(seconds: float = 0.2) -> tuple[float, float]:
+    """(FLOP/s, bytes/s) this process gets from its device, by a short timed matmul and
+    copy: for CPUs and GPUs missing from :data:`DEVICE_PEAKS`. Already effective figures."""
+    import time
+
+    import torch
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    a = torch.randn(512, 1024, device=dev)
+    b = torch.randn(1024, 1024, device=dev)
+    src = torch.empty(8 << 20, dtype=torch.uint8, device=dev)  # 8 MiB
+    dst = torch.empty_like(src)
+
+    def rate(fn, work: float) -> float:
+        fn()
+        n, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds / 2:
+            fn()
+            n += 1
+        if dev == "cuda":
+            torch.cuda.synchronize()
+        return work * n / (time.perf_counter() - start)
+
+    return rate(lambda: a @ b, 2.0 * 512 * 1024 * 1024), rate(
+        lambda: dst.copy_(src), 2.0 * src.numel()
+    )
+
+
+def profile_for_model(
+    name: str,
+    config: object,
+    num_params: int,
+    dtype_bytes: int,
+    kv_tokens: int,
+    max_batched_tokens: int,
+    max_num_seqs: int,
+    device_name: str | None = None,
+    overhead_s: float = 1.5e-3,
+) -> Profile:
+    """A replica's profile from its own model config (a transformers ``PretrainedConfig``)
+    and device: datasheet peaks times the efficiencies above for a known GPU, else a short
+    measurement of this device."""
+    layers = int(config.num_hidden_layers)  # type: ignore[attr-defined]
+    heads = int(config.num_attention_heads)  # type: ignore[attr-defined]
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)  # type: ignore[attr-defined]
+    known = next((v for k, v in DEVICE_PEAKS.items() if device_name and k in device_name), None)
+    if known is not None:
+        flops, bw = known[0] * PREFILL_EFFICIENCY, known[1] * DECODE_EFFICIENCY
+    else:
+        flops, bw = measure_device_peaks()
+    return Profile(
+        name=name,
+        params=float(num_params),
+        layers=layers,
+        heads=heads,
+        head_dim=head_dim,
+        kv_bytes_per_token=2 * layers * kv_heads * head_dim * dtype_bytes,
+        weight_bytes=float(num_params * dtype_bytes),
+        peak_flops=flops,
+        mem_bw=bw,
+        overhead_s=overhead_s,
+        kv_tokens=kv_tokens,
+        max_batched_tokens=max_batched_tokens,
+        max_num_seqs=max_num_seqs,
+    )

@@ -27,6 +27,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from kvroute.events.load import LoadReport
+
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
 
@@ -316,6 +318,29 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    def load_report(self) -> LoadReport:
+        """Load as routers price it: prefill still to compute (waiting requests net of what
+        their prefix lookup would hit now), decode context, free blocks."""
+        kv = self.kv_cache_manager
+        queued = sum(r.num_tokens - kv.peek_cached_tokens(r) for r in self.waiting)
+        decoding = context = 0
+        for r in self.running:
+            pending = r.num_tokens - r.num_computed_tokens
+            if pending <= 1 and r.num_output_tokens:
+                decoding += 1
+                context += r.num_tokens
+            else:
+                queued += pending
+        return LoadReport(
+            num_waiting=len(self.waiting),
+            num_running=len(self.running),
+            num_decoding=decoding,
+            queued_prefill_tokens=queued,
+            decode_context_tokens=context,
+            free_blocks=kv.get_num_free_blocks(),
+            total_blocks=kv.block_pool.num_blocks,
+        )
 
     def stats(self) -> dict[str, int | float]:
         """Load as a router sees it. Prefill tokens are counted before any prefix hit:

@@ -115,17 +115,25 @@ class Stream:
         self.door, self.request_id, self.replica = door, request_id, replica
         self.fingerprint = fingerprint
         self._first: GenerateDelta | None = first
+        self.num_output_tokens = 0  # as the replica counts them (cumulative)
         self._rest = rest
         self._done = False
+
+    @property
+    def first(self) -> GenerateDelta | None:
+        """The first delta, until iteration hands it out."""
+        return self._first
 
     async def __aiter__(self) -> AsyncIterator[GenerateDelta]:
         try:
             if self._first is not None:
                 first, self._first = self._first, None
+                self.num_output_tokens = first.num_output_tokens
                 yield first
                 if first.finished:
                     return
             async for delta in self._rest:
+                self.num_output_tokens = delta.num_output_tokens
                 yield delta
                 if delta.finished:
                     return
@@ -145,7 +153,7 @@ class Stream:
         self._done = True
         with contextlib.suppress(Exception):
             await self._rest.aclose()  # type: ignore[attr-defined]
-        self.door.policy.on_finished(self.request_id, time.monotonic())
+        self.door.policy.on_finished(self.request_id, time.monotonic(), self.num_output_tokens)
 
 
 class FrontDoor:
@@ -158,6 +166,7 @@ class FrontDoor:
         policy: str = "kv",
         tokenizer: Any = None,
         monitor_interval_s: float = 2.0,
+        load_interval_s: float = 0.2,
         max_in_flight: int | None = None,
     ) -> None:
         """``max_in_flight``: requests this router admits at once (None: no limit); one
@@ -181,6 +190,7 @@ class FrontDoor:
         self.counters: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.monitor_interval_s = monitor_interval_s
+        self.load_interval_s = load_interval_s
         self.max_in_flight = max_in_flight
         self.cordoned: set[str] = set()
         self.quarantine_s = QUARANTINE_S
@@ -226,6 +236,8 @@ class FrontDoor:
         if old is not None:
             self._forget(rid)
         self.replicas[rid] = Replica(info, actor)
+        if info.cost is not None:  # priced in its own seconds; else the policy's reference
+            self.load.register(rid, info.cost, info.num_blocks)
         self.subscriber.add_publisher(rid, info.events_endpoint, info.replay_endpoint, info.topic)
         log.info("replica %s (incarnation %s) added", rid, info.incarnation[:8])
 
@@ -268,9 +280,28 @@ class FrontDoor:
         self.subscriber.close()
 
     async def _watch(self) -> None:
+        """Every ``load_interval_s``: each live replica's :class:`LoadReport` into the load
+        view (the path the simulator's reports take too); every ``monitor_interval_s``:
+        restarts and recoveries."""
+        last_poll = time.monotonic()
         while True:
-            await asyncio.sleep(self.monitor_interval_s)
-            await asyncio.gather(*(self._poll(rid) for rid in list(self.replicas)))
+            await asyncio.sleep(min(self.load_interval_s, self.monitor_interval_s))
+            await asyncio.gather(*(self._load_report(rid) for rid in self.alive()))
+            if time.monotonic() - last_poll >= self.monitor_interval_s:
+                last_poll = time.monotonic()
+                await asyncio.gather(*(self._poll(rid) for rid in list(self.replicas)))
+
+    async def _load_report(self, rid: str) -> None:
+        rep = self.replicas.get(rid)
+        if rep is None:
+            return
+        try:
+            report = await asyncio.wait_for(rep.actor.load.remote(), self.monitor_interval_s)
+        except Exception:  # a failing replica is the monitor's business, not the load view's
+            self.errors["load_report_failed"] += 1
+            return
+        if rep.alive and self.replicas.get(rid) is rep:
+            self.load.report(rid, report, time.monotonic())
 
     async def _poll(self, rid: str) -> None:
         rep = self.replicas[rid]
@@ -333,6 +364,7 @@ class FrontDoor:
             block_hashes=self.block_hashes(prompt_token_ids, salt),
             block_size=self.hasher.block_size,
             token_ids=prompt_token_ids,
+            max_tokens=sampling.max_tokens,
         )
         tried: set[str] = set()
         self.counters["requests"] += 1

@@ -322,3 +322,33 @@ def test_replica_failure_mid_stream_ends_the_stream_with_an_error(fleet: dict[st
     error = json.loads(events[-2].removeprefix("data: "))
     assert error["error"]["type"] == "service_unavailable", error
     assert rid not in fleet["door"].alive()
+
+
+def test_live_replicas_report_coefficients_and_load_through_the_load_tracker(
+    fleet: dict[str, Any],
+) -> None:
+    """The front door prices live replicas as the simulator prices simulated ones: each
+    replica's info carries its own CostCoefficients, and its LoadReports reach the policy
+    through LoadTracker.report while a request runs there."""
+    door = fleet["door"]
+    for rid in ("r0", "r1"):
+        c = door.load.coefficients(rid)
+        assert c is not None and c.source.startswith("profile:tiny@")
+        assert c.prefill_s_per_token > 0 and c.kv_read_s_per_token > 0
+    seen: list[tuple[str, Any]] = []
+    report = door.load.report
+    door.load.report = lambda rid, rep, now: (seen.append((rid, rep)), report(rid, rep, now))[1]
+    try:
+        raw = client(fleet).with_raw_response.completions.create(
+            model="tiny", prompt="load " * 40, max_tokens=120, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        rid = raw.headers["x-kvroute-replica"]
+        for i, _ in enumerate(raw.parse()):
+            if i == 5:
+                wait_for(lambda: any(r == rid and rep.num_running for r, rep in seen), 10,
+                         "a load report showing the running request")  # fmt: skip
+    finally:
+        door.load.report = report
+    busy = [rep for r, rep in seen if r == rid and rep.num_running]
+    assert busy and busy[-1].total_blocks == door.replicas[rid].info.num_blocks
