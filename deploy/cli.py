@@ -7,6 +7,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from typing import Any
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -82,9 +83,47 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     sim.add_argument("--event-loss", type=float, default=0.0, help="fraction of batches lost")
     sim.add_argument("--kv-ttl", type=float, default=None, help="prediction TTL (s)")
     sim.add_argument("--no-bounds", action="store_true", help="skip ceiling and pooled bound")
+    sim.add_argument(
+        "--sweep-speed",
+        default=None,
+        metavar="S1,S2,...",
+        help="goodput: run every policy at each speed and report the highest rate meeting "
+        "the SLO (--slo-ttft, --slo-itl)",
+    )
+    sim.add_argument("--slo-ttft", type=float, default=2.0, help="SLO: TTFT p90 (s)")
+    sim.add_argument("--slo-itl", type=float, default=0.1, help="SLO: inter-token p90 (s)")
     sim.add_argument("--json", action="store_true", help="print one JSON object")
     sim.add_argument("--plot", default=None, metavar="FILE.png", help="needs matplotlib")
     sim.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+
+
+def _sweep(args: argparse.Namespace, policies: list[str], cfg: Any, progress: Any) -> int:
+    import json
+
+    from kvroute.sim.report import format_sweep, plot_sweep, sweep
+    from kvroute.sim.traces import load_mooncake, specs_from_trace
+    from kvroute.sim.workloads import make_workload
+
+    try:
+        speeds = [float(s) for s in args.sweep_speed.split(",") if s.strip()]
+        if not speeds or min(speeds) <= 0:
+            raise ValueError("--sweep-speed needs speeds > 0")
+        trace = load_mooncake(args.trace, args.limit) if args.trace else None
+    except (OSError, ValueError) as e:
+        print(f"kvroute simulate: {e}", file=sys.stderr)
+        return 2
+
+    def specs(speed: float) -> list[Any]:
+        if trace is not None:
+            return specs_from_trace(trace, speed)
+        return make_workload(args.workload, args.limit or 4000, args.seed, speed)
+
+    result = sweep(specs, speeds, policies, cfg, args.slo_ttft, args.slo_itl, progress)
+    if args.plot:
+        src = args.trace.rsplit("/", 1)[-1] if args.trace else args.workload
+        plot_sweep(result, args.plot, f"{src}, {args.replicas} replicas: latency vs rate")
+    print(json.dumps(result, indent=1) if args.json else format_sweep(result))
+    return 0
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -120,13 +159,7 @@ def _simulate(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         print(f"kvroute simulate: {e}", file=sys.stderr)
         return 2
-    kv_params = {
-        k: v
-        for k, v in (
-            ("prediction_ttl_s", args.kv_ttl),
-        )
-        if v is not None
-    }
+    kv_params = {k: v for k, v in (("prediction_ttl_s", args.kv_ttl),) if v is not None}
     cfg = SimConfig(
         replicas=args.replicas,
         blocks_per_replica=args.blocks_per_replica,
@@ -138,6 +171,8 @@ def _simulate(args: argparse.Namespace) -> int:
         kv_params=kv_params,
     )
     show = args.progress if args.progress is not None else sys.stderr.isatty()
+    if args.sweep_speed:
+        return _sweep(args, policies, cfg, stderr_progress if show else None)
     result = simulate(
         specs, policies, cfg, stderr_progress if show else None, with_bounds=not args.no_bounds
     )

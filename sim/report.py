@@ -264,3 +264,89 @@ def stderr_progress(name: str, done: int, total: int) -> None:
     if done == total:
         sys.stderr.write("\n")
     sys.stderr.flush()
+
+
+# -- goodput: the highest arrival rate each policy serves within an SLO ---------------------
+SLO_TTFT_P90_S = 2.0  # defaults for h100-8b, as llm-d and Dynamo report goodput
+SLO_ITL_P90_S = 0.1
+
+
+def sweep(
+    make_specs: Callable[[float], Sequence[RequestSpec]],
+    speeds: Sequence[float],
+    policies: Sequence[str],
+    cfg: SimConfig,
+    slo_ttft_s: float = SLO_TTFT_P90_S,
+    slo_itl_s: float = SLO_ITL_P90_S,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Each policy at each arrival-rate multiplier; per policy, the highest rate (requests/s)
+    whose TTFT p90 and inter-token p90 both meet the SLO."""
+    rows: list[dict[str, Any]] = []
+    for speed in sorted(speeds):
+        specs = make_specs(speed)
+        rate = len(specs) / max(specs[-1].arrival_s - specs[0].arrival_s, 1e-9)
+        result = simulate(specs, policies, cfg, progress, with_bounds=False)
+        for name, m in result["policies"].items():
+            ok = m["ttft_s"]["p90"] <= slo_ttft_s and m["itl_s"]["p90"] <= slo_itl_s
+            rows.append({
+                "policy": name, "speed": speed, "rate_rps": rate, "hit_rate": m["hit_rate"],
+                "ttft_p90_s": m["ttft_s"]["p90"], "e2e_p90_s": m["e2e_s"]["p90"],
+                "itl_p90_s": m["itl_s"]["p90"], "preemptions": m["preemptions"],
+                "meets_slo": ok,
+            })  # fmt: skip
+    goodput = {
+        p: max((r["rate_rps"] for r in rows if r["policy"] == p and r["meets_slo"]), default=0.0)
+        for p in policies
+    }
+    return {"slo": {"ttft_p90_s": slo_ttft_s, "itl_p90_s": slo_itl_s}, "rows": rows,
+            "goodput_rps": goodput}  # fmt: skip
+
+
+def format_sweep(result: dict[str, Any]) -> str:
+    slo = result["slo"]
+    head = (
+        f"{'policy':<13}{'speed':>6}{'req/s':>8}{'hit':>7}{'TTFT p90':>9}{'e2e p90':>9}"
+        f"{'ITL p90':>9}{'preempt':>8}  SLO"
+    )
+    lines = [head, "-" * len(head)]
+    for r in sorted(result["rows"], key=lambda r: (r["policy"], r["speed"])):
+        lines.append(
+            f"{r['policy']:<13}{r['speed']:>6g}{r['rate_rps']:>8.2f}{r['hit_rate']:>7.3f}"
+            f"{r['ttft_p90_s']:>9.2f}{r['e2e_p90_s']:>9.2f}{r['itl_p90_s'] * 1e3:>7.0f}ms"
+            f"{r['preemptions']:>8}  {'ok' if r['meets_slo'] else 'missed'}"
+        )
+    lines.append(
+        f"goodput (highest rate with TTFT p90 <= {slo['ttft_p90_s']:g} s and inter-token p90 "
+        f"<= {slo['itl_p90_s'] * 1e3:g} ms):"
+    )
+    for p, g in result["goodput_rps"].items():
+        lines.append(f"  {p:<13}{g:.2f} req/s")
+    return "\n".join(lines)
+
+
+def plot_sweep(result: dict[str, Any], path: str, title: str = "") -> None:
+    """TTFT p90 and inter-token p90 against arrival rate, per policy, with the SLO lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for key, ax, slo, label in (
+        ("ttft_p90_s", axes[0], result["slo"]["ttft_p90_s"], "TTFT p90 (s, log)"),
+        ("itl_p90_s", axes[1], result["slo"]["itl_p90_s"], "inter-token p90 (s, log)"),
+    ):
+        for p in result["goodput_rps"]:
+            rows = sorted((r for r in result["rows"] if r["policy"] == p), key=lambda r: r["speed"])
+            ax.plot([r["rate_rps"] for r in rows], [r[key] for r in rows], marker="o", label=p)
+        ax.axhline(slo, color="k", ls="--", lw=1, label="SLO")
+        ax.set_yscale("log")
+        ax.set_xlabel("arrival rate (requests/s)")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -48,3 +48,25 @@ def test_simulate_trace_table(capsys):
 def test_simulate_rejects_unknown_policy(capsys):
     assert main(["simulate", "--workload", "chat", "--policy", "kv,nope"]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_simulate_sweep_reports_goodput_at_the_slo(capsys):
+    rc = main(
+        ["simulate", "--workload", "rag", "--limit", "150", "--replicas", "2",
+         "--policy", "kv,round_robin", "--sweep-speed", "1,50", "--slo-ttft", "1.0",
+         "--json", "--no-progress"]
+    )  # fmt: skip
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert {(r["policy"], r["speed"]) for r in out["rows"]} == {
+        (p, s) for p in ("kv", "round_robin") for s in (1.0, 50.0)
+    }
+    for row in out["rows"]:
+        meets = row["ttft_p90_s"] <= 1.0 and row["itl_p90_s"] <= 0.1
+        assert row["meets_slo"] == meets
+    slow = {r["policy"]: r for r in out["rows"] if r["speed"] == 1.0}
+    for p, g in out["goodput_rps"].items():
+        ok = [r["rate_rps"] for r in out["rows"] if r["policy"] == p and r["meets_slo"]]
+        assert g == max(ok, default=0.0)
+        assert slow[p]["meets_slo"]  # 150 requests at the base rate on 2 replicas: easy
+    assert main(["simulate", "--workload", "rag", "--sweep-speed", "0,1"]) == 2
