@@ -271,7 +271,11 @@ def create_app(
     ) -> Stream:
         rid = request_id(request)
         try:
-            return await door.open(tenant, ids, spec, salt, request_id=rid)
+            stream = await door.open(tenant, ids, spec, salt, request_id=rid)
+            if stream.first is not None and stream.first.finish_reason == "error":
+                await stream.aclose()  # failed before its first token: a status can say so
+                raise _request_failed(rid, stream.first)
+            return stream
         except InvalidRequestError as exc:
             raise APIError(400, one_line(str(exc)), "invalid_request_error") from None
         except QueryOfDeathError as exc:
