@@ -1,0 +1,44 @@
+"""Prometheus text for ``/metrics``, written by hand: a few series need no client library."""
+
+from __future__ import annotations
+
+from kvroute.events import ReplicaStats
+
+from .frontdoor import FrontDoor
+
+
+def render_metrics(door: FrontDoor, events: dict[str, ReplicaStats] | None = None) -> str:
+    """Prometheus text exposition, by hand (no client library needed for a few series)."""
+    c, lines = door.counters, []
+
+    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+        lines.extend([f"# HELP kvroute_{name} {help_}", f"# TYPE kvroute_{name} {kind}"])
+        lines.extend(f"kvroute_{name}{labels} {value:g}" for labels, value in samples)
+
+    metric("requests_total", "counter", "Requests routed.", [("", c["requests"])])
+    metric("retries_total", "counter", "Requests retried on another replica.",
+           [("", c["retries"])])  # fmt: skip
+    metric("prompt_tokens_total", "counter", "Prompt tokens served.", [("", c["prompt_tokens"])])
+    metric("completion_tokens_total", "counter", "Tokens generated.",
+           [("", c["completion_tokens"])])  # fmt: skip
+    metric("cached_tokens_total", "counter", "Prompt tokens served from a prefix cache.",
+           [("", c["cached_tokens"])])  # fmt: skip
+    metric("errors_total", "counter", "Errors by kind.",
+           [(f'{{kind="{k}"}}', v) for k, v in sorted(door.errors.items())])  # fmt: skip
+    reps = sorted(door.replicas.items())
+    metric("replica_up", "gauge", "1 while the replica is routable.",
+           [(f'{{replica="{r}"}}', float(x.alive)) for r, x in reps])  # fmt: skip
+    metric("replica_routed_total", "counter", "Requests served per replica.",
+           [(f'{{replica="{r}"}}', x.routed) for r, x in reps])  # fmt: skip
+    metric("index_blocks", "gauge", "Blocks the prefix index holds per replica.",
+           [(f'{{replica="{r}"}}', door.index.num_blocks(r)) for r, _ in reps])  # fmt: skip
+    ev = sorted((events or {}).items())
+    for field, help_ in (
+        ("delivered", "Event batches applied to the index."),
+        ("gaps", "Event seq gaps detected (recovered by replay or snapshot)."),
+        ("restarts", "Engine restarts seen on the event stream."),
+        ("resets", "Times a replica's indexed state was dropped and rebuilt."),
+    ):
+        metric(f"events_{field}_total", "counter", help_,
+               [(f'{{replica="{r}"}}', getattr(st, field)) for r, st in ev])  # fmt: skip
+    return "\n".join(lines) + "\n"
