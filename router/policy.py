@@ -264,9 +264,12 @@ class ApproxText(Policy):
     min), send to the least loaded; else if the best match covers more than the threshold of
     the prompt, send there; else send to the replica with the smallest tree.
 
-    The tree is over token chunks of ``chunk_tokens`` (chained, unsalted hashes: a text
-    tree sees no tenant salt); with the simulator's 512-token blocks this matches at the
-    trace's own granularity, where a character tree could resolve no finer sharing.
+    The tree is over token chunks of ``chunk_tokens`` (chained hashes); with the
+    simulator's 512-token blocks this matches at the trace's own granularity, where a
+    character tree could resolve no finer sharing. Its chains are salted with the request's
+    first fleet block hash, which carries the tenant's salt: one tenant's prompts never
+    match another's, so routing reveals nothing of where another tenant's text went (a
+    prompt with no full block is never recorded or matched).
     """
 
     name = "approx_text"
@@ -292,7 +295,10 @@ class ApproxText(Policy):
     def choose(self, req: RequestView, replicas: Sequence[str], now: float) -> Decision:
         if req.token_ids is None:
             raise ValueError("approx_text needs the request's token ids")
-        chunks = self.hasher.hash_blocks(req.token_ids)
+        # Block 0's fleet hash names the tenant salt (and the first tokens, which every
+        # chunk chain starts with anyway): a tree keyed by it is a tree per tenant.
+        salt = str(req.block_hashes[0]) if req.block_hashes else None
+        chunks = self.hasher.hash_blocks(req.token_ids, cache_salt=salt) if salt else []
         self._pending[req.request_id] = chunks
         counts = {r: float(self.load.get(r, now)[3]) for r in replicas}
         hi, lo = max(counts.values()), min(counts.values())

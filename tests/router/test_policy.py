@@ -155,8 +155,8 @@ def test_least_loaded_and_round_robin():
 def test_approx_text_follows_its_tree_until_imbalance_then_balances():
     policy = make_policy("approx_text", block_size=BS, seed=4)
     first = policy.route(view("a", prefix(1024)), REPLICAS, 0.0).replica
-    # 0.5 of the prompt matches (> 0.3): sticks to the same replica regardless of salt
-    d = policy.route(view("b", prefix(1024) + [9] * 1024, salt="other"), REPLICAS, 0.0)
+    # 0.5 of the prompt matches (> 0.3): sticks to the same replica
+    d = policy.route(view("b", prefix(1024) + [9] * 1024), REPLICAS, 0.0)
     assert d.replica == first
     # no match: the replica with the smallest tree (not `first`)
     assert policy.route(view("c", [5] * 512), REPLICAS, 0.0).replica != first
@@ -164,6 +164,18 @@ def test_approx_text_follows_its_tree_until_imbalance_then_balances():
     for i in range(100):
         policy.load.on_routed(f"x{i}", first, 10, 10)
     assert policy.route(view("d", prefix(1024)), REPLICAS, 0.0).replica != first
+
+
+def test_approx_text_keeps_tenants_apart():
+    """Another tenant's salt (another tenant) never matches the first one's tree: its
+    request goes where an unmatched one would, not to the holder of the same text."""
+    policy = make_policy("approx_text", block_size=BS, seed=4)
+    first = policy.route(view("a", prefix(1024), salt="tenant-a"), REPLICAS, 0.0).replica
+    same = policy.route(view("b", prefix(1024), salt="tenant-a"), REPLICAS, 0.0).replica
+    assert same == first
+    for i, salt in enumerate(("tenant-b", "tenant-c", None)):
+        d = policy.route(view(f"o{i}", prefix(1024), salt=salt), REPLICAS, 0.0)
+        assert d.replica != first  # unmatched: the smallest tree, never the holder's
 
 
 def report(queued: int, context: int, decoding: int, requests: int, free: int = 1000):
