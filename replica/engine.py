@@ -207,8 +207,13 @@ class LLMEngine:
         """Frees the requests' blocks now; returns their final (aborted) outputs."""
         live = [rid for rid in request_ids if rid in self._states]
         self.scheduler.abort_requests(live)
-        outs = [self._output(self._states[rid], [], "") for rid in live]
+        outs = []
         for rid in live:
+            try:  # the final text (a flush, or a decode) is this request's own work
+                outs.append(self._output(self._states[rid], [], ""))
+            except Exception as exc:
+                outs.append(self._fail(rid, "detokenization", exc))
+                continue
             self._forget(rid)
         return outs
 

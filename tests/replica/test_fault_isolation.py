@@ -203,6 +203,19 @@ def test_token_level_stop_check_failure(
     assert len(bad.token_ids) == marker + 1  # what it generated is still reported
 
 
+def test_abort_whose_final_text_fails(engine: LLMEngine, baseline: list[Result]) -> None:
+    """An abort decodes the request's last text: that failing ends it alone too."""
+    rid = f"bad-{next(_ids)}"
+    engine.add_request(rid, "aborted", fresh(GREEDY))
+    engine.step()
+    fail_on_call(state(engine, rid).detok, "flush")
+    (out,) = engine.abort_requests([rid])
+    assert out.finished and out.outputs[0].finish_reason == "error"
+    assert out.outputs[0].error == "detokenization failed: RuntimeError"
+    outs, _ = run(engine)  # no state left behind; the engine serves on, unchanged
+    assert outs == baseline
+
+
 @pytest.mark.parametrize(
     "prompt",
     [[1, 2, 10_000], [-5, 3], [1_000_000_000_000], [1, True], "\ud800 lone surrogate"],
