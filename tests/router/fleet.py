@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import ray
 import uvicorn
 
@@ -20,6 +21,8 @@ from kvroute.router.tenants import Tenants
 from ..waiting import wait_for
 
 MODEL = "tiny"
+# What must never reach a client: remote tracebacks, Ray's names, pids, addresses, colours.
+LEAKS = ("Traceback", "ray::", "\x1b", "pid=", 'File "', "127.0.0.1", "Actor", "RayTaskError")
 KEYS = {"key-a": "alpha", "key-b": "beta"}
 
 
@@ -49,3 +52,15 @@ def serve(actors: Sequence[Any], **app_kw: Any) -> Iterator[Served]:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def assert_clean_error(r: httpx.Response, status: int) -> dict[str, Any]:
+    """The status, the OpenAI shape, one line, the request id, and nothing of the insides."""
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert {"message", "type", "param", "code", "request_id"} <= set(err)
+    assert err["request_id"] == r.headers["x-request-id"]
+    assert err["message"] and "\n" not in err["message"] and len(err["message"]) <= 300
+    for leak in LEAKS:
+        assert leak not in r.text, (leak, r.text)
+    return err

@@ -24,13 +24,12 @@ import ray
 from kvroute.events.replica_api import SEED_MAX, SEED_MIN
 from kvroute.replica.actor import start_replica
 
-from .fleet import MODEL, Served, serve
+from .fleet import MODEL, Served, assert_clean_error, serve
 
 CONFIG = {"model": MODEL, "block_size": 16, "num_blocks": 64}
 AUTH = {"Authorization": "Bearer key-a", "content-type": "application/json"}
 BODY_CAP = 1 << 20
 C, H = "/v1/completions", "/v1/chat/completions"
-LEAKS = ("Traceback", "ray::", "\x1b", "pid=", 'File "', "127.0.0.1", "Actor", "RayTaskError")
 
 
 @pytest.fixture(scope="module")
@@ -48,18 +47,6 @@ def post(served: Served, path: str, body: Any, headers: dict[str, str] = AUTH) -
     """JSON as the SDKs send it (ASCII escapes: a lone surrogate arrives as ``\\ud800``)."""
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
     return httpx.post(served.url + path, content=content, headers=headers, timeout=60)
-
-
-def assert_clean_error(r: httpx.Response, status: int) -> dict[str, Any]:
-    """The status, the OpenAI shape, one line, the request id, and nothing of the insides."""
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert {"message", "type", "param", "code", "request_id"} <= set(err)
-    assert err["request_id"] == r.headers["x-request-id"]
-    assert err["message"] and "\n" not in err["message"] and len(err["message"]) <= 300
-    for leak in LEAKS:
-        assert leak not in r.text, (leak, r.text)
-    return err
 
 
 def completion(**kw: Any) -> dict[str, Any]:
