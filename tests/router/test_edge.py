@@ -70,6 +70,7 @@ BAD: list[tuple[str, str, dict[str, Any], str | None]] = [
     ("surrogate-prompt", C, completion(prompt="\ud800"), None),
     ("surrogate-chat", H, chat("a \udc00 b"), None),
     ("text-part-not-string", H, chat([{"type": "text", "text": 1}]), "messages.0.content.0.text"),
+    ("text-part-no-text", H, chat([{"type": "text"}]), "messages.0.content.0.text"),
     ("surrogate-model", C, completion(model="\ud800"), None),
     # The query of death: past int64, which torch's generator cannot take.
     ("seed-2**70", C, completion(seed=2**70, temperature=0.5), "seed"),

@@ -1,0 +1,245 @@
+"""From an HTTP body to a routed request: read, validate, tokenize, bound, open a stream.
+
+Why a class of its own: every step here is an edge check that must happen in order and
+before any replica is touched (the body cap before parsing, the model and unsupported
+parameters before tokenizing, a cheap length bound before the tokenizer, the shared bounds
+before routing), and the heavy steps (parsing big bodies, chat templates, tokenization) run
+on a worker thread, so one large request never stalls the event loop that serves /health
+and every other tenant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import pydantic
+from fastapi import Request
+
+from kvroute.events.replica_api import (
+    BoundsError,
+    InvalidRequestError,
+    SamplingSpec,
+    check_prompt_token_ids,
+)
+
+from .errors import APIError, one_line, read_body, request_id, validation_error
+from .frontdoor import REPLICA_FAILURES, FrontDoor, OverloadedError, QueryOfDeathError, Stream
+from .openai_api import ChatCompletionRequest, CompletionRequest
+from .policy import NoReplicaError
+from .responses import FAILED, request_failed
+from .tenants import Tenant
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 4 << 20  # default cap on a request body, checked before it is parsed
+# A token covers at most this many characters in the cheap bound applied before tokenizing
+# (the tokenizer's longest vocabulary entry, when it can be read, replaces it).
+DEFAULT_CHARS_PER_TOKEN = 32
+OFF_LOOP_BODY_BYTES = 64 << 10  # bodies past this are parsed on the worker thread
+M = TypeVar("M", bound=pydantic.BaseModel)
+Body = CompletionRequest | ChatCompletionRequest
+
+
+class Intake:
+    """One per app: the front door, the served model's name and the worker thread."""
+
+    def __init__(self, door: FrontDoor, model_name: str, max_body_bytes: int) -> None:
+        self.door = door
+        self.model_name = model_name
+        self.max_body_bytes = max_body_bytes
+        # One thread: a tokenizer is not safe to share between threads.
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="kvroute-tokenize")
+        self.chars_per_token = _chars_per_token(door.tokenizer)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def off_loop(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
+
+    async def parse(self, request: Request, model: type[M]) -> M:
+        """The body as ``model``: read under the size cap, validated strictly, checked."""
+        raw = await read_body(request, self.max_body_bytes)
+        try:
+            if len(raw) > OFF_LOOP_BODY_BYTES:
+                body = await self.off_loop(lambda: model.model_validate_json(raw))
+            else:
+                body = model.model_validate_json(raw)
+        except pydantic.ValidationError as exc:
+            raise validation_error(list(exc.errors(include_url=False))) from None
+        self._check(body)  # type: ignore[arg-type]
+        return body
+
+    def _check(self, body: Body) -> None:
+        """The model, then parameters this server does not implement."""
+        if body.model not in (self.model_name, self.door.model):
+            # 400 (vLLM answers 404): the body names what is served.
+            raise APIError(
+                400,
+                f"The model `{body.model[:100]}` does not exist; this server serves "
+                f"`{self.model_name}`.",
+                "invalid_request_error",
+                "model",
+                "model_not_found",
+            )
+        param = body.unsupported()
+        if param is not None:
+            raise APIError(
+                400,
+                f"`{param}` is not supported by this server.",
+                "invalid_request_error",
+                param,
+                "unsupported_parameter",
+            )
+        if isinstance(body, ChatCompletionRequest):
+            for i, m in enumerate(body.messages):
+                bad = m.non_text_part()
+                if bad is not None and bad[1] == "text":
+                    raise APIError(
+                        400,
+                        "A `text` content part needs a `text` string.",
+                        "invalid_request_error",
+                        f"messages.{i}.content.{bad[0]}.text",
+                    )
+                if bad is not None:
+                    raise APIError(
+                        400,
+                        f"Content parts of type `{one_line(bad[1])[:40]}` are not supported "
+                        "(a text model is served); send `text` parts.",
+                        "invalid_request_error",
+                        f"messages.{i}.content.{bad[0]}",
+                        "unsupported_parameter",
+                    )
+
+    def _check_length(self, chars: int) -> None:
+        """A cheap bound before tokenizing: so many characters cannot fit the context."""
+        if chars > self.door.max_model_len * self.chars_per_token:
+            raise APIError(
+                400,
+                f"The prompt is longer than this model's context of "
+                f"{self.door.max_model_len} tokens can hold.",
+                "invalid_request_error",
+                "prompt",
+                "context_length_exceeded",
+            )
+
+    def _check_ids(self, ids: list[int]) -> None:
+        vocab = [r.info.vocab_size for r in self.door.replicas.values() if r.info.vocab_size]
+        try:
+            check_prompt_token_ids(ids, min(vocab, default=None))
+        except BoundsError as exc:
+            raise APIError(400, str(exc), "invalid_request_error", exc.param) from None
+
+    async def prompt_ids(self, body: CompletionRequest) -> list[int]:
+        if isinstance(body.prompt, str):
+            text = body.prompt
+            self._check_length(len(text))
+            tokenizer = self.door.tokenizer
+            ids: list[int] = await self.off_loop(lambda: list(tokenizer(text).input_ids))
+        else:
+            ids = list(body.prompt)
+        self._check_ids(ids)
+        return ids
+
+    async def chat_ids(self, request: Request, body: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        self._check_length(sum(len(m["content"]) for m in messages))
+        tokenizer = self.door.tokenizer
+
+        def render() -> list[int]:
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+            return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+        try:
+            ids: list[int] = await self.off_loop(render)
+        except Exception as exc:  # no template, or the template rejects the roles
+            log.warning("request %s: chat template failed", request_id(request), exc_info=True)
+            raise APIError(
+                400, f"cannot render chat: {one_line(str(exc))}", "invalid_request_error"
+            ) from None
+        self._check_ids(ids)
+        return ids
+
+    def sampling(self, body: Body, n_prompt: int) -> SamplingSpec:
+        """The request's sampling as the engine will check it (the shared bounds)."""
+        max_len = self.door.max_model_len
+        room = max_len - n_prompt
+        max_tokens = body.max_tokens
+        if isinstance(body, ChatCompletionRequest):
+            max_tokens = body.max_completion_tokens or max_tokens
+        if room < 1 or (max_tokens is not None and max_tokens > room):
+            raise APIError(
+                400,
+                f"This model's maximum context length is {max_len} tokens; the prompt has "
+                f"{n_prompt} tokens and max_tokens is {max_tokens}.",
+                "invalid_request_error",
+                "max_tokens",
+                "context_length_exceeded",
+            )
+        try:
+            return SamplingSpec(
+                max_tokens=max_tokens or room,
+                temperature=1.0 if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                top_k=max(body.top_k or 0, 0),
+                seed=body.seed,
+                stop=body.stop_list(),
+                stop_token_ids=list(body.stop_token_ids or ()),
+                ignore_eos=bool(body.ignore_eos),
+                min_tokens=body.min_tokens or 0,
+            )
+        except BoundsError as exc:
+            raise APIError(400, str(exc), "invalid_request_error", exc.param) from None
+
+    async def open_stream(
+        self, request: Request, tenant: Tenant, ids: list[int], body: Body
+    ) -> Stream:
+        """Routes the request and waits for its first delta; every failure a status."""
+        rid = request_id(request)
+        spec = self.sampling(body, len(ids))
+        try:
+            stream = await self.door.open(tenant, ids, spec, body.cache_salt, request_id=rid)
+            if stream.first is not None and stream.first.finish_reason == "error":
+                await stream.aclose()  # failed before its first token: a status can say so
+                raise request_failed(rid, stream.first)
+            return stream
+        except InvalidRequestError as exc:
+            raise APIError(400, one_line(str(exc)), "invalid_request_error") from None
+        except QueryOfDeathError as exc:
+            raise APIError(
+                400, str(exc), "invalid_request_error", code="request_quarantined"
+            ) from None
+        except OverloadedError as exc:
+            raise APIError(
+                429, str(exc), "rate_limit_exceeded", code="rate_limit_exceeded",
+                headers={"retry-after": "1"},
+            ) from None  # fmt: skip
+        except NoReplicaError as exc:
+            raise APIError(
+                503, str(exc), "service_unavailable", headers={"retry-after": "1"}
+            ) from None
+        except REPLICA_FAILURES as exc:
+            log.warning("request %s: replica failed: %s", rid, one_line(str(exc)))
+            suspect = getattr(exc, "suspect", False)
+            msg = FAILED + (
+                "; it was not retried elsewhere, as it may have caused the failure"
+                if suspect
+                else ""
+            )
+            raise APIError(503, msg, "service_unavailable", code="replica_failed") from None
+
+
+def _chars_per_token(tokenizer: Any) -> int:
+    """The most characters one token can stand for (its longest vocabulary entry)."""
+    try:
+        vocab = tokenizer.get_vocab()
+        longest = max((len(t) for t in vocab), default=0)
+    except Exception:  # a stand-in tokenizer in tests
+        return DEFAULT_CHARS_PER_TOKEN
+    return max(longest, 1)
