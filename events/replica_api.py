@@ -191,6 +191,16 @@ class SamplingSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
         check_sampling(self)
 
 
+class Resume(msgspec.Struct, kw_only=True, frozen=True):
+    """A request continued on another replica after its first one failed mid-stream: the
+    tokens it had generated there, and how many characters of their text the client already
+    has. The engine goes on as if it had generated them itself: same stop checks, same
+    held-back text, and a seeded request's generator past the draws of those tokens."""
+
+    output_token_ids: list[int]
+    sent_chars: int = 0
+
+
 class GenerateRequest(msgspec.Struct, kw_only=True):
     """One request, already tokenized by the router (which hashed the same tokens)."""
 
@@ -198,6 +208,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     prompt_token_ids: list[int]
     sampling: SamplingSpec = msgspec.field(default_factory=SamplingSpec)
     cache_salt: str | None = None
+    resume: Resume | None = None  # a failover: continue from these outputs
 
 
 class GenerateDelta(msgspec.Struct, kw_only=True):

@@ -160,7 +160,11 @@ class ReplicaServer:
         self._streams += 1
         try:
             outputs = self.engine.generate(
-                req.prompt_token_ids, params, req.request_id, cache_salt=req.cache_salt
+                req.prompt_token_ids,
+                params,
+                req.request_id,
+                cache_salt=req.cache_salt,
+                resume=req.resume,
             )
             async for out in outputs:
                 yield delta_from_output(out)

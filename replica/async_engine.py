@@ -23,6 +23,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from kvroute.events.replica_api import Resume
+
 from .engine import EngineConfig, EventSink, LLMEngine
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -51,6 +53,7 @@ class _Add:
     params: SamplingParams
     cache_salt: str | None
     lora_name: str | None
+    resume: Resume | None
     sink: asyncio.Queue[RequestOutput | BaseException]
     loop: asyncio.AbstractEventLoop
 
@@ -98,8 +101,10 @@ class AsyncLLMEngine:
         *,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        resume: Resume | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yields the request's output after each step that changed it, the last finished."""
+        """Yields the request's output after each step that changed it, the last finished.
+        ``resume``: continue a request that failed over from another replica."""
         if self.error is not None:
             raise EngineDeadError("the engine has failed") from self.error
         if self._stopped:
@@ -108,7 +113,7 @@ class AsyncLLMEngine:
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         self._commands.put(
-            _Add(rid, prompt, params or SamplingParams(), cache_salt, lora_name, sink, loop)
+            _Add(rid, prompt, params or SamplingParams(), cache_salt, lora_name, resume, sink, loop)
         )
         finished = False
         try:
@@ -229,6 +234,7 @@ class AsyncLLMEngine:
                     cmd.params,
                     cache_salt=cmd.cache_salt,
                     lora_name=cmd.lora_name,
+                    resume=cmd.resume,
                 )
             except Exception as exc:  # a bad request fails alone
                 self._deliver(cmd.request_id, exc, last=True)

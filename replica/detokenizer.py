@@ -60,6 +60,13 @@ class IncrementalDetokenizer:
         self.sent = ready
         return delta
 
+    def resume(self, token_ids: Sequence[int], sent_chars: int) -> None:
+        """Continues a request whose first ``token_ids`` were generated elsewhere, of whose
+        text ``sent_chars`` characters were already handed out: the same text is rebuilt
+        (and held back) as if those tokens had come here one by one."""
+        self.update(token_ids)
+        self.sent = min(max(sent_chars, 0), len(self.text))
+
     def _match_stop(self, start: int) -> None:
         best: tuple[int, str] | None = None
         for s in self.stop:

@@ -30,7 +30,7 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from kvroute.events import DEFAULT_SEED, BlockHasher, HashConfig, KVCacheEvent
 from kvroute.events.hashing import HashForm
-from kvroute.events.replica_api import check_prompt_token_ids, check_text
+from kvroute.events.replica_api import Resume, check_prompt_token_ids, check_text
 
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache_manager import KVCacheManager
@@ -73,15 +73,18 @@ class EngineConfig:
 class _RequestState:
     """Per-request output bookkeeping that the scheduler need not know."""
 
-    __slots__ = ("detok", "logprobs", "prompt", "request", "sent_tokens")
+    __slots__ = ("detok", "logprobs", "prompt", "request", "resumed_chars", "sent_tokens")
 
     def __init__(self, request: Request, prompt: str | None, detok: IncrementalDetokenizer):
         self.request = request
         self.prompt = prompt
         self.detok = detok
-        self.sent_tokens = 0
+        self.sent_tokens = request.num_output_tokens  # a resumed request's are sent already
+        self.resumed_chars = 0  # text of those tokens the client already has
         self.logprobs: list[dict[int, float]] | None = (
-            [] if request.sampling_params.logprobs is not None else None
+            [{} for _ in range(self.sent_tokens)]
+            if request.sampling_params.logprobs is not None
+            else None
         )
 
 
@@ -163,8 +166,13 @@ class LLMEngine:
         cache_salt: str | None = None,
         lora_name: str | None = None,
         arrival_time: float | None = None,
+        resume: Resume | None = None,
     ) -> Request:
-        """Queues a request; raises ValueError (nothing queued) if it can never run."""
+        """Queues a request; raises ValueError (nothing queued) if it can never run.
+
+        ``resume``: a request continued here after its replica failed mid-stream; its
+        outputs so far count as generated here (see :class:`~kvroute.events.replica_api.Resume`).
+        """
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
@@ -184,6 +192,11 @@ class LLMEngine:
         else:
             token_ids = [t if isinstance(t, bool) else operator.index(t) for t in prompt]
         check_prompt_token_ids(token_ids, vocab)
+        prior = list(resume.output_token_ids) if resume is not None else []
+        if prior:
+            check_prompt_token_ids(prior, vocab)
+            if len(prior) >= params.max_tokens:
+                raise ValueError("a resumed request must have tokens left to generate")
         if params.logprobs is not None and params.logprobs > vocab:
             # Caught here, not in the sampler's topk, where it would fail the whole step.
             raise ValueError(
@@ -197,10 +210,17 @@ class LLMEngine:
             cache_salt=cache_salt,
             lora_name=lora_name,
             arrival_time=arrival_time,
+            output_token_ids=prior,
         )
         self.scheduler.add_request(req)
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
-        self._states[request_id] = _RequestState(req, text, detok)
+        state = self._states[request_id] = _RequestState(req, text, detok)
+        if prior and resume is not None:
+            if self._detokenizes(state):
+                detok.resume(prior, resume.sent_chars)
+            state.resumed_chars = resume.sent_chars
+            vocab_rows = int(self.runner.lm_head.weight.shape[0])  # the draws' width
+            self.runner.sampler.prime(request_id, params, len(prior), vocab_rows)
         return req
 
     def abort_requests(self, request_ids: Sequence[str]) -> list[RequestOutput]:
@@ -329,7 +349,8 @@ class LLMEngine:
             text = state.detok.text
         elif finished:
             ids = req.output_token_ids[:-1] if _stopped_by_token(req) else req.output_token_ids
-            text = delta = self.tokenizer.decode(ids, skip_special_tokens=True)
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            delta = text[state.resumed_chars :]  # a resumed request's client has the rest
         else:
             text = ""
         completion = CompletionOutput(

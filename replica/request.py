@@ -60,7 +60,9 @@ class Request:
         cache_salt: str | None = None,
         lora_name: str | None = None,
         arrival_time: float | None = None,
+        output_token_ids: Sequence[int] = (),
     ) -> None:
+        """``output_token_ids``: tokens generated elsewhere before (a failover's resume)."""
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt")
         self.request_id = request_id
@@ -71,9 +73,9 @@ class Request:
         self.lora_name = lora_name
         self.arrival_time = time.time() if arrival_time is None else arrival_time
 
-        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.all_token_ids: list[int] = [*self.prompt_token_ids, *output_token_ids]
         # A second list rather than a slice of all_token_ids: read every step, O(1) here.
-        self._output_token_ids: list[int] = []
+        self._output_token_ids: list[int] = list(output_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-hit tokens at first scheduling
         self.num_preemptions = 0

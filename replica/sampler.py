@@ -60,6 +60,17 @@ class Sampler:
         return gen
 
     @torch.inference_mode()
+    def prime(self, request_id: str, params: SamplingParams, draws: int, vocab: int) -> None:
+        """A seeded request continued from ``draws`` tokens generated elsewhere: its
+        generator skips the draws those tokens took (one race over the vocabulary each), so
+        the next token is the one the first replica would have drawn."""
+        if params.seed is None or params.temperature == 0.0:
+            return
+        gen = self._generator(request_id, params)
+        for _ in range(draws):
+            torch.empty(vocab).exponential_(generator=gen)
+
+    @torch.inference_mode()
     def sample(
         self,
         logits: torch.Tensor,
