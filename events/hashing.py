@@ -54,11 +54,12 @@ from typing import Literal, Protocol
 import cbor2
 import xxhash
 
+from .wire import ExternalBlockHash  # defined once, with the wire's bounds
+
 log = logging.getLogger(__name__)
 
 HashAlgo = Literal["xxh3_128", "sha256_cbor"]
 HashForm = Literal["bytes", "int"]
-ExternalBlockHash = bytes | int
 
 ALGOS: tuple[str, ...] = ("xxh3_128", "sha256_cbor")
 DEFAULT_SEED = "vllm-none-hash"

@@ -72,7 +72,9 @@ class ReplicaStats:
 
 
 @dataclass
-class _Replica:
+class _Subscription:
+    """One publisher this subscriber follows: its sockets and where its stream stands."""
+
     replica_id: str
     endpoint: str
     replay_endpoint: str | None
@@ -113,7 +115,7 @@ class ZmqEventSubscriber:
         self.rcvhwm = rcvhwm
         self.malformed_frames = 0  # messages whose framing named no seq
         self._ctx = context or zmq.Context.instance()
-        self._replicas: dict[str, _Replica] = {}
+        self._replicas: dict[str, _Subscription] = {}
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._waker = Waker()
         self._async_sinks: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
@@ -233,7 +235,7 @@ class ZmqEventSubscriber:
         sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, topic)
-        r = _Replica(rid, endpoint, replay_endpoint, topic, sub)
+        r = _Subscription(rid, endpoint, replay_endpoint, topic, sub)
         r.monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sub.connect(endpoint)
         self._replicas[rid] = r
@@ -247,7 +249,7 @@ class ZmqEventSubscriber:
         if r is not None:
             self._close_sockets(r)
 
-    def _close_sockets(self, r: _Replica) -> None:
+    def _close_sockets(self, r: _Subscription) -> None:
         if r.monitor is not None:
             try:
                 r.sub.disable_monitor()
@@ -263,7 +265,7 @@ class ZmqEventSubscriber:
             s.close(linger=0)
         r.dealer = r.monitor = None
 
-    def _cancel_request(self, r: _Replica) -> None:
+    def _cancel_request(self, r: _Subscription) -> None:
         """Forget an outstanding request; a fresh socket makes sure a late reply is never
         mistaken for the answer to a later request."""
         if r.dealer is not None:
@@ -273,7 +275,7 @@ class ZmqEventSubscriber:
         r.syncing, r.reply = "", []
 
     # -- live stream -------------------------------------------------------------------
-    def _read_live(self, r: _Replica, budget: int = 1024) -> None:
+    def _read_live(self, r: _Subscription, budget: int = 1024) -> None:
         for _ in range(budget):
             try:
                 frames = r.sub.recv_multipart(zmq.NOBLOCK)
@@ -294,14 +296,14 @@ class ZmqEventSubscriber:
             batch = self._decode(r, frames[2])
             self._on_live(r, seq, batch)
 
-    def _decode(self, r: _Replica, payload: bytes) -> EventBatch | None:
+    def _decode(self, r: _Subscription, payload: bytes) -> EventBatch | None:
         try:
             return decode_batch(payload)
         except MalformedBatchError as e:
             self._malformed(r, str(e))
             return None
 
-    def _malformed(self, r: _Replica, why: str) -> None:
+    def _malformed(self, r: _Subscription, why: str) -> None:
         r.stats.malformed += 1
         if not r.warned_malformed:
             r.warned_malformed = True
@@ -311,7 +313,7 @@ class ZmqEventSubscriber:
                 why,
             )
 
-    def _on_live(self, r: _Replica, seq: int, batch: EventBatch | None) -> None:
+    def _on_live(self, r: _Subscription, seq: int, batch: EventBatch | None) -> None:
         # One connection delivers in order, so the live seq only goes back on a restart.
         # (Comparing with last_seq instead would mistake batches that were still queued
         # in the socket when a snapshot overtook them for a restart.)
@@ -333,14 +335,14 @@ class ZmqEventSubscriber:
         r.pending.append((seq, batch))
         self._recover(r)
 
-    def _restart(self, r: _Replica) -> None:
+    def _restart(self, r: _Subscription) -> None:
         r.stats.restarts += 1
         log.info("replica %s restarted (seq went back from %s)", r.replica_id, r.live_seq)
         self._cancel_request(r)
         r.pending = []
         self._reset(r)
 
-    def _on_monitor(self, r: _Replica) -> None:
+    def _on_monitor(self, r: _Subscription) -> None:
         """A reconnect may hide a restart: resynchronize from a snapshot to be sure."""
         while r.monitor is not None:
             try:
@@ -357,20 +359,20 @@ class ZmqEventSubscriber:
                     r.pending = []
                     self._request(r, "snapshot", SNAPSHOT_REQUEST)
 
-    def _reset(self, r: _Replica) -> None:
+    def _reset(self, r: _Subscription) -> None:
         r.stats.resets += 1
         r.last_seq = -1
         cleared = EventBatch(time.time(), [AllBlocksCleared()])
         self._emit(r, ReplicaBatch(r.replica_id, -1, cleared, "reset"))
 
-    def _recover(self, r: _Replica) -> None:
+    def _recover(self, r: _Subscription) -> None:
         """Fill the gap before ``r.pending``: replay if possible, else give up the state."""
         if r.replay_endpoint is None:
             self._give_up(r)
         else:
             self._request(r, "replay", r.last_seq + 1)
 
-    def _give_up(self, r: _Replica) -> None:
+    def _give_up(self, r: _Subscription) -> None:
         """No way to fill the gap: drop what we knew and follow the stream from here on.
 
         The view then lacks blocks stored before the hole -- that costs hits, never
@@ -384,7 +386,7 @@ class ZmqEventSubscriber:
             r.last_seq = r.pending[0][0] - 1
         self._drain_pending(r)
 
-    def _drain_pending(self, r: _Replica) -> None:
+    def _drain_pending(self, r: _Subscription) -> None:
         pending, r.pending = r.pending, []
         for i, (seq, batch) in enumerate(pending):
             if seq <= r.last_seq:
@@ -398,7 +400,7 @@ class ZmqEventSubscriber:
             return
 
     # -- replay and snapshot -----------------------------------------------------------
-    def _request(self, r: _Replica, kind: Literal["replay", "snapshot"], start: int) -> None:
+    def _request(self, r: _Subscription, kind: Literal["replay", "snapshot"], start: int) -> None:
         if r.dealer is None:
             r.dealer = self._ctx.socket(zmq.DEALER)
             r.dealer.setsockopt(zmq.LINGER, 0)
@@ -433,7 +435,7 @@ class ZmqEventSubscriber:
                     start = SNAPSHOT_REQUEST if kind == "snapshot" else r.last_seq + 1
                     self._request(r, kind, start)
 
-    def _read_reply(self, r: _Replica) -> None:
+    def _read_reply(self, r: _Subscription) -> None:
         while r.dealer is not None:
             try:
                 frames = r.dealer.recv_multipart(zmq.NOBLOCK)
@@ -457,7 +459,7 @@ class ZmqEventSubscriber:
                 return
             r.reply.append((seq, payload))
 
-    def _finish_reply(self, r: _Replica) -> None:
+    def _finish_reply(self, r: _Subscription) -> None:
         kind, reply = r.syncing, r.reply
         r.syncing, r.reply, r.attempts = "", [], 0
         if kind == "snapshot":
@@ -465,7 +467,7 @@ class ZmqEventSubscriber:
         else:
             self._apply_replay(r, reply)
 
-    def _apply_snapshot(self, r: _Replica, reply: list[tuple[int, bytes]]) -> None:
+    def _apply_snapshot(self, r: _Subscription, reply: list[tuple[int, bytes]]) -> None:
         if not reply:
             # The publisher keeps no snapshots (vLLM): read its stream from the start.
             r.snapshot_supported = False
@@ -482,7 +484,7 @@ class ZmqEventSubscriber:
         r.last_seq = seq
         self._drain_pending(r)
 
-    def _apply_replay(self, r: _Replica, reply: list[tuple[int, bytes]]) -> None:
+    def _apply_replay(self, r: _Subscription, reply: list[tuple[int, bytes]]) -> None:
         for seq, payload in reply:
             if seq <= r.last_seq:
                 continue
@@ -501,12 +503,12 @@ class ZmqEventSubscriber:
         self._drain_pending(r)
 
     # -- delivery ----------------------------------------------------------------------
-    def _deliver(self, r: _Replica, seq: int, batch: EventBatch, source: Source) -> None:
+    def _deliver(self, r: _Subscription, seq: int, batch: EventBatch, source: Source) -> None:
         r.last_seq = seq
         r.stats.delivered += 1
         self._emit(r, ReplicaBatch(r.replica_id, seq, batch, source))
 
-    def _emit(self, r: _Replica, item: ReplicaBatch) -> None:
+    def _emit(self, r: _Subscription, item: ReplicaBatch) -> None:
         if self._on_batch is not None:
             try:
                 self._on_batch(item)

@@ -23,7 +23,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 MAX_HASH_BYTES = 64  # a digest longer than this is not a block hash
-# Checked by msgspec in C while decoding: a raw digest, or vLLM's uint64 form.
+# A block hash as events carry it: a raw digest, or vLLM's uint64 form. Checked by msgspec in
+# C while decoding; kvroute.events.hashing.to_external produces either form.
 ExternalBlockHash = (
     Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_HASH_BYTES)]
     | Annotated[int, msgspec.Meta(ge=0)]  # msgpack ints stop at uint64

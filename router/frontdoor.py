@@ -23,6 +23,10 @@ Why the shape:
   instead of taking down another replica. A process that died outright (no word from its
   engine) is ambiguous: such a request is not retried either, and is quarantined at its
   second such failure.
+- Mid-stream failover: a replica that fails after a request's first token, for a reason
+  that cannot have been the request's (the same rule), is replaced once: the prompt and
+  the tokens already streamed go to another replica (``GenerateRequest.resume``), which
+  continues exactly (greedy and seeded alike), so the client sees one stream.
 - Replicas restart with new ports (Ray ``max_restarts``): a monitor polls ``info()`` and,
   on a new incarnation, drops what the index knew and follows the new event endpoints.
 """
@@ -50,6 +54,7 @@ from kvroute.events.replica_api import (
     InvalidRequestError,
     ReplicaDeadError,
     ReplicaInfo,
+    Resume,
     SamplingSpec,
     stream_generate,
 )
@@ -92,7 +97,9 @@ class FleetMismatchError(ValueError):
 
 
 @dataclass(slots=True)
-class Replica:
+class ReplicaHandle:
+    """A replica as the front door uses it: its actor, its info, whether it is routable."""
+
     info: ReplicaInfo
     actor: Any
     alive: bool = True
@@ -185,7 +192,7 @@ class FrontDoor:
         self.policy: Policy = make_policy(
             policy, index=self.index, block_size=first.block_size, load=self.load
         )
-        self.replicas: dict[str, Replica] = {}
+        self.replicas: dict[str, ReplicaHandle] = {}
         self.subscriber = ZmqEventSubscriber(self.index.on_batch)
         self.counters: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
@@ -235,7 +242,7 @@ class FrontDoor:
         old = self.replicas.get(rid)
         if old is not None:
             self._forget(rid)
-        self.replicas[rid] = Replica(info, actor)
+        self.replicas[rid] = ReplicaHandle(info, actor)
         if info.cost is not None:  # priced in its own seconds; else the policy's reference
             self.load.register(rid, info.cost, info.num_blocks)
         self.subscriber.add_publisher(rid, info.events_endpoint, info.replay_endpoint, info.topic)
@@ -408,8 +415,75 @@ class FrontDoor:
                 raise
             rep.routed += 1
             self.policy.on_first_token(request_id, time.monotonic())
-            return Stream(self, request_id, rid, first, rest, fp)
+            deltas = self._failover(view, req, rid, first, rest, failures_at_send)
+            return Stream(self, request_id, rid, first, deltas, fp)
         raise AssertionError("unreachable")
+
+    async def _failover(
+        self,
+        view: RequestView,
+        req: GenerateRequest,
+        rid: str,
+        first: GenerateDelta,
+        rest: AsyncIterator[GenerateDelta],
+        failures_at_send: int,
+    ) -> AsyncIterator[GenerateDelta]:
+        """The deltas after ``first``; when the replica fails mid-stream and the failure
+        cannot have been this request's doing, the request goes on once more on another
+        replica from the tokens already streamed (:class:`Resume`): the client sees one
+        uninterrupted stream. Otherwise -- or at a second failure -- the failure is raised
+        (the :class:`Stream` quarantines a suspect and drops the replica)."""
+        outputs, chars = list(first.delta_token_ids), len(first.delta_text)
+        current, stream = rid, rest
+        try:
+            for failover in (False, True):
+                try:
+                    async for delta in stream:
+                        outputs.extend(delta.delta_token_ids)
+                        chars += len(delta.delta_text)
+                        yield delta
+                        if delta.finished:
+                            return
+                    return
+                except REPLICA_FAILURES as exc:
+                    rep = self.replicas.get(current)
+                    reported_before = rep is not None and rep.failures != failures_at_send
+                    if failover:  # one failover per request: past it, the error
+                        self.on_replica_failure(current)
+                        raise
+                    if _not_caused_by(exc, reported_before) is not True:
+                        raise
+                    self.on_replica_failure(current)
+                    now = time.monotonic()
+                    candidates = [
+                        r for r in self.alive() if r != current and r not in self.cordoned
+                    ]
+                    if not candidates or not outputs:
+                        raise
+                    self.policy.on_finished(view.request_id, now)
+                    current = self.policy.route(view, candidates, now).replica
+                    target = self.replicas[current]
+                    failures_at_send = target.failures
+                    resumed = msgspec.structs.replace(
+                        req,
+                        request_id=f"{req.request_id}-failover",
+                        resume=Resume(output_token_ids=list(outputs), sent_chars=chars),
+                    )
+                    with contextlib.suppress(Exception):
+                        await stream.aclose()  # type: ignore[attr-defined]
+                    stream = stream_generate(target.actor, resumed)
+                    target.routed += 1
+                    self.counters["failovers"] += 1
+                    log.warning(
+                        "request %s: replica %s failed after %d tokens; continuing on %s",
+                        view.request_id,
+                        rid,
+                        len(outputs),
+                        current,
+                    )
+        finally:
+            with contextlib.suppress(Exception):
+                await stream.aclose()  # type: ignore[attr-defined]
 
     def quarantine(self, fp: str, request_id: str, replica: str, strikes: int) -> None:
         """Counts a failure of ``replica`` that the request ``fp`` may have caused; at two

@@ -7,7 +7,9 @@ hash chain. Copies on any medium (GPU, CPU offload) count alike, as they do in B
 
 Invariants (all guarded by ``_lock``):
 
-- ``_masks`` and ``_nodes`` have the same keys, and no mask is 0. Bit ``rep.bit`` of
+- No mask is 0. Every stored hash has a tree node in ``_nodes``, and every node a mask: a
+  hash only ever predicted has none (a prediction of an unseen tail is two dict stores per
+  block, in bulk), one stored once and now only predicted may keep its node. Bit ``rep.bit`` of
   ``_masks[h]`` is set iff ``h`` is in ``rep.blocks`` (stored copies) or in
   ``rep.predicted`` (a prediction not yet purged), never both.
 - ``rep.blocks`` maps each hash the replica holds to its LRU stamp and ``rep.copies`` its
@@ -51,6 +53,7 @@ import heapq
 import itertools
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from operator import length_hint
 from typing import Any
@@ -61,7 +64,6 @@ from kvroute.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBat
 from kvroute.events import ExternalBlockHash as Hash
 
 _Kids = Hash | dict[Hash, None] | None  # compact child set, see module docstring
-_UNRESOLVED: Any = object()  # predict: the parent's node is not looked up yet
 _CHUNK = 256  # blocks applied per lock hold
 _INTERN_MAX = 65536  # interned masks kept before the cache starts over
 # Approximate bytes per node / stored entry / prediction (measured on CPython 3.11, 16-byte
@@ -75,12 +77,12 @@ class _Node(msgspec.Struct, gc=False):
     a million of them add nothing to the collector's pauses."""
 
     parent: Hash | None
-    tokens: int  # tokens in this block (0: only predicted so far)
+    tokens: int  # tokens in this block
     children: _Kids = None
     depth: int | None = None
 
 
-class _Replica:
+class _Holdings:
     """One replica's holdings, in plain dicts the garbage collector leaves alone."""
 
     __slots__ = (
@@ -146,7 +148,7 @@ class PrefixIndex:
         self._masks: dict[Hash, int] = {}  # the hot path's map: hash -> replica bits
         self._nodes: dict[Hash, _Node] = {}  # same keys: the tree, for inspection
         self._orphans: dict[Hash, _Kids] = {}
-        self._replicas: dict[str, _Replica] = {}
+        self._replicas: dict[str, _Holdings] = {}
         self._names: list[str | None] = []  # bit index -> replica id (None: free)
         self._expiries: list[tuple[float, int, str, tuple[Hash, ...]]] = []  # heap
         self._seq = itertools.count()
@@ -186,14 +188,14 @@ class PrefixIndex:
                     else:
                         self._remove(rep, hashes[i : i + _CHUNK])
 
-    def _replica(self, rid: str) -> _Replica:
+    def _replica(self, rid: str) -> _Holdings:
         rep = self._replicas.get(rid)
         if rep is None:  # the lowest free bit: masks stay as short as the fleet is small
             if None not in self._names:
                 self._names.append(None)
             idx = self._names.index(None)
             self._names[idx] = rid
-            rep = self._replicas[rid] = _Replica(1 << idx)
+            rep = self._replicas[rid] = _Holdings(1 << idx)
         return rep
 
     def _interner(self) -> Callable[[int, int], int]:
@@ -203,7 +205,7 @@ class PrefixIndex:
             self._interned.clear()
         return self._interned.setdefault
 
-    def _store(self, rep: _Replica, hashes: Sequence[Hash], parent: Hash | None, bs: int) -> None:
+    def _store(self, rep: _Holdings, hashes: Sequence[Hash], parent: Hash | None, bs: int) -> None:
         """One pass over the chunk, most blocks on the first branch (a new hash whose parent
         node is the block before it): locals and inline links, no call per block, as few
         dict operations as the invariants allow. (C-level passes -- map, zip, dict.update --
@@ -218,7 +220,8 @@ class PrefixIndex:
         for h in hashes:
             st -= 1
             m = masks.get(h)
-            if m is None:
+            node = None if m is None else nodes.get(h)  # None too while h is only predicted
+            if node is None:
                 if pnode is not None:  # pnode exists, h does not: so parent != h
                     d = pnode.depth
                     node = _Node(parent, bs, None, None if d is None else d + 1)
@@ -229,7 +232,13 @@ class PrefixIndex:
                 else:  # the parent is not known (yet): wait among the orphans
                     node = _Node(parent, bs)
                     orphans[parent] = _add(orphans.get(parent), h)
-                masks[h] = solo
+                if m is None:
+                    masks[h] = solo
+                elif m & bit:  # this replica predicted it: the real copy replaces that
+                    predicted.pop(h, None)
+                else:  # predicted on others only
+                    m |= bit
+                    masks[h] = intern(m, m)
                 nodes[h] = node
                 if orphans and (kids := orphans.pop(h, None)) is not None:
                     node.children = kids  # adopt the blocks that arrived before h
@@ -237,11 +246,8 @@ class PrefixIndex:
                 blocks[h] = st
                 order[st] = h
             else:
-                node = nodes[h]
                 if parent is not None and node.parent != parent:
                     self._reparent(h, node, parent)
-                if not node.tokens:
-                    node.tokens = bs
                 old = blocks.get(h)
                 if old is None:
                     if m & bit:  # not stored, so predicted: the real copy replaces it
@@ -261,7 +267,7 @@ class PrefixIndex:
         if len(blocks) > self.max_blocks_per_replica:
             self._evict(rep)
 
-    def _evict(self, rep: _Replica) -> None:
+    def _evict(self, rep: _Holdings) -> None:
         """Forget the replica's least recently touched entries, down to the bound."""
         blocks, order, copies = rep.blocks, rep.order, rep.copies
         low = rep.low
@@ -278,7 +284,7 @@ class PrefixIndex:
             rep.evicted += 1
         rep.low = low
 
-    def _remove(self, rep: _Replica, hashes: Sequence[Hash]) -> None:
+    def _remove(self, rep: _Holdings, hashes: Sequence[Hash]) -> None:
         blocks, order, copies, bit = rep.blocks, rep.order, rep.copies, rep.bit
         self._interner()  # bounds the cache _clear_bit adds to
         for h in hashes:
@@ -296,7 +302,7 @@ class PrefixIndex:
                 del order[old]
                 self._clear_bit(h, bit)
 
-    def _reset(self, rep: _Replica) -> None:
+    def _reset(self, rep: _Holdings) -> None:
         self._interner()
         for h in itertools.chain(rep.blocks, rep.predicted):
             self._clear_bit(h, rep.bit)
@@ -307,14 +313,6 @@ class PrefixIndex:
         rep.low = rep.tick
 
     # -- tree upkeep -----------------------------------------------------------------------
-    def _new_node(self, h: Hash, parent: Hash | None, tokens: int, mask: int) -> _Node:
-        m = self._interned.setdefault(mask, mask)
-        self._masks[h] = m
-        node = self._nodes[h] = _Node(None if parent == h else parent, tokens)
-        node.children = self._orphans.pop(h, None)
-        self._link(h, node)
-        return node
-
     def _link(self, h: Hash, node: _Node) -> None:
         """Hang ``node`` under its parent (or among the orphans) and fix depths below it."""
         parent = node.parent
@@ -358,7 +356,9 @@ class PrefixIndex:
             masks[h] = self._interned.setdefault(mask, mask)
             return
         del masks[h]
-        node = self._nodes.pop(h)
+        node = self._nodes.pop(h, None)
+        if node is None:  # it was only predicted
+            return
         parent = node.parent
         if parent is not None:
             if (p := self._nodes.get(parent)) is not None:
@@ -421,38 +421,36 @@ class PrefixIndex:
             solo = intern(bit, bit)
             room = self.max_blocks_per_replica - len(predicted)  # predictions the bound allows
             expiry, added, held = now + ttl_s, [], []
-            pnode: Any = _UNRESOLVED  # the node of ``parent``, looked up only when needed
-            for h in hashes:
+            # The leading run it already holds (the hit the policy just counted): found and,
+            # below, touched in bulk; a repeated hash (never in a real chain) stays per block.
+            lead = list(itertools.takewhile(blocks.__contains__, hashes))
+            if lead and len(set(lead)) == len(lead):
+                hashes, parent = hashes[len(lead) :], lead[-1]
+            else:
+                lead = []
+            tail_checked = False
+            for i, h in enumerate(hashes):
                 m = masks.get(h)
                 if m is None:  # new to the index: usually the request's unseen tail
+                    if not tail_checked:
+                        tail_checked = True
+                        rest = hashes[i:]
+                        if len(rest) <= room and not any(map(masks.__contains__, rest)):
+                            # All of it is new (the usual case): in bulk, at C speed.
+                            masks.update(zip(rest, itertools.repeat(solo)))
+                            predicted.update(zip(rest, itertools.repeat(expiry)))
+                            added.extend(rest)
+                            break
                     if room > 0:
-                        if pnode is _UNRESOLVED:
-                            pnode = None if parent is None else nodes.get(parent)
-                        if pnode is not None:  # pnode exists, h does not: so parent != h
-                            d = pnode.depth
-                            node = _Node(parent, 0, None, None if d is None else d + 1)
-                            kids = pnode.children
-                            pnode.children = h if kids is None else _add(kids, h)
-                            masks[h] = solo
-                            nodes[h] = node
-                            orphans = self._orphans
-                            if orphans and (kids := orphans.pop(h, None)) is not None:
-                                node.children = kids
-                                self._fix_depths(node)
-                        else:
-                            node = self._new_node(h, parent, 0, solo)
+                        masks[h] = solo
                         predicted[h] = expiry
                         added.append(h)
                         room -= 1
-                        pnode = node
-                    else:
-                        pnode = None  # h stays unindexed
                 elif h in blocks:
                     held.append(h)
-                    pnode = _UNRESOLVED
                 elif (old := predicted.get(h)) is not None or room > 0:
-                    node = nodes[h]
-                    if parent is not None and node.parent != parent:
+                    node = None if parent is None else nodes.get(h)
+                    if node is not None and node.parent != parent:
                         self._reparent(h, node, parent)
                     if old is None:
                         m |= bit
@@ -462,14 +460,17 @@ class PrefixIndex:
                     elif old < expiry:
                         predicted[h] = expiry
                     added.append(h)
-                    pnode = node
-                else:
-                    pnode = _UNRESOLVED
                 parent = h
-            if held:  # leaf first, as stores do: the first held block is the most recent
+            if lead or held:  # leaf first, as stores do: the root is the most recent
                 order = rep.order
                 s0 = rep.tick
-                st = rep.tick = s0 + len(held)
+                st = rep.tick = s0 + len(lead) + len(held)
+                if lead:
+                    deque(map(order.pop, map(blocks.__getitem__, lead)), 0)
+                    stamps = range(st - 1, st - len(lead) - 1, -1)
+                    blocks.update(zip(lead, stamps, strict=True))
+                    order.update(zip(stamps, lead, strict=True))
+                    st -= len(lead)
                 for h in held:
                     st -= 1
                     old = blocks[h]
@@ -508,7 +509,7 @@ class PrefixIndex:
 
     def __len__(self) -> int:
         """Distinct hashes indexed (predicted ones included)."""
-        return len(self._nodes)
+        return len(self._masks)
 
     def replicas(self) -> list[str]:
         with self._lock:
@@ -531,7 +532,7 @@ class PrefixIndex:
             rep = self._replicas.get(replica_id)
             return dict(self._lru(rep)) if rep else {}
 
-    def _lru(self, rep: _Replica) -> list[tuple[Hash, int]]:
+    def _lru(self, rep: _Holdings) -> list[tuple[Hash, int]]:
         """(hash, copies) of a replica's stored entries, least recently touched first."""
         order, copies = rep.order, rep.copies
         return [(h, copies.get(h, 1)) for h in map(order.__getitem__, sorted(order))]
@@ -565,14 +566,20 @@ class PrefixIndex:
         return out
 
     def _export_node(self, h: Hash, copies: int) -> dict[str, Any]:
-        n = self._nodes[h]
-        out = dict(hash=_external(h), parent=_external(n.parent), depth=n.depth, tokens=n.tokens)
+        n = self._nodes.get(h)
+        if n is None:  # predicted and stored nowhere: no tree node, so no parent known
+            out = dict(hash=_external(h), parent=None, depth=None, tokens=0)
+        else:
+            out = dict(
+                hash=_external(h), parent=_external(n.parent), depth=n.depth, tokens=n.tokens
+            )
         return out | {"copies": copies, "predicted": not copies}
 
     def check_invariants(self) -> None:
         """Asserts the module docstring's invariants, in O(size): for tests and debugging."""
         with self._lock:
             want: dict[Hash, int] = {}
+            stored: set[Hash] = set()
             for rep in self._replicas.values():
                 assert not rep.blocks.keys() & rep.predicted.keys(), "stored and predicted"
                 assert all(c >= 2 for c in rep.copies.values()), "copies below 2 kept"
@@ -584,7 +591,9 @@ class PrefixIndex:
                     assert rep.low <= stamp < rep.tick, "LRU stamp out of range"
                 for h in itertools.chain(rep.blocks, rep.predicted):
                     want[h] = want.get(h, 0) | rep.bit
-            assert self._masks == want and self._nodes.keys() == want.keys(), "masks disagree"
+                stored.update(rep.blocks)
+            assert self._masks == want, "masks disagree"
+            assert stored <= self._nodes.keys() <= want.keys(), "a tree node per stored hash"
             for h, node in self._nodes.items():
                 p = self._nodes.get(node.parent) if node.parent is not None else None
                 if node.parent is None:

@@ -77,17 +77,28 @@ class RequestView:
     max_tokens: int | None = None  # the request's output cap, if it set one
 
 
+# The decoders a request joins are, on average, halfway through their outputs, and while
+# they finish the router fills the lighter replicas with new arrivals: the gap between two
+# replicas' decode loads closes from both sides, as (1 - t/o)^2 over our o steps, whose mean
+# is 1/3. So a request feels a third of a replica's current decode load.
+DECODE_OVERLAP = 1 / 3
+# A full cache (the steady state of lazy LRU) makes room for every new block by evicting
+# one; an evicted token is priced as one future recompute of it.
+EVICTED_REUSE = 1.0
+
+
 class CostParts(NamedTuple):
     """Predicted seconds of serving one request on one replica, by part."""
 
     wait: float
     prefill: float
+    evict: float
     decode: float
     capacity: float
 
     @property
     def total(self) -> float:
-        return self.wait + self.prefill + self.decode + self.capacity
+        return self.wait + self.prefill + self.evict + self.decode + self.capacity
 
 
 def price(
@@ -95,14 +106,19 @@ def price(
 ) -> CostParts:
     """The seconds a request of ``n`` prompt tokens (``hit`` cached there, ``out`` expected
     output tokens) costs on a replica with coefficients ``c`` and load ``view``; the formula
-    and why each term is there are in the module docstring."""
+    and why each term is there are in the module docstring. The reference for
+    :meth:`KVPolicy.choose`, which computes the same sums inline."""
     queued, context, decoding, _, free = view
-    prefill = c.prefill_s(n - hit, hit)
-    # The decoders there are halfway through their outputs on average: ours overlaps half.
-    decode = out * c.decode_step_s(0.5 * decoding + 1, 0.5 * context + n + 0.5 * out)
+    f = DECODE_OVERLAP
+    decode = out * c.decode_step_s(f * decoding + 1, f * context + n + 0.5 * out)
     short = -(-(n + int(out)) // block_size) - hit // block_size - free
-    capacity = 2.0 * c.prefill_s(short * block_size) if short > 0 else 0.0
-    return CostParts(queued * c.prefill_s_per_token, prefill, decode, capacity)
+    return CostParts(
+        wait=queued * c.prefill_s_per_token,
+        prefill=c.prefill_s(n - hit, hit),
+        evict=EVICTED_REUSE * (n - hit) * c.prefill_s_per_token,
+        decode=decode,
+        capacity=2.0 * c.prefill_s(short * block_size) if short > 0 else 0.0,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,15 +241,41 @@ class KVPolicy(Policy):
         return {r: p.total for r, p in self.breakdown(req, replicas, now).items()}
 
     def choose(self, req: RequestView, replicas: Sequence[str], now: float) -> Decision:
-        """Lowest (seconds, requests in flight), then a seeded coin among the tied."""
+        """Lowest (seconds, requests in flight), then a seeded coin among the tied.
+
+        :func:`price`'s sums, inline: this loop and the index walk are the routing hot path.
+        What depends only on the replica's coefficients and hit (its prefill, eviction and
+        own-context terms) is computed once per distinct pair, so a fleet of one hardware
+        kind pays it once for all the replicas that miss."""
         matched, n, bs = self._match(req, now), req.num_prompt_tokens, req.block_size
-        o = self.load.expected_output_tokens(req.max_tokens)
+        out = self.load.expected_output_tokens(req.max_tokens)
         load, coef, default = self.load.get, self.load.coefficients, self.default_coefficients
+        f, own_ctx = DECODE_OVERLAP, n + 0.5 * out
+        need = -(-(n + int(out)) // bs)
+        fixed: dict[tuple[int, int], float] = {}
         best, fewest, tied = float("inf"), 0, []
         for r in replicas:
-            view = load(r, now)
-            cost = price(coef(r) or default, view, n, matched.get(r, 0) * bs, o, bs).total
-            count = view[3]
+            queued, context, decoding, count, free = load(r, now)
+            c = coef(r) or default
+            blocks = matched.get(r, 0)
+            key = (id(c), blocks)
+            base = fixed.get(key)
+            if base is None:  # prefill + eviction: the uncached tokens
+                hit = blocks * bs
+                base = fixed[key] = (
+                    c.prefill_s(n - hit, hit) + EVICTED_REUSE * (n - hit) * c.prefill_s_per_token
+                )
+            ctx = f * context + own_ctx
+            compute = (f * decoding + 1) * c.prefill_s_per_token + ctx * c.attention_s_per_pair
+            memory = c.weights_read_s + ctx * c.kv_read_s_per_token
+            cost = (
+                base
+                + queued * c.prefill_s_per_token
+                + out * (c.step_overhead_s + (compute if compute > memory else memory))
+            )
+            short = need - blocks - free
+            if short > 0:
+                cost += 2.0 * c.prefill_s(short * bs)
             if cost < best or (cost == best and count < fewest):
                 best, fewest, tied = cost, count, [r]
             elif cost == best and count == fewest:

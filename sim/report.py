@@ -43,26 +43,40 @@ def router_hashes(
     return out
 
 
+def ceiling_hit_rate(
+    specs: Sequence[RequestSpec], hashes: Sequence[Sequence[bytes]], block_size: int
+) -> float:
+    """An infinite cache: each request hits its leading full blocks that any earlier request
+    had (at most ``prompt - 1`` tokens, block-granular, as the engine hits). No router or
+    cache can do better. On Mooncake's traces this is their README's figure up to partial
+    last blocks (0.373 vs 0.374 and 0.650 vs 0.651)."""
+    seen: set[bytes] = set()
+    total = hit = 0
+    for spec, chain in zip(specs, hashes, strict=True):
+        n = spec.input_length
+        total += n
+        for h in chain[: (n - 1) // block_size]:
+            if h not in seen:
+                break
+            hit += block_size
+        seen.update(chain)
+    return hit / total if total else 0.0
+
+
 def bounds(
     specs: Sequence[RequestSpec],
     hashes: Sequence[Sequence[bytes]],
     cfg: SimConfig,
     tokens: TokenSource,
 ) -> dict[str, float]:
+    """The ceiling, and ``pooled``: one real KVCacheManager of the whole fleet's blocks
+    serving the requests one at a time in arrival order."""
     bs = cfg.block_size
-    seen: set[bytes] = set()
-    total = ceil_hit = pooled_hit = 0
+    total = pooled_hit = 0
     kv = KVCacheManager(cfg.replicas * cfg.blocks, BlockHasher(block_size=bs))
-    for i, (spec, chain) in enumerate(zip(specs, hashes, strict=True)):
+    for i, spec in enumerate(specs):
         n = spec.input_length
         total += n
-        k = 0
-        for h in chain[: (n - 1) // bs]:
-            if h not in seen:
-                break
-            k += 1
-        ceil_hit += k * bs
-        seen.update(chain)
         toks = array("I")
         toks.frombytes(tokens.prompt_bytes(spec))
         req = SimRequest(i, RequestSpec(0.0, spec.segments, 1, spec.cache_salt), toks)
@@ -72,7 +86,7 @@ def bounds(
         kv.free(req)
     return {
         "prompt_tokens": total,
-        "ceiling_hit_rate": ceil_hit / total if total else 0.0,
+        "ceiling_hit_rate": ceiling_hit_rate(specs, hashes, bs),
         "pooled_hit_rate": pooled_hit / total if total else 0.0,
     }
 

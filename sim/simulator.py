@@ -100,7 +100,10 @@ class SimRequest:
         return self.tokens[: self.num_tokens]
 
 
-class _Replica:
+class _SimEngine:
+    """One simulated replica: its engine's queues and KV cache manager, the step in flight,
+    and what it computed."""
+
     __slots__ = (
         "alive", "busy_s", "decode_tokens", "epoch", "id", "kv", "last_deliver", "last_report",
         "macro", "prefill_tokens", "routed", "running", "step", "version", "waiting",
@@ -139,7 +142,7 @@ class Fleet:
             **cfg.kv_params,
         )  # fmt: skip
         self.rng = random.Random(f"loss:{cfg.seed}")
-        self.reps = [_Replica(i, self._new_kv()) for i in range(cfg.replicas)]
+        self.reps = [_SimEngine(i, self._new_kv()) for i in range(cfg.replicas)]
         coefficients = self.cm.coefficients()  # what each replica's info carries
         for rep in self.reps:
             self.policy.load.register(rep.id, coefficients, cfg.blocks)
@@ -210,7 +213,7 @@ class Fleet:
         rep.waiting.append(req)
         self._kick(rep)
 
-    def _kick(self, rep: _Replica) -> None:
+    def _kick(self, rep: _SimEngine) -> None:
         """New work for ``rep``: start a step if idle, or cut a decode run short."""
         if rep.step is None and rep.macro is None:
             self._start_step(rep)
@@ -223,7 +226,7 @@ class Fleet:
                 self._push(t0 + float(cum[m - 1]), _STEP, (rep, rep.version))
 
     # -- the engine ------------------------------------------------------------------------
-    def _start_step(self, rep: _Replica) -> None:
+    def _start_step(self, rep: _SimEngine) -> None:
         running, waiting, kv = rep.running, rep.waiting, rep.kv
         if not running and not waiting:
             return
@@ -283,13 +286,13 @@ class Fleet:
         rep.version += 1
         self._push(self.now + dt, _STEP, (rep, rep.version))
 
-    def _preempt(self, rep: _Replica, victim: SimRequest) -> None:
+    def _preempt(self, rep: _SimEngine, victim: SimRequest) -> None:
         rep.kv.free(victim)
         victim.num_computed_tokens = 0
         rep.waiting.appendleft(victim)
         self.preemptions += 1
 
-    def _try_macro(self, rep: _Replica) -> bool:
+    def _try_macro(self, rep: _SimEngine) -> bool:
         """Pure decode, no manager calls due: advance several steps in one event."""
         bs, k, pos = self.cfg.block_size, 1 << 30, 0
         for r in rep.running:
@@ -307,7 +310,7 @@ class Fleet:
         self._push(self.now + float(cum[-1]), _STEP, (rep, rep.version))
         return True
 
-    def _end_step(self, rep: _Replica) -> None:
+    def _end_step(self, rep: _SimEngine) -> None:
         now, policy = self.now, self.policy
         finished: list[SimRequest] = []
         if rep.macro is not None:
@@ -352,7 +355,7 @@ class Fleet:
         self._publish(rep)
         self._start_step(rep)
 
-    def _publish(self, rep: _Replica, events: list | None = None) -> None:
+    def _publish(self, rep: _SimEngine, events: list | None = None) -> None:
         """After a step: its events, and a load report when one is due (one per interval,
         riding on the event stream; an empty batch carries it when the step stored nothing,
         as a live replica's heartbeat would)."""
@@ -371,7 +374,7 @@ class Fleet:
         self._push(t, _DELIVER, (rep, rep.epoch, EventBatch(self.now, events), report))
 
     @staticmethod
-    def _load_report(rep: _Replica) -> LoadReport:
+    def _load_report(rep: _SimEngine) -> LoadReport:
         """The figures a live replica reports (``Scheduler.load_report``), from this one."""
         prefill = decode = decoding = 0
         for r in rep.running:

@@ -10,7 +10,7 @@ genuine prefix reuse without the trace ever carrying text.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,26 +70,6 @@ def prompt_tokens(req: TraceRequest, vocab_size: int) -> list[int]:
     for b in req.block_ids:
         tokens.extend(block_tokens(b, vocab_size))
     return tokens[: req.input_length]
-
-
-def prefix_ceiling(requests: Iterable[TraceRequest]) -> float:
-    """Fraction of prompt tokens an infinitely large single prefix cache could serve.
-
-    A request hits its leading block ids already seen (any earlier request), 512 tokens
-    each, at most ``input_length - 1`` (one token is always computed to get logits).
-    """
-    seen: set[int] = set()
-    hit = total = 0
-    for req in requests:
-        n = 0
-        for b in req.block_ids:
-            if b not in seen:
-                break
-            n += 1
-        hit += min(n * MOONCAKE_BLOCK_TOKENS, req.input_length - 1)
-        total += req.input_length
-        seen.update(req.block_ids)
-    return hit / total if total else 0.0
 
 
 def iter_arrivals(

@@ -13,6 +13,7 @@ from kvroute.events.load import REFERENCE_COEFFICIENTS, LoadReport
 from kvroute.router.index import PrefixIndex
 from kvroute.router.load import LoadTracker
 from kvroute.router.policy import (
+    DECODE_OVERLAP,
     POLICIES,
     KVPolicy,
     NoReplicaError,
@@ -247,10 +248,16 @@ def test_cost_prefill_counts_only_uncached_tokens_with_the_quadratic_term():
 def test_cost_decode_grows_with_the_context_the_replica_is_decoding():
     light = price(C, (0, 10_000, 4, 4, 10_000), 1000, 0, 200, BS)
     heavy = price(C, (0, 400_000, 4, 4, 10_000), 1000, 0, 200, BS)
-    # memory-bound: half the extra context (the decoders are halfway through) read per step
-    extra = 200 * 0.5 * 390_000 * C.kv_read_s_per_token
+    # memory-bound: the overlapped share of the extra context is read at every one of its steps
+    extra = 200 * DECODE_OVERLAP * 390_000 * C.kv_read_s_per_token
     assert heavy.decode - light.decode == pytest.approx(extra)
     assert (heavy.wait, heavy.prefill, heavy.capacity) == (light.wait, light.prefill, 0.0)
+
+
+def test_cost_eviction_prices_the_blocks_a_miss_displaces():
+    cold, warm = price(C, IDLE, 4096, 0, 100, BS), price(C, IDLE, 4096, 4000, 100, BS)
+    assert cold.evict == pytest.approx(4096 * C.prefill_s_per_token)
+    assert warm.evict == pytest.approx(96 * C.prefill_s_per_token)
 
 
 def test_cost_capacity_prices_preemption_only_when_free_blocks_run_short():
