@@ -13,24 +13,34 @@ or make others wait there, and picks the cheapest (:func:`price`). With ``n`` pr
 (:class:`~kvroute.router.load.LoadTracker`: ``Q`` queued prefill tokens, ``B`` decoding
 requests holding ``C`` KV tokens, ``F`` free blocks)::
 
-    wait     = prefill_s_per_token * Q                  the prefill queued ahead (FCFS)
-    prefill  = prefill_s(n - h, cached=h)               its own uncached prefill
-    decode   = o * step(B + 1, C + n + o/2)             its own decode steps in that batch
-    others   = B * (prefill + o/2 * (step(B + 1, ...) - step(B, C)))
-                                                        the decoders it stalls: each waits
-                                                        out its prefill (chunked prefill
-                                                        shares their steps) and reads its
-                                                        context for ~o/2 of their steps
-    capacity = 2 * prefill_s(max(0, need - F) * block)  blocks it needs beyond the free ones
-                                                        preempt a running request: its
-                                                        tokens are recomputed, and it waits
+    wait     = prefill_s_per_token * Q                the prefill queued ahead of it (FCFS)
+    prefill  = prefill_s(n - h, cached=h)             its own uncached prefill, quadratic
+                                                      in length through attention
+    evict    = prefill_s_per_token * (n - h)          a full cache makes room for each new
+                                                      block by evicting one: priced as one
+                                                      future recompute of what it displaces
+    decode   = o * step(B/3 + 1, C/3 + n + o/2)       its own decode steps in that batch
+                                                      (memory-bound: a step reads the
+                                                      batch's whole context)
+    capacity = 2 * prefill_s(max(0, need - F) blocks) blocks beyond the free ones preempt a
+                                                      running request: its tokens are
+                                                      recomputed, and it waits meanwhile
 
-Nothing is tuned per workload: every term is seconds on the replica's own roofline, and the
-two halves (o/2) are the mean overlap of two requests' decodes. Because a holder's queue
-and decode batch grow with every sibling sent there, a hot prefix stays on one replica only
-while its hit saves more than the holder's load costs; then the next sibling pays the
-prefill once elsewhere and later ones spread over all holders by load. A cold prefix is
-never copied: without load there is nothing to save by moving it.
+Why a third of the batch (:data:`DECODE_OVERLAP`): the decoders there are halfway through
+their outputs on average, and while they finish, the router sends new arrivals to lighter
+replicas, so the gap between two replicas' decode loads closes from both sides, as
+``(1 - t/o)^2`` over this request's ``o`` steps: a mean of 1/3. Its own context counts
+whole, growing by ``o/2`` on average.
+
+Nothing is tuned per workload: every term is seconds on the replica's own roofline. The
+slowdown this request's context adds to the others' decode steps is not priced on top:
+it mirrors what theirs adds to its own (the decode term), and counting it twice weighted
+decode balance over time to first token with no gain in end-to-end time (measured in the
+simulator on every built-in workload). Because a holder's queue and batch grow with every
+sibling sent there, a hot prefix stays on one replica only while its hit saves more than
+the holder's load costs; then the next sibling pays the prefill once elsewhere and later
+ones spread over all holders by load. A cold prefix is never copied: without load there is
+nothing to save by moving it.
 
 Ties go to fewer requests in flight, then to a seeded coin. Once routed, the request's
 blocks are predicted on that replica for ``prediction_ttl_s`` so a burst of siblings
@@ -77,13 +87,10 @@ class RequestView:
     max_tokens: int | None = None  # the request's output cap, if it set one
 
 
-# The decoders a request joins are, on average, halfway through their outputs, and while
-# they finish the router fills the lighter replicas with new arrivals: the gap between two
-# replicas' decode loads closes from both sides, as (1 - t/o)^2 over our o steps, whose mean
-# is 1/3. So a request feels a third of a replica's current decode load.
+# The share of a replica's current decode load a new request feels (module docstring).
 DECODE_OVERLAP = 1 / 3
-# A full cache (the steady state of lazy LRU) makes room for every new block by evicting
-# one; an evicted token is priced as one future recompute of it.
+# Future recomputes an evicted token costs (module docstring): a full cache -- lazy LRU's
+# steady state -- makes room for every new block by evicting one.
 EVICTED_REUSE = 1.0
 
 
