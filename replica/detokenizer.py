@@ -63,8 +63,10 @@ class IncrementalDetokenizer:
     def resume(self, token_ids: Sequence[int], sent_chars: int) -> None:
         """Continues a request whose first ``token_ids`` were generated elsewhere, of whose
         text ``sent_chars`` characters were already handed out: the same text is rebuilt
-        (and held back) as if those tokens had come here one by one."""
-        self.update(token_ids)
+        (and held back) by the same steps, one token at a time, as generation made it --
+        decoding them at once could render a broken byte sequence differently."""
+        for token_id in token_ids:
+            self.update([token_id])
         self.sent = min(max(sent_chars, 0), len(self.text))
 
     def _match_stop(self, start: int) -> None:

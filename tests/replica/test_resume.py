@@ -17,7 +17,7 @@ import pytest
 from kvroute.events.replica_api import Resume
 from kvroute.replica import EngineConfig, LLMEngine, SamplingParams
 
-PROMPT = "Once upon a time, far away"
+PROMPTS = ["Once upon a time, far away", "failover drill"]  # the second: broken UTF-8
 N = 20
 _ids = itertools.count()
 
@@ -47,9 +47,11 @@ def engine() -> LLMEngine:
     return LLMEngine(EngineConfig(model="tiny", num_blocks=64))
 
 
-def run(engine: LLMEngine, params: SamplingParams, resume: Resume | None = None) -> Run:
+def run(
+    engine: LLMEngine, params: SamplingParams, resume: Resume | None = None, prompt: int = 0
+) -> Run:
     rid = f"r{next(_ids)}"
-    engine.add_request(rid, PROMPT, params, resume=resume)
+    engine.add_request(rid, PROMPTS[prompt], params, resume=resume)
     # A bystander shares every step, as on a busy replica.
     engine.add_request(f"b{next(_ids)}", "bystander", SamplingParams(max_tokens=N, seed=1))
     steps, finish = [], None
@@ -76,15 +78,16 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True)
 SEEDED = SamplingParams(temperature=1.0, seed=1234, top_k=40, max_tokens=N, ignore_eos=True)
 
 
+@pytest.mark.parametrize("prompt", [0, 1])
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("k", [1, 7, N - 1])
 def test_a_resumed_request_continues_exactly(
-    engine: LLMEngine, params: SamplingParams, k: int
+    engine: LLMEngine, params: SamplingParams, k: int, prompt: int
 ) -> None:
-    full = run(engine, params)
+    full = run(engine, params, prompt=prompt)
     assert len(full.token_ids) == N
     resume = cut(full, k)
-    rest = run(engine, params, resume)
+    rest = run(engine, params, resume, prompt=prompt)
     assert resume.output_token_ids + rest.token_ids == full.token_ids
     assert full.text[: resume.sent_chars] + rest.text == full.text
     assert rest.finish_reason == full.finish_reason == "length"
@@ -107,7 +110,7 @@ def test_a_stop_string_across_the_cut(engine: LLMEngine) -> None:
 
 def test_a_resume_with_nothing_left_is_refused(engine: LLMEngine) -> None:
     with pytest.raises(ValueError, match="left to generate"):
-        engine.add_request("done", PROMPT, GREEDY, resume=Resume(output_token_ids=[5] * N))
+        engine.add_request("done", PROMPTS[0], GREEDY, resume=Resume(output_token_ids=[5] * N))
     with pytest.raises(ValueError, match="prompt"):
-        engine.add_request("bad", PROMPT, GREEDY, resume=Resume(output_token_ids=[10_000]))
+        engine.add_request("bad", PROMPTS[0], GREEDY, resume=Resume(output_token_ids=[10_000]))
     assert not engine.has_unfinished_requests()
