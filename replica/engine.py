@@ -212,12 +212,15 @@ class LLMEngine:
             arrival_time=arrival_time,
             output_token_ids=prior,
         )
-        self.scheduler.add_request(req)
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+        if prior and resume is not None and (self.config.stream_text or detok.stop):
+            try:  # before queueing: a failure here leaves nothing behind
+                detok.resume(prior, resume.sent_chars)
+            except Exception as exc:
+                raise ValueError(f"the resumed outputs cannot be decoded ({exc!r})") from exc
+        self.scheduler.add_request(req)
         state = self._states[request_id] = _RequestState(req, text, detok)
         if prior and resume is not None:
-            if self._detokenizes(state):
-                detok.resume(prior, resume.sent_chars)
             state.resumed_chars = resume.sent_chars
             vocab_rows = int(self.runner.lm_head.weight.shape[0])  # the draws' width
             self.runner.sampler.prime(request_id, params, len(prior), vocab_rows)

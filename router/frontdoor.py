@@ -434,11 +434,14 @@ class FrontDoor:
         uninterrupted stream. Otherwise -- or at a second failure -- the failure is raised
         (the :class:`Stream` quarantines a suspect and drops the replica)."""
         outputs, chars = list(first.delta_token_ids), len(first.delta_text)
-        current, stream = rid, rest
+        current, stream, awaiting_first = rid, rest, False
         try:
             for failover in (False, True):
                 try:
                     async for delta in stream:
+                        if awaiting_first:  # the new replica's first token
+                            awaiting_first = False
+                            self.policy.on_first_token(view.request_id, time.monotonic())
                         outputs.extend(delta.delta_token_ids)
                         chars += len(delta.delta_text)
                         yield delta
@@ -472,6 +475,7 @@ class FrontDoor:
                     with contextlib.suppress(Exception):
                         await stream.aclose()  # type: ignore[attr-defined]
                     stream = stream_generate(target.actor, resumed)
+                    awaiting_first = True
                     target.routed += 1
                     self.counters["failovers"] += 1
                     log.warning(
