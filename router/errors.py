@@ -13,6 +13,7 @@ unhandled exception into a 500 that still carries the id.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import uuid
@@ -124,18 +125,36 @@ class RequestIdMiddleware:
             await response(scope, receive, send_with_id)
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
     """The request body, refused (413) past ``limit`` bytes before more than that is read:
-    a declared length is checked first, a chunked body as it arrives."""
+    a declared length is checked first, a chunked body as it arrives. A body that has not
+    arrived whole within ``timeout_s`` is a 408: a slow client cannot hold a handler (and
+    its memory) for as long as it likes."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise APIError(413, _too_large(limit), "invalid_request_error", code="body_too_large")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, _too_large(limit), "invalid_request_error", code="body_too_large")
-        chunks.append(chunk)
+    chunks: list[bytes] = []
+    size = 0
+
+    async def read() -> None:
+        nonlocal size
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(
+                    413, _too_large(limit), "invalid_request_error", code="body_too_large"
+                )
+            chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), timeout_s)
+    except TimeoutError:
+        raise APIError(
+            408,
+            f"The request body did not arrive within {timeout_s:g} s.",
+            "invalid_request_error",
+            code="body_timeout",
+        ) from None
     return b"".join(chunks)
 
 

@@ -36,6 +36,7 @@ from .tenants import Tenant
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 4 << 20  # default cap on a request body, checked before it is parsed
+BODY_TIMEOUT_S = 30.0  # default time for a body to arrive whole (a 408 past it)
 # A token covers at most this many characters in the cheap bound applied before tokenizing
 # (the tokenizer's longest vocabulary entry, when it can be read, replaces it).
 DEFAULT_CHARS_PER_TOKEN = 32
@@ -47,10 +48,17 @@ Body = CompletionRequest | ChatCompletionRequest
 class Intake:
     """One per app: the front door, the served model's name and the worker thread."""
 
-    def __init__(self, door: FrontDoor, model_name: str, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        door: FrontDoor,
+        model_name: str,
+        max_body_bytes: int,
+        body_timeout_s: float | None = BODY_TIMEOUT_S,
+    ) -> None:
         self.door = door
         self.model_name = model_name
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
         # One thread: a tokenizer is not safe to share between threads.
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="kvroute-tokenize")
         self.chars_per_token = _chars_per_token(door.tokenizer)
@@ -63,7 +71,7 @@ class Intake:
 
     async def parse(self, request: Request, model: type[M]) -> M:
         """The body as ``model``: read under the size cap, validated strictly, checked."""
-        raw = await read_body(request, self.max_body_bytes)
+        raw = await read_body(request, self.max_body_bytes, self.body_timeout_s)
         try:
             if len(raw) > OFF_LOOP_BODY_BYTES:
                 body = await self.off_loop(lambda: model.model_validate_json(raw))

@@ -38,7 +38,7 @@ from .errors import (
     validation_error,
 )
 from .frontdoor import FrontDoor
-from .intake import MAX_BODY_BYTES, Intake
+from .intake import BODY_TIMEOUT_S, MAX_BODY_BYTES, Intake
 from .metrics import render_metrics
 from .openai_api import (
     ChatChoice,
@@ -56,7 +56,7 @@ from .openai_api import (
 from .responses import REPLICA_HEADER, respond
 from .tenants import AuthError, Tenant, Tenants
 
-__all__ = ["MAX_BODY_BYTES", "REPLICA_HEADER", "create_app", "render_metrics"]
+__all__ = ["BODY_TIMEOUT_S", "MAX_BODY_BYTES", "REPLICA_HEADER", "create_app", "render_metrics"]
 
 
 def _authenticate(request: Request) -> Tenant:
@@ -160,12 +160,13 @@ def create_app(
     served_model: str | None = None,
     *,
     max_body_bytes: int = MAX_BODY_BYTES,
+    body_timeout_s: float | None = BODY_TIMEOUT_S,
 ) -> FastAPI:
     """The app; it starts ``door``'s restart monitor on its own loop and closes ``door`` on
     shutdown. ``served_model``: the name clients use in ``model`` (default: the replicas'
     configured model). ``max_body_bytes``: a larger body is a 413, refused before it is
-    read whole or parsed."""
-    intake = Intake(door, served_model or door.model, max_body_bytes)
+    read whole or parsed; ``body_timeout_s``: a body slower than this is a 408."""
+    intake = Intake(door, served_model or door.model, max_body_bytes, body_timeout_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

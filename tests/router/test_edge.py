@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from .fleet import MODEL, Served, assert_clean_error, serve
 CONFIG = {"model": MODEL, "block_size": 16, "num_blocks": 64}
 AUTH = {"Authorization": "Bearer key-a", "content-type": "application/json"}
 BODY_CAP = 1 << 20
+BODY_TIMEOUT = 1.0
 C, H = "/v1/completions", "/v1/chat/completions"
 
 
@@ -37,7 +39,7 @@ def served() -> Iterator[Served]:
     ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
     try:
         actors = [start_replica("e0", CONFIG, num_cpus=0.5, torch_threads=1)]
-        with serve(actors, max_body_bytes=BODY_CAP) as s:
+        with serve(actors, max_body_bytes=BODY_CAP, body_timeout_s=BODY_TIMEOUT) as s:
             yield s
     finally:
         ray.shutdown()
@@ -222,3 +224,32 @@ def test_large_bodies_never_stall_the_event_loop(served: Served) -> None:
     assert elapsed < 10, elapsed
     assert len(busy) >= 10
     assert max(busy) < max(idle) + 0.1, (max(busy), max(idle))
+
+
+def test_a_slow_body_times_out_and_frees_its_handler(served: Served) -> None:
+    """A client that declares a body and sends it too slowly gets a 408, not a handler
+    (and its buffers) held for as long as it likes; meanwhile others are served."""
+    host, port = served.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer key-a\r\n"
+            b'Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"model":'
+        )
+        t0 = time.perf_counter()
+        assert post(served, C, completion()).status_code == 200  # not held up meanwhile
+        reply = b""
+        while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+            data = sock.recv(65536)
+            assert data, reply
+            reply += data
+        waited = time.perf_counter() - t0
+    head, _, payload = reply.decode().partition("\r\n\r\n")
+    assert head.startswith("HTTP/1.1 408"), head
+    error = json.loads(payload)["error"]
+    assert error["code"] == "body_timeout" and error["request_id"] in head
+    assert BODY_TIMEOUT * 0.5 < waited < BODY_TIMEOUT + 5
+
+
+def test_metrics_count_failovers_and_quarantine(served: Served) -> None:
+    text = httpx.get(served.url + "/metrics").text
+    assert "kvroute_failovers_total 0" in text and "kvroute_quarantined_requests 0" in text
