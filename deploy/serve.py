@@ -39,6 +39,18 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
         default=None,
         help="requests admitted at once; more get 429 (default: 128 per replica)",
     )
+    serve.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=4 << 20,
+        help="larger request bodies get 413 before they are read (default: 4 MiB)",
+    )
+    serve.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds for a request body to arrive whole; slower ones get 408 (default: 30)",
+    )
 
 
 def _say(msg: str) -> None:
@@ -147,7 +159,13 @@ def _run(args: argparse.Namespace, keys: dict[str, str] | None, secret: str) -> 
         _say(str(exc))
         return 2
     tenants = Tenants(keys, secret)
-    app = create_app(door, tenants, args.served_model_name)
+    app = create_app(
+        door,
+        tenants,
+        args.served_model_name,
+        max_body_bytes=args.max_body_bytes,
+        body_timeout_s=args.body_timeout,
+    )
     name = args.served_model_name or door.model
     auth = f"{len(keys)} API key(s)" if keys else "no API keys (every request is tenant default)"
     _say(
