@@ -30,8 +30,8 @@ Invariants (all guarded by ``_lock``):
   index's memory.
 - Masks are interned (one object per value, best effort), so ``match`` skips a block whose
   holders are exactly the replicas still matching with one identity test.
-- ``rep.blocks`` is an LRU: stores, and :meth:`PrefixIndex.predict` (a request was just
-  routed there), touch entries leaf first, so a chain's shared root is forgotten last; past
+- ``rep.blocks`` is an LRU: stores touch entries leaf first, so a chain's shared root is
+  forgotten last; past
   ``max_blocks_per_replica`` the least recent entries are forgotten. A touch gives the entry
   the replica's next stamp; ``rep.order`` maps each live stamp back to its hash (a
   bijection with ``rep.blocks``) and no live stamp is below ``rep.low``, so the oldest entry
@@ -53,7 +53,6 @@ import heapq
 import itertools
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from operator import length_hint
 from typing import Any
@@ -411,7 +410,10 @@ class PrefixIndex:
         expire or real events arrive, so its siblings follow it. Returns blocks predicted.
 
         ``parent`` is the hash before ``hashes[0]`` (None when they start at block 0).
-        Blocks the replica already holds are touched in its LRU instead."""
+        Blocks the replica already holds are left as they are: a prediction does not touch
+        the index's LRU, whose bound is a safety net far above what any engine holds (an
+        engine's own evictions arrive as events). This is the routing hot path's larger
+        half: a held leading run is skipped and an unseen tail inserted in bulk, in C."""
         with self._lock:
             now = self._clock() if now is None else now
             self._expire(now)
@@ -420,14 +422,10 @@ class PrefixIndex:
             intern, bit = self._interner(), rep.bit
             solo = intern(bit, bit)
             room = self.max_blocks_per_replica - len(predicted)  # predictions the bound allows
-            expiry, added, held = now + ttl_s, [], []
-            # The leading run it already holds (the hit the policy just counted): found and,
-            # below, touched in bulk; a repeated hash (never in a real chain) stays per block.
-            lead = list(itertools.takewhile(blocks.__contains__, hashes))
-            if lead and len(set(lead)) == len(lead):
-                hashes, parent = hashes[len(lead) :], lead[-1]
-            else:
-                lead = []
+            expiry, added = now + ttl_s, []
+            lead = len(list(itertools.takewhile(blocks.__contains__, hashes)))  # held: skip
+            if lead:
+                hashes, parent = hashes[lead:], hashes[lead - 1]
             tail_checked = False
             for i, h in enumerate(hashes):
                 m = masks.get(h)
@@ -447,7 +445,7 @@ class PrefixIndex:
                         added.append(h)
                         room -= 1
                 elif h in blocks:
-                    held.append(h)
+                    pass
                 elif (old := predicted.get(h)) is not None or room > 0:
                     node = None if parent is None else nodes.get(h)
                     if node is not None and node.parent != parent:
@@ -461,23 +459,6 @@ class PrefixIndex:
                         predicted[h] = expiry
                     added.append(h)
                 parent = h
-            if lead or held:  # leaf first, as stores do: the root is the most recent
-                order = rep.order
-                s0 = rep.tick
-                st = rep.tick = s0 + len(lead) + len(held)
-                if lead:
-                    deque(map(order.pop, map(blocks.__getitem__, lead)), 0)
-                    stamps = range(st - 1, st - len(lead) - 1, -1)
-                    blocks.update(zip(lead, stamps, strict=True))
-                    order.update(zip(stamps, lead, strict=True))
-                    st -= len(lead)
-                for h in held:
-                    st -= 1
-                    old = blocks[h]
-                    if old < s0:
-                        del order[old]
-                        blocks[h] = st
-                        order[st] = h
             if added:
                 heapq.heappush(self._expiries, (expiry, next(self._seq), replica_id, tuple(added)))
             return len(added)

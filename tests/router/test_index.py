@@ -243,10 +243,9 @@ def test_eviction_forgets_a_chains_leaf_before_its_root() -> None:
     a, b, c, x, y = (bytes([i]) * 16 for i in range(1, 6))
     feed(index, "r0", stored([a, b, c]), stored([x]), stored([y]))
     assert index.match([a, b, c]) == {"r0": 2}
-    # A request routed there touches its blocks: they outlive newer, untouched ones.
-    index.predict("r0", [a, b], now=0.0)
-    feed(index, "r0", stored([c], b), stored([b"\x09" * 16]))
-    assert index.match([a, b]) == {"r0": 2} and index.num_blocks("r0") == 4
+    # A store touches its blocks: re-storing the chain keeps it over newer, untouched ones.
+    feed(index, "r0", stored([a, b]), stored([c], b), stored([b"\x09" * 16]))
+    assert index.match([a, b, c]) == {"r0": 3} and index.num_blocks("r0") == 4
 
 
 class FakeClock:
@@ -435,8 +434,8 @@ def test_match_stops_when_no_replica_is_left() -> None:
 class ReferenceLRU:
     """The memory bound's rule on an OrderedDict, as the index implemented it before LRU
     stamps: a store counts each hash, then touches the event's hashes leaf first (so a
-    chain's root is the most recent); a prediction touches the held ones the same way; past
-    the bound the least recent go. Removes and clears touch nothing."""
+    chain's root is the most recent); past the bound the least recent go. Removes, clears
+    and predictions touch nothing."""
 
     def __init__(self, cap: int) -> None:
         self.cap = cap
@@ -464,9 +463,9 @@ class ReferenceLRU:
 
 @pytest.mark.parametrize("form", ["bytes", "int"])
 def test_eviction_order_equals_a_reference_lru(form: str) -> None:
-    """Duplicates within an event, copies, touches by predictions, removes and clears, on a
-    small universe so that the bound bites all the time: the index forgets exactly what an
-    LRU would, and ``counts`` lists what it keeps least recent first."""
+    """Duplicates within an event, copies, predictions (which touch nothing), removes and
+    clears, on a small universe so that the bound bites all the time: the index forgets
+    exactly what an LRU would, and ``counts`` lists what it keeps least recent first."""
     rng, cap = random.Random(8), 12
     universe = [i.to_bytes(16, "big") if form == "bytes" else i for i in range(1, 41)]
     index = PrefixIndex(max_blocks_per_replica=cap, clock=lambda: 0.0)
@@ -492,7 +491,6 @@ def test_eviction_order_equals_a_reference_lru(form: str) -> None:
         elif r < 0.97:
             hs = sorted(rng.sample(universe, rng.randint(1, 10)))
             index.predict(rid, hs, ttl_s=rng.choice([0.0, 5.0]), now=0.0)
-            ref.touch(hs)
         else:
             feed(index, rid, AllBlocksCleared())
             ref.d.clear()
