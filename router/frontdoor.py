@@ -19,7 +19,7 @@ Why the shape:
   failure first, or the actor was restarting), or when the engine reports that the request
   was not in the step that failed (``ReplicaDeadError.suspect``). A suspect is not retried;
   its fingerprint (a hash of its tokens and sampling parameters) is logged and quarantined
-  for ``quarantine_s``, so the client's own retry is refused (:class:`QueryOfDeathError`)
+  for ``suspects.ttl_s``, so the client's own retry is refused (:class:`QueryOfDeathError`)
   instead of taking down another replica. A process that died outright (no word from its
   engine) is ambiguous: such a request is not retried either, and is quarantined at its
   second such failure.
@@ -35,11 +35,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +61,7 @@ from kvroute.events.replica_api import (
 from .index import PrefixIndex
 from .load import LoadTracker
 from .policy import NoReplicaError, Policy, RequestView, make_policy
+from .quarantine import Quarantine, fingerprint, not_caused_by
 from .tenants import Tenant
 
 log = logging.getLogger(__name__)
@@ -74,22 +74,6 @@ if hasattr(ray.exceptions, "ActorUnavailableError"):
 
 class OverloadedError(RuntimeError):
     """The router already has ``max_in_flight`` requests in flight (HTTP 429)."""
-
-
-class QueryOfDeathError(RuntimeError):
-    """The request (by fingerprint) was being computed when a replica failed and is refused
-    for a while rather than replayed onto another replica (HTTP 400)."""
-
-
-QUARANTINE_S = 600.0
-MAX_QUARANTINED = 10_000
-
-
-def fingerprint(prompt_token_ids: Sequence[int], sampling: SamplingSpec) -> str:
-    """What identifies a request's content across retries and tenants: its tokens and
-    sampling parameters (a query of death is one whoever sends it)."""
-    data = msgspec.msgpack.encode([list(prompt_token_ids), sampling])
-    return hashlib.sha256(data).hexdigest()[:16]
 
 
 class FleetMismatchError(ValueError):
@@ -147,7 +131,7 @@ class Stream:
         except REPLICA_FAILURES as exc:
             door = self.door
             if getattr(exc, "suspect", False):  # its engine died computing it: no replay
-                door.quarantine(self.fingerprint, self.request_id, self.replica, strikes=2)
+                door.suspects.strike(self.fingerprint, self.request_id, self.replica, strikes=2)
             door.on_replica_failure(self.replica)
             raise
         finally:
@@ -200,10 +184,8 @@ class FrontDoor:
         self.load_interval_s = load_interval_s
         self.max_in_flight = max_in_flight
         self.cordoned: set[str] = set()
-        self.quarantine_s = QUARANTINE_S
-        # fingerprint -> (strikes, refused until): requests that were computing when a
-        # replica failed (see the module docstring); oldest first, bounded.
-        self.suspects: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        # Requests that were computing when a replica failed (see the module docstring).
+        self.suspects = Quarantine(self.errors)
         self._monitor: asyncio.Task[None] | None = None
         if tokenizer is None:
             from transformers import AutoTokenizer
@@ -362,7 +344,7 @@ class FrontDoor:
             self.errors["overloaded"] += 1
             raise OverloadedError(f"{self.max_in_flight} requests in flight; retry shortly")
         fp = fingerprint(prompt_token_ids, sampling)
-        self._refuse_if_quarantined(fp)
+        self.suspects.check(fp)
         request_id = request_id or uuid.uuid4().hex
         salt = tenant.salt_for(request_salt)
         view = RequestView(
@@ -402,12 +384,12 @@ class FrontDoor:
                     raise
                 if not isinstance(exc, REPLICA_FAILURES):
                     raise
-                innocent = _not_caused_by(exc, rep.failures != failures_at_send)
+                innocent = not_caused_by(exc, rep.failures != failures_at_send)
                 self.on_replica_failure(rid)
                 if innocent is None:  # the engine saw it in the failing step
-                    self.quarantine(fp, request_id, rid, strikes=2)
+                    self.suspects.strike(fp, request_id, rid, strikes=2)
                 elif not innocent:  # the process died with it: one strike of two
-                    self.quarantine(fp, request_id, rid, strikes=1)
+                    self.suspects.strike(fp, request_id, rid, strikes=1)
                 elif attempt == 0:
                     self.counters["retries"] += 1
                     log.warning("request %s: replica %s failed, retrying", request_id, rid)
@@ -454,7 +436,7 @@ class FrontDoor:
                     if failover:  # one failover per request: past it, the error
                         self.on_replica_failure(current)
                         raise
-                    if _not_caused_by(exc, reported_before) is not True:
+                    if not_caused_by(exc, reported_before) is not True:
                         raise
                     self.on_replica_failure(current)
                     now = time.monotonic()
@@ -489,55 +471,8 @@ class FrontDoor:
             with contextlib.suppress(Exception):
                 await stream.aclose()  # type: ignore[attr-defined]
 
-    def quarantine(self, fp: str, request_id: str, replica: str, strikes: int) -> None:
-        """Counts a failure of ``replica`` that the request ``fp`` may have caused; at two
-        strikes its fingerprint is refused for ``quarantine_s``."""
-        now = time.monotonic()
-        old, until = self.suspects.pop(fp, (0, 0.0))
-        total = (old if until == 0.0 or until > now else 0) + strikes
-        refused = total >= 2
-        self.suspects[fp] = (total, now + self.quarantine_s if refused else 0.0)
-        while len(self.suspects) > MAX_QUARANTINED:
-            self.suspects.popitem(last=False)
-        self.errors["suspect_request"] += 1
-        log.error(
-            "request %s (fingerprint %s) was being computed when replica %s failed: not retried%s",
-            request_id,
-            fp,
-            replica,
-            f"; refused for {self.quarantine_s:.0f} s" if refused else "",
-        )
-
-    def _refuse_if_quarantined(self, fp: str) -> None:
-        entry = self.suspects.get(fp)
-        if entry is None or entry[1] == 0.0:
-            return
-        left = entry[1] - time.monotonic()
-        if left <= 0:
-            del self.suspects[fp]
-            return
-        self.errors["quarantined"] += 1
-        log.warning("refused request fingerprint %s: quarantined for %.0f s more", fp, left)
-        raise QueryOfDeathError(
-            f"This request (fingerprint {fp}) was being computed when a replica failed, so it "
-            f"is refused for {left:.0f} s rather than risked on another replica."
-        )
-
     def record(self, prompt: int, completion: int, cached: int) -> None:
         """Token counters for /metrics, once per finished request."""
         self.counters["prompt_tokens"] += prompt
         self.counters["completion_tokens"] += completion
         self.counters["cached_tokens"] += cached
-
-
-def _not_caused_by(exc: BaseException, reported_before: bool) -> bool | None:
-    """True when the replica's failure cannot have been this request's doing, None when its
-    engine says it may have been (it was in the failing step), False when nobody can tell
-    (the process died). ``reported_before``: another request reported the failure first."""
-    suspect = getattr(exc, "suspect", None)
-    if suspect is not None:  # the engine's own word (ReplicaDeadError)
-        return None if suspect else True
-    if reported_before:
-        return True
-    unavailable = getattr(ray.exceptions, "ActorUnavailableError", ())
-    return isinstance(exc, unavailable)  # restarting: it never reached the engine

@@ -27,9 +27,10 @@ from kvroute.events.replica_api import (
 )
 
 from .errors import APIError, one_line, read_body, request_id, validation_error
-from .frontdoor import REPLICA_FAILURES, FrontDoor, OverloadedError, QueryOfDeathError, Stream
+from .frontdoor import REPLICA_FAILURES, FrontDoor, OverloadedError, Stream
 from .openai_api import ChatCompletionRequest, CompletionRequest
 from .policy import NoReplicaError
+from .quarantine import QueryOfDeathError
 from .responses import FAILED, request_failed
 from .tenants import Tenant
 

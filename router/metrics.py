@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from kvroute.events import ReplicaStats
 
 from .frontdoor import FrontDoor
@@ -22,10 +20,8 @@ def render_metrics(door: FrontDoor, events: dict[str, ReplicaStats] | None = Non
            [("", c["retries"])])  # fmt: skip
     metric("failovers_total", "counter", "Streams continued on another replica mid-stream.",
            [("", c["failovers"])])  # fmt: skip
-    now = time.monotonic()
-    refused = sum(1 for _, until in door.suspects.values() if until > now)
     metric("quarantined_requests", "gauge", "Request fingerprints refused as possible "
-           "queries of death.", [("", float(refused))])  # fmt: skip
+           "queries of death.", [("", float(door.suspects.refused()))])  # fmt: skip
     metric("prompt_tokens_total", "counter", "Prompt tokens served.", [("", c["prompt_tokens"])])
     metric("completion_tokens_total", "counter", "Tokens generated.",
            [("", c["completion_tokens"])])  # fmt: skip

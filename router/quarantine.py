@@ -1,0 +1,112 @@
+"""Queries of death: requests that may have crashed an engine, refused for a while.
+
+Why: a request that crashes an engine would, replayed, crash the next replica too, and the
+next -- one client taking a fleet down. The front door therefore never replays a request
+that may have caused a replica's failure (see :func:`not_caused_by`), and remembers it by
+fingerprint -- a hash of its tokens and sampling parameters, the same whoever sends it -- so
+that the client's own retry is refused (:class:`QueryOfDeathError`, HTTP 400) instead of
+being risked on another replica. An engine that names the request as in its failing step
+is two strikes (refused at once); a process that died with no word is one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+
+import msgspec
+import ray
+
+from kvroute.events.replica_api import SamplingSpec
+
+log = logging.getLogger(__name__)
+
+QUARANTINE_S = 600.0
+MAX_QUARANTINED = 10_000
+STRIKES_TO_REFUSE = 2
+
+
+class QueryOfDeathError(RuntimeError):
+    """The request (by fingerprint) was being computed when a replica failed and is refused
+    for a while rather than replayed onto another replica (HTTP 400)."""
+
+
+def fingerprint(prompt_token_ids: Sequence[int], sampling: SamplingSpec) -> str:
+    """What identifies a request's content across retries and tenants: its tokens and
+    sampling parameters (a query of death is one whoever sends it)."""
+    data = msgspec.msgpack.encode([list(prompt_token_ids), sampling])
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def not_caused_by(exc: BaseException, reported_before: bool) -> bool | None:
+    """True when the replica's failure cannot have been this request's doing, None when its
+    engine says it may have been (it was in the failing step), False when nobody can tell
+    (the process died). ``reported_before``: another request reported the failure first."""
+    suspect = getattr(exc, "suspect", None)
+    if suspect is not None:  # the engine's own word (ReplicaDeadError)
+        return None if suspect else True
+    if reported_before:
+        return True
+    unavailable = getattr(ray.exceptions, "ActorUnavailableError", ())
+    return isinstance(exc, unavailable)  # restarting: it never reached the engine
+
+
+class Quarantine:
+    """Fingerprint -> (strikes, refused until); oldest first, bounded."""
+
+    def __init__(
+        self,
+        errors: Counter[str] | None = None,
+        ttl_s: float = QUARANTINE_S,
+        max_entries: int = MAX_QUARANTINED,
+    ) -> None:
+        self.errors: Counter[str] = errors if errors is not None else Counter()
+        self.ttl_s = ttl_s
+        self.max_entries = max_entries
+        self._entries: OrderedDict[str, tuple[int, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def refused(self) -> int:
+        """Fingerprints refused right now."""
+        now = time.monotonic()
+        return sum(1 for _, until in self._entries.values() if until > now)
+
+    def strike(self, fp: str, request_id: str, replica: str, strikes: int) -> None:
+        """Counts a failure of ``replica`` that the request ``fp`` may have caused; at two
+        strikes its fingerprint is refused for ``ttl_s``."""
+        now = time.monotonic()
+        old, until = self._entries.pop(fp, (0, 0.0))
+        total = (old if until == 0.0 or until > now else 0) + strikes
+        refused = total >= STRIKES_TO_REFUSE
+        self._entries[fp] = (total, now + self.ttl_s if refused else 0.0)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+        self.errors["suspect_request"] += 1
+        log.error(
+            "request %s (fingerprint %s) was being computed when replica %s failed: not retried%s",
+            request_id,
+            fp,
+            replica,
+            f"; refused for {self.ttl_s:.0f} s" if refused else "",
+        )
+
+    def check(self, fp: str) -> None:
+        """Raises :class:`QueryOfDeathError` while ``fp`` is refused."""
+        entry = self._entries.get(fp)
+        if entry is None or entry[1] == 0.0:
+            return
+        left = entry[1] - time.monotonic()
+        if left <= 0:
+            del self._entries[fp]
+            return
+        self.errors["quarantined"] += 1
+        log.warning("refused request fingerprint %s: quarantined for %.0f s more", fp, left)
+        raise QueryOfDeathError(
+            f"This request (fingerprint {fp}) was being computed when a replica failed, so it "
+            f"is refused for {left:.0f} s rather than risked on another replica."
+        )
