@@ -1,0 +1,71 @@
+"""The query-of-death bookkeeping alone: fingerprints, strikes, expiry, bounds, and which
+failures count as the request's possible doing."""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections import Counter
+
+import pytest
+import ray
+
+from kvroute.events.replica_api import BoundsError, ReplicaDeadError, SamplingSpec
+from kvroute.router.quarantine import Quarantine, QueryOfDeathError, fingerprint, not_caused_by
+
+
+def test_fingerprint_is_the_content_not_the_sender() -> None:
+    spec = SamplingSpec(max_tokens=5, temperature=0.5, seed=3)
+    fp = fingerprint([1, 2, 3], spec)
+    assert fp == fingerprint((1, 2, 3), SamplingSpec(max_tokens=5, temperature=0.5, seed=3))
+    assert fp != fingerprint([1, 2, 4], spec)
+    assert fp != fingerprint([1, 2, 3], SamplingSpec(max_tokens=5, temperature=0.5, seed=4))
+    assert len(fp) == 16
+
+
+def test_two_strikes_refuse_until_the_time_is_up() -> None:
+    errors: Counter[str] = Counter()
+    q = Quarantine(errors, ttl_s=0.3)
+    q.strike("a", "req-1", "r0", strikes=1)  # a process death: one strike, still served
+    q.check("a")
+    q.strike("a", "req-2", "r1", strikes=1)  # a second one: refused
+    with pytest.raises(QueryOfDeathError, match="fingerprint a"):
+        q.check("a")
+    q.strike("b", "req-3", "r0", strikes=2)  # the engine named it: refused at once
+    with pytest.raises(QueryOfDeathError):
+        q.check("b")
+    assert q.refused() == 2 and errors["suspect_request"] == 3 and errors["quarantined"] == 2
+    time.sleep(0.35)
+    q.check("a")  # expired: served again, and forgotten
+    assert q.refused() == 0 and len(q) == 1
+    q.strike("b", "req-4", "r0", strikes=1)  # strikes past their refusal start over
+    q.check("b")
+
+
+def test_bounded_oldest_first() -> None:
+    q = Quarantine(max_entries=3)
+    for fp in "abcd":
+        q.strike(fp, "req", "r0", strikes=2)
+    assert len(q) == 3
+    q.check("a")  # the oldest was dropped
+    with pytest.raises(QueryOfDeathError):
+        q.check("d")
+
+
+def test_which_failures_cannot_be_the_requests_doing() -> None:
+    in_step = ReplicaDeadError("engine step failed", suspect=True)
+    queued = ReplicaDeadError("engine step failed", suspect=False)
+    died = ray.exceptions.RayActorError()
+    assert not_caused_by(in_step, reported_before=True) is None  # the engine's word wins
+    assert not_caused_by(queued, reported_before=False) is True
+    assert not_caused_by(died, reported_before=False) is False  # nobody can tell
+    assert not_caused_by(died, reported_before=True) is True  # others failed first
+
+
+def test_the_contract_errors_keep_their_fields_across_ray() -> None:
+    """Ray pickles exceptions: the suspect flag and a bound's field must survive it."""
+    for suspect in (True, False):
+        err = pickle.loads(pickle.dumps(ReplicaDeadError("gone", suspect=suspect)))
+        assert err.suspect is suspect and str(err) == "gone"
+    bound = pickle.loads(pickle.dumps(BoundsError("seed", "must be an int")))
+    assert bound.param == "seed" and str(bound) == "seed: must be an int"
