@@ -7,11 +7,11 @@ hash chain. Copies on any medium (GPU, CPU offload) count alike, as they do in B
 
 Invariants (all guarded by ``_lock``):
 
-- No mask is 0. Every stored hash has a tree node in ``_nodes``, and every node a mask: a
-  hash only ever predicted has none (a prediction of an unseen tail is two dict stores per
-  block, in bulk), one stored once and now only predicted may keep its node. Bit ``rep.bit`` of
-  ``_masks[h]`` is set iff ``h`` is in ``rep.blocks`` (stored copies) or in
-  ``rep.predicted`` (a prediction not yet purged), never both.
+- ``_masks`` and ``_nodes`` have the same keys, the stored hashes, and no mask is 0. Bit
+  ``rep.bit`` of ``_masks[h]`` is set iff ``h`` is in ``rep.blocks`` (stored copies); of
+  ``_pmasks[h]`` iff ``h`` is in ``rep.predicted`` (a prediction not yet purged). Never
+  both: a store replaces the replica's prediction. Predictions have their own small map so
+  that predicting a request's unseen tail never writes into the big one.
 - ``rep.blocks`` maps each hash the replica holds to its LRU stamp and ``rep.copies`` its
   count where above 1: stores minus removes of ``h`` on that replica since its last reset (an
   engine may hold two copies of one hash), less what the memory bound forgot. It never
@@ -144,8 +144,9 @@ class PrefixIndex:
         self.parent_conflicts = 0  # stores naming another parent than the one known
         self._clock = clock
         self._lock = threading.Lock()
-        self._masks: dict[Hash, int] = {}  # the hot path's map: hash -> replica bits
+        self._masks: dict[Hash, int] = {}  # the hot path's map: hash -> bits of its holders
         self._nodes: dict[Hash, _Node] = {}  # same keys: the tree, for inspection
+        self._pmasks: dict[Hash, int] = {}  # hash -> bits of replicas predicted to hold it
         self._orphans: dict[Hash, _Kids] = {}
         self._replicas: dict[str, _Holdings] = {}
         self._names: list[str | None] = []  # bit index -> replica id (None: free)
@@ -219,8 +220,9 @@ class PrefixIndex:
         for h in hashes:
             st -= 1
             m = masks.get(h)
-            node = None if m is None else nodes.get(h)  # None too while h is only predicted
-            if node is None:
+            if predicted and predicted.pop(h, None) is not None:  # the real copy replaces it
+                self._clear_pbit(h, bit)
+            if m is None:
                 if pnode is not None:  # pnode exists, h does not: so parent != h
                     d = pnode.depth
                     node = _Node(parent, bs, None, None if d is None else d + 1)
@@ -231,13 +233,7 @@ class PrefixIndex:
                 else:  # the parent is not known (yet): wait among the orphans
                     node = _Node(parent, bs)
                     orphans[parent] = _add(orphans.get(parent), h)
-                if m is None:
-                    masks[h] = solo
-                elif m & bit:  # this replica predicted it: the real copy replaces that
-                    predicted.pop(h, None)
-                else:  # predicted on others only
-                    m |= bit
-                    masks[h] = intern(m, m)
+                masks[h] = solo
                 nodes[h] = node
                 if orphans and (kids := orphans.pop(h, None)) is not None:
                     node.children = kids  # adopt the blocks that arrived before h
@@ -245,15 +241,13 @@ class PrefixIndex:
                 blocks[h] = st
                 order[st] = h
             else:
+                node = nodes[h]
                 if parent is not None and node.parent != parent:
                     self._reparent(h, node, parent)
                 old = blocks.get(h)
                 if old is None:
-                    if m & bit:  # not stored, so predicted: the real copy replaces it
-                        predicted.pop(h, None)
-                    else:
-                        m |= bit
-                        masks[h] = intern(m, m)
+                    m |= bit
+                    masks[h] = intern(m, m)
                     blocks[h] = st
                     order[st] = h
                 else:
@@ -291,7 +285,7 @@ class PrefixIndex:
             if old is None:
                 rep.unknown_removals += 1
                 if rep.predicted.pop(h, None) is not None:
-                    self._clear_bit(h, bit)
+                    self._clear_pbit(h, bit)
             elif copies and h in copies:
                 c = copies.pop(h)
                 if c > 2:
@@ -303,8 +297,10 @@ class PrefixIndex:
 
     def _reset(self, rep: _Holdings) -> None:
         self._interner()
-        for h in itertools.chain(rep.blocks, rep.predicted):
+        for h in rep.blocks:
             self._clear_bit(h, rep.bit)
+        for h in rep.predicted:
+            self._clear_pbit(h, rep.bit)
         rep.blocks.clear()
         rep.order.clear()
         rep.copies.clear()
@@ -348,6 +344,14 @@ class PrefixIndex:
         node.parent, node.depth = parent, None  # a root only for want of knowing better
         self._link(h, node)
 
+    def _clear_pbit(self, h: Hash, bit: int) -> None:
+        pmasks = self._pmasks
+        mask = pmasks[h] & ~bit
+        if mask:
+            pmasks[h] = self._interned.setdefault(mask, mask)
+        else:
+            del pmasks[h]
+
     def _clear_bit(self, h: Hash, bit: int) -> None:
         masks = self._masks
         mask = masks[h] & ~bit
@@ -355,9 +359,7 @@ class PrefixIndex:
             masks[h] = self._interned.setdefault(mask, mask)
             return
         del masks[h]
-        node = self._nodes.pop(h, None)
-        if node is None:  # it was only predicted
-            return
+        node = self._nodes.pop(h)
         parent = node.parent
         if parent is not None:
             if (p := self._nodes.get(parent)) is not None:
@@ -376,89 +378,86 @@ class PrefixIndex:
         if type(hashes) is not list and type(hashes) is not tuple:
             hashes = list(hashes)
         total, out = len(hashes), {}
+        if not total:
+            return out
         with self._lock:
             if self._expiries:
                 self._expire(self._clock() if now is None else now)
             # Lookups run in C (map); the block number is only needed when a replica drops
             # out, and is read off the list iterator then: this loop is the routing hot path.
             # Its cost is memory, not bytecode: one cache miss per block in a dict of ~1 M.
+            # Predictions are consulted only where the stored masks would drop a replica.
+            pmasks, interned = self._pmasks, self._interned
             rest = iter(hashes)
             masks = map(self._masks.get, rest, itertools.repeat(0))
             alive = next(masks, 0)
+            if pmasks:
+                alive |= pmasks.get(hashes[0], 0)
+                alive = interned.get(alive, alive)
             if not alive:
                 return out
             for m in masks:
                 if m is alive:  # interned: the same holders as the block before
                     continue
                 if (m & alive) != alive:  # some replicas miss this block (all, if m is 0)
-                    _credit(self._names, alive & ~m, total - length_hint(rest) - 1, out)
-                    alive = self._interned.get(alive & m, alive & m)
+                    i = total - length_hint(rest) - 1
+                    if pmasks:
+                        m |= pmasks.get(hashes[i], 0)
+                        if (m & alive) == alive:
+                            continue
+                    _credit(self._names, alive & ~m, i, out)
+                    alive = interned.get(alive & m, alive & m)
                     if not alive:
                         return out
             _credit(self._names, alive, total, out)
         return out
 
     def predict(
-        self,
-        replica_id: str,
-        hashes: Sequence[Hash],
-        ttl_s: float = 2.0,
-        now: float | None = None,
-        parent: Hash | None = None,
+        self, replica_id: str, hashes: Sequence[Hash], ttl_s: float = 2.0, now: float | None = None
     ) -> int:
         """A request was just routed to ``replica_id``: count its blocks there until they
         expire or real events arrive, so its siblings follow it. Returns blocks predicted.
 
-        ``parent`` is the hash before ``hashes[0]`` (None when they start at block 0).
-        Blocks the replica already holds are left as they are: a prediction does not touch
-        the index's LRU, whose bound is a safety net far above what any engine holds (an
-        engine's own evictions arrive as events). This is the routing hot path's larger
-        half: a held leading run is skipped and an unseen tail inserted in bulk, in C."""
+        Predictions live in their own map, small because they are short-lived, beside the
+        stored one of ~1 M entries: this is the larger half of the routing hot path, and a
+        store into the big map is a cache miss per block. Blocks the replica holds are left
+        as they are (a prediction does not touch the index's LRU, a safety bound far above
+        what any engine holds; an engine's own evictions arrive as events)."""
         with self._lock:
             now = self._clock() if now is None else now
             self._expire(now)
             rep = self._replica(replica_id)
-            masks, nodes, blocks, predicted = self._masks, self._nodes, rep.blocks, rep.predicted
-            intern, bit = self._interner(), rep.bit
-            solo = intern(bit, bit)
+            pmasks, blocks, predicted, bit = self._pmasks, rep.blocks, rep.predicted, rep.bit
+            intern = self._interner()
             room = self.max_blocks_per_replica - len(predicted)  # predictions the bound allows
             expiry, added = now + ttl_s, []
             lead = len(list(itertools.takewhile(blocks.__contains__, hashes)))  # held: skip
-            if lead:
-                hashes, parent = hashes[lead:], hashes[lead - 1]
-            tail_checked = False
-            for i, h in enumerate(hashes):
-                m = masks.get(h)
-                if m is None:  # new to the index: usually the request's unseen tail
-                    if not tail_checked:
-                        tail_checked = True
-                        rest = hashes[i:]
-                        if len(rest) <= room and not any(map(masks.__contains__, rest)):
-                            # All of it is new (the usual case): in bulk, at C speed.
-                            masks.update(zip(rest, itertools.repeat(solo)))
-                            predicted.update(zip(rest, itertools.repeat(expiry)))
-                            added.extend(rest)
-                            break
-                    if room > 0:
-                        masks[h] = solo
-                        predicted[h] = expiry
-                        added.append(h)
-                        room -= 1
-                elif h in blocks:
-                    pass
-                elif (old := predicted.get(h)) is not None or room > 0:
-                    node = None if parent is None else nodes.get(h)
-                    if node is not None and node.parent != parent:
-                        self._reparent(h, node, parent)
+            rest = hashes[lead:] if lead else hashes
+            if (
+                rest
+                and len(rest) <= room
+                and pmasks.keys().isdisjoint(rest)
+                and blocks.keys().isdisjoint(rest)
+            ):  # the usual case, a tail predicted nowhere yet: in bulk, at C speed
+                solo = intern(bit, bit)
+                pmasks.update(zip(rest, itertools.repeat(solo)))
+                predicted.update(zip(rest, itertools.repeat(expiry)))
+                added = list(rest)
+            else:
+                for h in rest:
+                    if h in blocks:
+                        continue
+                    old = predicted.get(h)
                     if old is None:
-                        m |= bit
-                        masks[h] = intern(m, m)
+                        if room <= 0:
+                            continue
+                        m = pmasks.get(h, 0) | bit
+                        pmasks[h] = intern(m, m)
                         predicted[h] = expiry
                         room -= 1
                     elif old < expiry:
                         predicted[h] = expiry
                     added.append(h)
-                parent = h
             if added:
                 heapq.heappush(self._expiries, (expiry, next(self._seq), replica_id, tuple(added)))
             return len(added)
@@ -474,7 +473,7 @@ class PrefixIndex:
                 exp = rep.predicted.get(h)
                 if exp is not None and exp <= now:  # else renewed, or replaced by a store
                     del rep.predicted[h]
-                    self._clear_bit(h, rep.bit)
+                    self._clear_pbit(h, rep.bit)
 
     # -- membership, inspection, metrics ---------------------------------------------------
     def drop_replica(self, replica_id: str) -> bool:
@@ -490,7 +489,8 @@ class PrefixIndex:
 
     def __len__(self) -> int:
         """Distinct hashes indexed (predicted ones included)."""
-        return len(self._masks)
+        masks = self._masks
+        return len(masks) + sum(1 for h in self._pmasks if h not in masks)
 
     def replicas(self) -> list[str]:
         with self._lock:
@@ -548,7 +548,7 @@ class PrefixIndex:
 
     def _export_node(self, h: Hash, copies: int) -> dict[str, Any]:
         n = self._nodes.get(h)
-        if n is None:  # predicted and stored nowhere: no tree node, so no parent known
+        if n is None:  # only predicted anywhere: no tree node, so no parent known
             out = dict(hash=_external(h), parent=None, depth=None, tokens=0)
         else:
             out = dict(
@@ -560,7 +560,7 @@ class PrefixIndex:
         """Asserts the module docstring's invariants, in O(size): for tests and debugging."""
         with self._lock:
             want: dict[Hash, int] = {}
-            stored: set[Hash] = set()
+            pwant: dict[Hash, int] = {}
             for rep in self._replicas.values():
                 assert not rep.blocks.keys() & rep.predicted.keys(), "stored and predicted"
                 assert all(c >= 2 for c in rep.copies.values()), "copies below 2 kept"
@@ -570,11 +570,12 @@ class PrefixIndex:
                 for h, stamp in rep.blocks.items():
                     assert rep.order.get(stamp) == h, "LRU stamp not in order"
                     assert rep.low <= stamp < rep.tick, "LRU stamp out of range"
-                for h in itertools.chain(rep.blocks, rep.predicted):
+                for h in rep.blocks:
                     want[h] = want.get(h, 0) | rep.bit
-                stored.update(rep.blocks)
-            assert self._masks == want, "masks disagree"
-            assert stored <= self._nodes.keys() <= want.keys(), "a tree node per stored hash"
+                for h in rep.predicted:
+                    pwant[h] = pwant.get(h, 0) | rep.bit
+            assert self._masks == want and self._nodes.keys() == want.keys(), "masks disagree"
+            assert self._pmasks == pwant, "prediction masks disagree"
             for h, node in self._nodes.items():
                 p = self._nodes.get(node.parent) if node.parent is not None else None
                 if node.parent is None:
