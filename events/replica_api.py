@@ -14,102 +14,49 @@ This module imports neither torch nor transformers, only msgspec and (for
 from __future__ import annotations
 
 import asyncio
-import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
 import ray
 
+from .bounds import (  # the shared request bounds, part of this contract
+    MAX_LOGPROBS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    SEED_MAX,
+    SEED_MIN,
+    TOKEN_ID_MAX,
+    BoundsError,
+    check_prompt_token_ids,
+    check_sampling,
+    check_text,
+)
 from .hashing import HashConfig
 from .load import CostCoefficients
 
-# -- request bounds: one definition, checked by the front door (a 400 naming the field) and
-# again by the engine (the last line of defence: a value past these bounds must never reach
-# torch, where it would fail a step that every request of the batch shares).
-SEED_MIN = -(2**63)  # OpenAI documents `seed` as an int64; torch's Generator takes
-SEED_MAX = 2**63 - 1  # [-2**63, 2**64) and raises past it (the seed 2**70 "query of death")
-TOKEN_ID_MAX = 2**32 - 1  # block hashing packs token ids as uint32
-MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 512  # the detokenizer holds back this many characters while streaming
-MAX_STOP_TOKEN_IDS = 256
-
-
-class BoundsError(ValueError):
-    """A request field outside the shared bounds; ``param`` names the field."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(f"{param}: {message}")
-        self.param = param
-
-    def __reduce__(self) -> tuple[Any, ...]:  # crosses Ray: keep both arguments
-        return (type(self), (self.param, str(self).partition(": ")[2]))
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x: object) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def check_sampling(p: Any) -> None:
-    """Raises :class:`BoundsError` unless ``p`` (a :class:`SamplingSpec`, the engine's
-    ``SamplingParams`` or anything with their fields) is within the shared bounds."""
-    if not _is_int(p.max_tokens) or p.max_tokens < 1:
-        raise BoundsError("max_tokens", f"must be an int >= 1, got {p.max_tokens!r}")
-    if not _is_number(p.temperature) or p.temperature < 0:
-        raise BoundsError("temperature", f"must be a finite number >= 0, got {p.temperature!r}")
-    if not _is_number(p.top_p) or not 0.0 < p.top_p <= 1.0:
-        raise BoundsError("top_p", f"must be a number in (0, 1], got {p.top_p!r}")
-    if not _is_int(p.top_k) or p.top_k < -1:
-        raise BoundsError("top_k", f"must be an int >= 0 (0 or -1: off), got {p.top_k!r}")
-    if p.seed is not None and (not _is_int(p.seed) or not SEED_MIN <= p.seed <= SEED_MAX):
-        raise BoundsError("seed", f"must be an int in [{SEED_MIN}, {SEED_MAX}], got {p.seed!r}")
-    stop = p.stop
-    if not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS:
-        raise BoundsError("stop", f"must be a list of at most {MAX_STOP_STRINGS} strings")
-    for s in stop:
-        if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS:
-            raise BoundsError("stop", f"must hold strings of 1 to {MAX_STOP_CHARS} characters")
-        check_text(s, "stop")
-    ids = p.stop_token_ids
-    if not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS:
-        raise BoundsError("stop_token_ids", f"must be a list of at most {MAX_STOP_TOKEN_IDS}")
-    for t in ids:
-        if not _is_int(t) or not 0 <= t <= TOKEN_ID_MAX:
-            raise BoundsError("stop_token_ids", f"must hold ints in [0, {TOKEN_ID_MAX}]")
-    if not isinstance(p.ignore_eos, bool):
-        raise BoundsError("ignore_eos", f"must be a bool, got {p.ignore_eos!r}")
-    if not _is_int(p.min_tokens) or not 0 <= p.min_tokens <= p.max_tokens:
-        raise BoundsError(
-            "min_tokens", f"must be an int in [0, max_tokens={p.max_tokens}], got {p.min_tokens!r}"
-        )
-    if p.logprobs is not None and (not _is_int(p.logprobs) or not 0 <= p.logprobs <= MAX_LOGPROBS):
-        raise BoundsError("logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]")
-
-
-def check_text(text: str, param: str) -> None:
-    """Text must encode as UTF-8: a lone surrogate (valid in JSON's ``\\ud800``, not in
-    UTF-8) fails every tokenizer and encoder downstream."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise BoundsError(param, "must be valid Unicode (no lone surrogates)") from None
-
-
-def check_prompt_token_ids(token_ids: Sequence[Any], vocab_size: int | None) -> None:
-    """Raises :class:`BoundsError` unless the prompt is a non-empty list of ints in
-    ``[0, vocab_size)`` (``[0, TOKEN_ID_MAX]`` when the vocabulary is not known): one id out
-    of range would fail the model forward that every request of the step shares."""
-    if not token_ids:
-        raise BoundsError("prompt", "the prompt is empty")
-    limit = TOKEN_ID_MAX + 1 if vocab_size is None else min(vocab_size, TOKEN_ID_MAX + 1)
-    for t in token_ids:
-        if not _is_int(t) or not 0 <= t < limit:
-            raise BoundsError("prompt", f"token ids must be ints in [0, {limit}), got {t!r}")
+__all__ = [
+    "MAX_LOGPROBS",
+    "MAX_STOP_CHARS",
+    "MAX_STOP_STRINGS",
+    "MAX_STOP_TOKEN_IDS",
+    "SEED_MAX",
+    "SEED_MIN",
+    "TOKEN_ID_MAX",
+    "BoundsError",
+    "GenerateDelta",
+    "GenerateRequest",
+    "InvalidRequestError",
+    "ReplicaDeadError",
+    "ReplicaInfo",
+    "Resume",
+    "SamplingSpec",
+    "check_prompt_token_ids",
+    "check_sampling",
+    "check_text",
+    "stream_generate",
+]
 
 
 class InvalidRequestError(ValueError):

@@ -29,8 +29,9 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from kvroute.events import DEFAULT_SEED, BlockHasher, HashConfig, KVCacheEvent
+from kvroute.events.bounds import check_prompt_token_ids, check_text
 from kvroute.events.hashing import HashForm
-from kvroute.events.replica_api import Resume, check_prompt_token_ids, check_text
+from kvroute.events.replica_api import Resume
 
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache_manager import KVCacheManager

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvroute.events.replica_api import check_sampling
+from kvroute.events.bounds import check_sampling
 
 
 @dataclass
