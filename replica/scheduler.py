@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvroute.events.load import LoadReport
 
@@ -320,27 +321,7 @@ class Scheduler:
         return len(self.running)
 
     def load_report(self) -> LoadReport:
-        """Load as routers price it: prefill still to compute (waiting requests net of what
-        their prefix lookup would hit now), decode context, free blocks."""
-        kv = self.kv_cache_manager
-        queued = sum(r.num_tokens - kv.peek_cached_tokens(r) for r in self.waiting)
-        decoding = context = 0
-        for r in self.running:
-            pending = r.num_tokens - r.num_computed_tokens
-            if pending <= 1 and r.num_output_tokens:
-                decoding += 1
-                context += r.num_tokens
-            else:
-                queued += pending
-        return LoadReport(
-            num_waiting=len(self.waiting),
-            num_running=len(self.running),
-            num_decoding=decoding,
-            queued_prefill_tokens=queued,
-            decode_context_tokens=context,
-            free_blocks=kv.get_num_free_blocks(),
-            total_blocks=kv.block_pool.num_blocks,
-        )
+        return load_report(self.waiting, self.running, self.kv_cache_manager)
 
     def stats(self) -> dict[str, int | float]:
         """Load as a router sees it. Prefill tokens are counted before any prefix hit:
@@ -365,3 +346,32 @@ class Scheduler:
             "prefix_cache_hits": kv.prefix_cache_hits,
             "num_preemptions": self.num_preemptions,
         }
+
+
+def load_report(waiting: Iterable[Any], running: Sequence[Any], kv: KVCacheManager) -> LoadReport:
+    """Load as routers price it: prefill still to compute (waiting requests net of what
+    their prefix lookup would hit now, and running prefills' remainder), decode context,
+    free blocks. Requests need ``num_tokens``, ``num_computed_tokens`` and
+    ``num_output_tokens``: the engine's, and the simulator's, which reports through this
+    same function."""
+    queued, n_waiting = 0, 0
+    for r in waiting:
+        queued += r.num_tokens - kv.peek_cached_tokens(r)
+        n_waiting += 1
+    decoding = context = 0
+    for r in running:
+        pending = r.num_tokens - r.num_computed_tokens
+        if pending <= 1 and r.num_output_tokens:
+            decoding += 1
+            context += r.num_tokens
+        else:
+            queued += pending
+    return LoadReport(
+        num_waiting=n_waiting,
+        num_running=len(running),
+        num_decoding=decoding,
+        queued_prefill_tokens=queued,
+        decode_context_tokens=context,
+        free_blocks=kv.get_num_free_blocks(),
+        total_blocks=kv.block_pool.num_blocks,
+    )

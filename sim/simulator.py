@@ -34,6 +34,7 @@ from kvroute.events import AllBlocksCleared, BlockHasher, EventBatch
 from kvroute.events.load import LoadReport
 from kvroute.replica.cost_model import H100_8B, CostModel, Profile
 from kvroute.replica.kv_cache_manager import KVCacheManager
+from kvroute.replica.scheduler import load_report
 from kvroute.router.index import PrefixIndex
 from kvroute.router.policy import Policy, RequestView, make_policy
 
@@ -94,6 +95,10 @@ class SimRequest:
 
     def reset(self) -> None:
         self.num_tokens, self.num_computed_tokens, self.generated = self.prompt_len, 0, 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.generated
 
     @property
     def all_token_ids(self) -> array:
@@ -375,27 +380,8 @@ class Fleet:
 
     @staticmethod
     def _load_report(rep: _SimEngine) -> LoadReport:
-        """The figures a live replica reports (``Scheduler.load_report``), from this one."""
-        prefill = decode = decoding = 0
-        for r in rep.running:
-            if r.generated and r.num_tokens - r.num_computed_tokens == 1:
-                decode += r.num_tokens
-                decoding += 1
-            else:
-                prefill += r.num_tokens - r.num_computed_tokens
-        peek = rep.kv.peek_cached_tokens
-        for r in rep.waiting:
-            prefill += r.num_tokens - peek(r)
-        pool = rep.kv.block_pool
-        return LoadReport(
-            num_waiting=len(rep.waiting),
-            num_running=len(rep.running),
-            num_decoding=decoding,
-            queued_prefill_tokens=prefill,
-            decode_context_tokens=decode,
-            free_blocks=rep.kv.get_num_free_blocks(),
-            total_blocks=pool.num_blocks,
-        )
+        """What a live replica reports, by the engine's own function."""
+        return load_report(rep.waiting, rep.running, rep.kv)
 
     # -- faults ----------------------------------------------------------------------------
     def _fault(self, f: Fault) -> None:
