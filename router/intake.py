@@ -105,6 +105,13 @@ class Intake:
                 "unsupported_parameter",
             )
         if isinstance(body, ChatCompletionRequest):
+            if body.top_logprobs and not body.logprobs:
+                raise APIError(
+                    400,
+                    "`top_logprobs` needs `logprobs: true`.",
+                    "invalid_request_error",
+                    "top_logprobs",
+                )
             for i, m in enumerate(body.messages):
                 bad = m.non_text_part()
                 if bad is not None and bad[1] == "text":
@@ -202,6 +209,7 @@ class Intake:
                 stop_token_ids=list(body.stop_token_ids or ()),
                 ignore_eos=bool(body.ignore_eos),
                 min_tokens=body.min_tokens or 0,
+                logprobs=body.num_logprobs(),
             )
         except BoundsError as exc:
             raise APIError(400, str(exc), "invalid_request_error", exc.param) from None

@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from kvroute.events.replica_api import (
+    MAX_LOGPROBS,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -43,6 +44,7 @@ def _utf8(text: str) -> str:
 Text = Annotated[str, AfterValidator(_utf8)]
 StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 TokenId = Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for the legacy completions' ``logprobs``
 
 # Parameters of OpenAI's API this server does not implement, with the values that ask for
 # nothing (and so are accepted): anything else is a 400 naming the parameter.
@@ -51,8 +53,6 @@ UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "logit_bias": (None, {}),
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
@@ -100,8 +100,6 @@ class _Request(_Strict):
     # Declared only to be refused by name when set (see UNSUPPORTED); never used.
     n: int | None = None
     best_of: int | None = None
-    logprobs: Any = None
-    top_logprobs: Any = None
     logit_bias: Any = None
     presence_penalty: Any = None
     frequency_penalty: Any = None
@@ -135,6 +133,11 @@ class CompletionRequest(_Request):
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
     echo: bool | None = None
     suffix: Text | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token the engine should report (None: no logprobs)."""
+        return self.logprobs
 
 
 class ContentPart(_Strict):
@@ -169,8 +172,12 @@ class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     parallel_tool_calls: bool | None = None
+
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token the engine should report (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class PromptTokensDetails(BaseModel):
@@ -193,10 +200,33 @@ def make_usage(prompt: int, completion: int, cached: int) -> Usage:
     )
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, one entry per generated token."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -217,14 +247,14 @@ class ChatDelta(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
 class ChatStreamChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -20,7 +20,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .errors import APIError, one_line, request_id
 from .frontdoor import REPLICA_FAILURES, FrontDoor, Stream
-from .openai_api import ChatCompletionRequest, CompletionRequest, dumps, error_body, make_usage
+from .openai_api import (
+    ChatCompletionRequest,
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    CompletionRequest,
+    TopLogprob,
+    dumps,
+    error_body,
+    make_usage,
+)
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +38,66 @@ REPLICA_HEADER = "x-kvroute-replica"
 DISCONNECT_POLL_S = 0.5
 FAILED = "the replica serving this request failed; the request id finds it in the server log"
 INTERNAL = "internal error; the request id finds it in the server log"
+
+
+class Logprobs:
+    """The engine's logprobs (per token: ``{token id: logprob}``, the sampled token and the
+    top alternatives) in OpenAI's two shapes, for one request (it keeps the text offset)."""
+
+    def __init__(self, tokenizer: Any, top: int) -> None:
+        self.tokenizer = tokenizer
+        self.top = top
+        self.offset = 0  # characters of the completion's tokens so far (``text_offset``)
+        self._names: dict[int, str] = {}
+
+    def _name(self, token_id: int) -> str:
+        name = self._names.get(token_id)
+        if name is None:
+            name = self._names[token_id] = self.tokenizer.decode([token_id])
+        return name
+
+    def _entries(
+        self, ids: list[int], entries: list[dict[int, float]] | None
+    ) -> list[tuple[int, float, list[tuple[int, float]]]]:
+        out = []
+        for i, tid in enumerate(ids):
+            entry = entries[i] if entries is not None and i < len(entries) else {}
+            best = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[: self.top]
+            # The engine always reports the sampled token; -9999 (OpenAI's "very unlikely")
+            # only if an entry was lost, never a NaN that JSON cannot carry.
+            out.append((tid, entry.get(tid, -9999.0), best))
+        return out
+
+    def completion(
+        self, ids: list[int], entries: list[dict[int, float]] | None
+    ) -> CompletionLogprobs:
+        lp = CompletionLogprobs()
+        for tid, logprob, best in self._entries(ids, entries):
+            name = self._name(tid)
+            lp.tokens.append(name)
+            lp.token_logprobs.append(logprob)
+            top: dict[str, float] = {}
+            for t, v in best:  # likeliest first: a name two tokens share keeps the higher
+                top.setdefault(self._name(t), v)
+            lp.top_logprobs.append(top)
+            lp.text_offset.append(self.offset)
+            self.offset += len(name)
+        return lp
+
+    def chat(self, ids: list[int], entries: list[dict[int, float]] | None) -> ChatLogprobs:
+        content = []
+        for tid, logprob, best in self._entries(ids, entries):
+            name = self._name(tid)
+            top = [TopLogprob(token=self._name(t), logprob=v, bytes=_bytes(self._name(t)))
+                   for t, v in best]  # fmt: skip
+            content.append(
+                ChatTokenLogprob(token=name, logprob=logprob, bytes=_bytes(name), top_logprobs=top)
+            )
+        return ChatLogprobs(content=content)
+
+
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8", "replace"))
 
 
 def request_failed(rid: str, last: Any) -> APIError:
@@ -45,26 +115,32 @@ async def respond(
     body: CompletionRequest | ChatCompletionRequest,
     stream: Stream,
     chunk: Callable[..., dict[str, Any]],
-    final: Callable[[str, str | None, Any], dict[str, Any]],
+    final: Callable[..., dict[str, Any]],
     role_first: bool = False,
+    logprobs: Callable[[list[int], list[dict[int, float]] | None], Any] | None = None,
 ) -> Response:
-    """The whole answer as one body, or an SSE stream of ``chunk``s."""
+    """The whole answer as one body, or an SSE stream of ``chunk``s. ``logprobs`` shapes a
+    run of tokens' logprobs (``Logprobs.completion`` or ``.chat``); None: none asked for."""
     headers = {REPLICA_HEADER: stream.replica}
     rid = request_id(request)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            _sse(door, stream, rid, chunk, include_usage, role_first),
+            _sse(door, stream, rid, chunk, include_usage, role_first, logprobs),
             media_type="text/event-stream",
             headers=headers,
         )
     parts: list[str] = []
+    ids: list[int] = []
+    entries: list[dict[int, float]] = []
     finish, last = None, None
 
     async def collect() -> None:
         nonlocal finish, last
         async for d in stream:
             parts.append(d.delta_text)
+            ids.extend(d.delta_token_ids)
+            entries.extend(d.logprobs or [{} for _ in d.delta_token_ids])
             finish, last = d.finish_reason, d
 
     task = asyncio.ensure_future(collect())
@@ -88,7 +164,8 @@ async def respond(
     if finish == "error":
         raise request_failed(rid, last)
     usage = _usage(door, last)
-    return JSONResponse(final("".join(parts), finish, usage), headers=headers)
+    shaped = logprobs(ids, entries) if logprobs is not None else None
+    return JSONResponse(final("".join(parts), finish, usage, shaped), headers=headers)
 
 
 def _usage(door: FrontDoor, last: Any) -> Any:
@@ -105,20 +182,25 @@ async def _sse(
     chunk: Callable[..., dict[str, Any]],
     include_usage: bool,
     role_first: bool,
+    logprobs: Callable[[list[int], list[dict[int, float]] | None], Any] | None = None,
 ) -> AsyncIterator[str]:
     """``data: {json}\\n\\n`` per delta, ``data: [DONE]`` last, whatever happens."""
     last = None
     try:
         if role_first:
-            yield _data(chunk("", None, True))
+            yield _data(chunk("", None, role=True))
         async for d in stream:
             last = d
             if d.finish_reason == "error":
                 err = request_failed(rid, d)
                 yield _data(error_body(err.message, err.type, 500, code=err.code, request_id=rid))
                 break
-            if d.delta_text or d.finished:
-                yield _data(chunk(d.delta_text, d.finish_reason if d.finished else None))
+            shaped = None
+            if logprobs is not None and d.delta_token_ids:
+                shaped = logprobs(list(d.delta_token_ids), d.logprobs)
+            if d.delta_text or d.finished or shaped is not None:
+                finish = d.finish_reason if d.finished else None
+                yield _data(chunk(d.delta_text, finish, shaped))
         else:
             usage = _usage(door, last)
             if include_usage and usage is not None:

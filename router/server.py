@@ -53,7 +53,7 @@ from .openai_api import (
     ModelCard,
     ModelList,
 )
-from .responses import REPLICA_HEADER, respond
+from .responses import REPLICA_HEADER, Logprobs, respond
 from .tenants import AuthError, Tenant, Tenants
 
 __all__ = ["BODY_TIMEOUT_S", "MAX_BODY_BYTES", "REPLICA_HEADER", "create_app", "render_metrics"]
@@ -103,16 +103,18 @@ async def completions(request: Request, tenant: TenantDep) -> Response:
     stream = await intake.open_stream(request, tenant, ids, body)
     rid = f"cmpl-{uuid.uuid4().hex}"
 
-    def chunk(text: str, finish: str | None) -> dict[str, Any]:
-        choice = CompletionChoice(text=text, finish_reason=finish)
+    def chunk(text: str, finish: str | None, logprobs: Any = None) -> dict[str, Any]:
+        choice = CompletionChoice(text=text, finish_reason=finish, logprobs=logprobs)
         return CompletionResponse(id=rid, model=body.model, choices=[choice]).model_dump()
 
-    def final(text: str, finish: str | None, usage: Any) -> dict[str, Any]:
-        choice = CompletionChoice(text=text, finish_reason=finish)
+    def final(text: str, finish: str | None, usage: Any, logprobs: Any) -> dict[str, Any]:
+        choice = CompletionChoice(text=text, finish_reason=finish, logprobs=logprobs)
         resp = CompletionResponse(id=rid, model=body.model, choices=[choice], usage=usage)
         return resp.model_dump()
 
-    return await respond(intake.door, request, body, stream, chunk, final)
+    n = body.num_logprobs()
+    shape = None if n is None else Logprobs(intake.door.tokenizer, n).completion
+    return await respond(intake.door, request, body, stream, chunk, final, logprobs=shape)
 
 
 async def chat_completions(request: Request, tenant: TenantDep) -> Response:
@@ -123,19 +125,25 @@ async def chat_completions(request: Request, tenant: TenantDep) -> Response:
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
 
-    def chunk(text: str, finish: str | None, role: bool = False) -> dict[str, Any]:
+    def chunk(
+        text: str, finish: str | None, logprobs: Any = None, role: bool = False
+    ) -> dict[str, Any]:
         delta = ChatDelta(role="assistant" if role else None, content=text if text else None)
-        choice = ChatStreamChoice(delta=delta, finish_reason=finish)
+        choice = ChatStreamChoice(delta=delta, finish_reason=finish, logprobs=logprobs)
         out = ChatCompletionChunk(id=rid, created=created, model=body.model, choices=[choice])
         return out.model_dump()
 
-    def final(text: str, finish: str | None, usage: Any) -> dict[str, Any]:
+    def final(text: str, finish: str | None, usage: Any, logprobs: Any) -> dict[str, Any]:
         msg = ChatDelta(role="assistant", content=text)
-        choice = ChatChoice(message=msg, finish_reason=finish)
+        choice = ChatChoice(message=msg, finish_reason=finish, logprobs=logprobs)
         resp = ChatCompletionResponse(id=rid, model=body.model, choices=[choice], usage=usage)
         return resp.model_dump()
 
-    return await respond(intake.door, request, body, stream, chunk, final, role_first=True)
+    n = body.num_logprobs()
+    shape = None if n is None else Logprobs(intake.door.tokenizer, n).chat
+    return await respond(
+        intake.door, request, body, stream, chunk, final, role_first=True, logprobs=shape
+    )
 
 
 async def _on_validation_error(request: Request, exc: Exception) -> Response:

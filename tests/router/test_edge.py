@@ -88,6 +88,10 @@ BAD: list[tuple[str, str, dict[str, Any], str | None]] = [
     ("top-p-zero", C, completion(top_p=0), "top_p"),
     ("max-tokens-past-context", C, completion(max_tokens=10**6), "max_tokens"),
     ("no-messages", H, chat() | {"messages": []}, "messages"),
+    ("logprobs-past-5", C, completion(logprobs=6), "logprobs"),
+    ("logprobs-bool-on-completions", C, completion(logprobs=True), "logprobs"),
+    ("top-logprobs-past-20", H, chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+    ("top-logprobs-without-logprobs", H, chat(top_logprobs=2), "top_logprobs"),
     ("bad-role", H, chat() | {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
 ]
 
@@ -111,9 +115,6 @@ UNSUPPORTED: list[tuple[str, dict[str, Any], str]] = [
     (C, completion(best_of=2), "best_of"),
     (C, completion(echo=True), "echo"),
     (C, completion(suffix="tail"), "suffix"),
-    (C, completion(logprobs=0), "logprobs"),
-    (H, chat(logprobs=True), "logprobs"),
-    (H, chat(top_logprobs=2), "top_logprobs"),
     (C, completion(presence_penalty=0.5), "presence_penalty"),
     (H, chat(frequency_penalty=1), "frequency_penalty"),
     (H, chat([{"type": "image_url", "image_url": {"url": "http://x"}}]), "messages.0.content.0"),
@@ -253,3 +254,38 @@ def test_a_slow_body_times_out_and_frees_its_handler(served: Served) -> None:
 def test_metrics_count_failovers_and_quarantine(served: Served) -> None:
     text = httpx.get(served.url + "/metrics").text
     assert "kvroute_failovers_total 0" in text and "kvroute_quarantined_requests 0" in text
+
+
+def test_logprobs_are_returned_in_openais_shapes(served: Served) -> None:
+    """Greedy: the chosen token is the likeliest of its alternatives, every logprob <= 0,
+    one entry per generated token, streamed or not."""
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="key-a", max_retries=0)
+    kw: dict[str, Any] = {"model": MODEL, "max_tokens": 6, "temperature": 0.0}
+    kw["extra_body"] = {"ignore_eos": True}
+    out = client.completions.create(prompt="logprobs", logprobs=3, **kw)
+    lp = out.choices[0].logprobs
+    assert lp is not None and len(lp.tokens) == len(lp.token_logprobs) == 6
+    for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        # Byte tokens may share a name (U+FFFD): the legacy dict then holds fewer than 3.
+        assert 1 <= len(top) <= 3 and logprob <= 0 and max(top.values()) == logprob
+        assert top[token] == logprob
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    streamed = [
+        t
+        for chunk in client.completions.create(prompt="logprobs", logprobs=3, stream=True, **kw)
+        for t in (chunk.choices[0].logprobs.token_logprobs if chunk.choices[0].logprobs else [])
+    ]
+    assert streamed == lp.token_logprobs
+    msg = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(messages=msg, logprobs=True, top_logprobs=2, **kw)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 6 == chat.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert [t.logprob for t in entry.top_logprobs] == sorted(
+            (t.logprob for t in entry.top_logprobs), reverse=True
+        )
+        assert entry.top_logprobs[0].logprob == entry.logprob <= 0
+        assert entry.bytes == list(entry.token.encode("utf-8", "replace"))
+    plain = client.chat.completions.create(messages=msg, **kw)
+    assert plain.choices[0].logprobs is None
