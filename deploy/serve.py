@@ -40,6 +40,13 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
         help="requests admitted at once; more get 429 (default: 128 per replica)",
     )
     serve.add_argument(
+        "--max-in-flight-per-tenant",
+        type=int,
+        default=None,
+        help="requests one tenant may hold at once; more get 429 (default: half of "
+        "--max-in-flight when the API keys name two tenants or more, else no own cap)",
+    )
+    serve.add_argument(
         "--max-body-bytes",
         type=int,
         default=4 << 20,
@@ -148,12 +155,17 @@ def _run(args: argparse.Namespace, keys: dict[str, str] | None, secret: str) -> 
         from kvroute.replica.models import resolve_model
 
         tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
+    max_in_flight = args.max_in_flight or 128 * n
+    per_tenant = args.max_in_flight_per_tenant
+    if per_tenant is None and len(set((keys or {}).values())) > 1:
+        per_tenant = max(1, max_in_flight // 2)  # a flooding tenant leaves the others half
     try:
         door = FrontDoor(
             [(a, infos[a]) for a in actors],
             policy=args.policy,
             tokenizer=tokenizer,
-            max_in_flight=args.max_in_flight or 128 * n,
+            max_in_flight=max_in_flight,
+            max_in_flight_per_tenant=per_tenant,
         )
     except FleetMismatchError as exc:
         _say(str(exc))

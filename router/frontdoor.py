@@ -27,6 +27,9 @@ Why the shape:
   that cannot have been the request's (the same rule), is replaced once: the prompt and
   the tokens already streamed go to another replica (``GenerateRequest.resume``), which
   continues exactly (greedy and seeded alike), so the client sees one stream.
+- Admission: the router's budget (``max_in_flight``), then the tenant's own share of it
+  (:class:`~.tenants.TenantShares`); a 429 past either, so one tenant's burst is refused
+  while others are still admitted.
 - Replicas restart with new ports (Ray ``max_restarts``): a monitor polls ``info()`` and,
   on a new incarnation, drops what the index knew and follows the new event endpoints.
 """
@@ -62,7 +65,7 @@ from .index import PrefixIndex
 from .load import LoadTracker
 from .policy import NoReplicaError, Policy, RequestView, make_policy
 from .quarantine import Quarantine, fingerprint, not_caused_by
-from .tenants import Tenant
+from .tenants import Tenant, TenantShares
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +76,8 @@ if hasattr(ray.exceptions, "ActorUnavailableError"):
 
 
 class OverloadedError(RuntimeError):
-    """The router already has ``max_in_flight`` requests in flight (HTTP 429)."""
+    """The router already has ``max_in_flight`` requests in flight, or the tenant its
+    ``max_in_flight_per_tenant`` (HTTP 429)."""
 
 
 class FleetMismatchError(ValueError):
@@ -105,6 +109,7 @@ class Stream:
     ) -> None:
         self.door, self.request_id, self.replica = door, request_id, replica
         self.fingerprint = fingerprint
+        self.tenant: str | None = None  # set by FrontDoor.open: its share, released at close
         self._first: GenerateDelta | None = first
         self.num_output_tokens = 0  # as the replica counts them (cumulative)
         self._rest = rest
@@ -145,6 +150,8 @@ class Stream:
         with contextlib.suppress(Exception):
             await self._rest.aclose()  # type: ignore[attr-defined]
         self.door.policy.on_finished(self.request_id, time.monotonic(), self.num_output_tokens)
+        if self.tenant is not None:
+            self.door.shares.release(self.tenant)
 
 
 class FrontDoor:
@@ -159,9 +166,11 @@ class FrontDoor:
         monitor_interval_s: float = 2.0,
         load_interval_s: float = 0.2,
         max_in_flight: int | None = None,
+        max_in_flight_per_tenant: int | None = None,
     ) -> None:
         """``max_in_flight``: requests this router admits at once (None: no limit); one
-        more is refused at once (429) rather than queued without bound."""
+        more is refused at once (429) rather than queued without bound.
+        ``max_in_flight_per_tenant``: the same for each tenant alone (None: no own cap)."""
         if not replicas:
             raise ValueError("a front door needs at least one replica")
         first = replicas[0][1]
@@ -183,6 +192,7 @@ class FrontDoor:
         self.monitor_interval_s = monitor_interval_s
         self.load_interval_s = load_interval_s
         self.max_in_flight = max_in_flight
+        self.shares = TenantShares(max_in_flight_per_tenant)
         self.cordoned: set[str] = set()
         # Requests that were computing when a replica failed (see the module docstring).
         self.suspects = Quarantine(self.errors)
@@ -335,14 +345,42 @@ class FrontDoor:
         request_salt: str | None = None,
         request_id: str | None = None,
     ) -> Stream:
-        """Routes the request and waits for its first delta (see the module docstring).
+        """Admits the request (the router's and the tenant's budget), routes it and waits
+        for its first delta (see the module docstring).
 
         Raises :class:`InvalidRequestError` (the client's fault), :class:`OverloadedError`,
         :class:`NoReplicaError` (none alive), or the replica's failure when the retry failed
         too."""
+        tid = tenant.tenant_id
+        self.admit(tid)
+        try:
+            stream = await self._open(tenant, prompt_token_ids, sampling, request_salt, request_id)
+        except BaseException:
+            self.shares.release(tid)
+            raise
+        stream.tenant = tid  # its share is released when the stream closes
+        return stream
+
+    def admit(self, tenant_id: str) -> None:
+        """Counts one more request of the tenant in flight (released when it ends), or
+        raises :class:`OverloadedError` when the router's or the tenant's budget is full."""
         if self.max_in_flight is not None and self.load.in_flight() >= self.max_in_flight:
             self.errors["overloaded"] += 1
             raise OverloadedError(f"{self.max_in_flight} requests in flight; retry shortly")
+        if not self.shares.admit(tenant_id):
+            self.errors["tenant_overloaded"] += 1
+            raise OverloadedError(
+                f"this tenant already has {self.shares.cap} requests in flight; retry shortly"
+            )
+
+    async def _open(
+        self,
+        tenant: Tenant,
+        prompt_token_ids: list[int],
+        sampling: SamplingSpec,
+        request_salt: str | None,
+        request_id: str | None,
+    ) -> Stream:
         fp = fingerprint(prompt_token_ids, sampling)
         self.suspects.check(fp)
         request_id = request_id or uuid.uuid4().hex

@@ -18,6 +18,7 @@ import hmac
 import json
 import logging
 import os
+from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -116,3 +117,40 @@ class Tenants:
         if tenant_id is None:
             raise AuthError("incorrect API key provided")
         return self._tenant(tenant_id)
+
+
+class TenantShares:
+    """Each tenant's share of a router's in-flight budget: at most ``cap`` requests at once.
+
+    Why a fixed cap and not a share that grows while a tenant is alone: an admitted stream
+    cannot be taken back, so a tenant that filled the whole budget while alone would leave
+    a newcomer nothing until its streams ended. A cap below the router's budget (``kvroute
+    serve``: half of it when the keys name two tenants or more) always leaves the others
+    room. One counter per tenant with requests in flight: O(1) per request.
+    """
+
+    def __init__(self, cap: int | None = None) -> None:
+        """``cap``: requests one tenant may hold at once (None: no cap of its own)."""
+        if cap is not None and cap < 1:
+            raise ValueError(f"a tenant's in-flight cap must be >= 1, got {cap}")
+        self.cap = cap
+        self._counts: Counter[str] = Counter()
+
+    def admit(self, tenant_id: str) -> bool:
+        """Counts one more request of the tenant in flight; False (nothing counted) when
+        the tenant already holds ``cap``."""
+        if self.cap is not None and self._counts[tenant_id] >= self.cap:
+            return False
+        self._counts[tenant_id] += 1
+        return True
+
+    def release(self, tenant_id: str) -> None:
+        """One of the tenant's requests ended (once per successful :meth:`admit`)."""
+        n = self._counts[tenant_id] - 1
+        if n > 0:
+            self._counts[tenant_id] = n
+        else:  # no entry kept for a tenant with nothing in flight
+            self._counts.pop(tenant_id, None)
+
+    def in_flight(self, tenant_id: str) -> int:
+        return self._counts.get(tenant_id, 0)

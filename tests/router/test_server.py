@@ -8,6 +8,7 @@ client left, a replica that dies before its first token.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -28,6 +29,7 @@ from kvroute.router.server import REPLICA_HEADER, create_app
 from kvroute.router.tenants import AuthError, Tenants, load_api_keys, tenant_salt
 
 from ..waiting import wait_for
+from .fleet import assert_clean_error
 
 MODEL = "tiny"
 CONFIG = {"model": MODEL, "block_size": 16, "num_blocks": 160}  # 2,560 tokens a replica
@@ -266,6 +268,37 @@ def test_overload_is_a_429_not_a_queue(fleet: dict[str, Any]) -> None:
     finally:
         door.max_in_flight = None
     wait_for(lambda: door.load.in_flight() == 0 and running(fleet) == 0, 3, "stream ended")
+
+
+def test_one_tenants_burst_is_a_429_while_another_tenant_is_admitted(
+    fleet: dict[str, Any],
+) -> None:
+    """Fair share at admission: alpha holds its share of the budget; its next request is a
+    429 with Retry-After while the router still has room, and beta is admitted."""
+    door = fleet["door"]
+    door.max_in_flight, door.shares.cap = 3, 2
+    url = fleet["url"] + "/v1/completions"
+    try:
+        with contextlib.ExitStack() as held:
+            lines = []  # held: dropping an iterator would close its response
+            for prompt in ("a", "b"):
+                body = {**ENDLESS, "prompt": prompt, "stream": True}
+                r = held.enter_context(httpx.stream("POST", url, json=body, headers=AUTH))
+                lines.append(r.iter_lines())
+                assert next(lines[-1]).startswith("data: ")
+            assert door.shares.in_flight("alpha") == 2 and door.load.in_flight() == 2
+            burst = httpx.post(
+                url, json={"model": MODEL, "prompt": "c", "max_tokens": 1}, headers=AUTH
+            )
+            err = assert_clean_error(burst, 429)
+            assert err["code"] == "rate_limit_exceeded" and burst.headers["retry-after"] == "1"
+            beta = client(fleet, "key-b").completions.create(model=MODEL, prompt="d", max_tokens=1)
+            assert beta.usage is not None and beta.usage.completion_tokens == 1
+            assert door.shares.in_flight("beta") == 0  # released when its response ended
+    finally:
+        door.max_in_flight, door.shares.cap = None, None
+    wait_for(lambda: door.load.in_flight() == 0 and running(fleet) == 0, 3, "streams ended")
+    assert door.shares.in_flight("alpha") == 0
 
 
 def test_metrics(fleet: dict[str, Any]) -> None:
