@@ -156,6 +156,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     sampling: SamplingSpec = msgspec.field(default_factory=SamplingSpec)
     cache_salt: str | None = None
     resume: Resume | None = None  # a failover: continue from these outputs
+    tenant: str | None = None  # whose request: the engine's queue takes tenants in turn
 
 
 class GenerateDelta(msgspec.Struct, kw_only=True):

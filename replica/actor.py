@@ -165,6 +165,7 @@ class ReplicaServer:
                 req.request_id,
                 cache_salt=req.cache_salt,
                 resume=req.resume,
+                tenant=req.tenant,
             )
             async for out in outputs:
                 yield delta_from_output(out)

@@ -54,6 +54,7 @@ class _Add:
     cache_salt: str | None
     lora_name: str | None
     resume: Resume | None
+    tenant: str | None
     sink: asyncio.Queue[RequestOutput | BaseException]
     loop: asyncio.AbstractEventLoop
 
@@ -102,9 +103,11 @@ class AsyncLLMEngine:
         cache_salt: str | None = None,
         lora_name: str | None = None,
         resume: Resume | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's output after each step that changed it, the last finished.
-        ``resume``: continue a request that failed over from another replica."""
+        ``resume``: continue a request that failed over from another replica; ``tenant``:
+        whose request (the scheduler takes tenants in turn)."""
         if self.error is not None:
             raise EngineDeadError("the engine has failed") from self.error
         if self._stopped:
@@ -112,8 +115,9 @@ class AsyncLLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         loop = asyncio.get_running_loop()
+        params = params or SamplingParams()
         self._commands.put(
-            _Add(rid, prompt, params or SamplingParams(), cache_salt, lora_name, resume, sink, loop)
+            _Add(rid, prompt, params, cache_salt, lora_name, resume, tenant, sink, loop)
         )
         finished = False
         try:
@@ -235,6 +239,7 @@ class AsyncLLMEngine:
                     cache_salt=cmd.cache_salt,
                     lora_name=cmd.lora_name,
                     resume=cmd.resume,
+                    tenant=cmd.tenant,
                 )
             except Exception as exc:  # a bad request fails alone
                 self._deliver(cmd.request_id, exc, last=True)

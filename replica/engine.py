@@ -168,11 +168,14 @@ class LLMEngine:
         lora_name: str | None = None,
         arrival_time: float | None = None,
         resume: Resume | None = None,
+        tenant: str | None = None,
     ) -> Request:
         """Queues a request; raises ValueError (nothing queued) if it can never run.
 
         ``resume``: a request continued here after its replica failed mid-stream; its
         outputs so far count as generated here (see :class:`~kvroute.events.replica_api.Resume`).
+        ``tenant``: whose request; waiting requests are admitted tenant by tenant in turn
+        (None: the group of requests without one).
         """
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -212,6 +215,7 @@ class LLMEngine:
             lora_name=lora_name,
             arrival_time=arrival_time,
             output_token_ids=prior,
+            tenant=tenant,
         )
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
         if prior and resume is not None and (self.config.stream_text or detok.stop):

@@ -61,8 +61,10 @@ class Request:
         lora_name: str | None = None,
         arrival_time: float | None = None,
         output_token_ids: Sequence[int] = (),
+        tenant: str | None = None,
     ) -> None:
-        """``output_token_ids``: tokens generated elsewhere before (a failover's resume)."""
+        """``output_token_ids``: tokens generated elsewhere before (a failover's resume).
+        ``tenant``: whose request it is; the scheduler takes tenants in turn."""
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt")
         self.request_id = request_id
@@ -70,6 +72,7 @@ class Request:
         self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
         self.eos_token_id = eos_token_id
         self.cache_salt = cache_salt
+        self.tenant = tenant
         self.lora_name = lora_name
         self.arrival_time = time.time() if arrival_time is None else arrival_time
 

@@ -6,10 +6,11 @@ one call to :meth:`Scheduler.update_from_output`. Per step:
 1. running requests, oldest admitted first: a decode costs 1 token, a partially prefilled
    request continues its prompt with as many tokens as the budget leaves (chunked prefill);
    when the pool runs out of blocks, the newest running request is preempted (recompute:
-   its blocks are freed, it goes back to the FRONT of the queue with its outputs kept);
-2. if nobody was preempted, waiting requests in FCFS order: a prefix-cache lookup, then
-   slots for the rest of the prompt (or the first chunk of it). A request that does not
-   fit stops admission for this step (no skipping: FCFS).
+   its blocks are freed, it goes back to the FRONT of its tenant's queue, outputs kept);
+2. if nobody was preempted, waiting requests in fair-queue order (:mod:`.fair_queue`:
+   round-robin across tenants, FCFS within one; requests with no tenant are one group): a
+   prefix-cache lookup, then slots for the rest of the prompt (or the first chunk of it).
+   A request that does not fit stops admission for this step (no skipping).
 
 ``num_computed_tokens`` advances at schedule time, so the runner reads the pre-step value
 from :class:`ScheduledRequest`. No request holds blocks while waiting.
@@ -23,13 +24,13 @@ everything running can always make progress by preempting others.
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvroute.events.load import LoadReport
 
+from .fair_queue import FairQueue
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
 
@@ -114,7 +115,7 @@ class Scheduler:
             raise ValueError(f"the KV cache / token budget allow only {limit} token(s)")
         self.max_model_len = limit  # the effective limit: prompt + outputs < this + 1
         self.requests: dict[str, Request] = {}  # live (unfinished) requests by id
-        self.waiting: deque[Request] = deque()
+        self.waiting: FairQueue[Request] = FairQueue(_tenant_of)
         self.running: list[Request] = []  # in admission order: preemption takes the last
         self.finished_req_ids: set[str] = set()  # since the last schedule()
         self.num_preemptions = 0  # total, over the scheduler's life
@@ -203,7 +204,7 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        # 2. Waiting requests, FCFS, unless this step already had to preempt.
+        # 2. Waiting requests, tenants in turn, unless this step already had to preempt.
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
                 if kv.get_num_free_blocks() == 0 and self.running:
@@ -211,7 +212,7 @@ class Scheduler:
                     # before the last token); skipping the lookup keeps a request stuck at
                     # the head from inflating the hit-rate counters every step.
                     break
-                req = self.waiting[0]
+                req = self.waiting.peek()
                 hit_blocks, num_hit = kv.get_computed_blocks(req)
                 num_new = req.num_tokens - num_hit
                 if 0 < threshold < num_new:
@@ -346,6 +347,11 @@ class Scheduler:
             "prefix_cache_hits": kv.prefix_cache_hits,
             "num_preemptions": self.num_preemptions,
         }
+
+
+def _tenant_of(req: Request) -> str | None:
+    """The fair queue's group: the request's tenant (None: the group of tenantless ones)."""
+    return req.tenant
 
 
 def load_report(waiting: Iterable[Any], running: Sequence[Any], kv: KVCacheManager) -> LoadReport:

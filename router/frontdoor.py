@@ -408,6 +408,7 @@ class FrontDoor:
                 prompt_token_ids=prompt_token_ids,
                 sampling=sampling,
                 cache_salt=salt,
+                tenant=tenant.tenant_id,
             )
             failures_at_send = rep.failures
             rest = stream_generate(rep.actor, req)

@@ -95,6 +95,17 @@ async def test_breaking_out_of_the_stream_aborts_and_frees_blocks(engine: AsyncL
     assert_ended_early(engine)
 
 
+async def test_the_tenant_reaches_the_scheduler(engine: AsyncLLMEngine) -> None:
+    """The scheduler's fair queue groups by the tenant each request carries."""
+    stream = engine.generate("tenant's story " * 4, LONG, tenant="alpha")
+    first = await anext(stream)
+    assert not first.finished
+    tenants = await engine.call(lambda e: [r.tenant for r in e.scheduler.requests.values()])
+    assert tenants == ["alpha"]
+    await stream.aclose()  # type: ignore[attr-defined]
+    await wait_until(all_blocks_free(engine))
+
+
 async def test_cancelling_the_consumer_task_aborts_and_frees_blocks(
     engine: AsyncLLMEngine,
 ) -> None:

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvroute.events import BlockHasher, BlockSet
+from kvroute.replica.fair_queue import FairQueue
 from kvroute.replica.kv_cache_manager import KVCacheManager
 from kvroute.replica.request import Request, RequestStatus
 from kvroute.replica.sampling_params import SamplingParams
@@ -110,8 +111,15 @@ class Harness:
         self.history: list[SchedulerOutput] = []
         self.done: dict[str, Request] = {}
 
-    def add(self, rid: str, prompt: list[int], eos: int | None = None, **sp: Any) -> Request:
-        req = Request(rid, prompt, SamplingParams(**sp), eos, arrival_time=0.0)
+    def add(
+        self,
+        rid: str,
+        prompt: list[int],
+        eos: int | None = None,
+        tenant: str | None = None,
+        **sp: Any,
+    ) -> Request:
+        req = Request(rid, prompt, SamplingParams(**sp), eos, arrival_time=0.0, tenant=tenant)
         self.sched.add_request(req)
         return req
 
@@ -145,10 +153,13 @@ class Harness:
             assert before[rid][0] == RequestStatus.RUNNING
             assert s.requests[rid].status == RequestStatus.PREEMPTED
         assert not set(out.preempted_request_ids) & {x.request.request_id for x in out.scheduled}
-        if out.preempted_request_ids:  # victims lead the queue; nothing admitted this step
-            assert [r.request_id for r in list(s.waiting)[: len(out.preempted_request_ids)]] == (
-                out.preempted_request_ids[::-1]
-            )
+        if out.preempted_request_ids:  # victims lead their tenant's queue; nothing admitted
+            victims = [s.requests[rid] for rid in out.preempted_request_ids[::-1]]
+            assert s.waiting.peek() is victims[0]  # the last preempted is served first
+            for tenant in {v.tenant for v in victims}:
+                mine = [v for v in victims if v.tenant == tenant]
+                queued = [r for r in s.waiting if r.tenant == tenant]
+                assert queued[: len(mine)] == mine
             assert not admitted
         assert len(s.running) <= self.config.max_num_seqs
         for r in s.waiting:  # never holds blocks while waiting
@@ -481,8 +492,9 @@ step_plan = st.tuples(
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data())
 def test_random_arrivals_and_aborts(data: st.DataObject) -> None:
-    """All requests finish (or were aborted) with the reference output; no leaks; events
-    replay to the pool's cached set after every step (checked by the harness)."""
+    """All requests finish (or were aborted) with the reference output, whatever the
+    tenants; no leaks; events replay to the pool's cached set after every step (checked by
+    the harness)."""
     chunked = data.draw(st.booleans(), "chunked")
     h = Harness(
         data.draw(st.integers(3, 16), "num_blocks"),
@@ -493,6 +505,7 @@ def test_random_arrivals_and_aborts(data: st.DataObject) -> None:
         long_prefill_token_threshold=data.draw(st.sampled_from([0, 0, 3, 8]), "threshold"),
     )
     limit = h.sched.max_model_len
+    n_tenants = data.draw(st.integers(0, 3), "tenants")  # 0: no tenant, one FCFS group
     bases = [prompt(100 + i, 16) for i in range(3)]
     expected: dict[str, list[int]] = {}
     aborted: set[str] = set()
@@ -502,7 +515,8 @@ def test_random_arrivals_and_aborts(data: st.DataObject) -> None:
             rid = f"s{step}r{j}"
             p = bases[base][:k] + prompt(step * 10 + j, n)
             sp = SamplingParams(max_tokens=max_tokens)
-            req = Request(rid, p, sp, eos, arrival_time=0.0)
+            tenant = f"t{(step * 7 + j) % n_tenants}" if n_tenants else None
+            req = Request(rid, p, sp, eos, arrival_time=0.0, tenant=tenant)
             if len(p) + 1 > limit:
                 with pytest.raises(RequestTooLongError):
                     h.sched.add_request(req)
@@ -525,3 +539,49 @@ def test_random_arrivals_and_aborts(data: st.DataObject) -> None:
     assert set(h.done) | aborted == set(expected)
     for rid, r in h.done.items():
         assert r.output_token_ids == expected[rid], rid
+
+
+def admissions(h: Harness) -> list[str]:
+    """Request ids in the order they were first scheduled."""
+    seen: dict[str, None] = {}
+    for out in h.history:
+        for x in out.scheduled:
+            seen.setdefault(x.request.request_id, None)
+    return list(seen)
+
+
+@pytest.mark.parametrize("tenants", [True, False])
+def test_a_tenants_short_request_is_not_queued_behind_another_tenants_flood(
+    tenants: bool,
+) -> None:
+    """Tenant a queues 20 long prompts, then tenant b one short one, under a budget of half
+    a prompt a step: b is admitted right after a's first, not after all of a's. Without
+    tenants (one group) the queue is the FCFS it replaces: b comes last."""
+    h = Harness(10_000, max_num_batched_tokens=8)
+    flood = [f"a{i}" for i in range(20)]
+    for i, rid in enumerate(flood):
+        h.add(rid, prompt(i, 16), tenant="a" if tenants else None, max_tokens=4, ignore_eos=True)
+    h.add("b", prompt(99, 2), tenant="b" if tenants else None, max_tokens=2, ignore_eos=True)
+    h.run_all()
+    order = admissions(h)
+    assert order == (["a0", "b", *flood[1:]] if tenants else [*flood, "b"])
+    assert h.sched.num_preemptions == 0
+    for r in h.done.values():  # fair order changes when, never what, a request computes
+        assert r.output_token_ids == reference(r.prompt_token_ids, r.sampling_params, None, 8192)
+
+
+def test_fair_queue_turns_tenants_and_puts_the_preempted_first() -> None:
+    q: FairQueue[tuple[str | None, int]] = FairQueue(lambda item: item[0])
+    for item in [("a", 0), ("a", 1), ("a", 2), ("b", 0), (None, 0), ("b", 1)]:
+        q.append(item)
+    assert list(q) == [("a", 0), ("b", 0), (None, 0), ("a", 1), ("b", 1), ("a", 2)]
+    assert q.popleft() == ("a", 0) and q.peek() == ("b", 0)  # a went to the back
+    q.appendleft(("a", 0))  # preempted: first of its tenant, its tenant first in the ring
+    assert q.peek() == ("a", 0) and len(q) == 6
+    q.remove(("b", 1))
+    q.remove(("b", 0))  # b's last: its turn goes with it
+    assert list(q) == [("a", 0), (None, 0), ("a", 1), ("a", 2)]
+    expected = list(q)  # iteration is the order of service
+    assert [q.popleft() for _ in range(len(q))] == expected and not q
+    with pytest.raises(IndexError):
+        q.peek()
