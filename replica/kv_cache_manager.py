@@ -112,23 +112,13 @@ class KVCacheManager:
     # -- the scheduler's calls ---------------------------------------------------------
     def get_computed_blocks(self, request: CacheRequest) -> tuple[list[KVCacheBlock], int]:
         """The cached blocks of the request's longest cached prefix, and the tokens they hold.
-
-        Walks the hash chain and stops at the first miss (block i+1's hash folds in block
-        i's, so nothing past a miss can be a valid hit). Leaves the pool untouched.
+        Counted in ``prefix_cache_queries`` / ``prefix_cache_hits``; leaves the pool untouched.
         """
         if not self.enable_caching:
             return [], 0
-        num_tokens = len(request.all_token_ids)
-        max_blocks = max(num_tokens - 1, 0) // self.block_size
-        hit: list[KVCacheBlock] = []
-        get = self.block_pool.get_cached_block
-        for h in itertools.islice(self.block_hashes(request), max_blocks):
-            block = get(h)
-            if block is None:
-                break
-            hit.append(block)
+        hit = self._cached_prefix(request)
         num_hit_tokens = len(hit) * self.block_size
-        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_queries += len(request.all_token_ids)
         self.prefix_cache_hits += num_hit_tokens
         return hit, num_hit_tokens
 
@@ -137,13 +127,21 @@ class KVCacheManager:
         prefill will save, for load reports."""
         if not self.enable_caching:
             return 0
+        return len(self._cached_prefix(request)) * self.block_size
+
+    def _cached_prefix(self, request: CacheRequest) -> list[KVCacheBlock]:
+        """Walks the hash chain and stops at the first miss (block i+1's hash folds in block
+        i's, so nothing past a miss can be a valid hit), over at most ``num_tokens - 1``
+        tokens: one token is always computed, to get logits."""
         max_blocks = max(len(request.all_token_ids) - 1, 0) // self.block_size
-        get, n = self.block_pool.get_cached_block, 0
+        hit: list[KVCacheBlock] = []
+        get = self.block_pool.get_cached_block
         for h in itertools.islice(self.block_hashes(request), max_blocks):
-            if get(h) is None:
+            block = get(h)
+            if block is None:
                 break
-            n += 1
-        return n * self.block_size
+            hit.append(block)
+        return hit
 
     def allocate_slots(
         self,

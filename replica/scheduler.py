@@ -325,24 +325,15 @@ class Scheduler:
         return load_report(self.waiting, self.running, self.kv_cache_manager)
 
     def stats(self) -> dict[str, int | float]:
-        """Load as a router sees it. Prefill tokens are counted before any prefix hit:
-        a waiting request's hit is only known once it is looked up."""
-        queued_prefill = sum(r.num_tokens for r in self.waiting)
-        decoding = 0
-        for r in self.running:
-            pending = r.num_tokens - r.num_computed_tokens
-            if pending <= 1:
-                decoding += 1
-            else:
-                queued_prefill += pending
-        kv = self.kv_cache_manager
+        """The load report's figures (one definition of load) plus the cache counters."""
+        load, kv = self.load_report(), self.kv_cache_manager
         return {
-            "num_waiting": len(self.waiting),
-            "num_running": len(self.running),
-            "num_decoding": decoding,
-            "num_queued_prefill_tokens": queued_prefill,
+            "num_waiting": load.num_waiting,
+            "num_running": load.num_running,
+            "num_decoding": load.num_decoding,
+            "num_queued_prefill_tokens": load.queued_prefill_tokens,
             "kv_cache_usage": kv.usage,
-            "num_free_blocks": kv.get_num_free_blocks(),
+            "num_free_blocks": load.free_blocks,
             "prefix_cache_queries": kv.prefix_cache_queries,
             "prefix_cache_hits": kv.prefix_cache_hits,
             "num_preemptions": self.num_preemptions,

@@ -31,7 +31,6 @@ from typing import Any
 import numpy as np
 
 from kvroute.events import AllBlocksCleared, BlockHasher, EventBatch
-from kvroute.events.load import LoadReport
 from kvroute.replica.cost_model import H100_8B, CostModel, Profile
 from kvroute.replica.kv_cache_manager import KVCacheManager
 from kvroute.replica.scheduler import load_report
@@ -368,7 +367,7 @@ class Fleet:
         report = None
         if self.now - rep.last_report >= self.cfg.report_interval_s:
             rep.last_report = self.now
-            report = self._load_report(rep)
+            report = load_report(rep.waiting, rep.running, rep.kv)  # as a live one does
         if not events and report is None:
             return
         t = self.now + self.cfg.event_delay_s
@@ -377,11 +376,6 @@ class Fleet:
             self.lost_batches += 1
         t = rep.last_deliver = max(t, rep.last_deliver)
         self._push(t, _DELIVER, (rep, rep.epoch, EventBatch(self.now, events), report))
-
-    @staticmethod
-    def _load_report(rep: _SimEngine) -> LoadReport:
-        """What a live replica reports, by the engine's own function."""
-        return load_report(rep.waiting, rep.running, rep.kv)
 
     # -- faults ----------------------------------------------------------------------------
     def _fault(self, f: Fault) -> None:

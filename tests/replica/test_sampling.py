@@ -203,8 +203,9 @@ def test_sampling_params_reject_bad_values_naming_field_and_value(
 def test_seeds_at_the_bounds_sample() -> None:
     """Every seed the bounds let through is one torch takes (the bounds are not too wide)."""
     for seed in (SEED_MIN, -1, 0, SEED_MAX):
-        SamplingParams(seed=seed)
-        torch.Generator().manual_seed(seed)
+        assert SamplingParams(seed=seed).seed == seed
+        # torch folds negative seeds into uint64, as the sampler's generator will see them
+        assert torch.Generator().manual_seed(seed).initial_seed() == seed % 2**64
 
 
 def test_sampling_params_normalise_vllm_spellings() -> None:
