@@ -29,6 +29,7 @@ from kvroute.events.load import CostCoefficients, LoadReport
 # A view: (queued prefill tokens, decode context tokens, decoding requests, requests in
 # flight, free KV blocks). Tuples, not objects: the policy reads one per replica per request.
 LoadView = tuple[int, int, int, int, int]
+_NO_LIMIT = 1 << 40  # free blocks of a replica whose KV size is not known yet
 
 
 @dataclass(slots=True)
@@ -153,10 +154,10 @@ class LoadTracker:
         flight, free KV blocks)."""
         load = self._loads.get(replica)
         if load is None:
-            return 0, 0, 0, 0, 1 << 40
+            return 0, 0, 0, 0, _NO_LIMIT
         rep = load.report
         if rep is None or load.report_expiry < now:
-            free = load.total_blocks - load.blocks if load.total_blocks else 1 << 40
+            free = load.total_blocks - load.blocks if load.total_blocks else _NO_LIMIT
             return load.prefill, load.decode, load.decoding, load.count, free
         placed = load.blocks - load.blocks_at_report  # placed since the report was taken
         return (
