@@ -39,6 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     hash_cmd.add_argument("--form", choices=("bytes", "int"), default="bytes")
 
     _add_simulate(sub)
+    _add_bench(sub)
 
     args = parser.parse_args(argv)
     if args.command == "serve":
@@ -47,6 +48,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _events(args)
     if args.command == "simulate":
         return _simulate(args)
+    if args.command == "bench":
+        return _bench(args)
     return _hash(args)
 
 
@@ -95,6 +98,96 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     sim.add_argument("--json", action="store_true", help="print one JSON object")
     sim.add_argument("--plot", default=None, metavar="FILE.png", help="needs matplotlib")
     sim.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    bench = sub.add_parser(
+        "bench",
+        help="HTTP load generator for an OpenAI-compatible server (kvroute, vLLM, SGLang)",
+        description="Streams /v1/completions requests from a Mooncake trace or a built-in "
+        "workload and reports TTFT, inter-token latency, e2e latency, throughput, goodput, "
+        "the fleet's prefix-cache hit rate, errors by kind and requests per replica. "
+        "`kvroute bench report A.json B.json ...` sets saved runs side by side.",
+    )
+    src = bench.add_mutually_exclusive_group()
+    src.add_argument("--trace", help="Mooncake jsonl trace (timestamp, hash_ids, ...)")
+    src.add_argument("--workload", choices=("tenants", "chat", "rag", "agents"))
+    bench.add_argument("--url", default="http://127.0.0.1:8000/v1", help="API base URL")
+    bench.add_argument("--model", default=None, help="default: the first of GET /v1/models")
+    bench.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="repeatable; each distinct cache_salt (else request index) is sent with one "
+        "key, chosen deterministically",
+    )
+    pace = bench.add_mutually_exclusive_group()
+    pace.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second")
+    pace.add_argument(
+        "--concurrency", type=int, default=None, help="closed loop: C requests in flight"
+    )
+    bench.add_argument(
+        "--speed", type=float, default=1.0, help="own timestamps divided by this (default 1)"
+    )
+    bench.add_argument("--max-requests", type=int, default=1000, help="default 1000")
+    bench.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="stop sending after S seconds; in-flight requests get --grace, then are "
+        "cancelled (counted as `cancelled`)",
+    )
+    bench.add_argument("--grace", type=float, default=10.0, help="seconds (default 10)")
+    bench.add_argument("--timeout", type=float, default=300.0, help="per request, s")
+    bench.add_argument(
+        "--prompt-format",
+        choices=("tokens", "text"),
+        default="tokens",
+        help="tokens: token-id lists (exact on any server); text: one printable ASCII "
+        "character per token id -- exact for the byte-level `tiny` model with "
+        "--vocab-size 256, approximate (other token counts) for other tokenizers",
+    )
+    bench.add_argument(
+        "--vocab-size", type=int, default=128_256, help="token ids < this (tiny: 256)"
+    )
+    bench.add_argument(
+        "--length-scale",
+        type=float,
+        default=1.0,
+        help="multiply every prompt segment's length (shared prefixes stay shared): "
+        "the workloads at a size a small model serves",
+    )
+    bench.add_argument(
+        "--max-tokens", type=int, default=None, help="cap each request's output length"
+    )
+    bench.add_argument("--seed", type=int, default=0, help="workload and --rate seed")
+    bench.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO: TTFT (s)")
+    bench.add_argument(
+        "--slo-itl", type=float, default=0.1, help="goodput SLO: a request's own ITL (s)"
+    )
+    bench.add_argument(
+        "--slo-itl-stat",
+        choices=("p90", "mean"),
+        default="p90",
+        help="which of a request's ITLs --slo-itl applies to (default p90)",
+    )
+    bench.add_argument("--label", default=None, help="the run's name in tables and plots")
+    bench.add_argument("--json", default=None, metavar="FILE", help="write the full result")
+    bench.add_argument("--plot", default=None, metavar="FILE.png", help="needs matplotlib")
+    bench.add_argument("--no-progress", action="store_true", help="no progress on stderr")
+    more = bench.add_subparsers(dest="bench_command")
+    report = more.add_parser("report", help="saved runs (--json files) side by side")
+    report.add_argument("files", nargs="+", metavar="FILE.json")
+    report.add_argument("--plot", default=None, metavar="FILE.png", help="needs matplotlib")
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from kvroute.bench.command import run_bench, run_report
+
+    if args.bench_command == "report":
+        return run_report(args)
+    return run_bench(args)
 
 
 def _sweep(args: argparse.Namespace, policies: list[str], cfg: Any, progress: Any) -> int:

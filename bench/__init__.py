@@ -1,0 +1,1 @@
+"""``kvroute bench``: an HTTP load generator for OpenAI-compatible servers."""

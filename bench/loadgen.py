@@ -1,0 +1,297 @@
+"""Sending: streamed ``/v1/completions`` over ``httpx.AsyncClient``, timed per chunk.
+
+Why not the ``openai`` client: it builds a pydantic object per chunk, and the load generator
+shares 2 cores with the fleet it measures; a few lines of SSE parsing over raw bytes cost a
+fraction of that, so the client's own overhead stays out of the latencies. Every failure
+(HTTP status, timeout, refused connection, an ``error`` event in the stream) becomes a record
+with an error kind, never an exception out of :func:`run_load`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sys
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import httpx
+import msgspec
+
+from kvroute.router.responses import REPLICA_HEADER
+
+from .sources import Planned
+
+DEFAULT_URL = "http://127.0.0.1:8000/v1"
+
+
+class Record(msgspec.Struct, kw_only=True):
+    """One request as the client saw it; times in seconds, ``start_s`` from the run's start."""
+
+    index: int
+    start_s: float
+    error: str | None = None  # kind: http_429, timeout, connect, stream_error, cancelled ...
+    detail: str | None = None  # first line of the error, for the JSON file
+    replica: str | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    itl_s: list[float] = msgspec.field(default_factory=list)  # gaps between content chunks
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    output_tokens: int | None = None
+    cache_salt: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+class StreamError(Exception):
+    """The server said, inside a 200 stream, that the request failed."""
+
+
+async def sse_events(response: httpx.Response) -> AsyncIterator[str]:
+    """The ``data`` payload of each server-sent event (multi-line data joined by newlines),
+    until ``[DONE]`` or the end of the body. An ``event: error`` event raises."""
+    buf = b""
+    async for piece in response.aiter_bytes():
+        buf += piece
+        while True:
+            cut = _boundary(buf)
+            if cut is None:
+                break
+            raw, buf = buf[: cut[0]], buf[cut[1] :]
+            kind, data = _parse_event(raw)
+            if data is None:
+                continue
+            if kind == "error":
+                raise StreamError(data[:200])
+            if data == "[DONE]":
+                return
+            yield data
+    if buf.strip():
+        kind, data = _parse_event(buf)
+        if data is not None and data != "[DONE]":
+            if kind == "error":
+                raise StreamError(data[:200])
+            yield data
+
+
+def _boundary(buf: bytes) -> tuple[int, int] | None:
+    """(end of the first event, start of the next) at a blank line, any newline style."""
+    best = None
+    for sep in (b"\n\n", b"\r\n\r\n", b"\r\r"):
+        i = buf.find(sep)
+        if i >= 0 and (best is None or i < best[0]):
+            best = (i, i + len(sep))
+    return best
+
+
+def _parse_event(raw: bytes) -> tuple[str | None, str | None]:
+    kind, data = None, []
+    for line in raw.decode("utf-8", "replace").splitlines():
+        if line.startswith(":"):
+            continue  # comment / keep-alive
+        name, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if name == "data":
+            data.append(value)
+        elif name == "event":
+            kind = value
+    return kind, ("\n".join(data) if data else None)
+
+
+def _first_line(text: str) -> str:
+    return (text.strip().splitlines() or [""])[0][:200]
+
+
+async def send_one(
+    client: httpx.AsyncClient, url: str, req: Planned, t_run: float, timeout: float
+) -> Record:
+    """Sends one streamed completion and times it; any failure is the record's ``error``."""
+    headers = {"Authorization": f"Bearer {req.api_key}"} if req.api_key else {}
+    t0 = time.perf_counter()
+    rec = Record(index=req.index, start_s=t0 - t_run, cache_salt=req.cache_salt)
+    last: float | None = None
+    try:
+        async with asyncio.timeout(timeout):
+            async with client.stream(
+                "POST", url + "/completions", json=req.body, headers=headers
+            ) as resp:
+                rec.replica = resp.headers.get(REPLICA_HEADER)
+                if resp.status_code != 200:
+                    rec.error = f"http_{resp.status_code}"
+                    rec.detail = _first_line((await resp.aread()).decode("utf-8", "replace"))
+                    return rec
+                async for data in sse_events(resp):
+                    now = time.perf_counter()
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        raise StreamError(str(chunk["error"].get("message", chunk["error"])))
+                    for choice in chunk.get("choices") or ():
+                        if choice.get("finish_reason") == "error":
+                            raise StreamError("finish_reason error")
+                        if choice.get("text") or choice.get("finish_reason"):
+                            if last is None:
+                                rec.ttft_s = now - t0
+                            elif choice.get("text"):
+                                rec.itl_s.append(now - last)
+                            last = now
+                    usage = chunk.get("usage")
+                    if usage:
+                        rec.prompt_tokens = usage.get("prompt_tokens")
+                        rec.output_tokens = usage.get("completion_tokens")
+                        details = usage.get("prompt_tokens_details") or {}
+                        rec.cached_tokens = details.get("cached_tokens") or 0
+        rec.e2e_s = time.perf_counter() - t0
+        if rec.ttft_s is None:
+            rec.error, rec.detail = "empty_stream", "no content chunk before the stream ended"
+    except StreamError as e:
+        rec.error, rec.detail = "stream_error", _first_line(str(e))
+    except TimeoutError:
+        rec.error = "timeout"
+    except httpx.TimeoutException as e:
+        rec.error, rec.detail = "timeout", type(e).__name__
+    except httpx.ConnectError as e:
+        rec.error, rec.detail = "connect", _first_line(str(e))
+    except (httpx.RemoteProtocolError, httpx.ReadError) as e:
+        rec.error, rec.detail = "disconnected", _first_line(str(e)) or type(e).__name__
+    except httpx.HTTPError as e:
+        rec.error, rec.detail = "http_error", _first_line(str(e)) or type(e).__name__
+    except json.JSONDecodeError as e:
+        rec.error, rec.detail = "bad_chunk", _first_line(str(e))
+    except asyncio.CancelledError:
+        rec.error = "cancelled"
+        raise
+    return rec
+
+
+class Progress:
+    """``completed/total, errors, elapsed`` on one stderr line, at most every 0.5 s."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled = total, enabled
+        self.done = self.errors = 0
+        self.t0 = time.perf_counter()
+        self._shown = 0.0
+
+    def add(self, rec: Record) -> None:
+        self.done += 1
+        self.errors += not rec.ok
+        now = time.perf_counter()
+        if self.enabled and (now - self._shown >= 0.5 or self.done == self.total):
+            self._shown = now
+            print(
+                f"\rbench: {self.done}/{self.total} done, {self.errors} errors, "
+                f"{now - self.t0:.1f} s",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        if self.enabled:
+            print(file=sys.stderr, flush=True)
+
+
+async def fetch_model(url: str, api_key: str | None, timeout: float = 30.0) -> str:
+    """The first model ``GET /v1/models`` lists."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
+        r = await client.get(url + "/models", headers=headers)
+        r.raise_for_status()
+        models = r.json().get("data") or []
+    if not models:
+        raise ValueError(f"{url}/models lists no model")
+    return str(models[0]["id"])
+
+
+async def run_load(
+    url: str,
+    requests: Sequence[Planned],
+    *,
+    concurrency: int | None = None,
+    duration: float | None = None,
+    grace: float = 10.0,
+    timeout: float = 300.0,
+    on_done: Callable[[Record], None] | None = None,
+) -> tuple[list[Record], float]:
+    """Sends ``requests`` (at their ``at_s``, or ``concurrency`` at a time in order) and
+    returns their records in index order and the wall time. After ``duration`` s nothing new
+    is sent; requests still running ``grace`` s later are cancelled (``cancelled``)."""
+    url = url.rstrip("/")
+    records: dict[int, Record] = {}
+    tasks: dict[int, asyncio.Task[Record]] = {}
+    started: dict[int, float] = {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    # trust_env=False: never route loopback load through a proxy from the environment.
+    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits, trust_env=False)
+    t_run = time.perf_counter()
+    stop_at = t_run + duration if duration is not None else None
+
+    def finish(req: Planned, task: asyncio.Task[Record]) -> None:
+        if task.cancelled():
+            rec = Record(index=req.index, start_s=started[req.index] - t_run, error="cancelled")
+            rec.cache_salt = req.cache_salt
+        elif task.exception() is not None:  # a bug here, not the server's: still a record
+            exc = task.exception()
+            rec = Record(index=req.index, start_s=started[req.index] - t_run, error="client")
+            rec.detail, rec.cache_salt = _first_line(repr(exc)), req.cache_salt
+        else:
+            rec = task.result()
+        records[req.index] = rec
+        if on_done is not None:
+            on_done(rec)
+
+    def launch(req: Planned) -> asyncio.Task[Record]:
+        started[req.index] = time.perf_counter()
+        task = asyncio.create_task(send_one(client, url, req, t_run, timeout))
+        task.add_done_callback(lambda t, r=req: finish(r, t))
+        tasks[req.index] = task
+        return task
+
+    def time_left() -> float | None:
+        return None if stop_at is None else stop_at - time.perf_counter()
+
+    try:
+        if concurrency is not None:
+            queue = list(reversed(requests))
+
+            async def worker() -> None:
+                while queue:
+                    left = time_left()
+                    if left is not None and left <= 0:
+                        return
+                    task = launch(queue.pop())
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.shield(task)
+
+            workers = [asyncio.create_task(worker()) for _ in range(max(1, concurrency))]
+            await asyncio.wait(workers, timeout=time_left())
+        else:
+            for req in requests:
+                wait = t_run + (req.at_s or 0.0) - time.perf_counter()
+                left = time_left()
+                if left is not None and (left <= 0 or (wait > 0 and wait >= left)):
+                    break
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                launch(req)
+            workers = []
+        running = [t for t in tasks.values() if not t.done()]
+        if running:
+            # Past --duration in-flight requests get a grace; otherwise all are waited for.
+            await asyncio.wait(running, timeout=grace if stop_at is not None else None)
+        for t in [*tasks.values(), *workers]:
+            t.cancel()
+        await asyncio.gather(*tasks.values(), *workers, return_exceptions=True)
+    finally:
+        wall = time.perf_counter() - t_run
+        await client.aclose()
+    return [records[i] for i in sorted(records)], wall
+
+
+def count_errors(records: Sequence[Record]) -> dict[str, int]:
+    return dict(Counter(r.error for r in records if r.error is not None).most_common())
