@@ -16,14 +16,30 @@ from typing import Any
 
 
 def add_arguments(serve: argparse.ArgumentParser) -> None:
-    serve.add_argument("--model", default="smollm2-135m", help="built-in name or HF folder")
+    serve.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="built-in name, HF folder, or sim:<profile> for cost-model replicas (sim:h100-8b)",
+    )
     serve.add_argument(
         "--replicas", type=int, default=None, help="default: 2 locally, one per GPU on a cluster"
     )
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--address", default=None, help="Ray cluster address (e.g. auto)")
-    serve.add_argument("--num-cpus-per-replica", type=float, default=1.0)
+    serve.add_argument(
+        "--num-cpus-per-replica",
+        type=float,
+        default=None,
+        help="Ray CPUs each replica reserves (default: 1; 0 for sim: replicas, which sleep)",
+    )
+    serve.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="sim: replicas only: wall seconds per modelled second of each step (e.g. 4: "
+        "every step 4x slower, so a small CPU keeps up; divide latencies by it)",
+    )
     serve.add_argument(
         "--num-gpus-per-replica", type=float, default=None, help="default: 1 if GPUs, else 0"
     )
@@ -79,6 +95,18 @@ def run(args: argparse.Namespace) -> int:
     if args.replicas is not None and args.replicas < 1:
         _say("--replicas must be >= 1")
         return 2
+    from kvroute.replica.cost_model import sim_profile
+
+    try:
+        simulated = sim_profile(args.model) is not None
+    except ValueError as exc:
+        _say(str(exc))
+        return 2
+    if args.time_scale <= 0 or (args.time_scale != 1.0 and not simulated):
+        _say("--time-scale must be > 0 and applies to sim: models only")
+        return 2
+    if args.num_cpus_per_replica is None:
+        args.num_cpus_per_replica = 0.0 if simulated else 1.0
     secret = resolve_fleet_secret(args.fleet_secret)
 
     import ray
@@ -98,6 +126,7 @@ def _run(args: argparse.Namespace, keys: dict[str, str] | None, secret: str) -> 
     import uvicorn
 
     from kvroute.replica.actor import start_replica
+    from kvroute.replica.cost_model import sim_profile
     from kvroute.router.frontdoor import FleetMismatchError, FrontDoor
     from kvroute.router.server import create_app
     from kvroute.router.tenants import Tenants
@@ -108,7 +137,7 @@ def _run(args: argparse.Namespace, keys: dict[str, str] | None, secret: str) -> 
         gpus = int(ray.cluster_resources().get("GPU", 0))
         n = args.replicas or gpus or 2
         num_gpus = args.num_gpus_per_replica if args.num_gpus_per_replica is not None else (
-            1 if gpus else 0
+            1 if gpus and sim_profile(args.model) is None else 0
         )  # fmt: skip
         events_host = "0.0.0.0"
     else:
@@ -119,6 +148,8 @@ def _run(args: argparse.Namespace, keys: dict[str, str] | None, secret: str) -> 
         ray.init(num_cpus=cpus, include_dashboard=False, logging_level="warning")
         events_host = "127.0.0.1"
     config: dict[str, Any] = {"model": args.model, "block_size": args.block_size}
+    if args.time_scale != 1.0:
+        config["time_scale"] = args.time_scale
     if args.num_blocks:
         config["num_blocks"] = args.num_blocks
     where = f"{num_gpus:g} GPU" if num_gpus else f"{args.num_cpus_per_replica:g} CPU"

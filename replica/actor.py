@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import ray
 
-from kvroute.events.load import CostCoefficients, LoadReport
+from kvroute.events.load import LoadReport
 from kvroute.events.replica_api import (
     GenerateDelta,
     GenerateRequest,
@@ -48,6 +48,7 @@ from kvroute.events.replica_api import (
     stream_generate,
 )
 
+from .cost_model import sim_profile
 from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the engine pulls in torch; a router creating actors need not
@@ -85,20 +86,20 @@ class ReplicaServer:
         events_host: str = "127.0.0.1",
         torch_threads: int | None = None,
     ) -> None:
-        import torch
-
         from kvroute.events import ZmqEventPublisher
 
         from .async_engine import AsyncLLMEngine
         from .engine import EngineConfig
 
-        if torch_threads is not None:
-            torch.set_num_threads(torch_threads)
         config = (
             engine_config
             if isinstance(engine_config, EngineConfig)
             else EngineConfig(**engine_config)
         )
+        if torch_threads is not None and sim_profile(config.model) is None:
+            import torch  # a cost-model replica never imports it (memory: see README)
+
+            torch.set_num_threads(torch_threads)
         node_ip = ray.util.get_node_ip_address()
         bind = "*" if events_host in _WILDCARD_HOSTS else events_host
         advertised = node_ip if bind == "*" else events_host
@@ -132,7 +133,7 @@ class ReplicaServer:
             incarnation=uuid.uuid4().hex,
             restarted=self._in_actor and _was_reconstructed(),
             vocab_size=eng.vocab_size,
-            cost=_cost_coefficients(config, eng),
+            cost=eng.cost_coefficients(),
         )
         self._streams = 0  # generate() calls in flight (the watchdog waits for them)
         threading.Thread(target=self._watch, name="kvroute-replica-watchdog", daemon=True).start()
@@ -185,10 +186,13 @@ class ReplicaServer:
 
     async def stats(self) -> dict[str, Any]:
         """Engine load and cache counters (read between steps) plus the publisher's."""
-        import torch
 
-        # On the engine thread: the thread whose torch pool does the work.
-        s = await self._on_engine(lambda e: {**e.stats(), "torch_threads": torch.get_num_threads()})
+        def read(e: Any) -> dict[str, Any]:
+            # On the engine thread: the thread whose torch pool does the work.
+            torch = sys.modules.get("torch")
+            return {**e.stats(), **({"torch_threads": torch.get_num_threads()} if torch else {})}
+
+        s = await self._on_engine(read)
         pub = self.publisher
         s.update(
             replica_id=self.replica_id,
@@ -320,27 +324,6 @@ def delta_from_output(out: RequestOutput) -> GenerateDelta:
         logprobs=logprobs,
         error=comp.error,
     )
-
-
-def _cost_coefficients(config: EngineConfig, eng: Any) -> CostCoefficients:
-    """The replica's step-time model from its own model and device (see cost_model)."""
-    import torch
-
-    from .cost_model import CostModel, profile_for_model
-
-    runner = eng.runner
-    device = torch.cuda.get_device_name() if runner.device.type == "cuda" else None
-    profile = profile_for_model(
-        name=f"{config.model}@{device or 'cpu'}",
-        config=runner.model.config,
-        num_params=sum(p.numel() for p in runner.model.parameters()),
-        dtype_bytes=torch.finfo(runner.dtype).bits // 8,
-        kv_tokens=runner.num_blocks * runner.block_size,
-        max_batched_tokens=config.max_num_batched_tokens,
-        max_num_seqs=config.max_num_seqs,
-        device_name=device,
-    )
-    return CostModel(profile).coefficients()
 
 
 def _was_reconstructed() -> bool:

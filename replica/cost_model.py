@@ -58,6 +58,8 @@ class Profile:
     kv_tokens: int  # KV cache capacity in tokens
     max_batched_tokens: int = 8192
     max_num_seqs: int = 256
+    vocab_size: int = 128_256  # Llama 3's; a cost-model replica accepts prompt ids below it
+    max_position_embeddings: int = 131_072
 
     @property
     def attn_flops(self) -> float:
@@ -80,6 +82,17 @@ H100_8B = Profile(
 )
 
 PROFILES: dict[str, Profile] = {H100_8B.name: H100_8B}
+SIM_MODEL_PREFIX = "sim:"  # ``--model sim:h100-8b``: a replica that runs the cost model
+
+
+def sim_profile(model: str) -> Profile | None:
+    """The profile a ``sim:<profile>`` model name asks for; None for a real model."""
+    if not model.startswith(SIM_MODEL_PREFIX):
+        return None
+    name = model[len(SIM_MODEL_PREFIX) :]
+    if name not in PROFILES:
+        raise ValueError(f"unknown cost-model profile {name!r}; choose from {', '.join(PROFILES)}")
+    return PROFILES[name]
 
 
 class CostModel:

@@ -25,21 +25,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from transformers import AutoTokenizer, GenerationConfig
+from transformers import GenerationConfig
 
 from kvroute.events import DEFAULT_SEED, BlockHasher, HashConfig, KVCacheEvent
 from kvroute.events.bounds import check_prompt_token_ids, check_text
 from kvroute.events.hashing import HashForm
+from kvroute.events.load import CostCoefficients
 from kvroute.events.replica_api import Resume
 
+from .cost_model import sim_profile
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache_manager import KVCacheManager
-from .model_runner import ModelRunner
 from .models import resolve_model
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import CompletionOutput, RequestFailure, RequestOutput, SampledToken
 from .request import Request, RequestStatus
-from .sampler import RequestFailure, SampledToken
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 
@@ -57,8 +56,8 @@ class EngineConfig:
     num_blocks: int | None = None  # None: as many as kv_cache_memory_bytes holds
     kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU; on CUDA see below
     gpu_memory_utilization: float = 0.9  # CUDA: share of the card weights + KV may use
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 128
+    max_num_batched_tokens: int | None = None  # None: 2048; a cost-model profile's own
+    max_num_seqs: int | None = None  # None: 128; a cost-model profile's own
     max_model_len: int | None = None  # None: the model's max positions, capped by the cache
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -69,6 +68,9 @@ class EngineConfig:
     device: str | None = None
     seed: int = 0
     stream_text: bool = True  # detokenize every step (streaming); False: once at the end
+    # ``model="sim:<profile>"`` (a cost-model replica, see cost_model_runner): wall seconds
+    # per modelled second of every step.
+    time_scale: float = 1.0
 
 
 class _RequestState:
@@ -93,28 +95,28 @@ class LLMEngine:
     """One replica's engine: requests in, token deltas and KV events out."""
 
     def __init__(self, config: EngineConfig, event_sinks: Sequence[EventSink] = ()) -> None:
-        self.config = config
-        path = resolve_model(config.model)
-        self.model_path = path
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        dtype = getattr(torch, config.dtype) if config.dtype else None
-        self.runner = ModelRunner(
-            path,
-            block_size=config.block_size,
-            num_blocks=config.num_blocks,
-            kv_cache_memory_bytes=config.kv_cache_memory_bytes,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            dtype=dtype,
-            device=config.device,
-            seed=config.seed,
+        profile = sim_profile(config.model)
+        if profile is not None:  # fill the batch limits with the modelled engine's own
+            config = dataclasses.replace(
+                config,
+                max_num_batched_tokens=config.max_num_batched_tokens or profile.max_batched_tokens,
+                max_num_seqs=config.max_num_seqs or profile.max_num_seqs,
+            )
+        config = dataclasses.replace(
+            config,
+            max_num_batched_tokens=config.max_num_batched_tokens or 2048,
+            max_num_seqs=config.max_num_seqs or 128,
         )
+        self.config = config
+        self.model_path, self.tokenizer, self.runner = _load(config)
+        path = self.model_path
         self.hasher = BlockHasher(config.hash_algo, config.hash_seed, config.block_size)
         self.kv_cache_manager = KVCacheManager(
             self.runner.num_blocks,
             self.hasher,
             enable_caching=config.enable_prefix_caching,
             hash_form=config.hash_form,
-            medium="GPU" if self.runner.device.type == "cuda" else "CPU",
+            medium=self.runner.medium,
         )
         max_len = min(
             self.runner.max_position_embeddings, self.runner.num_blocks * config.block_size
@@ -147,7 +149,12 @@ class LLMEngine:
     @property
     def vocab_size(self) -> int:
         """Rows of the embedding: a prompt token id must be below this."""
-        return int(self.runner.model.config.vocab_size)
+        return self.runner.vocab_size
+
+    def cost_coefficients(self) -> CostCoefficients:
+        """The step-time model this engine reports to routers (see cost_model)."""
+        c = self.config
+        return self.runner.coefficients(c.model, c.max_num_batched_tokens, c.max_num_seqs)
 
     def tokenize(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt).input_ids)
@@ -227,8 +234,7 @@ class LLMEngine:
         state = self._states[request_id] = _RequestState(req, text, detok)
         if prior and resume is not None:
             state.resumed_chars = resume.sent_chars
-            vocab_rows = int(self.runner.lm_head.weight.shape[0])  # the draws' width
-            self.runner.sampler.prime(request_id, params, len(prior), vocab_rows)
+            self.runner.prime(request_id, params, len(prior))
         return req
 
     def abort_requests(self, request_ids: Sequence[str]) -> list[RequestOutput]:
@@ -397,7 +403,47 @@ class LLMEngine:
         s["num_blocks"] = self.runner.num_blocks
         s["block_size"] = self.config.block_size
         s["steps"] = self.num_steps
+        runner_stats = getattr(self.runner, "stats", None)
+        if runner_stats is not None:
+            s.update(runner_stats())
         return s
+
+
+def _load(config: EngineConfig) -> tuple[Path, Any, Any]:
+    """(model folder, tokenizer, runner). A ``sim:`` model is the cost model behind the
+    built-in byte tokenizer; it imports no torch, so dozens fit on one small machine."""
+    profile = sim_profile(config.model)
+    if profile is not None:
+        from transformers import PreTrainedTokenizerFast  # AutoTokenizer would import torch
+
+        from .cost_model_runner import CostModelRunner
+
+        path = resolve_model("tiny")
+        runner: Any = CostModelRunner(
+            profile,
+            block_size=config.block_size,
+            num_blocks=config.num_blocks,
+            time_scale=config.time_scale,
+        )
+        return path, PreTrainedTokenizerFast.from_pretrained(path), runner
+    import torch
+    from transformers import AutoTokenizer
+
+    from .model_runner import ModelRunner
+
+    path = resolve_model(config.model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    runner = ModelRunner(
+        path,
+        block_size=config.block_size,
+        num_blocks=config.num_blocks,
+        kv_cache_memory_bytes=config.kv_cache_memory_bytes,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        dtype=getattr(torch, config.dtype) if config.dtype else None,
+        device=config.device,
+        seed=config.seed,
+    )
+    return path, tokenizer, runner
 
 
 def _stopped_by_token(req: Request) -> bool:

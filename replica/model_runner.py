@@ -25,9 +25,12 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
+from kvroute.events.load import CostCoefficients
 from kvroute.kernels import AttentionMetadata, paged_attention, store_kv
 
-from .sampler import RequestFailure, SampledToken, Sampler
+from .outputs import RequestFailure, SampledToken
+from .sampler import Sampler
+from .sampling_params import SamplingParams
 from .scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
@@ -162,8 +165,42 @@ class ModelRunner:
     def max_position_embeddings(self) -> int:
         return int(getattr(self.model.config, "max_position_embeddings", 1 << 20))
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the embedding: a prompt token id must be below this."""
+        return int(self.model.config.vocab_size)
+
+    @property
+    def medium(self) -> str:
+        """Where the KV cache lives, as the block events name it."""
+        return "GPU" if self.device.type == "cuda" else "CPU"
+
+    def prime(self, request_id: str, params: SamplingParams, draws: int) -> None:
+        """A resumed request's generator skips the ``draws`` its earlier tokens took."""
+        self.sampler.prime(request_id, params, draws, int(self.lm_head.weight.shape[0]))
+
     def forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)
+
+    def coefficients(
+        self, name: str, max_batched_tokens: int, max_num_seqs: int
+    ) -> CostCoefficients:
+        """This runner's step-time model from its own model config and device (see
+        :mod:`.cost_model`): what the replica reports to routers."""
+        from .cost_model import CostModel, profile_for_model
+
+        gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
+        profile = profile_for_model(
+            name=f"{name}@{gpu or 'cpu'}",
+            config=self.model.config,
+            num_params=sum(p.numel() for p in self.model.parameters()),
+            dtype_bytes=torch.finfo(self.dtype).bits // 8,
+            kv_tokens=self.num_blocks * self.block_size,
+            max_batched_tokens=max_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            device_name=gpu,
+        )
+        return CostModel(profile).coefficients()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> dict[str, SampledToken | RequestFailure]:

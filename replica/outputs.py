@@ -34,3 +34,20 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class SampledToken:
+    """A token and, when asked, its log-probability and the top alternatives."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: dict[int, float] | None = None
+
+
+@dataclass(slots=True)
+class RequestFailure:
+    """One request's own fault inside a step's shared work; the engine fails that request."""
+
+    stage: str  # "sampling", "seed", "logprobs", ...
+    error: Exception

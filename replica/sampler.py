@@ -15,28 +15,12 @@ from ``p`` and needs no cumulative sum per row.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from .outputs import RequestFailure, SampledToken
 from .sampling_params import SamplingParams
 
-
-@dataclass(slots=True)
-class SampledToken:
-    """A token and, when asked, its log-probability and the top alternatives."""
-
-    token_id: int
-    logprob: float | None = None
-    top_logprobs: dict[int, float] | None = None
-
-
-@dataclass(slots=True)
-class RequestFailure:
-    """One request's own fault inside a step's shared work; the engine fails that request."""
-
-    stage: str  # "sampling", "seed", "logprobs", ...
-    error: Exception
+__all__ = ["RequestFailure", "SampledToken", "Sampler"]
 
 
 class Sampler:

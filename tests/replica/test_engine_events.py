@@ -62,19 +62,22 @@ class Tally:
             self.kinds[type(ev).__name__] += 1
 
 
-@pytest.fixture(params=["bytes", "int"])
+# The cost-model replica (sim:) runs the same scheduler and cache: its events must be as true.
+@pytest.fixture(params=[("tiny", "bytes"), ("tiny", "int"), ("sim:h100-8b", "bytes")])
 def wired(request) -> Iterator[tuple[LLMEngine, ZmqEventSubscriber, View, Tally]]:
+    model, form = request.param
     pub = ZmqEventPublisher(LOCAL, LOCAL, topic=RID, heartbeat_interval=0.05)
     view = View()
     sub = ZmqEventSubscriber(view)
     tally = Tally()
     engine = LLMEngine(
         EngineConfig(
-            model="tiny",
+            model=model,
             block_size=BLOCK,
             num_blocks=NUM_BLOCKS,
             max_num_batched_tokens=24,
-            hash_form=request.param,
+            hash_form=form,
+            time_scale=0.01,
         ),
         event_sinks=[pub.publish, tally],
     )
@@ -182,7 +185,8 @@ def test_engine_events_carry_chain_and_tokens(
     assert first.parent_block_hash is None
     assert first.token_ids[: len(SHARED)] == SHARED
     assert all(len(ev.token_ids) == BLOCK * len(ev.block_hashes) for ev in stores)
-    assert all(ev.block_size == BLOCK and ev.medium == "CPU" for ev in stores)
+    medium = "GPU" if engine.config.model.startswith("sim:") else "CPU"  # sim: models an H100
+    assert all(ev.block_size == BLOCK and ev.medium == medium for ev in stores)
     # The second request's new blocks hang under a block the first one stored.
     known = {h for ev in stores[:-1] for h in ev.block_hashes}
     assert second.parent_block_hash in known
