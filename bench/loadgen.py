@@ -108,12 +108,20 @@ def _first_line(text: str) -> str:
 
 
 async def send_one(
-    client: httpx.AsyncClient, url: str, req: Planned, t_run: float, timeout: float
+    client: httpx.AsyncClient,
+    url: str,
+    req: Planned,
+    t_run: float,
+    timeout: float,
+    rec: Record | None = None,
 ) -> Record:
-    """Sends one streamed completion and times it; any failure is the record's ``error``."""
+    """Sends one streamed completion and times it into ``rec`` (a new one if None), which
+    keeps what was measured even if the task is cancelled; any failure is its ``error``."""
     headers = {"Authorization": f"Bearer {req.api_key}"} if req.api_key else {}
     t0 = time.perf_counter()
-    rec = Record(index=req.index, start_s=t0 - t_run, cache_salt=req.cache_salt)
+    if rec is None:
+        rec = Record(index=req.index, start_s=t0 - t_run)
+    rec.start_s, rec.cache_salt = t0 - t_run, req.cache_salt
     last: float | None = None
     try:
         async with asyncio.timeout(timeout):
@@ -224,7 +232,7 @@ async def run_load(
     url = url.rstrip("/")
     records: dict[int, Record] = {}
     tasks: dict[int, asyncio.Task[Record]] = {}
-    started: dict[int, float] = {}
+    partial: dict[int, Record] = {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     # trust_env=False: never route loopback load through a proxy from the environment.
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits, trust_env=False)
@@ -232,22 +240,18 @@ async def run_load(
     stop_at = t_run + duration if duration is not None else None
 
     def finish(req: Planned, task: asyncio.Task[Record]) -> None:
+        rec = partial[req.index]  # what send_one measured so far, whatever happened
         if task.cancelled():
-            rec = Record(index=req.index, start_s=started[req.index] - t_run, error="cancelled")
-            rec.cache_salt = req.cache_salt
+            rec.error = "cancelled"
         elif task.exception() is not None:  # a bug here, not the server's: still a record
-            exc = task.exception()
-            rec = Record(index=req.index, start_s=started[req.index] - t_run, error="client")
-            rec.detail, rec.cache_salt = _first_line(repr(exc)), req.cache_salt
-        else:
-            rec = task.result()
+            rec.error, rec.detail = "client", _first_line(repr(task.exception()))
         records[req.index] = rec
         if on_done is not None:
             on_done(rec)
 
     def launch(req: Planned) -> asyncio.Task[Record]:
-        started[req.index] = time.perf_counter()
-        task = asyncio.create_task(send_one(client, url, req, t_run, timeout))
+        rec = partial[req.index] = Record(index=req.index, start_s=time.perf_counter() - t_run)
+        task = asyncio.create_task(send_one(client, url, req, t_run, timeout, rec))
         task.add_done_callback(lambda t, r=req: finish(r, t))
         tasks[req.index] = task
         return task

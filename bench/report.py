@@ -160,7 +160,7 @@ def _rows(s: dict[str, Any], replicas: list[str]) -> list[tuple[str, str]]:
     for name, key in (
         ("TTFT", "ttft_s"),
         ("ITL", "itl_s"),
-        ("ITL per-request mean", "itl_mean_per_request_s"),
+        ("ITL (request means)", "itl_mean_per_request_s"),
         ("e2e", "e2e_s"),
     ):
         d = s[key]
