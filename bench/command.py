@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from .loadgen import Progress, fetch_model, run_load
+from .loadgen import Progress, error_examples, fetch_model, run_load
 from .report import format_table, load_result, plot, summarize, to_json
 from .sources import load_specs, plan, scale_lengths
 
@@ -135,6 +135,8 @@ def run_bench(args: argparse.Namespace) -> int:
     config = config_of(args, model)
     result = {"label": label, "config": config, "summary": summary, "records": records}
     print(format_table([result]))
+    for kind, detail in error_examples(records).items():
+        _say(f"{summary['errors'][kind]} x {kind}, e.g. {detail or '(no detail)'}")
     if args.json:
         Path(args.json).write_bytes(to_json(label, config, summary, records))
     if args.plot:

@@ -107,6 +107,17 @@ def _first_line(text: str) -> str:
     return (text.strip().splitlines() or [""])[0][:200]
 
 
+def _error_message(body: str) -> str:
+    """An OpenAI-style error body's ``message``, else the body's first line."""
+    try:
+        err = json.loads(body).get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return _first_line(str(err["message"]))
+    except (ValueError, AttributeError):
+        pass
+    return _first_line(body)
+
+
 async def send_one(
     client: httpx.AsyncClient,
     url: str,
@@ -131,7 +142,7 @@ async def send_one(
                 rec.replica = resp.headers.get(REPLICA_HEADER)
                 if resp.status_code != 200:
                     rec.error = f"http_{resp.status_code}"
-                    rec.detail = _first_line((await resp.aread()).decode("utf-8", "replace"))
+                    rec.detail = _error_message((await resp.aread()).decode("utf-8", "replace"))
                     return rec
                 async for data in sse_events(resp):
                     now = time.perf_counter()
@@ -177,30 +188,30 @@ async def send_one(
 
 
 class Progress:
-    """``completed/total, errors, elapsed`` on one stderr line, at most every 0.5 s."""
+    """``completed/total, errors, elapsed`` on stderr: one line redrawn every 0.5 s on a
+    terminal, a new line every 5 s into a file or pipe."""
 
     def __init__(self, total: int, enabled: bool) -> None:
         self.total, self.enabled = total, enabled
         self.done = self.errors = 0
         self.t0 = time.perf_counter()
         self._shown = 0.0
+        self._tty = sys.stderr.isatty()
 
     def add(self, rec: Record) -> None:
         self.done += 1
         self.errors += not rec.ok
         now = time.perf_counter()
-        if self.enabled and (now - self._shown >= 0.5 or self.done == self.total):
+        every = 0.5 if self._tty else 5.0
+        if self.enabled and (now - self._shown >= every or self.done == self.total):
             self._shown = now
-            print(
-                f"\rbench: {self.done}/{self.total} done, {self.errors} errors, "
-                f"{now - self.t0:.1f} s",
-                end="",
-                file=sys.stderr,
-                flush=True,
-            )
+            line = f"bench: {self.done}/{self.total} done, {self.errors} errors, "
+            line += f"{now - self.t0:.1f} s"
+            print("\r" + line if self._tty else line, end="" if self._tty else "\n",
+                  file=sys.stderr, flush=True)  # fmt: skip
 
     def close(self) -> None:
-        if self.enabled:
+        if self.enabled and self._tty:
             print(file=sys.stderr, flush=True)
 
 
@@ -299,3 +310,12 @@ async def run_load(
 
 def count_errors(records: Sequence[Record]) -> dict[str, int]:
     return dict(Counter(r.error for r in records if r.error is not None).most_common())
+
+
+def error_examples(records: Sequence[Record]) -> dict[str, str]:
+    """Per error kind, the detail of its first occurrence (what to look up first)."""
+    out: dict[str, str] = {}
+    for r in records:
+        if r.error is not None and r.error not in out:
+            out[r.error] = r.detail or ""
+    return out

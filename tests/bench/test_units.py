@@ -229,6 +229,8 @@ async def test_one_request_each_outcome(case: str, error: str | None) -> None:
     async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
         r = await send_one(client, "http://x/v1", req, 0.0, timeout=5.0)
     assert r.error == error
+    if case == "401":
+        assert r.detail == "bad key"
     if error is None:
         assert r.replica == "r1" and r.ttft_s is not None and len(r.itl_s) == 2
         assert (r.prompt_tokens, r.cached_tokens, r.output_tokens) == (40, 32, 3)
