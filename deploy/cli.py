@@ -105,7 +105,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "bench",
         help="HTTP load generator for an OpenAI-compatible server (kvroute, vLLM, SGLang)",
         description="Streams /v1/completions requests from a Mooncake trace or a built-in "
-        "workload and reports TTFT, inter-token latency, e2e latency, throughput, goodput, "
+        "workload and reports TTFT (to the first content chunk), inter-token latency (gaps "
+        "between content chunks), e2e latency, throughput, goodput, "
         "the fleet's prefix-cache hit rate, errors by kind and requests per replica. "
         "`kvroute bench report A.json B.json ...` sets saved runs side by side.",
     )
@@ -145,8 +146,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         choices=("tokens", "text"),
         default="tokens",
         help="tokens: token-id lists (exact on any server); text: one printable ASCII "
-        "character per token id -- exact for the byte-level `tiny` model with "
-        "--vocab-size 256, approximate (other token counts) for other tokenizers",
+        "character per token id (32-126 as themselves): the byte-level `tiny` model reads "
+        "back as many tokens and the same shared prefixes; other tokenizers merge "
+        "characters, so their token counts are not exact",
     )
     bench.add_argument(
         "--vocab-size", type=int, default=128_256, help="token ids < this (tiny: 256)"

@@ -100,6 +100,8 @@ def test_json_round_trip_and_side_by_side_table(tmp_path: Path) -> None:
     assert "50.0%" in table and "requests on r0" in table
     (tmp_path / "bad.json").write_text("[1]")
     assert main(["bench", "report", str(tmp_path / "bad.json")]) == 2
+    assert main(["bench"]) == 2  # no source
+    assert main(["bench", "--workload", "chat", "--speed", "0"]) == 2
 
 
 # -- what is sent ---------------------------------------------------------------------------
