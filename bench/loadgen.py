@@ -10,7 +10,6 @@ with an error kind, never an exception out of :func:`run_load`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import sys
 import time
@@ -244,6 +243,7 @@ async def run_load(
     records: dict[int, Record] = {}
     tasks: dict[int, asyncio.Task[Record]] = {}
     partial: dict[int, Record] = {}
+    requests_by_index = {r.index: r for r in requests}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     # trust_env=False: never route loopback load through a proxy from the environment.
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits, trust_env=False)
@@ -251,6 +251,8 @@ async def run_load(
     stop_at = t_run + duration if duration is not None else None
 
     def finish(req: Planned, task: asyncio.Task[Record]) -> None:
+        if req.index in records:
+            return
         rec = partial[req.index]  # what send_one measured so far, whatever happened
         if task.cancelled():
             rec.error = "cancelled"
@@ -279,9 +281,7 @@ async def run_load(
                     left = time_left()
                     if left is not None and left <= 0:
                         return
-                    task = launch(queue.pop())
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await asyncio.shield(task)
+                    await asyncio.wait([launch(queue.pop())])  # its outcome is its record
 
             workers = [asyncio.create_task(worker()) for _ in range(max(1, concurrency))]
             await asyncio.wait(workers, timeout=time_left())
@@ -302,6 +302,8 @@ async def run_load(
         for t in [*tasks.values(), *workers]:
             t.cancel()
         await asyncio.gather(*tasks.values(), *workers, return_exceptions=True)
+        for i, task in tasks.items():  # done callbacks ran already; this only makes sure
+            finish(requests_by_index[i], task)
     finally:
         wall = time.perf_counter() - t_run
         await client.aclose()
