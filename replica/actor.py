@@ -204,9 +204,11 @@ class ReplicaServer:
         )
         return s
 
-    async def load(self) -> LoadReport:
-        """The scheduler's load now (routers poll it every few hundred ms)."""
-        return await self._on_engine(lambda e: e.scheduler.load_report())
+    def load(self) -> LoadReport:
+        """The scheduler's load as of its latest step (routers poll it every few hundred
+        ms); answered at once, even in the middle of a long step."""
+        self.health()
+        return self.engine.load
 
     async def reset_prefix_cache(self) -> bool:
         """False when blocks are in use (nothing is reset then); True after AllBlocksCleared."""

@@ -15,6 +15,7 @@ engine ends that request with ``finish_reason="error"`` and steps on.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import queue
@@ -23,6 +24,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from kvroute.events.load import LoadReport
 from kvroute.events.replica_api import Resume
 
 from .engine import EngineConfig, EventSink, LLMEngine
@@ -81,6 +83,9 @@ class AsyncLLMEngine:
         self._ids = itertools.count()
         self.error: BaseException | None = None
         self._stopped = False
+        # The scheduler's load after the engine thread's latest step or intake: readable from
+        # any thread at once, where a call() would wait for a step to end (a long prefill).
+        self.load: LoadReport = engine.scheduler.load_report()
         self._thread = threading.Thread(target=self._run, name="kvroute-engine", daemon=True)
         self._thread.start()
 
@@ -120,9 +125,18 @@ class AsyncLLMEngine:
             _Add(rid, prompt, params, cache_salt, lora_name, resume, tenant, sink, loop)
         )
         finished = False
+        held: BaseException | None = None
         try:
             while True:
-                item = await sink.get()
+                item = held or await sink.get()
+                # Outputs that piled up while the consumer was busy leave as one: a slow
+                # consumer gets fewer, larger deltas instead of falling further behind.
+                while isinstance(item, RequestOutput) and not item.finished and not sink.empty():
+                    nxt = sink.get_nowait()
+                    if isinstance(nxt, BaseException):
+                        held = nxt
+                        break
+                    item = _merge(item, nxt)
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -171,8 +185,10 @@ class AsyncLLMEngine:
                     self._fail_all(EngineDeadError("the engine is shut down"))
                     return
                 if engine.has_unfinished_requests():
+                    self.load = engine.scheduler.load_report()
                     for out in engine.step():
                         self._deliver(out.request_id, out, last=out.finished)
+                self.load = engine.scheduler.load_report()
         except BaseException as exc:
             batch = engine.current_batch  # None: it failed before the batch was known
             log.exception("engine step failed (batch: %s)", "unknown" if batch is None else batch)
@@ -259,6 +275,15 @@ class AsyncLLMEngine:
         except RuntimeError:
             return False
         return True
+
+
+def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one: the later state, both deltas."""
+    return dataclasses.replace(
+        then,
+        delta_text=first.delta_text + then.delta_text,
+        delta_token_ids=[*first.delta_token_ids, *then.delta_token_ids],
+    )
 
 
 def _resolve(call: _Call, value: Any, ok: bool = False) -> None:

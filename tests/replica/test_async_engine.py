@@ -81,6 +81,38 @@ async def test_concurrent_streams_finish_and_equal_offline_greedy(engine: AsyncL
     await wait_until(all_blocks_free(engine))
 
 
+async def test_a_slow_consumer_gets_merged_deltas_that_add_up(engine: AsyncLLMEngine) -> None:
+    """Outputs that piled up while the consumer slept leave as one (fewer, larger deltas),
+    and nothing is lost: the stream still adds up to the offline greedy output."""
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    outs = []
+    async for out in engine.generate(PROMPTS[2], params):
+        outs.append(out)
+        while engine.engine.num_steps < 12 and not out.finished:  # let steps pile up
+            await asyncio.sleep(0.01)
+    final = assert_stream(outs)
+    assert len(outs) < 40 and max(len(o.delta_token_ids) for o in outs) > 1
+    offline = LLM("tiny", num_blocks=NUM_BLOCKS).generate([PROMPTS[2]], params)
+    assert final.outputs[0].token_ids == offline[0].outputs[0].token_ids
+
+
+async def test_load_is_readable_in_the_middle_of_a_step() -> None:
+    """A cost-model step of ~1.7 s (an 8,192-token chunk at time_scale 5): the load seen
+    meanwhile already counts the request, without waiting for the step to end."""
+    eng = AsyncLLMEngine.from_config(EngineConfig(model="sim:h100-8b", time_scale=5.0))
+    try:
+        assert eng.load.num_waiting == 0 and eng.load.num_running == 0
+        stream = eng.generate(list(range(9000)), SamplingParams(max_tokens=2))
+        first = asyncio.ensure_future(stream.__anext__())
+        await wait_until(lambda: eng.engine.current_batch not in (None, frozenset()))
+        assert eng.load.num_waiting + eng.load.num_running == 1
+        assert eng.load.queued_prefill_tokens > 0
+        assert not first.done()  # the step is still running
+        first.cancel()
+    finally:
+        eng.shutdown()
+
+
 async def test_breaking_out_of_the_stream_aborts_and_frees_blocks(engine: AsyncLLMEngine) -> None:
     other = asyncio.create_task(collect(engine, PROMPTS[1]))
     seen = 0
