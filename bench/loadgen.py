@@ -235,6 +235,7 @@ async def run_load(
     grace: float = 10.0,
     timeout: float = 300.0,
     on_done: Callable[[Record], None] | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
 ) -> tuple[list[Record], float]:
     """Sends ``requests`` (at their ``at_s``, or ``concurrency`` at a time in order) and
     returns their records in index order and the wall time. After ``duration`` s nothing new
@@ -246,7 +247,9 @@ async def run_load(
     requests_by_index = {r.index: r for r in requests}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     # trust_env=False: never route loopback load through a proxy from the environment.
-    client = httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits, trust_env=False)
+    client = httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout), limits=limits, trust_env=False, transport=transport
+    )
     t_run = time.perf_counter()
     stop_at = t_run + duration if duration is not None else None
 

@@ -3,6 +3,7 @@ request's outcome for each way a server can answer (httpx's MockTransport)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from collections.abc import AsyncIterator
@@ -248,3 +249,36 @@ async def test_nothing_listening_is_counted_not_raised() -> None:
     reqs = plan(make_workload("chat", 5), "m", closed_loop=True, vocab_size=256)
     records, _ = await run_load(f"http://127.0.0.1:{port}/v1", reqs, concurrency=2, timeout=5)
     assert [r.error for r in records] == ["connect"] * 5
+
+
+async def test_closed_loop_holds_c_in_flight_and_duration_cancels() -> None:
+    live = peak = 0
+
+    async def slow(request: httpx.Request) -> httpx.Response:
+        nonlocal live, peak
+        live += 1
+        peak = max(peak, live)
+
+        async def body() -> AsyncIterator[bytes]:
+            nonlocal live
+            yield chunk("a")
+            await asyncio.sleep(0.05 if b"quick" in request.content else 30)
+            live -= 1  # before the last chunk: the client may never ask past it
+            yield chunk("b", "length") + USAGE + b"data: [DONE]\n\n"
+
+        return httpx.Response(200, headers={REPLICA_HEADER: "r0"}, content=body())
+
+    def reqs(n: int, case: str) -> list[Planned]:
+        return [Planned(i, 0.02 * i, {"case": case}, None, None, 40) for i in range(n)]
+
+    t = httpx.MockTransport(slow)
+    records, _ = await run_load("http://x/v1", reqs(10, "quick"), concurrency=3, transport=t)
+    assert [r.index for r in records] == list(range(10)) and all(r.ok for r in records)
+    assert peak == 3
+    # Open loop, 50/s for 0.2 s: ~10 sent, each stuck after its first chunk until cancelled.
+    records, wall = await run_load(
+        "http://x/v1", reqs(100, "stuck"), duration=0.2, grace=0.1, transport=t
+    )
+    assert 5 <= len(records) <= 11 and wall < 1.0
+    assert all(r.error == "cancelled" for r in records)
+    assert all(r.replica == "r0" and r.ttft_s is not None for r in records)  # kept
