@@ -173,6 +173,9 @@ class GenerateDelta(msgspec.Struct, kw_only=True):
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_output_tokens: int = 0  # cumulative
     logprobs: list[dict[int, float]] | None = None  # one entry per token of this delta
+    # First delta only: seconds from the replica receiving the request to this delta (its
+    # queueing and prefill). A front door subtracts it from its own TTFT: what it added.
+    replica_ttft_s: float | None = None
 
 
 async def stream_generate(actor: Any, req: GenerateRequest) -> AsyncIterator[GenerateDelta]:

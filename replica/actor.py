@@ -152,6 +152,7 @@ class ReplicaServer:
         """
         from .async_engine import EngineDeadError
 
+        received = time.perf_counter()
         try:
             if not isinstance(req, GenerateRequest):
                 req = msgspec.convert(req, GenerateRequest)
@@ -168,8 +169,13 @@ class ReplicaServer:
                 resume=req.resume,
                 tenant=req.tenant,
             )
+            first = True
             async for out in outputs:
-                yield delta_from_output(out)
+                delta = delta_from_output(out)
+                if first:
+                    delta.replica_ttft_s = time.perf_counter() - received
+                    first = False
+                yield delta
         except EngineDeadError as exc:
             raise ReplicaDeadError(
                 f"replica {self.replica_id}: {exc}", suspect=exc.suspect

@@ -41,7 +41,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +68,8 @@ from .quarantine import Quarantine, fingerprint, not_caused_by
 from .tenants import Tenant, TenantShares
 
 log = logging.getLogger(__name__)
+
+ADDED_LATENCY_WINDOW = 4096  # the latest requests whose added latency /metrics summarizes
 
 # What a call to a dead, restarting or unreachable actor raises: retry elsewhere.
 REPLICA_FAILURES: tuple[type[BaseException], ...] = (ReplicaDeadError, ray.exceptions.RayActorError)
@@ -189,6 +191,7 @@ class FrontDoor:
         self.subscriber = ZmqEventSubscriber(self.index.on_batch)
         self.counters: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
+        self.added_latency: deque[float] = deque(maxlen=ADDED_LATENCY_WINDOW)
         self.monitor_interval_s = monitor_interval_s
         self.load_interval_s = load_interval_s
         self.max_in_flight = max_in_flight
@@ -509,6 +512,18 @@ class FrontDoor:
         finally:
             with contextlib.suppress(Exception):
                 await stream.aclose()  # type: ignore[attr-defined]
+
+    def time_first_delta(self, router_ttft_s: float, replica_ttft_s: float) -> dict[str, float]:
+        """One streamed request's TTFT at the front door and at its replica; their
+        difference (what routing, Ray and HTTP added) goes to /metrics."""
+        added = router_ttft_s - replica_ttft_s
+        self.added_latency.append(added)
+        self.counters["timed_streams"] += 1
+        self.counters["added_latency_s"] += added
+        return {
+            "replica_ttft_s": round(replica_ttft_s, 6),
+            "router_ttft_s": round(router_ttft_s, 6),
+        }
 
     def record(self, prompt: int, completion: int, cached: int) -> None:
         """Token counters for /metrics, once per finished request."""

@@ -29,6 +29,13 @@ def render_metrics(door: FrontDoor, events: dict[str, ReplicaStats] | None = Non
            [("", c["cached_tokens"])])  # fmt: skip
     metric("errors_total", "counter", "Errors by kind.",
            [(f'{{kind="{k}"}}', v) for k, v in sorted(door.errors.items())])  # fmt: skip
+    added = sorted(door.added_latency)
+    if added:
+        q = [(f'{{quantile="{p}"}}', added[min(len(added) - 1, int(p * len(added)))])
+             for p in (0.5, 0.9, 0.99)]  # fmt: skip
+        metric("added_latency_seconds", "summary", "Front-door TTFT minus the replica's own "
+               f"TTFT, over the latest {len(added)} streamed requests.",
+               [*q, ("_sum", c["added_latency_s"]), ("_count", c["timed_streams"])])  # fmt: skip
     reps = sorted(door.replicas.items())
     metric("replica_up", "gauge", "1 while the replica is routable.",
            [(f'{{replica="{r}"}}', float(x.alive)) for r, x in reps])  # fmt: skip

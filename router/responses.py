@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -118,15 +119,17 @@ async def respond(
     final: Callable[..., dict[str, Any]],
     role_first: bool = False,
     logprobs: Callable[[list[int], list[dict[int, float]] | None], Any] | None = None,
+    arrival: float | None = None,
 ) -> Response:
     """The whole answer as one body, or an SSE stream of ``chunk``s. ``logprobs`` shapes a
-    run of tokens' logprobs (``Logprobs.completion`` or ``.chat``); None: none asked for."""
+    run of tokens' logprobs (``Logprobs.completion`` or ``.chat``); None: none asked for.
+    ``arrival``: ``perf_counter()`` when the handler began, for the added-latency figure."""
     headers = {REPLICA_HEADER: stream.replica}
     rid = request_id(request)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            _sse(door, stream, rid, chunk, include_usage, role_first, logprobs),
+            _sse(door, stream, rid, chunk, include_usage, role_first, logprobs, arrival),
             media_type="text/event-stream",
             headers=headers,
         )
@@ -183,13 +186,21 @@ async def _sse(
     include_usage: bool,
     role_first: bool,
     logprobs: Callable[[list[int], list[dict[int, float]] | None], Any] | None = None,
+    arrival: float | None = None,
 ) -> AsyncIterator[str]:
-    """``data: {json}\\n\\n`` per delta, ``data: [DONE]`` last, whatever happens."""
+    """``data: {json}\\n\\n`` per delta, ``data: [DONE]`` last, whatever happens.
+
+    Before ``[DONE]``, an SSE comment (clients ignore it) gives the replica's own TTFT and
+    the front door's: ``: kvroute-timing {"replica_ttft_s": ..., "router_ttft_s": ...}``,
+    so a load generator can tell the router's added latency from the replica's."""
     last = None
+    timing: dict[str, float] | None = None
     try:
         if role_first:
             yield _data(chunk("", None, role=True))
         async for d in stream:
+            if last is None and arrival is not None and d.replica_ttft_s is not None:
+                timing = door.time_first_delta(time.perf_counter() - arrival, d.replica_ttft_s)
             last = d
             if d.finish_reason == "error":
                 err = request_failed(rid, d)
@@ -219,6 +230,8 @@ async def _sse(
         yield _data(body)
     finally:
         await stream.aclose()
+    if timing is not None:
+        yield f": kvroute-timing {dumps(timing)}\n\n"
     yield "data: [DONE]\n\n"
 
 

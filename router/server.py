@@ -97,6 +97,7 @@ async def metrics(request: Request) -> PlainTextResponse:
 
 
 async def completions(request: Request, tenant: TenantDep) -> Response:
+    arrival = time.perf_counter()
     intake = _intake(request)
     body = await intake.parse(request, CompletionRequest)
     ids = await intake.prompt_ids(body)
@@ -114,10 +115,13 @@ async def completions(request: Request, tenant: TenantDep) -> Response:
 
     n = body.num_logprobs()
     shape = None if n is None else Logprobs(intake.door.tokenizer, n).completion
-    return await respond(intake.door, request, body, stream, chunk, final, logprobs=shape)
+    return await respond(
+        intake.door, request, body, stream, chunk, final, logprobs=shape, arrival=arrival
+    )
 
 
 async def chat_completions(request: Request, tenant: TenantDep) -> Response:
+    arrival = time.perf_counter()
     intake = _intake(request)
     body = await intake.parse(request, ChatCompletionRequest)
     ids = await intake.chat_ids(request, body)
@@ -142,7 +146,15 @@ async def chat_completions(request: Request, tenant: TenantDep) -> Response:
     n = body.num_logprobs()
     shape = None if n is None else Logprobs(intake.door.tokenizer, n).chat
     return await respond(
-        intake.door, request, body, stream, chunk, final, role_first=True, logprobs=shape
+        intake.door,
+        request,
+        body,
+        stream,
+        chunk,
+        final,
+        role_first=True,
+        logprobs=shape,
+        arrival=arrival,
     )
 
 

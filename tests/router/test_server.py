@@ -301,6 +301,25 @@ def test_one_tenants_burst_is_a_429_while_another_tenant_is_admitted(
     assert door.shares.in_flight("alpha") == 0
 
 
+def test_a_stream_says_what_the_front_door_added(fleet: dict[str, Any]) -> None:
+    """The SSE comment before [DONE] gives the replica's TTFT and the front door's; the
+    official client ignores it (test_completion_stream_equals_non_stream streams the same)."""
+    body = {"model": MODEL, "prompt": LONG, "max_tokens": 4, "stream": True}
+    url = fleet["url"] + "/v1/completions"
+    with httpx.stream("POST", url, json=body, headers=AUTH, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line]
+    timing = [json.loads(x.split(" ", 2)[2]) for x in lines if x.startswith(": kvroute-timing ")]
+    assert len(timing) == 1 and lines[-1] == "data: [DONE]"
+    t = timing[0]
+    assert 0 < t["replica_ttft_s"] < t["router_ttft_s"] < 60
+    text = httpx.get(fleet["url"] + "/metrics").text
+    assert 'kvroute_added_latency_seconds{quantile="0.99"}' in text
+    count = next(
+        x for x in text.splitlines() if x.startswith("kvroute_added_latency_seconds_count")
+    )
+    assert float(count.split()[1]) >= 1
+
+
 def test_metrics(fleet: dict[str, Any]) -> None:
     text = httpx.get(fleet["url"] + "/metrics").text
     samples = dict(
@@ -357,7 +376,7 @@ def test_replica_failure_mid_stream_fails_over_without_a_seam(
     failovers = door.counters["failovers"]
     with httpx.stream("POST", url, json={**body, "stream": True}, headers=AUTH, timeout=60) as r:
         rid = r.headers[REPLICA_HEADER]
-        lines = (x for x in r.iter_lines() if x)
+        lines = (x for x in r.iter_lines() if x and not x.startswith(":"))  # not SSE comments
         events = [next(lines), next(lines)]
         ray.get(fleet["actors"][rid].inject_engine_failure.remote())
         events.extend(lines)
@@ -381,7 +400,7 @@ def test_a_second_failure_mid_stream_ends_the_stream_with_an_error(
     with httpx.stream(
         "POST", fleet["url"] + "/v1/completions", json=body, headers=AUTH, timeout=30
     ) as r:
-        lines = (x for x in r.iter_lines() if x)
+        lines = (x for x in r.iter_lines() if x and not x.startswith(":"))
         events.append(next(lines))
         ray.get([a.inject_engine_failure.remote() for a in fleet["actors"].values()])
         events.extend(lines)
