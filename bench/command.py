@@ -30,7 +30,9 @@ def _check(args: argparse.Namespace) -> str | None:
         return "give --trace FILE or --workload NAME (or: kvroute bench report FILE...)"
     if args.rate is not None and args.concurrency is not None:
         return "--rate and --concurrency exclude each other"
-    for name in ("max_requests", "concurrency", "vocab_size"):
+    if args.grace < 0:
+        return "--grace must be >= 0"
+    for name in ("max_requests", "concurrency", "vocab_size", "max_tokens"):
         v = getattr(args, name)
         if v is not None and v < 1:
             return f"--{name.replace('_', '-')} must be >= 1"
