@@ -41,6 +41,9 @@ class Record(msgspec.Struct, kw_only=True):
     cached_tokens: int | None = None
     output_tokens: int | None = None
     cache_salt: str | None = None
+    # kvroute's own figures, from its ``: kvroute-timing`` SSE comment (None elsewhere)
+    replica_ttft_s: float | None = None
+    router_ttft_s: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -51,9 +54,12 @@ class StreamError(Exception):
     """The server said, inside a 200 stream, that the request failed."""
 
 
-async def sse_events(response: httpx.Response) -> AsyncIterator[str]:
+async def sse_events(
+    response: httpx.Response, on_comment: Callable[[str], None] | None = None
+) -> AsyncIterator[str]:
     """The ``data`` payload of each server-sent event (multi-line data joined by newlines),
-    until ``[DONE]`` or the end of the body. An ``event: error`` event raises."""
+    until ``[DONE]`` or the end of the body; comment lines go to ``on_comment``. An
+    ``event: error`` event raises."""
     buf = b""
     async for piece in response.aiter_bytes():
         buf += piece
@@ -62,7 +68,7 @@ async def sse_events(response: httpx.Response) -> AsyncIterator[str]:
             if cut is None:
                 break
             raw, buf = buf[: cut[0]], buf[cut[1] :]
-            kind, data = _parse_event(raw)
+            kind, data = _parse_event(raw, on_comment)
             if data is None:
                 continue
             if kind == "error":
@@ -71,7 +77,7 @@ async def sse_events(response: httpx.Response) -> AsyncIterator[str]:
                 return
             yield data
     if buf.strip():
-        kind, data = _parse_event(buf)
+        kind, data = _parse_event(buf, on_comment)
         if data is not None and data != "[DONE]":
             if kind == "error":
                 raise StreamError(data[:200])
@@ -88,11 +94,15 @@ def _boundary(buf: bytes) -> tuple[int, int] | None:
     return best
 
 
-def _parse_event(raw: bytes) -> tuple[str | None, str | None]:
+def _parse_event(
+    raw: bytes, on_comment: Callable[[str], None] | None = None
+) -> tuple[str | None, str | None]:
     kind, data = None, []
     for line in raw.decode("utf-8", "replace").splitlines():
-        if line.startswith(":"):
-            continue  # comment / keep-alive
+        if line.startswith(":"):  # comment / keep-alive
+            if on_comment is not None:
+                on_comment(line[1:].strip())
+            continue
         name, _, value = line.partition(":")
         value = value[1:] if value.startswith(" ") else value
         if name == "data":
@@ -143,7 +153,7 @@ async def send_one(
                     rec.error = f"http_{resp.status_code}"
                     rec.detail = _error_message((await resp.aread()).decode("utf-8", "replace"))
                     return rec
-                async for data in sse_events(resp):
+                async for data in sse_events(resp, lambda c: _timing(rec, c)):
                     now = time.perf_counter()
                     chunk = json.loads(data)
                     if "error" in chunk:
@@ -184,6 +194,19 @@ async def send_one(
         rec.error = "cancelled"
         raise
     return rec
+
+
+def _timing(rec: Record, comment: str) -> None:
+    """kvroute's ``kvroute-timing {"replica_ttft_s": .., "router_ttft_s": ..}`` comment."""
+    name, _, payload = comment.partition(" ")
+    if name != "kvroute-timing":
+        return
+    try:
+        t = json.loads(payload)
+        rec.replica_ttft_s = float(t["replica_ttft_s"])
+        rec.router_ttft_s = float(t["router_ttft_s"])
+    except (ValueError, KeyError, TypeError):
+        pass  # a figure we cannot read is a figure we do not report
 
 
 class Progress:

@@ -74,6 +74,8 @@ def summarize(
     out_tokens = sum(r.output_tokens or 0 for r in ok)
     met = sum(meets_slo(r, slo_ttft, slo_itl, itl_stat) for r in records)
     replicas = Counter(r.replica for r in records if r.replica is not None)
+    outside = [r.ttft_s - r.replica_ttft_s for r in ok
+               if r.ttft_s is not None and r.replica_ttft_s is not None]  # fmt: skip
     return {
         "requests": len(records),
         "ok": len(ok),
@@ -89,6 +91,8 @@ def summarize(
         "itl_s": dist([g for r in ok for g in r.itl_s]),
         "itl_mean_per_request_s": dist([float(np.mean(r.itl_s)) for r in ok if r.itl_s]),
         "e2e_s": dist([r.e2e_s for r in ok if r.e2e_s is not None]),
+        # kvroute only: TTFT outside the replica's own (router, HTTP, client), per request
+        "ttft_outside_replica_s": dist(outside),
         "goodput": {
             "slo_ttft_s": slo_ttft,
             "slo_itl_s": slo_itl,
@@ -140,7 +144,7 @@ def _ms(x: float | None) -> str:
     return "-" if _missing(x) else f"{x * 1000:.1f}"
 
 
-def _rows(s: dict[str, Any], replicas: list[str]) -> list[tuple[str, str]]:
+def _rows(s: dict[str, Any], replicas: list[str], outside: bool) -> list[tuple[str, str]]:
     g = s["goodput"]
     slo = [f"TTFT <= {g['slo_ttft_s']} s"] if g["slo_ttft_s"] is not None else []
     if g["slo_itl_s"] is not None:
@@ -166,6 +170,10 @@ def _rows(s: dict[str, Any], replicas: list[str]) -> list[tuple[str, str]]:
         d = s[key]
         for stat in ("mean", *(f"p{q}" for q in PCTS)):
             rows.append((f"{name} {stat} ms", _ms(d[stat])))
+    if outside:  # some run has kvroute's timing comment: a row for every run
+        d = s.get("ttft_outside_replica_s") or {}
+        for stat in ("mean", *(f"p{q}" for q in PCTS)):
+            rows.append((f"TTFT outside the replica {stat} ms", _ms(d.get(stat))))
     for rid in replicas:
         rows.append((f"requests on {rid}", str(s["per_replica"].get(rid, 0))))
     return rows
@@ -174,7 +182,8 @@ def _rows(s: dict[str, Any], replicas: list[str]) -> list[tuple[str, str]]:
 def format_table(results: Sequence[dict[str, Any]]) -> str:
     """One column per run (its label), one row per figure; a markdown table."""
     replicas = sorted({rid for r in results for rid in r["summary"]["per_replica"]})
-    columns = [_rows(r["summary"], replicas) for r in results]
+    outside = any((r["summary"].get("ttft_outside_replica_s") or {}).get("n") for r in results)
+    columns = [_rows(r["summary"], replicas, outside) for r in results]
     labels = [str(r.get("label") or f"run {i}") for i, r in enumerate(results)]
     lines = ["| metric | " + " | ".join(labels) + " |", "| --- |" + " ---: |" * len(labels)]
     for i, (name, _) in enumerate(columns[0]):

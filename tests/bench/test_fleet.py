@@ -63,6 +63,8 @@ def test_tenants_workload_completes_and_reports_the_fleet(
     cached = sum(r.cached_tokens for r in records)
     assert cached > 0 and s["hit_rate"] == pytest.approx(cached / prompt)
     assert all(r.cached_tokens % 16 == 0 and r.cached_tokens < r.prompt_tokens for r in records)
+    # kvroute's timing comment: the replica's own TTFT, within the client's.
+    assert all(0 < r.replica_ttft_s <= r.router_ttft_s <= r.ttft_s for r in records)
     assert res["config"]["model"] == "tiny"  # asked of GET /v1/models
     assert res["config"]["api_keys"] == 2 and "key-a" not in json.dumps(res["config"])
     table = capsys.readouterr().out

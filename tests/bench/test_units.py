@@ -73,7 +73,10 @@ def test_summary_latencies_hit_rate_replicas() -> None:
             output_tokens=2),
         rec(2, None, [], replica="r1", error="stream_error"),
     ]  # fmt: skip
+    records[1].replica_ttft_s = 0.25
     s = summarize(records, wall_s=1.0)
+    assert s["ttft_outside_replica_s"]["n"] == 1
+    assert s["ttft_outside_replica_s"]["mean"] == pytest.approx(0.05)
     assert s["ttft_s"]["mean"] == pytest.approx(0.2) and s["ttft_s"]["p50"] == pytest.approx(0.2)
     assert s["itl_s"]["n"] == 3 and s["itl_s"]["mean"] == pytest.approx(0.04)
     assert s["itl_mean_per_request_s"]["mean"] == pytest.approx(0.045)
@@ -208,7 +211,9 @@ def handler(request: httpx.Request) -> httpx.Response:
     sse = {"content-type": "text/event-stream", REPLICA_HEADER: "r1"}
     if case == "ok":
         assert request.headers["authorization"] == "Bearer k"
-        stream = chunk("a") + chunk("b") + chunk("c", "length") + USAGE + b"data: [DONE]\n\n"
+        timing = b': kvroute-timing {"replica_ttft_s": 0.25, "router_ttft_s": 0.5}\n\n'
+        stream = chunk("a") + chunk("b") + chunk("c", "length") + USAGE + timing
+        stream += b"data: [DONE]\n\n"
         return httpx.Response(200, headers=sse, content=stream)
     if case == "401":
         return httpx.Response(401, json={"error": {"message": "bad key"}})
@@ -238,6 +243,7 @@ async def test_one_request_each_outcome(case: str, error: str | None) -> None:
         assert r.replica == "r1" and r.ttft_s is not None and len(r.itl_s) == 2
         assert (r.prompt_tokens, r.cached_tokens, r.output_tokens) == (40, 32, 3)
         assert r.e2e_s is not None and r.e2e_s >= r.ttft_s and r.cache_salt == "salt"
+        assert (r.replica_ttft_s, r.router_ttft_s) == (0.25, 0.5)
 
 
 async def test_nothing_listening_is_counted_not_raised() -> None:
