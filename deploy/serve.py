@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+RAY_NAMESPACE = "kvroute"  # where serve's replica actors are named r0, r1, ...
+
 
 def add_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
@@ -133,7 +135,7 @@ def _run(args: argparse.Namespace, keys: dict[str, str] | None, secret: str) -> 
 
     if args.address:
         _say(f"joining the Ray cluster at {args.address}")
-        ray.init(address=args.address, logging_level="warning")
+        ray.init(address=args.address, namespace=RAY_NAMESPACE, logging_level="warning")
         gpus = int(ray.cluster_resources().get("GPU", 0))
         n = args.replicas or gpus or 2
         num_gpus = args.num_gpus_per_replica if args.num_gpus_per_replica is not None else (
@@ -145,7 +147,12 @@ def _run(args: argparse.Namespace, keys: dict[str, str] | None, secret: str) -> 
         num_gpus = args.num_gpus_per_replica or 0
         cpus = max(os.cpu_count() or 1, int(n * args.num_cpus_per_replica + 0.999))
         _say(f"starting a local Ray ({cpus} CPUs)")
-        ray.init(num_cpus=cpus, include_dashboard=False, logging_level="warning")
+        ray.init(
+            num_cpus=cpus,
+            namespace=RAY_NAMESPACE,
+            include_dashboard=False,
+            logging_level="warning",
+        )
         events_host = "127.0.0.1"
     config: dict[str, Any] = {"model": args.model, "block_size": args.block_size}
     if args.time_scale != 1.0:
@@ -162,6 +169,7 @@ def _run(args: argparse.Namespace, keys: dict[str, str] | None, secret: str) -> 
             num_cpus=args.num_cpus_per_replica,
             num_gpus=num_gpus,
             events_host=events_host,
+            name=f"r{i}",  # ray.get_actor("r0", namespace="kvroute") from another driver
         )
         for i in range(n)
     ]
