@@ -181,7 +181,7 @@ def _rows(s: dict[str, Any], replicas: list[str], outside: bool) -> list[tuple[s
 
 def format_table(results: Sequence[dict[str, Any]]) -> str:
     """One column per run (its label), one row per figure; a markdown table."""
-    replicas = sorted({rid for r in results for rid in r["summary"]["per_replica"]})
+    replicas = sorted({rid for r in results for rid in r["summary"]["per_replica"]}, key=_natural)
     outside = any((r["summary"].get("ttft_outside_replica_s") or {}).get("n") for r in results)
     columns = [_rows(r["summary"], replicas, outside) for r in results]
     labels = [str(r.get("label") or f"run {i}") for i, r in enumerate(results)]
@@ -192,6 +192,13 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
 
 
 # -- plot ---------------------------------------------------------------------------------
+def _natural(name: str) -> tuple[str, int]:
+    """r2 before r10."""
+    head = name.rstrip("0123456789")
+    tail = name[len(head) :]
+    return head, int(tail) if tail else -1
+
+
 def plot(results: Sequence[dict[str, Any]], path: str | Path) -> None:
     """TTFT CDF per run, and requests per replica per run (grouped bars)."""
     import matplotlib
@@ -204,16 +211,19 @@ def plot(results: Sequence[dict[str, Any]], path: str | Path) -> None:
         ttft = sorted(rec.ttft_s * 1000 for rec in r["records"] if rec.ok and rec.ttft_s)
         if ttft:
             cdf.step(ttft, np.arange(1, len(ttft) + 1) / len(ttft), where="post", label=r["label"])
-    cdf.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title="TTFT CDF")
+    cdf.set(xlabel="TTFT (ms, log scale)", ylabel="fraction of requests", title="TTFT CDF")
+    cdf.set_xscale("log")
     cdf.grid(alpha=0.3)
     cdf.legend()
-    replicas = sorted({rid for r in results for rid in r["summary"]["per_replica"]})
+    replicas = sorted({rid for r in results for rid in r["summary"]["per_replica"]}, key=_natural)
     width = 0.8 / max(1, len(results))
     for i, r in enumerate(results):
         counts = [r["summary"]["per_replica"].get(rid, 0) for rid in replicas]
         xs = np.arange(len(replicas)) + i * width
         bars.bar(xs, counts, width, label=r["label"])
     bars.set_xticks(np.arange(len(replicas)) + width * (len(results) - 1) / 2, replicas)
+    if len(replicas) > 12:
+        bars.tick_params(axis="x", labelrotation=90, labelsize=7)
     bars.set(xlabel="replica", ylabel="requests", title="requests per replica")
     bars.legend()
     fig.tight_layout()
