@@ -60,7 +60,7 @@ def replica_stats(n: int) -> list[dict[str, Any]]:
 
     ray.init(address="auto", namespace="kvroute", logging_level="warning")
     try:
-        actors = [ray.get_actor(f"r{i}") for i in range(n)]
+        actors = [ray.get_actor(f"replica-r{i}") for i in range(n)]
         return ray.get([a.stats.remote() for a in actors], timeout=60)
     finally:
         ray.shutdown()

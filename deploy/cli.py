@@ -38,12 +38,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     hash_cmd.add_argument("--cache-salt", default=None)
     hash_cmd.add_argument("--form", choices=("bytes", "int"), default="bytes")
 
+    from .router import add_arguments as add_router_arguments
+
+    router = sub.add_parser(
+        "router", help="one more front door for a running fleet (joins its Ray cluster)"
+    )
+    add_router_arguments(router)
+
     _add_simulate(sub)
     _add_bench(sub)
 
     args = parser.parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "router":
+        from .router import run as run_router
+
+        return run_router(args)
     if args.command == "events":
         return _events(args)
     if args.command == "simulate":

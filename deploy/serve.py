@@ -1,20 +1,30 @@
-"""``kvroute serve``: Ray, the replica actors, the front door, uvicorn -- in one process.
+"""``kvroute serve``: Ray, the replica actors, the front door, uvicorn -- in one command.
 
-Why one process: the router is light (an index, a policy, an HTTP loop) and the replicas
+Why one command: the router is light (an index, a policy, an HTTP loop) and the replicas
 are Ray actors anyway; the driver owns them, so stopping ``kvroute serve`` (Ctrl-C) ends
 them too. Progress goes to stderr while models load (tens of seconds on a CPU).
+
+``--routers N`` runs N front doors on one port: this process and N-1 ``kvroute router``
+processes (see :mod:`.router`), each following every replica's events and load.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-RAY_NAMESPACE = "kvroute"  # where serve's replica actors are named r0, r1, ...
+from .router import (
+    RAY_NAMESPACE,
+    REPLICA_ACTOR_PREFIX,
+    add_front_door_arguments,
+    build_app,
+    check_front_door_args,
+    serve_app,
+)
 
 
 def add_arguments(serve: argparse.ArgumentParser) -> None:
@@ -26,8 +36,6 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--replicas", type=int, default=None, help="default: 2 locally, one per GPU on a cluster"
     )
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--address", default=None, help="Ray cluster address (e.g. auto)")
     serve.add_argument(
         "--num-cpus-per-replica",
@@ -47,35 +55,14 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument("--num-blocks", type=int, default=None, help="KV blocks per replica")
     serve.add_argument("--block-size", type=int, default=16)
-    serve.add_argument("--api-keys", default=None, help="file: JSON {key: tenant} or key:tenant")
-    serve.add_argument("--fleet-secret", default=None, help="default: $KVROUTE_FLEET_SECRET")
-    serve.add_argument("--policy", default="kv")
-    serve.add_argument("--served-model-name", default=None)
     serve.add_argument(
-        "--max-in-flight",
+        "--routers",
         type=int,
-        default=None,
-        help="requests admitted at once; more get 429 (default: 128 per replica)",
+        default=1,
+        help="front-door processes sharing --port (SO_REUSEPORT); each admits "
+        "--max-in-flight on its own (default: 1)",
     )
-    serve.add_argument(
-        "--max-in-flight-per-tenant",
-        type=int,
-        default=None,
-        help="requests one tenant may hold at once; more get 429 (default: half of "
-        "--max-in-flight when the API keys name two tenants or more, else no own cap)",
-    )
-    serve.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=4 << 20,
-        help="larger request bodies get 413 before they are read (default: 4 MiB)",
-    )
-    serve.add_argument(
-        "--body-timeout",
-        type=float,
-        default=30.0,
-        help="seconds for a request body to arrive whole; slower ones get 408 (default: 30)",
-    )
+    add_front_door_arguments(serve)
 
 
 def _say(msg: str) -> None:
@@ -83,11 +70,11 @@ def _say(msg: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvroute.router.policy import POLICIES
-    from kvroute.router.tenants import load_api_keys, resolve_fleet_secret
+    from kvroute.router.tenants import load_api_keys
 
-    if args.policy not in POLICIES:
-        _say(f"unknown policy {args.policy!r}; choose from {', '.join(POLICIES)}")
+    why = check_front_door_args(args)
+    if why:
+        _say(why)
         return 2
     try:
         keys = load_api_keys(args.api_keys) if args.api_keys else None
@@ -96,6 +83,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.replicas is not None and args.replicas < 1:
         _say("--replicas must be >= 1")
+        return 2
+    if args.routers < 1:
+        _say("--routers must be >= 1")
         return 2
     from kvroute.replica.cost_model import sim_profile
 
@@ -109,29 +99,32 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.num_cpus_per_replica is None:
         args.num_cpus_per_replica = 0.0 if simulated else 1.0
-    secret = resolve_fleet_secret(args.fleet_secret)
 
     import ray
 
+    routers: list[subprocess.Popen[bytes]] = []
     try:
-        return _run(args, keys, secret)
+        return _run(args, keys, routers)
     except KeyboardInterrupt:
         _say("interrupted")
         return 130
     finally:
+        for proc in routers:
+            proc.terminate()
+        for proc in routers:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
         if ray.is_initialized():
             ray.shutdown()
 
 
-def _run(args: argparse.Namespace, keys: dict[str, str] | None, secret: str) -> int:
+def _start_ray(args: argparse.Namespace) -> tuple[int, float, str]:
+    """(replicas, GPUs each, event bind host) once Ray is up."""
     import ray
-    import uvicorn
 
-    from kvroute.replica.actor import start_replica
     from kvroute.replica.cost_model import sim_profile
-    from kvroute.router.frontdoor import FleetMismatchError, FrontDoor
-    from kvroute.router.server import create_app
-    from kvroute.router.tenants import Tenants
 
     if args.address:
         _say(f"joining the Ray cluster at {args.address}")
@@ -141,19 +134,22 @@ def _run(args: argparse.Namespace, keys: dict[str, str] | None, secret: str) -> 
         num_gpus = args.num_gpus_per_replica if args.num_gpus_per_replica is not None else (
             1 if gpus and sim_profile(args.model) is None else 0
         )  # fmt: skip
-        events_host = "0.0.0.0"
-    else:
-        n = args.replicas or 2
-        num_gpus = args.num_gpus_per_replica or 0
-        cpus = max(os.cpu_count() or 1, int(n * args.num_cpus_per_replica + 0.999))
-        _say(f"starting a local Ray ({cpus} CPUs)")
-        ray.init(
-            num_cpus=cpus,
-            namespace=RAY_NAMESPACE,
-            include_dashboard=False,
-            logging_level="warning",
-        )
-        events_host = "127.0.0.1"
+        return n, num_gpus, "0.0.0.0"
+    n = args.replicas or 2
+    cpus = max(os.cpu_count() or 1, int(n * args.num_cpus_per_replica + 0.999))
+    _say(f"starting a local Ray ({cpus} CPUs)")
+    ray.init(
+        num_cpus=cpus, namespace=RAY_NAMESPACE, include_dashboard=False, logging_level="warning"
+    )
+    return n, args.num_gpus_per_replica or 0, "127.0.0.1"
+
+
+def _start_replicas(args: argparse.Namespace, n: int, num_gpus: float, events_host: str) -> Any:
+    """The replica actors, named ``replica-r<i>``, once each has loaded its model."""
+    import ray
+
+    from kvroute.replica.actor import start_replica
+
     config: dict[str, Any] = {"model": args.model, "block_size": args.block_size}
     if args.time_scale != 1.0:
         config["time_scale"] = args.time_scale
@@ -169,7 +165,7 @@ def _run(args: argparse.Namespace, keys: dict[str, str] | None, secret: str) -> 
             num_cpus=args.num_cpus_per_replica,
             num_gpus=num_gpus,
             events_host=events_host,
-            name=f"r{i}",  # ray.get_actor("r0", namespace="kvroute") from another driver
+            name=f"{REPLICA_ACTOR_PREFIX}r{i}",  # how other front doors find it
         )
         for i in range(n)
     ]
@@ -187,42 +183,62 @@ def _run(args: argparse.Namespace, keys: dict[str, str] | None, secret: str) -> 
             f"replica {info.replica_id} ready on {info.node_ip} ({info.num_blocks} KV blocks, "
             f"max_model_len {info.max_model_len}) after {time.monotonic() - t0:.0f} s"
         )
-    tokenizer = None
-    if not Path(infos[actors[0]].model_path).is_dir():  # a replica on another node
-        from transformers import AutoTokenizer
+    return [(a, infos[a]) for a in actors]
 
-        from kvroute.replica.models import resolve_model
 
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.model))
-    max_in_flight = args.max_in_flight or 128 * n
-    per_tenant = args.max_in_flight_per_tenant
-    if per_tenant is None and len(set((keys or {}).values())) > 1:
-        per_tenant = max(1, max_in_flight // 2)  # a flooding tenant leaves the others half
+def _start_routers(args: argparse.Namespace, routers: list[subprocess.Popen[bytes]]) -> None:
+    """N-1 more front doors on the same port; each reports ready on its stderr."""
+    import ray
+
+    address = ray.get_runtime_context().gcs_address
+    same = [
+        "--host", args.host, "--port", str(args.port), "--policy", args.policy,
+        "--max-body-bytes", str(args.max_body_bytes), "--body-timeout", str(args.body_timeout),
+    ]  # fmt: skip
+    for flag, value in (
+        ("--api-keys", args.api_keys),
+        ("--fleet-secret", args.fleet_secret),
+        ("--served-model-name", args.served_model_name),
+        ("--max-in-flight", args.max_in_flight),
+        ("--max-in-flight-per-tenant", args.max_in_flight_per_tenant),
+    ):
+        if value is not None:
+            same += [flag, str(value)]
+    cmd = [sys.executable, "-m", "kvroute.deploy.cli", "router", "--address", address]
+    cmd += ["--namespace", RAY_NAMESPACE, "--reuse-port", *same]
+    for _ in range(args.routers - 1):
+        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
+        routers.append(proc)
+        assert proc.stderr is not None
+        for raw in proc.stderr:
+            if b"ready on" in raw:
+                break
+        else:
+            raise RuntimeError(f"a front door failed to start (exit {proc.wait()})")
+
+
+def _run(
+    args: argparse.Namespace, keys: dict[str, str] | None, routers: list[subprocess.Popen[bytes]]
+) -> int:
+    from kvroute.router.frontdoor import FleetMismatchError
+
+    n, num_gpus, events_host = _start_ray(args)
+    replicas = _start_replicas(args, n, num_gpus, events_host)
     try:
-        door = FrontDoor(
-            [(a, infos[a]) for a in actors],
-            policy=args.policy,
-            tokenizer=tokenizer,
-            max_in_flight=max_in_flight,
-            max_in_flight_per_tenant=per_tenant,
-        )
+        app = build_app(args, replicas, keys)
     except FleetMismatchError as exc:
         _say(str(exc))
         return 2
-    tenants = Tenants(keys, secret)
-    app = create_app(
-        door,
-        tenants,
-        args.served_model_name,
-        max_body_bytes=args.max_body_bytes,
-        body_timeout_s=args.body_timeout,
-    )
-    name = args.served_model_name or door.model
+    if args.routers > 1:
+        _say(f"starting {args.routers - 1} more front door(s)")
+        _start_routers(args, routers)
+    name = args.served_model_name or replicas[0][1].model
     auth = f"{len(keys)} API key(s)" if keys else "no API keys (every request is tenant default)"
+    doors = f", {args.routers} front doors" if args.routers > 1 else ""
     _say(
         f"ready: model {name!r} on http://{args.host}:{args.port}/v1 "
-        f"({n} replicas, policy {args.policy}, {auth}); Ctrl-C stops"
+        f"({n} replicas, policy {args.policy}{doors}, {auth}); Ctrl-C stops"
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    serve_app(app, args.host, args.port, reuse_port=args.routers > 1)
     _say("stopped")
     return 0

@@ -1,0 +1,184 @@
+"""``kvroute router``: one more front door for a running fleet, in a process of its own.
+
+Why separate processes: one front door is one Python event loop -- HTTP parsing, SSE
+writing and Ray's streaming all share one core. More front doors add cores. Each one
+joins the Ray cluster as a driver, finds the replicas by name (``replica-<id>`` in the
+``kvroute`` namespace, as ``kvroute serve`` names them), subscribes to every replica's
+event stream and polls every replica's load report, so it routes on the whole fleet's
+cache and load, not only on the requests it sent itself. Front doors on one host share the
+port with ``SO_REUSEPORT``: the kernel spreads connections over them.
+
+``kvroute serve --routers N`` starts N-1 of these beside its own front door.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+from typing import Any
+
+RAY_NAMESPACE = "kvroute"
+REPLICA_ACTOR_PREFIX = "replica-"  # actor name = prefix + replica id
+
+
+def add_front_door_arguments(p: argparse.ArgumentParser) -> None:
+    """What every front door takes, whether ``serve`` or ``router`` starts it."""
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-keys", default=None, help="file: JSON {key: tenant} or key:tenant")
+    p.add_argument("--fleet-secret", default=None, help="default: $KVROUTE_FLEET_SECRET")
+    p.add_argument("--policy", default="kv")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument(
+        "--max-in-flight",
+        type=int,
+        default=None,
+        help="requests this front door admits at once; more get 429 (default: 128 per replica)",
+    )
+    p.add_argument(
+        "--max-in-flight-per-tenant",
+        type=int,
+        default=None,
+        help="requests one tenant may hold at once; more get 429 (default: half of "
+        "--max-in-flight when the API keys name two tenants or more, else no own cap)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=4 << 20,
+        help="larger request bodies get 413 before they are read (default: 4 MiB)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds for a request body to arrive whole; slower ones get 408 (default: 30)",
+    )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_front_door_arguments(p)
+    p.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
+    p.add_argument("--namespace", default=RAY_NAMESPACE, help="where the replicas are named")
+    p.add_argument(
+        "--reuse-port",
+        action="store_true",
+        help="bind with SO_REUSEPORT, beside other front doors on the same port",
+    )
+
+
+def say(msg: str) -> None:
+    print(f"kvroute router: {msg}", file=sys.stderr, flush=True)
+
+
+def check_front_door_args(args: argparse.Namespace) -> str | None:
+    """A usage error in the front-door arguments, or None."""
+    from kvroute.router.policy import POLICIES
+
+    if args.policy not in POLICIES:
+        return f"unknown policy {args.policy!r}; choose from {', '.join(POLICIES)}"
+    return None
+
+
+def discover(timeout_s: float = 120.0) -> list[tuple[Any, Any]]:
+    """(actor, info) of every replica named in this driver's namespace, started or not."""
+    import ray
+
+    names = sorted(n for n in ray.util.list_named_actors() if n.startswith(REPLICA_ACTOR_PREFIX))
+    actors = [ray.get_actor(n) for n in names]
+    infos = ray.get([a.info.remote() for a in actors], timeout=timeout_s)
+    return list(zip(actors, infos, strict=True))
+
+
+def build_app(
+    args: argparse.Namespace, replicas: list[tuple[Any, Any]], keys: dict[str, str] | None
+) -> Any:
+    """The front door over ``replicas`` and its FastAPI app."""
+    from pathlib import Path
+
+    from kvroute.router.frontdoor import FrontDoor
+    from kvroute.router.server import create_app
+    from kvroute.router.tenants import Tenants, resolve_fleet_secret
+
+    tokenizer = None
+    if not Path(replicas[0][1].model_path).is_dir():  # the replicas live on another node
+        from transformers import AutoTokenizer
+
+        from kvroute.replica.models import resolve_model
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model(replicas[0][1].model))
+    max_in_flight = args.max_in_flight or 128 * len(replicas)
+    per_tenant = args.max_in_flight_per_tenant
+    if per_tenant is None and len(set((keys or {}).values())) > 1:
+        per_tenant = max(1, max_in_flight // 2)  # a flooding tenant leaves the others half
+    door = FrontDoor(
+        replicas,
+        policy=args.policy,
+        tokenizer=tokenizer,
+        max_in_flight=max_in_flight,
+        max_in_flight_per_tenant=per_tenant,
+    )
+    tenants = Tenants(keys, resolve_fleet_secret(args.fleet_secret))
+    return create_app(
+        door,
+        tenants,
+        args.served_model_name,
+        max_body_bytes=args.max_body_bytes,
+        body_timeout_s=args.body_timeout,
+    )
+
+
+def serve_app(app: Any, host: str, port: int, reuse_port: bool) -> None:
+    """uvicorn on a socket bound here: with ``reuse_port``, several processes share it."""
+    import uvicorn
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on (as uvicorn.run)
+        pass
+
+
+def run(args: argparse.Namespace) -> int:
+    import ray
+
+    from kvroute.router.frontdoor import FleetMismatchError
+    from kvroute.router.tenants import load_api_keys
+
+    why = check_front_door_args(args)
+    if why:
+        say(why)
+        return 2
+    try:
+        keys = load_api_keys(args.api_keys) if args.api_keys else None
+    except (OSError, ValueError) as exc:
+        say(f"--api-keys: {exc}")
+        return 2
+    ray.init(address=args.address, namespace=args.namespace, logging_level="warning")
+    try:
+        replicas = discover()
+        if not replicas:
+            say(f"no replicas named {REPLICA_ACTOR_PREFIX}* in namespace {args.namespace!r}")
+            return 2
+        try:
+            app = build_app(args, replicas, keys)
+        except FleetMismatchError as exc:
+            say(str(exc))
+            return 2
+        say(
+            f"ready on http://{args.host}:{args.port}/v1 ({len(replicas)} replicas, "
+            f"policy {args.policy})"
+        )
+        serve_app(app, args.host, args.port, args.reuse_port)
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        ray.shutdown()
