@@ -14,6 +14,7 @@ import argparse
 import os
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -215,6 +216,15 @@ def _start_routers(args: argparse.Namespace, routers: list[subprocess.Popen[byte
                 break
         else:
             raise RuntimeError(f"a front door failed to start (exit {proc.wait()})")
+        # Its later lines (warnings) go on to this stderr: a pipe nobody reads would fill
+        # and stall the front door writing to it.
+        threading.Thread(target=_relay, args=(proc.stderr,), daemon=True).start()
+
+
+def _relay(stream: Any) -> None:
+    for raw in stream:
+        sys.stderr.buffer.write(raw)
+        sys.stderr.flush()
 
 
 def _run(
