@@ -124,7 +124,7 @@ def test_duplicate_copies_are_counted_per_hash():
     h = b"\x07" * 16
     try:
         sub.add_publisher("r0", pub.endpoint, pub.replay_endpoint, "r0")
-        wait_for(lambda: sub.in_sync("r0"))
+        assert wait_for(lambda: sub.in_sync("r0")), "subscriber never joined"
         from kvroute.events import BlockRemoved
 
         pub.publish([BlockStored([h], None, [1] * BS, BS, None, "GPU", None)])
@@ -196,7 +196,7 @@ def test_publish_never_blocks_and_counts_overflow():
     sub = ZmqEventSubscriber(views)
     try:
         sub.add_publisher("r0", pub.endpoint, pub.replay_endpoint, "r0")
-        wait_for(lambda: sub.in_sync("r0"))
+        assert wait_for(lambda: sub.in_sync("r0")), "subscriber never joined"
         for _ in range(20_000):
             pub.publish(churn.step(max_events=2))
         assert pub.dropped > 0  # the queue overflowed and said so...
@@ -222,7 +222,7 @@ def test_idle_publisher_sends_heartbeats_so_a_lost_last_batch_is_noticed():
     sub = ZmqEventSubscriber(views)
     try:
         sub.add_publisher("r0", proxy.endpoint, pub.replay_endpoint, "r0")
-        wait_for(lambda: sub.in_sync("r0") and sub.stats()["r0"].received > 0)
+        assert wait_for(lambda: sub.in_sync("r0") and sub.stats()["r0"].received > 0)
         h = b"\x09" * 16
         pub.publish([BlockStored([h], None, [0] * BS, BS, None, "GPU", None)])
         # Nothing else is published: only the heartbeat reveals that a batch went missing.
