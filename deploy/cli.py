@@ -11,6 +11,24 @@ from typing import Any
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "router":
+        from .router import run as run_router
+
+        return run_router(args)
+    if args.command == "events":
+        return _events(args)
+    if args.command == "simulate":
+        return _simulate(args)
+    if args.command == "bench":
+        return _bench(args)
+    return _hash(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand's arguments (tests check deploy files' command lines against it)."""
     parser = argparse.ArgumentParser(
         prog="kvroute",
         description="Multi-replica LLM serving with KV-cache-aware routing.",
@@ -48,20 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_simulate(sub)
     _add_bench(sub)
 
-    args = parser.parse_args(argv)
-    if args.command == "serve":
-        return _serve(args)
-    if args.command == "router":
-        from .router import run as run_router
-
-        return run_router(args)
-    if args.command == "events":
-        return _events(args)
-    if args.command == "simulate":
-        return _simulate(args)
-    if args.command == "bench":
-        return _bench(args)
-    return _hash(args)
+    return parser
 
 
 def _add_simulate(sub: argparse._SubParsersAction) -> None:
