@@ -18,6 +18,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .router import run as run_router
 
         return run_router(args)
+    if args.command == "stop":
+        from .router import stop as stop_fleet
+
+        return stop_fleet(args)
     if args.command == "events":
         return _events(args)
     if args.command == "simulate":
@@ -62,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
         "router", help="one more front door for a running fleet (joins its Ray cluster)"
     )
     add_router_arguments(router)
+
+    stop = sub.add_parser("stop", help="stop every replica of a fleet on a Ray cluster")
+    from .router import add_stop_arguments
+
+    add_stop_arguments(stop)
 
     _add_simulate(sub)
     _add_bench(sub)

@@ -182,3 +182,25 @@ def run(args: argparse.Namespace) -> int:
         return 130
     finally:
         ray.shutdown()
+
+
+def add_stop_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
+    p.add_argument("--namespace", default=RAY_NAMESPACE, help="where the replicas are named")
+
+
+def stop(args: argparse.Namespace) -> int:
+    """``kvroute stop``: ends every named replica (front doors then find none and fail
+    their requests with 503 until replicas are started again)."""
+    import ray
+
+    ray.init(address=args.address, namespace=args.namespace, logging_level="warning")
+    try:
+        names = [n for n in ray.util.list_named_actors() if n.startswith(REPLICA_ACTOR_PREFIX)]
+        for name in names:
+            ray.kill(ray.get_actor(name), no_restart=True)
+        print(f"kvroute stop: stopped {len(names)} replica(s) in namespace {args.namespace!r}",
+              file=sys.stderr)  # fmt: skip
+        return 0
+    finally:
+        ray.shutdown()

@@ -11,6 +11,7 @@ processes (see :mod:`.router`), each following every replica's events and load.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -53,6 +54,13 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--num-gpus-per-replica", type=float, default=None, help="default: 1 if GPUs, else 0"
+    )
+    serve.add_argument(
+        "--resources-per-replica",
+        default=None,
+        metavar="JSON",
+        help="Ray custom resources each replica needs, e.g. '{\"kvroute_replica\": 1}' to "
+        "place one replica per node that offers one",
     )
     serve.add_argument("--num-blocks", type=int, default=None, help="KV blocks per replica")
     serve.add_argument("--block-size", type=int, default=16)
@@ -100,6 +108,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.num_cpus_per_replica is None:
         args.num_cpus_per_replica = 0.0 if simulated else 1.0
+    try:
+        args.resources_per_replica = json.loads(args.resources_per_replica or "{}")
+        if not isinstance(args.resources_per_replica, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as exc:
+        _say(f"--resources-per-replica: {exc}")
+        return 2
 
     import ray
 
@@ -146,10 +161,17 @@ def _start_ray(args: argparse.Namespace) -> tuple[int, float, str]:
 
 
 def _start_replicas(args: argparse.Namespace, n: int, num_gpus: float, events_host: str) -> Any:
-    """The replica actors, named ``replica-r<i>``, once each has loaded its model."""
+    """The replica actors, named ``replica-r<i>``, once each has loaded its model.
+
+    On a cluster (``--address``) they are detached: they outlive this process, and a
+    front door started later (``kvroute serve`` again, ``kvroute router``) finds them by
+    name; those already running are reused, not restarted. ``kvroute stop`` ends them."""
     import ray
 
     from kvroute.replica.actor import start_replica
+
+    detached = bool(args.address)
+    existing = set(ray.util.list_named_actors()) if detached else set()
 
     config: dict[str, Any] = {"model": args.model, "block_size": args.block_size}
     if args.time_scale != 1.0:
@@ -159,17 +181,27 @@ def _start_replicas(args: argparse.Namespace, n: int, num_gpus: float, events_ho
     where = f"{num_gpus:g} GPU" if num_gpus else f"{args.num_cpus_per_replica:g} CPU"
     _say(f"starting {n} replica(s) of {args.model} ({where} each); loading the model...")
     t0 = time.monotonic()
-    actors = [
-        start_replica(
-            f"r{i}",
-            config,
-            num_cpus=args.num_cpus_per_replica,
-            num_gpus=num_gpus,
-            events_host=events_host,
-            name=f"{REPLICA_ACTOR_PREFIX}r{i}",  # how other front doors find it
+    actors = []
+    for i in range(n):
+        name = f"{REPLICA_ACTOR_PREFIX}r{i}"  # how other front doors find it
+        if name in existing:
+            _say(f"reusing the running replica {name}")
+            actors.append(ray.get_actor(name))
+            continue
+        extra: dict[str, Any] = {"lifetime": "detached"} if detached else {}
+        if args.resources_per_replica:
+            extra["resources"] = args.resources_per_replica
+        actors.append(
+            start_replica(
+                f"r{i}",
+                config,
+                num_cpus=args.num_cpus_per_replica,
+                num_gpus=num_gpus,
+                events_host=events_host,
+                name=name,
+                **extra,
+            )
         )
-        for i in range(n)
-    ]
     refs = {a.info.remote(): a for a in actors}
     infos: dict[Any, Any] = {}
     pending = list(refs)
@@ -250,5 +282,8 @@ def _run(
         f"({n} replicas, policy {args.policy}{doors}, {auth}); Ctrl-C stops"
     )
     serve_app(app, args.host, args.port, reuse_port=args.routers > 1)
-    _say("stopped")
+    if args.address:
+        _say("stopped; the replicas keep running (detached): `kvroute stop` ends them")
+    else:
+        _say("stopped")
     return 0

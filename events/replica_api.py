@@ -110,6 +110,7 @@ class ReplicaInfo(msgspec.Struct, kw_only=True, frozen=True):
     restarted: bool  # Ray reconstructed this actor (max_restarts)
     vocab_size: int | None = None  # prompt token ids must be below it (None: not reported)
     cost: CostCoefficients | None = None  # its step-time model: routers price it in it
+    node_id: str | None = None  # the Ray node it runs on (several nodes may share an IP)
 
     @property
     def hash_config(self) -> HashConfig:

@@ -134,6 +134,7 @@ class ReplicaServer:
             restarted=self._in_actor and _was_reconstructed(),
             vocab_size=eng.vocab_size,
             cost=eng.cost_coefficients(),
+            node_id=ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
         )
         self._streams = 0  # generate() calls in flight (the watchdog waits for them)
         threading.Thread(target=self._watch, name="kvroute-replica-watchdog", daemon=True).start()

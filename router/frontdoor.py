@@ -244,9 +244,12 @@ class FrontDoor:
         log.info("replica %s (incarnation %s) added", rid, info.incarnation[:8])
 
     def _forget(self, rid: str) -> None:
+        """Its cache is gone or out of reach: unsubscribe and drop what the index held for it
+        (whatever the policy: /metrics and any later policy read the same index)."""
         with contextlib.suppress(RuntimeError):
             self.subscriber.remove_publisher(rid)
-        self.policy.on_replica_removed(rid)  # drops its index entries and load for kv
+        self.index.drop_replica(rid)
+        self.policy.on_replica_removed(rid)  # its load (and kv's own index view)
 
     def on_replica_failure(self, rid: str) -> None:
         """A call to the replica failed: stop routing to it until the monitor sees it back."""
