@@ -65,7 +65,7 @@ def cluster() -> Iterator[tuple[Cluster, list[Any]]]:
 
 
 @pytest.fixture(scope="module")
-def served(cluster: tuple[Cluster, list[Any]]) -> Iterator[str]:
+def served(cluster: tuple[Cluster, list[Any]]) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     c, _ = cluster
     port = free_port()
     args = ["serve", "--address", c.address, "--model", "sim:h100-8b", "--replicas", "2"]
@@ -81,8 +81,13 @@ def served(cluster: tuple[Cluster, list[Any]]) -> Iterator[str]:
     else:
         raise AssertionError("".join(lines))
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", proc
     finally:
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
         try:
             proc.wait(60)
@@ -102,10 +107,10 @@ def replica_nodes(address: str) -> dict[str, str]:
 
 
 def test_replicas_on_their_own_nodes_then_node_loss_and_rejoin(
-    cluster: tuple[Cluster, list[Any]], served: str
+    cluster: tuple[Cluster, list[Any]], served: tuple[str, subprocess.Popen[str]]
 ) -> None:
     c, workers = cluster
-    url = served
+    url = served[0]
     # 1. One replica per replica node (none on the head); requests and events cross nodes.
     nodes = replica_nodes(c.address)
     worker_ids = {w.node_id for w in workers}
@@ -152,3 +157,32 @@ def test_replicas_on_their_own_nodes_then_node_loss_and_rejoin(
         f"{t_settled:.1f} s ({sum(r.status_code == 200 for r in results)}/8 completed, the "
         f"rest 503); rejoined node routed again after {t_back:.1f} s"
     )
+
+
+def test_replicas_outlive_the_front_door_until_kvroute_stop(
+    cluster: tuple[Cluster, list[Any]], served: tuple[str, subprocess.Popen[str]]
+) -> None:
+    """Ctrl-C on ``kvroute serve`` stops its front door only; ``kvroute router`` finds the
+    same replicas and serves; ``kvroute stop`` is what ends them."""
+    c, _ = cluster
+    _, proc = served
+    before = replica_nodes(c.address)
+    stop(proc)
+    assert proc.returncode == 0
+    assert replica_nodes(c.address) == before  # the same replicas, on the same nodes
+    port = free_port()
+    router = subprocess.Popen(
+        [*KVROUTE, "router", "--address", c.address, "--port", str(port)],
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert router.stderr is not None
+        assert any("ready on" in line for line in router.stderr), "router did not start"
+        r = complete(f"http://127.0.0.1:{port}", [5, 6, 7])
+        assert r.status_code == 200 and r.headers["x-kvroute-replica"] in before
+    finally:
+        stop(router)
+    out = subprocess.run([*KVROUTE, "stop", "--address", c.address],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0 and f"stopped {len(before)} replica(s)" in out.stderr, out.stderr
+    assert replica_nodes(c.address) == {}
