@@ -72,13 +72,18 @@ def say(msg: str) -> None:
     print(f"kvroute router: {msg}", file=sys.stderr, flush=True)
 
 
-def check_front_door_args(args: argparse.Namespace) -> str | None:
-    """A usage error in the front-door arguments, or None."""
+def front_door_keys(args: argparse.Namespace) -> dict[str, str] | None:
+    """The API keys (None: no keys file) once the front-door arguments check out; a
+    ValueError says what is wrong, in one line, before anything starts."""
     from kvroute.router.policy import POLICIES
+    from kvroute.router.tenants import load_api_keys
 
     if args.policy not in POLICIES:
-        return f"unknown policy {args.policy!r}; choose from {', '.join(POLICIES)}"
-    return None
+        raise ValueError(f"unknown policy {args.policy!r}; choose from {', '.join(POLICIES)}")
+    try:
+        return load_api_keys(args.api_keys) if args.api_keys else None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--api-keys: {exc}") from None
 
 
 def discover(timeout_s: float = 120.0) -> list[tuple[Any, Any]]:
@@ -150,16 +155,11 @@ def run(args: argparse.Namespace) -> int:
     import ray
 
     from kvroute.router.frontdoor import FleetMismatchError
-    from kvroute.router.tenants import load_api_keys
 
-    why = check_front_door_args(args)
-    if why:
-        say(why)
-        return 2
     try:
-        keys = load_api_keys(args.api_keys) if args.api_keys else None
-    except (OSError, ValueError) as exc:
-        say(f"--api-keys: {exc}")
+        keys = front_door_keys(args)
+    except ValueError as exc:
+        say(str(exc))
         return 2
     ray.init(address=args.address, namespace=args.namespace, logging_level="warning")
     try:

@@ -24,7 +24,7 @@ from .router import (
     REPLICA_ACTOR_PREFIX,
     add_front_door_arguments,
     build_app,
-    check_front_door_args,
+    front_door_keys,
     serve_app,
 )
 
@@ -79,16 +79,10 @@ def _say(msg: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvroute.router.tenants import load_api_keys
-
-    why = check_front_door_args(args)
-    if why:
-        _say(why)
-        return 2
     try:
-        keys = load_api_keys(args.api_keys) if args.api_keys else None
-    except (OSError, ValueError) as exc:
-        _say(f"--api-keys: {exc}")
+        keys = front_door_keys(args)
+    except ValueError as exc:
+        _say(str(exc))
         return 2
     if args.replicas is not None and args.replicas < 1:
         _say("--replicas must be >= 1")
