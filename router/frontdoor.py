@@ -69,6 +69,7 @@ from .tenants import Tenant, TenantShares
 
 log = logging.getLogger(__name__)
 
+RETIRED_EVENT_FIELDS = ("delivered", "gaps", "restarts", "resets")  # summed into /metrics
 ADDED_LATENCY_WINDOW = 4096  # the latest requests whose added latency /metrics summarizes
 
 # What a call to a dead, restarting or unreachable actor raises: retry elsewhere.
@@ -93,8 +94,9 @@ class ReplicaHandle:
     info: ReplicaInfo
     actor: Any
     alive: bool = True
-    routed: int = 0
+    routed: int = 0  # kept across the replica's restarts, like every counter here
     failures: int = 0  # failures reported so far: one that changed meanwhile was not ours
+    restarts: int = 0  # new incarnations the front door followed
 
 
 class Stream:
@@ -192,6 +194,8 @@ class FrontDoor:
         self.counters: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.added_latency: deque[float] = deque(maxlen=ADDED_LATENCY_WINDOW)
+        # Event-stream counters of subscriptions already closed (replica restarts, losses).
+        self.retired_event_stats: dict[str, Counter[str]] = {}
         self.monitor_interval_s = monitor_interval_s
         self.load_interval_s = load_interval_s
         self.max_in_flight = max_in_flight
@@ -237,7 +241,10 @@ class FrontDoor:
         old = self.replicas.get(rid)
         if old is not None:
             self._forget(rid)
-        self.replicas[rid] = ReplicaHandle(info, actor)
+        rep = self.replicas[rid] = ReplicaHandle(info, actor)
+        if old is not None:  # a restart: its counters go on from where they were
+            rep.routed, rep.failures = old.routed, old.failures
+            rep.restarts = old.restarts + (info.incarnation != old.info.incarnation)
         if info.cost is not None:  # priced in its own seconds; else the policy's reference
             self.load.register(rid, info.cost, info.num_blocks)
         self.subscriber.add_publisher(rid, info.events_endpoint, info.replay_endpoint, info.topic)
@@ -246,6 +253,11 @@ class FrontDoor:
     def _forget(self, rid: str) -> None:
         """Its cache is gone or out of reach: unsubscribe and drop what the index held for it
         (whatever the policy: /metrics and any later policy read the same index)."""
+        stats = self.subscriber.stats().get(rid)
+        if stats is not None:  # a new subscription starts at zero: keep the totals
+            total = self.retired_event_stats.setdefault(rid, Counter())
+            total.update({f: getattr(stats, f) for f in RETIRED_EVENT_FIELDS})
+            total["resets"] += 1  # its indexed state is dropped now, rebuilt when it is back
         with contextlib.suppress(RuntimeError):
             self.subscriber.remove_publisher(rid)
         self.index.drop_replica(rid)

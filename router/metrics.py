@@ -43,13 +43,23 @@ def render_metrics(door: FrontDoor, events: dict[str, ReplicaStats] | None = Non
            [(f'{{replica="{r}"}}', x.routed) for r, x in reps])  # fmt: skip
     metric("index_blocks", "gauge", "Blocks the prefix index holds per replica.",
            [(f'{{replica="{r}"}}', door.index.num_blocks(r)) for r, _ in reps])  # fmt: skip
-    ev = sorted((events or {}).items())
+    live = events or {}
+    retired = door.retired_event_stats
+    names = sorted(set(live) | set(retired))
+
+    def total(rid: str, field: str) -> float:
+        st = live.get(rid)
+        extra = (
+            0 if field != "restarts" or rid not in door.replicas else door.replicas[rid].restarts
+        )
+        return (getattr(st, field) if st else 0) + retired.get(rid, {}).get(field, 0) + extra
+
     for field, help_ in (
         ("delivered", "Event batches applied to the index."),
         ("gaps", "Event seq gaps detected (recovered by replay or snapshot)."),
-        ("restarts", "Engine restarts seen on the event stream."),
+        ("restarts", "Replica restarts: seen on the event stream, or a new process followed."),
         ("resets", "Times a replica's indexed state was dropped and rebuilt."),
     ):
         metric(f"events_{field}_total", "counter", help_,
-               [(f'{{replica="{r}"}}', getattr(st, field)) for r, st in ev])  # fmt: skip
+               [(f'{{replica="{r}"}}', total(r, field)) for r in names])  # fmt: skip
     return "\n".join(lines) + "\n"

@@ -346,6 +346,7 @@ def test_replica_failure_before_first_token_is_retried_elsewhere(fleet: dict[str
     door = fleet["door"]
     wait_for(lambda: door.index.num_blocks(victim) >= 18, 10, "victim's events indexed")
     old = door.replicas[victim].info.incarnation
+    routed_before = door.replicas[victim].routed
     ray.get(fleet["actors"][victim].inject_engine_failure.remote())
     resp = c.completions.with_raw_response.create(prompt=prompt, **kw)
     assert resp.headers[REPLICA_HEADER] != victim
@@ -355,6 +356,13 @@ def test_replica_failure_before_first_token_is_retried_elsewhere(fleet: dict[str
     wait_for(lambda: door.replicas[victim].info.incarnation != old, 60, "replica restarted")
     wait_for(lambda: victim in door.alive(), 10, "replica routable again")
     assert httpx.get(fleet["url"] + "/health").json()["replicas"].count(victim) == 1
+    # /metrics counts through the restart: nothing goes back to zero with the new process.
+    text = httpx.get(fleet["url"] + "/metrics").text
+    samples = dict(x.rsplit(" ", 1) for x in text.splitlines() if x and not x.startswith("#"))
+    assert float(samples[f'kvroute_events_restarts_total{{replica="{victim}"}}']) >= 1
+    assert float(samples[f'kvroute_events_resets_total{{replica="{victim}"}}']) >= 1
+    assert float(samples[f'kvroute_replica_routed_total{{replica="{victim}"}}']) >= routed_before
+    assert routed_before >= 1
 
 
 @pytest.mark.parametrize(
