@@ -170,3 +170,13 @@ class LoadTracker:
 
     def in_flight(self) -> int:
         return len(self._flights)
+
+    def in_flight_at(self, replica: str) -> int:
+        """This router's requests in flight at ``replica``."""
+        load = self._loads.get(replica)
+        return load.count if load is not None else 0
+
+    def last_report(self, replica: str) -> LoadReport | None:
+        """The replica's latest report, however old (for /metrics; routing uses get())."""
+        load = self._loads.get(replica)
+        return load.report if load is not None else None

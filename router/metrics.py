@@ -43,6 +43,25 @@ def render_metrics(door: FrontDoor, events: dict[str, ReplicaStats] | None = Non
            [(f'{{replica="{r}"}}', x.routed) for r, x in reps])  # fmt: skip
     metric("index_blocks", "gauge", "Blocks the prefix index holds per replica.",
            [(f'{{replica="{r}"}}', door.index.num_blocks(r)) for r, _ in reps])  # fmt: skip
+    metric("requests_in_flight", "gauge", "Requests this front door has admitted and not "
+           "finished.", [("", float(door.load.in_flight()))])  # fmt: skip
+    metric("replica_requests_in_flight", "gauge", "This front door's requests in flight per "
+           "replica.", [(f'{{replica="{r}"}}', float(door.load.in_flight_at(r)))
+                        for r, _ in reps])  # fmt: skip
+    reports = [(r, door.load.last_report(r)) for r, _ in reps]
+    metric("replica_kv_blocks_total", "gauge", "KV cache blocks per replica.",
+           [(f'{{replica="{r}"}}', float(x.info.num_blocks)) for r, x in reps])  # fmt: skip
+    metric("replica_kv_blocks_free", "gauge", "Free KV blocks per replica, as its latest load "
+           "report said.", [(f'{{replica="{r}"}}', float(rep.free_blocks))
+                            for r, rep in reports if rep is not None])  # fmt: skip
+    metric("replica_requests_waiting", "gauge", "Requests queued on the replica (all front "
+           "doors'), as its latest load report said.",
+           [(f'{{replica="{r}"}}', float(rep.num_waiting))
+            for r, rep in reports if rep is not None])  # fmt: skip
+    metric("replica_requests_running", "gauge", "Requests running on the replica (all front "
+           "doors'), as its latest load report said.",
+           [(f'{{replica="{r}"}}', float(rep.num_running))
+            for r, rep in reports if rep is not None])  # fmt: skip
     live = events or {}
     retired = door.retired_event_stats
     names = sorted(set(live) | set(retired))

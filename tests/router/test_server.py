@@ -321,6 +321,7 @@ def test_a_stream_says_what_the_front_door_added(fleet: dict[str, Any]) -> None:
 
 
 def test_metrics(fleet: dict[str, Any]) -> None:
+    wait_for(lambda: fleet["door"].load.in_flight() == 0, 10, "earlier streams closed")
     text = httpx.get(fleet["url"] + "/metrics").text
     samples = dict(
         line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#")
@@ -333,6 +334,13 @@ def test_metrics(fleet: dict[str, Any]) -> None:
     assert 'kvroute_index_blocks{replica="r0"}' in samples
     delivered = [samples[f'kvroute_events_delivered_total{{replica="r{i}"}}'] for i in (0, 1)]
     assert min(map(float, delivered)) >= 1  # at least the snapshot each replica answered on joining
+    for i in (0, 1):  # KV blocks and queues per replica, from its own load reports
+        total = float(samples[f'kvroute_replica_kv_blocks_total{{replica="r{i}"}}'])
+        free = float(samples[f'kvroute_replica_kv_blocks_free{{replica="r{i}"}}'])
+        assert total == CONFIG["num_blocks"] and 0 <= free <= total
+        assert f'kvroute_replica_requests_waiting{{replica="r{i}"}}' in samples
+        assert float(samples[f'kvroute_replica_requests_in_flight{{replica="r{i}"}}']) == 0
+    assert float(samples["kvroute_requests_in_flight"]) == 0  # nothing is running now
 
 
 def test_replica_failure_before_first_token_is_retried_elsewhere(fleet: dict[str, Any]) -> None:
