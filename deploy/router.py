@@ -50,6 +50,12 @@ def add_front_door_arguments(p: argparse.ArgumentParser) -> None:
         help="larger request bodies get 413 before they are read (default: 4 MiB)",
     )
     p.add_argument(
+        "--log-requests",
+        action="store_true",
+        help="one log line per finished request on stderr: tenant, replica, prompt/cached/"
+        "output tokens, TTFT, status",
+    )
+    p.add_argument(
         "--body-timeout",
         type=float,
         default=30.0,
@@ -117,6 +123,15 @@ def build_app(
     per_tenant = args.max_in_flight_per_tenant
     if per_tenant is None and len(set((keys or {}).values())) > 1:
         per_tenant = max(1, max_in_flight // 2)  # a flooding tenant leaves the others half
+    if args.log_requests:
+        import logging
+
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        request_log = logging.getLogger("kvroute.requests")
+        request_log.addHandler(handler)
+        request_log.setLevel(logging.INFO)
+        request_log.propagate = False
     door = FrontDoor(
         replicas,
         policy=args.policy,

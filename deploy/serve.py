@@ -222,6 +222,8 @@ def _start_routers(args: argparse.Namespace, routers: list[subprocess.Popen[byte
         "--host", args.host, "--port", str(args.port), "--policy", args.policy,
         "--max-body-bytes", str(args.max_body_bytes), "--body-timeout", str(args.body_timeout),
     ]  # fmt: skip
+    if args.log_requests:
+        same.append("--log-requests")
     for flag, value in (
         ("--api-keys", args.api_keys),
         ("--fleet-secret", args.fleet_secret),

@@ -34,6 +34,26 @@ from .openai_api import (
 )
 
 log = logging.getLogger(__name__)
+# One line per finished request (INFO): tenant, replica, tokens, TTFT, status. Off unless
+# that logger's level lets INFO through (`kvroute serve --log-requests`).
+request_log = logging.getLogger("kvroute.requests")
+
+
+def log_request(rid: str, stream: Stream, last: Any, ttft_s: float | None, status: str) -> None:
+    if not request_log.isEnabledFor(logging.INFO):
+        return
+    request_log.info(
+        "request %s tenant=%s replica=%s prompt=%s cached=%s output=%s ttft_ms=%s status=%s",
+        rid,
+        stream.tenant,
+        stream.replica,
+        getattr(last, "num_prompt_tokens", None),
+        getattr(last, "num_cached_tokens", None),
+        getattr(last, "num_output_tokens", None),
+        "-" if ttft_s is None else f"{ttft_s * 1000:.1f}",
+        status,
+    )
+
 
 REPLICA_HEADER = "x-kvroute-replica"
 DISCONNECT_POLL_S = 0.5
@@ -126,6 +146,7 @@ async def respond(
     ``arrival``: ``perf_counter()`` when the handler began, for the added-latency figure."""
     headers = {REPLICA_HEADER: stream.replica}
     rid = request_id(request)
+    ttft_s = None if arrival is None else time.perf_counter() - arrival  # first delta is in
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
@@ -157,6 +178,7 @@ async def respond(
         await task
     except REPLICA_FAILURES as exc:
         log.warning("request %s: replica failed mid-request: %s", rid, one_line(str(exc)))
+        log_request(rid, stream, last, ttft_s, "503 replica_failed")
         raise APIError(503, FAILED, "service_unavailable", code="replica_failed") from None
     finally:
         if not task.done():  # cancelling it cancels the request on the replica
@@ -165,8 +187,10 @@ async def respond(
                 await task
         await stream.aclose()
     if finish == "error":
+        log_request(rid, stream, last, ttft_s, "500 request_failed")
         raise request_failed(rid, last)
     usage = _usage(door, last)
+    log_request(rid, stream, last, ttft_s, f"200 {finish}")
     shaped = logprobs(ids, entries) if logprobs is not None else None
     return JSONResponse(final("".join(parts), finish, usage, shaped), headers=headers)
 
@@ -195,6 +219,7 @@ async def _sse(
     so a load generator can tell the router's added latency from the replica's."""
     last = None
     timing: dict[str, float] | None = None
+    status = "200"
     try:
         if role_first:
             yield _data(chunk("", None, role=True))
@@ -203,6 +228,7 @@ async def _sse(
                 timing = door.time_first_delta(time.perf_counter() - arrival, d.replica_ttft_s)
             last = d
             if d.finish_reason == "error":
+                status = "500 request_failed (in stream)"
                 err = request_failed(rid, d)
                 yield _data(error_body(err.message, err.type, 500, code=err.code, request_id=rid))
                 break
@@ -219,17 +245,23 @@ async def _sse(
                 payload["choices"], payload["usage"] = [], usage.model_dump()
                 yield _data(payload)
     except REPLICA_FAILURES as exc:
+        status = "503 replica_failed (in stream)"
         door.errors["stream_failure"] += 1
         log.warning("request %s: replica failed mid-stream: %s", rid, one_line(str(exc)))
         body = error_body(FAILED, "service_unavailable", 503, code="replica_failed", request_id=rid)
         yield _data(body)
     except Exception:  # never a silently cut stream: say so, then [DONE]
         log.exception("request %s: stream failed", rid)
+        status = "500 internal_error (in stream)"
         door.errors["internal"] += 1
         body = error_body(INTERNAL, "server_error", 500, code="internal_error", request_id=rid)
         yield _data(body)
     finally:
         await stream.aclose()
+        ttft = None if timing is None else timing["router_ttft_s"]
+        if status == "200":  # no [DONE] reached the client: it went away mid-stream
+            status = f"200 {last.finish_reason}" if last and last.finished else "499 client_gone"
+        log_request(rid, stream, last, ttft, status)
     if timing is not None:
         yield f": kvroute-timing {dumps(timing)}\n\n"
     yield "data: [DONE]\n\n"

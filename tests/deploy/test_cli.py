@@ -32,7 +32,7 @@ def test_serve_end_to_end_then_ctrl_c(tmp_path):
         port = s.getsockname()[1]
     (tmp_path / "keys").write_text("sk-test:acme\n")
     args = ["serve", "--model", "tiny", "--replicas", "1", "--port", str(port)]
-    args += ["--num-blocks", "64", "--api-keys", str(tmp_path / "keys")]
+    args += ["--num-blocks", "64", "--api-keys", str(tmp_path / "keys"), "--log-requests"]
     proc = subprocess.Popen([*KVROUTE, *args], stderr=subprocess.PIPE, text=True)
     try:
         lines = []
@@ -54,6 +54,11 @@ def test_serve_end_to_end_then_ctrl_c(tmp_path):
         proc.send_signal(signal.SIGINT)
         rest = proc.stderr.read()
         assert proc.wait(timeout=60) == 0 and "stopped" in rest
+        # --log-requests: one line for the routed request (the 401 never reached a replica)
+        logged = [x for x in rest.splitlines() if " request " in x and "tenant=" in x]
+        assert len(logged) == 1, rest
+        assert "tenant=acme replica=r0 prompt=" in logged[0]
+        assert "output=3 " in logged[0] and logged[0].endswith("status=200 length")
     finally:
         if proc.poll() is None:
             proc.kill()
