@@ -119,7 +119,8 @@ def run_live(args: argparse.Namespace, policy: str, out: Path) -> dict[str, Any]
         stop_fleet(proc)
     steps = sum(s["steps"] for s in stats)
     late = sum(s["late_steps"] for s in stats)
-    added = {q: m.get(f'kvroute_added_latency_seconds{{quantile="{q}"}}') for q in ("0.5", "0.99")}
+    recent = "kvroute:router_added_latency_recent_seconds"
+    added = {q: m.get(f'{recent}{{quantile="{q}"}}') for q in ("0.5", "0.99")}
     return {
         "front_door_cpu_s": cpu,
         "front_door_cpu_share": cpu / wall,
@@ -129,7 +130,7 @@ def run_live(args: argparse.Namespace, policy: str, out: Path) -> dict[str, Any]
         "late_steps": late,
         "late_s": sum(s["late_s"] for s in stats),
         "added_latency_s": added,
-        "errors": {k: v for k, v in m.items() if k.startswith("kvroute_errors_total")},
+        "errors": {k: v for k, v in m.items() if k.startswith("kvroute:errors_total")},
     }
 
 

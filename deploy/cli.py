@@ -28,6 +28,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _simulate(args)
     if args.command == "bench":
         return _bench(args)
+    if args.command == "key":
+        return _key(args)
     return _hash(args)
 
 
@@ -59,6 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
     hash_cmd.add_argument("--block-size", type=int, default=16)
     hash_cmd.add_argument("--cache-salt", default=None)
     hash_cmd.add_argument("--form", choices=("bytes", "int"), default="bytes")
+
+    key = sub.add_parser(
+        "key",
+        help="make a new API key and print it with the hash a tenants file stores",
+        description="Prints a new random API key (give it to the tenant) and its "
+        "'sha256:...' hash (put that in the tenants file's keys). With --hash, reads an "
+        "existing key from standard input and prints only its hash.",
+    )
+    key.add_argument("--hash", action="store_true", help="hash a key read from stdin")
 
     from .router import add_arguments as add_router_arguments
 
@@ -314,6 +325,23 @@ def _serve(args: argparse.Namespace) -> int:
     from .serve import run
 
     return run(args)
+
+
+def _key(args: argparse.Namespace) -> int:
+    import secrets
+
+    from kvroute.router.tenants import hash_key
+
+    if args.hash:
+        key = sys.stdin.readline().strip()
+        if not key:
+            print("kvroute key: no key on standard input", file=sys.stderr)
+            return 2
+        print(hash_key(key))
+        return 0
+    key = "kvr-" + secrets.token_urlsafe(32)
+    print(f"key:  {key}\nhash: {hash_key(key)}")
+    return 0
 
 
 def _hash(args: argparse.Namespace) -> int:

@@ -14,9 +14,13 @@ port with ``SO_REUSEPORT``: the kernel spreads connections over them.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import socket
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvroute.router.tenants import TenantsFile
 
 RAY_NAMESPACE = "kvroute"
 REPLICA_ACTOR_PREFIX = "replica-"  # actor name = prefix + replica id
@@ -26,7 +30,24 @@ def add_front_door_arguments(p: argparse.ArgumentParser) -> None:
     """What every front door takes, whether ``serve`` or ``router`` starts it."""
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-keys", default=None, help="file: JSON {key: tenant} or key:tenant")
+    auth = p.add_mutually_exclusive_group()
+    auth.add_argument(
+        "--tenants",
+        default=None,
+        metavar="FILE",
+        help="tenants file (TOML): ids, hashed API keys, limits, admin keys; see "
+        "deploy/tenants.example.toml",
+    )
+    auth.add_argument(
+        "--api-keys",
+        default=None,
+        help="development: a flat key file, JSON {key: tenant} or lines key:tenant",
+    )
+    p.add_argument(
+        "--allow-anonymous",
+        action="store_true",
+        help="serve without API keys on a non-loopback --host (refused otherwise)",
+    )
     p.add_argument("--fleet-secret", default=None, help="default: $KVROUTE_FLEET_SECRET")
     p.add_argument("--policy", default="kv")
     p.add_argument("--served-model-name", default=None)
@@ -41,7 +62,8 @@ def add_front_door_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="requests one tenant may hold at once; more get 429 (default: half of "
-        "--max-in-flight when the API keys name two tenants or more, else no own cap)",
+        "--max-in-flight when two tenants or more are configured, else no own cap); a "
+        "tenant's max_concurrent in the tenants file replaces it",
     )
     p.add_argument(
         "--max-body-bytes",
@@ -78,18 +100,46 @@ def say(msg: str) -> None:
     print(f"kvroute router: {msg}", file=sys.stderr, flush=True)
 
 
-def front_door_keys(args: argparse.Namespace) -> dict[str, str] | None:
-    """The API keys (None: no keys file) once the front-door arguments check out; a
-    ValueError says what is wrong, in one line, before anything starts."""
+def front_door_tenants(args: argparse.Namespace) -> TenantsFile | None:
+    """The tenants (None: anonymous) once the front-door arguments check out; a ValueError
+    says what is wrong, in one line, before anything starts."""
     from kvroute.router.policy import POLICIES
-    from kvroute.router.tenants import load_api_keys
+    from kvroute.router.tenants import load_api_keys, load_tenants, tenants_from_api_keys
 
     if args.policy not in POLICIES:
         raise ValueError(f"unknown policy {args.policy!r}; choose from {', '.join(POLICIES)}")
     try:
-        return load_api_keys(args.api_keys) if args.api_keys else None
+        if args.tenants:
+            return load_tenants(args.tenants)
+        if args.api_keys:
+            return tenants_from_api_keys(load_api_keys(args.api_keys))
     except (OSError, ValueError) as exc:
-        raise ValueError(f"--api-keys: {exc}") from None
+        flag = "--tenants" if args.tenants else "--api-keys"
+        raise ValueError(f"{flag}: {exc}") from None
+    if not is_loopback(args.host) and not args.allow_anonymous:
+        raise ValueError(
+            f"refusing to serve anonymously on {args.host}: give --tenants FILE, or "
+            "--allow-anonymous to let anyone who can reach this address use the fleet"
+        )
+    return None
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def describe_tenants(spec: TenantsFile | None) -> str:
+    if spec is None:
+        return "anonymous: one tenant 'default', no API key needed"
+    limited = sum(t.limits != t.limits.__class__() for t in spec.tenants)
+    return (
+        f"{len(spec.tenants)} tenant(s), {limited} with limits, {len(spec.admin_keys)} admin key(s)"
+    )
 
 
 def discover(timeout_s: float = 120.0) -> list[tuple[Any, Any]]:
@@ -103,7 +153,7 @@ def discover(timeout_s: float = 120.0) -> list[tuple[Any, Any]]:
 
 
 def build_app(
-    args: argparse.Namespace, replicas: list[tuple[Any, Any]], keys: dict[str, str] | None
+    args: argparse.Namespace, replicas: list[tuple[Any, Any]], spec: TenantsFile | None
 ) -> Any:
     """The front door over ``replicas`` and its FastAPI app."""
     from pathlib import Path
@@ -121,7 +171,7 @@ def build_app(
         tokenizer = AutoTokenizer.from_pretrained(resolve_model(replicas[0][1].model))
     max_in_flight = args.max_in_flight or 128 * len(replicas)
     per_tenant = args.max_in_flight_per_tenant
-    if per_tenant is None and len(set((keys or {}).values())) > 1:
+    if per_tenant is None and spec is not None and len(spec.tenants) > 1:
         per_tenant = max(1, max_in_flight // 2)  # a flooding tenant leaves the others half
     if args.log_requests:
         import logging
@@ -139,7 +189,7 @@ def build_app(
         max_in_flight=max_in_flight,
         max_in_flight_per_tenant=per_tenant,
     )
-    tenants = Tenants(keys, resolve_fleet_secret(args.fleet_secret))
+    tenants = Tenants(spec, resolve_fleet_secret(args.fleet_secret))
     return create_app(
         door,
         tenants,
@@ -172,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
     from kvroute.router.frontdoor import FleetMismatchError
 
     try:
-        keys = front_door_keys(args)
+        spec = front_door_tenants(args)
     except ValueError as exc:
         say(str(exc))
         return 2
@@ -183,13 +233,13 @@ def run(args: argparse.Namespace) -> int:
             say(f"no replicas named {REPLICA_ACTOR_PREFIX}* in namespace {args.namespace!r}")
             return 2
         try:
-            app = build_app(args, replicas, keys)
+            app = build_app(args, replicas, spec)
         except FleetMismatchError as exc:
             say(str(exc))
             return 2
         say(
             f"ready on http://{args.host}:{args.port}/v1 ({len(replicas)} replicas, "
-            f"policy {args.policy})"
+            f"policy {args.policy}; {describe_tenants(spec)})"
         )
         serve_app(app, args.host, args.port, args.reuse_port)
         return 0

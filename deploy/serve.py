@@ -12,21 +12,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .router import (
     RAY_NAMESPACE,
     REPLICA_ACTOR_PREFIX,
     add_front_door_arguments,
     build_app,
-    front_door_keys,
+    describe_tenants,
+    front_door_tenants,
     serve_app,
 )
+
+if TYPE_CHECKING:
+    from kvroute.router.tenants import TenantsFile
 
 
 def add_arguments(serve: argparse.ArgumentParser) -> None:
@@ -62,6 +67,14 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
         help="Ray custom resources each replica needs, e.g. '{\"kvroute_replica\": 1}' to "
         "place one replica per node that offers one",
     )
+    serve.add_argument(
+        "--runtime-env",
+        default=None,
+        metavar="JSON",
+        help='Ray runtime_env for the replicas, e.g. \'{"env_vars": {"HF_HOME": '
+        "\"/models/hf\"}}' or pip/working_dir fields; default: none (the nodes' own image, "
+        "which must hold the same kvroute and the model files: see README)",
+    )
     serve.add_argument("--num-blocks", type=int, default=None, help="KV blocks per replica")
     serve.add_argument("--block-size", type=int, default=16)
     serve.add_argument(
@@ -80,7 +93,7 @@ def _say(msg: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        keys = front_door_keys(args)
+        spec = front_door_tenants(args)
     except ValueError as exc:
         _say(str(exc))
         return 2
@@ -109,12 +122,19 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         _say(f"--resources-per-replica: {exc}")
         return 2
+    try:
+        args.runtime_env = json.loads(args.runtime_env) if args.runtime_env else None
+        if args.runtime_env is not None and not isinstance(args.runtime_env, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as exc:
+        _say(f"--runtime-env: {exc}")
+        return 2
 
     import ray
 
     routers: list[subprocess.Popen[bytes]] = []
     try:
-        return _run(args, keys, routers)
+        return _run(args, spec, routers)
     except KeyboardInterrupt:
         _say("interrupted")
         return 130
@@ -147,7 +167,20 @@ def _start_ray(args: argparse.Namespace) -> tuple[int, float, str]:
         return n, num_gpus, "0.0.0.0"
     n = args.replicas or 2
     cpus = max(os.cpu_count() or 1, int(n * args.num_cpus_per_replica + 0.999))
-    _say(f"starting a local Ray ({cpus} CPUs)")
+    # Ray (2.5x) turns token authentication on for a new local cluster and warns about it,
+    # in words that read like a problem. It is the secure default: say so once ourselves.
+    auth = os.environ.get("RAY_AUTH_MODE", "token")
+    logging.getLogger("ray._private.authentication.authentication_token_setup").addFilter(
+        lambda record: "Token authentication is enabled" not in record.getMessage()
+    )
+    _say(
+        f"starting a local Ray ({cpus} CPUs; Ray token authentication: {auth}"
+        + (
+            ", token in ~/.ray/auth_token; RAY_AUTH_MODE=disabled opts out)"
+            if auth == "token"
+            else ")"
+        )
+    )
     ray.init(
         num_cpus=cpus, namespace=RAY_NAMESPACE, include_dashboard=False, logging_level="warning"
     )
@@ -185,6 +218,8 @@ def _start_replicas(args: argparse.Namespace, n: int, num_gpus: float, events_ho
         extra: dict[str, Any] = {"lifetime": "detached"} if detached else {}
         if args.resources_per_replica:
             extra["resources"] = args.resources_per_replica
+        if args.runtime_env:
+            extra["runtime_env"] = args.runtime_env
         actors.append(
             start_replica(
                 f"r{i}",
@@ -224,7 +259,10 @@ def _start_routers(args: argparse.Namespace, routers: list[subprocess.Popen[byte
     ]  # fmt: skip
     if args.log_requests:
         same.append("--log-requests")
+    if args.allow_anonymous:
+        same.append("--allow-anonymous")
     for flag, value in (
+        ("--tenants", args.tenants),
         ("--api-keys", args.api_keys),
         ("--fleet-secret", args.fleet_secret),
         ("--served-model-name", args.served_model_name),
@@ -256,14 +294,14 @@ def _relay(stream: Any) -> None:
 
 
 def _run(
-    args: argparse.Namespace, keys: dict[str, str] | None, routers: list[subprocess.Popen[bytes]]
+    args: argparse.Namespace, spec: TenantsFile | None, routers: list[subprocess.Popen[bytes]]
 ) -> int:
     from kvroute.router.frontdoor import FleetMismatchError
 
     n, num_gpus, events_host = _start_ray(args)
     replicas = _start_replicas(args, n, num_gpus, events_host)
     try:
-        app = build_app(args, replicas, keys)
+        app = build_app(args, replicas, spec)
     except FleetMismatchError as exc:
         _say(str(exc))
         return 2
@@ -271,7 +309,7 @@ def _run(
         _say(f"starting {args.routers - 1} more front door(s)")
         _start_routers(args, routers)
     name = args.served_model_name or replicas[0][1].model
-    auth = f"{len(keys)} API key(s)" if keys else "no API keys (every request is tenant default)"
+    auth = describe_tenants(spec)
     doors = f", {args.routers} front doors" if args.routers > 1 else ""
     _say(
         f"ready: model {name!r} on http://{args.host}:{args.port}/v1 "

@@ -86,6 +86,7 @@ class ReplicaServer:
         events_host: str = "127.0.0.1",
         torch_threads: int | None = None,
     ) -> None:
+        quiet_progress_bars()
         from kvroute.events import ZmqEventPublisher
 
         from .async_engine import AsyncLLMEngine
@@ -267,6 +268,19 @@ class ReplicaServer:
 
 
 ReplicaActor = ray.remote(ReplicaServer)
+
+
+def quiet_progress_bars() -> None:
+    """No tqdm bars from a replica: Ray relays every replica's output to the driver's
+    console, where several bars redrawn at once interleave into noise. A replica's loading
+    progress is reported by ``kvroute serve`` itself (replicas ready, after how long)."""
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    os.environ["TQDM_DISABLE"] = "1"  # tqdm >= 4.66 reads it for every bar it makes
+    # Modules imported before the variables were set read them too late: tell them again.
+    if "huggingface_hub" in sys.modules:
+        sys.modules["huggingface_hub"].utils.disable_progress_bars()
+    if "transformers" in sys.modules:
+        sys.modules["transformers"].utils.logging.disable_progress_bar()
 
 
 def start_replica(

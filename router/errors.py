@@ -91,9 +91,16 @@ class RequestIdMiddleware:
     """Gives every HTTP request an id (``request.state.request_id``), returns it in the
     ``x-request-id`` header, and answers an unhandled exception with a 500 naming it."""
 
-    def __init__(self, app: ASGIApp, on_internal_error: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        on_internal_error: Callable[[], Any] | None = None,
+        on_response: Callable[[Scope, int], Any] | None = None,
+    ) -> None:
+        """``on_response(scope, status)``: once per response, when its status is sent."""
         self.app = app
         self.on_internal_error = on_internal_error
+        self.on_response = on_response
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -108,6 +115,8 @@ class RequestIdMiddleware:
             if message["type"] == "http.response.start":
                 started = True
                 MutableHeaders(scope=message).append(REQUEST_ID_HEADER, rid)
+                if self.on_response is not None:
+                    self.on_response(scope, message["status"])
             await send(message)
 
         try:

@@ -28,8 +28,8 @@ Why the shape:
   the tokens already streamed go to another replica (``GenerateRequest.resume``), which
   continues exactly (greedy and seeded alike), so the client sees one stream.
 - Admission: the router's budget (``max_in_flight``), then the tenant's own share of it
-  (:class:`~.tenants.TenantShares`); a 429 past either, so one tenant's burst is refused
-  while others are still admitted.
+  and its rates (:mod:`.limits`); a 429 with ``Retry-After`` past any, so one tenant's
+  burst is refused while others are still admitted.
 - Replicas restart with new ports (Ray ``max_restarts``): a monitor polls ``info()`` and,
   on a new incarnation, drops what the index knew and follows the new event endpoints.
 """
@@ -62,25 +62,23 @@ from kvroute.events.replica_api import (
 )
 
 from .index import PrefixIndex
+from .limits import OverloadedError, RateLimits, TenantShares
 from .load import LoadTracker
+from .metrics import FleetCollector, Metrics
 from .policy import NoReplicaError, Policy, RequestView, make_policy
 from .quarantine import Quarantine, fingerprint, not_caused_by
-from .tenants import Tenant, TenantShares
+from .tenants import Tenant
 
 log = logging.getLogger(__name__)
 
-RETIRED_EVENT_FIELDS = ("delivered", "gaps", "restarts", "resets")  # summed into /metrics
+# Summed into /metrics across a replica's subscriptions.
+RETIRED_EVENT_FIELDS = ("delivered", "gaps", "malformed", "restarts", "resets")
 ADDED_LATENCY_WINDOW = 4096  # the latest requests whose added latency /metrics summarizes
 
 # What a call to a dead, restarting or unreachable actor raises: retry elsewhere.
 REPLICA_FAILURES: tuple[type[BaseException], ...] = (ReplicaDeadError, ray.exceptions.RayActorError)
 if hasattr(ray.exceptions, "ActorUnavailableError"):
     REPLICA_FAILURES += (ray.exceptions.ActorUnavailableError,)
-
-
-class OverloadedError(RuntimeError):
-    """The router already has ``max_in_flight`` requests in flight, or the tenant its
-    ``max_in_flight_per_tenant`` (HTTP 429)."""
 
 
 class FleetMismatchError(ValueError):
@@ -118,6 +116,20 @@ class Stream:
         self.num_output_tokens = 0  # as the replica counts them (cumulative)
         self._rest = rest
         self._done = False
+        self._itl: Any = None  # this stream's inter-token histogram, once labelled
+        self._last_at = time.perf_counter()  # of the latest delta with tokens (first: now)
+
+    def _timed(self, delta: GenerateDelta) -> None:
+        """Inter-token latency: the gap since the previous delta, per token of this one."""
+        n = len(delta.delta_token_ids)
+        if not n:
+            return
+        now = time.perf_counter()
+        if self._itl is None:
+            m = self.door.metrics
+            self._itl = m.itl.labels(m.tenant(self.tenant), self.replica)
+        self._itl.observe((now - self._last_at) / n)
+        self._last_at = now
 
     @property
     def first(self) -> GenerateDelta | None:
@@ -134,6 +146,7 @@ class Stream:
                     return
             async for delta in self._rest:
                 self.num_output_tokens = delta.num_output_tokens
+                self._timed(delta)
                 yield delta
                 if delta.finished:
                     return
@@ -156,6 +169,7 @@ class Stream:
         self.door.policy.on_finished(self.request_id, time.monotonic(), self.num_output_tokens)
         if self.tenant is not None:
             self.door.shares.release(self.tenant)
+            self.door.rates.charge(self.tenant, self.num_output_tokens)
 
 
 class FrontDoor:
@@ -194,12 +208,16 @@ class FrontDoor:
         self.counters: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
         self.added_latency: deque[float] = deque(maxlen=ADDED_LATENCY_WINDOW)
+        self.metrics = Metrics()
+        self.fleet_collector = FleetCollector(self)
+        self.metrics.registry.register(self.fleet_collector)
         # Event-stream counters of subscriptions already closed (replica restarts, losses).
         self.retired_event_stats: dict[str, Counter[str]] = {}
         self.monitor_interval_s = monitor_interval_s
         self.load_interval_s = load_interval_s
         self.max_in_flight = max_in_flight
         self.shares = TenantShares(max_in_flight_per_tenant)
+        self.rates = RateLimits()
         self.cordoned: set[str] = set()
         # Requests that were computing when a replica failed (see the module docstring).
         self.suspects = Quarantine(self.errors)
@@ -370,7 +388,7 @@ class FrontDoor:
         :class:`NoReplicaError` (none alive), or the replica's failure when the retry failed
         too."""
         tid = tenant.tenant_id
-        self.admit(tid)
+        self.admit(tenant, len(prompt_token_ids))
         try:
             stream = await self._open(tenant, prompt_token_ids, sampling, request_salt, request_id)
         except BaseException:
@@ -379,17 +397,26 @@ class FrontDoor:
         stream.tenant = tid  # its share is released when the stream closes
         return stream
 
-    def admit(self, tenant_id: str) -> None:
-        """Counts one more request of the tenant in flight (released when it ends), or
-        raises :class:`OverloadedError` when the router's or the tenant's budget is full."""
+    def admit(self, tenant: Tenant, prompt_tokens: int = 0) -> None:
+        """Counts one more request of the tenant in flight (released when it ends) and
+        charges its rates, or raises :class:`OverloadedError` (nothing counted) when the
+        router's budget or one of the tenant's limits is full."""
+        tid = tenant.tenant_id
         if self.max_in_flight is not None and self.load.in_flight() >= self.max_in_flight:
             self.errors["overloaded"] += 1
             raise OverloadedError(f"{self.max_in_flight} requests in flight; retry shortly")
-        if not self.shares.admit(tenant_id):
+        if not self.shares.admit(tid, tenant.limits):
             self.errors["tenant_overloaded"] += 1
+            cap = self.shares.cap_for(tenant.limits)
             raise OverloadedError(
-                f"this tenant already has {self.shares.cap} requests in flight; retry shortly"
+                f"this tenant already has {cap} requests in flight; retry shortly"
             )
+        try:
+            self.rates.admit(tid, tenant.limits, prompt_tokens)
+        except OverloadedError:
+            self.shares.release(tid)
+            self.errors["tenant_rate_limited"] += 1
+            raise
 
     async def _open(
         self,
@@ -418,7 +445,9 @@ class FrontDoor:
             if not candidates:
                 self.errors["no_replica"] += 1
                 raise NoReplicaError("no replica is available")
-            rid = self.policy.route(view, candidates, time.monotonic()).replica
+            decision = self.policy.route(view, candidates, time.monotonic())
+            rid = decision.replica
+            self.metrics.routing.labels(rid, decision.reason).inc()
             tried.add(rid)
             rep = self.replicas[rid]
             req = GenerateRequest(
@@ -503,7 +532,9 @@ class FrontDoor:
                     if not candidates or not outputs:
                         raise
                     self.policy.on_finished(view.request_id, now)
-                    current = self.policy.route(view, candidates, now).replica
+                    decision = self.policy.route(view, candidates, now)
+                    current = decision.replica
+                    self.metrics.routing.labels(current, decision.reason).inc()
                     target = self.replicas[current]
                     failures_at_send = target.failures
                     resumed = msgspec.structs.replace(
@@ -533,15 +564,8 @@ class FrontDoor:
         difference (what routing, Ray and HTTP added) goes to /metrics."""
         added = router_ttft_s - replica_ttft_s
         self.added_latency.append(added)
-        self.counters["timed_streams"] += 1
-        self.counters["added_latency_s"] += added
+        self.metrics.added.observe(max(added, 0.0))
         return {
             "replica_ttft_s": round(replica_ttft_s, 6),
             "router_ttft_s": round(router_ttft_s, 6),
         }
-
-    def record(self, prompt: int, completion: int, cached: int) -> None:
-        """Token counters for /metrics, once per finished request."""
-        self.counters["prompt_tokens"] += prompt
-        self.counters["completion_tokens"] += completion
-        self.counters["cached_tokens"] += cached

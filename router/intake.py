@@ -27,7 +27,8 @@ from kvroute.events.replica_api import (
 )
 
 from .errors import APIError, one_line, read_body, request_id, validation_error
-from .frontdoor import REPLICA_FAILURES, FrontDoor, OverloadedError, Stream
+from .frontdoor import REPLICA_FAILURES, FrontDoor, Stream
+from .limits import OverloadedError
 from .openai_api import ChatCompletionRequest, CompletionRequest
 from .policy import NoReplicaError
 from .quarantine import QueryOfDeathError
@@ -235,7 +236,7 @@ class Intake:
         except OverloadedError as exc:
             raise APIError(
                 429, str(exc), "rate_limit_exceeded", code="rate_limit_exceeded",
-                headers={"retry-after": "1"},
+                headers={"retry-after": exc.retry_after},
             ) from None  # fmt: skip
         except NoReplicaError as exc:
             raise APIError(

@@ -1,84 +1,240 @@
-"""Prometheus text for ``/metrics``, written by hand: a few series need no client library."""
+"""``/metrics``: Prometheus series of one front door, with ``prometheus-client``.
+
+Why the names: they follow vLLM's (``vllm:time_to_first_token_seconds``,
+``vllm:prefix_cache_hits_total``, ``vllm:num_requests_waiting``, ...) under a ``kvroute:``
+prefix, so a dashboard built for vLLM adapts by changing the prefix. The colon is legal in
+Prometheus names and is what vLLM uses.
+
+Two kinds of series:
+- per request, recorded as requests happen (:class:`Metrics`): latency histograms, token
+  and status counters, routing decisions -- labelled by tenant and replica;
+- fleet state, read from the front door at scrape time (:class:`FleetCollector`): replica
+  health, KV blocks, queue lengths, the index, event-stream health, error counts.
+
+Label cardinality is bounded: replicas are the fleet's (dozens); tenants are the tenants
+file's, and past ``MAX_TENANT_LABELS`` distinct ids the rest share the label ``other``.
+Every series lives in the front door's own registry (several front doors may share a test
+process; none touches the global one).
+"""
 
 from __future__ import annotations
 
-from kvroute.events import ReplicaStats
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
-from .frontdoor import FrontDoor
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from kvroute.events import ReplicaStats
+
+    from .frontdoor import FrontDoor
+
+PREFIX = "kvroute:"
+MAX_TENANT_LABELS = 100
+OTHER_TENANT = "other"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# vLLM's buckets for the same histograms (vllm/v1/metrics/loggers.py), cut at 160 s.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+               5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0)  # fmt: skip
+ADDED_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
-def render_metrics(door: FrontDoor, events: dict[str, ReplicaStats] | None = None) -> str:
-    """Prometheus text exposition, by hand (no client library needed for a few series)."""
-    c, lines = door.counters, []
+class Metrics:
+    """The per-request series of one front door, in its own registry."""
 
-    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-        lines.extend([f"# HELP kvroute_{name} {help_}", f"# TYPE kvroute_{name} {kind}"])
-        lines.extend(f"kvroute_{name}{labels} {value:g}" for labels, value in samples)
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)  # collect() runs at scrapes only
+        self._tenants: set[str] = set()
 
-    metric("requests_total", "counter", "Requests routed.", [("", c["requests"])])
-    metric("retries_total", "counter", "Requests retried on another replica.",
-           [("", c["retries"])])  # fmt: skip
-    metric("failovers_total", "counter", "Streams continued on another replica mid-stream.",
-           [("", c["failovers"])])  # fmt: skip
-    metric("quarantined_requests", "gauge", "Request fingerprints refused as possible "
-           "queries of death.", [("", float(door.suspects.refused()))])  # fmt: skip
-    metric("prompt_tokens_total", "counter", "Prompt tokens served.", [("", c["prompt_tokens"])])
-    metric("completion_tokens_total", "counter", "Tokens generated.",
-           [("", c["completion_tokens"])])  # fmt: skip
-    metric("cached_tokens_total", "counter", "Prompt tokens served from a prefix cache.",
-           [("", c["cached_tokens"])])  # fmt: skip
-    metric("errors_total", "counter", "Errors by kind.",
-           [(f'{{kind="{k}"}}', v) for k, v in sorted(door.errors.items())])  # fmt: skip
-    added = sorted(door.added_latency)
-    if added:
-        q = [(f'{{quantile="{p}"}}', added[min(len(added) - 1, int(p * len(added)))])
-             for p in (0.5, 0.9, 0.99)]  # fmt: skip
-        metric("added_latency_seconds", "summary", "Front-door TTFT minus the replica's own "
-               f"TTFT, over the latest {len(added)} streamed requests.",
-               [*q, ("_sum", c["added_latency_s"]), ("_count", c["timed_streams"])])  # fmt: skip
-    reps = sorted(door.replicas.items())
-    metric("replica_up", "gauge", "1 while the replica is routable.",
-           [(f'{{replica="{r}"}}', float(x.alive)) for r, x in reps])  # fmt: skip
-    metric("replica_routed_total", "counter", "Requests served per replica.",
-           [(f'{{replica="{r}"}}', x.routed) for r, x in reps])  # fmt: skip
-    metric("index_blocks", "gauge", "Blocks the prefix index holds per replica.",
-           [(f'{{replica="{r}"}}', door.index.num_blocks(r)) for r, _ in reps])  # fmt: skip
-    metric("requests_in_flight", "gauge", "Requests this front door has admitted and not "
-           "finished.", [("", float(door.load.in_flight()))])  # fmt: skip
-    metric("replica_requests_in_flight", "gauge", "This front door's requests in flight per "
-           "replica.", [(f'{{replica="{r}"}}', float(door.load.in_flight_at(r)))
-                        for r, _ in reps])  # fmt: skip
-    reports = [(r, door.load.last_report(r)) for r, _ in reps]
-    metric("replica_kv_blocks_total", "gauge", "KV cache blocks per replica.",
-           [(f'{{replica="{r}"}}', float(x.info.num_blocks)) for r, x in reps])  # fmt: skip
-    metric("replica_kv_blocks_free", "gauge", "Free KV blocks per replica, as its latest load "
-           "report said.", [(f'{{replica="{r}"}}', float(rep.free_blocks))
-                            for r, rep in reports if rep is not None])  # fmt: skip
-    metric("replica_requests_waiting", "gauge", "Requests queued on the replica (all front "
-           "doors'), as its latest load report said.",
-           [(f'{{replica="{r}"}}', float(rep.num_waiting))
-            for r, rep in reports if rep is not None])  # fmt: skip
-    metric("replica_requests_running", "gauge", "Requests running on the replica (all front "
-           "doors'), as its latest load report said.",
-           [(f'{{replica="{r}"}}', float(rep.num_running))
-            for r, rep in reports if rep is not None])  # fmt: skip
-    live = events or {}
-    retired = door.retired_event_stats
-    names = sorted(set(live) | set(retired))
+        def hist(name: str, doc: str, labels: list[str], buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
 
-    def total(rid: str, field: str) -> float:
-        st = live.get(rid)
-        extra = (
-            0 if field != "restarts" or rid not in door.replicas else door.replicas[rid].restarts
+        def counter(name: str, doc: str, labels: list[str]) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=self.registry)
+
+        by = ["tenant", "replica"]
+        self.ttft = hist("time_to_first_token_seconds",
+                         "Time to first token, as the client sees it (from the request's "
+                         "arrival at the front door).", by, TTFT_BUCKETS)  # fmt: skip
+        self.itl = hist("inter_token_latency_seconds",
+                        "Time between a request's successive output deltas, per token.",
+                        by, ITL_BUCKETS)  # fmt: skip
+        self.e2e = hist(
+            "e2e_request_latency_seconds",
+            "From the request's arrival to its last token.",
+            by,
+            E2E_BUCKETS,
         )
-        return (getattr(st, field) if st else 0) + retired.get(rid, {}).get(field, 0) + extra
+        self.added = hist("router_added_latency_seconds",
+                          "Client TTFT minus the replica's own TTFT: what routing, Ray and "
+                          "HTTP add (streamed requests).", [], ADDED_BUCKETS)  # fmt: skip
+        self.http = counter("http_requests",
+                            "API requests answered, by tenant and HTTP status code (a "
+                            "stream counts by the status it started with).",
+                            ["tenant", "code"])  # fmt: skip
+        self.success = counter("request_success",
+                               "Requests that ran to their end, by finish reason.",
+                               ["tenant", "finished_reason"])  # fmt: skip
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.",
+                                     ["tenant"])  # fmt: skip
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.", ["tenant"])
+        self.cache_queries = counter("prefix_cache_queries",
+                                     "Prompt tokens looked up in a replica's prefix cache.",
+                                     ["tenant"])  # fmt: skip
+        self.cache_hits = counter("prefix_cache_hits",
+                                  "Prompt tokens served from a replica's prefix cache.",
+                                  ["tenant"])  # fmt: skip
+        self.routing = counter("routing_decisions",
+                               "Routing decisions by replica and reason: cache_hit (the "
+                               "replica holds the longest cached prefix), load (another "
+                               "held more, but this one was cheaper), spread (none held "
+                               "any: load alone decided).", ["replica", "reason"])  # fmt: skip
 
-    for field, help_ in (
-        ("delivered", "Event batches applied to the index."),
-        ("gaps", "Event seq gaps detected (recovered by replay or snapshot)."),
-        ("restarts", "Replica restarts: seen on the event stream, or a new process followed."),
-        ("resets", "Times a replica's indexed state was dropped and rebuilt."),
-    ):
-        metric(f"events_{field}_total", "counter", help_,
-               [(f'{{replica="{r}"}}', total(r, field)) for r in names])  # fmt: skip
-    return "\n".join(lines) + "\n"
+    def tenant(self, tenant_id: str | None) -> str:
+        """The tenant's label: its id while fewer than MAX_TENANT_LABELS are in use."""
+        tid = tenant_id or "none"
+        if tid in self._tenants:
+            return tid
+        if len(self._tenants) < MAX_TENANT_LABELS:
+            self._tenants.add(tid)
+            return tid
+        return OTHER_TENANT
+
+    def finished(
+        self,
+        tenant_id: str | None,
+        replica: str,
+        ttft_s: float | None,
+        e2e_s: float | None,
+        last: Any,
+    ) -> None:
+        """A request that ran to its end (``last``: its final delta)."""
+        t = self.tenant(tenant_id)
+        if ttft_s is not None:
+            self.ttft.labels(t, replica).observe(ttft_s)
+        if e2e_s is not None:
+            self.e2e.labels(t, replica).observe(e2e_s)
+        if last is None:
+            return
+        self.success.labels(t, last.finish_reason or "unknown").inc()
+        self.prompt_tokens.labels(t).inc(last.num_prompt_tokens)
+        self.generation_tokens.labels(t).inc(last.num_output_tokens)
+        self.cache_queries.labels(t).inc(last.num_prompt_tokens)
+        self.cache_hits.labels(t).inc(last.num_cached_tokens)
+
+
+class FleetCollector(Collector):
+    """Series read from the front door when scraped: nothing to keep in step."""
+
+    def __init__(self, door: FrontDoor) -> None:
+        self.door = door
+        self.events: dict[str, ReplicaStats] = {}  # set before each scrape (another thread's)
+
+    def collect(self) -> Iterator[Metric]:
+        door, c = self.door, self.door.counters
+        reps = sorted(door.replicas.items())
+
+        def gauge(name: str, doc: str, samples: list[tuple[str, float]]) -> Metric:
+            g = GaugeMetricFamily(PREFIX + name, doc, labels=["replica"])
+            for rid, value in samples:
+                g.add_metric([rid], value)
+            return g
+
+        def count(name: str, doc: str, value: float) -> Metric:
+            return CounterMetricFamily(PREFIX + name, doc, value=value)
+
+        yield count("requests_routed", "Requests routed (retries not counted again).",
+                    c["requests"])  # fmt: skip
+        yield count("retries", "Requests retried on another replica before their first token.",
+                    c["retries"])  # fmt: skip
+        yield count("failovers", "Streams continued on another replica mid-stream.",
+                    c["failovers"])  # fmt: skip
+        errors = CounterMetricFamily(PREFIX + "errors", "Errors by kind.", labels=["kind"])
+        for kind, n in sorted(door.errors.items()):
+            errors.add_metric([kind], n)
+        yield errors
+        yield GaugeMetricFamily(PREFIX + "quarantined_requests",
+                                "Request fingerprints refused as possible queries of death.",
+                                value=door.suspects.refused())  # fmt: skip
+        yield GaugeMetricFamily(PREFIX + "num_requests_in_flight",
+                                "Requests this front door has admitted and not finished.",
+                                value=door.load.in_flight())  # fmt: skip
+        added = sorted(door.added_latency)
+        recent = GaugeMetricFamily(PREFIX + "router_added_latency_recent_seconds",
+                                   f"Quantiles of the added latency over the latest "
+                                   f"{len(added)} streamed requests.",
+                                   labels=["quantile"])  # fmt: skip
+        for p in (0.5, 0.9, 0.99):
+            if added:
+                recent.add_metric([str(p)], added[min(len(added) - 1, int(p * len(added)))])
+        yield recent
+        yield gauge("replica_up", "1 while the replica is routable.",
+                    [(r, float(x.alive)) for r, x in reps])  # fmt: skip
+        routed = CounterMetricFamily(PREFIX + "replica_routed", "Requests sent per replica "
+                                     "(kept across its restarts).", labels=["replica"])  # fmt: skip
+        for r, x in reps:
+            routed.add_metric([r], x.routed)
+        yield routed
+        yield gauge("index_blocks", "Blocks the prefix index holds per replica.",
+                    [(r, float(door.index.num_blocks(r))) for r, _ in reps])  # fmt: skip
+        yield gauge("replica_num_requests_in_flight", "This front door's requests in flight "
+                    "per replica.",
+                    [(r, float(door.load.in_flight_at(r))) for r, _ in reps])  # fmt: skip
+        reports = [(r, rep) for r, _ in reps if (rep := door.load.last_report(r)) is not None]
+        yield gauge("kv_cache_blocks_total", "KV cache blocks per replica.",
+                    [(r, float(x.info.num_blocks)) for r, x in reps])  # fmt: skip
+        yield gauge("kv_cache_blocks_free", "Free KV blocks per replica (cached blocks no "
+                    "request holds count as free), as its latest load report said.",
+                    [(r, float(rep.free_blocks)) for r, rep in reports])  # fmt: skip
+        yield gauge("kv_cache_usage_perc", "Fraction of the replica's KV blocks in use by "
+                    "requests (0-1), as its latest load report said.",
+                    [(r, 1.0 - rep.free_blocks / max(rep.total_blocks, 1))
+                     for r, rep in reports])  # fmt: skip
+        yield gauge("num_requests_waiting", "Requests queued on the replica (every front "
+                    "door's), as its latest load report said.",
+                    [(r, float(rep.num_waiting)) for r, rep in reports])  # fmt: skip
+        yield gauge("num_requests_running", "Requests running on the replica (every front "
+                    "door's), as its latest load report said.",
+                    [(r, float(rep.num_running)) for r, rep in reports])  # fmt: skip
+        yield from self._event_streams()
+
+    def _event_streams(self) -> Iterator[Metric]:
+        door, live, retired = self.door, self.events, self.door.retired_event_stats
+        names = sorted(set(live) | set(retired))
+
+        def total(rid: str, field: str) -> float:
+            st = live.get(rid)
+            extra = 0
+            if field == "restarts" and rid in door.replicas:
+                extra = door.replicas[rid].restarts
+            return (getattr(st, field) if st else 0) + retired.get(rid, {}).get(field, 0) + extra
+
+        for field, doc in (
+            ("delivered", "Event batches applied to the index."),
+            ("gaps", "Event seq gaps detected (recovered by replay or snapshot)."),
+            ("malformed", "Event messages that could not be decoded (counted and skipped)."),
+            ("restarts", "Replica restarts: seen on the event stream, or a new process followed."),
+            ("resets", "Times a replica's indexed state was dropped and rebuilt."),
+        ):
+            fam = CounterMetricFamily(PREFIX + f"events_{field}", doc, labels=["replica"])
+            for rid in names:
+                fam.add_metric([rid], total(rid, field))
+            yield fam
+        lag = GaugeMetricFamily(PREFIX + "events_last_seq", "The newest event batch's "
+                                "sequence number per replica.", labels=["replica"])  # fmt: skip
+        for rid in sorted(live):
+            lag.add_metric([rid], float(live[rid].last_seq))
+        yield lag
+
+
+def render_metrics(door: FrontDoor, events: dict[str, ReplicaStats] | None = None) -> bytes:
+    """The exposition text (``events``: the subscriber's stats, taken off the loop)."""
+    door.fleet_collector.events = events or {}
+    return generate_latest(door.metrics.registry)

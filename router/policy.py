@@ -132,6 +132,10 @@ def price(
 class Decision:
     replica: str
     hit_tokens: int  # tokens the policy expects the replica to have cached (0: unknown)
+    # Why (for /metrics): cache_hit -- it holds the longest cached prefix; load -- another
+    # held more, or load alone decided; spread -- no cache or load figure was used, or no
+    # replica held any of the prefix.
+    reason: str = "spread"
 
 
 class Policy(ABC):
@@ -203,7 +207,7 @@ class LeastLoaded(Policy):
 
     def choose(self, req: RequestView, replicas: Sequence[str], now: float) -> Decision:
         counts = {r: float(self.load.get(r, now)[3]) for r in replicas}
-        return Decision(self._least(replicas, counts), 0)
+        return Decision(self._least(replicas, counts), 0, "load")
 
 
 class KVPolicy(Policy):
@@ -288,7 +292,9 @@ class KVPolicy(Policy):
             elif cost == best and count == fewest:
                 tied.append(r)
         r = tied[0] if len(tied) == 1 else self.rng.choice(tied)
-        return Decision(r, matched.get(r, 0) * bs)
+        held, most = matched.get(r, 0), max(matched.values(), default=0)
+        reason = "spread" if not most else "cache_hit" if held == most else "load"
+        return Decision(r, held * bs, reason)
 
     def on_routed(self, req: RequestView, decision: Decision, now: float) -> None:
         super().on_routed(req, decision, now)
@@ -352,16 +358,17 @@ class ApproxText(Policy):
         counts = {r: float(self.load.get(r, now)[3]) for r in replicas}
         hi, lo = max(counts.values()), min(counts.values())
         if hi - lo > self.balance_abs_threshold and hi > self.balance_rel_threshold * lo:
-            return Decision(self._least(replicas, counts), 0)
+            return Decision(self._least(replicas, counts), 0, "load")
         matched = self.tree.match(chunks, now)
         alive = [r for r in replicas if r in matched]
         if alive:
             best = max(matched[r] for r in alive)
             rate = best * self.hasher.block_size / max(req.num_prompt_tokens, 1)
             if rate > self.cache_threshold:
-                return Decision(self.rng.choice([r for r in alive if matched[r] == best]), 0)
+                pick = self.rng.choice([r for r in alive if matched[r] == best])
+                return Decision(pick, 0, "cache_hit")
         sizes = {r: float(self.tree.num_blocks(r)) for r in replicas}
-        return Decision(self._least(replicas, sizes), 0)
+        return Decision(self._least(replicas, sizes), 0, "spread")
 
     def on_routed(self, req: RequestView, decision: Decision, now: float) -> None:
         super().on_routed(req, decision, now)

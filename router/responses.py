@@ -39,7 +39,19 @@ log = logging.getLogger(__name__)
 request_log = logging.getLogger("kvroute.requests")
 
 
-def log_request(rid: str, stream: Stream, last: Any, ttft_s: float | None, status: str) -> None:
+def end_request(
+    door: FrontDoor,
+    rid: str,
+    stream: Stream,
+    last: Any,
+    ttft_s: float | None,
+    status: str,
+    arrival: float | None,
+) -> None:
+    """A request's end: its metrics (when it ran to its end) and its log line."""
+    if status.startswith("200") and last is not None and last.finished:
+        e2e = None if arrival is None else time.perf_counter() - arrival
+        door.metrics.finished(stream.tenant, stream.replica, ttft_s, e2e, last)
     if not request_log.isEnabledFor(logging.INFO):
         return
     request_log.info(
@@ -178,7 +190,7 @@ async def respond(
         await task
     except REPLICA_FAILURES as exc:
         log.warning("request %s: replica failed mid-request: %s", rid, one_line(str(exc)))
-        log_request(rid, stream, last, ttft_s, "503 replica_failed")
+        end_request(door, rid, stream, last, ttft_s, "503 replica_failed", arrival)
         raise APIError(503, FAILED, "service_unavailable", code="replica_failed") from None
     finally:
         if not task.done():  # cancelling it cancels the request on the replica
@@ -187,18 +199,17 @@ async def respond(
                 await task
         await stream.aclose()
     if finish == "error":
-        log_request(rid, stream, last, ttft_s, "500 request_failed")
+        end_request(door, rid, stream, last, ttft_s, "500 request_failed", arrival)
         raise request_failed(rid, last)
-    usage = _usage(door, last)
-    log_request(rid, stream, last, ttft_s, f"200 {finish}")
+    usage = _usage(last)
+    end_request(door, rid, stream, last, ttft_s, f"200 {finish}", arrival)
     shaped = logprobs(ids, entries) if logprobs is not None else None
     return JSONResponse(final("".join(parts), finish, usage, shaped), headers=headers)
 
 
-def _usage(door: FrontDoor, last: Any) -> Any:
+def _usage(last: Any) -> Any:
     if last is None:
         return None
-    door.record(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
     return make_usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
 
 
@@ -239,7 +250,7 @@ async def _sse(
                 finish = d.finish_reason if d.finished else None
                 yield _data(chunk(d.delta_text, finish, shaped))
         else:
-            usage = _usage(door, last)
+            usage = _usage(last)
             if include_usage and usage is not None:
                 payload = chunk("", None)
                 payload["choices"], payload["usage"] = [], usage.model_dump()
@@ -261,7 +272,7 @@ async def _sse(
         ttft = None if timing is None else timing["router_ttft_s"]
         if status == "200":  # no [DONE] reached the client: it went away mid-stream
             status = f"200 {last.finish_reason}" if last and last.finished else "499 client_gone"
-        log_request(rid, stream, last, ttft, status)
+        end_request(door, rid, stream, last, ttft, status, arrival)
     if timing is not None:
         yield f": kvroute-timing {dumps(timing)}\n\n"
     yield "data: [DONE]\n\n"

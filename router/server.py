@@ -25,7 +25,7 @@ from typing import Annotated, Any
 import pydantic
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .errors import (
@@ -37,8 +37,10 @@ from .errors import (
     request_id,
     validation_error,
 )
+from .fleet import fleet_view
 from .frontdoor import FrontDoor
 from .intake import BODY_TIMEOUT_S, MAX_BODY_BYTES, Intake
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import render_metrics
 from .openai_api import (
     ChatChoice,
@@ -65,7 +67,9 @@ def _authenticate(request: Request) -> Tenant:
     themselves, after this has run: a bad or missing key is a 401 whatever the body."""
     state = request.app.state
     try:
-        return state.tenants.authenticate(request.headers.get("authorization"))
+        tenant: Tenant = state.tenants.authenticate(request.headers.get("authorization"))
+        request.state.tenant = tenant.tenant_id  # for the status counter (create_app)
+        return tenant
     except AuthError as exc:
         state.door.errors["auth"] += 1
         raise APIError(401, str(exc), "invalid_request_error", code="invalid_api_key") from None
@@ -84,16 +88,32 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok" if alive else "no replica", "replicas": alive}, status)
 
 
+async def fleet(request: Request) -> JSONResponse:
+    """Admin keys only (any request when the server has no keys): 401 without a known
+    key, 403 for a tenant's key."""
+    state = request.app.state
+    try:
+        admin = state.tenants.is_admin(request.headers.get("authorization"))
+    except AuthError as exc:
+        state.door.errors["auth"] += 1
+        raise APIError(401, str(exc), "invalid_request_error", code="invalid_api_key") from None
+    if not admin:
+        raise APIError(403, "/fleet needs an admin key", "permission_error", code="not_admin")
+    door: FrontDoor = state.door
+    events = await asyncio.to_thread(door.subscriber.stats)
+    return JSONResponse(fleet_view(door, events))
+
+
 async def models(request: Request, _: TenantDep) -> ModelList:
     intake = _intake(request)
     card = ModelCard(id=intake.model_name, max_model_len=intake.door.max_model_len)
     return ModelList(data=[card])
 
 
-async def metrics(request: Request) -> PlainTextResponse:
+async def metrics(request: Request) -> Response:
     door: FrontDoor = request.app.state.door
     events = await asyncio.to_thread(door.subscriber.stats)  # a hop to its thread
-    return PlainTextResponse(render_metrics(door, events), media_type="text/plain; version=0.0.4")
+    return Response(render_metrics(door, events), media_type=METRICS_CONTENT_TYPE)
 
 
 async def completions(request: Request, tenant: TenantDep) -> Response:
@@ -199,8 +219,16 @@ def create_app(
 
     app = FastAPI(title="kvroute", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.door, app.state.tenants, app.state.intake = door, tenants, intake
+
+    def count_response(scope: Any, status: int) -> None:
+        if str(scope.get("path", "")).startswith("/v1/"):
+            tenant = door.metrics.tenant(scope.get("state", {}).get("tenant"))
+            door.metrics.http.labels(tenant, str(status)).inc()
+
     app.add_middleware(
-        RequestIdMiddleware, on_internal_error=lambda: door.errors.update(["internal"])
+        RequestIdMiddleware,
+        on_internal_error=lambda: door.errors.update(["internal"]),
+        on_response=count_response,
     )
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(APIError, _on_api_error)
@@ -216,6 +244,7 @@ def create_app(
 
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/metrics", metrics, methods=["GET"])
+    app.add_api_route("/fleet", fleet, methods=["GET"])
     app.add_api_route("/v1/models", models, methods=["GET"])
     app.add_api_route(
         "/v1/completions",

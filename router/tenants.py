@@ -7,8 +7,12 @@ request of another tenant can name (and hit) a tenant's blocks. A request's own
 ``cache_salt`` (vLLM's extension field) is appended to the tenant salt: it can split a
 tenant's cache further, never reach into another tenant's.
 
-With no keys configured every request is the tenant ``default`` and no Authorization
-header is needed (local development, as ``vllm serve`` without ``--api-key``).
+Tenants come from a tenants file (``--tenants FILE``, TOML: ids, API keys stored as
+SHA-256 hashes, optional limits, admin keys; see ``deploy/tenants.example.toml``) or, for
+development, a flat key file. With neither, every request is the anonymous tenant
+``default`` and no Authorization header is needed (as ``vllm serve`` without
+``--api-key``); ``kvroute serve`` then listens on loopback only, unless told
+``--allow-anonymous``.
 """
 
 from __future__ import annotations
@@ -18,11 +22,13 @@ import hmac
 import json
 import logging
 import os
-from collections import Counter
+import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 
 import msgspec
+
+from .limits import Limits
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +44,7 @@ class AuthError(Exception):
 class Tenant(msgspec.Struct, frozen=True):
     tenant_id: str
     cache_salt: str  # hex HMAC-SHA256(fleet secret, tenant id)
+    limits: Limits = Limits()
 
     def salt_for(self, request_salt: str | None) -> str:
         """The salt a request's blocks are hashed with: the tenant's, then the request's."""
@@ -63,9 +70,81 @@ def resolve_fleet_secret(secret: str | None) -> str:
     return DEV_FLEET_SECRET
 
 
+def hash_key(key: str) -> str:
+    """How a tenants file stores an API key: ``sha256:<hex>``. A plain digest, not a slow
+    password hash: API keys are long random strings (``kvroute key`` makes 32 bytes), which
+    no dictionary attack can find, and every request verifies one."""
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def _check_hash(value: str, where: str) -> str:
+    digest = value.removeprefix("sha256:")
+    if not value.startswith("sha256:") or len(digest) != 64 or not _HEX.issuperset(digest):
+        raise ValueError(
+            f"{where}: a key must be stored as 'sha256:<64 hex digits>' "
+            "(`kvroute key` prints a new key and its hash)"
+        )
+    return value.lower()
+
+
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+class TenantConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One ``[[tenants]]`` table of a tenants file."""
+
+    id: str
+    keys: list[str]  # hash_key() of each API key
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    max_concurrent: int | None = None
+
+    @property
+    def limits(self) -> Limits:
+        return Limits(self.requests_per_minute, self.tokens_per_minute, self.max_concurrent)
+
+
+class TenantsFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``--tenants FILE``: the tenants, and the keys that may read ``/fleet``."""
+
+    tenants: list[TenantConfig]
+    admin_keys: list[str] = []
+
+
+def load_tenants(path: str | os.PathLike[str]) -> TenantsFile:
+    """Reads and checks a tenants file (TOML); a ValueError names what is wrong."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+        spec = msgspec.convert(data, TenantsFile)
+    except (tomllib.TOMLDecodeError, msgspec.ValidationError) as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    seen_ids: set[str] = set()
+    seen_keys: set[str] = set()
+    for n, t in enumerate(spec.tenants):
+        where = f"{path}: tenants[{n}] ({t.id!r})"
+        if not t.id or t.id in seen_ids:
+            raise ValueError(f"{where}: a tenant id must be non-empty and unique")
+        if not t.keys:
+            raise ValueError(f"{where}: needs at least one key")
+        seen_ids.add(t.id)
+        try:
+            t.limits  # noqa: B018 -- builds (and so checks) the limits: each >= 1
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
+        for k in t.keys:
+            if _check_hash(k, where) in seen_keys:
+                raise ValueError(f"{where}: a key appears twice in the file")
+            seen_keys.add(k.lower())
+    for k in spec.admin_keys:
+        if _check_hash(k, f"{path}: admin_keys") in seen_keys:
+            raise ValueError(f"{path}: an admin key is also a tenant's key")
+    return spec
+
+
 def load_api_keys(path: str | os.PathLike[str]) -> dict[str, str]:
-    """API key -> tenant id from a file: a JSON object ``{"key": "tenant", ...}``, or lines
-    ``key:tenant`` (blank lines and ``#`` comments ignored)."""
+    """API key -> tenant id from a flat key file (``--api-keys``, kept for development): a
+    JSON object ``{"key": "tenant", ...}``, or lines ``key:tenant`` (blank lines and ``#``
+    comments ignored). Production fleets use a tenants file, which stores only hashes."""
     text = Path(path).read_text()
     if text.lstrip().startswith("{"):
         data = json.loads(text)
@@ -86,71 +165,63 @@ def load_api_keys(path: str | os.PathLike[str]) -> dict[str, str]:
     return keys
 
 
-class Tenants:
-    """Authenticates a request's bearer token; salts are computed once per tenant."""
+def tenants_from_api_keys(api_keys: Mapping[str, str]) -> TenantsFile:
+    """A flat key file as a tenants file (keys hashed, no limits)."""
+    by_tenant: dict[str, list[str]] = {}
+    for key, tenant_id in api_keys.items():
+        by_tenant.setdefault(tenant_id, []).append(hash_key(key))
+    return TenantsFile([TenantConfig(t, ks) for t, ks in by_tenant.items()])
 
-    def __init__(self, api_keys: Mapping[str, str] | None, fleet_secret: str) -> None:
-        self._keys = dict(api_keys or {})
+
+class Tenants:
+    """Authenticates a request's bearer token by its hash; salts are computed once per
+    tenant. ``spec`` None: one anonymous tenant, no key needed."""
+
+    def __init__(self, spec: TenantsFile | None, fleet_secret: str) -> None:
         self._secret = fleet_secret
-        self._tenants: dict[str, Tenant] = {}
-        self.default = self._tenant(DEFAULT_TENANT)
+        self._by_key: dict[str, Tenant] = {}
+        self._admin = frozenset(k.lower() for k in (spec.admin_keys if spec else ()))
+        self.tenants: dict[str, Tenant] = {}
+        for t in spec.tenants if spec else ():
+            tenant = self.tenants[t.id] = Tenant(t.id, tenant_salt(fleet_secret, t.id), t.limits)
+            self._by_key.update((k.lower(), tenant) for k in t.keys)
+        self.default = Tenant(DEFAULT_TENANT, tenant_salt(fleet_secret, DEFAULT_TENANT))
+        if not self.tenants:
+            self.tenants[DEFAULT_TENANT] = self.default
+
+    @classmethod
+    def from_api_keys(cls, api_keys: Mapping[str, str] | None, fleet_secret: str) -> Tenants:
+        return cls(tenants_from_api_keys(api_keys) if api_keys else None, fleet_secret)
 
     @property
     def open(self) -> bool:
         """No keys configured: every request is the default tenant."""
-        return not self._keys
+        return not self._by_key
 
-    def _tenant(self, tenant_id: str) -> Tenant:
-        t = self._tenants.get(tenant_id)
-        if t is None:
-            t = self._tenants[tenant_id] = Tenant(tenant_id, tenant_salt(self._secret, tenant_id))
-        return t
+    @staticmethod
+    def _bearer(authorization: str | None) -> str:
+        scheme, _, key = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise AuthError("missing API key: send 'Authorization: Bearer <key>'")
+        return hash_key(key.strip())
 
     def authenticate(self, authorization: str | None) -> Tenant:
         """``Authorization: Bearer <key>`` -> tenant; raises :class:`AuthError`."""
         if self.open:
             return self.default
-        scheme, _, key = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
-            raise AuthError("missing API key: send 'Authorization: Bearer <key>'")
-        tenant_id = self._keys.get(key.strip())
-        if tenant_id is None:
+        tenant = self._by_key.get(self._bearer(authorization))
+        if tenant is None:
             raise AuthError("incorrect API key provided")
-        return self._tenant(tenant_id)
+        return tenant
 
-
-class TenantShares:
-    """Each tenant's share of a router's in-flight budget: at most ``cap`` requests at once.
-
-    Why a fixed cap and not a share that grows while a tenant is alone: an admitted stream
-    cannot be taken back, so a tenant that filled the whole budget while alone would leave
-    a newcomer nothing until its streams ended. A cap below the router's budget (``kvroute
-    serve``: half of it when the keys name two tenants or more) always leaves the others
-    room. One counter per tenant with requests in flight: O(1) per request.
-    """
-
-    def __init__(self, cap: int | None = None) -> None:
-        """``cap``: requests one tenant may hold at once (None: no cap of its own)."""
-        if cap is not None and cap < 1:
-            raise ValueError(f"a tenant's in-flight cap must be >= 1, got {cap}")
-        self.cap = cap
-        self._counts: Counter[str] = Counter()
-
-    def admit(self, tenant_id: str) -> bool:
-        """Counts one more request of the tenant in flight; False (nothing counted) when
-        the tenant already holds ``cap``."""
-        if self.cap is not None and self._counts[tenant_id] >= self.cap:
-            return False
-        self._counts[tenant_id] += 1
-        return True
-
-    def release(self, tenant_id: str) -> None:
-        """One of the tenant's requests ended (once per successful :meth:`admit`)."""
-        n = self._counts[tenant_id] - 1
-        if n > 0:
-            self._counts[tenant_id] = n
-        else:  # no entry kept for a tenant with nothing in flight
-            self._counts.pop(tenant_id, None)
-
-    def in_flight(self, tenant_id: str) -> int:
-        return self._counts.get(tenant_id, 0)
+    def is_admin(self, authorization: str | None) -> bool:
+        """An admin key (``admin_keys``), or any request when the server is open. Raises
+        :class:`AuthError` when no key or an unknown one is sent."""
+        if self.open:
+            return True
+        digest = self._bearer(authorization)
+        if digest in self._admin:
+            return True
+        if digest not in self._by_key:
+            raise AuthError("incorrect API key provided")
+        return False

@@ -20,19 +20,39 @@ def test_serve_refuses_bad_arguments_before_starting_anything():
         (["--api-keys", "/nonexistent/keys"], "--api-keys"),
         (["--policy", "nope"], "unknown policy"),
         (["--replicas", "0"], "--replicas"),
+        (["--tenants", "/nonexistent/tenants.toml"], "--tenants"),
+        (["--tenants", "a.toml", "--api-keys", "b"], "not allowed with"),
+        (["--host", "0.0.0.0"], "refusing to serve anonymously on 0.0.0.0"),
+        (["--runtime-env", "[1]"], "--runtime-env: not a JSON object"),
     ):
         out = subprocess.run([*KVROUTE, "serve", *args], capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and why in out.stderr, (args, out.stderr)
 
 
+def new_key() -> tuple[str, str]:
+    """``kvroute key``: a new key and the hash a tenants file stores."""
+    out = subprocess.run([*KVROUTE, "key"], capture_output=True, text=True, check=True)
+    fields = dict(line.split(":", 1) for line in out.stdout.splitlines())
+    key, digest = fields["key"].strip(), fields["hash"].strip()
+    again = subprocess.run(
+        [*KVROUTE, "key", "--hash"], input=key + "\n", capture_output=True, text=True, check=True
+    )
+    assert again.stdout.strip() == digest and key not in digest
+    return key, digest
+
+
 def test_serve_end_to_end_then_ctrl_c(tmp_path):
-    """The real command: local Ray, one tiny replica, a request over HTTP, Ctrl-C."""
+    """The real command: local Ray, one tiny replica, a tenants file made with `kvroute key`,
+    a request over HTTP, the admin view, Ctrl-C."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    (tmp_path / "keys").write_text("sk-test:acme\n")
+    (key, digest), (admin, admin_digest) = new_key(), new_key()
+    (tmp_path / "tenants.toml").write_text(
+        f'admin_keys = ["{admin_digest}"]\n[[tenants]]\nid = "acme"\nkeys = ["{digest}"]\n'
+    )
     args = ["serve", "--model", "tiny", "--replicas", "1", "--port", str(port)]
-    args += ["--num-blocks", "64", "--api-keys", str(tmp_path / "keys"), "--log-requests"]
+    args += ["--num-blocks", "64", "--tenants", str(tmp_path / "tenants.toml"), "--log-requests"]
     proc = subprocess.Popen([*KVROUTE, *args], stderr=subprocess.PIPE, text=True)
     try:
         lines = []
@@ -41,16 +61,24 @@ def test_serve_end_to_end_then_ctrl_c(tmp_path):
             if "ready: model 'tiny'" in line:
                 break
         assert any(f"http://127.0.0.1:{port}/v1" in x for x in lines), "".join(lines)
+        # Clean logs: Ray's token-auth warning is replaced by one line of ours.
+        assert any("Ray token authentication: token" in x for x in lines), "".join(lines)
+        assert not any("Token authentication is enabled" in x for x in lines), "".join(lines)
         body = {"model": "tiny", "prompt": "hello", "max_tokens": 3, "ignore_eos": True}
         r = httpx.post(
             f"http://127.0.0.1:{port}/v1/completions",
             json=body,
-            headers={"Authorization": "Bearer sk-test"},
+            headers={"Authorization": f"Bearer {key}"},
             timeout=60,
         )
         assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "r0"
         assert r.json()["usage"]["completion_tokens"] == 3
         assert httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body).status_code == 401
+        fleet = httpx.get(
+            f"http://127.0.0.1:{port}/fleet", headers={"Authorization": f"Bearer {admin}"}
+        )
+        assert [x["replica_id"] for x in fleet.json()["replicas"]] == ["r0"]
+        assert any("1 tenant(s), 0 with limits, 1 admin key(s)" in x for x in lines)
         proc.send_signal(signal.SIGINT)
         rest = proc.stderr.read()
         assert proc.wait(timeout=60) == 0 and "stopped" in rest

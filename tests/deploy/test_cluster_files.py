@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from kvroute.deploy.cli import build_parser
+from kvroute.router.tenants import load_tenants
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
@@ -110,7 +111,9 @@ def test_raycluster_has_what_kuberay_requires(manifests: dict[str, dict[str, Any
         )
 
 
-def test_front_door_command_service_secret_and_scrape(manifests: dict[str, dict[str, Any]]) -> None:
+def test_front_door_command_service_secret_and_scrape(
+    manifests: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
     head = manifests["RayCluster"]["spec"]["headGroupSpec"]["template"]
     door = next(c for c in containers(head) if any("kvroute serve" in a for a in c.get("args", [])))
     args = kvroute_args(" ".join(door["args"]))
@@ -126,14 +129,15 @@ def test_front_door_command_service_secret_and_scrape(manifests: dict[str, dict[
     refs = [e["valueFrom"]["secretKeyRef"] for e in door["env"] if "valueFrom" in e]
     assert refs and all(r["name"] == secret["metadata"]["name"] for r in refs)
     assert all(r["key"] in secret["stringData"] for r in refs)
-    keys_file = args[args.index("--api-keys") + 1]
+    keys_file = args[args.index("--tenants") + 1]
     mounts = {m["name"]: m["mountPath"] for m in door["volumeMounts"]}
     vols = {v["name"]: v for v in head["spec"]["volumes"]}
     tenants = next(n for n, p in mounts.items() if keys_file.startswith(p + "/"))
     items = vols[tenants]["secret"]["items"]
-    assert any(
-        keys_file.endswith("/" + i["path"]) and i["key"] in secret["stringData"] for i in items
-    )
+    item = next(i for i in items if keys_file.endswith("/" + i["path"]))
+    path = tmp_path / "tenants.toml"  # the Secret's tenants file is one kvroute accepts
+    path.write_text(secret["stringData"][item["key"]])
+    assert load_tenants(path).tenants
     ann = head["metadata"]["annotations"]
     assert ann["prometheus.io/port"] == str(port) and ann["prometheus.io/path"] == "/metrics"
     pm = manifests["PodMonitor"]["spec"]

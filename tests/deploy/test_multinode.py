@@ -45,7 +45,7 @@ def metrics(url: str) -> dict[str, float]:
 
 
 def up(url: str, rid: str) -> bool:
-    return metrics(url).get(f'kvroute_replica_up{{replica="{rid}"}}') == 1.0
+    return metrics(url).get(f'kvroute:replica_up{{replica="{rid}"}}') == 1.0
 
 
 def complete(url: str, prompt: list[int], max_tokens: int = 4) -> httpx.Response:
@@ -119,7 +119,7 @@ def test_replicas_on_their_own_nodes_then_node_loss_and_rejoin(
     assert all(r.status_code == 200 for r in replies)
     assert {r.headers["x-kvroute-replica"] for r in replies} == set(nodes)
     m = metrics(url)
-    assert all(m[f'kvroute_index_blocks{{replica="{rid}"}}'] > 0 for rid in nodes)
+    assert all(m[f'kvroute:index_blocks{{replica="{rid}"}}'] > 0 for rid in nodes)
 
     # 2. Node loss under load: streams in flight on both replicas, then one node's raylet dies.
     victim_rid = next(rid for rid, nid in nodes.items() if nid == workers[0].node_id)
@@ -139,7 +139,7 @@ def test_replicas_on_their_own_nodes_then_node_loss_and_rejoin(
             assert r.json()["usage"]["completion_tokens"] == 300
         else:
             assert r.json()["error"]["code"] == "replica_failed"
-    assert metrics(url).get(f'kvroute_index_blocks{{replica="{victim_rid}"}}', 0.0) == 0.0
+    assert metrics(url).get(f'kvroute:index_blocks{{replica="{victim_rid}"}}', 0.0) == 0.0
     after = [complete(url, [11, i]) for i in range(4)]
     assert all(r.status_code == 200 for r in after)
     assert {r.headers["x-kvroute-replica"] for r in after} == {survivor}

@@ -87,7 +87,7 @@ def test_a_prefix_cached_through_one_router_is_found_through_another(fleet: str)
         def index_blocks(port: int) -> float:
             text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
             line = next(x for x in text.splitlines() if x.startswith(
-                f'kvroute_index_blocks{{replica="{holder}"}}'))  # fmt: skip
+                f'kvroute:index_blocks{{replica="{holder}"}}'))  # fmt: skip
             return float(line.split()[1])
 
         # B never saw the request; it learns of the blocks from the holder's event stream.

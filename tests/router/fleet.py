@@ -38,7 +38,7 @@ def serve(actors: Sequence[Any], **app_kw: Any) -> Iterator[Served]:
     """Serves ``actors`` (already created, Ray running) until the block ends."""
     infos = ray.get([a.info.remote() for a in actors], timeout=120)
     door = FrontDoor(list(zip(actors, infos, strict=True)), monitor_interval_s=0.5)
-    app = create_app(door, Tenants(KEYS, "test-secret"), **app_kw)
+    app = create_app(door, Tenants.from_api_keys(KEYS, "test-secret"), **app_kw)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -25,6 +25,7 @@ import ray
 from kvroute.events.replica_api import SEED_MAX, SEED_MIN
 from kvroute.replica.actor import start_replica
 
+from ..prom import scrape, value
 from .fleet import MODEL, Served, assert_clean_error, serve
 
 CONFIG = {"model": MODEL, "block_size": 16, "num_blocks": 64}
@@ -252,8 +253,9 @@ def test_a_slow_body_times_out_and_frees_its_handler(served: Served) -> None:
 
 
 def test_metrics_count_failovers_and_quarantine(served: Served) -> None:
-    text = httpx.get(served.url + "/metrics").text
-    assert "kvroute_failovers_total 0" in text and "kvroute_quarantined_requests 0" in text
+    m = scrape(served.url)
+    assert value(m, "kvroute:failovers_total") == 0
+    assert value(m, "kvroute:quarantined_requests") == 0
 
 
 def test_logprobs_are_returned_in_openais_shapes(served: Served) -> None:

@@ -26,8 +26,19 @@ from kvroute.events.replica_api import ReplicaInfo
 from kvroute.replica.actor import start_replica
 from kvroute.router.frontdoor import FleetMismatchError, FrontDoor
 from kvroute.router.server import REPLICA_HEADER, create_app
-from kvroute.router.tenants import AuthError, Tenants, load_api_keys, tenant_salt
+from kvroute.router.tenants import (
+    AuthError,
+    TenantConfig,
+    Tenants,
+    TenantsFile,
+    hash_key,
+    load_api_keys,
+    tenant_salt,
+)
 
+from ..deploy.test_grafana import load as load_dashboard
+from ..deploy.test_grafana import queried_series
+from ..prom import scrape, value
 from ..waiting import wait_for
 from .fleet import assert_clean_error
 
@@ -48,7 +59,7 @@ def fleet() -> Iterator[dict[str, Any]]:
         ]
         infos = ray.get([a.info.remote() for a in actors], timeout=120)
         door = FrontDoor(list(zip(actors, infos, strict=True)), monitor_interval_s=0.5)
-        app = create_app(door, Tenants(KEYS, "test-secret"))
+        app = create_app(door, Tenants.from_api_keys(KEYS, "test-secret"))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -59,7 +70,8 @@ def fleet() -> Iterator[dict[str, Any]]:
         thread.start()
         wait_for(lambda: server.started, 30, "uvicorn started")
         url = f"http://127.0.0.1:{port}"
-        yield {"url": url, "door": door, "actors": dict(zip(("r0", "r1"), actors, strict=True))}
+        actors_by_id = dict(zip(("r0", "r1"), actors, strict=True))
+        yield {"url": url, "door": door, "actors": actors_by_id, "app": app}
         server.should_exit = True
         thread.join(10)
     finally:
@@ -72,11 +84,13 @@ def client(fleet: dict[str, Any], key: str = "key-a") -> openai.OpenAI:
 
 # -- tenants (no server) --------------------------------------------------------------------
 def test_tenants_salt_isolates_and_request_salt_only_narrows(tmp_path: Any) -> None:
-    t = Tenants(KEYS, "s")
+    t = Tenants.from_api_keys(KEYS, "s")
     a, b = t.authenticate("Bearer key-a"), t.authenticate("bearer key-b")
     assert (a.tenant_id, b.tenant_id) == ("alpha", "beta")
     assert a.cache_salt == tenant_salt("s", "alpha") != b.cache_salt
-    assert Tenants(KEYS, "other").authenticate("Bearer key-a").cache_salt != a.cache_salt
+    assert (
+        Tenants.from_api_keys(KEYS, "other").authenticate("Bearer key-a").cache_salt != a.cache_salt
+    )
     # A request's own salt is appended: it can never equal another tenant's salt.
     assert a.salt_for("x") == a.cache_salt + ":x" and a.salt_for(None) == a.cache_salt
     for bad in (None, "", "Bearer", "Bearer nope", "Basic key-a"):
@@ -312,35 +326,111 @@ def test_a_stream_says_what_the_front_door_added(fleet: dict[str, Any]) -> None:
     assert len(timing) == 1 and lines[-1] == "data: [DONE]"
     t = timing[0]
     assert 0 < t["replica_ttft_s"] < t["router_ttft_s"] < 60
-    text = httpx.get(fleet["url"] + "/metrics").text
-    assert 'kvroute_added_latency_seconds{quantile="0.99"}' in text
-    count = next(
-        x for x in text.splitlines() if x.startswith("kvroute_added_latency_seconds_count")
-    )
-    assert float(count.split()[1]) >= 1
+    samples = scrape(fleet["url"])
+    assert value(samples, "kvroute:router_added_latency_recent_seconds", quantile="0.99")
+    assert (value(samples, "kvroute:router_added_latency_seconds_count") or 0) >= 1
 
 
 def test_metrics(fleet: dict[str, Any]) -> None:
     wait_for(lambda: fleet["door"].load.in_flight() == 0, 10, "earlier streams closed")
-    text = httpx.get(fleet["url"] + "/metrics").text
-    samples = dict(
-        line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#")
+    m = scrape(fleet["url"])
+
+    def v(name: str, **labels: str) -> float:
+        got = value(m, "kvroute:" + name, **labels)
+        assert got is not None, (name, labels)
+        return got
+
+    assert v("requests_routed_total") >= 5
+    assert v("prefix_cache_hits_total") > 200
+    assert v("prefix_cache_queries_total") > v("prefix_cache_hits_total")
+    assert v("prompt_tokens_total", tenant="alpha") == v(
+        "prefix_cache_queries_total", tenant="alpha"
     )
-    assert float(samples["kvroute_requests_total"]) >= 5
-    assert float(samples["kvroute_cached_tokens_total"]) > 200
-    assert float(samples['kvroute_errors_total{kind="auth"}']) >= 1
-    routed = [float(samples[f'kvroute_replica_routed_total{{replica="r{i}"}}']) for i in (0, 1)]
+    assert v("errors_total", kind="auth") >= 1
+    assert v("http_requests_total", tenant="none", code="401") >= 1  # no tenant: bad key
+    assert v("http_requests_total", tenant="alpha", code="200") >= 5
+    assert v("routing_decisions_total", reason="cache_hit") >= 1  # LONG, sent again and again
+    assert v("routing_decisions_total") >= 5
+    finished = v("request_success_total", tenant="alpha")
+    assert v("time_to_first_token_seconds_count", tenant="alpha") == finished >= 5
+    assert v("e2e_request_latency_seconds_count", tenant="alpha") == finished
+    assert v("inter_token_latency_seconds_count", tenant="alpha") >= 1
+    routed = [v("replica_routed_total", replica=f"r{i}") for i in (0, 1)]
     assert sum(routed) >= 5
-    assert 'kvroute_index_blocks{replica="r0"}' in samples
-    delivered = [samples[f'kvroute_events_delivered_total{{replica="r{i}"}}'] for i in (0, 1)]
-    assert min(map(float, delivered)) >= 1  # at least the snapshot each replica answered on joining
+    assert v("index_blocks", replica="r0") >= 0
+    delivered = [v("events_delivered_total", replica=f"r{i}") for i in (0, 1)]
+    assert min(delivered) >= 1  # at least the snapshot each replica answered on joining
     for i in (0, 1):  # KV blocks and queues per replica, from its own load reports
-        total = float(samples[f'kvroute_replica_kv_blocks_total{{replica="r{i}"}}'])
-        free = float(samples[f'kvroute_replica_kv_blocks_free{{replica="r{i}"}}'])
+        total = v("kv_cache_blocks_total", replica=f"r{i}")
+        free = v("kv_cache_blocks_free", replica=f"r{i}")
         assert total == CONFIG["num_blocks"] and 0 <= free <= total
-        assert f'kvroute_replica_requests_waiting{{replica="r{i}"}}' in samples
-        assert float(samples[f'kvroute_replica_requests_in_flight{{replica="r{i}"}}']) == 0
-    assert float(samples["kvroute_requests_in_flight"]) == 0  # nothing is running now
+        assert 0 <= v("kv_cache_usage_perc", replica=f"r{i}") <= 1
+        assert v("num_requests_waiting", replica=f"r{i}") >= 0
+        assert v("replica_num_requests_in_flight", replica=f"r{i}") == 0
+    assert v("num_requests_in_flight") == 0  # nothing is running now
+
+
+def test_the_grafana_dashboard_queries_only_exported_series(fleet: dict[str, Any]) -> None:
+    """Every series deploy/grafana/kvroute.json queries is one this front door exports,
+    with samples, once requests have run (earlier tests sent them)."""
+    exported = {s.name for s in scrape(fleet["url"])}
+    missing = queried_series(load_dashboard()) - exported
+    assert not missing, sorted(missing)
+
+
+def test_tenants_file_limits_and_the_admin_view(fleet: dict[str, Any]) -> None:
+    """A tenants file's limits over real HTTP: a tenant past its requests per minute, then
+    one past its tokens per minute (its output charged when it ended), get 429 with the
+    seconds to wait, while another tenant is served; /fleet is for admin keys alone."""
+    app, url, door = fleet["app"], fleet["url"], fleet["door"]
+    spec = TenantsFile(
+        [
+            TenantConfig("alpha", [hash_key("key-a")]),
+            TenantConfig("gamma", [hash_key("key-g")], requests_per_minute=2),
+            TenantConfig("delta", [hash_key("key-d")], tokens_per_minute=60),
+        ],
+        admin_keys=[hash_key("key-admin")],
+    )
+    old, app.state.tenants = app.state.tenants, Tenants(spec, "test-secret")
+
+    def post(key: str, **body: Any) -> httpx.Response:
+        body = {"model": MODEL, "prompt": "limits", "max_tokens": 1, **body}
+        auth = {"Authorization": f"Bearer {key}"}
+        return httpx.post(url + "/v1/completions", json=body, headers=auth, timeout=60)
+
+    try:
+        assert [post("key-g").status_code for _ in range(2)] == [200, 200]
+        refused = post("key-g")
+        err = assert_clean_error(refused, 429)
+        assert "2 requests per minute" in err["message"]
+        assert 25 <= int(refused.headers["retry-after"]) <= 31  # a request's worth: 30 s
+        # 10 prompt tokens + 80 generated: admitted with 60 left, then 30 tokens in debt.
+        first = post("key-d", prompt="0123456789", max_tokens=80, ignore_eos=True)
+        assert first.json()["usage"]["completion_tokens"] == 80
+        refused = post("key-d")
+        assert "60 tokens per minute" in assert_clean_error(refused, 429)["message"]
+        assert 20 <= int(refused.headers["retry-after"]) <= 35  # ~31 tokens at 1 a second
+        assert post("key-a").status_code == 200  # the others are served meanwhile
+        assert door.shares.in_flight("gamma") == door.shares.in_flight("delta") == 0
+
+        assert assert_clean_error(httpx.get(url + "/fleet"), 401)["code"] == "invalid_api_key"
+        tenant_key = {"Authorization": "Bearer key-a"}
+        assert assert_clean_error(httpx.get(url + "/fleet", headers=tenant_key), 403)
+        admin = {"Authorization": "Bearer key-admin"}
+        assert assert_clean_error(post("key-admin"), 401)  # an admin key is not a tenant
+        view = httpx.get(url + "/fleet", headers=admin, timeout=10).json()
+        assert view["policy"] == "kv" and view["hash"]["block_size"] == CONFIG["block_size"]
+        assert [r["replica_id"] for r in view["replicas"]] == ["r0", "r1"]
+        for rep in view["replicas"]:
+            rid = rep["replica_id"]
+            assert rep["healthy"] and rep["pid"] > 0 and rep["node_id"]
+            assert rep["hash"] == view["hash"]  # the fleet hashes as one
+            assert rep["kv_blocks_total"] == CONFIG["num_blocks"]
+            assert rep["load"]["total_blocks"] == CONFIG["num_blocks"]
+            assert rep["cached_blocks_indexed"] == door.index.num_blocks(rid)
+            assert rep["events"]["last_seq"] >= 0 and rep["events"]["gaps"] >= 0
+    finally:
+        app.state.tenants = old
 
 
 def test_replica_failure_before_first_token_is_retried_elsewhere(fleet: dict[str, Any]) -> None:
@@ -365,11 +455,10 @@ def test_replica_failure_before_first_token_is_retried_elsewhere(fleet: dict[str
     wait_for(lambda: victim in door.alive(), 10, "replica routable again")
     assert httpx.get(fleet["url"] + "/health").json()["replicas"].count(victim) == 1
     # /metrics counts through the restart: nothing goes back to zero with the new process.
-    text = httpx.get(fleet["url"] + "/metrics").text
-    samples = dict(x.rsplit(" ", 1) for x in text.splitlines() if x and not x.startswith("#"))
-    assert float(samples[f'kvroute_events_restarts_total{{replica="{victim}"}}']) >= 1
-    assert float(samples[f'kvroute_events_resets_total{{replica="{victim}"}}']) >= 1
-    assert float(samples[f'kvroute_replica_routed_total{{replica="{victim}"}}']) >= routed_before
+    m = scrape(fleet["url"])
+    assert (value(m, "kvroute:events_restarts_total", replica=victim) or 0) >= 1
+    assert (value(m, "kvroute:events_resets_total", replica=victim) or 0) >= 1
+    assert (value(m, "kvroute:replica_routed_total", replica=victim) or 0) >= routed_before
     assert routed_before >= 1
 
 

@@ -1,0 +1,170 @@
+"""Per-tenant limits at the front door: concurrent requests, requests and tokens per minute.
+
+Why these three: concurrency bounds what one tenant holds of the fleet at an instant (an
+admitted stream cannot be taken back); requests per minute bound its arrival rate; tokens
+per minute bound the work it asks for, prompt and output alike (OpenAI's ``TPM``). Over
+any of them the answer is 429 with ``Retry-After``: the seconds until the limit would
+admit the request, so a well-behaved client backs off exactly as long as it must.
+
+Rates are token buckets (capacity one minute's allowance, refilled continuously), so a
+tenant may burst up to its minute's allowance and no further. The token bucket goes into
+debt: a request is admitted while the bucket is positive and its prompt is charged at
+once, its output when it ends (the output is not known before); a tenant in debt waits
+until the refill has paid it off. Limits are per front-door process: with ``--routers N``
+a tenant may get up to N times each rate (connections spread over the processes).
+
+Invariants: a tenant's in-flight count equals its successful :meth:`TenantShares.admit`
+calls minus its :meth:`~TenantShares.release` calls; a bucket's level never exceeds its
+capacity; a refused request changes nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+
+import msgspec
+
+
+class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A tenant's limits (None: none of that kind)."""
+
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    max_concurrent: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in self.__struct_fields__:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+class OverloadedError(RuntimeError):
+    """The router's in-flight budget or one of the tenant's limits refuses a request
+    (HTTP 429, ``Retry-After``: :attr:`retry_after`)."""
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    @property
+    def retry_after(self) -> str:
+        """The ``Retry-After`` header: whole seconds, at least 1."""
+        return str(max(1, math.ceil(self.retry_after_s)))
+
+
+class TokenBucket:
+    """``per_minute`` units a minute, at most one minute's worth banked."""
+
+    __slots__ = ("capacity", "level", "rate", "updated")
+
+    def __init__(self, per_minute: int, now: float) -> None:
+        self.capacity = float(per_minute)
+        self.rate = per_minute / 60.0
+        self.level = self.capacity
+        self.updated = now
+
+    def refill(self, now: float) -> None:
+        self.level = min(self.capacity, self.level + (now - self.updated) * self.rate)
+        self.updated = now
+
+    def wait_s(self, need: float, now: float) -> float:
+        """Seconds until the level reaches ``need`` (0: it already has)."""
+        self.refill(now)
+        return max(0.0, (need - self.level) / self.rate)
+
+
+class TenantShares:
+    """Each tenant's share of a router's in-flight budget: at most its cap at once.
+
+    Why a fixed cap and not a share that grows while a tenant is alone: an admitted stream
+    cannot be taken back, so a tenant that filled the whole budget while alone would leave
+    a newcomer nothing until its streams ended. A cap below the router's budget (``kvroute
+    serve``: half of it when two tenants or more are configured) always leaves the others
+    room. A tenant's own ``max_concurrent`` replaces the default cap. One counter per
+    tenant with requests in flight: O(1) per request.
+    """
+
+    def __init__(self, cap: int | None = None) -> None:
+        """``cap``: requests a tenant without its own limit may hold at once (None: no cap)."""
+        if cap is not None and cap < 1:
+            raise ValueError(f"a tenant's in-flight cap must be >= 1, got {cap}")
+        self.cap = cap
+        self._counts: Counter[str] = Counter()
+
+    def cap_for(self, limits: Limits | None) -> int | None:
+        own = limits.max_concurrent if limits is not None else None
+        return own if own is not None else self.cap
+
+    def admit(self, tenant_id: str, limits: Limits | None = None) -> bool:
+        """Counts one more request of the tenant in flight; False (nothing counted) when
+        the tenant already holds its cap."""
+        cap = self.cap_for(limits)
+        if cap is not None and self._counts[tenant_id] >= cap:
+            return False
+        self._counts[tenant_id] += 1
+        return True
+
+    def release(self, tenant_id: str) -> None:
+        """One of the tenant's requests ended (once per successful :meth:`admit`)."""
+        n = self._counts[tenant_id] - 1
+        if n > 0:
+            self._counts[tenant_id] = n
+        else:  # no entry kept for a tenant with nothing in flight
+            self._counts.pop(tenant_id, None)
+
+    def in_flight(self, tenant_id: str) -> int:
+        return self._counts.get(tenant_id, 0)
+
+
+class RateLimits:
+    """Requests and tokens per minute, per tenant (buckets made at a tenant's first
+    request, only for the limits it has)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._requests: dict[str, TokenBucket] = {}
+        self._tokens: dict[str, TokenBucket] = {}
+
+    def _bucket(
+        self, table: dict[str, TokenBucket], tenant_id: str, per_minute: int | None, now: float
+    ) -> TokenBucket | None:
+        if per_minute is None:
+            return None
+        b = table.get(tenant_id)
+        if b is None or b.capacity != per_minute:  # new, or the limit changed
+            b = table[tenant_id] = TokenBucket(per_minute, now)
+        return b
+
+    def admit(self, tenant_id: str, limits: Limits, prompt_tokens: int) -> None:
+        """Takes one request and charges the prompt, or raises :class:`OverloadedError`
+        (nothing taken) with the seconds until the request would be admitted."""
+        now = self._clock()
+        req = self._bucket(self._requests, tenant_id, limits.requests_per_minute, now)
+        tok = self._bucket(self._tokens, tenant_id, limits.tokens_per_minute, now)
+        wait_req = req.wait_s(1.0, now) if req is not None else 0.0
+        # In debt (level <= 0) the tenant waits until the level is positive again.
+        wait_tok = tok.wait_s(1e-9, now) if tok is not None else 0.0
+        if wait_req > 0 or wait_tok > 0:
+            which = (
+                f"{limits.requests_per_minute} requests per minute"
+                if wait_req >= wait_tok
+                else f"{limits.tokens_per_minute} tokens per minute"
+            )
+            raise OverloadedError(
+                f"this tenant's limit of {which} is reached", max(wait_req, wait_tok)
+            )
+        if req is not None:
+            req.level -= 1.0
+        if tok is not None:
+            tok.level -= prompt_tokens
+
+    def charge(self, tenant_id: str, tokens: int) -> None:
+        """Output tokens of a finished request (the bucket may go into debt)."""
+        tok = self._tokens.get(tenant_id)
+        if tok is not None and tokens > 0:
+            tok.refill(self._clock())
+            tok.level -= tokens
