@@ -17,6 +17,9 @@ import argparse
 import ipaddress
 import socket
 import sys
+import threading
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -199,8 +202,11 @@ def build_app(
     )
 
 
-def serve_app(app: Any, host: str, port: int, reuse_port: bool) -> None:
-    """uvicorn on a socket bound here: with ``reuse_port``, several processes share it."""
+def serve_app(
+    app: Any, host: str, port: int, reuse_port: bool, ready: Callable[[], None] | None = None
+) -> None:
+    """uvicorn on a socket bound here: with ``reuse_port``, several processes share it.
+    ``ready`` runs once the server accepts connections (what a "ready" line may promise)."""
     import uvicorn
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -210,6 +216,14 @@ def serve_app(app: Any, host: str, port: int, reuse_port: bool) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+
+    def announce() -> None:
+        while not server.started and not server.should_exit:
+            time.sleep(0.05)
+        if server.started and ready is not None:
+            ready()
+
+    threading.Thread(target=announce, daemon=True).start()
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on (as uvicorn.run)
@@ -237,11 +251,11 @@ def run(args: argparse.Namespace) -> int:
         except FleetMismatchError as exc:
             say(str(exc))
             return 2
-        say(
+        message = (
             f"ready on http://{args.host}:{args.port}/v1 ({len(replicas)} replicas, "
             f"policy {args.policy}; {describe_tenants(spec)})"
         )
-        serve_app(app, args.host, args.port, args.reuse_port)
+        serve_app(app, args.host, args.port, args.reuse_port, lambda: say(message))
         return 0
     except KeyboardInterrupt:
         return 130

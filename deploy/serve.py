@@ -311,11 +311,11 @@ def _run(
     name = args.served_model_name or replicas[0][1].model
     auth = describe_tenants(spec)
     doors = f", {args.routers} front doors" if args.routers > 1 else ""
-    _say(
+    message = (
         f"ready: model {name!r} on http://{args.host}:{args.port}/v1 "
         f"({n} replicas, policy {args.policy}{doors}, {auth}); Ctrl-C stops"
     )
-    serve_app(app, args.host, args.port, reuse_port=args.routers > 1)
+    serve_app(app, args.host, args.port, args.routers > 1, lambda: _say(message))
     if args.address:
         _say("stopped; the replicas keep running (detached): `kvroute stop` ends them")
     else:
