@@ -1,3 +1,5 @@
-"""The ``kvroute`` command (``serve``, ``router``, ``simulate``, ``bench``, ...) and the cluster
-files beside it: ``ray-cluster.yaml`` for Ray's cluster launcher (AWS) and ``kuberay/`` for
-KubeRay, both checked by ``tests/deploy/test_cluster_files.py``."""
+"""The ``kvroute`` command (``serve``, ``router``, ``stop``, ``key``, ``simulate``, ``bench``,
+...) and the operator's files beside it: ``ray-cluster.yaml`` for Ray's cluster launcher
+(AWS), ``kuberay/`` for KubeRay (RayCluster, Service, Secret, PodMonitor), both checked by
+``tests/deploy/test_cluster_files.py``; ``tenants.example.toml``, a tenants file; and
+``grafana/kvroute.json``, a dashboard over ``/metrics`` (``tests/deploy/test_grafana.py``)."""

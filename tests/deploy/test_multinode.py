@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -30,6 +31,7 @@ from kvroute.deploy.router import RAY_NAMESPACE, REPLICA_ACTOR_PREFIX
 from ..waiting import poll
 
 KVROUTE = [sys.executable, "-m", "kvroute.deploy.cli"]
+RUNTIME_ENV = {"KVROUTE_TEST_RUNTIME_ENV": "from-serve"}
 NODE = {"num_cpus": 1, "resources": {"kvroute_replica": 1}}
 
 
@@ -71,6 +73,7 @@ def served(cluster: tuple[Cluster, list[Any]]) -> Iterator[tuple[str, subprocess
     args = ["serve", "--address", c.address, "--model", "sim:h100-8b", "--replicas", "2"]
     args += ["--resources-per-replica", json.dumps(NODE["resources"]), "--policy"]
     args += ["round_robin", "--time-scale", "0.2", "--block-size", "16", "--port", str(port)]
+    args += ["--runtime-env", json.dumps({"env_vars": RUNTIME_ENV})]
     proc = subprocess.Popen([*KVROUTE, *args], stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     lines = []
@@ -95,12 +98,22 @@ def stop(proc: subprocess.Popen[str]) -> None:
             proc.kill()
 
 
-def replica_nodes(address: str) -> dict[str, str]:
-    """replica id -> Ray node id, asked of the replicas themselves from another driver."""
+def replica_nodes(address: str, env: list[dict[str, str | None]] | None = None) -> dict[str, str]:
+    """replica id -> Ray node id, asked of the replicas themselves from another driver;
+    ``env`` (when given) gets, per replica, RUNTIME_ENV's variables as its process sees them."""
     ray.init(address=address, namespace=RAY_NAMESPACE, logging_level="warning")
     try:
         names = [n for n in ray.util.list_named_actors() if n.startswith(REPLICA_ACTOR_PREFIX)]
-        infos = ray.get([ray.get_actor(n).info.remote() for n in names], timeout=60)
+        actors = [ray.get_actor(n) for n in names]
+        infos = ray.get([a.info.remote() for a in actors], timeout=60)
+        if env is not None:
+            keys = list(RUNTIME_ENV)
+            seen = ray.get(
+                [a.__ray_call__.remote(lambda _: [os.environ.get(k) for k in keys])
+                 for a in actors],
+                timeout=60,
+            )  # fmt: skip
+            env.extend(dict(zip(keys, values, strict=True)) for values in seen)
         return {i.replica_id: i.node_id for i in infos}
     finally:
         ray.shutdown()
@@ -112,7 +125,9 @@ def test_replicas_on_their_own_nodes_then_node_loss_and_rejoin(
     c, workers = cluster
     url = served[0]
     # 1. One replica per replica node (none on the head); requests and events cross nodes.
-    nodes = replica_nodes(c.address)
+    env: list[dict[str, str | None]] = []
+    nodes = replica_nodes(c.address, env)
+    assert env == [RUNTIME_ENV, RUNTIME_ENV]  # --runtime-env reached every replica process
     worker_ids = {w.node_id for w in workers}
     assert set(nodes.values()) == worker_ids, (nodes, worker_ids)
     replies = [complete(url, [7, i, *range(40)]) for i in range(6)]
