@@ -69,6 +69,19 @@ def add_front_door_arguments(p: argparse.ArgumentParser) -> None:
         "tenant's max_concurrent in the tenants file replaces it",
     )
     p.add_argument(
+        "--admission-queue",
+        type=int,
+        default=None,
+        help="requests that may wait for a slot past --max-in-flight, first come first "
+        "served; more get 429 (default: as many as --max-in-flight)",
+    )
+    p.add_argument(
+        "--admission-timeout",
+        type=float,
+        default=2.0,
+        help="seconds a request waits in the admission queue before a 429 (default: 2)",
+    )
+    p.add_argument(
         "--max-body-bytes",
         type=int,
         default=4 << 20,
@@ -191,6 +204,8 @@ def build_app(
         tokenizer=tokenizer,
         max_in_flight=max_in_flight,
         max_in_flight_per_tenant=per_tenant,
+        admission_queue=args.admission_queue,
+        admission_timeout_s=args.admission_timeout,
     )
     tenants = Tenants(spec, resolve_fleet_secret(args.fleet_secret))
     return create_app(

@@ -268,6 +268,8 @@ def _start_routers(args: argparse.Namespace, routers: list[subprocess.Popen[byte
         ("--served-model-name", args.served_model_name),
         ("--max-in-flight", args.max_in_flight),
         ("--max-in-flight-per-tenant", args.max_in_flight_per_tenant),
+        ("--admission-queue", args.admission_queue),
+        ("--admission-timeout", args.admission_timeout),
     ):
         if value is not None:
             same += [flag, str(value)]

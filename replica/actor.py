@@ -212,6 +212,11 @@ class ReplicaServer:
         )
         return s
 
+    async def cached_blocks(self) -> dict[Any, int]:
+        """External block hash -> cached copies, read between steps: what a router's index
+        of this replica must equal once its event stream is applied (audits, chaos tests)."""
+        return await self._on_engine(lambda e: e.kv_cache_manager.block_pool.cached_hash_counts())
+
     def load(self) -> LoadReport:
         """The scheduler's load as of its latest step (routers poll it every few hundred
         ms); answered at once, even in the middle of a long step."""

@@ -27,8 +27,9 @@ Why the shape:
   that cannot have been the request's (the same rule), is replaced once: the prompt and
   the tokens already streamed go to another replica (``GenerateRequest.resume``), which
   continues exactly (greedy and seeded alike), so the client sees one stream.
-- Admission: the router's budget (``max_in_flight``), then the tenant's own share of it
-  and its rates (:mod:`.limits`); a 429 with ``Retry-After`` past any, so one tenant's
+- Admission: the tenant's own share of the router's budget, then the budget itself
+  (``max_in_flight``; past it a bounded, timed FIFO queue absorbs a burst), then the
+  tenant's rates (:mod:`.limits`); a 429 with ``Retry-After`` past any, so one tenant's
   burst is refused while others are still admitted.
 - Replicas restart with new ports (Ray ``max_restarts``): a monitor polls ``info()`` and,
   on a new incarnation, drops what the index knew and follows the new event endpoints.
@@ -62,7 +63,7 @@ from kvroute.events.replica_api import (
 )
 
 from .index import PrefixIndex
-from .limits import OverloadedError, RateLimits, TenantShares
+from .limits import AdmissionQueue, OverloadedError, RateLimits, TenantShares
 from .load import LoadTracker
 from .metrics import FleetCollector, Metrics
 from .policy import NoReplicaError, Policy, RequestView, make_policy
@@ -167,6 +168,7 @@ class Stream:
         with contextlib.suppress(Exception):
             await self._rest.aclose()  # type: ignore[attr-defined]
         self.door.policy.on_finished(self.request_id, time.monotonic(), self.num_output_tokens)
+        self.door.wake()
         if self.tenant is not None:
             self.door.shares.release(self.tenant)
             self.door.rates.charge(self.tenant, self.num_output_tokens)
@@ -185,10 +187,14 @@ class FrontDoor:
         load_interval_s: float = 0.2,
         max_in_flight: int | None = None,
         max_in_flight_per_tenant: int | None = None,
+        admission_queue: int | None = None,
+        admission_timeout_s: float = 2.0,
     ) -> None:
-        """``max_in_flight``: requests this router admits at once (None: no limit); one
-        more is refused at once (429) rather than queued without bound.
-        ``max_in_flight_per_tenant``: the same for each tenant alone (None: no own cap)."""
+        """``max_in_flight``: requests this router admits at once (None: no limit); more
+        wait in a queue of ``admission_queue`` (default: ``max_in_flight``) for up to
+        ``admission_timeout_s``, and past that are refused (429), never queued without
+        bound. ``max_in_flight_per_tenant``: requests one tenant may hold, waiting or
+        running (None: no own cap; a tenant's ``max_concurrent`` replaces it)."""
         if not replicas:
             raise ValueError("a front door needs at least one replica")
         first = replicas[0][1]
@@ -218,6 +224,8 @@ class FrontDoor:
         self.max_in_flight = max_in_flight
         self.shares = TenantShares(max_in_flight_per_tenant)
         self.rates = RateLimits()
+        queue = admission_queue if admission_queue is not None else (max_in_flight or 0)
+        self.admission = AdmissionQueue(queue, admission_timeout_s)
         self.cordoned: set[str] = set()
         # Requests that were computing when a replica failed (see the module docstring).
         self.suspects = Quarantine(self.errors)
@@ -388,23 +396,6 @@ class FrontDoor:
         :class:`NoReplicaError` (none alive), or the replica's failure when the retry failed
         too."""
         tid = tenant.tenant_id
-        self.admit(tenant, len(prompt_token_ids))
-        try:
-            stream = await self._open(tenant, prompt_token_ids, sampling, request_salt, request_id)
-        except BaseException:
-            self.shares.release(tid)
-            raise
-        stream.tenant = tid  # its share is released when the stream closes
-        return stream
-
-    def admit(self, tenant: Tenant, prompt_tokens: int = 0) -> None:
-        """Counts one more request of the tenant in flight (released when it ends) and
-        charges its rates, or raises :class:`OverloadedError` (nothing counted) when the
-        router's budget or one of the tenant's limits is full."""
-        tid = tenant.tenant_id
-        if self.max_in_flight is not None and self.load.in_flight() >= self.max_in_flight:
-            self.errors["overloaded"] += 1
-            raise OverloadedError(f"{self.max_in_flight} requests in flight; retry shortly")
         if not self.shares.admit(tid, tenant.limits):
             self.errors["tenant_overloaded"] += 1
             cap = self.shares.cap_for(tenant.limits)
@@ -412,11 +403,33 @@ class FrontDoor:
                 f"this tenant already has {cap} requests in flight; retry shortly"
             )
         try:
-            self.rates.admit(tid, tenant.limits, prompt_tokens)
-        except OverloadedError:
+            if self.max_in_flight is not None:
+                try:
+                    await self.admission.wait(self._has_room, self.max_in_flight)
+                except OverloadedError:
+                    self.errors["overloaded"] += 1
+                    raise
+            try:  # from here to routing nothing awaits: the slot is taken in this tick
+                self.rates.admit(tid, tenant.limits, len(prompt_token_ids))
+            except OverloadedError:
+                self.errors["tenant_rate_limited"] += 1
+                raise
+            stream = await self._open(tenant, prompt_token_ids, sampling, request_salt, request_id)
+        except BaseException:
             self.shares.release(tid)
-            self.errors["tenant_rate_limited"] += 1
+            self.wake()
             raise
+        stream.tenant = tid  # its share is released when the stream closes
+        return stream
+
+    def _has_room(self) -> bool:
+        """Room in the router's budget, counting slots handed to waiters not yet routed."""
+        budget = self.max_in_flight
+        return budget is None or self.load.in_flight() + self.admission.reserved < budget
+
+    def wake(self) -> None:
+        """A request ended (or never started): its slot goes to the oldest waiter."""
+        self.admission.wake(self._has_room)
 
     async def _open(
         self,

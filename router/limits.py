@@ -20,9 +20,11 @@ capacity; a refused request changes nothing.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 
 import msgspec
@@ -168,3 +170,61 @@ class RateLimits:
         if tok is not None and tokens > 0:
             tok.refill(self._clock())
             tok.level -= tokens
+
+
+class AdmissionQueue:
+    """Requests past a router's in-flight budget wait here, first come first served -- at
+    most ``max_waiting`` of them, each for at most ``timeout_s`` -- so a burst is absorbed
+    rather than refused; past either bound, 429.
+
+    Why reservations: a freed slot is handed to the oldest waiter, and until it runs it
+    holds the slot (``reserved``), so a request that arrives meanwhile cannot take it: the
+    room test is ``in flight + reserved < budget``, and a newcomer queues whenever anyone
+    waits. Everything runs on the event loop: no locks.
+    """
+
+    def __init__(self, max_waiting: int, timeout_s: float) -> None:
+        self.max_waiting = max_waiting
+        self.timeout_s = timeout_s
+        self.reserved = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    async def wait(self, has_room: Callable[[], bool], budget: int) -> None:
+        """Returns once the request may go (at once when there is room and no queue), or
+        raises :class:`OverloadedError`. ``has_room`` counts ``reserved`` in."""
+        if not self._waiters and has_room():
+            return
+        if len(self._waiters) >= self.max_waiting:
+            raise OverloadedError(
+                f"{budget} requests in flight and {len(self._waiters)} waiting; retry shortly"
+            )
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
+        try:
+            await asyncio.wait_for(fut, self.timeout_s)
+        except BaseException as exc:
+            if fut.done() and not fut.cancelled():  # granted as it gave up: pass the slot on
+                self.reserved -= 1
+                self.wake(has_room)
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(fut)
+            if isinstance(exc, TimeoutError):
+                raise OverloadedError(
+                    f"{budget} requests in flight; waited {self.timeout_s:g} s for a slot; "
+                    "retry shortly"
+                ) from None
+            raise
+        self.reserved -= 1  # it goes now: the caller counts it in flight before any await
+
+    def wake(self, has_room: Callable[[], bool]) -> None:
+        """Hands free slots to the oldest waiters (call when a request ends)."""
+        while self._waiters and has_room():
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                self.reserved += 1
