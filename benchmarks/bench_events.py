@@ -33,7 +33,7 @@ from kvroute.events import (
     decode_batch,
     encode_batch,
 )
-from kvroute.events.protocol import pack_seq
+from kvroute.events.framing import pack_seq
 
 BS = 16
 

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 RAY_NAMESPACE = "kvroute"
 REPLICA_ACTOR_PREFIX = "replica-"  # actor name = prefix + replica id
+KEEP_ALIVE_S = 75
 
 
 def add_front_door_arguments(p: argparse.ArgumentParser) -> None:
@@ -175,7 +176,7 @@ def build_app(
     from pathlib import Path
 
     from kvroute.router.frontdoor import FrontDoor
-    from kvroute.router.server import create_app
+    from kvroute.router.http_api import create_app
     from kvroute.router.tenants import Tenants, resolve_fleet_secret
 
     tokenizer = None
@@ -230,7 +231,10 @@ def serve_app(
     if reuse_port:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    # Keep-alive past a load balancer's idle timeout (AWS ALB: 60 s): a backend that closes
+    # an idle connection first races the balancer's next request on it (a reset request).
+    config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)
+    server = uvicorn.Server(config)
 
     def announce() -> None:
         while not server.started and not server.should_exit:

@@ -3,9 +3,10 @@ again by the engine (the last line of defence).
 
 Why one module for both sides: a value past these bounds must never reach torch, where it
 would fail a step that every request of the batch shares (a seed of 2**70 once killed whole
-engines). The front door refuses it with the field named; the engine's ``SamplingParams``
-and the wire's ``SamplingSpec`` refuse it again with the same words. This module imports
-nothing heavy (no ray, no torch), so the engine's parameters stay cheap to import.
+engines). The front door refuses it with the field named; ``SamplingParams`` (one type, built by the
+front door, carried over Ray, run by the engine) refuses it again with the same words when
+built, decoded or received by a replica. This module imports nothing heavy (no ray, no
+torch), so the parameters stay cheap to import.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def _is_number(x: object) -> bool:
 
 
 def check_sampling(p: Any) -> None:
-    """Raises :class:`BoundsError` unless ``p`` (a :class:`SamplingSpec`, the engine's
+    """Raises :class:`BoundsError` unless ``p`` (a :class:`SamplingParams`, the engine's
     ``SamplingParams`` or anything with their fields) is within the shared bounds."""
     if not _is_int(p.max_tokens) or p.max_tokens < 1:
         raise BoundsError("max_tokens", f"must be an int >= 1, got {p.max_tokens!r}")

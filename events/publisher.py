@@ -24,7 +24,7 @@ from typing import Literal
 import zmq
 
 from .blockset import BlockSet, snapshot_events
-from .protocol import END_MARKER, SNAPSHOT_REQUEST, Waker, pack_seq, unpack_seq
+from .framing import END_MARKER, SNAPSHOT_REQUEST, Waker, pack_seq, unpack_seq
 from .wire import AllBlocksCleared, BatchEncoder, EventBatch, KVCacheEvent
 
 log = logging.getLogger(__name__)

@@ -51,7 +51,7 @@ __all__ = [
     "ReplicaDeadError",
     "ReplicaInfo",
     "Resume",
-    "SamplingSpec",
+    "SamplingParams",
     "check_prompt_token_ids",
     "check_sampling",
     "check_text",
@@ -118,14 +118,25 @@ class ReplicaInfo(msgspec.Struct, kw_only=True, frozen=True):
         return HashConfig(self.hash_algo, self.hash_seed, self.block_size)
 
 
-class SamplingSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """:class:`SamplingParams` on the wire: same fields, same defaults, validated by
-    :func:`check_sampling` when built and again when decoded."""
+class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """How to pick each next token and when to stop (vLLM's names) -- the one type: the
+    front door builds it, it crosses Ray inside :class:`GenerateRequest`, and the engine
+    runs on it. Checked by :func:`check_sampling` (the bounds the front door enforces too)
+    when built and again when decoded, so the scheduler and sampler never meet a
+    nonsensical value (a negative ``max_tokens`` would only surface as a request that never
+    finishes, a seed past int64 as a sampler that raises).
+
+    ``temperature == 0`` means greedy. ``top_k == 0`` (or vLLM's ``-1``, normalised to 0)
+    disables top-k. ``min_tokens`` suppresses EOS and ``stop_token_ids`` until that many
+    tokens were generated (``max_tokens`` still applies). ``stop`` strings are matched by
+    the engine on detokenised text; the scheduler only handles token-level stops.
+    ``logprobs``: how many top logprobs to return per token (None: none).
+    """
 
     max_tokens: int = 16
-    temperature: float = 1.0
+    temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
-    top_k: int = 0
+    top_k: int = 0  # 0 = off
     seed: int | None = None
     stop: list[str] = msgspec.field(default_factory=list)
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
@@ -136,7 +147,15 @@ class SamplingSpec(msgspec.Struct, kw_only=True, omit_defaults=True):
     def __post_init__(self) -> None:
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
         check_sampling(self)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
 
 
 class Resume(msgspec.Struct, kw_only=True, frozen=True):
@@ -154,7 +173,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling: SamplingSpec = msgspec.field(default_factory=SamplingSpec)
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     cache_salt: str | None = None
     resume: Resume | None = None  # a failover: continue from these outputs
     tenant: str | None = None  # whose request: the engine's queue takes tenants in turn

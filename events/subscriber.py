@@ -38,7 +38,7 @@ from typing import Literal
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .protocol import SNAPSHOT_REQUEST, Waker, pack_seq, unpack_seq
+from .framing import SNAPSHOT_REQUEST, Waker, pack_seq, unpack_seq
 from .wire import AllBlocksCleared, EventBatch, MalformedBatchError, decode_batch
 
 log = logging.getLogger(__name__)

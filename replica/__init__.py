@@ -23,7 +23,7 @@ _EXPORTS = {
     "tiny_model_path": ".models",
     "CompletionOutput": ".outputs",
     "RequestOutput": ".outputs",
-    "SamplingParams": ".sampling_params",
+    "SamplingParams": "kvroute.events.replica_api",
 }
 
 __all__ = [
@@ -41,12 +41,13 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from kvroute.events.replica_api import SamplingParams
+
     from .async_engine import AsyncLLMEngine, EngineDeadError
     from .engine import EngineConfig, LLMEngine
     from .llm import LLM
     from .models import BUILTIN_MODELS, resolve_model, tiny_model_path
     from .outputs import CompletionOutput, RequestOutput
-    from .sampling_params import SamplingParams
 
 
 def __getattr__(name: str) -> Any:

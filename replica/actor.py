@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import ray
 
+from kvroute.events.bounds import check_sampling
 from kvroute.events.load import LoadReport
 from kvroute.events.replica_api import (
     GenerateDelta,
@@ -44,12 +45,10 @@ from kvroute.events.replica_api import (
     InvalidRequestError,
     ReplicaDeadError,
     ReplicaInfo,
-    SamplingSpec,
     stream_generate,
 )
 
 from .cost_model import sim_profile
-from .sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the engine pulls in torch; a router creating actors need not
     from .engine import EngineConfig
@@ -59,8 +58,6 @@ __all__ = [
     "ReplicaActor",
     "ReplicaServer",
     "delta_from_output",
-    "spec_from_params",
-    "spec_to_params",
     "start_replica",
     "stream_generate",
 ]
@@ -158,7 +155,8 @@ class ReplicaServer:
         try:
             if not isinstance(req, GenerateRequest):
                 req = msgspec.convert(req, GenerateRequest)
-            params = spec_to_params(req.sampling)
+            params = req.sampling
+            check_sampling(params)  # checked when built; again, whatever way it came
         except (ValueError, TypeError, msgspec.ValidationError) as exc:
             raise InvalidRequestError(f"request rejected: {exc}") from None
         self._streams += 1
@@ -321,15 +319,6 @@ def start_replica(
         **options,
     )
     return actor_cls.remote(replica_id, engine_config, events_host, torch_threads)
-
-
-def spec_to_params(spec: SamplingSpec) -> SamplingParams:
-    """The wire spec as the engine's params; raises ValueError for a nonsensical value."""
-    return SamplingParams(**msgspec.structs.asdict(spec))
-
-
-def spec_from_params(params: SamplingParams) -> SamplingSpec:
-    return SamplingSpec(**dataclasses.asdict(params))
 
 
 def delta_from_output(out: RequestOutput) -> GenerateDelta:

@@ -25,11 +25,10 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvroute.events.load import LoadReport
-from kvroute.events.replica_api import Resume
+from kvroute.events.replica_api import Resume, SamplingParams
 
 from .engine import EngineConfig, EventSink, LLMEngine
 from .outputs import RequestOutput
-from .sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -28,10 +28,10 @@ from array import array
 from typing import Any
 
 from kvroute.events.load import CostCoefficients
+from kvroute.events.replica_api import SamplingParams
 
 from .cost_model import CostModel, Profile
 from .outputs import SampledToken
-from .sampling_params import SamplingParams
 from .scheduler import SchedulerOutput
 
 _FIRST, _SPAN = 32, 95  # printable ASCII: ' ' .. '~'

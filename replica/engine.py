@@ -25,13 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from transformers import GenerationConfig
 
 from kvroute.events import DEFAULT_SEED, BlockHasher, HashConfig, KVCacheEvent
 from kvroute.events.bounds import check_prompt_token_ids, check_text
 from kvroute.events.hashing import HashForm
 from kvroute.events.load import CostCoefficients
-from kvroute.events.replica_api import Resume
+from kvroute.events.replica_api import Resume, SamplingParams
 
 from .cost_model import sim_profile
 from .detokenizer import IncrementalDetokenizer
@@ -39,7 +40,6 @@ from .kv_cache_manager import KVCacheManager
 from .models import resolve_model
 from .outputs import CompletionOutput, RequestFailure, RequestOutput, SampledToken
 from .request import Request, RequestStatus
-from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ class LLMEngine:
         params = params or SamplingParams()
         if self.extra_eos_token_ids and not params.ignore_eos:
             # generation_config.json may name several EOS tokens (chat models often do).
-            params = dataclasses.replace(
+            params = msgspec.structs.replace(
                 params, stop_token_ids=[*params.stop_token_ids, *self.extra_eos_token_ids]
             )
         text = prompt if isinstance(prompt, str) else None

@@ -7,9 +7,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from kvroute.events.replica_api import SamplingParams
+
 from .engine import EngineConfig, LLMEngine
 from .outputs import RequestOutput
-from .sampling_params import SamplingParams
 
 # One prompt: text, token ids, or a dict {"prompt" | "prompt_token_ids": ..., "cache_salt": ...}
 PromptType = str | Sequence[int] | dict[str, Any]

@@ -26,11 +26,11 @@ from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
 from kvroute.events.load import CostCoefficients
+from kvroute.events.replica_api import SamplingParams
 from kvroute.kernels import AttentionMetadata, paged_attention, store_kv
 
 from .outputs import RequestFailure, SampledToken
 from .sampler import Sampler
-from .sampling_params import SamplingParams
 from .scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ import enum
 import time
 from collections.abc import Sequence
 
-from .sampling_params import SamplingParams
+from kvroute.events.replica_api import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

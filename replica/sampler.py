@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from kvroute.events.replica_api import SamplingParams
+
 from .outputs import RequestFailure, SampledToken
-from .sampling_params import SamplingParams
 
 __all__ = ["RequestFailure", "SampledToken", "Sampler"]
 

@@ -58,7 +58,7 @@ from kvroute.events.replica_api import (
     ReplicaDeadError,
     ReplicaInfo,
     Resume,
-    SamplingSpec,
+    SamplingParams,
     stream_generate,
 )
 
@@ -385,7 +385,7 @@ class FrontDoor:
         self,
         tenant: Tenant,
         prompt_token_ids: list[int],
-        sampling: SamplingSpec,
+        sampling: SamplingParams,
         request_salt: str | None = None,
         request_id: str | None = None,
     ) -> Stream:
@@ -435,7 +435,7 @@ class FrontDoor:
         self,
         tenant: Tenant,
         prompt_token_ids: list[int],
-        sampling: SamplingSpec,
+        sampling: SamplingParams,
         request_salt: str | None,
         request_id: str | None,
     ) -> Stream:

@@ -22,7 +22,7 @@ from fastapi import Request
 from kvroute.events.replica_api import (
     BoundsError,
     InvalidRequestError,
-    SamplingSpec,
+    SamplingParams,
     check_prompt_token_ids,
 )
 
@@ -183,7 +183,7 @@ class Intake:
         self._check_ids(ids)
         return ids
 
-    def sampling(self, body: Body, n_prompt: int) -> SamplingSpec:
+    def sampling(self, body: Body, n_prompt: int) -> SamplingParams:
         """The request's sampling as the engine will check it (the shared bounds)."""
         max_len = self.door.max_model_len
         room = max_len - n_prompt
@@ -200,7 +200,7 @@ class Intake:
                 "context_length_exceeded",
             )
         try:
-            return SamplingSpec(
+            return SamplingParams(
                 max_tokens=max_tokens or room,
                 temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p,

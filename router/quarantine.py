@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import msgspec
 import ray
 
-from kvroute.events.replica_api import SamplingSpec
+from kvroute.events.replica_api import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class QueryOfDeathError(RuntimeError):
     for a while rather than replayed onto another replica (HTTP 400)."""
 
 
-def fingerprint(prompt_token_ids: Sequence[int], sampling: SamplingSpec) -> str:
+def fingerprint(prompt_token_ids: Sequence[int], sampling: SamplingParams) -> str:
     """What identifies a request's content across retries and tenants: its tokens and
     sampling parameters (a query of death is one whoever sends it)."""
     data = msgspec.msgpack.encode([list(prompt_token_ids), sampling])

@@ -17,7 +17,7 @@ from kvroute.events import (
     ZmqEventSubscriber,
     encode_batch,
 )
-from kvroute.events.protocol import pack_seq, unpack_seq
+from kvroute.events.framing import pack_seq, unpack_seq
 
 from .streams import BS, Churn, LossyProxy, Views, wait_for
 

@@ -9,7 +9,6 @@ exceptions), what a restart does to endpoints and the event seq.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import pickle
 import threading
@@ -30,18 +29,18 @@ from kvroute.events import (
     ReplicaBatch,
     ZmqEventSubscriber,
 )
-from kvroute.events.protocol import END_SEQ, pack_seq, unpack_seq
+from kvroute.events.framing import END_SEQ, pack_seq, unpack_seq
 from kvroute.events.replica_api import (
     GenerateDelta,
     GenerateRequest,
     InvalidRequestError,
     ReplicaDeadError,
     ReplicaInfo,
-    SamplingSpec,
+    SamplingParams,
     stream_generate,
 )
-from kvroute.replica import LLM, EngineConfig, SamplingParams
-from kvroute.replica.actor import ReplicaServer, spec_from_params, spec_to_params, start_replica
+from kvroute.replica import LLM, EngineConfig
+from kvroute.replica.actor import ReplicaServer, start_replica
 
 from ..waiting import wait_for
 
@@ -49,8 +48,8 @@ BLOCK = 4
 NUM_BLOCKS = 64
 MAX_LEN = NUM_BLOCKS * BLOCK  # 256: the tiny model allows more, the cache does not
 CONFIG = {"model": "tiny", "block_size": BLOCK, "num_blocks": NUM_BLOCKS}
-GREEDY = SamplingSpec(temperature=0.0, max_tokens=8, ignore_eos=True)
-LONG = SamplingSpec(temperature=0.0, max_tokens=MAX_LEN - 20, ignore_eos=True)  # ~240 steps
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_tokens=MAX_LEN - 20, ignore_eos=True)  # ~240 steps
 PROMPTS = [list(range(10 + i, 10 + i + 5 + 3 * i)) for i in range(4)] + [list(range(30, 62))]
 
 
@@ -81,7 +80,9 @@ def reference() -> LLM:
     return LLM("tiny", block_size=BLOCK, num_blocks=NUM_BLOCKS)
 
 
-def req(rid: str, prompt: list[int], sampling: SamplingSpec = GREEDY, **kw: Any) -> GenerateRequest:
+def req(
+    rid: str, prompt: list[int], sampling: SamplingParams = GREEDY, **kw: Any
+) -> GenerateRequest:
     return GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling, **kw)
 
 
@@ -118,7 +119,7 @@ def replay_seqs(endpoint: str, start: int = 0) -> list[int]:
 
 # -- messages ------------------------------------------------------------------------------
 def test_messages_pickle_and_encode() -> None:
-    spec = SamplingSpec(temperature=0.5, stop=["x"], logprobs=2)
+    spec = SamplingParams(temperature=0.5, stop=["x"], logprobs=2)
     for msg in (
         req("a", [1, 2, 3], spec, cache_salt="t"),
         GenerateDelta(request_id="a", delta_text="é", delta_token_ids=[7], finished=False),
@@ -128,12 +129,6 @@ def test_messages_pickle_and_encode() -> None:
     ):
         assert pickle.loads(pickle.dumps(msg)) == msg
         assert msgspec.msgpack.decode(msgspec.msgpack.encode(msg), type=type(msg)) == msg
-    # The wire spec must not drift from SamplingParams: same fields, same defaults.
-    assert spec_to_params(SamplingSpec()) == SamplingParams()
-    assert set(SamplingSpec.__struct_fields__) == {
-        f.name for f in dataclasses.fields(SamplingParams)
-    }
-    assert spec_from_params(spec_to_params(spec)) == spec
 
 
 # -- (1) info and the event endpoints ------------------------------------------------------
@@ -187,7 +182,7 @@ def test_info_and_events_match_the_cache(replica: Any) -> None:
 
 # -- (2) greedy streaming == offline --------------------------------------------------------
 async def test_concurrent_streams_match_offline_greedy(replica: Any, reference: LLM) -> None:
-    expected = reference.generate(PROMPTS, spec_to_params(GREEDY))
+    expected = reference.generate(PROMPTS, GREEDY)
     reqs = [req(f"g-{i}", p) for i, p in enumerate(PROMPTS)]
     # One request through the raw Ray API, the rest through the helper, all at once.
     raw = replica.generate.options(num_returns="streaming").remote(reqs[0])
@@ -204,7 +199,7 @@ async def test_concurrent_streams_match_offline_greedy(replica: Any, reference: 
         assert (last.finish_reason, last.num_output_tokens) == ("length", GREEDY.max_tokens)
         assert last.num_prompt_tokens == len(prompt)
     # Logprobs arrive per delta, one entry per new token, holding the chosen token.
-    spec = SamplingSpec(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2)
+    spec = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2)
     deltas = await collect(replica, req("lp", PROMPTS[1], spec))
     for d in deltas:
         assert d.logprobs is not None and len(d.logprobs) == len(d.delta_token_ids)
@@ -274,7 +269,7 @@ def test_bad_requests_raise_clear_errors_and_the_actor_lives(replica: Any) -> No
         (req("b-1", [3 + i % 200 for i in range(MAX_LEN + 10)]), "exceed the limit of 256"),
         (req("b-2", [1, 2, 10**9]), r"token ids must be ints in \[0, 261\)"),
         # Past the shared bounds, as a caller that skipped them would send (a dict: building
-        # a SamplingSpec would already refuse it).
+        # a SamplingParams would already refuse it).
         ({**BARE, "request_id": "b-3", "sampling": {"temperature": -1.0}}, "temperature"),
         ({**BARE, "request_id": "b-6", "sampling": {"seed": 2**70}}, "seed"),
         ({"request_id": "b-4", "prompt_token_ids": "not tokens"}, "Expected `array`"),
@@ -321,7 +316,7 @@ async def test_engine_death_restarts_the_replica(actors: dict[str, Any], referen
     again = await collect(actor, req("f-2", PROMPTS[4]))
     tokens = [t for d in again for t in d.delta_token_ids]
     assert tokens == [t for d in warm for t in d.delta_token_ids]
-    expected = reference.generate([PROMPTS[4]], spec_to_params(GREEDY))[0].outputs[0].token_ids
+    expected = reference.generate([PROMPTS[4]], GREEDY)[0].outputs[0].token_ids
     assert tokens == expected
     assert await actor.health.remote()
     # The new publisher counts from 0 again (the request above published at least one batch;

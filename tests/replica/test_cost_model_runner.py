@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import ray
 
-from kvroute.events.replica_api import GenerateRequest, Resume, SamplingSpec, stream_generate
-from kvroute.replica import EngineConfig, LLMEngine, SamplingParams
+from kvroute.events.replica_api import GenerateRequest, Resume, SamplingParams, stream_generate
+from kvroute.replica import EngineConfig, LLMEngine
 from kvroute.replica.actor import start_replica
 from kvroute.replica.cost_model import H100_8B, CostModel
 from kvroute.replica.cost_model_runner import output_token, prompt_key
@@ -152,7 +152,7 @@ def test_replica_actors_need_no_cpu_of_their_own() -> None:
 
         async def one(actor: Any, rid: str) -> list[int]:
             req = GenerateRequest(
-                request_id=rid, prompt_token_ids=PROMPT, sampling=SamplingSpec(max_tokens=8)
+                request_id=rid, prompt_token_ids=PROMPT, sampling=SamplingParams(max_tokens=8)
             )
             ids: list[int] = []
             async for d in stream_generate(actor, req):

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
+from kvroute.events.replica_api import SamplingParams
 from kvroute.replica.request import Request, RequestStatus
-from kvroute.replica.sampling_params import SamplingParams
 
 
 def test_sampling_params_defaults_and_normalisation() -> None:

@@ -14,8 +14,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kvroute.events.replica_api import SEED_MAX, SEED_MIN, BoundsError, SamplingSpec
-from kvroute.replica import LLM, SamplingParams, tiny_model_path
+from kvroute.events.replica_api import SEED_MAX, SEED_MIN, BoundsError, SamplingParams
+from kvroute.replica import LLM, tiny_model_path
 
 PROMPTS = ["The quick brown fox", "kvroute serves", "a b c d e f g", "0123456789abcdef0123"]
 N = 8  # tokens per request: enough to tell streams apart, cheap on a CPU
@@ -197,7 +197,7 @@ def test_sampling_params_reject_bad_values_naming_field_and_value(
     assert err.value.param == message.split(":")[0]
     # The wire spec the front door builds checks the very same bounds.
     with pytest.raises(BoundsError, match=re.escape(message)):
-        SamplingSpec(**kwargs)  # type: ignore[arg-type]
+        SamplingParams(**kwargs)  # type: ignore[arg-type]
 
 
 def test_seeds_at_the_bounds_sample() -> None:

@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvroute.events import BlockHasher, BlockSet
+from kvroute.events.replica_api import SamplingParams
 from kvroute.replica.fair_queue import FairQueue
 from kvroute.replica.kv_cache_manager import KVCacheManager
 from kvroute.replica.request import Request, RequestStatus
-from kvroute.replica.sampling_params import SamplingParams
 from kvroute.replica.scheduler import (
     RequestTooLongError,
     ScheduledRequest,

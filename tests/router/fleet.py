@@ -14,8 +14,9 @@ import httpx
 import ray
 import uvicorn
 
+from kvroute.deploy.router import KEEP_ALIVE_S
 from kvroute.router.frontdoor import FrontDoor
-from kvroute.router.server import create_app
+from kvroute.router.http_api import create_app
 from kvroute.router.tenants import Tenants
 
 from ..waiting import wait_for
@@ -42,7 +43,10 @@ def serve(actors: Sequence[Any], **app_kw: Any) -> Iterator[Served]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S
+    )  # as kvroute serve: an idle connection is never closed under a client reusing it
+    server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     wait_for(lambda: server.started, 30, "uvicorn started")

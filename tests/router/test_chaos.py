@@ -81,6 +81,8 @@ async def one(client: httpx.AsyncClient, url: str, c: int, n: int) -> str:
                 return "ok" if done and finish == "length" else "failed:cut"
     except TimeoutError:
         return "hung"
+    except httpx.TransportError as exc:  # the connection broke: counted, never hidden
+        return f"failed:{type(exc).__name__}"
 
 
 async def drill(served: Served) -> tuple[Counter[str], int]:

@@ -10,16 +10,16 @@ from collections import Counter
 import pytest
 import ray
 
-from kvroute.events.replica_api import BoundsError, ReplicaDeadError, SamplingSpec
+from kvroute.events.replica_api import BoundsError, ReplicaDeadError, SamplingParams
 from kvroute.router.quarantine import Quarantine, QueryOfDeathError, fingerprint, not_caused_by
 
 
 def test_fingerprint_is_the_content_not_the_sender() -> None:
-    spec = SamplingSpec(max_tokens=5, temperature=0.5, seed=3)
+    spec = SamplingParams(max_tokens=5, temperature=0.5, seed=3)
     fp = fingerprint([1, 2, 3], spec)
-    assert fp == fingerprint((1, 2, 3), SamplingSpec(max_tokens=5, temperature=0.5, seed=3))
+    assert fp == fingerprint((1, 2, 3), SamplingParams(max_tokens=5, temperature=0.5, seed=3))
     assert fp != fingerprint([1, 2, 4], spec)
-    assert fp != fingerprint([1, 2, 3], SamplingSpec(max_tokens=5, temperature=0.5, seed=4))
+    assert fp != fingerprint([1, 2, 3], SamplingParams(max_tokens=5, temperature=0.5, seed=4))
     assert len(fp) == 16
 
 

@@ -25,7 +25,7 @@ import uvicorn
 from kvroute.events.replica_api import ReplicaInfo
 from kvroute.replica.actor import start_replica
 from kvroute.router.frontdoor import FleetMismatchError, FrontDoor
-from kvroute.router.server import REPLICA_HEADER, create_app
+from kvroute.router.http_api import REPLICA_HEADER, create_app
 from kvroute.router.tenants import (
     AuthError,
     TenantConfig,
