@@ -76,6 +76,13 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
         "which must hold the same kvroute and the model files: see README)",
     )
     serve.add_argument("--num-blocks", type=int, default=None, help="KV blocks per replica")
+    serve.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        help="at most this many prompt tokens of one request per engine step (0: no cap): "
+        "shorter steps, so a newcomer's first token waits less, for some throughput",
+    )
     serve.add_argument("--block-size", type=int, default=16)
     serve.add_argument(
         "--routers",
@@ -205,6 +212,8 @@ def _start_replicas(args: argparse.Namespace, n: int, num_gpus: float, events_ho
         config["time_scale"] = args.time_scale
     if args.num_blocks:
         config["num_blocks"] = args.num_blocks
+    if args.long_prefill_token_threshold:
+        config["long_prefill_token_threshold"] = args.long_prefill_token_threshold
     where = f"{num_gpus:g} GPU" if num_gpus else f"{args.num_cpus_per_replica:g} CPU"
     _say(f"starting {n} replica(s) of {args.model} ({where} each); loading the model...")
     t0 = time.monotonic()

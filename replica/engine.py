@@ -61,6 +61,10 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max positions, capped by the cache
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
+    # >0: at most this many prompt tokens of one request per step, so steps stay short
+    # and a newcomer's first token waits for one short step (a TTFT-for-throughput knob,
+    # as vLLM's long_prefill_token_threshold)
+    long_prefill_token_threshold: int = 0
     hash_algo: str = "xxh3_128"
     hash_seed: str = DEFAULT_SEED
     hash_form: HashForm = "bytes"
@@ -130,6 +134,7 @@ class LLMEngine:
                 max_num_seqs=config.max_num_seqs,
                 max_model_len=max_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
             ),
             self.kv_cache_manager,
         )

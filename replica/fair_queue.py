@@ -72,6 +72,20 @@ class FairQueue(Generic[T]):
         self._len -= 1
         return item
 
+    def rotate(self) -> None:
+        """Sends the group served next to the back of the ring, its items unmoved (it has
+        had its share of this step)."""
+        if self._groups:
+            self._groups.move_to_end(next(iter(self._groups)))
+
+    def heads(self) -> list[T]:
+        """Each group's next item, in ring order."""
+        return [q[0] for q in self._groups.values()]
+
+    @property
+    def num_groups(self) -> int:
+        return len(self._groups)
+
     def remove(self, item: T) -> None:
         """Takes ``item`` out wherever it waits; ValueError when it is not queued."""
         group = self._key(item)

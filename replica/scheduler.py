@@ -181,6 +181,8 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
 
+        shares = self._prefill_shares()
+
         # 1. Running requests: decodes and unfinished prefill chunks.
         i = 0
         while i < len(self.running) and budget > 0:
@@ -189,7 +191,9 @@ class Scheduler:
             if 0 < threshold < num_new:
                 num_new = threshold
             num_new = min(num_new, budget)
-            if num_new <= 0:  # scheduled again before update_from_output: nothing to feed
+            if shares is not None and num_new > 1:
+                num_new = min(num_new, shares.get(req.tenant, num_new))
+            if num_new <= 0:  # nothing to feed yet, or its tenant's share is spent
                 i += 1
                 continue
             while kv.allocate_slots(req, num_new) is None:
@@ -202,10 +206,13 @@ class Scheduler:
                 break  # req preempted itself: nothing after it is running any more
             scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
+            if shares is not None and num_new > 1:
+                shares[req.tenant] = shares.get(req.tenant, num_new) - num_new
             i += 1
 
         # 2. Waiting requests, tenants in turn, unless this step already had to preempt.
         if not preempted:
+            skipped = 0  # tenants passed over in a row (their share of this step is spent)
             while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
                 if kv.get_num_free_blocks() == 0 and self.running:
                     # Admission always needs a new block (a hit is block-aligned and stops
@@ -221,6 +228,14 @@ class Scheduler:
                     if not cfg.enable_chunked_prefill:
                         break
                     num_new = budget
+                if shares is not None and num_new > 1 and cfg.enable_chunked_prefill:
+                    num_new = min(num_new, shares.get(req.tenant, num_new))
+                    if num_new <= 0:
+                        if skipped >= self.waiting.num_groups:
+                            break
+                        self.waiting.rotate()
+                        skipped += 1
+                        continue
                 if kv.allocate_slots(req, num_new, num_hit, hit_blocks) is None:
                     if not self.running:  # unreachable given max_model_len; never hang
                         self.waiting.popleft()
@@ -236,6 +251,9 @@ class Scheduler:
                 req.num_computed_tokens = num_hit
                 scheduled.append(self._scheduled(req, num_new))
                 budget -= num_new
+                skipped = 0
+                if shares is not None and num_new > 1:
+                    shares[req.tenant] = shares.get(req.tenant, num_new) - num_new
 
         finished = sorted(self.finished_req_ids)
         self.finished_req_ids = set()
@@ -245,6 +263,28 @@ class Scheduler:
             preempted_request_ids=[r.request_id for r in preempted],
             finished_request_ids=finished,
         )
+
+    def _prefill_shares(self) -> dict[str | None, int] | None:
+        """Prompt tokens each tenant may compute this step, when two or more have some to
+        compute (None otherwise: one tenant, or none, schedules as before).
+
+        Why the smallest tenant's need sets everyone's share: a step lasts as long as all
+        its tokens take, so a short request of one tenant that shares a step with another
+        tenant's long prompt chunk waits for that chunk. Capping every tenant at the
+        smallest pending need (running prefills plus each tenant's next waiting request)
+        gives the short request a step about twice its own length instead; the long prompt
+        goes on at full size as soon as nobody else waits. Decodes are never capped."""
+        pending: dict[str | None, int] = {}
+        for req in self.running:
+            left = req.num_tokens - req.num_computed_tokens
+            if left > 1:
+                pending[req.tenant] = pending.get(req.tenant, 0) + left
+        for req in self.waiting.heads():
+            pending[req.tenant] = pending.get(req.tenant, 0) + req.num_tokens
+        if len(pending) < 2:
+            return None
+        share = max(min(pending.values()), 1)
+        return dict.fromkeys(pending, share)
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         """Records the chunk and advances ``num_computed_tokens`` (blocks are allocated)."""

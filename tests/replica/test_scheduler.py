@@ -585,3 +585,36 @@ def test_fair_queue_turns_tenants_and_puts_the_preempted_first() -> None:
     assert [q.popleft() for _ in range(len(q))] == expected and not q
     with pytest.raises(IndexError):
         q.peek()
+
+
+def test_a_short_request_of_one_tenant_shares_a_step_with_equal_chunks_of_another() -> None:
+    """Tenant a prefills a long prompt; tenant b's short request arrives: while both have
+    prompt tokens to compute, each gets the smaller need this step (b's 24), so b's step is
+    about twice its own length, not b plus a whole chunk of a's; alone again, a's chunks
+    go back to full size. Outputs never change."""
+    h = Harness(1000, max_num_batched_tokens=256)
+    h.add("long", prompt(1, 1000), tenant="a", max_tokens=2, ignore_eos=True)
+    assert scheduled_ids(h.step())["long"].num_new_tokens == 256  # alone: the whole budget
+    h.add("short", prompt(2, 24), tenant="b", max_tokens=2, ignore_eos=True)
+    out = scheduled_ids(h.step())
+    assert out["long"].num_new_tokens == 24 and out["short"].num_new_tokens == 24
+    assert scheduled_ids(h.step())["long"].num_new_tokens == 256  # b decodes: a alone again
+    h.run_all()
+    for r in h.done.values():
+        assert r.output_token_ids == reference(r.prompt_token_ids, r.sampling_params, None, 8192)
+
+
+def test_tenant_shares_never_starve_and_one_tenant_schedules_as_before() -> None:
+    """Many tenants with short prompts keep coming: the long prompt still gains at least
+    the smallest need every step, and finishes. With one tenant nothing is capped."""
+    h = Harness(2000, max_num_batched_tokens=128)
+    h.add("long", prompt(1, 600), tenant="a", max_tokens=1, ignore_eos=True)
+    for i in range(40):
+        h.add(f"s{i}", prompt(10 + i, 8), tenant=f"t{i % 5}", max_tokens=1, ignore_eos=True)
+        h.step()
+    h.run_all()
+    assert "long" in h.done and len(h.done) == 41
+    solo = Harness(2000, max_num_batched_tokens=128)
+    solo.add("long", prompt(1, 600), tenant="a", max_tokens=1)
+    solo.add("short", prompt(2, 8), tenant="a", max_tokens=1)
+    assert scheduled_ids(solo.step())["long"].num_new_tokens == 128  # one tenant: uncapped
