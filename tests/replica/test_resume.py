@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import msgspec
 import pytest
 
 from kvroute.events.replica_api import Resume
@@ -99,7 +100,7 @@ def test_a_stop_string_across_the_cut(engine: LLMEngine) -> None:
     free = run(engine, SEEDED)
     stop = free.text[8:11]  # some text the seeded run will produce past token 5
     assert stop and stop not in free.text[:8]
-    params = SamplingParams(**{**vars(SEEDED), "stop": [stop]})
+    params = msgspec.structs.replace(SEEDED, stop=[stop])
     full = run(engine, params)
     assert full.finish_reason == "stop" and stop not in full.text
     resume = cut(full, 5)

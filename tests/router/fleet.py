@@ -15,6 +15,7 @@ import ray
 import uvicorn
 
 from kvroute.deploy.router import KEEP_ALIVE_S
+from kvroute.replica.actor import start_replica
 from kvroute.router.frontdoor import FrontDoor
 from kvroute.router.http_api import create_app
 from kvroute.router.tenants import Tenants
@@ -56,6 +57,19 @@ def serve(actors: Sequence[Any], **app_kw: Any) -> Iterator[Served]:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+@contextlib.contextmanager
+def serve_sim(prefix: str, n: int, config: dict[str, Any], **actor_kw: Any) -> Iterator[Served]:
+    """A local Ray, ``n`` cost-model replicas (``config``'s ``sim:`` model; no CPU reserved:
+    they sleep) named ``<prefix><i>``, served until the block ends."""
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
+    try:
+        actors = [start_replica(f"{prefix}{i}", config, num_cpus=0, **actor_kw) for i in range(n)]
+        with serve(actors) as s:
+            yield s
+    finally:
+        ray.shutdown()
 
 
 def assert_clean_error(r: httpx.Response, status: int) -> dict[str, Any]:

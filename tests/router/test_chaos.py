@@ -26,10 +26,8 @@ import httpx
 import pytest
 import ray
 
-from kvroute.replica.actor import start_replica
-
 from ..waiting import wait_for
-from .fleet import Served, serve
+from .fleet import Served, serve_sim
 
 SECONDS = float(os.environ.get("KVROUTE_CHAOS_SECONDS", "30"))
 KILL_EVERY_S = 10.0
@@ -44,13 +42,8 @@ TIMEOUT_S = 30.0  # a request with no answer by then is hung
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
-    try:
-        actors = [start_replica(f"c{i}", SIM, num_cpus=0, max_restarts=-1) for i in range(REPLICAS)]
-        with serve(actors) as s:
-            yield s
-    finally:
-        ray.shutdown()
+    with serve_sim("c", REPLICAS, SIM, max_restarts=-1) as s:
+        yield s
 
 
 def prompt(client: int, n: int) -> list[int]:

@@ -23,11 +23,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-import ray
 
-from kvroute.replica.actor import start_replica
-
-from .fleet import Served, serve
+from .fleet import Served, serve_sim
 
 MODEL = "sim:h100-8b"
 SIM = {"model": MODEL, "block_size": 16, "num_blocks": 4096, "time_scale": 4.0,
@@ -40,14 +37,9 @@ FLOOD, OTHER = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
-    try:
-        actors = [start_replica(f"f{i}", SIM, num_cpus=0) for i in range(2)]
-        with serve(actors) as s:
-            s.door.max_in_flight, s.door.shares.cap = BUDGET, SHARE
-            yield s
-    finally:
-        ray.shutdown()
+    with serve_sim("f", 2, SIM) as s:
+        s.door.max_in_flight, s.door.shares.cap = BUDGET, SHARE
+        yield s
 
 
 REPLICA_TTFT: list[float] = []  # the other tenant's TTFT as its replica measured it

@@ -18,13 +18,11 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-import ray
 
-from kvroute.replica.actor import start_replica
 from kvroute.router.policy import make_policy
 from kvroute.router.tenants import DEV_FLEET_SECRET, tenant_salt
 
-from .fleet import Served, serve
+from .fleet import Served, serve_sim
 
 MODEL = "sim:h100-8b"
 REPLICAS = 4
@@ -36,13 +34,8 @@ VICTIM, ATTACKER = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer 
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
-    try:
-        actors = [start_replica(f"i{i}", SIM, num_cpus=0) for i in range(REPLICAS)]
-        with serve(actors) as s:
-            yield s
-    finally:
-        ray.shutdown()
+    with serve_sim("i", REPLICAS, SIM) as s:
+        yield s
 
 
 def tokens(rng: random.Random) -> list[int]:
@@ -97,8 +90,16 @@ def test_a_tenant_probing_anothers_prompts_learns_nothing(served: Served, policy
     # fleet's own secret (an attacker who stole it); "default" (the anonymous tenant's id).
     guesses = [None, "alpha", "default", tenant_salt("test-secret", "alpha"),
                tenant_salt(DEV_FLEET_SECRET, "alpha")]  # fmt: skip
-    probes = [ask(url, ATTACKER, p, salt) for p in secrets for salt in guesses]
-    cold = [ask(url, ATTACKER, tokens(rng)) for _ in range(len(probes))]
+    probes, cold = [], []
+    for p in secrets:  # interleaved in random order: drift and order hit both alike
+        for salt in guesses:
+            fresh = tokens(rng)
+            if rng.random() < 0.5:
+                probes.append(ask(url, ATTACKER, p, salt))
+                cold.append(ask(url, ATTACKER, fresh))
+            else:
+                cold.append(ask(url, ATTACKER, fresh))
+                probes.append(ask(url, ATTACKER, p, salt))
     assert all(cached == 0 for _, cached, _ in probes)  # never the victim's blocks
 
     probe_ttft, cold_ttft = [t for t, _, _ in probes], [t for t, _, _ in cold]

@@ -19,11 +19,10 @@ import httpx
 import pytest
 import ray
 
-from kvroute.replica.actor import start_replica
 from kvroute.router.limits import AdmissionQueue
 
 from ..waiting import wait_for
-from .fleet import Served, serve
+from .fleet import Served, serve_sim
 
 CLIENTS = 500
 MAX_IN_FLIGHT = 150  # fewer than the clients: a burst waits in the queue or gets a 429
@@ -35,15 +34,10 @@ AUTH = {"Authorization": "Bearer key-a"}
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
-    try:
-        actors = [start_replica(f"l{i}", SIM, num_cpus=0) for i in range(2)]
-        with serve(actors) as s:
-            s.door.max_in_flight = MAX_IN_FLIGHT
-            s.door.admission = AdmissionQueue(QUEUE, timeout_s=30.0)
-            yield s
-    finally:
-        ray.shutdown()
+    with serve_sim("l", 2, SIM) as s:
+        s.door.max_in_flight = MAX_IN_FLIGHT
+        s.door.admission = AdmissionQueue(QUEUE, timeout_s=30.0)
+        yield s
 
 
 async def one(http: httpx.AsyncClient, url: str, i: int) -> str:
