@@ -48,14 +48,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-import ray
 
 from kvroute.events import BlockHasher, HashConfig, ZmqEventSubscriber, to_external
 from kvroute.events.replica_api import (
     GenerateDelta,
     GenerateRequest,
     InvalidRequestError,
-    ReplicaDeadError,
     ReplicaInfo,
     Resume,
     SamplingParams,
@@ -68,6 +66,7 @@ from .load import LoadTracker
 from .metrics import FleetCollector, Metrics
 from .policy import NoReplicaError, Policy, RequestView, make_policy
 from .quarantine import Quarantine, fingerprint, not_caused_by
+from .stream import REPLICA_FAILURES, Stream
 from .tenants import Tenant
 
 log = logging.getLogger(__name__)
@@ -75,11 +74,6 @@ log = logging.getLogger(__name__)
 # Summed into /metrics across a replica's subscriptions.
 RETIRED_EVENT_FIELDS = ("delivered", "gaps", "malformed", "restarts", "resets")
 ADDED_LATENCY_WINDOW = 4096  # the latest requests whose added latency /metrics summarizes
-
-# What a call to a dead, restarting or unreachable actor raises: retry elsewhere.
-REPLICA_FAILURES: tuple[type[BaseException], ...] = (ReplicaDeadError, ray.exceptions.RayActorError)
-if hasattr(ray.exceptions, "ActorUnavailableError"):
-    REPLICA_FAILURES += (ray.exceptions.ActorUnavailableError,)
 
 
 class FleetMismatchError(ValueError):
@@ -96,82 +90,6 @@ class ReplicaHandle:
     routed: int = 0  # kept across the replica's restarts, like every counter here
     failures: int = 0  # failures reported so far: one that changed meanwhile was not ours
     restarts: int = 0  # new incarnations the front door followed
-
-
-class Stream:
-    """One request's deltas, the first already received; iterate once, or ``aclose``."""
-
-    def __init__(
-        self,
-        door: FrontDoor,
-        request_id: str,
-        replica: str,
-        first: GenerateDelta,
-        rest: AsyncIterator[GenerateDelta],
-        fingerprint: str = "",
-    ) -> None:
-        self.door, self.request_id, self.replica = door, request_id, replica
-        self.fingerprint = fingerprint
-        self.tenant: str | None = None  # set by FrontDoor.open: its share, released at close
-        self._first: GenerateDelta | None = first
-        self.num_output_tokens = 0  # as the replica counts them (cumulative)
-        self._rest = rest
-        self._done = False
-        self._itl: Any = None  # this stream's inter-token histogram, once labelled
-        self._last_at = time.perf_counter()  # of the latest delta with tokens (first: now)
-
-    def _timed(self, delta: GenerateDelta) -> None:
-        """Inter-token latency: the gap since the previous delta, per token of this one."""
-        n = len(delta.delta_token_ids)
-        if not n:
-            return
-        now = time.perf_counter()
-        if self._itl is None:
-            m = self.door.metrics
-            self._itl = m.itl.labels(m.tenant(self.tenant), self.replica)
-        self._itl.observe((now - self._last_at) / n)
-        self._last_at = now
-
-    @property
-    def first(self) -> GenerateDelta | None:
-        """The first delta, until iteration hands it out."""
-        return self._first
-
-    async def __aiter__(self) -> AsyncIterator[GenerateDelta]:
-        try:
-            if self._first is not None:
-                first, self._first = self._first, None
-                self.num_output_tokens = first.num_output_tokens
-                yield first
-                if first.finished:
-                    return
-            async for delta in self._rest:
-                self.num_output_tokens = delta.num_output_tokens
-                self._timed(delta)
-                yield delta
-                if delta.finished:
-                    return
-        except REPLICA_FAILURES as exc:
-            door = self.door
-            if getattr(exc, "suspect", False):  # its engine died computing it: no replay
-                door.suspects.strike(self.fingerprint, self.request_id, self.replica, strikes=2)
-            door.on_replica_failure(self.replica)
-            raise
-        finally:
-            await self.aclose()
-
-    async def aclose(self) -> None:
-        """Ends the request (cancelling it on the replica if it still runs); idempotent."""
-        if self._done:
-            return
-        self._done = True
-        with contextlib.suppress(Exception):
-            await self._rest.aclose()  # type: ignore[attr-defined]
-        self.door.policy.on_finished(self.request_id, time.monotonic(), self.num_output_tokens)
-        self.door.wake()
-        if self.tenant is not None:
-            self.door.shares.release(self.tenant)
-            self.door.rates.charge(self.tenant, self.num_output_tokens)
 
 
 class FrontDoor:

@@ -27,12 +27,13 @@ from kvroute.events.replica_api import (
 )
 
 from .errors import APIError, one_line, read_body, request_id, validation_error
-from .frontdoor import REPLICA_FAILURES, FrontDoor, Stream
+from .frontdoor import FrontDoor
 from .limits import OverloadedError
 from .openai_api import ChatCompletionRequest, CompletionRequest
 from .policy import NoReplicaError
 from .quarantine import QueryOfDeathError
 from .responses import FAILED, request_failed
+from .stream import REPLICA_FAILURES, Stream
 from .tenants import Tenant
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from .errors import APIError, one_line, request_id
-from .frontdoor import REPLICA_FAILURES, FrontDoor, Stream
+from .frontdoor import FrontDoor
 from .openai_api import (
     ChatCompletionRequest,
     ChatLogprobs,
@@ -32,6 +32,7 @@ from .openai_api import (
     error_body,
     make_usage,
 )
+from .stream import REPLICA_FAILURES, Stream
 
 log = logging.getLogger(__name__)
 # One line per finished request (INFO): tenant, replica, tokens, TTFT, status. Off unless

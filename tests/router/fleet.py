@@ -36,9 +36,13 @@ class Served:
 
 
 @contextlib.contextmanager
-def serve(actors: Sequence[Any], **app_kw: Any) -> Iterator[Served]:
-    """Serves ``actors`` (already created, Ray running) until the block ends."""
-    infos = ray.get([a.info.remote() for a in actors], timeout=120)
+def serve(
+    actors: Sequence[Any], infos: Sequence[Any] | None = None, **app_kw: Any
+) -> Iterator[Served]:
+    """Serves ``actors`` (already created, Ray running) until the block ends. ``infos``:
+    their ReplicaInfo as the front door should see it (default: what they report)."""
+    if infos is None:
+        infos = ray.get([a.info.remote() for a in actors], timeout=120)
     door = FrontDoor(list(zip(actors, infos, strict=True)), monitor_interval_s=0.5)
     app = create_app(door, Tenants.from_api_keys(KEYS, "test-secret"), **app_kw)
     with socket.socket() as s:
