@@ -153,7 +153,9 @@ def is_loopback(host: str) -> bool:
 def describe_tenants(spec: TenantsFile | None) -> str:
     if spec is None:
         return "anonymous: one tenant 'default', no API key needed"
-    limited = sum(t.limits != t.limits.__class__() for t in spec.tenants)
+    from kvroute.router.limits import Limits
+
+    limited = sum(t.limits != Limits() for t in spec.tenants)
     return (
         f"{len(spec.tenants)} tenant(s), {limited} with limits, {len(spec.admin_keys)} admin key(s)"
     )

@@ -122,20 +122,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.num_cpus_per_replica is None:
         args.num_cpus_per_replica = 0.0 if simulated else 1.0
-    try:
-        args.resources_per_replica = json.loads(args.resources_per_replica or "{}")
-        if not isinstance(args.resources_per_replica, dict):
-            raise ValueError("not a JSON object")
-    except ValueError as exc:
-        _say(f"--resources-per-replica: {exc}")
-        return 2
-    try:
-        args.runtime_env = json.loads(args.runtime_env) if args.runtime_env else None
-        if args.runtime_env is not None and not isinstance(args.runtime_env, dict):
-            raise ValueError("not a JSON object")
-    except ValueError as exc:
-        _say(f"--runtime-env: {exc}")
-        return 2
+    for flag in ("--resources-per-replica", "--runtime-env"):
+        attr = flag[2:].replace("-", "_")
+        try:
+            setattr(args, attr, _json_object(getattr(args, attr)))
+        except ValueError as exc:
+            _say(f"{flag}: {exc}")
+            return 2
 
     import ray
 
@@ -155,6 +148,16 @@ def run(args: argparse.Namespace) -> int:
                 proc.kill()
         if ray.is_initialized():
             ray.shutdown()
+
+
+def _json_object(text: str | None) -> dict[str, Any] | None:
+    """A flag's JSON object (None when not given); ValueError for anything else."""
+    if not text:
+        return None
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError("not a JSON object")
+    return value
 
 
 def _start_ray(args: argparse.Namespace) -> tuple[int, float, str]:

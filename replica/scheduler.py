@@ -190,9 +190,7 @@ class Scheduler:
             num_new = req.num_tokens - req.num_computed_tokens
             if 0 < threshold < num_new:
                 num_new = threshold
-            num_new = min(num_new, budget)
-            if shares is not None and num_new > 1:
-                num_new = min(num_new, shares.get(req.tenant, num_new))
+            num_new = _within_share(shares, req, min(num_new, budget))
             if num_new <= 0:  # nothing to feed yet, or its tenant's share is spent
                 i += 1
                 continue
@@ -206,8 +204,7 @@ class Scheduler:
                 break  # req preempted itself: nothing after it is running any more
             scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
-            if shares is not None and num_new > 1:
-                shares[req.tenant] = shares.get(req.tenant, num_new) - num_new
+            _charge_share(shares, req, num_new)
             i += 1
 
         # 2. Waiting requests, tenants in turn, unless this step already had to preempt.
@@ -228,14 +225,13 @@ class Scheduler:
                     if not cfg.enable_chunked_prefill:
                         break
                     num_new = budget
-                if shares is not None and num_new > 1 and cfg.enable_chunked_prefill:
-                    num_new = min(num_new, shares.get(req.tenant, num_new))
-                    if num_new <= 0:
-                        if skipped >= self.waiting.num_groups:
-                            break
-                        self.waiting.rotate()
-                        skipped += 1
-                        continue
+                num_new = _within_share(shares, req, num_new)
+                if num_new <= 0:  # its tenant's share of this step is spent: the next one
+                    if skipped >= self.waiting.num_groups:
+                        break
+                    self.waiting.rotate()
+                    skipped += 1
+                    continue
                 if kv.allocate_slots(req, num_new, num_hit, hit_blocks) is None:
                     if not self.running:  # unreachable given max_model_len; never hang
                         self.waiting.popleft()
@@ -252,8 +248,7 @@ class Scheduler:
                 scheduled.append(self._scheduled(req, num_new))
                 budget -= num_new
                 skipped = 0
-                if shares is not None and num_new > 1:
-                    shares[req.tenant] = shares.get(req.tenant, num_new) - num_new
+                _charge_share(shares, req, num_new)
 
         finished = sorted(self.finished_req_ids)
         self.finished_req_ids = set()
@@ -274,6 +269,8 @@ class Scheduler:
         smallest pending need (running prefills plus each tenant's next waiting request)
         gives the short request a step about twice its own length instead; the long prompt
         goes on at full size as soon as nobody else waits. Decodes are never capped."""
+        if not self.config.enable_chunked_prefill:  # a capped prompt would be a chunk
+            return None
         pending: dict[str | None, int] = {}
         for req in self.running:
             left = req.num_tokens - req.num_computed_tokens
@@ -378,6 +375,19 @@ class Scheduler:
             "prefix_cache_hits": kv.prefix_cache_hits,
             "num_preemptions": self.num_preemptions,
         }
+
+
+def _within_share(shares: dict[str | None, int] | None, req: Request, num_new: int) -> int:
+    """``num_new`` capped by what is left of the request's tenant's prefill share (decodes,
+    and every request when no shares apply, are never capped)."""
+    if shares is None or num_new <= 1:
+        return num_new
+    return min(num_new, shares.get(req.tenant, num_new))
+
+
+def _charge_share(shares: dict[str | None, int] | None, req: Request, num_new: int) -> None:
+    if shares is not None and num_new > 1:
+        shares[req.tenant] = shares.get(req.tenant, num_new) - num_new
 
 
 def _tenant_of(req: Request) -> str | None:

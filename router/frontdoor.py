@@ -376,9 +376,7 @@ class FrontDoor:
             if not candidates:
                 self.errors["no_replica"] += 1
                 raise NoReplicaError("no replica is available")
-            decision = self.policy.route(view, candidates, time.monotonic())
-            rid = decision.replica
-            self.metrics.routing.labels(rid, decision.reason).inc()
+            rid = self._route(view, candidates, time.monotonic())
             tried.add(rid)
             rep = self.replicas[rid]
             req = GenerateRequest(
@@ -417,6 +415,12 @@ class FrontDoor:
             deltas = self._failover(view, req, rid, first, rest, failures_at_send)
             return Stream(self, request_id, rid, first, deltas, fp)
         raise AssertionError("unreachable")
+
+    def _route(self, view: RequestView, candidates: list[str], now: float) -> str:
+        """The policy's choice, counted in /metrics with its reason."""
+        decision = self.policy.route(view, candidates, now)
+        self.metrics.routing.labels(decision.replica, decision.reason).inc()
+        return decision.replica
 
     async def _failover(
         self,
@@ -463,9 +467,7 @@ class FrontDoor:
                     if not candidates or not outputs:
                         raise
                     self.policy.on_finished(view.request_id, now)
-                    decision = self.policy.route(view, candidates, now)
-                    current = decision.replica
-                    self.metrics.routing.labels(current, decision.reason).inc()
+                    current = self._route(view, candidates, now)
                     target = self.replicas[current]
                     failures_at_send = target.failures
                     resumed = msgspec.structs.replace(

@@ -41,7 +41,6 @@ request_log = logging.getLogger("kvroute.requests")
 
 
 def end_request(
-    door: FrontDoor,
     rid: str,
     stream: Stream,
     last: Any,
@@ -52,7 +51,7 @@ def end_request(
     """A request's end: its metrics (when it ran to its end) and its log line."""
     if status.startswith("200") and last is not None and last.finished:
         e2e = None if arrival is None else time.perf_counter() - arrival
-        door.metrics.finished(stream.tenant, stream.replica, ttft_s, e2e, last)
+        stream.door.metrics.finished(stream.tenant, stream.replica, ttft_s, e2e, last)
     if not request_log.isEnabledFor(logging.INFO):
         return
     request_log.info(
@@ -191,7 +190,7 @@ async def respond(
         await task
     except REPLICA_FAILURES as exc:
         log.warning("request %s: replica failed mid-request: %s", rid, one_line(str(exc)))
-        end_request(door, rid, stream, last, ttft_s, "503 replica_failed", arrival)
+        end_request(rid, stream, last, ttft_s, "503 replica_failed", arrival)
         raise APIError(503, FAILED, "service_unavailable", code="replica_failed") from None
     finally:
         if not task.done():  # cancelling it cancels the request on the replica
@@ -200,10 +199,10 @@ async def respond(
                 await task
         await stream.aclose()
     if finish == "error":
-        end_request(door, rid, stream, last, ttft_s, "500 request_failed", arrival)
+        end_request(rid, stream, last, ttft_s, "500 request_failed", arrival)
         raise request_failed(rid, last)
     usage = _usage(last)
-    end_request(door, rid, stream, last, ttft_s, f"200 {finish}", arrival)
+    end_request(rid, stream, last, ttft_s, f"200 {finish}", arrival)
     shaped = logprobs(ids, entries) if logprobs is not None else None
     return JSONResponse(final("".join(parts), finish, usage, shaped), headers=headers)
 
@@ -273,7 +272,7 @@ async def _sse(
         ttft = None if timing is None else timing["router_ttft_s"]
         if status == "200":  # no [DONE] reached the client: it went away mid-stream
             status = f"200 {last.finish_reason}" if last and last.finished else "499 client_gone"
-        end_request(door, rid, stream, last, ttft, status, arrival)
+        end_request(rid, stream, last, ttft, status, arrival)
     if timing is not None:
         yield f": kvroute-timing {dumps(timing)}\n\n"
     yield "data: [DONE]\n\n"

@@ -189,10 +189,6 @@ class Tenants:
         if not self.tenants:
             self.tenants[DEFAULT_TENANT] = self.default
 
-    @classmethod
-    def from_api_keys(cls, api_keys: Mapping[str, str] | None, fleet_secret: str) -> Tenants:
-        return cls(tenants_from_api_keys(api_keys) if api_keys else None, fleet_secret)
-
     @property
     def open(self) -> bool:
         """No keys configured: every request is the default tenant."""

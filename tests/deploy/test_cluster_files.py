@@ -48,7 +48,9 @@ def launcher() -> dict[str, Any]:
 def test_ray_validates_the_launcher_file(launcher: dict[str, Any]) -> None:
     from ray.autoscaler._private.util import prepare_config, validate_config
 
-    validate_config(prepare_config(launcher))  # what `ray up` runs first; raises if invalid
+    config = prepare_config(launcher)
+    assert validate_config(config) is None  # what `ray up` runs first; raises if invalid
+    assert config["head_node_type"] in config["available_node_types"]
 
 
 def test_launcher_file_gpu_workers_cpu_head_and_the_start_line(launcher: dict[str, Any]) -> None:

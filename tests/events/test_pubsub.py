@@ -183,6 +183,10 @@ def test_many_publishers_each_with_their_own_view():
                 p.publish(c.step())
         for i, c in enumerate(churns):
             wait_until_synced(sub, views, f"r{i}", c.truth)
+        # each view is its own publisher's, none mixed with another's
+        views_by_rid = [views.counts(f"r{i}") for i in range(4)]
+        assert all(v == dict(c.truth) for v, c in zip(views_by_rid, churns, strict=True))
+        assert len({frozenset(v) for v in views_by_rid}) == 4
     finally:
         sub.close()
         for p in pubs:

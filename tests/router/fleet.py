@@ -18,7 +18,7 @@ from kvroute.deploy.router import KEEP_ALIVE_S
 from kvroute.replica.actor import start_replica
 from kvroute.router.frontdoor import FrontDoor
 from kvroute.router.http_api import create_app
-from kvroute.router.tenants import Tenants
+from kvroute.router.tenants import Tenants, tenants_from_api_keys
 
 from ..waiting import wait_for
 
@@ -44,7 +44,7 @@ def serve(
     if infos is None:
         infos = ray.get([a.info.remote() for a in actors], timeout=120)
     door = FrontDoor(list(zip(actors, infos, strict=True)), monitor_interval_s=0.5)
-    app = create_app(door, Tenants.from_api_keys(KEYS, "test-secret"), **app_kw)
+    app = create_app(door, Tenants(tenants_from_api_keys(KEYS), "test-secret"), **app_kw)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -34,6 +34,7 @@ from kvroute.router.tenants import (
     hash_key,
     load_api_keys,
     tenant_salt,
+    tenants_from_api_keys,
 )
 
 from ..deploy.test_grafana import load as load_dashboard
@@ -59,7 +60,7 @@ def fleet() -> Iterator[dict[str, Any]]:
         ]
         infos = ray.get([a.info.remote() for a in actors], timeout=120)
         door = FrontDoor(list(zip(actors, infos, strict=True)), monitor_interval_s=0.5)
-        app = create_app(door, Tenants.from_api_keys(KEYS, "test-secret"))
+        app = create_app(door, Tenants(tenants_from_api_keys(KEYS), "test-secret"))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -84,12 +85,13 @@ def client(fleet: dict[str, Any], key: str = "key-a") -> openai.OpenAI:
 
 # -- tenants (no server) --------------------------------------------------------------------
 def test_tenants_salt_isolates_and_request_salt_only_narrows(tmp_path: Any) -> None:
-    t = Tenants.from_api_keys(KEYS, "s")
+    t = Tenants(tenants_from_api_keys(KEYS), "s")
     a, b = t.authenticate("Bearer key-a"), t.authenticate("bearer key-b")
     assert (a.tenant_id, b.tenant_id) == ("alpha", "beta")
     assert a.cache_salt == tenant_salt("s", "alpha") != b.cache_salt
     assert (
-        Tenants.from_api_keys(KEYS, "other").authenticate("Bearer key-a").cache_salt != a.cache_salt
+        Tenants(tenants_from_api_keys(KEYS), "other").authenticate("Bearer key-a").cache_salt
+        != a.cache_salt
     )
     # A request's own salt is appended: it can never equal another tenant's salt.
     assert a.salt_for("x") == a.cache_salt + ":x" and a.salt_for(None) == a.cache_salt
