@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 
 RAY_NAMESPACE = "kvroute"
 REPLICA_ACTOR_PREFIX = "replica-"  # actor name = prefix + replica id
-KEEP_ALIVE_S = 75
 
 
 def add_front_door_arguments(p: argparse.ArgumentParser) -> None:
@@ -98,7 +97,8 @@ def add_front_door_arguments(p: argparse.ArgumentParser) -> None:
         "--body-timeout",
         type=float,
         default=30.0,
-        help="seconds for a request body to arrive whole; slower ones get 408 (default: 30)",
+        help="seconds for a request's head, then its body, to arrive whole: a slower head "
+        "closes its connection, a slower body gets 408 (default: 30)",
     )
 
 
@@ -221,11 +221,19 @@ def build_app(
 
 
 def serve_app(
-    app: Any, host: str, port: int, reuse_port: bool, ready: Callable[[], None] | None = None
+    app: Any,
+    host: str,
+    port: int,
+    reuse_port: bool,
+    ready: Callable[[], None] | None = None,
+    head_timeout_s: float = 30.0,
 ) -> None:
     """uvicorn on a socket bound here: with ``reuse_port``, several processes share it.
-    ``ready`` runs once the server accepts connections (what a "ready" line may promise)."""
+    ``ready`` runs once the server accepts connections (what a "ready" line may promise);
+    ``head_timeout_s``: a request head slower than this closes its connection."""
     import uvicorn
+
+    from .http_server import uvicorn_config
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -233,10 +241,7 @@ def serve_app(
     if reuse_port:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
-    # Keep-alive past a load balancer's idle timeout (AWS ALB: 60 s): a backend that closes
-    # an idle connection first races the balancer's next request on it (a reset request).
-    config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S)
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn_config(app, head_timeout_s))
 
     def announce() -> None:
         while not server.started and not server.should_exit:
@@ -276,7 +281,9 @@ def run(args: argparse.Namespace) -> int:
             f"ready on http://{args.host}:{args.port}/v1 ({len(replicas)} replicas, "
             f"policy {args.policy}; {describe_tenants(spec)})"
         )
-        serve_app(app, args.host, args.port, args.reuse_port, lambda: say(message))
+        serve_app(
+            app, args.host, args.port, args.reuse_port, lambda: say(message), args.body_timeout
+        )
         return 0
     except KeyboardInterrupt:
         return 130

@@ -83,6 +83,14 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
         help="at most this many prompt tokens of one request per engine step (0: no cap): "
         "shorter steps, so a newcomer's first token waits less, for some throughput",
     )
+    serve.add_argument(
+        "--max-num-partial-prefills",
+        type=int,
+        default=0,
+        help="at most this many requests of one tenant part-way through their prompt at once "
+        "(0: no limit); with --long-prefill-token-threshold it bounds every step, which keeps "
+        "one tenant's long prompts from delaying another's first token (see README)",
+    )
     serve.add_argument("--block-size", type=int, default=16)
     serve.add_argument(
         "--routers",
@@ -217,6 +225,8 @@ def _start_replicas(args: argparse.Namespace, n: int, num_gpus: float, events_ho
         config["num_blocks"] = args.num_blocks
     if args.long_prefill_token_threshold:
         config["long_prefill_token_threshold"] = args.long_prefill_token_threshold
+    if args.max_num_partial_prefills:
+        config["max_num_partial_prefills"] = args.max_num_partial_prefills
     where = f"{num_gpus:g} GPU" if num_gpus else f"{args.num_cpus_per_replica:g} CPU"
     _say(f"starting {n} replica(s) of {args.model} ({where} each); loading the model...")
     t0 = time.monotonic()
@@ -329,7 +339,7 @@ def _run(
         f"ready: model {name!r} on http://{args.host}:{args.port}/v1 "
         f"({n} replicas, policy {args.policy}{doors}, {auth}); Ctrl-C stops"
     )
-    serve_app(app, args.host, args.port, args.routers > 1, lambda: _say(message))
+    serve_app(app, args.host, args.port, args.routers > 1, lambda: _say(message), args.body_timeout)
     if args.address:
         _say("stopped; the replicas keep running (detached): `kvroute stop` ends them")
     else:

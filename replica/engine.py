@@ -65,6 +65,9 @@ class EngineConfig:
     # and a newcomer's first token waits for one short step (a TTFT-for-throughput knob,
     # as vLLM's long_prefill_token_threshold)
     long_prefill_token_threshold: int = 0
+    # >0: at most this many requests of one tenant part-way through their prompt at once
+    # (vLLM's max_num_partial_prefills, per tenant); with the threshold, it bounds a step
+    max_num_partial_prefills: int = 0
     hash_algo: str = "xxh3_128"
     hash_seed: str = DEFAULT_SEED
     hash_form: HashForm = "bytes"
@@ -135,6 +138,7 @@ class LLMEngine:
                 max_model_len=max_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
+                max_num_partial_prefills=config.max_num_partial_prefills,
             ),
             self.kv_cache_manager,
         )

@@ -13,6 +13,10 @@ keeps the recompute it costs short (the single-group behaviour, unchanged).
 
 Every operation but :meth:`remove` (a waiting request aborted: O(its tenant's queue)) and
 iteration is O(1).
+
+:class:`TenantUsage` decides who gets a step's prompt tokens when tenants compete: the
+least served first (a virtual token counter, after Sheng et al., "Fairness in Serving Large
+Language Models", OSDI 2024).
 """
 
 from __future__ import annotations
@@ -115,3 +119,46 @@ class FairQueue(Generic[T]):
                     alive.append(it)
                     yield item  # type: ignore[misc]
             iters = alive
+
+
+class TenantUsage:
+    """Tokens computed per tenant while it has live requests: the tenant with the smallest
+    count is served first.
+
+    Invariants: only tenants seen since the engine was last idle are counted; a tenant that
+    becomes live while others are is lifted to the smallest live count, so time spent idle
+    is never banked as credit against tenants that kept the engine busy (a returning tenant
+    is not owed the past, and a flooder is not punished for it); the counts of two
+    continuously live tenants differ by at most what one step can charge one of them, so
+    none starves."""
+
+    def __init__(self) -> None:
+        self._count: dict[Hashable, float] = {}
+        self._live: dict[Hashable, int] = {}  # live requests per tenant (absent: none)
+
+    def arrived(self, tenant: Hashable) -> None:
+        """A request of ``tenant`` went live (queued)."""
+        if tenant not in self._live:
+            if not self._live:
+                self._count.clear()  # the engine was idle: everyone starts equal
+            floor = min((self._count.get(t, 0.0) for t in self._live), default=0.0)
+            self._count[tenant] = max(self._count.get(tenant, 0.0), floor)
+        self._live[tenant] = self._live.get(tenant, 0) + 1
+
+    def left(self, tenant: Hashable) -> None:
+        """A request of ``tenant`` finished or was aborted."""
+        n = self._live[tenant] - 1
+        if n:
+            self._live[tenant] = n
+        else:
+            del self._live[tenant]
+
+    def charge(self, tenant: Hashable, num_tokens: int) -> None:
+        self._count[tenant] = self._count.get(tenant, 0.0) + num_tokens
+
+    def count(self, tenant: Hashable) -> float:
+        return self._count.get(tenant, 0.0)
+
+    def live(self, tenant: Hashable) -> int:
+        """The tenant's live requests."""
+        return self._live.get(tenant, 0)

@@ -30,7 +30,7 @@ from typing import Any
 
 from kvroute.events.load import LoadReport
 
-from .fair_queue import FairQueue
+from .fair_queue import FairQueue, TenantUsage
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
 
@@ -50,6 +50,11 @@ class SchedulerConfig:
     # >0: cap one request's prefill chunk per step, so one long prompt cannot take the whole
     # budget from other prefills (only with chunked prefill).
     long_prefill_token_threshold: int = 0
+    # >0: at most this many requests of one tenant may be part-way through their prompt at
+    # once (vLLM's max_num_partial_prefills, counted per tenant; with one tenant the same):
+    # with the threshold above it bounds the prompt tokens of any step, so a newcomer waits
+    # behind one short step, not several chunks at once (only with chunked prefill).
+    max_num_partial_prefills: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -59,6 +64,8 @@ class SchedulerConfig:
             raise ValueError("max_model_len must be >= 2 (one prompt token, one output)")
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0")
+        if self.max_num_partial_prefills < 0:
+            raise ValueError("max_num_partial_prefills must be >= 0")
 
 
 @dataclass
@@ -119,6 +126,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: preemption takes the last
         self.finished_req_ids: set[str] = set()  # since the last schedule()
         self.num_preemptions = 0  # total, over the scheduler's life
+        self.usage = TenantUsage()  # who is served first when tenants compete
 
     # -- requests in and out -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -143,6 +151,7 @@ class Scheduler:
             )
         self.requests[rid] = request
         self.waiting.append(request)
+        self.usage.arrived(request.tenant)
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Ends live requests (stop string, abort); frees their blocks now. Unknown or
@@ -171,17 +180,38 @@ class Scheduler:
         self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
         self.finished_req_ids.add(req.request_id)
+        self.usage.left(req.tenant)
 
     # -- one step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        shares = self._prefill_shares()
+        scheduled, preempted = self._schedule(shares)
+        if shares is not None and not scheduled and not preempted:
+            # The shares went to a tenant that could not run after all (its request did not
+            # fit): rather than a step that does nothing, schedule as if alone. Liveness.
+            scheduled, preempted = self._schedule(None)
+        for sr in scheduled:
+            self.usage.charge(sr.request.tenant, sr.num_new_tokens)
+        finished = sorted(self.finished_req_ids)
+        self.finished_req_ids = set()
+        return SchedulerOutput(
+            scheduled=scheduled,
+            num_scheduled_tokens=sum(sr.num_new_tokens for sr in scheduled),
+            preempted_request_ids=[r.request_id for r in preempted],
+            finished_request_ids=finished,
+        )
+
+    def _schedule(
+        self, shares: dict[str | None, int] | None
+    ) -> tuple[list[ScheduledRequest], list[Request]]:
+        """One step's chunks and preemptions, within ``shares`` (see :meth:`_prefill_shares`)."""
         cfg = self.config
         kv = self.kv_cache_manager
         budget = cfg.max_num_batched_tokens
         threshold = cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else 0
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
-
-        shares = self._prefill_shares()
+        partial = self._partial_prefills()
 
         # 1. Running requests: decodes and unfinished prefill chunks.
         i = 0
@@ -226,6 +256,9 @@ class Scheduler:
                         break
                     num_new = budget
                 num_new = _within_share(shares, req, num_new)
+                starts_partial = partial is not None and num_new < req.num_tokens - num_hit
+                if starts_partial and partial.get(req.tenant, 0) >= cfg.max_num_partial_prefills:
+                    num_new = 0  # its tenant has enough prompts under way
                 if num_new <= 0:  # its tenant's share of this step is spent: the next one
                     if skipped >= self.waiting.num_groups:
                         break
@@ -248,27 +281,23 @@ class Scheduler:
                 scheduled.append(self._scheduled(req, num_new))
                 budget -= num_new
                 skipped = 0
+                if starts_partial:
+                    partial[req.tenant] = partial.get(req.tenant, 0) + 1
                 _charge_share(shares, req, num_new)
-
-        finished = sorted(self.finished_req_ids)
-        self.finished_req_ids = set()
-        return SchedulerOutput(
-            scheduled=scheduled,
-            num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
-            preempted_request_ids=[r.request_id for r in preempted],
-            finished_request_ids=finished,
-        )
+        return scheduled, preempted
 
     def _prefill_shares(self) -> dict[str | None, int] | None:
         """Prompt tokens each tenant may compute this step, when two or more have some to
         compute (None otherwise: one tenant, or none, schedules as before).
 
-        Why the smallest tenant's need sets everyone's share: a step lasts as long as all
-        its tokens take, so a short request of one tenant that shares a step with another
-        tenant's long prompt chunk waits for that chunk. Capping every tenant at the
-        smallest pending need (running prefills plus each tenant's next waiting request)
-        gives the short request a step about twice its own length instead; the long prompt
-        goes on at full size as soon as nobody else waits. Decodes are never capped."""
+        Why: a step lasts as long as all its tokens take, so a short request that shares a
+        step with another tenant's long prompt chunk waits for that chunk. While tenants
+        compete, a step computes at most ``long_prefill_token_threshold`` prompt tokens (or,
+        without one, the smallest pending need per competing tenant), and the least-served
+        tenant (:class:`TenantUsage`) takes its need first. A newcomer's short prompt thus
+        gets a step of about its own length; the long prompt goes on at full size as soon
+        as nobody else waits, and catches up in turn when it is the least served. Decodes
+        are never capped."""
         if not self.config.enable_chunked_prefill:  # a capped prompt would be a chunk
             return None
         pending: dict[str | None, int] = {}
@@ -276,12 +305,34 @@ class Scheduler:
             left = req.num_tokens - req.num_computed_tokens
             if left > 1:
                 pending[req.tenant] = pending.get(req.tenant, 0) + left
-        for req in self.waiting.heads():
-            pending[req.tenant] = pending.get(req.tenant, 0) + req.num_tokens
+        if (
+            len(self.running) < self.config.max_num_seqs
+            and self.kv_cache_manager.get_num_free_blocks()
+        ):
+            for req in self.waiting.heads():  # only when one could be admitted now
+                pending[req.tenant] = pending.get(req.tenant, 0) + req.num_tokens
         if len(pending) < 2:
             return None
-        share = max(min(pending.values()), 1)
-        return dict.fromkeys(pending, share)
+        cap = self.config.long_prefill_token_threshold or min(pending.values()) * len(pending)
+        shares: dict[str | None, int] = {}
+        # Ties (a newcomer is lifted to the least count) go to the tenant with less in the
+        # engine, then to the smaller need.
+        order = sorted(pending, key=lambda t: (self.usage.count(t), self.usage.live(t), pending[t]))
+        for tenant in order:
+            shares[tenant] = min(pending[tenant], cap)
+            cap -= shares[tenant]
+        return shares
+
+    def _partial_prefills(self) -> dict[str | None, int] | None:
+        """Running requests part-way through their prompt, per tenant (None: no limit)."""
+        cfg = self.config
+        if not (cfg.max_num_partial_prefills and cfg.enable_chunked_prefill):
+            return None
+        partial: dict[str | None, int] = {}
+        for req in self.running:
+            if req.num_tokens - req.num_computed_tokens > 1:
+                partial[req.tenant] = partial.get(req.tenant, 0) + 1
+        return partial
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         """Records the chunk and advances ``num_computed_tokens`` (blocks are allocated)."""

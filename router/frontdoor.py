@@ -15,14 +15,14 @@ Why the shape:
   below). After the first token a failure ends the stream with an error.
 - Query of death: a request that crashes an engine would, replayed blindly, crash the next
   replica too, and the next. A request is retried only when its replica was already failing
-  (the engine had died before the request reached it, another request reported the
-  failure first, or the actor was restarting), or when the engine reports that the request
-  was not in the step that failed (``ReplicaDeadError.suspect``). A suspect is not retried;
+  (another request reported the failure first), or when the engine reports that the
+  request was not in the step that failed (``ReplicaDeadError.suspect``). A suspect is not retried;
   its fingerprint (a hash of its tokens and sampling parameters) is logged and quarantined
   for ``suspects.ttl_s``, so the client's own retry is refused (:class:`QueryOfDeathError`)
   instead of taking down another replica. A process that died outright (no word from its
   engine) is ambiguous: such a request is not retried either, and is quarantined at its
-  second such failure.
+  second such failure, or at once when it was the only request in flight there. (So the
+  first stream to report a killed replica fails: about one per kill.)
 - Mid-stream failover: a replica that fails after a request's first token, for a reason
   that cannot have been the request's (the same rule), is replaced once: the prompt and
   the tokens already streamed go to another replica (``GenerateRequest.resume``), which
@@ -88,7 +88,11 @@ class ReplicaHandle:
     actor: Any
     alive: bool = True
     routed: int = 0  # kept across the replica's restarts, like every counter here
-    failures: int = 0  # failures reported so far: one that changed meanwhile was not ours
+    failures: int = 0  # times it was found failed (by a request or the monitor)
+    # Failures reported by requests: when this changed while a request was in flight, another
+    # request reported the failure first (the monitor's word does not count: it only says
+    # the replica died, not which request it died of).
+    request_reports: int = 0
     restarts: int = 0  # new incarnations the front door followed
 
 
@@ -188,6 +192,7 @@ class FrontDoor:
         rep = self.replicas[rid] = ReplicaHandle(info, actor)
         if old is not None:  # a restart: its counters go on from where they were
             rep.routed, rep.failures = old.routed, old.failures
+            rep.request_reports = old.request_reports
             rep.restarts = old.restarts + (info.incarnation != old.info.incarnation)
         if info.cost is not None:  # priced in its own seconds; else the policy's reference
             self.load.register(rid, info.cost, info.num_blocks)
@@ -207,9 +212,12 @@ class FrontDoor:
         self.index.drop_replica(rid)
         self.policy.on_replica_removed(rid)  # its load (and kv's own index view)
 
-    def on_replica_failure(self, rid: str) -> None:
-        """A call to the replica failed: stop routing to it until the monitor sees it back."""
+    def on_replica_failure(self, rid: str, by_request: bool = True) -> None:
+        """A call to the replica failed: stop routing to it until the monitor sees it back.
+        ``by_request``: a request's call (not the monitor's poll) reported it."""
         rep = self.replicas.get(rid)
+        if rep is not None and by_request:
+            rep.request_reports += 1
         if rep is None or not rep.alive:
             return
         rep.alive = False
@@ -271,7 +279,7 @@ class FrontDoor:
         except Exception as exc:
             if rep.alive:
                 log.warning("replica %s does not answer (%s)", rid, type(exc).__name__)
-            self.on_replica_failure(rid)
+            self.on_replica_failure(rid, by_request=False)
             return
         if info.incarnation != rep.info.incarnation:
             log.warning("replica %s restarted: following its new endpoints", rid)
@@ -279,7 +287,7 @@ class FrontDoor:
                 self.add_replica(rep.actor, info)
             except FleetMismatchError as exc:
                 log.error("%s", exc)
-                self.on_replica_failure(rid)
+                self.on_replica_failure(rid, by_request=False)
         elif not rep.alive:
             # The same process answers info() even while its engine is dead (it exits a
             # moment later, so Ray restarts it): only a passing health check brings it back.
@@ -386,11 +394,12 @@ class FrontDoor:
                 cache_salt=salt,
                 tenant=tenant.tenant_id,
             )
-            failures_at_send = rep.failures
+            reports_at_send = rep.request_reports
             rest = stream_generate(rep.actor, req)
             try:
                 first = await rest.__anext__()
             except BaseException as exc:
+                alone = self.load.in_flight_at(rid) <= 1  # before this one is counted out
                 self.policy.on_finished(request_id, time.monotonic())
                 with contextlib.suppress(Exception):
                     await rest.aclose()
@@ -399,12 +408,12 @@ class FrontDoor:
                     raise
                 if not isinstance(exc, REPLICA_FAILURES):
                     raise
-                innocent = not_caused_by(exc, rep.failures != failures_at_send)
+                innocent = not_caused_by(exc, rep.request_reports != reports_at_send)
                 self.on_replica_failure(rid)
                 if innocent is None:  # the engine saw it in the failing step
                     self.suspects.strike(fp, request_id, rid, strikes=2)
-                elif not innocent:  # the process died with it: one strike of two
-                    self.suspects.strike(fp, request_id, rid, strikes=1)
+                elif not innocent:  # the process died with it: one strike, two if alone
+                    self.suspects.strike(fp, request_id, rid, strikes=2 if alone else 1)
                 elif attempt == 0:
                     self.counters["retries"] += 1
                     log.warning("request %s: replica %s failed, retrying", request_id, rid)
@@ -412,7 +421,7 @@ class FrontDoor:
                 raise
             rep.routed += 1
             self.policy.on_first_token(request_id, time.monotonic())
-            deltas = self._failover(view, req, rid, first, rest, failures_at_send)
+            deltas = self._failover(view, req, rid, first, rest, reports_at_send)
             return Stream(self, request_id, rid, first, deltas, fp)
         raise AssertionError("unreachable")
 
@@ -429,7 +438,7 @@ class FrontDoor:
         rid: str,
         first: GenerateDelta,
         rest: AsyncIterator[GenerateDelta],
-        failures_at_send: int,
+        reports_at_send: int,
     ) -> AsyncIterator[GenerateDelta]:
         """The deltas after ``first``; when the replica fails mid-stream and the failure
         cannot have been this request's doing, the request goes on once more on another
@@ -453,7 +462,7 @@ class FrontDoor:
                     return
                 except REPLICA_FAILURES as exc:
                     rep = self.replicas.get(current)
-                    reported_before = rep is not None and rep.failures != failures_at_send
+                    reported_before = rep is not None and rep.request_reports != reports_at_send
                     if failover:  # one failover per request: past it, the error
                         self.on_replica_failure(current)
                         raise
@@ -469,7 +478,7 @@ class FrontDoor:
                     self.policy.on_finished(view.request_id, now)
                     current = self._route(view, candidates, now)
                     target = self.replicas[current]
-                    failures_at_send = target.failures
+                    reports_at_send = target.request_reports
                     resumed = msgspec.structs.replace(
                         req,
                         request_id=f"{req.request_id}-failover",

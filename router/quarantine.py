@@ -6,7 +6,8 @@ that may have caused a replica's failure (see :func:`not_caused_by`), and rememb
 fingerprint -- a hash of its tokens and sampling parameters, the same whoever sends it -- so
 that the client's own retry is refused (:class:`QueryOfDeathError`, HTTP 400) instead of
 being risked on another replica. An engine that names the request as in its failing step
-is two strikes (refused at once); a process that died with no word is one.
+is two strikes (refused at once); a process that died with no word is one, or two when the
+request was the only one in flight there.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 import msgspec
-import ray
 
 from kvroute.events.replica_api import SamplingParams
 
@@ -44,14 +44,16 @@ def fingerprint(prompt_token_ids: Sequence[int], sampling: SamplingParams) -> st
 def not_caused_by(exc: BaseException, reported_before: bool) -> bool | None:
     """True when the replica's failure cannot have been this request's doing, None when its
     engine says it may have been (it was in the failing step), False when nobody can tell
-    (the process died). ``reported_before``: another request reported the failure first."""
+    (the process died). ``reported_before``: another request reported the failure first.
+
+    A dead process gives no word, whatever Ray raises: calls in flight on an actor that is
+    killed and restarted fail with ``ActorUnavailableError`` just as calls sent while it
+    restarts do (measured with Ray 2.60: eight streams on a SIGKILLed replica all got it),
+    so that error is no proof that the request never reached the engine."""
     suspect = getattr(exc, "suspect", None)
     if suspect is not None:  # the engine's own word (ReplicaDeadError)
         return None if suspect else True
-    if reported_before:
-        return True
-    unavailable = getattr(ray.exceptions, "ActorUnavailableError", ())
-    return isinstance(exc, unavailable)  # restarting: it never reached the engine
+    return reported_before
 
 
 class Quarantine:

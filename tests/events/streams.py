@@ -18,8 +18,6 @@ from kvroute.events import (
     ReplicaBatch,
 )
 
-from ..waiting import poll as wait_for  # noqa: F401 - re-exported for the events tests
-
 BS = 4
 
 

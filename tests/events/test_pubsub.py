@@ -19,7 +19,8 @@ from kvroute.events import (
 )
 from kvroute.events.framing import pack_seq, unpack_seq
 
-from .streams import BS, Churn, LossyProxy, Views, wait_for
+from ..waiting import poll
+from .streams import BS, Churn, LossyProxy, Views
 
 LOCAL = "tcp://127.0.0.1:*"
 
@@ -30,7 +31,7 @@ def publisher(**kw) -> ZmqEventPublisher:
 
 
 def wait_until_synced(sub, views, rid, truth, timeout=60.0) -> None:
-    ok = wait_for(lambda: sub.in_sync(rid) and views.counts(rid) == dict(truth), timeout)
+    ok = poll(lambda: sub.in_sync(rid) and views.counts(rid) == dict(truth), timeout)
     assert ok, (
         f"view of {rid} never matched the engine: {len(views.counts(rid))} vs {len(truth)} "
         f"hashes; stats {sub.stats().get(rid)}"
@@ -124,15 +125,15 @@ def test_duplicate_copies_are_counted_per_hash():
     h = b"\x07" * 16
     try:
         sub.add_publisher("r0", pub.endpoint, pub.replay_endpoint, "r0")
-        assert wait_for(lambda: sub.in_sync("r0")), "subscriber never joined"
+        assert poll(lambda: sub.in_sync("r0")), "subscriber never joined"
         from kvroute.events import BlockRemoved
 
         pub.publish([BlockStored([h], None, [1] * BS, BS, None, "GPU", None)])
         pub.publish([BlockStored([h], None, [1] * BS, BS, None, "GPU", None)])
         pub.publish([BlockRemoved([h], "GPU")])
-        assert wait_for(lambda: views.counts("r0") == {h: 1})
+        assert poll(lambda: views.counts("r0") == {h: 1})
         pub.publish([BlockRemoved([h], "GPU")])
-        assert wait_for(lambda: views.counts("r0") == {})
+        assert poll(lambda: views.counts("r0") == {})
     finally:
         sub.close()
         pub.close()
@@ -200,7 +201,7 @@ def test_publish_never_blocks_and_counts_overflow():
     sub = ZmqEventSubscriber(views)
     try:
         sub.add_publisher("r0", pub.endpoint, pub.replay_endpoint, "r0")
-        assert wait_for(lambda: sub.in_sync("r0")), "subscriber never joined"
+        assert poll(lambda: sub.in_sync("r0")), "subscriber never joined"
         for _ in range(20_000):
             pub.publish(churn.step(max_events=2))
         assert pub.dropped > 0  # the queue overflowed and said so...
@@ -226,11 +227,11 @@ def test_idle_publisher_sends_heartbeats_so_a_lost_last_batch_is_noticed():
     sub = ZmqEventSubscriber(views)
     try:
         sub.add_publisher("r0", proxy.endpoint, pub.replay_endpoint, "r0")
-        assert wait_for(lambda: sub.in_sync("r0") and sub.stats()["r0"].received > 0)
+        assert poll(lambda: sub.in_sync("r0") and sub.stats()["r0"].received > 0)
         h = b"\x09" * 16
         pub.publish([BlockStored([h], None, [0] * BS, BS, None, "GPU", None)])
         # Nothing else is published: only the heartbeat reveals that a batch went missing.
-        assert wait_for(lambda: views.counts("r0") == {h: 1}, timeout=10)
+        assert poll(lambda: views.counts("r0") == {h: 1}, timeout=10)
         assert dropped["n"] == 1 and sub.stats()["r0"].gaps >= 1
     finally:
         sub.close()
@@ -280,7 +281,7 @@ def test_garbage_is_counted_and_skipped_and_the_stream_goes_on():
         # wait until the SUB connection is up: keep sending seq 0 until it is seen
         h0 = b"\x01" * 16
         ok = EventBatch(0.0, [BlockStored([h0], None, [0] * BS, BS, None, "GPU", None)])
-        assert wait_for(
+        assert poll(
             lambda: (
                 raw_pub.send_multipart([b"", pack_seq(0), encode_batch(ok)])
                 or views.counts("r0") == {h0: 1}
@@ -319,7 +320,7 @@ def test_garbage_is_counted_and_skipped_and_the_stream_goes_on():
         h8 = b"\x08" * 16
         good = EventBatch(0.0, [BlockStored([h8], None, [0] * BS, BS, None, "GPU", None)])
         raw_pub.send_multipart([b"", pack_seq(8), encode_batch(good)])
-        assert wait_for(lambda: h8 in views.counts("r0"), timeout=10)
+        assert poll(lambda: h8 in views.counts("r0"), timeout=10)
         stats = sub.stats()["r0"]
         assert stats.malformed - malformed_before == len(garbage)
         assert stats.resets >= 1  # the unrecoverable hole dropped the old state
@@ -383,7 +384,7 @@ def test_reads_a_vllm_style_stream_with_int_hashes_and_recovers_a_gap():
     try:
         sub.add_publisher("vllm-0", vllm.endpoint, vllm.replay_endpoint)
         # The snapshot request is answered with just the end marker: no snapshots in vLLM.
-        assert wait_for(lambda: sub.in_sync("vllm-0"), timeout=10)
+        assert poll(lambda: sub.in_sync("vllm-0"), timeout=10)
         time.sleep(0.2)  # SUB connection settles
         truth = {}
         for i in range(30):
@@ -395,7 +396,7 @@ def test_reads_a_vllm_style_stream_with_int_hashes_and_recovers_a_gap():
             truth[h] = 1
         vllm.publish([["BlockRemoved", [1000], "GPU"]])
         del truth[1000]
-        assert wait_for(lambda: views.counts("vllm-0") == truth, timeout=10), sub.stats()
+        assert poll(lambda: views.counts("vllm-0") == truth, timeout=10), sub.stats()
         assert sub.stats()["vllm-0"].gaps >= 1 and sub.stats()["vllm-0"].replays >= 1
     finally:
         sub.close()

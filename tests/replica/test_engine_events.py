@@ -26,7 +26,7 @@ from kvroute.events import (
 )
 from kvroute.replica import EngineConfig, LLMEngine, SamplingParams
 
-from ..waiting import poll as wait_for
+from ..waiting import poll
 
 LOCAL = "tcp://127.0.0.1:*"
 BLOCK = 4
@@ -83,7 +83,7 @@ def wired(request) -> Iterator[tuple[LLMEngine, ZmqEventSubscriber, View, Tally]
     )
     try:
         sub.add_publisher(RID, pub.endpoint, pub.replay_endpoint, RID)
-        assert wait_for(lambda: sub.in_sync(RID)), "subscriber never joined"
+        assert poll(lambda: sub.in_sync(RID)), "subscriber never joined"
         yield engine, sub, view, tally
     finally:
         sub.close()
@@ -110,7 +110,7 @@ def truth(engine: LLMEngine) -> dict:
 
 def assert_converges(engine: LLMEngine, sub: ZmqEventSubscriber, view: View) -> None:
     want = truth(engine)
-    ok = wait_for(lambda: sub.in_sync(RID) and view.counts() == want)
+    ok = poll(lambda: sub.in_sync(RID) and view.counts() == want)
     got = view.counts()
     assert ok, (
         f"subscriber view never matched the engine: {len(got)} vs {len(want)} hashes, "

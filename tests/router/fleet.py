@@ -14,7 +14,7 @@ import httpx
 import ray
 import uvicorn
 
-from kvroute.deploy.router import KEEP_ALIVE_S
+from kvroute.deploy.http_server import uvicorn_config
 from kvroute.replica.actor import start_replica
 from kvroute.router.frontdoor import FrontDoor
 from kvroute.router.http_api import create_app
@@ -37,7 +37,11 @@ class Served:
 
 @contextlib.contextmanager
 def serve(
-    actors: Sequence[Any], infos: Sequence[Any] | None = None, **app_kw: Any
+    actors: Sequence[Any],
+    infos: Sequence[Any] | None = None,
+    head_timeout_s: float = 30.0,
+    idle_timeout_s: float | None = None,
+    **app_kw: Any,
 ) -> Iterator[Served]:
     """Serves ``actors`` (already created, Ray running) until the block ends. ``infos``:
     their ReplicaInfo as the front door should see it (default: what they report)."""
@@ -48,9 +52,9 @@ def serve(
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S
-    )  # as kvroute serve: an idle connection is never closed under a client reusing it
+    # As kvroute serve configures it (head deadlines, keep-alive past a load balancer's).
+    idle = {} if idle_timeout_s is None else {"idle_timeout_s": idle_timeout_s}
+    config = uvicorn_config(app, head_timeout_s, host="127.0.0.1", port=port, **idle)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

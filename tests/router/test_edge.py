@@ -31,7 +31,8 @@ from .fleet import MODEL, Served, assert_clean_error, serve
 CONFIG = {"model": MODEL, "block_size": 16, "num_blocks": 64}
 AUTH = {"Authorization": "Bearer key-a", "content-type": "application/json"}
 BODY_CAP = 1 << 20
-BODY_TIMEOUT = 1.0
+BODY_TIMEOUT = 1.0  # and the request head's
+IDLE_TIMEOUT = 3.0  # a fresh connection that sends nothing (kvroute serve: 75 s, as keep-alive)
 C, H = "/v1/completions", "/v1/chat/completions"
 
 
@@ -40,7 +41,8 @@ def served() -> Iterator[Served]:
     ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
     try:
         actors = [start_replica("e0", CONFIG, num_cpus=0.5, torch_threads=1)]
-        with serve(actors, max_body_bytes=BODY_CAP, body_timeout_s=BODY_TIMEOUT) as s:
+        deadlines = {"head_timeout_s": BODY_TIMEOUT, "idle_timeout_s": IDLE_TIMEOUT}
+        with serve(actors, max_body_bytes=BODY_CAP, body_timeout_s=BODY_TIMEOUT, **deadlines) as s:
             yield s
     finally:
         ray.shutdown()
@@ -250,6 +252,57 @@ def test_a_slow_body_times_out_and_frees_its_handler(served: Served) -> None:
     error = json.loads(payload)["error"]
     assert error["code"] == "body_timeout" and error["request_id"] in head
     assert BODY_TIMEOUT * 0.5 < waited < BODY_TIMEOUT + 5
+
+
+def test_slow_heads_and_idle_connections_are_closed_and_crowd_out_no_one(
+    served: Served,
+) -> None:
+    """Slowloris: 150 connections send one header line of a request and then nothing, 100
+    more connect and send nothing. Meanwhile requests are served and /health answers
+    within 100 ms of its idle worst case; the server closes every slow head once its
+    deadline (from the head's first byte) passes, and every idle one after the idle
+    timeout, so none holds a socket for as long as its client likes."""
+    host, port = served.url.removeprefix("http://").split(":")
+    idle: list[float] = []
+    stop = threading.Event()
+    probe = threading.Thread(target=health_latencies, args=(served, stop, idle))
+    probe.start()
+    time.sleep(1.0)
+    stop.set()
+    probe.join()
+
+    slow = [socket.create_connection((host, int(port)), timeout=10) for _ in range(150)]
+    quiet = [socket.create_connection((host, int(port)), timeout=10) for _ in range(100)]
+    t0 = time.perf_counter()
+    for sock in slow:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    busy: list[float] = []
+    stop = threading.Event()
+    probe = threading.Thread(target=health_latencies, args=(served, stop, busy))
+    probe.start()
+    try:
+        for _ in range(3):
+            assert post(served, C, completion()).status_code == 200
+    finally:
+        stop.set()
+        probe.join()
+    try:
+
+        def closed_at(sock: socket.socket) -> float:
+            """Seconds from t0 until the server closed ``sock`` (recv returns b"")."""
+            while sock.recv(4096):
+                pass
+            return time.perf_counter() - t0
+
+        slow_closed = [closed_at(s) for s in slow]
+        quiet_closed = [closed_at(s) for s in quiet]
+    finally:
+        for sock in slow + quiet:
+            sock.close()
+    assert len(busy) >= 10 and max(busy) < max(idle) + 0.1, (max(busy), max(idle))
+    assert min(slow_closed) > BODY_TIMEOUT * 0.5 and max(slow_closed) < BODY_TIMEOUT + 5
+    assert min(quiet_closed) > IDLE_TIMEOUT * 0.5 and max(quiet_closed) < IDLE_TIMEOUT + 5
+    assert post(served, C, completion()).status_code == 200
 
 
 def test_metrics_count_failovers_and_quarantine(served: Served) -> None:

@@ -4,10 +4,13 @@ requests; the other's TTFT p90 is compared with its figure on an idle fleet (goa
 What holds the flood back: at the front door each tenant may hold only its share of the
 in-flight budget (past it, 429 with Retry-After, which the flooder honours as a greedy but
 compliant client would); on each replica the waiting queue takes tenants in turn, and
-while tenants compete each step's prompt tokens are shared (each at most the smallest
-need), with ``long_prefill_token_threshold`` keeping any step short. Cost-model replicas:
-the engine, scheduler and queue are the real ones, the step times the model's. The flood
-runs in a process of its own.
+while tenants compete for a step's prompt tokens the least-served tenant takes them first.
+The replicas run as an operator of a multi-tenant fleet would set them:
+``long_prefill_token_threshold`` 256 and ``max_num_partial_prefills`` 1, so no step
+computes more than 256 prompt tokens of the flood, and the other tenant's prompt waits for
+at most one such step, then has a step to itself. Cost-model replicas: the engine,
+scheduler and queue are the real ones, the step times the model's. The flood runs in a
+process of its own.
 
     python -m pytest -s tests/router/test_fair_share.py   # prints both figures
 """
@@ -23,12 +26,13 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+import ray
 
 from .fleet import Served, serve_sim
 
 MODEL = "sim:h100-8b"
 SIM = {"model": MODEL, "block_size": 16, "num_blocks": 4096, "time_scale": 4.0,
-       "long_prefill_token_threshold": 256}  # fmt: skip
+       "long_prefill_token_threshold": 256, "max_num_partial_prefills": 1}  # fmt: skip
 BUDGET, SHARE = 24, 12  # the front door's in-flight budget and each tenant's share of it
 FLOODERS = 10 * SHARE
 PROBES = 40
@@ -63,13 +67,14 @@ async def ttft(http: httpx.AsyncClient, url: str, auth: dict[str, str], body: di
 
 
 def probe_body(i: int) -> dict:
+    """Probe ``i``'s prompt: its own first block, so no probe hits another's cache."""
     return {"model": MODEL, "prompt": [(7 * i + j) % 120_000 + 1 for j in range(256)],
             "max_tokens": 4}  # fmt: skip
 
 
-async def probes(http: httpx.AsyncClient, url: str) -> list[float]:
+async def probes(http: httpx.AsyncClient, url: str, first: int) -> list[float]:
     out = []
-    for i in range(PROBES):
+    for i in range(first, first + PROBES):
         out.append(await ttft(http, url, OTHER, probe_body(i)))
         await asyncio.sleep(0.1)
     return out
@@ -114,7 +119,7 @@ def run(url: str, flood: bool) -> tuple[list[float], int, int]:
 
         async def probe_all() -> list[float]:
             async with httpx.AsyncClient(timeout=120) as http:
-                return await probes(http, url)
+                return await probes(http, url, PROBES if flood else 0)
 
         result = asyncio.run(probe_all())
     finally:
@@ -137,14 +142,18 @@ def test_a_flooding_tenant_leaves_another_within_2x_of_its_idle_ttft(served: Ser
     loaded, done, refused = run(url, flood=True)
     loaded_replica = REPLICA_TTFT[:]
     ratio = p90(loaded) / p90(idle)
+    stats = ray.get([a.stats.remote() for a in served.actors.values()])
+    late = sum(s["late_steps"] for s in stats)
+    steps = sum(s["steps"] for s in stats)
     print(
         f"\nfair share: flooder {FLOODERS} clients (10x its share of {SHARE}): {done} served, "
         f"{refused} refused with 429; other tenant TTFT p90 idle {p90(idle) * 1000:.0f} ms, "
         f"under the flood {p90(loaded) * 1000:.0f} ms ({ratio:.2f}x); at its replica "
-        f"{p90(idle_replica) * 1000:.0f} -> {p90(loaded_replica) * 1000:.0f} ms"
+        f"{p90(idle_replica) * 1000:.0f} -> {p90(loaded_replica) * 1000:.0f} ms; replicas ran "
+        f"{steps} steps, {late} late (the CPU could not keep up with the modelled time)"
     )
     assert refused > 0 and done > 0  # the flood was real, and served up to its share
-    # The goal is 2x; measured 2.7x here (BENCHMARKS.md, "Reliability drills"): what is left is
-    # the replica's step time with the flood's decodes and its equal prefill share. This
-    # bound guards against a regression (a FCFS-like engine gave 10x and more).
-    assert ratio <= 8.0
+    # The goal is 2x; measured 1.83-1.94x (BENCHMARKS.md, "Reliability drills"): the step in
+    # progress when the request arrives, then its own step. This looser bound guards
+    # against a regression without timing the machine (equal shares gave 2.7x, FCFS 10x+).
+    assert ratio <= 4.0

@@ -22,6 +22,7 @@ import pytest
 import ray
 import uvicorn
 
+from kvroute.deploy.http_server import uvicorn_config
 from kvroute.events.replica_api import ReplicaInfo
 from kvroute.replica.actor import start_replica
 from kvroute.router.frontdoor import FleetMismatchError, FrontDoor
@@ -64,9 +65,7 @@ def fleet() -> Iterator[dict[str, Any]]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-        )
+        server = uvicorn.Server(uvicorn_config(app, host="127.0.0.1", port=port))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
         wait_for(lambda: server.started, 30, "uvicorn started")

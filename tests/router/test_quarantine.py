@@ -60,6 +60,9 @@ def test_which_failures_cannot_be_the_requests_doing() -> None:
     assert not_caused_by(queued, reported_before=False) is True
     assert not_caused_by(died, reported_before=False) is False  # nobody can tell
     assert not_caused_by(died, reported_before=True) is True  # others failed first
+    # In flight on a killed replica that Ray restarts: no proof it never reached the engine.
+    unavailable = ray.exceptions.ActorUnavailableError("unavailable", None)
+    assert not_caused_by(unavailable, reported_before=False) is False
 
 
 def test_the_contract_errors_keep_their_fields_across_ray() -> None:

@@ -10,6 +10,7 @@ shared forward (the engine dies) or in the request's own sampling (the request f
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -39,11 +40,20 @@ class RiggedReplica(ReplicaServer):
     """A replica whose engine fails on requests that carry ``MARKER`` (tests only)."""
 
     def rig(self, where: str, after: int = 0) -> None:
-        """``where``: "forward" or "sampler"; the sampler fails from a request's draw
+        """``where``: "process", "forward" or "sampler"; the sampler fails from a request's draw
         ``after`` on (0: its first token)."""
         engine = self.engine.engine
         draws: dict[str, int] = {}
-        if where == "forward":  # shared state: the whole engine dies
+        if where == "process":  # the process dies with no word (a segfault, the OOM killer)
+            execute = engine.runner.execute
+
+            def execute_or_exit(sched: Any) -> Any:
+                if any(_contains(s.request.prompt_token_ids, MARKER) for s in sched.scheduled):
+                    os._exit(1)
+                return execute(sched)
+
+            engine.runner.execute = execute_or_exit
+        elif where == "forward":  # shared state: the whole engine dies
             execute = engine.runner.execute
 
             def execute_or_die(sched: Any) -> Any:
@@ -151,3 +161,26 @@ def test_a_query_of_death_never_takes_down_a_second_replica(served: Served) -> N
     wait_for(lambda: victim in door.alive(), 60, "victim restarted and routable")
     assert ray.get(served.actors[victim].info.remote()).incarnation != before[victim]
     assert ray.get(served.actors[survivor].info.remote()).incarnation == before[survivor]
+
+
+def test_a_request_that_kills_its_process_is_not_replayed(served: Served) -> None:
+    """A process that dies gives no word about which request killed it (Ray raises the same
+    error to every call in flight). The request was the only one there: it is not retried,
+    and its fingerprint is refused at once, so not even the client's retry reaches a
+    second replica."""
+    door = served.door
+    wait_for(lambda: len(door.alive()) == 2, 60, "both replicas routable")
+    before = {rid: ray.get(a.info.remote()).incarnation for rid, a in served.actors.items()}
+    retries, failures = door.counters["retries"], door.errors["replica_failure"]
+    ray.get([a.rig.remote("process") for a in served.actors.values()])
+    poison = [11, 12, *MARKER, 13]
+    with pytest.raises(openai.BadRequestError) as err:
+        client(served, retries=2).completions.create(model=MODEL, prompt=poison, max_tokens=4)
+    assert err.value.response.json()["error"]["code"] == "request_quarantined"
+    assert door.errors["replica_failure"] == failures + 1
+    assert door.counters["retries"] == retries
+    victim = next(rid for rid in served.actors if rid not in door.alive())
+    (survivor,) = door.alive()
+    assert ray.get(served.actors[survivor].info.remote()).incarnation == before[survivor]
+    assert client(served).completions.create(model=MODEL, prompt="fine", max_tokens=2)
+    wait_for(lambda: victim in door.alive(), 60, "victim restarted and routable")
