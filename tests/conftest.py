@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
+import pytest
 import torch
+
+if TYPE_CHECKING:
+    from kvroute.replica.engine import LLMEngine
 
 # Without CUDA, Triton's interpreter runs the GPU kernels' tests on the CPU. Triton reads
 # the variable when a kernel is decorated, so it is set here, before any test module
@@ -12,3 +19,32 @@ import torch
 # Triton only on CUDA, so nothing else changes.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_sessionfinish() -> None:
+    """Ends the run's shared local Ray (tests/ray_session.py), if a test started one."""
+    if "ray" in sys.modules:
+        from .ray_session import shutdown
+
+        shutdown()
+
+
+@pytest.fixture(scope="session")
+def _shared_tiny_engine() -> LLMEngine:
+    from kvroute.replica.engine import EngineConfig, LLMEngine
+
+    return LLMEngine(EngineConfig(model="tiny", num_blocks=64))
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(_shared_tiny_engine: LLMEngine) -> Iterator[LLMEngine]:
+    """One tiny engine (64 blocks) for the modules that only run requests through it;
+    whatever a module leaves unfinished is aborted when it ends, so the next starts with no
+    request in flight and every block free (cached ones stay: outputs never depend on hits).
+    A module that rigs or breaks its engine builds its own."""
+    yield _shared_tiny_engine
+    live = list(_shared_tiny_engine.scheduler.requests)
+    if live:
+        _shared_tiny_engine.abort_requests(live)
+    while _shared_tiny_engine.has_unfinished_requests():
+        _shared_tiny_engine.step()

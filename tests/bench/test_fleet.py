@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
 
 from kvroute.bench.report import load_result
 from kvroute.deploy.cli import main
 from kvroute.replica.actor import start_replica
 
+from ..ray_session import local_ray
 from ..router.fleet import KEYS, Served, serve
 
 CONFIG = {"model": "tiny", "block_size": 16, "num_blocks": 160}
@@ -30,13 +30,11 @@ KEY = ["--api-key", "key-a"]  # the fleet asks for one of KEYS
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[Served]:
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
-    try:
+    with local_ray() as started:
         actors = [start_replica(f"r{i}", CONFIG, num_cpus=0.5, torch_threads=1) for i in range(2)]
+        started.extend(actors)
         with serve(actors) as served:
             yield served
-    finally:
-        ray.shutdown()
 
 
 def bench(fleet: Served, tmp_path: Path, name: str, *args: str) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from ray.cluster_utils import Cluster
 
 from kvroute.deploy.router import RAY_NAMESPACE, REPLICA_ACTOR_PREFIX
 
+from ..ray_session import shutdown
 from ..waiting import poll
 
 KVROUTE = [sys.executable, "-m", "kvroute.deploy.cli"]
@@ -57,6 +58,7 @@ def complete(url: str, prompt: list[int], max_tokens: int = 4) -> httpx.Response
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[tuple[Cluster, list[Any]]]:
+    shutdown()  # the run's shared local Ray: this module needs a Ray of its own
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
     workers = [c.add_node(**NODE) for _ in range(2)]
     c.wait_for_nodes()

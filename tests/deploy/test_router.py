@@ -21,6 +21,7 @@ import ray
 from kvroute.deploy.router import RAY_NAMESPACE, REPLICA_ACTOR_PREFIX
 from kvroute.replica.actor import start_replica
 
+from ..ray_session import shutdown
 from ..waiting import wait_for
 
 KVROUTE = [sys.executable, "-m", "kvroute.deploy.cli"]
@@ -61,6 +62,7 @@ def complete(port: int, prompt: list[int]) -> httpx.Response:
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[str]:
     """Four named cost-model replicas on a local Ray; yields the cluster's address."""
+    shutdown()  # the run's shared local Ray: this module needs a Ray of its own
     ctx = ray.init(num_cpus=1, namespace=RAY_NAMESPACE, include_dashboard=False,
                    logging_level="warning")  # fmt: skip
     try:

@@ -42,6 +42,7 @@ from kvroute.events.replica_api import (
 from kvroute.replica import LLM, EngineConfig
 from kvroute.replica.actor import ReplicaServer, start_replica
 
+from ..ray_session import local_ray
 from ..waiting import wait_for
 
 BLOCK = 4
@@ -55,8 +56,7 @@ PROMPTS = [list(range(10 + i, 10 + i + 5 + 3 * i)) for i in range(4)] + [list(ra
 
 @pytest.fixture(scope="module")
 def actors() -> Iterator[dict[str, Any]]:
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
-    try:
+    with local_ray() as started:
         # Both start at once: their processes load torch while the driver builds its own LLM.
         handles = {
             "main": start_replica("r0", CONFIG, num_cpus=0.5),
@@ -65,9 +65,8 @@ def actors() -> Iterator[dict[str, Any]]:
                 "r-fragile", EngineConfig(**CONFIG), num_cpus=0.5, max_restarts=1
             ),
         }
+        started.extend(handles.values())
         yield handles
-    finally:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

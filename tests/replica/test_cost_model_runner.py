@@ -27,6 +27,8 @@ from kvroute.replica.cost_model import H100_8B, CostModel
 from kvroute.replica.cost_model_runner import output_token, prompt_key
 from kvroute.replica.scheduler import SchedulerOutput
 
+from ..ray_session import local_ray
+
 SIM = "sim:h100-8b"
 PROMPT = [(7 * i + 3) % 128_000 for i in range(1000)]
 
@@ -140,11 +142,11 @@ def test_a_resumed_request_continues_with_the_same_tokens() -> None:
 
 
 def test_replica_actors_need_no_cpu_of_their_own() -> None:
-    """Six cost-model replica actors on a Ray with one CPU: ``num_cpus=0`` actors."""
-    ray.init(num_cpus=1, include_dashboard=False, logging_level="warning")
-    try:
+    """Six cost-model replica actors on a Ray with two CPUs: ``num_cpus=0`` actors."""
+    with local_ray() as started:
         config = {"model": SIM, "block_size": 64, "time_scale": 0.05}
         actors = [start_replica(f"s{i}", config, num_cpus=0) for i in range(6)]
+        started.extend(actors)
         infos = ray.get([a.info.remote() for a in actors], timeout=120)
         assert [i.replica_id for i in infos] == [f"s{i}" for i in range(6)]
         assert all(i.cost.source == "profile:h100-8b x0.05" for i in infos)
@@ -168,5 +170,3 @@ def test_replica_actors_need_no_cpu_of_their_own() -> None:
         stats = ray.get(actors[0].stats.remote(), timeout=60)
         assert stats["time_scale"] == 0.05 and stats["steps"] >= 8
         assert "torch_threads" not in stats  # no torch in the replica's process
-    finally:
-        ray.shutdown()

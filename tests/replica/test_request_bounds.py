@@ -25,7 +25,7 @@ from kvroute.events.replica_api import (
     SamplingParams,
     check_prompt_token_ids,
 )
-from kvroute.replica import EngineConfig, LLMEngine
+from kvroute.replica import LLMEngine
 
 _ids = itertools.count()
 BYSTANDER = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -56,8 +56,8 @@ fields = st.fixed_dictionaries(
 
 
 @pytest.fixture(scope="module")
-def engine() -> LLMEngine:
-    return LLMEngine(EngineConfig(model="tiny", num_blocks=64))
+def engine(tiny_engine: LLMEngine) -> LLMEngine:
+    return tiny_engine
 
 
 @pytest.fixture(scope="module")

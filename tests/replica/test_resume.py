@@ -16,7 +16,7 @@ import msgspec
 import pytest
 
 from kvroute.events.replica_api import Resume
-from kvroute.replica import EngineConfig, LLMEngine, SamplingParams
+from kvroute.replica import LLMEngine, SamplingParams
 
 PROMPTS = ["Once upon a time, far away", "failover drill"]  # the second: broken UTF-8
 N = 20
@@ -44,8 +44,8 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def engine() -> LLMEngine:
-    return LLMEngine(EngineConfig(model="tiny", num_blocks=64))
+def engine(tiny_engine: LLMEngine) -> LLMEngine:
+    return tiny_engine
 
 
 def run(

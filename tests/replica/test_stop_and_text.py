@@ -39,8 +39,8 @@ class Run:
 
 
 @pytest.fixture(scope="module")
-def engine() -> LLMEngine:
-    return LLMEngine(EngineConfig(model="tiny", num_blocks=64, stream_text=True))
+def engine(tiny_engine: LLMEngine) -> LLMEngine:
+    return tiny_engine
 
 
 def run_all(engine: LLMEngine, prompts: list[str], params: list[SamplingParams]) -> list[Run]:

@@ -20,6 +20,7 @@ from kvroute.router.frontdoor import FrontDoor
 from kvroute.router.http_api import create_app
 from kvroute.router.tenants import Tenants, tenants_from_api_keys
 
+from ..ray_session import local_ray
 from ..waiting import wait_for
 
 MODEL = "tiny"
@@ -71,13 +72,11 @@ def serve(
 def serve_sim(prefix: str, n: int, config: dict[str, Any], **actor_kw: Any) -> Iterator[Served]:
     """A local Ray, ``n`` cost-model replicas (``config``'s ``sim:`` model; no CPU reserved:
     they sleep) named ``<prefix><i>``, served until the block ends."""
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
-    try:
+    with local_ray() as started:
         actors = [start_replica(f"{prefix}{i}", config, num_cpus=0, **actor_kw) for i in range(n)]
+        started.extend(actors)
         with serve(actors) as s:
             yield s
-    finally:
-        ray.shutdown()
 
 
 def assert_clean_error(r: httpx.Response, status: int) -> dict[str, Any]:

@@ -9,6 +9,7 @@ request -- failures that live between the parser, the handlers, Ray and the engi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import socket
@@ -20,12 +21,12 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import ray
 
 from kvroute.events.replica_api import SEED_MAX, SEED_MIN
 from kvroute.replica.actor import start_replica
 
 from ..prom import scrape, value
+from ..ray_session import local_ray
 from .fleet import MODEL, Served, assert_clean_error, serve
 
 CONFIG = {"model": MODEL, "block_size": 16, "num_blocks": 64}
@@ -38,14 +39,12 @@ C, H = "/v1/completions", "/v1/chat/completions"
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
-    try:
+    with local_ray() as started:
         actors = [start_replica("e0", CONFIG, num_cpus=0.5, torch_threads=1)]
+        started.extend(actors)
         deadlines = {"head_timeout_s": BODY_TIMEOUT, "idle_timeout_s": IDLE_TIMEOUT}
         with serve(actors, max_body_bytes=BODY_CAP, body_timeout_s=BODY_TIMEOUT, **deadlines) as s:
             yield s
-    finally:
-        ray.shutdown()
 
 
 def post(served: Served, path: str, body: Any, headers: dict[str, str] = AUTH) -> httpx.Response:
@@ -177,32 +176,37 @@ def test_every_response_carries_a_request_id(served: Served) -> None:
     assert all(re.fullmatch(r"req-[0-9a-f]{32}", i) for i in ids) and len(set(ids)) == len(ids)
 
 
-def health_latencies(served: Served, stop: threading.Event, out: list[float]) -> None:
-    with httpx.Client() as c:
-        while not stop.is_set():
-            t0 = time.perf_counter()
-            assert c.get(served.url + "/health").status_code == 200
-            out.append(time.perf_counter() - t0)
-            time.sleep(0.01)
+@contextlib.contextmanager
+def health_latencies(served: Served) -> Iterator[list[float]]:
+    """/health's latencies, polled from a thread of their own while the block runs."""
+    out: list[float] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        with httpx.Client() as c:
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                assert c.get(served.url + "/health").status_code == 200
+                out.append(time.perf_counter() - t0)
+                time.sleep(0.01)
+
+    probe = threading.Thread(target=poll)
+    probe.start()
+    try:
+        yield out
+    finally:
+        stop.set()
+        probe.join()
 
 
 def test_large_bodies_never_stall_the_event_loop(served: Served) -> None:
     """A 10 MB body is refused (413) before it is read; one under the cap is parsed off the
     loop and refused by a cheap length bound before any tokenization. Meanwhile /health
     answers as fast as it does idle (within 100 ms of its idle worst case)."""
-    idle: list[float] = []
-    stop = threading.Event()
-    probe = threading.Thread(target=health_latencies, args=(served, stop, idle))
-    probe.start()
-    time.sleep(1.0)
-    stop.set()
-    probe.join()
+    with health_latencies(served) as idle:
+        time.sleep(1.0)
 
-    busy: list[float] = []
-    stop = threading.Event()
-    probe = threading.Thread(target=health_latencies, args=(served, stop, busy))
-    probe.start()
-    try:
+    with health_latencies(served) as busy:
         t0 = time.perf_counter()
         huge = json.dumps(completion(prompt="x" * (10 << 20))).encode()
         err = assert_clean_error(post(served, C, huge), 413)
@@ -222,9 +226,6 @@ def test_large_bodies_never_stall_the_event_loop(served: Served) -> None:
         assert err["code"] == "context_length_exceeded"
         elapsed = time.perf_counter() - t0
         time.sleep(0.3)
-    finally:
-        stop.set()
-        probe.join()
     assert elapsed < 10, elapsed
     assert len(busy) >= 10
     assert max(busy) < max(idle) + 0.1, (max(busy), max(idle))
@@ -263,39 +264,27 @@ def test_slow_heads_and_idle_connections_are_closed_and_crowd_out_no_one(
     deadline (from the head's first byte) passes, and every idle one after the idle
     timeout, so none holds a socket for as long as its client likes."""
     host, port = served.url.removeprefix("http://").split(":")
-    idle: list[float] = []
-    stop = threading.Event()
-    probe = threading.Thread(target=health_latencies, args=(served, stop, idle))
-    probe.start()
-    time.sleep(1.0)
-    stop.set()
-    probe.join()
+    with health_latencies(served) as idle:
+        time.sleep(1.0)
 
     slow = [socket.create_connection((host, int(port)), timeout=10) for _ in range(150)]
     quiet = [socket.create_connection((host, int(port)), timeout=10) for _ in range(100)]
     t0 = time.perf_counter()
     for sock in slow:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
-    busy: list[float] = []
-    stop = threading.Event()
-    probe = threading.Thread(target=health_latencies, args=(served, stop, busy))
-    probe.start()
-    try:
-        for _ in range(3):
-            assert post(served, C, completion()).status_code == 200
-    finally:
-        stop.set()
-        probe.join()
-    try:
 
-        def closed_at(sock: socket.socket) -> float:
-            """Seconds from t0 until the server closed ``sock`` (recv returns b"")."""
-            while sock.recv(4096):
-                pass
-            return time.perf_counter() - t0
+    def closed_at(sock: socket.socket) -> float:
+        """Seconds from t0 until the server closed ``sock`` (recv returns b"")."""
+        while sock.recv(4096):
+            pass
+        return time.perf_counter() - t0
 
-        slow_closed = [closed_at(s) for s in slow]
-        quiet_closed = [closed_at(s) for s in quiet]
+    try:
+        with health_latencies(served) as busy:  # while the slow connections are held
+            for _ in range(3):
+                assert post(served, C, completion()).status_code == 200
+            slow_closed = [closed_at(s) for s in slow]
+            quiet_closed = [closed_at(s) for s in quiet]
     finally:
         for sock in slow + quiet:
             sock.close()

@@ -26,6 +26,7 @@ import zmq
 from kvroute.replica.actor import start_replica
 from kvroute.router.frontdoor import FrontDoor
 
+from ..ray_session import local_ray
 from ..waiting import wait_for
 from .fleet import Served, serve
 
@@ -87,22 +88,22 @@ class ChaosProxy:
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[Served, list[ChaosProxy]]]:
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
-    proxies: list[ChaosProxy] = []
-    try:
-        actors = [start_replica(f"e{i}", SIM, num_cpus=0) for i in range(3)]
-        infos = ray.get([a.info.remote() for a in actors], timeout=120)
-        proxies = [ChaosProxy(i.events_endpoint, seed=n) for n, i in enumerate(infos)]
-        routed = [
-            msgspec.structs.replace(info, events_endpoint=p.endpoint)
-            for info, p in zip(infos, proxies, strict=True)
-        ]
-        with serve(actors, infos=routed) as s:
-            yield s, proxies
-    finally:
-        for p in proxies:
-            p.close()
-        ray.shutdown()
+    with local_ray() as started:
+        proxies: list[ChaosProxy] = []
+        try:
+            actors = [start_replica(f"e{i}", SIM, num_cpus=0) for i in range(3)]
+            started.extend(actors)
+            infos = ray.get([a.info.remote() for a in actors], timeout=120)
+            proxies = [ChaosProxy(i.events_endpoint, seed=n) for n, i in enumerate(infos)]
+            routed = [
+                msgspec.structs.replace(info, events_endpoint=p.endpoint)
+                for info, p in zip(infos, proxies, strict=True)
+            ]
+            with serve(actors, infos=routed) as s:
+                yield s, proxies
+        finally:
+            for p in proxies:
+                p.close()
 
 
 def prompt(c: int, n: int) -> list[int]:

@@ -21,6 +21,7 @@ import ray
 
 from kvroute.replica.actor import start_replica
 
+from ..ray_session import local_ray
 from ..waiting import wait_for
 from .fleet import MODEL, Served, serve
 
@@ -32,16 +33,14 @@ TOKENS = 400
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
-    try:
+    with local_ray() as started:
         actors = [
             start_replica(f"k{i}", CONFIG, num_cpus=0.5, torch_threads=1, max_restarts=-1)
             for i in range(2)
         ]
+        started.extend(actors)
         with serve(actors) as s:
             yield s
-    finally:
-        ray.shutdown()
 
 
 def body(i: int) -> dict[str, Any]:

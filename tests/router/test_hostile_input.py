@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from kvroute.replica.actor import start_replica
 
+from ..ray_session import local_ray
 from ..waiting import wait_for
 from .fleet import MODEL, Served, assert_clean_error, serve
 
@@ -78,13 +79,11 @@ def bodies(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
-    try:
+    with local_ray() as started:
         actors = [start_replica("h0", CONFIG, num_cpus=0.5, torch_threads=1)]
+        started.extend(actors)
         with serve(actors) as s:
             yield s
-    finally:
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -41,6 +41,7 @@ from kvroute.router.tenants import (
 from ..deploy.test_grafana import load as load_dashboard
 from ..deploy.test_grafana import queried_series
 from ..prom import scrape, value
+from ..ray_session import local_ray
 from ..waiting import wait_for
 from .fleet import assert_clean_error
 
@@ -53,12 +54,12 @@ LONG = "The quick brown fox jumps over the lazy dog while the router watches. " 
 
 @pytest.fixture(scope="module")
 def fleet() -> Iterator[dict[str, Any]]:
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
-    try:
+    with local_ray() as started:
         actors = [
             start_replica(f"r{i}", CONFIG, num_cpus=0.5, torch_threads=1, max_restarts=-1)
             for i in range(2)
         ]
+        started.extend(actors)
         infos = ray.get([a.info.remote() for a in actors], timeout=120)
         door = FrontDoor(list(zip(actors, infos, strict=True)), monitor_interval_s=0.5)
         app = create_app(door, Tenants(tenants_from_api_keys(KEYS), "test-secret"))
@@ -74,8 +75,6 @@ def fleet() -> Iterator[dict[str, Any]]:
         yield {"url": url, "door": door, "actors": actors_by_id, "app": app}
         server.should_exit = True
         thread.join(10)
-    finally:
-        ray.shutdown()
 
 
 def client(fleet: dict[str, Any], key: str = "key-a") -> openai.OpenAI:

@@ -27,7 +27,8 @@ from kvroute.events import (
 )
 from kvroute.router.index import PrefixIndex
 
-from ..events.streams import BS, Churn, wait_for
+from ..events.streams import BS, Churn
+from ..waiting import poll
 
 LOCAL = "tcp://127.0.0.1:*"
 
@@ -398,7 +399,7 @@ def test_end_to_end_over_zeromq() -> None:
         def synced() -> bool:
             return all(index.counts(r) == dict(t) for r, t in fleet.truths().items())
 
-        assert wait_for(synced, timeout=30), {r: s.last_seq for r, s in sub.stats().items()}
+        assert poll(synced, timeout=30), {r: s.last_seq for r, s in sub.stats().items()}
         assert sub.stats()["r2"].snapshots >= 1
         truths = fleet.truths()
         index.check_invariants()

@@ -23,6 +23,7 @@ import ray.cloudpickle
 
 from kvroute.replica.actor import ReplicaServer
 
+from ..ray_session import local_ray
 from ..waiting import wait_for
 from .fleet import MODEL, Served, serve
 
@@ -83,18 +84,16 @@ RiggedActor = ray.remote(RiggedReplica)
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
-    try:
+    with local_ray() as started:
         actors = [
             RiggedActor.options(num_cpus=0.5, max_restarts=-1, max_task_retries=0).remote(
                 f"q{i}", CONFIG, "127.0.0.1", 1
             )
             for i in range(2)
         ]
+        started.extend(actors)
         with serve(actors) as s:
             yield s
-    finally:
-        ray.shutdown()
 
 
 def client(served: Served, retries: int = 0) -> openai.OpenAI:
