@@ -64,6 +64,7 @@ class ZmqEventPublisher:
         self.dropped = 0  # batches lost to a full queue
         self.replays_served = 0
         self.snapshots_served = 0
+        self.malformed_requests = 0  # replay/snapshot requests ignored as garbage
 
         self._encoder = BatchEncoder(layout)
         self._lock = threading.Lock()
@@ -210,13 +211,19 @@ class ZmqEventPublisher:
             except zmq.Again:
                 return
             if len(frames) != 3 or frames[1] != b"":
+                self.malformed_requests += 1
                 log.warning("ignoring malformed replay request (%d frames)", len(frames))
                 continue
             ident = frames[0]
             try:
                 start = unpack_seq(frames[2])
             except ValueError:
+                self.malformed_requests += 1
                 log.warning("ignoring replay request with a bad sequence frame")
+                continue
+            if start < 0 and start != SNAPSHOT_REQUEST:
+                self.malformed_requests += 1
+                log.warning("ignoring replay request for sequence %d", start)
                 continue
             # Batches queued before the request must be in the buffer before we answer, or
             # a replay could miss a batch the subscriber will never see live. (Only those:

@@ -439,3 +439,37 @@ def test_seq_frame_is_8_byte_big_endian_signed():
     assert unpack_seq(pack_seq(-1)) == -1
     with pytest.raises(ValueError):
         unpack_seq(b"\x00" * 4)
+
+
+def test_garbage_sent_to_the_replay_socket_is_counted_and_ignored():
+    """Random frames, a bad sequence frame and a negative start on the publisher's replay
+    socket are counted and dropped; a proper replay request afterwards is answered whole."""
+    rng = random.Random(7)
+    with publisher() as pub:
+        h = b"\x02" * 16
+        pub.publish(EventBatch(0.0, [BlockStored([h], None, [0] * BS, BS, None, "GPU", None)]))
+        assert pub.flush()
+        dealer = zmq.Context.instance().socket(zmq.DEALER)
+        dealer.connect(pub.replay_endpoint)
+        try:
+            garbage = [
+                [b"junk"],  # no empty delimiter frame
+                [b"", b"\x00" * 3],  # a sequence frame of the wrong size
+                [b"", pack_seq(-7)],  # neither a sequence nor the snapshot request
+                [b"", pack_seq(0), b"extra"],
+                *([bytes(rng.randrange(256) for _ in range(rng.randrange(1, 40)))]
+                  for _ in range(20)),
+            ]  # fmt: skip
+            for frames in garbage:
+                dealer.send_multipart(frames)
+            dealer.send_multipart([b"", pack_seq(0)])
+            assert dealer.poll(10_000), "no reply to a proper replay request"
+            reply = [dealer.recv_multipart()]
+            while unpack_seq(reply[-1][2]) != -1:  # up to the end marker
+                assert dealer.poll(10_000)
+                reply.append(dealer.recv_multipart())
+            assert [unpack_seq(r[2]) for r in reply] == [0, -1]
+            assert pub.malformed_requests == len(garbage)
+            assert pub.replays_served == 1
+        finally:
+            dealer.close(0)

@@ -288,6 +288,13 @@ def test_slow_heads_and_idle_connections_are_closed_and_crowd_out_no_one(
     finally:
         for sock in slow + quiet:
             sock.close()
+    print(
+        f"\nslow clients: {len(slow)} slow heads closed {min(slow_closed):.2f}-"
+        f"{max(slow_closed):.2f} s after their first byte (deadline {BODY_TIMEOUT} s), "
+        f"{len(quiet)} idle ones {min(quiet_closed):.2f}-{max(quiet_closed):.2f} s after "
+        f"connecting (deadline {IDLE_TIMEOUT} s); /health max {max(busy) * 1000:.1f} ms "
+        f"meanwhile ({max(idle) * 1000:.1f} ms idle)"
+    )
     assert len(busy) >= 10 and max(busy) < max(idle) + 0.1, (max(busy), max(idle))
     assert min(slow_closed) > BODY_TIMEOUT * 0.5 and max(slow_closed) < BODY_TIMEOUT + 5
     assert min(quiet_closed) > IDLE_TIMEOUT * 0.5 and max(quiet_closed) < IDLE_TIMEOUT + 5
