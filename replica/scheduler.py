@@ -12,6 +12,11 @@ one call to :meth:`Scheduler.update_from_output`. Per step:
    prefix-cache lookup, then slots for the rest of the prompt (or the first chunk of it).
    A request that does not fit stops admission for this step (no skipping).
 
+While two or more tenants have prompt tokens to compute, a step's prompt tokens are bounded
+and go to the least-served tenant first (:meth:`Scheduler._prefill_shares`,
+:class:`~.fair_queue.TenantUsage`); ``max_num_partial_prefills`` bounds how many prompts of
+one tenant are part-way at once. Decodes are never held back for fairness.
+
 ``num_computed_tokens`` advances at schedule time, so the runner reads the pre-step value
 from :class:`ScheduledRequest`. No request holds blocks while waiting.
 
