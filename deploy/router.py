@@ -100,6 +100,13 @@ def add_front_door_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds for a request's head, then its body, to arrive whole: a slower head "
         "closes its connection, a slower body gets 408 (default: 30)",
     )
+    p.add_argument(
+        "--send-timeout",
+        type=float,
+        default=60.0,
+        help="seconds a client may take no piece of its response before it is dropped and "
+        "its request ends (a stuck reader holds no slot forever; default: 60)",
+    )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -217,6 +224,7 @@ def build_app(
         args.served_model_name,
         max_body_bytes=args.max_body_bytes,
         body_timeout_s=args.body_timeout,
+        send_timeout_s=args.send_timeout,
     )
 
 

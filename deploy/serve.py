@@ -278,6 +278,7 @@ def _start_routers(args: argparse.Namespace, routers: list[subprocess.Popen[byte
     same = [
         "--host", args.host, "--port", str(args.port), "--policy", args.policy,
         "--max-body-bytes", str(args.max_body_bytes), "--body-timeout", str(args.body_timeout),
+        "--send-timeout", str(args.send_timeout),
     ]  # fmt: skip
     if args.log_requests:
         same.append("--log-requests")

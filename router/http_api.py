@@ -56,6 +56,7 @@ from .openai_api import (
     ModelList,
 )
 from .responses import REPLICA_HEADER, Logprobs, respond
+from .send_deadline import SEND_TIMEOUT_S, SendDeadlineMiddleware
 from .tenants import AuthError, Tenant, Tenants
 
 __all__ = ["BODY_TIMEOUT_S", "MAX_BODY_BYTES", "REPLICA_HEADER", "create_app", "render_metrics"]
@@ -201,11 +202,14 @@ def create_app(
     *,
     max_body_bytes: int = MAX_BODY_BYTES,
     body_timeout_s: float | None = BODY_TIMEOUT_S,
+    send_timeout_s: float | None = SEND_TIMEOUT_S,
 ) -> FastAPI:
     """The app; it starts ``door``'s restart monitor on its own loop and closes ``door`` on
     shutdown. ``served_model``: the name clients use in ``model`` (default: the replicas'
     configured model). ``max_body_bytes``: a larger body is a 413, refused before it is
-    read whole or parsed; ``body_timeout_s``: a body slower than this is a 408."""
+    read whole or parsed; ``body_timeout_s``: a body slower than this is a 408;
+    ``send_timeout_s``: a client that takes no piece of its response for this long is
+    dropped (:mod:`.send_deadline`)."""
     intake = Intake(door, served_model or door.model, max_body_bytes, body_timeout_s)
 
     @contextlib.asynccontextmanager
@@ -225,6 +229,11 @@ def create_app(
             tenant = door.metrics.tenant(scope.get("state", {}).get("tenant"))
             door.metrics.http.labels(tenant, str(status)).inc()
 
+    app.add_middleware(  # inside the request id's: a dropped client is no internal error
+        SendDeadlineMiddleware,
+        timeout_s=send_timeout_s,
+        on_drop=lambda: door.errors.update(["slow_client"]),
+    )
     app.add_middleware(
         RequestIdMiddleware,
         on_internal_error=lambda: door.errors.update(["internal"]),

@@ -161,7 +161,7 @@ async def respond(
     ttft_s = None if arrival is None else time.perf_counter() - arrival  # first delta is in
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
+        return _SSEResponse(
             _sse(door, stream, rid, chunk, include_usage, role_first, logprobs, arrival),
             media_type="text/event-stream",
             headers=headers,
@@ -211,6 +211,20 @@ def _usage(last: Any) -> Any:
     if last is None:
         return None
     return make_usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
+
+
+class _SSEResponse(StreamingResponse):
+    """Closes its body generator however the response ends -- a client dropped mid-send
+    (:mod:`.send_deadline`) included -- so the request's stream ends and its slot is released
+    at once, not whenever the garbage collector finalizes the generator."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
 
 async def _sse(
