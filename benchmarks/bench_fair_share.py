@@ -1,6 +1,7 @@
 """Fair share inside one engine: another tenant's TTFT while one tenant floods, per setting.
 
     python benchmarks/bench_fair_share.py [--seconds 40] [--flood 6] [--flood-output 64]
+                                          [--plot F.png]
 
 One cost-model engine (``sim:h100-8b``: the real scheduler, KV cache manager and queue;
 each step sleeps the modelled H100 time x ``--time-scale``) keeps ``--flood`` requests of
@@ -83,12 +84,38 @@ def p90(xs: list[float]) -> float:
     return sorted(xs)[int(0.9 * (len(xs) - 1))]
 
 
+def plot(path: str, rows: list[tuple[str, float, float]], title: str) -> None:
+    """b's TTFT p90, idle and under the flood, per setting (log scale; needs matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r[0] for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    ax.bar([i - 0.2 for i in x], [r[1] for r in rows], 0.4, label="idle")
+    ax.bar([i + 0.2 for i in x], [r[2] for r in rows], 0.4, label="tenant a flooding")
+    for i, r in enumerate(rows):
+        ax.annotate(f"{r[2] / r[1]:.2f}x", (i + 0.2, r[2]), ha="center", va="bottom")
+    ax.axhline(2 * max(r[1] for r in rows), color="gray", ls="--", lw=1, label="2x idle")
+    ax.set_yscale("log")
+    ax.set_xticks(list(x), names)
+    ax.set_ylabel("tenant b TTFT p90 (ms, wall)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=40.0, help="per run (x2 per setting)")
     ap.add_argument("--flood", type=int, default=6, help="tenant a's requests in flight")
     ap.add_argument("--flood-output", type=int, default=64, help="output tokens per flood request")
     ap.add_argument("--time-scale", type=float, default=4.0)
+    ap.add_argument("--plot", default=None, metavar="F.png", help="bar chart of the p90s")
     args = ap.parse_args()
     print(f"# {platform.node()} {platform.processor() or platform.machine()}; sim:h100-8b "
           f"x{args.time_scale:g}; flood {args.flood} x 2,048-token prompts, {args.flood_output} "
@@ -96,6 +123,7 @@ def main() -> None:
           f"{args.seconds:g} s per run", flush=True)  # fmt: skip
     print(f"{'setting':<22} {'idle p50':>9} {'idle p90':>9} {'flood p50':>10} {'flood p90':>10}"
           f" {'probes':>7} {'p90 ratio':>10}", flush=True)  # fmt: skip
+    rows: list[tuple[str, float, float]] = []
     for k, (name, (tenants, threshold, partial)) in enumerate(SETTINGS.items()):
         config = EngineConfig(
             model="sim:h100-8b", block_size=16, num_blocks=4096, time_scale=args.time_scale,
@@ -110,6 +138,11 @@ def main() -> None:
         ms += [1000 * x for x in (sorted(loaded)[len(loaded) // 2], p90(loaded))]
         print(f"{name:<22} {ms[0]:>7.0f}ms {ms[1]:>7.0f}ms {ms[2]:>8.0f}ms {ms[3]:>8.0f}ms "
               f"{len(loaded):>7} {p90(loaded) / p90(idle):>9.2f}x", flush=True)  # fmt: skip
+        rows.append((name, ms[1], ms[3]))
+    if args.plot:
+        title = (f"sim:h100-8b x{args.time_scale:g}: tenant a keeps {args.flood} x 2,048-token "
+                 f"prompts in flight ({args.flood_output} output tokens each)")  # fmt: skip
+        plot(args.plot, rows, title)
 
 
 if __name__ == "__main__":
