@@ -9,7 +9,9 @@ for as long as it likes, and enough of them exhaust the server's file descriptor
   idle one is (the same keep-alive a load balancer relies on);
 - once the first byte of a request head arrives, the whole head must arrive within
   ``head_timeout_s``, or the connection is closed;
-- the body then has its own deadline in the app (a 408: :mod:`kvroute.router.intake`).
+- the body then has its own deadline in the app (a 408: :mod:`kvroute.router.intake`);
+- a connection whose response ended incomplete is aborted, not closed: its unsent data is
+  discarded rather than waited on.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class DeadlineH11Protocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.transport = _AbortIfIncomplete(transport, self)  # type: ignore[assignment]
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_started = False
         self._arm(self.idle_timeout_s)
@@ -65,6 +68,27 @@ class DeadlineH11Protocol(H11Protocol):
         self._head_timer = None
         if self._awaiting_head() and not self.transport.is_closing():
             self.transport.close()
+
+
+class _AbortIfIncomplete:
+    """A connection's transport whose ``close`` discards unsent data when the response in
+    progress is incomplete. uvicorn closes the connection of a response that ended early
+    (a client dropped for not reading, :mod:`kvroute.router.send_deadline`); a plain close
+    waits to flush the buffer to a client that never reads, keeping the socket forever."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: H11Protocol) -> None:
+        self._transport = transport
+        self._protocol = protocol
+
+    def close(self) -> None:
+        cycle = self._protocol.cycle
+        if cycle is not None and not cycle.response_complete:
+            self._transport.abort()
+        else:
+            self._transport.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
 
 
 def uvicorn_config(

@@ -110,17 +110,26 @@ class KVCacheManager:
         return hashes
 
     # -- the scheduler's calls ---------------------------------------------------------
-    def get_computed_blocks(self, request: CacheRequest) -> tuple[list[KVCacheBlock], int]:
+    def get_computed_blocks(
+        self, request: CacheRequest, count: bool = True
+    ) -> tuple[list[KVCacheBlock], int]:
         """The cached blocks of the request's longest cached prefix, and the tokens they hold.
-        Counted in ``prefix_cache_queries`` / ``prefix_cache_hits``; leaves the pool untouched.
-        """
+        Counted in ``prefix_cache_queries`` / ``prefix_cache_hits`` unless ``count`` is False
+        (then :meth:`count_lookup` counts it once the request is admitted); leaves the pool
+        untouched."""
         if not self.enable_caching:
             return [], 0
         hit = self._cached_prefix(request)
         num_hit_tokens = len(hit) * self.block_size
-        self.prefix_cache_queries += len(request.all_token_ids)
-        self.prefix_cache_hits += num_hit_tokens
+        if count:
+            self.count_lookup(request, num_hit_tokens)
         return hit, num_hit_tokens
+
+    def count_lookup(self, request: CacheRequest, num_hit_tokens: int) -> None:
+        """Counts one prefix lookup in the hit-rate counters."""
+        if self.enable_caching:
+            self.prefix_cache_queries += len(request.all_token_ids)
+            self.prefix_cache_hits += num_hit_tokens
 
     def peek_cached_tokens(self, request: CacheRequest) -> int:
         """Tokens a lookup would hit now, without counting it: what a waiting request's

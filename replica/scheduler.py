@@ -247,12 +247,11 @@ class Scheduler:
             skipped = 0  # tenants passed over in a row (their share of this step is spent)
             while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
                 if kv.get_num_free_blocks() == 0 and self.running:
-                    # Admission always needs a new block (a hit is block-aligned and stops
-                    # before the last token); skipping the lookup keeps a request stuck at
-                    # the head from inflating the hit-rate counters every step.
-                    break
+                    break  # admission always needs a new block (a hit stops before the end)
                 req = self.waiting.peek()
-                hit_blocks, num_hit = kv.get_computed_blocks(req)
+                # Counted only once admitted: a request passed over, or stuck at the head,
+                # must not inflate the hit-rate counters step after step.
+                hit_blocks, num_hit = kv.get_computed_blocks(req, count=False)
                 num_new = req.num_tokens - num_hit
                 if 0 < threshold < num_new:
                     num_new = threshold
@@ -277,6 +276,7 @@ class Scheduler:
                         self._finish(req, RequestStatus.FINISHED_ABORTED)
                         continue
                     break
+                kv.count_lookup(req, num_hit)
                 self.waiting.popleft()
                 self.running.append(req)
                 req.status = RequestStatus.RUNNING
@@ -310,12 +310,12 @@ class Scheduler:
             left = req.num_tokens - req.num_computed_tokens
             if left > 1:
                 pending[req.tenant] = pending.get(req.tenant, 0) + left
-        if (
-            len(self.running) < self.config.max_num_seqs
-            and self.kv_cache_manager.get_num_free_blocks()
-        ):
-            for req in self.waiting.heads():  # only when one could be admitted now
-                pending[req.tenant] = pending.get(req.tenant, 0) + req.num_tokens
+        if len(self.running) < self.config.max_num_seqs:
+            partial = self._partial_prefills()
+            for req in self.waiting.heads():  # only those that could be admitted now
+                need = self._admissible_need(req, partial)
+                if need:
+                    pending[req.tenant] = pending.get(req.tenant, 0) + need
         if len(pending) < 2:
             return None
         cap = self.config.long_prefill_token_threshold or min(pending.values()) * len(pending)
@@ -327,6 +327,21 @@ class Scheduler:
             shares[tenant] = min(pending[tenant], cap)
             cap -= shares[tenant]
         return shares
+
+    def _admissible_need(self, req: Request, partial: dict[str | None, int] | None) -> int:
+        """Prompt tokens a waiting request would compute, 0 when it could not be admitted
+        this step (its first chunk's blocks are not free, or its tenant has enough prompts
+        part-way): a share reserved for it would only hold the others back."""
+        kv, cfg = self.kv_cache_manager, self.config
+        num_hit = kv.peek_cached_tokens(req)
+        need = req.num_tokens - num_hit
+        chunk = min(need, cfg.long_prefill_token_threshold or need, cfg.max_num_batched_tokens)
+        # Conservative: its cached blocks may sit in the free queue too, and come out of it.
+        if -(-(num_hit + chunk) // self.block_size) > kv.get_num_free_blocks():
+            return 0
+        limit = cfg.max_num_partial_prefills
+        at_limit = partial is not None and partial.get(req.tenant, 0) >= limit
+        return 0 if chunk < need and at_limit else need
 
     def _partial_prefills(self) -> dict[str | None, int] | None:
         """Running requests part-way through their prompt, per tenant (None: no limit)."""

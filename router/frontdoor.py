@@ -93,6 +93,7 @@ class ReplicaHandle:
     # request reported the failure first (the monitor's word does not count: it only says
     # the replica died, not which request it died of).
     request_reports: int = 0
+    sent: int = 0  # requests sent to it (with the in-flight count at send: was one alone?)
     restarts: int = 0  # new incarnations the front door followed
 
 
@@ -192,7 +193,7 @@ class FrontDoor:
         rep = self.replicas[rid] = ReplicaHandle(info, actor)
         if old is not None:  # a restart: its counters go on from where they were
             rep.routed, rep.failures = old.routed, old.failures
-            rep.request_reports = old.request_reports
+            rep.request_reports, rep.sent = old.request_reports, old.sent
             rep.restarts = old.restarts + (info.incarnation != old.info.incarnation)
         if info.cost is not None:  # priced in its own seconds; else the policy's reference
             self.load.register(rid, info.cost, info.num_blocks)
@@ -395,11 +396,15 @@ class FrontDoor:
                 tenant=tenant.tenant_id,
             )
             reports_at_send = rep.request_reports
+            others_at_send = self.load.in_flight_at(rid) - 1  # routing counted this one
+            rep.sent += 1
+            sent_at_send = rep.sent
             rest = stream_generate(rep.actor, req)
             try:
                 first = await rest.__anext__()
             except BaseException as exc:
-                alone = self.load.in_flight_at(rid) <= 1  # before this one is counted out
+                # Alone there: nothing else in flight when it was sent, nothing sent since.
+                alone = others_at_send == 0 and rep.sent == sent_at_send
                 self.policy.on_finished(request_id, time.monotonic())
                 with contextlib.suppress(Exception):
                     await rest.aclose()
@@ -443,8 +448,8 @@ class FrontDoor:
         """The deltas after ``first``; when the replica fails mid-stream and the failure
         cannot have been this request's doing, the request goes on once more on another
         replica from the tokens already streamed (:class:`Resume`): the client sees one
-        uninterrupted stream. Otherwise -- or at a second failure -- the failure is raised
-        (the :class:`Stream` quarantines a suspect and drops the replica)."""
+        uninterrupted stream. Otherwise -- or at a second failure -- the failing replica is
+        dropped and the failure raised (the :class:`Stream` quarantines a suspect)."""
         outputs, chars = list(first.delta_token_ids), len(first.delta_text)
         current, stream, awaiting_first = rid, rest, False
         try:
@@ -467,6 +472,7 @@ class FrontDoor:
                         self.on_replica_failure(current)
                         raise
                     if not_caused_by(exc, reported_before) is not True:
+                        self.on_replica_failure(current)
                         raise
                     self.on_replica_failure(current)
                     now = time.monotonic()

@@ -28,7 +28,7 @@ class ClientTooSlowError(Exception):
 
 
 class SendDeadlineMiddleware:
-    """Bounds each ``http.response.body`` send by ``timeout_s`` (None: no bound)."""
+    """Bounds each send of a response by ``timeout_s`` (None: no bound)."""
 
     def __init__(
         self, app: ASGIApp, timeout_s: float | None, on_drop: Callable[[], Any] | None = None
@@ -44,10 +44,7 @@ class SendDeadlineMiddleware:
             return
 
         async def send_within_deadline(message: Message) -> None:
-            if message["type"] != "http.response.body":
-                await send(message)
-                return
-            try:
+            try:  # the start too: a kept-alive client may have stopped reading already
                 await asyncio.wait_for(send(message), timeout)
             except TimeoutError:
                 raise ClientTooSlowError from None
@@ -56,6 +53,6 @@ class SendDeadlineMiddleware:
             await self.app(scope, receive, send_within_deadline)
         except ClientTooSlowError:
             rid = scope.get("state", {}).get("request_id", "?")
-            log.warning("request %s: the client took nothing for %.0f s; dropped", rid, timeout)
+            log.warning("request %s: the client took nothing for %g s; dropped", rid, timeout)
             if self.on_drop is not None:
                 self.on_drop()

@@ -84,8 +84,7 @@ class Stream:
             door = self.door
             if getattr(exc, "suspect", False):  # its engine died computing it: no replay
                 door.suspects.strike(self.fingerprint, self.request_id, self.replica, strikes=2)
-            door.on_replica_failure(self.replica)
-            raise
+            raise  # the failover already dropped the replica that failed (maybe not ours)
         finally:
             await self.aclose()
 

@@ -48,3 +48,4 @@ def tiny_engine(_shared_tiny_engine: LLMEngine) -> Iterator[LLMEngine]:
         _shared_tiny_engine.abort_requests(live)
     while _shared_tiny_engine.has_unfinished_requests():
         _shared_tiny_engine.step()
+    _shared_tiny_engine.step()  # hands finished ids to the runner now, not in the next module

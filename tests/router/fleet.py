@@ -34,6 +34,7 @@ class Served:
     url: str
     door: FrontDoor
     actors: dict[str, Any]
+    server: uvicorn.Server | None = None
 
 
 @contextlib.contextmanager
@@ -62,7 +63,8 @@ def serve(
     wait_for(lambda: server.started, 30, "uvicorn started")
     try:
         ids = [i.replica_id for i in infos]
-        yield Served(f"http://127.0.0.1:{port}", door, dict(zip(ids, actors, strict=True)))
+        by_id = dict(zip(ids, actors, strict=True))
+        yield Served(f"http://127.0.0.1:{port}", door, by_id, server)
     finally:
         server.should_exit = True
         thread.join(10)

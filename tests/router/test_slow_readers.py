@@ -58,14 +58,22 @@ def test_a_client_that_stops_reading_is_dropped_and_frees_its_slot(served: Serve
         wait_for(lambda: door.errors["slow_client"] == 1, 120, "the stuck reader dropped")
         dropped_after = time.perf_counter() - t0
         wait_for(lambda: door.load.in_flight() == 0, 30, "its slot released")
+        # The server let go of the socket at once (aborted, its unsent data discarded),
+        # though this client still reads nothing.
+        assert served.server is not None
+        connections = served.server.server_state.connections
+        wait_for(lambda: not connections, 10, "the server's side of the connection closed")
         # On the replica the request ended too: nothing running, every block free again.
         stats = ray.get(served.actors["s0"].stats.remote())
         assert stats["num_running"] == stats["num_waiting"] == 0
-        # The server closed the connection: draining what the buffers held ends in EOF.
+        # Draining what reached this side ends at once (EOF, or a reset: data was dropped).
         sock.settimeout(30)
-        received = 0
-        while chunk := sock.recv(1 << 16):
-            received += len(chunk)
+        received, chunk = 0, b""
+        try:
+            while chunk := sock.recv(1 << 16):
+                received += len(chunk)
+        except ConnectionResetError:
+            pass
     finally:
         sock.close()
     assert received > 0 and b"[DONE]" not in chunk
