@@ -319,6 +319,9 @@ async def run_load(
                     break
                 if wait > 0:
                     await asyncio.sleep(wait)
+                    left = time_left()
+                    if left is not None and left <= 0:  # the sleep overran the deadline
+                        break
                 launch(req)
             workers = []
         running = [t for t in tasks.values() if not t.done()]
