@@ -51,6 +51,7 @@ def test_fuzzed_bodies_never_get_a_5xx_or_hurt_a_replica(served: Served, path: s
         deadline=None,
         suppress_health_check=list(HealthCheck),
         database=None,
+        derandomize=True,  # the same cases every run: how many are valid must not vary
     )
     @given(case=schema[path]["POST"].as_strategy().map(aimed))
     def fuzz(case: Any) -> None:
