@@ -31,11 +31,11 @@ class DeadlineH11Protocol(H11Protocol):
 
     idle_timeout_s: float = KEEP_ALIVE_S
     head_timeout_s: float = 30.0
+    _head_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self.transport = _AbortIfIncomplete(transport, self)  # type: ignore[assignment]
-        self._head_timer: asyncio.TimerHandle | None = None
         self._head_started = False
         self._arm(self.idle_timeout_s)
 
@@ -60,8 +60,8 @@ class DeadlineH11Protocol(H11Protocol):
         self._head_timer = self.loop.call_later(seconds, self._expire)
 
     def _disarm(self) -> None:
-        if getattr(self, "_head_timer", None) is not None:
-            self._head_timer.cancel()  # type: ignore[union-attr]
+        if self._head_timer is not None:
+            self._head_timer.cancel()
             self._head_timer = None
 
     def _expire(self) -> None:

@@ -189,12 +189,13 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        shares = self._prefill_shares()
-        scheduled, preempted = self._schedule(shares)
+        partial = self._partial_prefills()
+        shares = self._prefill_shares(partial)
+        scheduled, preempted = self._schedule(shares, partial)
         if shares is not None and not scheduled and not preempted:
             # The shares went to a tenant that could not run after all (its request did not
             # fit): rather than a step that does nothing, schedule as if alone. Liveness.
-            scheduled, preempted = self._schedule(None)
+            scheduled, preempted = self._schedule(None, partial)
         for sr in scheduled:
             self.usage.charge(sr.request.tenant, sr.num_new_tokens)
         finished = sorted(self.finished_req_ids)
@@ -207,16 +208,17 @@ class Scheduler:
         )
 
     def _schedule(
-        self, shares: dict[str | None, int] | None
+        self, shares: dict[str | None, int] | None, partial: dict[str | None, int] | None
     ) -> tuple[list[ScheduledRequest], list[Request]]:
-        """One step's chunks and preemptions, within ``shares`` (see :meth:`_prefill_shares`)."""
+        """One step's chunks and preemptions, within ``shares`` (see :meth:`_prefill_shares`)
+        and the partial-prefill limit (``partial``: prompts part-way per tenant, not changed)."""
         cfg = self.config
         kv = self.kv_cache_manager
         budget = cfg.max_num_batched_tokens
         threshold = cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else 0
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
-        partial = self._partial_prefills()
+        partial = None if partial is None else dict(partial)  # counts this step's starts
 
         # 1. Running requests: decodes and unfinished prefill chunks.
         i = 0
@@ -291,7 +293,9 @@ class Scheduler:
                 _charge_share(shares, req, num_new)
         return scheduled, preempted
 
-    def _prefill_shares(self) -> dict[str | None, int] | None:
+    def _prefill_shares(
+        self, partial: dict[str | None, int] | None
+    ) -> dict[str | None, int] | None:
         """Prompt tokens each tenant may compute this step, when two or more have some to
         compute (None otherwise: one tenant, or none, schedules as before).
 
@@ -310,12 +314,13 @@ class Scheduler:
             left = req.num_tokens - req.num_computed_tokens
             if left > 1:
                 pending[req.tenant] = pending.get(req.tenant, 0) + left
-        if len(self.running) < self.config.max_num_seqs:
-            partial = self._partial_prefills()
-            for req in self.waiting.heads():  # only those that could be admitted now
-                need = self._admissible_need(req, partial)
-                if need:
-                    pending[req.tenant] = pending.get(req.tenant, 0) + need
+        heads = self.waiting.heads() if len(self.running) < self.config.max_num_seqs else []
+        if len(pending.keys() | {req.tenant for req in heads}) < 2:
+            return None  # one tenant at most: no prefix lookups for nothing
+        for req in heads:  # only those that could be admitted now
+            need = self._admissible_need(req, partial)
+            if need:
+                pending[req.tenant] = pending.get(req.tenant, 0) + need
         if len(pending) < 2:
             return None
         cap = self.config.long_prefill_token_threshold or min(pending.values()) * len(pending)

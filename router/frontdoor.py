@@ -10,19 +10,11 @@ Why the shape:
   differently from its engines silently gets 0% hits (DESIGN, "Facts worth knowing").
 - :meth:`open` routes and waits for the first delta before returning, so everything that can
   go wrong before the first token (a bad request, a dead replica) is settled while the HTTP
-  status can still say so; a replica that fails then is dropped and the request is retried
-  once elsewhere -- but only when the failure cannot have been caused by the request (see
-  below). After the first token a failure ends the stream with an error.
-- Query of death: a request that crashes an engine would, replayed blindly, crash the next
-  replica too, and the next. A request is retried only when its replica was already failing
-  (another request reported the failure first), or when the engine reports that the
-  request was not in the step that failed (``ReplicaDeadError.suspect``). A suspect is not retried;
-  its fingerprint (a hash of its tokens and sampling parameters) is logged and quarantined
-  for ``suspects.ttl_s``, so the client's own retry is refused (:class:`QueryOfDeathError`)
-  instead of taking down another replica. A process that died outright (no word from its
-  engine) is ambiguous: such a request is not retried either, and is quarantined at its
-  second such failure, or at once when it was the only request in flight there. (So the
-  first stream to report a killed replica fails: about one per kill.)
+  status can still say so; a replica that fails then is dropped and the request retried
+  once elsewhere, but only when the failure cannot have been the request's doing: another
+  request reported it first, or the engine says the request was not in the failing step.
+  Otherwise it may be a query of death, which :mod:`.quarantine` refuses rather than
+  replays; a process that died with no word fails its first reporter (about one per kill).
 - Mid-stream failover: a replica that fails after a request's first token, for a reason
   that cannot have been the request's (the same rule), is replaced once: the prompt and
   the tokens already streamed go to another replica (``GenerateRequest.resume``), which
