@@ -1,4 +1,4 @@
-"""The front door's HTTP server: uvicorn (h11), with a deadline on every request head.
+"""The front door's HTTP server: uvicorn, with a deadline on every request head.
 
 Why: uvicorn arms no timer on a new connection, and cancels its keep-alive timer on the
 first byte of the next request. A client that connects and never completes its request
@@ -12,6 +12,10 @@ for as long as it likes, and enough of them exhaust the server's file descriptor
 - the body then has its own deadline in the app (a 408: :mod:`kvroute.router.intake`);
 - a connection whose response ended incomplete is aborted, not closed: its unsent data is
   discarded rather than waited on.
+
+With ``uvicorn[standard]`` installed the server runs httptools on uvloop: h11's pure-Python
+parser costs several times their CPU per streamed chunk, and the front door streams every
+token. Without them, h11 on asyncio, with the same deadlines.
 """
 
 from __future__ import annotations
@@ -22,35 +26,45 @@ from typing import Any
 from uvicorn import Config
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+try:  # both or neither: httptools' protocol alone saves little on asyncio's loop
+    import uvloop  # noqa: F401
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+except ImportError:
+    HttpToolsProtocol = None  # type: ignore[assignment,misc]
+
 KEEP_ALIVE_S = 75  # past a load balancer's idle timeout (AWS ALB: 60 s), see uvicorn_config
 
 
-class DeadlineH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with an idle deadline for fresh connections and a deadline for
-    each request head (class attributes: set on a subclass, see :func:`uvicorn_config`)."""
+class _Deadlines:
+    """The deadlines for a uvicorn HTTP protocol (mixed in before it): an idle deadline for
+    fresh connections, one for each request head (class attributes: set on a subclass, see
+    :func:`uvicorn_config`). Both of uvicorn's protocols set ``cycle`` once a head is
+    parsed, which is all this needs to know of them."""
 
     idle_timeout_s: float = KEEP_ALIVE_S
     head_timeout_s: float = 30.0
     _head_timer: asyncio.TimerHandle | None = None
+    _head_started = False
+    loop: asyncio.AbstractEventLoop  # the protocol's
+    transport: asyncio.Transport
+    cycle: Any
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self.transport = _AbortIfIncomplete(transport, self)  # type: ignore[assignment]
-        self._head_started = False
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
         self._arm(self.idle_timeout_s)
 
     def data_received(self, data: bytes) -> None:
         if self._awaiting_head() and not self._head_started:
             self._head_started = True  # the clock for this head starts at its first byte
             self._arm(self.head_timeout_s)
-        super().data_received(data)
+        super().data_received(data)  # type: ignore[misc]
         if not self._awaiting_head():  # the head is in: the app and keep-alive take over
             self._head_started = False
             self._disarm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
-        super().connection_lost(exc)
+        super().connection_lost(exc)  # type: ignore[misc]
 
     def _awaiting_head(self) -> bool:
         return self.cycle is None or self.cycle.response_complete
@@ -69,23 +83,51 @@ class DeadlineH11Protocol(H11Protocol):
         if self._awaiting_head() and not self.transport.is_closing():
             self.transport.close()
 
+    def _wrap_new_cycle(self) -> None:
+        """Gives the request just parsed (``cycle``) a transport that aborts an incomplete
+        response: called where each protocol creates it, before its app task first runs."""
+        cycle = self.cycle
+        if cycle is not None and not isinstance(cycle.transport, _AbortIfIncomplete):
+            cycle.transport = _AbortIfIncomplete(cycle.transport, cycle)
+
+
+class DeadlineH11Protocol(_Deadlines, H11Protocol):
+    """uvicorn's h11 protocol with the deadlines: the fallback without ``uvicorn[standard]``."""
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        self._wrap_new_cycle()  # h11 parses one request per cycle: at most one new here
+
+
+if HttpToolsProtocol is not None:
+
+    class DeadlineHttpToolsProtocol(_Deadlines, HttpToolsProtocol):
+        """uvicorn's httptools protocol with the deadlines."""
+
+        def on_headers_complete(self) -> None:
+            super().on_headers_complete()
+            # Here, not after data_received: one packet may carry several pipelined heads.
+            self._wrap_new_cycle()
+
 
 class _AbortIfIncomplete:
-    """A connection's transport whose ``close`` discards unsent data when the response in
-    progress is incomplete. uvicorn closes the connection of a response that ended early
-    (a client dropped for not reading, :mod:`kvroute.router.send_deadline`); a plain close
-    waits to flush the buffer to a client that never reads, keeping the socket forever."""
+    """A request's transport whose ``close`` discards unsent data when its response is
+    incomplete. uvicorn closes the connection of a response that ended early (a client
+    dropped for not reading, :mod:`kvroute.router.send_deadline`); a plain close waits to
+    flush the buffer to a client that never reads, keeping the socket forever. Bound to the
+    request, not the connection: with httptools a pipelined request replaces the protocol's
+    ``cycle`` while the response before it is still being written (and may end in a close
+    that must flush)."""
 
-    def __init__(self, transport: asyncio.Transport, protocol: H11Protocol) -> None:
+    def __init__(self, transport: asyncio.Transport, cycle: Any) -> None:
         self._transport = transport
-        self._protocol = protocol
+        self._cycle = cycle
 
     def close(self) -> None:
-        cycle = self._protocol.cycle
-        if cycle is not None and not cycle.response_complete:
-            self._transport.abort()
-        else:
+        if self._cycle.response_complete:
             self._transport.close()
+        else:
+            self._transport.abort()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
@@ -94,11 +136,18 @@ class _AbortIfIncomplete:
 def uvicorn_config(
     app: Any, head_timeout_s: float = 30.0, idle_timeout_s: float = KEEP_ALIVE_S, **kw: Any
 ) -> Config:
-    """uvicorn's config for a front door: h11 with head deadlines, keep-alive past a load
-    balancer's idle timeout (a backend that closes an idle connection first races the
-    balancer's next request on it), warnings only unless ``kw`` says otherwise."""
+    """uvicorn's config for a front door: httptools on uvloop where installed (else h11 on
+    asyncio) with head deadlines, keep-alive past a load balancer's idle timeout (a backend
+    that closes an idle connection first races the balancer's next request on it), warnings
+    only unless ``kw`` says otherwise."""
+    if HttpToolsProtocol is not None:
+        base: type = DeadlineHttpToolsProtocol
+        kw.setdefault("loop", "uvloop")
+    else:
+        base = DeadlineH11Protocol
+        kw.setdefault("loop", "asyncio")
     deadlines = {"head_timeout_s": head_timeout_s, "idle_timeout_s": idle_timeout_s}
-    protocol = type("FrontDoorH11Protocol", (DeadlineH11Protocol,), deadlines)
+    protocol = type("FrontDoor" + base.__name__.removeprefix("Deadline"), (base,), deadlines)
     kw.setdefault("log_level", "warning")
     kw.setdefault("timeout_keep_alive", idle_timeout_s)
     return Config(app, http=protocol, **kw)

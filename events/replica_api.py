@@ -1,24 +1,20 @@
-"""Messages between a router and a replica actor, as msgspec Structs, and the one call
-that streams a request from an actor.
+"""Messages between a front door and a replica, as msgspec Structs, and the errors a
+request can end with.
 
 Why here (``events``) and not in ``replica``: like the KV events, these are the contract
-between the two sides, and ``router`` never imports ``replica``. Conversions to and from
-the engine's own types live in :mod:`kvroute.replica.actor`.
+between the two sides, and ``router`` never imports ``replica``. How they travel is
+:mod:`.dataplane` (ZeroMQ); Ray carries only :class:`ReplicaInfo` (discovery) and control.
 
-Why Structs and not dataclasses: they pickle (Ray's transport) and encode to msgpack or JSON
-(any other transport, logs) with the same schema, and they are cheap to build per token.
-This module imports neither torch nor transformers, only msgspec and (for
-:func:`stream_generate`) ray.
+Why Structs and not dataclasses: they encode to msgpack (the data plane) or JSON (logs)
+with one schema, pickle (Ray) too, and they are cheap to build per token. This module
+imports neither torch, transformers nor ray: only msgspec.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
-import ray
 
 from .bounds import (  # the shared request bounds, part of this contract
     MAX_LOGPROBS,
@@ -50,12 +46,14 @@ __all__ = [
     "InvalidRequestError",
     "ReplicaDeadError",
     "ReplicaInfo",
+    "ReplicaLostError",
     "Resume",
     "SamplingParams",
     "check_prompt_token_ids",
     "check_sampling",
     "check_text",
-    "stream_generate",
+    "delta_error",
+    "merge_deltas",
 ]
 
 
@@ -85,6 +83,22 @@ def _replica_dead(message: str, suspect: bool) -> ReplicaDeadError:
     return ReplicaDeadError(message, suspect=suspect)
 
 
+class ReplicaLostError(RuntimeError):
+    """The replica's process went away (its data-plane connection dropped, it fell silent,
+    or Ray reports it dead) with no word from its engine about which request it died of.
+
+    ``maybe_cause``: this request is the one the front door holds answerable -- the most
+    recently sent of those in flight there, the likeliest to have been in the step that
+    crashed (a query of death mostly kills in its first, prefill step); exactly one request
+    per lost process is, so a crash that is some request's doing is never replayed onto
+    every replica in turn. ``alone``: it was the only request in flight there."""
+
+    def __init__(self, message: str, *, maybe_cause: bool = False, alone: bool = False) -> None:
+        super().__init__(message)
+        self.maybe_cause = maybe_cause
+        self.alone = alone
+
+
 class ReplicaInfo(msgspec.Struct, kw_only=True, frozen=True):
     """What a router must know to use a replica and to follow its event stream.
 
@@ -101,6 +115,7 @@ class ReplicaInfo(msgspec.Struct, kw_only=True, frozen=True):
     block_size: int
     num_blocks: int
     max_model_len: int
+    data_endpoint: str  # ROUTER socket of the data plane (requests in, outputs out)
     events_endpoint: str  # PUB socket, as reachable from other nodes
     replay_endpoint: str | None  # ROUTER socket for replay and snapshots
     topic: str
@@ -179,13 +194,15 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     tenant: str | None = None  # whose request: the engine's queue takes tenants in turn
 
 
-class GenerateDelta(msgspec.Struct, kw_only=True):
-    """What one engine step added to a request; the last one has ``finished`` set."""
+class GenerateDelta(msgspec.Struct, kw_only=True, array_like=True):
+    """What one engine step added to a request; the last one has ``finished`` set.
+
+    Array-like on the wire (no field names): one step's message holds one per request."""
 
     request_id: str
-    delta_text: str
     delta_token_ids: list[int]
-    finished: bool
+    delta_text: str = ""
+    finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or string that ended it
     error: str | None = None  # with "error": the request's own stage that failed, one line
@@ -196,36 +213,34 @@ class GenerateDelta(msgspec.Struct, kw_only=True):
     # First delta only: seconds from the replica receiving the request to this delta (its
     # queueing and prefill). A front door subtracts it from its own TTFT: what it added.
     replica_ttft_s: float | None = None
+    # Set when the request did not end by itself: "invalid" (it can never run here: a 4xx,
+    # ``error`` says why), "dead" (the engine failed; the request was not in the failing
+    # step) or "suspect" (it was, or that step's batch is unknown: maybe a query of death).
+    failure: str | None = None
 
 
-async def stream_generate(actor: Any, req: GenerateRequest) -> AsyncIterator[GenerateDelta]:
-    """Streams a request from a replica actor; cancels it remotely if the consumer stops
-    early (break, task cancelled, generator closed), which frees its blocks at once.
+def merge_deltas(first: GenerateDelta, then: GenerateDelta) -> GenerateDelta:
+    """Two consecutive deltas of one request as one: the later state, both increments.
+    A reader that fell behind gets fewer, larger deltas instead of a growing backlog."""
+    lp = None
+    if first.logprobs is not None or then.logprobs is not None:
+        lp = [*(first.logprobs or ()), *(then.logprobs or ())]
+    return msgspec.structs.replace(
+        then,
+        delta_token_ids=first.delta_token_ids + then.delta_token_ids,
+        delta_text=first.delta_text + then.delta_text,
+        logprobs=lp,
+        replica_ttft_s=first.replica_ttft_s
+        if first.replica_ttft_s is not None
+        else then.replica_ttft_s,
+    )
 
-    Ray 2.60 does not cancel a streaming task whose ``ObjectRefGenerator`` is merely
-    dropped, so this ``ray.cancel``s it on any early exit. This contract's own errors
-    (:class:`InvalidRequestError`, :class:`ReplicaDeadError`) are raised as themselves, not
-    wrapped in Ray's ``RayTaskError``, whose text is a remote traceback (pids, addresses)
-    that must never reach a client."""
-    gen = actor.generate.options(num_returns="streaming").remote(req)
-    ended = False  # the remote task is over: nothing to cancel
-    try:
-        async for ref in gen:
-            try:
-                delta: GenerateDelta = await ref
-            except asyncio.CancelledError:
-                raise
-            except ray.exceptions.RayTaskError as exc:  # the stream's own error: its last item
-                ended = True
-                cause = getattr(exc, "cause", None)
-                if isinstance(cause, InvalidRequestError | ReplicaDeadError):
-                    raise cause from None
-                raise
-            except Exception:
-                ended = True
-                raise
-            yield delta
-        ended = True
-    finally:
-        if not ended:
-            ray.cancel(gen)
+
+def delta_error(delta: GenerateDelta, replica_id: str) -> Exception | None:
+    """The exception a delta's ``failure`` stands for (None: it ended by itself)."""
+    if delta.failure is None:
+        return None
+    if delta.failure == "invalid":
+        return InvalidRequestError(delta.error or "request rejected")
+    why = delta.error or "engine failed"
+    return ReplicaDeadError(f"replica {replica_id}: {why}", suspect=delta.failure != "dead")

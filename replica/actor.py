@@ -1,21 +1,17 @@
-"""ReplicaActor: one engine and its KV-event publisher inside a Ray actor.
+"""ReplicaActor: one engine, its data plane and its KV-event publisher inside a Ray actor.
 
 Why the shape:
-- The engine runs on its own thread (:class:`AsyncLLMEngine`); the actor is an *async* actor,
-  so its event loop only moves messages: many streams are served at once while a step runs.
-- ``generate`` is an async generator consumed with ``.options(num_returns="streaming")``.
-  ``ray.cancel`` on the stream cancels the actor's asyncio task, which aborts the request and
-  frees its blocks. Ray 2.60 does NOT cancel the task when the caller merely drops the
-  ``ObjectRefGenerator``, nor when the caller's process dies (both observed): the request
-  then runs to its end. Use
-  :func:`~kvroute.events.replica_api.stream_generate`, which cancels on any early exit of
-  its consumer (re-exported here).
+- The engine runs on its own thread (:class:`AsyncLLMEngine`). Requests and tokens travel on
+  the data plane (:class:`~.dataplane.DataPlaneServer`, ZeroMQ, one message per front door
+  per step), never through Ray: Ray places, starts, restarts and finds the actor, and
+  carries its :class:`ReplicaInfo` (the sockets' addresses), load reports and control calls.
 - A dead engine thread must not leave a live but useless actor (Ray would never restart it):
-  a watchdog lets in-flight streams end with :class:`ReplicaDeadError`, then ``os._exit(1)``
-  so Ray restarts the process when the actor has ``max_restarts``. The new process binds new
-  ports and starts its event seq at 0; ``info().incarnation`` tells the router it changed.
+  a watchdog lets the failure reach every front door (each live request ends with a
+  ``failure`` delta), then ``os._exit(1)`` so Ray restarts the process when the actor has
+  ``max_restarts``. The new process binds new ports and starts its event seq at 0;
+  ``info().incarnation`` tells the router it changed.
 - Messages and errors cross the boundary as :mod:`kvroute.events.replica_api` types (the
-  router/replica contract), so a router never imports torch to unpickle them.
+  router/replica contract), so a router never imports torch to read them.
 
 Create replicas with :func:`start_replica` (resources, restarts, CPU pinning) or directly:
 ``ReplicaActor.options(num_cpus=1, max_restarts=-1).remote("r0", {"model": "tiny"})``.
@@ -31,36 +27,19 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-import msgspec
 import ray
 
-from kvroute.events.bounds import check_sampling
 from kvroute.events.load import LoadReport
-from kvroute.events.replica_api import (
-    GenerateDelta,
-    GenerateRequest,
-    InvalidRequestError,
-    ReplicaDeadError,
-    ReplicaInfo,
-    stream_generate,
-)
+from kvroute.events.replica_api import ReplicaDeadError, ReplicaInfo
 
 from .cost_model import sim_profile
 
 if TYPE_CHECKING:  # the engine pulls in torch; a router creating actors need not
     from .engine import EngineConfig
-    from .outputs import RequestOutput
 
-__all__ = [
-    "ReplicaActor",
-    "ReplicaServer",
-    "delta_from_output",
-    "start_replica",
-    "stream_generate",
-]
+__all__ = ["ReplicaActor", "ReplicaServer", "start_replica"]
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +66,7 @@ class ReplicaServer:
         from kvroute.events import ZmqEventPublisher
 
         from .async_engine import AsyncLLMEngine
+        from .dataplane import DataPlaneServer
         from .engine import EngineConfig
 
         config = (
@@ -108,6 +88,13 @@ class ReplicaServer:
         except BaseException:
             self.publisher.close()
             raise
+        incarnation = uuid.uuid4().hex
+        try:
+            self.dataplane = DataPlaneServer(self.engine, f"tcp://{bind}:*", incarnation)
+        except BaseException:
+            self.engine.shutdown()
+            self.publisher.close()
+            raise
         eng = self.engine.engine
         hc = eng.hash_config
         replay = self.publisher.replay_endpoint
@@ -123,18 +110,18 @@ class ReplicaServer:
             block_size=hc.block_size,
             num_blocks=eng.runner.num_blocks,
             max_model_len=eng.max_model_len,
+            data_endpoint=_advertise(self.dataplane.endpoint, advertised),
             events_endpoint=_advertise(self.publisher.endpoint, advertised),
             replay_endpoint=_advertise(replay, advertised) if replay else None,
             topic=replica_id,
             node_ip=node_ip,
             pid=os.getpid(),
-            incarnation=uuid.uuid4().hex,
+            incarnation=incarnation,
             restarted=self._in_actor and _was_reconstructed(),
             vocab_size=eng.vocab_size,
             cost=eng.cost_coefficients(),
             node_id=ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
         )
-        self._streams = 0  # generate() calls in flight (the watchdog waits for them)
         threading.Thread(target=self._watch, name="kvroute-replica-watchdog", daemon=True).start()
 
     def __repr__(self) -> str:  # Ray prefixes the actor's log lines and errors with it
@@ -142,48 +129,6 @@ class ReplicaServer:
 
     def info(self) -> ReplicaInfo:
         return self._info
-
-    async def generate(self, req: GenerateRequest | dict[str, Any]) -> AsyncIterator[GenerateDelta]:
-        """Yields one :class:`GenerateDelta` per engine output, the last with ``finished``.
-
-        Raises :class:`InvalidRequestError` for a request that can never run here and
-        :class:`ReplicaDeadError` when the engine fails; being cancelled aborts the request.
-        """
-        from .async_engine import EngineDeadError
-
-        received = time.perf_counter()
-        try:
-            if not isinstance(req, GenerateRequest):
-                req = msgspec.convert(req, GenerateRequest)
-            params = req.sampling
-            check_sampling(params)  # checked when built; again, whatever way it came
-        except (ValueError, TypeError, msgspec.ValidationError) as exc:
-            raise InvalidRequestError(f"request rejected: {exc}") from None
-        self._streams += 1
-        try:
-            outputs = self.engine.generate(
-                req.prompt_token_ids,
-                params,
-                req.request_id,
-                cache_salt=req.cache_salt,
-                resume=req.resume,
-                tenant=req.tenant,
-            )
-            first = True
-            async for out in outputs:
-                delta = delta_from_output(out)
-                if first:
-                    delta.replica_ttft_s = time.perf_counter() - received
-                    first = False
-                yield delta
-        except EngineDeadError as exc:
-            raise ReplicaDeadError(
-                f"replica {self.replica_id}: {exc}", suspect=exc.suspect
-            ) from None
-        except ValueError as exc:  # raised by add_request: nothing was queued
-            raise InvalidRequestError(f"request {req.request_id!r} rejected: {exc}") from None
-        finally:
-            self._streams -= 1
 
     def abort(self, request_id: str) -> None:
         """Ends a request (its stream finishes with ``finish_reason="abort"``); unknown or
@@ -202,7 +147,9 @@ class ReplicaServer:
         pub = self.publisher
         s.update(
             replica_id=self.replica_id,
-            num_streams=self._streams,
+            dataplane_requests=self.dataplane.requests,
+            dataplane_messages_sent=self.dataplane.messages_sent,
+            dataplane_malformed=self.dataplane.malformed,
             events_published=pub.published,
             events_sent=pub.sent,
             events_dropped=pub.dropped,
@@ -242,8 +189,9 @@ class ReplicaServer:
         self.engine.engine.step = fail  # type: ignore[method-assign]
 
     def shutdown(self) -> None:
-        """For in-process use: stop the engine (live streams fail) and close the sockets."""
+        """For in-process use: stop the engine (live requests fail) and close the sockets."""
         self.engine.shutdown()
+        self.dataplane.close()
         self.publisher.close()
 
     async def _on_engine(self, fn: Any) -> Any:
@@ -261,10 +209,9 @@ class ReplicaServer:
         log.error("replica %s: engine died (%r)", self.replica_id, self.engine.error)
         if not self._in_actor:
             return
-        deadline = time.monotonic() + EXIT_GRACE_S
-        while self._streams and time.monotonic() < deadline:
-            time.sleep(0.02)
-        time.sleep(1.0)  # Ray reports a stream's final error asynchronously: let it leave
+        # Every live request's failure delta is queued by now: let the I/O thread send it.
+        self.dataplane.flush(EXIT_GRACE_S)
+        time.sleep(0.2)  # what was handed to ZeroMQ's own I/O thread must leave too
         log.error("replica %s: exiting so Ray restarts it", self.replica_id)
         sys.stderr.flush()
         os._exit(1)
@@ -319,28 +266,6 @@ def start_replica(
         **options,
     )
     return actor_cls.remote(replica_id, engine_config, events_host, torch_threads)
-
-
-def delta_from_output(out: RequestOutput) -> GenerateDelta:
-    """One engine output as the delta a router receives."""
-    comp = out.outputs[0]
-    n_out = len(comp.token_ids)
-    logprobs = None
-    if comp.logprobs is not None:
-        logprobs = comp.logprobs[n_out - len(out.delta_token_ids) : n_out]
-    return GenerateDelta(
-        request_id=out.request_id,
-        delta_text=out.delta_text,
-        delta_token_ids=list(out.delta_token_ids),
-        finished=out.finished,
-        finish_reason=comp.finish_reason,
-        stop_reason=comp.stop_reason,
-        num_prompt_tokens=len(out.prompt_token_ids),
-        num_cached_tokens=out.num_cached_tokens,
-        num_output_tokens=n_out,
-        logprobs=logprobs,
-        error=comp.error,
-    )
 
 
 def _was_reconstructed() -> bool:

@@ -1,9 +1,13 @@
-"""AsyncLLMEngine: the engine on its own thread, requests streamed to asyncio callers.
+"""AsyncLLMEngine: the engine on its own thread; requests in by a command queue, outputs out
+through sinks.
 
-Why a thread and not the event loop: a model step holds the CPU/GPU for milliseconds to
-seconds, and torch releases the GIL inside it, so the loop stays free to accept requests and
-stream tokens while the engine computes. The thread owns the engine outright; callers talk
-to it through a command queue and get :class:`RequestOutput` deltas back on asyncio queues.
+Why a thread and not an event loop: a model step holds the CPU/GPU for milliseconds to
+seconds, and torch releases the GIL inside it, so I/O (the data plane's sockets, an asyncio
+caller) goes on while the engine computes. The thread owns the engine outright; callers talk
+to it through a command queue. Each request names an :class:`OutputSink`; after every step
+the thread hands each output to its request's sink, then calls ``flush`` once on every sink
+it touched -- so a sink that batches (the data plane: one message per front door per step)
+sees the step's end. :meth:`AsyncLLMEngine.generate` is the asyncio sink, for in-process use.
 
 A caller that stops iterating (client gone, task cancelled) aborts its request, which frees
 its blocks before the next step. If a step raises, every live request gets the error and the
@@ -22,7 +26,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from kvroute.events.load import LoadReport
 from kvroute.events.replica_api import Resume, SamplingParams
@@ -47,6 +51,38 @@ class EngineDeadError(RuntimeError):
         self.suspect = suspect
 
 
+class OutputSink(Protocol):
+    """Where a request's outputs go; called on the engine thread only."""
+
+    def deliver(self, request_id: str, item: RequestOutput | BaseException) -> bool:
+        """Takes one output (or the error that ends the request); False when nobody listens
+        any more (the engine then aborts the request)."""
+        ...
+
+    def flush(self) -> None:
+        """The step is over: send what this step delivered."""
+        ...
+
+
+class _QueueSink:
+    """An asyncio caller's queue, fed across threads."""
+
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, queue: asyncio.Queue[Any], loop: asyncio.AbstractEventLoop) -> None:
+        self.queue, self.loop = queue, loop
+
+    def deliver(self, request_id: str, item: RequestOutput | BaseException) -> bool:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the caller's loop is closed
+            return False
+        return True
+
+    def flush(self) -> None:
+        pass
+
+
 @dataclass(slots=True)
 class _Add:
     request_id: str
@@ -56,13 +92,19 @@ class _Add:
     lora_name: str | None
     resume: Resume | None
     tenant: str | None
-    sink: asyncio.Queue[RequestOutput | BaseException]
-    loop: asyncio.AbstractEventLoop
+    sink: OutputSink
 
 
 @dataclass(slots=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(slots=True)
+class _AbortSink:
+    """Every request of one sink (a front door that has gone)."""
+
+    sink: OutputSink
 
 
 @dataclass(slots=True)
@@ -77,8 +119,11 @@ class AsyncLLMEngine:
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
-        self._sinks: dict[str, tuple[asyncio.Queue[Any], asyncio.AbstractEventLoop]] = {}
+        self._commands: queue.SimpleQueue[_Add | _Abort | _AbortSink | _Call | None] = (
+            queue.SimpleQueue()
+        )
+        self._sinks: dict[str, OutputSink] = {}
+        self._touched: set[OutputSink] = set()  # sinks delivered to since the last flush
         self._ids = itertools.count()
         self.error: BaseException | None = None
         self._stopped = False
@@ -118,10 +163,16 @@ class AsyncLLMEngine:
             raise EngineDeadError("the engine is shut down")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         sink: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
         params = params or SamplingParams()
-        self._commands.put(
-            _Add(rid, prompt, params, cache_salt, lora_name, resume, tenant, sink, loop)
+        self.submit(
+            rid,
+            prompt,
+            params,
+            _QueueSink(sink, asyncio.get_running_loop()),
+            cache_salt=cache_salt,
+            lora_name=lora_name,
+            resume=resume,
+            tenant=tenant,
         )
         finished = False
         held: BaseException | None = None
@@ -147,8 +198,35 @@ class AsyncLLMEngine:
             if not finished:
                 self._commands.put(_Abort(rid))
 
+    def submit(
+        self,
+        request_id: str,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        sink: OutputSink,
+        *,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
+        resume: Resume | None = None,
+        tenant: str | None = None,
+    ) -> None:
+        """Queues a request from any thread; its outputs (or the error that refuses or ends
+        it) go to ``sink``. Never blocks."""
+        if self.error is not None or self._stopped:
+            why = "the engine has failed" if self.error is not None else "the engine is shut down"
+            sink.deliver(request_id, EngineDeadError(why))
+            sink.flush()
+            return
+        self._commands.put(
+            _Add(request_id, prompt, params, cache_salt, lora_name, resume, tenant, sink)
+        )
+
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
+
+    def abort_sink(self, sink: OutputSink) -> None:
+        """Aborts every live request of ``sink`` (its reader is gone)."""
+        self._commands.put(_AbortSink(sink))
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Runs ``fn(engine)`` on the engine thread between steps and returns its result.
@@ -188,6 +266,7 @@ class AsyncLLMEngine:
                     for out in engine.step():
                         self._deliver(out.request_id, out, last=out.finished)
                 self.load = engine.scheduler.load_report()
+                self._flush()
         except BaseException as exc:
             batch = engine.current_batch  # None: it failed before the batch was known
             log.exception("engine step failed (batch: %s)", "unknown" if batch is None else batch)
@@ -197,6 +276,16 @@ class AsyncLLMEngine:
                 err = EngineDeadError(f"engine step failed: {exc!r}", suspect=suspect)
                 self._deliver(rid, err, last=True)
             self._fail_queued(EngineDeadError(f"engine step failed: {exc!r}"))
+            self._flush()
+
+    def _flush(self) -> None:
+        touched = self._touched
+        while touched:
+            sink = touched.pop()
+            try:
+                sink.flush()
+            except Exception:  # a sink's own failure must not stop the engine
+                log.exception("output sink failed to flush")
 
     def _fail_all(self, err: EngineDeadError) -> None:
         """On shutdown: free every live request's blocks and end its stream with ``err``."""
@@ -205,6 +294,7 @@ class AsyncLLMEngine:
         for rid in live:
             self._deliver(rid, err, last=True)
         self._fail_queued(err)
+        self._flush()
 
     def _fail_queued(self, err: EngineDeadError) -> None:
         """Requests still in the command queue will never run: their callers must not wait."""
@@ -214,7 +304,8 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if isinstance(cmd, _Add):
-                self._put(cmd.sink, cmd.loop, err)
+                cmd.sink.deliver(cmd.request_id, err)
+                self._touched.add(cmd.sink)
             elif isinstance(cmd, _Call):
                 _resolve(cmd, err)
 
@@ -232,6 +323,12 @@ class AsyncLLMEngine:
                 for out in self.engine.abort_requests([cmd.request_id]):
                     self._deliver(out.request_id, out, last=True)
                 continue
+            if isinstance(cmd, _AbortSink):
+                mine = [rid for rid, sink in self._sinks.items() if sink is cmd.sink]
+                for rid in mine:  # nobody reads them: no outputs, just free the blocks
+                    del self._sinks[rid]
+                self.engine.abort_requests(mine)
+                continue
             if isinstance(cmd, _Call):
                 try:
                     result = cmd.fn(self.engine)
@@ -243,9 +340,10 @@ class AsyncLLMEngine:
             if cmd.request_id in self._sinks:
                 # The id is live: refuse the newcomer without touching the owner's stream.
                 err = ValueError(f"request id {cmd.request_id!r} is already in use")
-                self._put(cmd.sink, cmd.loop, err)
+                cmd.sink.deliver(cmd.request_id, err)
+                self._touched.add(cmd.sink)
                 continue
-            self._sinks[cmd.request_id] = (cmd.sink, cmd.loop)
+            self._sinks[cmd.request_id] = cmd.sink
             try:
                 self.engine.add_request(
                     cmd.request_id,
@@ -260,20 +358,12 @@ class AsyncLLMEngine:
                 self._deliver(cmd.request_id, exc, last=True)
 
     def _deliver(self, rid: str, item: RequestOutput | BaseException, last: bool) -> None:
-        entry = self._sinks.pop(rid, None) if last else self._sinks.get(rid)
-        if entry is None:
+        sink = self._sinks.pop(rid, None) if last else self._sinks.get(rid)
+        if sink is None:
             return
-        if not self._put(*entry, item) and not last:
+        self._touched.add(sink)
+        if not sink.deliver(rid, item) and not last:
             self._commands.put(_Abort(rid))  # nobody is listening any more
-
-    @staticmethod
-    def _put(sink: asyncio.Queue[Any], loop: asyncio.AbstractEventLoop, item: object) -> bool:
-        """Hands ``item`` to a caller's queue; False when the caller's loop is closed."""
-        try:
-            loop.call_soon_threadsafe(sink.put_nowait, item)
-        except RuntimeError:
-            return False
-        return True
 
 
 def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:

@@ -8,13 +8,15 @@ Why the shape:
 - The fleet's :class:`BlockHasher` comes from the replicas' own :class:`ReplicaInfo`, and a
   replica whose hash config or model disagrees with the fleet is refused: a router hashing
   differently from its engines silently gets 0% hits (DESIGN, "Facts worth knowing").
+- Requests and deltas travel on the data plane (:mod:`.dataplane`, ZeroMQ, one message per
+  replica step), never through Ray; Ray is discovery, restarts and load reports.
 - :meth:`open` routes and waits for the first delta before returning, so everything that can
   go wrong before the first token (a bad request, a dead replica) is settled while the HTTP
   status can still say so; a replica that fails then is dropped and the request retried
-  once elsewhere, but only when the failure cannot have been the request's doing: another
-  request reported it first, or the engine says the request was not in the failing step.
-  Otherwise it may be a query of death, which :mod:`.quarantine` refuses rather than
-  replays; a process that died with no word fails its first reporter (about one per kill).
+  once elsewhere, but only when the failure cannot have been the request's doing: the
+  engine says the request was not in the failing step, or its process died and another
+  request is the one held answerable. Otherwise it may be a query of death, which
+  :mod:`.quarantine` refuses rather than replays: exactly one request per process death.
 - Mid-stream failover: a replica that fails after a request's first token, for a reason
   that cannot have been the request's (the same rule), is replaced once: the prompt and
   the tokens already streamed go to another replica (``GenerateRequest.resume``), which
@@ -24,7 +26,7 @@ Why the shape:
   tenant's rates (:mod:`.limits`); a 429 with ``Retry-After`` past any, so one tenant's
   burst is refused while others are still admitted.
 - Replicas restart with new ports (Ray ``max_restarts``): a monitor polls ``info()`` and,
-  on a new incarnation, drops what the index knew and follows the new event endpoints.
+  on a new incarnation, drops what the index knew and follows the new endpoints.
 """
 
 from __future__ import annotations
@@ -49,9 +51,9 @@ from kvroute.events.replica_api import (
     ReplicaInfo,
     Resume,
     SamplingParams,
-    stream_generate,
 )
 
+from .dataplane import ReplicaConnection
 from .index import PrefixIndex
 from .limits import AdmissionQueue, OverloadedError, RateLimits, TenantShares
 from .load import LoadTracker
@@ -74,19 +76,16 @@ class FleetMismatchError(ValueError):
 
 @dataclass(slots=True)
 class ReplicaHandle:
-    """A replica as the front door uses it: its actor, its info, whether it is routable."""
+    """A replica as the front door uses it: its actor (control), its data-plane connection,
+    its info, whether it is routable."""
 
     info: ReplicaInfo
     actor: Any
     alive: bool = True
     routed: int = 0  # kept across the replica's restarts, like every counter here
-    failures: int = 0  # times it was found failed (by a request or the monitor)
-    # Failures reported by requests: when this changed while a request was in flight, another
-    # request reported the failure first (the monitor's word does not count: it only says
-    # the replica died, not which request it died of).
-    request_reports: int = 0
-    sent: int = 0  # requests sent to it (with the in-flight count at send: was one alone?)
+    failures: int = 0  # times it was found failed (by a request, its connection, the monitor)
     restarts: int = 0  # new incarnations the front door followed
+    conn: ReplicaConnection | None = None  # made on the event loop, at first use
 
 
 class FrontDoor:
@@ -125,6 +124,8 @@ class FrontDoor:
             policy, index=self.index, block_size=first.block_size, load=self.load
         )
         self.replicas: dict[str, ReplicaHandle] = {}
+        # This front door's name on every replica's data plane (outputs come back to it).
+        self.client_id = f"fd-{uuid.uuid4().hex[:12]}"
         self.subscriber = ZmqEventSubscriber(self.index.on_batch)
         self.counters: Counter[str] = Counter()
         self.errors: Counter[str] = Counter()
@@ -185,12 +186,29 @@ class FrontDoor:
         rep = self.replicas[rid] = ReplicaHandle(info, actor)
         if old is not None:  # a restart: its counters go on from where they were
             rep.routed, rep.failures = old.routed, old.failures
-            rep.request_reports, rep.sent = old.request_reports, old.sent
             rep.restarts = old.restarts + (info.incarnation != old.info.incarnation)
         if info.cost is not None:  # priced in its own seconds; else the policy's reference
             self.load.register(rid, info.cost, info.num_blocks)
         self.subscriber.add_publisher(rid, info.events_endpoint, info.replay_endpoint, info.topic)
         log.info("replica %s (incarnation %s) added", rid, info.incarnation[:8])
+
+    def connection(self, rep: ReplicaHandle) -> ReplicaConnection:
+        """The replica's data-plane connection, made at first use (on the running loop)."""
+        conn = rep.conn
+        if conn is None or conn.lost is not None:
+            info = rep.info
+            conn = rep.conn = ReplicaConnection(
+                info.replica_id,
+                info.data_endpoint,
+                info.incarnation,
+                self.client_id,
+                self._on_connection_lost,
+            )
+        return conn
+
+    def _on_connection_lost(self, rid: str, why: str) -> None:
+        self.errors["connection_lost"] += 1
+        self.on_replica_failure(rid, by_request=False)
 
     def _forget(self, rid: str) -> None:
         """Its cache is gone or out of reach: unsubscribe and drop what the index held for it
@@ -202,15 +220,16 @@ class FrontDoor:
             total["resets"] += 1  # its indexed state is dropped now, rebuilt when it is back
         with contextlib.suppress(RuntimeError):
             self.subscriber.remove_publisher(rid)
+        rep = self.replicas.get(rid)
+        if rep is not None and rep.conn is not None:  # its requests fail over now
+            rep.conn.lose("dropped by the front door", notify=False)
         self.index.drop_replica(rid)
         self.policy.on_replica_removed(rid)  # its load (and kv's own index view)
 
     def on_replica_failure(self, rid: str, by_request: bool = True) -> None:
-        """A call to the replica failed: stop routing to it until the monitor sees it back.
-        ``by_request``: a request's call (not the monitor's poll) reported it."""
+        """The replica failed: stop routing to it until the monitor sees it back.
+        ``by_request``: a request's deltas said so (not its connection or the monitor)."""
         rep = self.replicas.get(rid)
-        if rep is not None and by_request:
-            rep.request_reports += 1
         if rep is None or not rep.alive:
             return
         rep.alive = False
@@ -230,7 +249,10 @@ class FrontDoor:
         (self.cordoned.add if cordoned else self.cordoned.discard)(rid)
 
     def start(self) -> None:
-        """Starts the restart monitor on the running loop."""
+        """Connects to every replica's data plane and starts the monitor on the running loop."""
+        for rep in self.replicas.values():
+            if rep.alive:
+                self.connection(rep)
         if self._monitor is None:
             self._monitor = asyncio.get_running_loop().create_task(self._watch())
 
@@ -239,6 +261,9 @@ class FrontDoor:
             self._monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._monitor
+        for rep in self.replicas.values():
+            if rep.conn is not None:
+                rep.conn.close()
         self.subscriber.close()
 
     async def _watch(self) -> None:
@@ -248,6 +273,10 @@ class FrontDoor:
         last_poll = time.monotonic()
         while True:
             await asyncio.sleep(min(self.load_interval_s, self.monitor_interval_s))
+            now = time.monotonic()
+            for rep in list(self.replicas.values()):
+                if rep.alive and rep.conn is not None:
+                    rep.conn.check_silence(now)
             await asyncio.gather(*(self._load_report(rid) for rid in self.alive()))
             if time.monotonic() - last_poll >= self.monitor_interval_s:
                 last_poll = time.monotonic()
@@ -289,6 +318,7 @@ class FrontDoor:
             except Exception:
                 return
             rep.alive = True  # the same process, healthy again (a transient failure)
+            self.connection(rep)
             self.subscriber.add_publisher(
                 rid, info.events_endpoint, info.replay_endpoint, info.topic
             )
@@ -387,16 +417,10 @@ class FrontDoor:
                 cache_salt=salt,
                 tenant=tenant.tenant_id,
             )
-            reports_at_send = rep.request_reports
-            others_at_send = self.load.in_flight_at(rid) - 1  # routing counted this one
-            rep.sent += 1
-            sent_at_send = rep.sent
-            rest = stream_generate(rep.actor, req)
+            rest = self.connection(rep).stream(req)
             try:
                 first = await rest.__anext__()
             except BaseException as exc:
-                # Alone there: nothing else in flight when it was sent, nothing sent since.
-                alone = others_at_send == 0 and rep.sent == sent_at_send
                 self.policy.on_finished(request_id, time.monotonic())
                 with contextlib.suppress(Exception):
                     await rest.aclose()
@@ -405,11 +429,12 @@ class FrontDoor:
                     raise
                 if not isinstance(exc, REPLICA_FAILURES):
                     raise
-                innocent = not_caused_by(exc, rep.request_reports != reports_at_send)
-                self.on_replica_failure(rid)
+                innocent = not_caused_by(exc)
+                self.on_replica_failure(rid, by_request=True)
                 if innocent is None:  # the engine saw it in the failing step
                     self.suspects.strike(fp, request_id, rid, strikes=2)
-                elif not innocent:  # the process died with it: one strike, two if alone
+                elif not innocent:  # the process died, this one held answerable
+                    alone = getattr(exc, "alone", False)
                     self.suspects.strike(fp, request_id, rid, strikes=2 if alone else 1)
                 elif attempt == 0:
                     self.counters["retries"] += 1
@@ -418,7 +443,7 @@ class FrontDoor:
                 raise
             rep.routed += 1
             self.policy.on_first_token(request_id, time.monotonic())
-            deltas = self._failover(view, req, rid, first, rest, reports_at_send)
+            deltas = self._failover(view, req, rid, first, rest)
             return Stream(self, request_id, rid, first, deltas, fp)
         raise AssertionError("unreachable")
 
@@ -435,7 +460,6 @@ class FrontDoor:
         rid: str,
         first: GenerateDelta,
         rest: AsyncIterator[GenerateDelta],
-        reports_at_send: int,
     ) -> AsyncIterator[GenerateDelta]:
         """The deltas after ``first``; when the replica fails mid-stream and the failure
         cannot have been this request's doing, the request goes on once more on another
@@ -458,12 +482,10 @@ class FrontDoor:
                             return
                     return
                 except REPLICA_FAILURES as exc:
-                    rep = self.replicas.get(current)
-                    reported_before = rep is not None and rep.request_reports != reports_at_send
                     if failover:  # one failover per request: past it, the error
                         self.on_replica_failure(current)
                         raise
-                    if not_caused_by(exc, reported_before) is not True:
+                    if not_caused_by(exc) is not True:
                         self.on_replica_failure(current)
                         raise
                     self.on_replica_failure(current)
@@ -476,7 +498,6 @@ class FrontDoor:
                     self.policy.on_finished(view.request_id, now)
                     current = self._route(view, candidates, now)
                     target = self.replicas[current]
-                    reports_at_send = target.request_reports
                     resumed = msgspec.structs.replace(
                         req,
                         request_id=f"{req.request_id}-failover",
@@ -484,7 +505,7 @@ class FrontDoor:
                     )
                     with contextlib.suppress(Exception):
                         await stream.aclose()  # type: ignore[attr-defined]
-                    stream = stream_generate(target.actor, resumed)
+                    stream = self.connection(target).stream(resumed)
                     awaiting_first = True
                     target.routed += 1
                     self.counters["failovers"] += 1

@@ -44,11 +44,9 @@ from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import render_metrics
 from .openai_api import (
     ChatChoice,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
-    ChatStreamChoice,
     CompletionChoice,
     CompletionRequest,
     CompletionResponse,
@@ -57,6 +55,7 @@ from .openai_api import (
 )
 from .responses import REPLICA_HEADER, Logprobs, respond
 from .send_deadline import SEND_TIMEOUT_S, SendDeadlineMiddleware
+from .sse import ChunkEncoder, RawSendMiddleware
 from .tenants import AuthError, Tenant, Tenants
 
 __all__ = ["BODY_TIMEOUT_S", "MAX_BODY_BYTES", "REPLICA_HEADER", "create_app", "render_metrics"]
@@ -124,10 +123,7 @@ async def completions(request: Request, tenant: TenantDep) -> Response:
     ids = await intake.prompt_ids(body)
     stream = await intake.open_stream(request, tenant, ids, body)
     rid = f"cmpl-{uuid.uuid4().hex}"
-
-    def chunk(text: str, finish: str | None, logprobs: Any = None) -> dict[str, Any]:
-        choice = CompletionChoice(text=text, finish_reason=finish, logprobs=logprobs)
-        return CompletionResponse(id=rid, model=body.model, choices=[choice]).model_dump()
+    encoder = ChunkEncoder(False, rid, int(time.time()), body.model)
 
     def final(text: str, finish: str | None, usage: Any, logprobs: Any) -> dict[str, Any]:
         choice = CompletionChoice(text=text, finish_reason=finish, logprobs=logprobs)
@@ -137,7 +133,7 @@ async def completions(request: Request, tenant: TenantDep) -> Response:
     n = body.num_logprobs()
     shape = None if n is None else Logprobs(intake.door.tokenizer, n).completion
     return await respond(
-        intake.door, request, body, stream, chunk, final, logprobs=shape, arrival=arrival
+        intake.door, request, body, stream, encoder, final, logprobs=shape, arrival=arrival
     )
 
 
@@ -148,15 +144,7 @@ async def chat_completions(request: Request, tenant: TenantDep) -> Response:
     ids = await intake.chat_ids(request, body)
     stream = await intake.open_stream(request, tenant, ids, body)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    created = int(time.time())
-
-    def chunk(
-        text: str, finish: str | None, logprobs: Any = None, role: bool = False
-    ) -> dict[str, Any]:
-        delta = ChatDelta(role="assistant" if role else None, content=text if text else None)
-        choice = ChatStreamChoice(delta=delta, finish_reason=finish, logprobs=logprobs)
-        out = ChatCompletionChunk(id=rid, created=created, model=body.model, choices=[choice])
-        return out.model_dump()
+    encoder = ChunkEncoder(True, rid, int(time.time()), body.model)
 
     def final(text: str, finish: str | None, usage: Any, logprobs: Any) -> dict[str, Any]:
         msg = ChatDelta(role="assistant", content=text)
@@ -171,7 +159,7 @@ async def chat_completions(request: Request, tenant: TenantDep) -> Response:
         request,
         body,
         stream,
-        chunk,
+        encoder,
         final,
         role_first=True,
         logprobs=shape,
@@ -223,6 +211,7 @@ def create_app(
 
     app = FastAPI(title="kvroute", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.door, app.state.tenants, app.state.intake = door, tenants, intake
+    app.state.send_timeout_s = send_timeout_s  # streams keep their own deadline (sse.py)
 
     def count_response(scope: Any, status: int) -> None:
         if str(scope.get("path", "")).startswith("/v1/"):
@@ -239,6 +228,7 @@ def create_app(
         on_internal_error=lambda: door.errors.update(["internal"]),
         on_response=count_response,
     )
+    app.add_middleware(RawSendMiddleware)  # outermost: SSE chunks skip the others' wrappers
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(APIError, _on_api_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)

@@ -6,8 +6,9 @@ that may have caused a replica's failure (see :func:`not_caused_by`), and rememb
 fingerprint -- a hash of its tokens and sampling parameters, the same whoever sends it -- so
 that the client's own retry is refused (:class:`QueryOfDeathError`, HTTP 400) instead of
 being risked on another replica. An engine that names the request as in its failing step
-is two strikes (refused at once); a process that died with no word is one, or two when the
-request was the only one in flight there.
+is two strikes (refused at once); a process that died with no word strikes the one request
+the data plane holds answerable (the most recently sent there): one strike, or two when it
+was the only one in flight.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from kvroute.events.replica_api import SamplingParams
+from kvroute.events.replica_api import ReplicaDeadError, ReplicaLostError, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -41,19 +42,17 @@ def fingerprint(prompt_token_ids: Sequence[int], sampling: SamplingParams) -> st
     return hashlib.sha256(data).hexdigest()[:16]
 
 
-def not_caused_by(exc: BaseException, reported_before: bool) -> bool | None:
+def not_caused_by(exc: BaseException) -> bool | None:
     """True when the replica's failure cannot have been this request's doing, None when its
-    engine says it may have been (it was in the failing step), False when nobody can tell
-    (the process died). ``reported_before``: another request reported the failure first.
-
-    A dead process gives no word, whatever Ray raises: calls in flight on an actor that is
-    killed and restarted fail with ``ActorUnavailableError`` just as calls sent while it
-    restarts do (measured with Ray 2.60: eight streams on a SIGKILLed replica all got it),
-    so that error is no proof that the request never reached the engine."""
-    suspect = getattr(exc, "suspect", None)
-    if suspect is not None:  # the engine's own word (ReplicaDeadError)
-        return None if suspect else True
-    return reported_before
+    engine says it may have been (it was in the failing step), False when the process died
+    with no word and the data plane holds this request answerable
+    (:class:`~kvroute.events.replica_api.ReplicaLostError`: the most recently sent of those
+    in flight, exactly one per lost process)."""
+    if isinstance(exc, ReplicaDeadError):  # the engine's own word
+        return None if exc.suspect else True
+    if isinstance(exc, ReplicaLostError):
+        return not exc.maybe_cause
+    return False
 
 
 class Quarantine:

@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from .errors import APIError, one_line, request_id
 from .frontdoor import FrontDoor
@@ -32,6 +32,7 @@ from .openai_api import (
     error_body,
     make_usage,
 )
+from .sse import DONE, ChunkEncoder, SSEResponse, data_line
 from .stream import REPLICA_FAILURES, Stream
 
 log = logging.getLogger(__name__)
@@ -147,24 +148,25 @@ async def respond(
     request: Request,
     body: CompletionRequest | ChatCompletionRequest,
     stream: Stream,
-    chunk: Callable[..., dict[str, Any]],
+    encoder: ChunkEncoder,
     final: Callable[..., dict[str, Any]],
     role_first: bool = False,
     logprobs: Callable[[list[int], list[dict[int, float]] | None], Any] | None = None,
     arrival: float | None = None,
 ) -> Response:
-    """The whole answer as one body, or an SSE stream of ``chunk``s. ``logprobs`` shapes a
-    run of tokens' logprobs (``Logprobs.completion`` or ``.chat``); None: none asked for.
-    ``arrival``: ``perf_counter()`` when the handler began, for the added-latency figure."""
+    """The whole answer as one body (``final``), or an SSE stream of ``encoder``'s chunks.
+    ``logprobs`` shapes a run of tokens' logprobs (``Logprobs.completion`` or ``.chat``);
+    None: none asked for. ``arrival``: ``perf_counter()`` when the handler began, for the
+    added-latency figure."""
     headers = {REPLICA_HEADER: stream.replica}
     rid = request_id(request)
     ttft_s = None if arrival is None else time.perf_counter() - arrival  # first delta is in
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _SSEResponse(
-            _sse(door, stream, rid, chunk, include_usage, role_first, logprobs, arrival),
-            media_type="text/event-stream",
-            headers=headers,
+        return SSEResponse(
+            _sse(door, stream, rid, encoder, include_usage, role_first, logprobs, arrival),
+            headers,
+            getattr(request.app.state, "send_timeout_s", None),
         )
     parts: list[str] = []
     ids: list[int] = []
@@ -213,30 +215,16 @@ def _usage(last: Any) -> Any:
     return make_usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
 
 
-class _SSEResponse(StreamingResponse):
-    """Closes its body generator however the response ends -- a client dropped mid-send
-    (:mod:`.send_deadline`) included -- so the request's stream ends and its slot is released
-    at once, not whenever the garbage collector finalizes the generator."""
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
-
-
 async def _sse(
     door: FrontDoor,
     stream: Stream,
     rid: str,
-    chunk: Callable[..., dict[str, Any]],
+    encoder: ChunkEncoder,
     include_usage: bool,
     role_first: bool,
     logprobs: Callable[[list[int], list[dict[int, float]] | None], Any] | None = None,
     arrival: float | None = None,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     """``data: {json}\\n\\n`` per delta, ``data: [DONE]`` last, whatever happens.
 
     Before ``[DONE]``, an SSE comment (clients ignore it) gives the replica's own TTFT and
@@ -247,7 +235,7 @@ async def _sse(
     status = "200"
     try:
         if role_first:
-            yield _data(chunk("", None, role=True))
+            yield encoder.chunk("", None, role=True)
         async for d in stream:
             if last is None and arrival is not None and d.replica_ttft_s is not None:
                 timing = door.time_first_delta(time.perf_counter() - arrival, d.replica_ttft_s)
@@ -255,32 +243,32 @@ async def _sse(
             if d.finish_reason == "error":
                 status = "500 request_failed (in stream)"
                 err = request_failed(rid, d)
-                yield _data(error_body(err.message, err.type, 500, code=err.code, request_id=rid))
+                yield data_line(
+                    error_body(err.message, err.type, 500, code=err.code, request_id=rid)
+                )
                 break
             shaped = None
             if logprobs is not None and d.delta_token_ids:
                 shaped = logprobs(list(d.delta_token_ids), d.logprobs)
             if d.delta_text or d.finished or shaped is not None:
                 finish = d.finish_reason if d.finished else None
-                yield _data(chunk(d.delta_text, finish, shaped))
+                yield encoder.chunk(d.delta_text, finish, shaped)
         else:
             usage = _usage(last)
             if include_usage and usage is not None:
-                payload = chunk("", None)
-                payload["choices"], payload["usage"] = [], usage.model_dump()
-                yield _data(payload)
+                yield encoder.usage(usage.model_dump())
     except REPLICA_FAILURES as exc:
         status = "503 replica_failed (in stream)"
         door.errors["stream_failure"] += 1
         log.warning("request %s: replica failed mid-stream: %s", rid, one_line(str(exc)))
         body = error_body(FAILED, "service_unavailable", 503, code="replica_failed", request_id=rid)
-        yield _data(body)
+        yield data_line(body)
     except Exception:  # never a silently cut stream: say so, then [DONE]
         log.exception("request %s: stream failed", rid)
         status = "500 internal_error (in stream)"
         door.errors["internal"] += 1
         body = error_body(INTERNAL, "server_error", 500, code="internal_error", request_id=rid)
-        yield _data(body)
+        yield data_line(body)
     finally:
         await stream.aclose()
         ttft = None if timing is None else timing["router_ttft_s"]
@@ -288,9 +276,5 @@ async def _sse(
             status = f"200 {last.finish_reason}" if last and last.finished else "499 client_gone"
         end_request(rid, stream, last, ttft, status, arrival)
     if timing is not None:
-        yield f": kvroute-timing {dumps(timing)}\n\n"
-    yield "data: [DONE]\n\n"
-
-
-def _data(obj: dict[str, Any]) -> str:
-    return f"data: {dumps(obj)}\n\n"
+        yield f": kvroute-timing {dumps(timing)}\n\n".encode()
+    yield DONE

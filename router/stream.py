@@ -14,17 +14,13 @@ import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-import ray
-
-from kvroute.events.replica_api import GenerateDelta, ReplicaDeadError
+from kvroute.events.replica_api import GenerateDelta, ReplicaDeadError, ReplicaLostError
 
 if TYPE_CHECKING:
     from .frontdoor import FrontDoor
 
-# What a call to a dead, restarting or unreachable actor raises: retry elsewhere.
-REPLICA_FAILURES: tuple[type[BaseException], ...] = (ReplicaDeadError, ray.exceptions.RayActorError)
-if hasattr(ray.exceptions, "ActorUnavailableError"):
-    REPLICA_FAILURES += (ray.exceptions.ActorUnavailableError,)
+# How a replica's failure reaches a request: its engine's word, or its process gone.
+REPLICA_FAILURES: tuple[type[BaseException], ...] = (ReplicaDeadError, ReplicaLostError)
 
 
 class Stream:
@@ -84,6 +80,9 @@ class Stream:
             door = self.door
             if getattr(exc, "suspect", False):  # its engine died computing it: no replay
                 door.suspects.strike(self.fingerprint, self.request_id, self.replica, strikes=2)
+            elif getattr(exc, "maybe_cause", False):  # its process died, it the likeliest
+                strikes = 2 if exc.alone else 1  # type: ignore[attr-defined]
+                door.suspects.strike(self.fingerprint, self.request_id, self.replica, strikes)
             raise  # the failover already dropped the replica that failed (maybe not ours)
         finally:
             await self.aclose()

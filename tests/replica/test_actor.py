@@ -1,9 +1,10 @@
-"""ReplicaActor on a real local Ray: info and event endpoints, streaming, cancellation, bad
-requests, and an engine death that Ray repairs by restarting the process.
+"""ReplicaActor on a real local Ray: info, event and data-plane endpoints, streaming over the
+data plane, cancellation, bad requests, and an engine death that Ray repairs by restarting
+the process.
 
-Why a real Ray and not the plain class: what can go wrong here lives in Ray itself -- how a
-streaming generator is cancelled, what crosses a process boundary (pickled Structs and
-exceptions), what a restart does to endpoints and the event seq.
+Why a real Ray and real sockets and not the plain class: what can go wrong here lives
+between processes -- what crosses the boundary (Structs, exceptions), what a front door
+that leaves does to its requests, what a restart does to endpoints and the event seq.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from kvroute.events import (
     ReplicaBatch,
     ZmqEventSubscriber,
 )
+from kvroute.events import dataplane as dp
 from kvroute.events.framing import END_SEQ, pack_seq, unpack_seq
 from kvroute.events.replica_api import (
     GenerateDelta,
@@ -37,11 +39,12 @@ from kvroute.events.replica_api import (
     ReplicaDeadError,
     ReplicaInfo,
     SamplingParams,
-    stream_generate,
+    delta_error,
 )
 from kvroute.replica import LLM, EngineConfig
 from kvroute.replica.actor import ReplicaServer, start_replica
 
+from ..dataplane_client import collect, connect
 from ..ray_session import local_ray
 from ..waiting import wait_for
 
@@ -83,10 +86,6 @@ def req(
     rid: str, prompt: list[int], sampling: SamplingParams = GREEDY, **kw: Any
 ) -> GenerateRequest:
     return GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling, **kw)
-
-
-async def collect(actor: Any, request: GenerateRequest) -> list[GenerateDelta]:
-    return [d async for d in stream_generate(actor, request)]
 
 
 def all_blocks_free(actor: Any) -> Callable[[], bool]:
@@ -183,13 +182,19 @@ def test_info_and_events_match_the_cache(replica: Any) -> None:
 async def test_concurrent_streams_match_offline_greedy(replica: Any, reference: LLM) -> None:
     expected = reference.generate(PROMPTS, GREEDY)
     reqs = [req(f"g-{i}", p) for i, p in enumerate(PROMPTS)]
-    # One request through the raw Ray API, the rest through the helper, all at once.
-    raw = replica.generate.options(num_returns="streaming").remote(reqs[0])
+    sent0 = (await replica.stats.remote())["dataplane_messages_sent"]
+    conn = await connect(replica)  # all at once on one connection, as one front door sends
 
-    async def consume_raw() -> list[GenerateDelta]:
-        return [await ref async for ref in raw]
+    async def one(r: GenerateRequest) -> list[GenerateDelta]:
+        return [d async for d in conn.stream(r)]
 
-    results = await asyncio.gather(consume_raw(), *(collect(replica, r) for r in reqs[1:]))
+    try:
+        results = await asyncio.gather(*(one(r) for r in reqs))
+    finally:
+        conn.close()
+    # One message per engine step for the whole batch, not one per token (+ heartbeats).
+    sent = (await replica.stats.remote())["dataplane_messages_sent"] - sent0
+    assert sent < sum(len(d) for d in results) / 2, sent
     for prompt, deltas, ref in zip(PROMPTS, results, expected, strict=True):
         assert [t for d in deltas for t in d.delta_token_ids] == ref.outputs[0].token_ids
         assert "".join(d.delta_text for d in deltas) == ref.outputs[0].text
@@ -210,24 +215,25 @@ def steps(actor: Any) -> int:
     return ray.get(actor.stats.remote())["steps"]
 
 
-def test_ray_cancel_aborts_the_request(replica: Any) -> None:
+async def test_a_front_door_that_goes_away_has_its_requests_aborted(replica: Any) -> None:
+    """No abort is sent: the connection just closes (a front door killed). The replica's
+    next send to it fails, and it aborts that front door's requests."""
     start = steps(replica)
-    gen = replica.generate.options(num_returns="streaming").remote(req("c-1", PROMPTS[0], LONG))
+    conn = await connect(replica)
+    stream = conn.stream(req("c-1", PROMPTS[0], LONG))
     for _ in range(2):
-        assert not ray.get(next(gen)).finished
-    ray.cancel(gen)
-    with pytest.raises(ray.exceptions.TaskCancelledError):
-        for ref in gen:
-            ray.get(ref)
-    wait_for(all_blocks_free(replica), what="all blocks free")
+        assert not (await anext(stream)).finished
+    conn.close()  # the socket is gone; the generator is never closed
+    await asyncio.to_thread(wait_for, all_blocks_free(replica), 20.0, "blocks freed (gone)")
     # Run to its end, LONG takes > 200 steps: far fewer means it was aborted.
     assert steps(replica) - start < 100
 
 
 async def test_consumer_leaving_early_aborts_the_request(replica: Any) -> None:
     start = steps(replica)
+    conn = await connect(replica)
     # (a) the consumer breaks out and closes the stream
-    stream = stream_generate(replica, req("c-2", PROMPTS[1], LONG))
+    stream = conn.stream(req("c-2", PROMPTS[1], LONG))
     async for delta in stream:
         assert not delta.finished
         break
@@ -238,7 +244,7 @@ async def test_consumer_leaving_early_aborts_the_request(replica: Any) -> None:
     first = asyncio.Event()
 
     async def consume() -> None:
-        async for _ in stream_generate(replica, req("c-3", PROMPTS[2], LONG)):
+        async for _ in conn.stream(req("c-3", PROMPTS[2], LONG)):
             first.set()
 
     task = asyncio.create_task(consume())
@@ -250,12 +256,13 @@ async def test_consumer_leaving_early_aborts_the_request(replica: Any) -> None:
 
     # (c) abort(request_id) from anyone: the stream ends normally, reason "abort"
     deltas = []
-    async for d in stream_generate(replica, req("c-4", PROMPTS[3], LONG)):
+    async for d in conn.stream(req("c-4", PROMPTS[3], LONG)):
         if not deltas:
             await replica.abort.remote("c-4")
         deltas.append(d)
     assert deltas[-1].finished and deltas[-1].finish_reason == "abort"
     await asyncio.to_thread(wait_for, all_blocks_free(replica), 20.0, "blocks freed (abort)")
+    conn.close()
     assert steps(replica) - start < 150  # three LONG requests run out would take > 600
 
 
@@ -263,26 +270,46 @@ async def test_consumer_leaving_early_aborts_the_request(replica: Any) -> None:
 BARE = {"prompt_token_ids": [1, 2]}
 
 
+def raw_request(endpoint: str, request: Any) -> GenerateDelta:
+    """Sends one ADD as a caller that skipped every check would (any msgpack) on a raw
+    DEALER; returns the first delta that comes back."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 20_000)
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart([dp.HELLO, msgspec.msgpack.encode(dp.Hello("raw"))])
+        sock.send_multipart([dp.ADD, msgspec.msgpack.encode(request)])
+        while True:
+            kind, payload = sock.recv_multipart()
+            if kind == dp.OUTPUTS:
+                return dp.decode_outputs(payload).deltas[0]
+    finally:
+        sock.close()
+
+
 def test_bad_requests_raise_clear_errors_and_the_actor_lives(replica: Any) -> None:
+    endpoint = ray.get(replica.info.remote()).data_endpoint
     bad = [
         (req("b-1", [3 + i % 200 for i in range(MAX_LEN + 10)]), "exceed the limit of 256"),
         (req("b-2", [1, 2, 10**9]), r"token ids must be ints in \[0, 261\)"),
         # Past the shared bounds, as a caller that skipped them would send (a dict: building
         # a SamplingParams would already refuse it).
         ({**BARE, "request_id": "b-3", "sampling": {"temperature": -1.0}}, "temperature"),
-        ({**BARE, "request_id": "b-6", "sampling": {"seed": 2**70}}, "seed"),
+        ({**BARE, "request_id": "b-6", "sampling": {"seed": 2**64 - 1}}, "seed"),  # past int64
         ({"request_id": "b-4", "prompt_token_ids": "not tokens"}, "Expected `array`"),
     ]
     for request, message in bad:
-        gen = replica.generate.options(num_returns="streaming").remote(request)
+        delta = raw_request(endpoint, request)
+        assert delta.finished and delta.failure == "invalid"
         with pytest.raises(InvalidRequestError, match=message) as err:
-            ray.get(next(gen))
+            raise delta_error(delta, "r0")  # type: ignore[misc]
         assert isinstance(err.value, ValueError)  # a 4xx for the front door
     assert ray.get(replica.health.remote())
-    # A plain dict request works too (a caller need not build Structs).
+    # A plain msgpack map works too (a caller need not build Structs).
     ok = {"request_id": "b-5", "prompt_token_ids": [5, 6, 7], "sampling": {"max_tokens": 2}}
-    gen = replica.generate.options(num_returns="streaming").remote(ok)
-    assert ray.get(list(gen))[-1].num_output_tokens == 2
+    first = raw_request(endpoint, ok)
+    assert first.failure is None and first.delta_token_ids
 
 
 # -- (5) engine death: streams fail, Ray restarts the process, seq starts again at 0 -------
@@ -292,12 +319,14 @@ async def test_engine_death_restarts_the_replica(actors: dict[str, Any], referen
     warm = await collect(actor, req("f-0", PROMPTS[4]))
     assert (await actor.stats.remote())["events_last_seq"] >= 1
 
-    stream = stream_generate(actor, req("f-1", PROMPTS[0], LONG))
+    conn = await connect(before)
+    stream = conn.stream(req("f-1", PROMPTS[0], LONG))
     assert not (await anext(stream)).finished
     await actor.inject_engine_failure.remote("boom for the test")
     with pytest.raises(ReplicaDeadError, match="boom for the test"):
         async for _ in stream:
             pass
+    conn.close()
 
     deadline = time.monotonic() + 45
     while True:  # calls fail while the process is down, then reach the new one
@@ -341,8 +370,7 @@ async def test_in_process_server_reports_death_without_exiting(actors: dict[str,
         assert (await server.stats())["num_free_blocks"] == NUM_BLOCKS
         server.inject_engine_failure("boom in-process")
         with pytest.raises(ReplicaDeadError, match="boom in-process"):
-            async for _ in server.generate(req("l-1", PROMPTS[0])):
-                pass
+            await collect(server, req("l-1", PROMPTS[0]))
         with pytest.raises(ReplicaDeadError, match="boom in-process"):
             server.health()
         with pytest.raises(ReplicaDeadError):

@@ -20,13 +20,14 @@ from typing import Any
 import pytest
 import ray
 
-from kvroute.events.replica_api import GenerateRequest, Resume, SamplingParams, stream_generate
+from kvroute.events.replica_api import GenerateRequest, Resume, SamplingParams
 from kvroute.replica import EngineConfig, LLMEngine
 from kvroute.replica.actor import start_replica
 from kvroute.replica.cost_model import H100_8B, CostModel
 from kvroute.replica.cost_model_runner import output_token, prompt_key
 from kvroute.replica.scheduler import SchedulerOutput
 
+from ..dataplane_client import collect
 from ..ray_session import local_ray
 
 SIM = "sim:h100-8b"
@@ -156,10 +157,7 @@ def test_replica_actors_need_no_cpu_of_their_own() -> None:
             req = GenerateRequest(
                 request_id=rid, prompt_token_ids=PROMPT, sampling=SamplingParams(max_tokens=8)
             )
-            ids: list[int] = []
-            async for d in stream_generate(actor, req):
-                ids.extend(d.delta_token_ids)
-            return ids
+            return [t for d in await collect(actor, req) for t in d.delta_token_ids]
 
         async def all_of() -> list[list[int]]:
             return await asyncio.gather(*(one(a, f"q{i}") for i, a in enumerate(actors)))

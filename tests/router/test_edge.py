@@ -288,8 +288,10 @@ def test_slow_heads_and_idle_connections_are_closed_and_crowd_out_no_one(
     finally:
         for sock in slow + quiet:
             sock.close()
+    assert served.server is not None  # which protocol kept them out: httptools where installed
     print(
-        f"\nslow clients: {len(slow)} slow heads closed {min(slow_closed):.2f}-"
+        f"\n{served.server.config.http_protocol_class.__name__}: "
+        f"slow clients: {len(slow)} slow heads closed {min(slow_closed):.2f}-"
         f"{max(slow_closed):.2f} s after their first byte (deadline {BODY_TIMEOUT} s), "
         f"{len(quiet)} idle ones {min(quiet_closed):.2f}-{max(quiet_closed):.2f} s after "
         f"connecting (deadline {IDLE_TIMEOUT} s); /health max {max(busy) * 1000:.1f} ms "

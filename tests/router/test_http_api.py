@@ -110,7 +110,8 @@ def test_front_door_refuses_a_replica_that_hashes_or_serves_differently() -> Non
     base = ReplicaInfo(
         replica_id="a", model=MODEL, model_path="/nonexistent", hash_algo="xxh3_128",
         hash_seed="s", hash_form="bytes", block_size=16, num_blocks=8, max_model_len=128,
-        events_endpoint="tcp://127.0.0.1:9", replay_endpoint=None, topic="a",
+        data_endpoint="tcp://127.0.0.1:8", events_endpoint="tcp://127.0.0.1:9",
+        replay_endpoint=None, topic="a",
         node_ip="127.0.0.1", pid=1, incarnation="x", restarted=False,
     )  # fmt: skip
     door = FrontDoor([(None, base)], tokenizer=object())

@@ -8,9 +8,13 @@ import time
 from collections import Counter
 
 import pytest
-import ray
 
-from kvroute.events.replica_api import BoundsError, ReplicaDeadError, SamplingParams
+from kvroute.events.replica_api import (
+    BoundsError,
+    ReplicaDeadError,
+    ReplicaLostError,
+    SamplingParams,
+)
 from kvroute.router.quarantine import Quarantine, QueryOfDeathError, fingerprint, not_caused_by
 
 
@@ -55,14 +59,12 @@ def test_bounded_oldest_first() -> None:
 def test_which_failures_cannot_be_the_requests_doing() -> None:
     in_step = ReplicaDeadError("engine step failed", suspect=True)
     queued = ReplicaDeadError("engine step failed", suspect=False)
-    died = ray.exceptions.RayActorError()
-    assert not_caused_by(in_step, reported_before=True) is None  # the engine's word wins
-    assert not_caused_by(queued, reported_before=False) is True
-    assert not_caused_by(died, reported_before=False) is False  # nobody can tell
-    assert not_caused_by(died, reported_before=True) is True  # others failed first
-    # In flight on a killed replica that Ray restarts: no proof it never reached the engine.
-    unavailable = ray.exceptions.ActorUnavailableError("unavailable", None)
-    assert not_caused_by(unavailable, reported_before=False) is False
+    assert not_caused_by(in_step) is None  # the engine's word
+    assert not_caused_by(queued) is True
+    # A process gone with no word: the one request held answerable, and the others.
+    assert not_caused_by(ReplicaLostError("gone", maybe_cause=True)) is False
+    assert not_caused_by(ReplicaLostError("gone", maybe_cause=False)) is True
+    assert not_caused_by(RuntimeError("anything else")) is False  # nobody can tell
 
 
 def test_the_contract_errors_keep_their_fields_across_ray() -> None:

@@ -1,0 +1,301 @@
+"""DataPlaneServer: a replica's end of the data plane (:mod:`kvroute.events.dataplane`).
+
+Why the shape:
+- One ROUTER socket, owned by one I/O thread that receives requests and sends outputs: a
+  ZeroMQ socket is not thread-safe, and the engine's step loop must never wait on a socket
+  or an encoder (vLLM runs its EngineCore's I/O on threads of their own for the same
+  reason). The engine thread only appends each step's deltas to a per-front-door list and,
+  once per step, hands the lists to this thread (a queue and, when it sleeps, a pipe).
+- Outputs are grouped per front door: one message per front door per step, whatever the
+  number of its requests in that step.
+- A send to a front door that has gone fails (ROUTER_MANDATORY), and so does one to a front
+  door that stopped reading for a high-water mark's worth of steps: either way its requests
+  are aborted in the engine, so no step computes for nobody.
+- Bad input (a frame that does not decode, an unknown kind) is counted and skipped; a
+  request that decodes but can never run is refused to its sender alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import msgspec
+import zmq
+
+from kvroute.events import dataplane as dp
+from kvroute.events.bounds import check_sampling
+from kvroute.events.framing import Waker
+from kvroute.events.replica_api import GenerateDelta
+
+if TYPE_CHECKING:
+    from .async_engine import AsyncLLMEngine
+    from .outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class _FrontDoorSink:
+    """One front door's requests on this replica: the engine thread delivers into
+    ``pending``; ``flush`` hands the step's deltas to the I/O thread as one message."""
+
+    __slots__ = ("client", "pending", "received", "server")
+
+    def __init__(self, server: DataPlaneServer, client: bytes) -> None:
+        self.server = server
+        self.client = client
+        self.pending: list[GenerateDelta] = []
+        self.received: dict[str, float] = {}  # request id -> when it arrived (first delta)
+
+    def deliver(self, request_id: str, item: RequestOutput | BaseException) -> bool:
+        if isinstance(item, BaseException):
+            delta = _failure_delta(request_id, item)
+        else:
+            delta = delta_from_output(item)
+        started = self.received.pop(request_id, None)
+        if started is not None:
+            delta.replica_ttft_s = time.perf_counter() - started
+        self.pending.append(delta)
+        return True
+
+    def flush(self) -> None:
+        if self.pending:
+            deltas, self.pending = self.pending, []
+            self.server.enqueue(self.client, deltas)
+
+
+class DataPlaneServer:
+    """Binds ``endpoint`` (``tcp://127.0.0.1:*`` picks a port: see :attr:`endpoint`) and
+    serves front doors for ``engine`` until :meth:`close`."""
+
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        endpoint: str,
+        incarnation: str,
+        *,
+        context: zmq.Context | None = None,
+    ) -> None:
+        from kvroute.events.publisher import _bind
+
+        self.engine = engine
+        self.incarnation = incarnation
+        self.requests = 0  # requests received
+        self.messages_sent = 0  # output messages sent (one per front door per step)
+        self.malformed = 0  # frames that did not decode, skipped
+        self.clients_dropped = 0  # front doors gone or stuck: their requests aborted
+        self._sinks: dict[bytes, _FrontDoorSink] = {}
+        self._last_sent: dict[bytes, float] = {}
+        self._outbox: queue.SimpleQueue[tuple[bytes, list[GenerateDelta]]] = queue.SimpleQueue()
+        self._heartbeat = dp.encoder.encode(dp.Heartbeat(incarnation))
+        self._ctx = context or zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        dp.configure_socket(self._sock)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        _bind(self._sock, endpoint)
+        self.endpoint: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._waker = Waker()
+        self._idle = False
+        self._running = True
+        self._thread = threading.Thread(target=self._run, name="kvroute-dataplane", daemon=True)
+        self._thread.start()
+
+    # -- engine thread ---------------------------------------------------------------------
+    def enqueue(self, client: bytes, deltas: list[GenerateDelta]) -> None:
+        self._outbox.put((client, deltas))
+        if self._idle:  # only a sleeping thread needs the wake-up syscall
+            self._waker.wake()
+
+    # -- any thread ------------------------------------------------------------------------
+    def flush(self, timeout: float = 2.0) -> bool:
+        """Waits until every queued message has gone out; True if it did in time."""
+        deadline = time.monotonic() + timeout
+        while not self._outbox.empty() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return self._outbox.empty()
+
+    def close(self, timeout: float = 2.0) -> None:
+        if not self._running:
+            return
+        self.flush(timeout)
+        self._running = False
+        self._waker.wake()
+        self._thread.join(timeout)
+        self._sock.close(linger=0)
+        self._waker.close()
+
+    # -- the I/O thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._waker.fd, zmq.POLLIN)
+        interval = dp.HEARTBEAT_INTERVAL_S
+        while self._running:
+            timeout_ms = 0
+            if self._outbox.empty():
+                self._idle = True  # announced before the last look: see enqueue
+                if self._outbox.empty():
+                    timeout_ms = int(interval * 1000)
+            ready = dict(poller.poll(timeout_ms))
+            self._idle = False
+            if self._waker.fd in ready:
+                self._waker.drain()
+            self._send_outputs()
+            if self._sock in ready:
+                self._receive()
+            self._send_heartbeats(interval)
+        self._send_outputs()
+
+    def _receive(self, limit: int = 256) -> None:
+        for _ in range(limit):  # bounded: outputs must not wait behind a flood of requests
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._handle(frames)
+            except Exception:  # never let one bad message stop the thread
+                self.malformed += 1
+                log.warning("data plane: skipped a malformed message", exc_info=True)
+
+    def _handle(self, frames: list[bytes]) -> None:
+        if len(frames) != 3:
+            raise ValueError(f"expected 3 frames, got {len(frames)}")
+        client, kind, payload = frames
+        if kind == dp.ADD:
+            self._add(client, payload)
+        elif kind == dp.ABORT:
+            for rid in dp.decode_abort(payload):
+                self.engine.abort(rid)
+        elif kind == dp.HELLO:
+            hello = dp.decode_hello(payload)
+            log.info("data plane: front door %s connected", hello.client_id)
+            self._sink(client)
+            self._send(client, dp.HEARTBEAT, self._heartbeat)
+        else:
+            raise ValueError(f"unknown message kind {kind!r}")
+
+    def _sink(self, client: bytes) -> _FrontDoorSink:
+        sink = self._sinks.get(client)
+        if sink is None:
+            sink = self._sinks[client] = _FrontDoorSink(self, client)
+            self._last_sent[client] = time.monotonic()
+        return sink
+
+    def _add(self, client: bytes, payload: bytes) -> None:
+        sink = self._sink(client)
+        try:
+            req = dp.decode_request(payload)
+            check_sampling(req.sampling)  # checked when built; again, whatever way it came
+        except (ValueError, TypeError, msgspec.ValidationError) as exc:
+            rid = _request_id_of(payload)
+            if rid is None:
+                raise
+            why = f"request rejected: {exc}"
+            self.enqueue(client, [_failure_delta(rid, ValueError(why))])
+            return
+        self.requests += 1
+        sink.received[req.request_id] = time.perf_counter()
+        self.engine.submit(
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling,
+            sink,
+            cache_salt=req.cache_salt,
+            resume=req.resume,
+            tenant=req.tenant,
+        )
+
+    def _send_outputs(self) -> None:
+        encode = dp.encoder.encode
+        while True:
+            try:
+                client, deltas = self._outbox.get_nowait()
+            except queue.Empty:
+                return
+            if client in self._sinks:
+                self._send(client, dp.OUTPUTS, encode(dp.StepOutputs(deltas)))
+
+    def _send(self, client: bytes, kind: bytes, payload: bytes) -> None:
+        try:
+            self._sock.send_multipart((client, kind, payload), zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:  # gone (EHOSTUNREACH) or stuck at its HWM (EAGAIN)
+            self._drop(client, exc)
+            return
+        self.messages_sent += 1
+        self._last_sent[client] = time.monotonic()
+
+    def _drop(self, client: bytes, exc: zmq.ZMQError) -> None:
+        sink = self._sinks.pop(client, None)
+        self._last_sent.pop(client, None)
+        if sink is None:
+            return
+        self.clients_dropped += 1
+        if exc.errno == zmq.EAGAIN:  # connected but not reading: worth an operator's look
+            log.warning("data plane: a front door stopped reading; aborting its requests")
+        else:  # it closed its connection (stopped, restarted, crashed)
+            log.info("data plane: a front door is gone (%s); aborting its requests", exc)
+        self.engine.abort_sink(sink)
+
+    def _send_heartbeats(self, interval: float) -> None:
+        now = time.monotonic()
+        for client, last in list(self._last_sent.items()):
+            if now - last >= interval:
+                self._send(client, dp.HEARTBEAT, self._heartbeat)
+
+
+def delta_from_output(out: RequestOutput) -> GenerateDelta:
+    """One engine output as the delta a front door receives."""
+    comp = out.outputs[0]
+    n_out = len(comp.token_ids)
+    logprobs = None
+    if comp.logprobs is not None:
+        logprobs = comp.logprobs[n_out - len(out.delta_token_ids) : n_out]
+    return GenerateDelta(
+        request_id=out.request_id,
+        delta_token_ids=out.delta_token_ids,
+        delta_text=out.delta_text,
+        finished=out.finished,
+        finish_reason=comp.finish_reason,
+        stop_reason=comp.stop_reason,
+        error=comp.error,
+        num_prompt_tokens=len(out.prompt_token_ids),
+        num_cached_tokens=out.num_cached_tokens,
+        num_output_tokens=n_out,
+        logprobs=logprobs,
+    )
+
+
+def _failure_delta(request_id: str, exc: BaseException) -> GenerateDelta:
+    """The last delta of a request refused (ValueError: it can never run here) or ended by
+    the engine's failure (``EngineDeadError``, suspect or not)."""
+    from .async_engine import EngineDeadError
+
+    if isinstance(exc, EngineDeadError):
+        failure = "suspect" if exc.suspect else "dead"
+        text = str(exc)
+    else:
+        failure = "invalid"
+        text = str(exc) if str(exc).startswith("request") else f"request rejected: {exc}"
+    return GenerateDelta(
+        request_id=request_id,
+        delta_token_ids=[],
+        finished=True,
+        finish_reason="abort" if failure != "invalid" else "error",
+        error=text.splitlines()[0] if text else None,
+        failure=failure,
+    )
+
+
+def _request_id_of(payload: bytes) -> str | None:
+    """The request id of an ADD that failed to decode as a whole, to refuse it by name."""
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError:
+        return None
+    rid = raw.get("request_id") if isinstance(raw, dict) else None
+    return rid if isinstance(rid, str) else None

@@ -1,0 +1,259 @@
+"""A front door's end of the data plane (:mod:`kvroute.events.dataplane`): one connection
+per replica, requests out, each step's deltas in, failures noticed.
+
+Why the shape:
+- The sockets are plain (not ``zmq.asyncio``) DEALERs read from the event loop's own reader
+  callback: one wake-up drains every message that arrived and hands each delta to its
+  request's :class:`Flight`, with no future, task or coroutine per message.
+- A :class:`Flight` is one request's single slot: deltas that arrive while its reader is
+  busy are merged into the one waiting, so a slow client costs a bounded buffer (its
+  text so far), never a queue per token (vLLM's ``RequestOutputCollector`` does the same).
+- A replica is lost when its connection drops (a socket monitor: a killed process closes
+  its TCP connections at once), when it is silent past ``SILENCE_TIMEOUT_S`` (its I/O
+  thread heartbeats; a host that vanished), when a heartbeat names another incarnation, or
+  when the front door's Ray monitor says so. Every request still in flight then fails with
+  :class:`ReplicaLostError`; exactly one -- the most recently sent, the likeliest to have
+  been in the step that crashed -- is marked as a possible cause (see :mod:`.quarantine`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+import msgspec
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from kvroute.events import dataplane as dp
+from kvroute.events.replica_api import (
+    GenerateDelta,
+    GenerateRequest,
+    ReplicaLostError,
+    delta_error,
+    merge_deltas,
+)
+
+log = logging.getLogger(__name__)
+
+
+class Flight:
+    """One request in flight on one connection: its pending delta (merged while unread) or
+    the error that ended it."""
+
+    __slots__ = ("_waiter", "delta", "done", "error", "request_id", "seq")
+
+    def __init__(self, request_id: str, seq: int) -> None:
+        self.request_id = request_id
+        self.seq = seq  # send order on its connection: the youngest is the likeliest culprit
+        self.delta: GenerateDelta | None = None
+        self.error: BaseException | None = None
+        self.done = False  # a finished delta or an error arrived: nothing more will
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, delta: GenerateDelta) -> None:
+        self.delta = delta if self.delta is None else merge_deltas(self.delta, delta)
+        if delta.finished:
+            self.done = True
+        self._wake()
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.done:
+            self.error, self.done = exc, True
+            self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None:
+            self._waiter = None
+            if not w.done():
+                w.set_result(None)
+
+    async def next(self) -> GenerateDelta:
+        """The deltas since the last call, merged; raises the error that ended the request
+        once its deltas are taken. Call again only after a delta that is not finished."""
+        while self.delta is None:
+            if self.error is not None:
+                raise self.error
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        delta, self.delta = self.delta, None
+        return delta
+
+
+_connection_ids = itertools.count()
+
+
+class ReplicaConnection:
+    """One DEALER to one replica's data plane; used from one event loop only."""
+
+    def __init__(
+        self,
+        replica_id: str,
+        endpoint: str,
+        incarnation: str,
+        client_id: str,
+        on_lost: Callable[[str, str], None],
+        context: zmq.Context | None = None,
+    ) -> None:
+        """``on_lost(replica_id, why)`` runs once, when the connection finds the replica
+        gone (after every flight has failed)."""
+        self.replica_id = replica_id
+        self.endpoint = endpoint
+        self.incarnation = incarnation
+        self.on_lost = on_lost
+        self.lost: str | None = None  # why, once lost
+        self.flights: dict[str, Flight] = {}
+        self.malformed = 0  # messages that did not decode, skipped
+        self._seq = itertools.count()
+        self._loop = asyncio.get_running_loop()
+        ctx = context or zmq.Context.instance()
+        self._sock = ctx.socket(zmq.DEALER)
+        dp.configure_socket(self._sock)
+        # A fresh routing id per connection: a replica never mistakes a reconnected front
+        # door for the old connection, whose requests it aborts once a send to it fails.
+        routing_id = f"{client_id}-{next(_connection_ids)}"
+        self._sock.setsockopt(zmq.ROUTING_ID, routing_id.encode())
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._sock.connect(endpoint)
+        self.last_heard = time.monotonic()  # the grace for a first word starts now
+        self._draining = False
+        self._loop.add_reader(self._sock.getsockopt(zmq.FD), self._on_readable)
+        self._loop.add_reader(self._monitor.getsockopt(zmq.FD), self._on_monitor)
+        self._send(dp.HELLO, dp.encoder.encode(dp.Hello(client_id)))
+
+    # -- requests ----------------------------------------------------------------------------
+    def submit(self, req: GenerateRequest) -> Flight:
+        """Sends the request; its deltas arrive in the returned flight."""
+        flight = Flight(req.request_id, next(self._seq))
+        if self.lost is not None:
+            flight.fail(ReplicaLostError(f"replica {self.replica_id}: {self.lost}"))
+            return flight
+        self.flights[req.request_id] = flight
+        self._send(dp.ADD, dp.encoder.encode(req))
+        return flight
+
+    def abort(self, request_id: str) -> None:
+        """Ends a request on the replica (its flight is dropped: nothing more is read)."""
+        if self.flights.pop(request_id, None) is not None and self.lost is None:
+            self._send(dp.ABORT, dp.encoder.encode([request_id]))
+
+    async def stream(self, req: GenerateRequest) -> AsyncIterator[GenerateDelta]:
+        """The request's deltas, the last finished; an error delta raises its exception
+        (:func:`delta_error`). Leaving early aborts the request on the replica."""
+        flight = self.submit(req)
+        try:
+            while True:
+                delta = await flight.next()
+                exc = delta_error(delta, self.replica_id)
+                if exc is not None:
+                    raise exc
+                yield delta
+                if delta.finished:
+                    return
+        finally:
+            if not flight.done or flight.delta is not None:
+                self.abort(req.request_id)
+            else:
+                self.flights.pop(req.request_id, None)
+
+    # -- liveness ----------------------------------------------------------------------------
+    def check_silence(self, now: float) -> None:
+        """Lost when nothing (not even a heartbeat) came for ``SILENCE_TIMEOUT_S``."""
+        if self.lost is None and now - self.last_heard > dp.SILENCE_TIMEOUT_S:
+            self.lose(f"silent for {now - self.last_heard:.1f} s")
+
+    def lose(self, why: str, notify: bool = True) -> None:
+        """The replica is gone: every flight fails (one marked as the possible cause);
+        ``notify``: call ``on_lost`` (not when the front door itself drops the replica)."""
+        if self.lost is not None:
+            return
+        self.lost = why
+        flights = list(self.flights.values())
+        self.flights.clear()
+        youngest = max(flights, key=lambda f: f.seq, default=None)
+        for f in flights:
+            f.fail(
+                ReplicaLostError(
+                    f"replica {self.replica_id}: {why}",
+                    maybe_cause=f is youngest,
+                    alone=len(flights) == 1,
+                )
+            )
+        log.warning("replica %s lost (%s); %d request(s) in flight", self.replica_id, why,
+                    len(flights))  # fmt: skip
+        self.close()
+        if notify:
+            self.on_lost(self.replica_id, why)
+
+    def close(self) -> None:
+        for sock in (self._sock, self._monitor):
+            if not sock.closed:
+                self._loop.remove_reader(sock.getsockopt(zmq.FD))
+        if not self._monitor.closed:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+
+    # -- the loop's reader callbacks -----------------------------------------------------------
+    def _send(self, kind: bytes, payload: bytes) -> None:
+        try:
+            self._sock.send_multipart((kind, payload), zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:  # its queue is full: the replica stopped reading
+            self.lose(f"cannot send ({exc})")
+            return
+        # A send may consume the socket's edge-triggered read signal: look for input now.
+        if not self._draining:
+            self._draining = True
+            self._loop.call_soon(self._on_readable)
+
+    def _on_readable(self) -> None:
+        self._draining = False
+        sock = self._sock
+        if sock.closed:
+            return
+        flights = self.flights
+        while True:
+            try:
+                kind, payload = sock.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            except ValueError:  # not two frames
+                self.malformed += 1
+                continue
+            self.last_heard = time.monotonic()
+            try:
+                if kind == dp.OUTPUTS:
+                    for delta in dp.decode_outputs(payload).deltas:
+                        flight = flights.get(delta.request_id)
+                        if flight is None:  # aborted here; its last deltas were in flight
+                            continue
+                        if delta.finished:
+                            del flights[delta.request_id]
+                        flight.put(delta)
+                elif kind == dp.HEARTBEAT:
+                    beat = dp.decode_heartbeat(payload)
+                    if beat.incarnation != self.incarnation:
+                        self.lose(f"a new process ({beat.incarnation[:8]}) answers")
+                        return
+                else:
+                    self.malformed += 1
+            except msgspec.DecodeError:
+                self.malformed += 1
+                log.warning("replica %s: skipped a malformed data-plane message",
+                            self.replica_id)  # fmt: skip
+
+    def _on_monitor(self) -> None:
+        mon = self._monitor
+        while not mon.closed:
+            try:
+                event = parse_monitor_message(mon.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self._on_readable()  # what arrived before the drop (an engine's last word)
+                self.lose("its connection dropped")
+                return

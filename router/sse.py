@@ -1,0 +1,161 @@
+"""Server-sent events for a streamed completion: chunks encoded once, sent on a short path.
+
+Why its own module: per streamed token this is most of what a front door does, and the
+general tools cost more than the work. A chunk is the same JSON every time except for its
+text, logprobs and finish reason, so :class:`ChunkEncoder` renders the constant head and
+tail once per request and splices the rest in with msgspec (no pydantic model and no
+``json.dumps`` per token). :class:`SSEResponse` sends the response head through the app's
+middleware (request id, status counters) and the body chunks on the server's own ``send``,
+which an outermost middleware (:class:`RawSendMiddleware`) keeps in the scope: a chunk does
+not pass through every middleware's wrapper. The deadline on a client that stops reading
+(:mod:`.send_deadline`) is kept here with two timestamps per send instead of a timer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from starlette.responses import Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .send_deadline import ClientTooSlowError
+
+log = logging.getLogger(__name__)
+
+RAW_SEND = "kvroute.raw_send"
+_json = msgspec.json.Encoder()
+DONE = b"data: [DONE]\n\n"
+
+
+class ChunkEncoder:
+    """``data: {...}\\n\\n`` lines of one request's stream, in OpenAI's shapes."""
+
+    __slots__ = ("_chat", "_head", "_usage_head")
+
+    def __init__(self, chat: bool, response_id: str, created: int, model: str) -> None:
+        self._chat = chat
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        head = _json.encode({"id": response_id, "object": obj, "created": created, "model": model})[
+            :-1
+        ]
+        self._head = b"data: " + head + b',"choices":[{"index":0,'
+        self._usage_head = b"data: " + head + b',"choices":[],"usage":'
+
+    def chunk(
+        self, text: str, finish: str | None, logprobs: Any = None, role: bool = False
+    ) -> bytes:
+        """One chunk; ``logprobs`` a pydantic model (rare) or None; ``role`` for a chat's
+        first chunk (``{"role": "assistant"}``)."""
+        lp = b"null" if logprobs is None else _json.encode(logprobs.model_dump())
+        fin = b"null" if finish is None else _json.encode(finish)
+        if self._chat:
+            role_part = b'"assistant"' if role else b"null"
+            content = _json.encode(text) if text else b"null"
+            body = b'"delta":{"role":' + role_part + b',"content":' + content + b"}"
+        else:
+            body = b'"text":' + _json.encode(text)
+        return (
+            self._head + body + b',"logprobs":' + lp + b',"finish_reason":' + fin
+            + b'}],"usage":null}\n\n'
+        )  # fmt: skip
+
+    def usage(self, usage: dict[str, Any]) -> bytes:
+        """The last chunk when ``stream_options.include_usage``: no choices, the usage."""
+        return self._usage_head + _json.encode(usage) + b"}\n\n"
+
+
+def data_line(obj: Any) -> bytes:
+    return b"data: " + _json.encode(obj) + b"\n\n"
+
+
+class RawSendMiddleware:
+    """Outermost: keeps the server's own ``send`` in the scope for :class:`SSEResponse`."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[RAW_SEND] = send
+        await self.app(scope, receive, send)
+
+
+class SSEResponse(Response):
+    """An ASGI response streaming ``body`` (bytes chunks). The head goes through the app's
+    middleware; the chunks go on the server's raw ``send``. The body ends early when the
+    client disconnects (its generator is closed: the request ends on its replica), or when
+    one send waits longer than ``send_timeout_s`` (:class:`ClientTooSlowError`)."""
+
+    def __init__(
+        self,
+        body: AsyncIterator[bytes],
+        headers: dict[str, str],
+        send_timeout_s: float | None = None,
+    ) -> None:
+        self.status_code = 200
+        self.background = None
+        self.body_iterator = body
+        self.raw_headers = [(k.encode(), v.encode()) for k, v in headers.items()]
+        self.raw_headers.append((b"content-type", b"text/event-stream; charset=utf-8"))
+        self.raw_headers.append((b"cache-control", b"no-cache"))
+        self.send_timeout_s = send_timeout_s
+        self._sending_since = 0.0  # loop time the send in progress began; 0: none
+        self._disconnected = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        watch = loop.create_task(self._watch(receive, task))
+        raw: Send = scope.get(RAW_SEND, send)
+        try:
+            start = {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
+            await send(start)
+            msg: dict[str, Any] = {"type": "http.response.body", "body": b"", "more_body": True}
+            async for chunk in self.body_iterator:
+                msg["body"] = chunk
+                self._sending_since = loop.time()
+                await raw(msg)
+                self._sending_since = 0.0
+            await raw({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if task.cancelling() and self._disconnected:  # our own cancel: the client left
+                task.uncancel()
+                return
+            if task.cancelling() and self._sending_since:
+                task.uncancel()
+                raise ClientTooSlowError from None
+            raise
+        finally:
+            watch.cancel()
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def _watch(self, receive: Receive, task: asyncio.Task[Any]) -> None:
+        """Cancels the response when the client disconnects or a send overstays."""
+        loop = asyncio.get_running_loop()
+        timeout = self.send_timeout_s
+        waiter = loop.create_task(_until_disconnect(receive))
+        try:
+            while True:
+                done, _ = await asyncio.wait({waiter}, timeout=1.0 if timeout else None)
+                if done:
+                    self._disconnected = True
+                    task.cancel()
+                    return
+                since = self._sending_since
+                if timeout and since and loop.time() - since > timeout:
+                    task.cancel()
+                    return
+        finally:
+            waiter.cancel()
+
+
+async def _until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
