@@ -1,160 +1,709 @@
-"""How many requests/s front doors sustain before their own added latency grows.
+"""The serving path's CPU cost: kvroute's front door beside a floor, in one run.
 
-    python benchmarks/frontdoor_capacity.py --routers 1,2 --rates 10,20,40,60,80
+    python benchmarks/frontdoor_capacity.py [--quick] [--json rows.json] [--plot cpu.png]
 
-For each front-door count N: ``kvroute serve --model sim:h100-8b --replicas R --routers N``
-(cost-model replicas: real engines, no weights), then ``kvroute bench`` at each Poisson
-rate with short requests (``--prompt-tokens`` random ids, ``--max-tokens`` output), so
-the replicas stay far from saturation and what grows with the rate is the front doors' work.
+(``--quick``: about 2 minutes; without it about 10, on a 2-core machine.)
 
-Per rate it prints the added latency -- TTFT seen by the client minus TTFT seen at the
-replica (``kvroute bench``'s "TTFT outside the replica": HTTP, parsing, hashing, routing,
-Ray both ways) -- p50/p99, the front doors' CPU per request (all front-door processes,
-above their idle share), and errors. A front door's capacity is the highest rate whose
-added p99 stays within ``--slo-ms``. Everything runs on this one machine: the load
-generator and the replicas take CPU from the front doors, which the figures include.
+What runs: ``kvroute serve --model sim:h100-8b --replicas 2 --max-in-flight 4096`` (cost-model
+replicas: the real scheduler and ZeroMQ data plane, no weights), and beside it the *floor*:
+this file's ``--floor-server`` mode, a bare ASGI app (no FastAPI) under uvicorn with
+httptools and uvloop that parses ``POST /v1/completions`` (token-id prompts) with msgspec,
+round-robins it over :class:`ReplicaConnection` to the very replicas ``kvroute serve``
+started (read from its ``GET /fleet``) and relays each delta as an SSE chunk -- no routing,
+no tokenization, no validation, no auth. It is what any relay over the same data plane pays.
+
+Load comes from ``kvroute bench`` (streamed, token-id prompts from a generated Mooncake-style
+trace with unique prompts, so no run hits another's prefix cache), against each server in
+turn, scenario by scenario. Every cost is CPU time read from ``/proc`` (utime + stime), never
+wall time:
+
+- front door: for kvroute, the ``kvroute serve`` process tree (the front door and its Ray
+  gcs_server, raylet, agents, idle workers) *without* the replicas and the load generator;
+  for the floor, its one process. Replicas: the replica pids from ``/fleet``.
+- each run's CPU less an idle baseline (the same processes measured idle first, per second,
+  times the run's wall time), divided by the output tokens or requests ``kvroute bench``
+  counted: CPU per streamed token (256-token streams at 4..64 concurrent), CPU per request
+  (``--prompt-tokens`` 512 in, 4 out, 16 concurrent).
+- added TTFT (client TTFT less the replica's own, from the ``: kvroute-timing`` SSE comment,
+  which the floor emits too) p50/p99 at 50 req/s of short requests.
+- capacity: the concurrency sweep's tokens/s and the front door's utilisation (CPU s per
+  wall s of load, idle share included); tokens/s per front-door core = tokens / its CPU s,
+  i.e. the rate one core sustains, extrapolated when the run did not fill a core.
+
+Everything shares one machine: the load generator (its CPU is reported) and the replicas
+compete with the front doors, so achieved tokens/s is a lower bound; CPU per token is not
+a wall-time figure and holds up under that contention better.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
+
+MODEL = "sim:h100-8b"
+MOONCAKE_BLOCK = 512
+TICK = os.sysconf("SC_CLK_TCK")
 
 
 def say(msg: str) -> None:
     print(f"frontdoor_capacity: {msg}", file=sys.stderr, flush=True)
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+# -- CPU time from /proc --------------------------------------------------------------------
+def _stat(pid: int) -> list[str] | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
 
 
-def front_door_pids(serve_pid: int) -> list[int]:
-    """The serve process and its ``kvroute router`` children."""
-    pids = [serve_pid]
+def cpu_of(pids: set[int]) -> dict[int, float]:
+    """utime + stime (s) of each pid still alive (all its threads)."""
+    out = {}
+    for pid in pids:
+        f = _stat(pid)
+        if f is not None:
+            out[pid] = (int(f[11]) + int(f[12])) / TICK
+    return out
+
+
+def tree(root: int, exclude: frozenset[int] | set[int] = frozenset()) -> set[int]:
+    """``root`` and its descendants, less ``exclude`` and their descendants."""
+    children: dict[int, list[int]] = {}
     for p in Path("/proc").iterdir():
-        if not p.name.isdigit():
+        if p.name.isdigit():
+            f = _stat(int(p.name))
+            if f is not None:
+                children.setdefault(int(f[1]), []).append(int(p.name))
+    out, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        if pid in exclude or pid in out:
             continue
+        out.add(pid)
+        todo.extend(children.get(pid, ()))
+    return out
+
+
+class Group:
+    """A set of processes whose CPU is measured together; ``pids()`` is re-read per
+    snapshot, so a process started mid-run is counted from zero."""
+
+    def __init__(self, name: str, pids: Any) -> None:
+        self.name, self.pids = name, pids
+        self.idle_per_s = 0.0
+
+    def snap(self) -> dict[int, float]:
+        return cpu_of(self.pids())
+
+    @staticmethod
+    def delta(a: dict[int, float], b: dict[int, float]) -> float:
+        return sum(v - a.get(pid, 0.0) for pid, v in b.items())
+
+
+# -- the floor: ZeroMQ -> SSE, nothing else -------------------------------------------------
+def floor_server(port: int, fleet_url: str) -> None:
+    import itertools
+
+    import msgspec
+    import uvicorn
+
+    from kvroute.events.replica_api import GenerateRequest, SamplingParams
+    from kvroute.router.dataplane import ReplicaConnection
+
+    class Body(msgspec.Struct):
+        prompt: list[int]
+        max_tokens: int = 16
+        temperature: float = 1.0
+        ignore_eos: bool = False
+
+    decode = msgspec.json.Decoder(Body).decode
+    enc = msgspec.json.Encoder().encode
+    ids = itertools.count()
+    conns: list[Any] = []
+    rr: list[Any] = [None]
+    head = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
+    models = b'{"object":"list","data":[{"id":"' + MODEL.encode() + b'","object":"model"}]}'
+
+    def lost(rid: str, why: str) -> None:
+        print(f"floor: replica {rid} lost ({why})", file=sys.stderr, flush=True)
+        conns[:] = [c for c in conns if c.lost is None]
+        rr[0] = itertools.cycle(conns) if conns else None
+
+    async def reply(send: Any, status: int, body: bytes, ctype: bytes) -> None:
+        await send(
+            {"type": "http.response.start", "status": status, "headers": [(b"content-type", ctype)]}
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    with urllib.request.urlopen(fleet_url + "/fleet", timeout=30) as r:
+                        fleet = json.load(r)
+                    for rep in fleet["replicas"]:
+                        conns.append(
+                            ReplicaConnection(
+                                rep["replica_id"],
+                                rep["data_endpoint"],
+                                rep["incarnation"],
+                                f"floor-{os.getpid()}",
+                                lost,
+                            )
+                        )
+                    rr[0] = itertools.cycle(conns)
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    for c in conns:
+                        c.close()
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        arrival = time.perf_counter()
+        if scope["method"] != "POST":
+            if scope["path"] == "/v1/models":
+                return await reply(send, 200, models, b"application/json")
+            return await reply(send, 200 if scope["path"] == "/health" else 404, b"", b"text/plain")
+        raw, more = b"", True
+        while more:
+            msg = await receive()
+            raw += msg.get("body", b"")
+            more = msg.get("more_body", False)
+        body = decode(raw)
+        if rr[0] is None:
+            return await reply(send, 503, b"no replica", b"text/plain")
+        conn = next(rr[0])
+        req = GenerateRequest(
+            request_id=f"floor-{next(ids)}",
+            prompt_token_ids=body.prompt,
+            sampling=SamplingParams(
+                max_tokens=body.max_tokens, temperature=body.temperature, ignore_eos=body.ignore_eos
+            ),
+        )
+        await send({"type": "http.response.start", "status": 200, "headers": head})
+        msg = {"type": "http.response.body", "body": b"", "more_body": True}
+        timing, last = b"", None
         try:
-            cmd = (p / "cmdline").read_bytes().split(b"\0")
-            ppid = int((p / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if ppid == serve_pid and b"router" in cmd:
-            pids.append(int(p.name))
-    return pids
+            async for d in conn.stream(req):
+                if last is None and d.replica_ttft_s is not None:
+                    timing = enc(
+                        {
+                            "replica_ttft_s": d.replica_ttft_s,
+                            "router_ttft_s": time.perf_counter() - arrival,
+                        }
+                    )
+                last = d
+                if d.delta_text and not d.finished:  # the last delta goes with the tail
+                    msg["body"] = b'data: {"choices":[{"text":' + enc(d.delta_text) + b"}]}\n\n"
+                    await send(msg)
+        except Exception as exc:  # the replica failed: say so, then [DONE]
+            err = enc({"error": {"message": str(exc)}})
+            msg.update(body=b"data: " + err + b"\n\ndata: [DONE]\n\n", more_body=False)
+            return await send(msg)
+        tail = b""
+        if last is not None:  # the last chunk, the usage, the timing comment, [DONE]: one send
+            fin = enc(last.finish_reason)
+            tail = (
+                b'data: {"choices":[{"text":'
+                + enc(last.delta_text)
+                + b',"finish_reason":'
+                + fin
+                + b"}]}\n\n"
+                + b'data: {"choices":[],"usage":{"prompt_tokens":'
+                + str(last.num_prompt_tokens).encode()
+                + b',"completion_tokens":'
+                + str(last.num_output_tokens).encode()
+                + b"}}\n\n"
+            )
+        if timing:
+            tail += b": kvroute-timing " + timing + b"\n\n"
+        msg.update(body=tail + b"data: [DONE]\n\n", more_body=False)
+        await send(msg)
+
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        http="httptools",
+        loop="uvloop",
+        lifespan="on",
+        log_level="warning",
+        access_log=False,
+    )
+    uvicorn.Server(config).run()
 
 
-def total_cpu(pids: list[int]) -> float:
-    return sum(cpu_seconds(p) for p in pids)
+# -- the harness ----------------------------------------------------------------------------
+def http_json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.load(r)
 
 
-def run_rate(args: argparse.Namespace, rate: float, pids: list[int], out: Path) -> dict[str, Any]:
-    n = max(int(rate * args.seconds), 20)
-    trace = out / "trace.jsonl"
-    if not trace.exists():  # unique prompts: one fresh block id per prompt block
-        blocks = -(-args.prompt_tokens // 512)
-        lines = [
-            json.dumps({"timestamp": i, "input_length": args.prompt_tokens,
-                        "output_length": args.max_tokens,
-                        "hash_ids": list(range(10_000 + i * blocks, 10_000 + (i + 1) * blocks))})
-            for i in range(20_000)
-        ]  # fmt: skip
-        trace.write_text("\n".join(lines) + "\n")
-    result = out / f"rate_{rate:g}.json"
-    cmd = [
-        "kvroute", "bench", "--url", f"http://127.0.0.1:{args.port}/v1", "--trace", str(trace),
-        "--rate", str(rate), "--max-requests", str(n), "--no-progress", "--json", str(result),
-        "--label", f"{rate:g}/s", "--seed", "1",
-    ]  # fmt: skip
-    cpu0, t0 = total_cpu(pids), time.monotonic()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-    cpu, wall = total_cpu(pids) - cpu0, time.monotonic() - t0
-    s = json.loads(result.read_text())["summary"]
-    outside = s.get("ttft_outside_replica_s") or {}
-    return {
-        "rate": rate,
-        "requests": s["requests"],
-        "achieved_rate": s["request_rate"],
-        "added_p50_ms": 1000 * (outside.get("p50") or float("nan")),
-        "added_p99_ms": 1000 * (outside.get("p99") or float("nan")),
-        "cpu_s": cpu,
-        "wall_s": wall,
-        "errors": s["errors"],
-    }
+def wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 60) -> None:
+    t_end = time.monotonic() + timeout
+    while time.monotonic() < t_end:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.3)
+    raise RuntimeError(f"{url} not up after {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+class Runner:
+    def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
+        self.args, self.tmp = args, tmp
+        self.n_traces = 0
+
+    def trace(self, n: int, prompt: int, output: int) -> Path:
+        """``n`` unique prompts (fresh block ids: no run hits another's prefix cache)."""
+        self.n_traces += 1
+        blocks = -(-prompt // MOONCAKE_BLOCK)
+        base = 10_000 + self.n_traces * 10_000_000
+        path = self.tmp / f"trace_{self.n_traces}.jsonl"
+        with path.open("w") as f:
+            for i in range(n):
+                ids = list(range(base + i * blocks, base + (i + 1) * blocks))
+                f.write(
+                    json.dumps(
+                        {
+                            "timestamp": i,
+                            "input_length": prompt,
+                            "output_length": output,
+                            "hash_ids": ids,
+                        }
+                    )
+                    + "\n"
+                )
+        return path
+
+    def run(
+        self,
+        server: str,
+        url: str,
+        fd: Group,
+        reps: Group,
+        scenario: str,
+        *,
+        n: int,
+        prompt: int,
+        output: int,
+        concurrency: int | None = None,
+        rate: float | None = None,
+    ) -> dict[str, Any]:
+        trace = self.trace(n, prompt, output)
+        result = self.tmp / f"{server}_{scenario}_{self.n_traces}.json"
+        mode = ["--concurrency", str(concurrency)] if concurrency else ["--rate", str(rate)]
+        cmd = [
+            "kvroute",
+            "bench",
+            "--url",
+            url + "/v1",
+            "--model",
+            MODEL,
+            "--trace",
+            str(trace),
+            "--max-requests",
+            str(n),
+            "--prompt-format",
+            "tokens",
+            "--no-progress",
+            "--json",
+            str(result),
+            "--label",
+            f"{server} {scenario}",
+            "--seed",
+            "1",
+            "--timeout",
+            "120",
+            *mode,
+        ]
+        f0, r0, t0 = fd.snap(), reps.snap(), time.monotonic()
+        err = result.with_suffix(".err")
+        with err.open("wb") as err_f:
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err_f)
+            _, status, usage = os.wait4(proc.pid, 0)  # its rusage: the load generator's CPU
+        window = time.monotonic() - t0
+        fd_cpu, rep_cpu = Group.delta(f0, fd.snap()), Group.delta(r0, reps.snap())
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode != 0:
+            raise RuntimeError(f"kvroute bench failed ({proc.returncode}):\n{err.read_text()}")
+        s = json.loads(result.read_text())["summary"]
+        tokens, ok, load_wall = s["output_tokens"], s["ok"], s["wall_s"]
+        fd_net = fd_cpu - fd.idle_per_s * window
+        rep_net = rep_cpu - reps.idle_per_s * window
+        fd_busy = fd_cpu - fd.idle_per_s * max(window - load_wall, 0.0)  # CPU during the load
+        outside = s.get("ttft_outside_replica_s") or {}
+        row = {
+            "server": server,
+            "scenario": scenario,
+            "concurrency": concurrency,
+            "rate": rate,
+            "prompt_tokens": prompt,
+            "max_tokens": output,
+            "requests": s["requests"],
+            "ok": ok,
+            "errors": s["errors"],
+            "output_tokens": tokens,
+            "load_wall_s": load_wall,
+            "window_wall_s": window,
+            "request_rate": s["request_rate"],
+            "tokens_per_s": s["output_token_rate"],
+            "frontdoor_cpu_s": fd_cpu,
+            "frontdoor_idle_cpu_s": fd.idle_per_s * window,
+            "replica_cpu_s": rep_cpu,
+            "replica_idle_cpu_s": reps.idle_per_s * window,
+            "loadgen_cpu_s": usage.ru_utime + usage.ru_stime,
+            "frontdoor_us_per_token": 1e6 * fd_net / tokens if tokens else math.nan,
+            "replica_us_per_token": 1e6 * rep_net / tokens if tokens else math.nan,
+            "frontdoor_ms_per_request": 1e3 * fd_net / ok if ok else math.nan,
+            "replica_ms_per_request": 1e3 * rep_net / ok if ok else math.nan,
+            "frontdoor_util_cores": fd_busy / load_wall if load_wall else math.nan,
+            "tokens_per_s_per_core": tokens / fd_busy if fd_busy > 0 else math.nan,
+            "added_ttft_p50_ms": 1e3 * (outside.get("p50") or math.nan),
+            "added_ttft_p99_ms": 1e3 * (outside.get("p99") or math.nan),
+            "ttft_p50_ms": 1e3 * ((s.get("ttft_s") or {}).get("p50") or math.nan),
+        }
+        if not tokens or s["errors"]:
+            say(f"WARNING {server} {scenario}: {tokens} tokens, errors {s['errors']}")
+        say(
+            f"{server:7s} {scenario:12s} {ok}/{s['requests']} ok, {tokens} tokens in "
+            f"{load_wall:.1f} s ({s['output_token_rate']:.0f} tok/s); front door "
+            f"{row['frontdoor_us_per_token']:.0f} us/token, {row['frontdoor_ms_per_request']:.2f}"
+            f" ms/request, {row['frontdoor_util_cores']:.2f} cores; replicas "
+            f"{row['replica_us_per_token']:.0f} us/token; load generator "
+            f"{row['loadgen_cpu_s']:.1f} CPU s"
+        )
+        return row
+
+
+def measure_idle(groups: list[Group], seconds: float) -> None:
+    snaps = [g.snap() for g in groups]
+    t0 = time.monotonic()
+    time.sleep(seconds)
+    wall = time.monotonic() - t0
+    for g, s in zip(groups, snaps, strict=True):
+        g.idle_per_s = Group.delta(s, g.snap()) / wall
+        say(f"idle: {g.name} {1e3 * g.idle_per_s:.1f} ms CPU per s")
+
+
+def identities(pids: set[int]) -> set[tuple[int, str]]:
+    """(pid, start time): a process, not a pid that may be reused."""
+    return {(p, f[19]) for p in pids if (f := _stat(p)) is not None}
+
+
+def stop(
+    proc: subprocess.Popen[bytes] | None,
+    leftovers: frozenset[tuple[int, str]] | set[tuple[int, str]] = frozenset(),
+) -> None:
+    """SIGINT, then SIGKILL after 60 s; then any of ``leftovers`` (processes it started, by
+    pid and start time) that outlived it."""
+    if proc is not None and proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for pid, started in leftovers:
+        f = _stat(pid)
+        if f is not None and f[19] == started:
+            say(f"killing a leftover process {pid}")
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def fmt(x: float | None, spec: str) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    def pick(server: str, scenario: str) -> dict[str, Any] | None:
+        return next((r for r in rows if r["server"] == server and r["scenario"] == scenario), None)
+
+    lines = ["| figure | kvroute | floor | kvroute / floor |", "| --- | --- | --- | --- |"]
+
+    def add(label: str, scenario: str, key: str, spec: str) -> None:
+        k, f = pick("kvroute", scenario), pick("floor", scenario)
+        kv = None if k is None else k[key]
+        fv = None if f is None else f[key]
+        ratio = kv / fv if kv is not None and fv else None
+        lines.append(f"| {label} | {fmt(kv, spec)} | {fmt(fv, spec)} | {fmt(ratio, '.2f')} |")
+
+    concs = [int(c) for c in args.concurrency.split(",")]
+    s_out = args.stream_tokens
+    for c in concs:
+        add(
+            f"front door CPU us / streamed token ({c} x {s_out}-token streams)",
+            f"stream_c{c}",
+            "frontdoor_us_per_token",
+            ".0f",
+        )
+    for c in concs:
+        add(
+            f"replicas CPU us / streamed token ({c} streams)",
+            f"stream_c{c}",
+            "replica_us_per_token",
+            ".0f",
+        )
+    req = f"{args.prompt_tokens} in, {args.short_tokens} out, {args.request_concurrency} concurrent"
+    add(f"front door CPU ms / request ({req})", "per_request", "frontdoor_ms_per_request", ".2f")
+    add(f"replicas CPU ms / request ({req})", "per_request", "replica_ms_per_request", ".2f")
+    add("requests/s achieved (same run)", "per_request", "request_rate", ".0f")
+    r = f"{args.rate:g} req/s"
+    add(f"added TTFT p50 ms (at {r})", "ttft", "added_ttft_p50_ms", ".2f")
+    add(f"added TTFT p99 ms (at {r})", "ttft", "added_ttft_p99_ms", ".2f")
+    add(f"front door CPU ms / request (at {r})", "ttft", "frontdoor_ms_per_request", ".2f")
+    for c in concs:
+        add(f"streamed tokens/s achieved ({c} streams)", f"stream_c{c}", "tokens_per_s", ".0f")
+    for c in concs:
+        add(
+            f"front door CPU utilisation, cores ({c} streams)",
+            f"stream_c{c}",
+            "frontdoor_util_cores",
+            ".2f",
+        )
+    for c in concs:
+        add(
+            f"tokens/s per front-door core ({c} streams)",
+            f"stream_c{c}",
+            "tokens_per_s_per_core",
+            ".0f",
+        )
+    for server in ("kvroute", "floor"):
+        sw = [x for x in rows if x["server"] == server and x["scenario"].startswith("stream_")]
+        errs = sum(sum(x["errors"].values()) for x in rows if x["server"] == server)
+        toks = sum(x["output_tokens"] for x in rows if x["server"] == server)
+        lines.append(f"| {server}: errors / tokens counted, all runs | {errs} / {toks} | | |")
+        if sw:
+            best = max(sw, key=lambda x: x["tokens_per_s"])
+            last = sw[-1]
+            filled = "measured" if best["frontdoor_util_cores"] >= 0.9 else "not a full core"
+            lines.append(
+                f"| {server}: highest tokens/s achieved / at 1 core (extrapolated, "
+                f"{last['concurrency']} streams) | {best['tokens_per_s']:.0f} ({filled}, "
+                f"{best['frontdoor_util_cores']:.2f} cores) / {last['tokens_per_s_per_core']:.0f}"
+                " | | |"
+            )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for server, color in (("kvroute", "tab:blue"), ("floor", "tab:orange")):
+        sw = sorted(
+            (
+                r
+                for r in rows
+                if r["server"] == server
+                and r["concurrency"]
+                and r["scenario"].startswith("stream_")
+            ),
+            key=lambda r: r["concurrency"],
+        )
+        xs = [r["concurrency"] for r in sw]
+        ax.plot(
+            xs,
+            [r["frontdoor_us_per_token"] for r in sw],
+            "o-",
+            color=color,
+            label=f"{server}: front door",
+        )
+        ax.plot(
+            xs,
+            [r["replica_us_per_token"] for r in sw],
+            "s--",
+            color=color,
+            alpha=0.6,
+            label=f"{server} runs: replicas",
+        )
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent streams")
+    ax.set_ylabel("CPU us per streamed token (idle subtracted)")
+    ax.set_title(f"Serving-path CPU per token, {MODEL}, 2 replicas")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    say(f"plot: {path}")
+
+
+def bench_all(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="frontdoor_capacity_") as tmp_name:
+        tmp = Path(tmp_name)
+        serve_log, floor_log = tmp / "serve.log", tmp / "floor.log"
+        serve = floor = None
+        started: set[tuple[int, str]] = set()
+        try:
+            cmd = [
+                "kvroute",
+                "serve",
+                "--model",
+                MODEL,
+                "--replicas",
+                "2",
+                "--port",
+                str(args.port),
+                "--max-in-flight",
+                "4096",
+                "--time-scale",
+                "1",
+            ]
+            say(" ".join(cmd))
+            serve = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=serve_log.open("wb"))
+            t_end = time.monotonic() + 180
+            while "ready:" not in serve_log.read_text():
+                if serve.poll() is not None or time.monotonic() > t_end:
+                    raise RuntimeError(f"kvroute serve did not start:\n{serve_log.read_text()}")
+                time.sleep(0.3)
+            kv_url = f"http://127.0.0.1:{args.port}"
+            fleet = http_json(kv_url + "/fleet")["replicas"]
+            rep_pids = {int(r["pid"]) for r in fleet}
+            say(f"replicas: {[(r['replica_id'], r['pid'], r['data_endpoint']) for r in fleet]}")
+            fcmd = [
+                sys.executable,
+                os.path.abspath(__file__),
+                "--floor-server",
+                "--port",
+                str(args.floor_port),
+                "--fleet-url",
+                kv_url,
+            ]
+            floor = subprocess.Popen(fcmd, stdout=subprocess.DEVNULL, stderr=floor_log.open("wb"))
+            fl_url = f"http://127.0.0.1:{args.floor_port}"
+            wait_http(fl_url + "/health", floor, floor_log)
+            say(f"floor ready on {fl_url} (pid {floor.pid})")
+            serve_pid, floor_pid = serve.pid, floor.pid
+
+            def reps_pids() -> set[int]:
+                return set().union(*(tree(p) for p in rep_pids))
+
+            kv = Group("kvroute front door tree", lambda: tree(serve_pid, exclude=rep_pids))
+            fl = Group("floor", lambda: tree(floor_pid))
+            reps = Group("replicas", reps_pids)
+            started = identities(tree(serve_pid) | tree(floor_pid))
+            say(f"kvroute front door tree: {len(kv.pids())} processes (replicas excluded)")
+            time.sleep(2)  # let start-up settle
+            measure_idle([kv, fl, reps], args.idle_seconds)
+
+            runner = Runner(args, tmp)
+            servers = (("kvroute", kv_url, kv), ("floor", fl_url, fl))
+
+            def both(scenario: str, **kw: Any) -> None:
+                for name, url, group in servers:
+                    row = runner.run(name, url, group, reps, scenario, **kw)
+                    rows.append(row)
+
+            # Warm-up (first connections, lazy imports, JIT-free but cache-cold paths).
+            for name, url, group in servers:
+                runner.run(
+                    name,
+                    url,
+                    group,
+                    reps,
+                    "warmup",
+                    n=2 * args.request_concurrency,
+                    prompt=args.prompt_tokens,
+                    output=args.short_tokens,
+                    concurrency=args.request_concurrency,
+                )
+            both(
+                "per_request",
+                n=args.requests,
+                prompt=args.prompt_tokens,
+                output=args.short_tokens,
+                concurrency=args.request_concurrency,
+            )
+            both(
+                "ttft",
+                n=max(int(args.rate * args.rate_seconds), 20),
+                prompt=args.prompt_tokens,
+                output=args.short_tokens,
+                rate=args.rate,
+            )
+            for c in [int(x) for x in args.concurrency.split(",")]:
+                both(
+                    f"stream_c{c}",
+                    n=max(args.waves * c, 8),
+                    prompt=args.prompt_tokens,
+                    output=args.stream_tokens,
+                    concurrency=c,
+                )
+            started |= identities(tree(serve_pid) | tree(floor_pid))
+        finally:
+            stop(floor)
+            stop(serve, started)
+    return rows
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--routers", default="1,2")
-    ap.add_argument("--rates", default="10,20,40,60,80")
-    ap.add_argument("--replicas", type=int, default=8)
+    ap.add_argument("--quick", action="store_true", help="about 2 minutes: fewer, shorter runs")
+    ap.add_argument("--port", type=int, default=8131, help="kvroute serve")
+    ap.add_argument("--floor-port", type=int, default=None, help="default: --port + 1")
     ap.add_argument("--prompt-tokens", type=int, default=512)
-    ap.add_argument("--max-tokens", type=int, default=4)
-    ap.add_argument("--seconds", type=float, default=15.0, help="per rate")
-    ap.add_argument("--slo-ms", type=float, default=5.0)
-    ap.add_argument("--port", type=int, default=8131)
+    ap.add_argument("--short-tokens", type=int, default=4, help="output of short requests")
+    ap.add_argument("--request-concurrency", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=None, help="per-request runs (default 600)")
+    ap.add_argument("--rate", type=float, default=50.0, help="req/s for the added-TTFT runs")
+    ap.add_argument("--rate-seconds", type=float, default=None, help="default 20 (quick: 8)")
+    ap.add_argument("--concurrency", default=None, help="streams; default 4,16,32,64")
+    ap.add_argument("--stream-tokens", type=int, default=256)
+    ap.add_argument("--waves", type=int, default=None, help="requests per stream slot")
+    ap.add_argument("--idle-seconds", type=float, default=None, help="default 6 (quick: 3)")
     ap.add_argument("--json", default=None, help="write all rows here")
+    ap.add_argument("--plot", default=None, help="PNG: CPU per token against concurrency")
+    ap.add_argument("--floor-server", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--fleet-url", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp)
-        for n in [int(x) for x in args.routers.split(",")]:
-            log = out / f"serve_{n}.log"
-            cmd = [
-                "kvroute", "serve", "--model", "sim:h100-8b", "--replicas", str(args.replicas),
-                "--routers", str(n), "--port", str(args.port), "--block-size", "16",
-            ]  # fmt: skip
-            say(" ".join(cmd))
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log.open("wb"))
-            try:
-                while "ready: model" not in log.read_text():
-                    if proc.poll() is not None:
-                        raise RuntimeError(log.read_text())
-                    time.sleep(0.5)
-                pids = front_door_pids(proc.pid)
-                idle0 = total_cpu(pids)
-                time.sleep(5)
-                idle = (total_cpu(pids) - idle0) / 5
-                for rate in [float(x) for x in args.rates.split(",")]:
-                    row = run_rate(args, rate, pids, out)
-                    row["routers"] = n
-                    row["cpu_ms_per_request"] = (
-                        1000 * (row["cpu_s"] - idle * row["wall_s"]) / max(row["requests"], 1)
-                    )
-                    rows.append(row)
-                    say(json.dumps(row))
-            finally:
-                proc.send_signal(signal.SIGINT)
-                try:
-                    proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-    print("| front doors | offered req/s | achieved req/s | added p50 ms | added p99 ms "
-          "| CPU ms/request | errors |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        print(
-            f"| {r['routers']} | {r['rate']:g} | {r['achieved_rate']:.1f} | "
-            f"{r['added_p50_ms']:.1f} | {r['added_p99_ms']:.1f} | "
-            f"{r['cpu_ms_per_request']:.1f} | {sum(r['errors'].values()) if r['errors'] else 0} |"
-        )
-    for n in sorted({r["routers"] for r in rows}):
-        ok = [r["rate"] for r in rows if r["routers"] == n and r["added_p99_ms"] <= args.slo_ms]
-        print(f"{n} front door(s): highest rate with added p99 <= {args.slo_ms:g} ms: "
-              f"{max(ok) if ok else 'none'}")  # fmt: skip
+    if args.floor_server:
+        floor_server(args.port, args.fleet_url)
+        return 0
+    q = args.quick
+    args.floor_port = args.floor_port or args.port + 1
+    args.requests = args.requests or (200 if q else 600)
+    args.rate_seconds = args.rate_seconds or (6.0 if q else 20.0)
+    args.concurrency = args.concurrency or ("4,32" if q else "4,16,32,64")
+    args.waves = args.waves or (2 if q else 3)
+    args.idle_seconds = args.idle_seconds or (3.0 if q else 6.0)
+    t0 = time.monotonic()
+    rows = bench_all(args)
+    say(f"done in {time.monotonic() - t0:.0f} s")
+    print(table(rows, args))
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
-    return 0
+        clean = [
+            {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
+            for r in rows
+        ]
+        Path(args.json).write_text(json.dumps(clean, indent=1))
+    if args.plot:
+        plot(rows, args.plot)
+    bad = [r for r in rows if not r["output_tokens"] or r["errors"]]
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

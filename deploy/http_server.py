@@ -130,7 +130,11 @@ class _AbortIfIncomplete:
             self._transport.abort()
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
+        # Kept once looked up: ``write`` runs per streamed chunk, and a lookup that reaches
+        # __getattr__ first fails the normal way (an AttributeError each time).
+        value = getattr(self._transport, name)
+        setattr(self, name, value)
+        return value
 
 
 def uvicorn_config(

@@ -32,8 +32,11 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0  # tokens before this start the context window
         self._read_offset = 0  # tokens before this are in ``self.text`` for good
         self.stop_string: str | None = None
+        self._decode_fast = _rust_decode(tokenizer)
 
     def _decode(self, ids: Sequence[int]) -> str:
+        if self._decode_fast is not None:
+            return self._decode_fast(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def update(self, new_token_ids: Sequence[int], finished: bool = False) -> str:
@@ -86,3 +89,19 @@ class IncrementalDetokenizer:
         delta = self.text[self.sent :]
         self.sent = len(self.text)
         return delta
+
+
+def _rust_decode(tokenizer: Any) -> Any:
+    """The Rust ``tokenizers`` decode behind a transformers fast tokenizer, when calling it
+    directly gives the same text (no clean-up of tokenization spaces): it skips the Python
+    wrapper's argument conversion, which costs more than the decode itself."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:  # pragma: no cover - transformers depends on it
+        return None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if not isinstance(backend, Tokenizer) or getattr(
+        tokenizer, "clean_up_tokenization_spaces", True
+    ):
+        return None
+    return backend.decode

@@ -41,6 +41,7 @@ def fleet_view(door: FrontDoor, events: dict[str, ReplicaStats]) -> dict[str, An
                     "form": info.hash_form,
                     "block_size": info.block_size,
                 },
+                "data_endpoint": info.data_endpoint,
                 "kv_blocks_total": info.num_blocks,
                 "cached_blocks_indexed": door.index.num_blocks(rid),
                 "load": msgspec.to_builtins(report) if report is not None else None,
