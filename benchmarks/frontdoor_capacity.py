@@ -50,6 +50,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 MODEL = "sim:h100-8b"
 MOONCAKE_BLOCK = 512
 TICK = os.sysconf("SC_CLK_TCK")
@@ -266,30 +268,22 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float
 
 
 class Runner:
-    def __init__(self, args: argparse.Namespace, tmp: Path) -> None:
-        self.args, self.tmp = args, tmp
-        self.n_traces = 0
+    """Runs ``kvroute bench`` against one server and measures the CPU around it."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.n_runs = 0
 
     def trace(self, n: int, prompt: int, output: int) -> Path:
         """``n`` unique prompts (fresh block ids: no run hits another's prefix cache)."""
-        self.n_traces += 1
         blocks = -(-prompt // MOONCAKE_BLOCK)
-        base = 10_000 + self.n_traces * 10_000_000
-        path = self.tmp / f"trace_{self.n_traces}.jsonl"
+        base = 10_000 + self.n_runs * 10_000_000
+        path = self.tmp / f"trace_{self.n_runs}.jsonl"
         with path.open("w") as f:
             for i in range(n):
                 ids = list(range(base + i * blocks, base + (i + 1) * blocks))
-                f.write(
-                    json.dumps(
-                        {
-                            "timestamp": i,
-                            "input_length": prompt,
-                            "output_length": output,
-                            "hash_ids": ids,
-                        }
-                    )
-                    + "\n"
-                )
+                rec = {"timestamp": i, "input_length": prompt, "output_length": output}
+                f.write(json.dumps({**rec, "hash_ids": ids}) + "\n")
         return path
 
     def run(
@@ -306,33 +300,14 @@ class Runner:
         concurrency: int | None = None,
         rate: float | None = None,
     ) -> dict[str, Any]:
+        """One ``kvroute bench`` run: what it counted and the CPU each group spent."""
+        self.n_runs += 1
         trace = self.trace(n, prompt, output)
-        result = self.tmp / f"{server}_{scenario}_{self.n_traces}.json"
+        result = self.tmp / f"run_{self.n_runs}.json"
         mode = ["--concurrency", str(concurrency)] if concurrency else ["--rate", str(rate)]
-        cmd = [
-            "kvroute",
-            "bench",
-            "--url",
-            url + "/v1",
-            "--model",
-            MODEL,
-            "--trace",
-            str(trace),
-            "--max-requests",
-            str(n),
-            "--prompt-format",
-            "tokens",
-            "--no-progress",
-            "--json",
-            str(result),
-            "--label",
-            f"{server} {scenario}",
-            "--seed",
-            "1",
-            "--timeout",
-            "120",
-            *mode,
-        ]
+        cmd = ["kvroute", "bench", "--url", url + "/v1", "--model", MODEL, "--trace", str(trace)]
+        cmd += ["--max-requests", str(n), "--prompt-format", "tokens", "--no-progress"]
+        cmd += ["--json", str(result), "--seed", str(self.n_runs), "--timeout", "120", *mode]
         f0, r0, t0 = fd.snap(), reps.snap(), time.monotonic()
         err = result.with_suffix(".err")
         with err.open("wb") as err_f:
@@ -343,13 +318,10 @@ class Runner:
         proc.returncode = os.waitstatus_to_exitcode(status)
         if proc.returncode != 0:
             raise RuntimeError(f"kvroute bench failed ({proc.returncode}):\n{err.read_text()}")
-        s = json.loads(result.read_text())["summary"]
-        tokens, ok, load_wall = s["output_tokens"], s["ok"], s["wall_s"]
-        fd_net = fd_cpu - fd.idle_per_s * window
-        rep_net = rep_cpu - reps.idle_per_s * window
-        fd_busy = fd_cpu - fd.idle_per_s * max(window - load_wall, 0.0)  # CPU during the load
-        outside = s.get("ttft_outside_replica_s") or {}
-        row = {
+        doc = json.loads(result.read_text())
+        s, records = doc["summary"], doc["records"]
+        ok = [r for r in records if r["error"] is None]
+        raw = {
             "server": server,
             "scenario": scenario,
             "concurrency": concurrency,
@@ -357,39 +329,111 @@ class Runner:
             "prompt_tokens": prompt,
             "max_tokens": output,
             "requests": s["requests"],
-            "ok": ok,
+            "ok": s["ok"],
             "errors": s["errors"],
-            "output_tokens": tokens,
-            "load_wall_s": load_wall,
+            "output_tokens": s["output_tokens"],
+            "load_wall_s": s["wall_s"],
             "window_wall_s": window,
-            "request_rate": s["request_rate"],
-            "tokens_per_s": s["output_token_rate"],
             "frontdoor_cpu_s": fd_cpu,
-            "frontdoor_idle_cpu_s": fd.idle_per_s * window,
+            "frontdoor_idle_per_s": fd.idle_per_s,
             "replica_cpu_s": rep_cpu,
-            "replica_idle_cpu_s": reps.idle_per_s * window,
+            "replica_idle_per_s": reps.idle_per_s,
             "loadgen_cpu_s": usage.ru_utime + usage.ru_stime,
-            "frontdoor_us_per_token": 1e6 * fd_net / tokens if tokens else math.nan,
-            "replica_us_per_token": 1e6 * rep_net / tokens if tokens else math.nan,
-            "frontdoor_ms_per_request": 1e3 * fd_net / ok if ok else math.nan,
-            "replica_ms_per_request": 1e3 * rep_net / ok if ok else math.nan,
-            "frontdoor_util_cores": fd_busy / load_wall if load_wall else math.nan,
-            "tokens_per_s_per_core": tokens / fd_busy if fd_busy > 0 else math.nan,
-            "added_ttft_p50_ms": 1e3 * (outside.get("p50") or math.nan),
-            "added_ttft_p99_ms": 1e3 * (outside.get("p99") or math.nan),
-            "ttft_p50_ms": 1e3 * ((s.get("ttft_s") or {}).get("p50") or math.nan),
+            # per request, for percentiles over several runs: as ``kvroute bench`` computes
+            # its "TTFT outside the replica"
+            "outside_s": [
+                r["ttft_s"] - r["replica_ttft_s"]
+                for r in ok
+                if r["ttft_s"] is not None and r["replica_ttft_s"] is not None
+            ],
+            "ttft_s": [r["ttft_s"] for r in ok if r["ttft_s"] is not None],
         }
-        if not tokens or s["errors"]:
-            say(f"WARNING {server} {scenario}: {tokens} tokens, errors {s['errors']}")
+        row = derive([raw])
+        if not raw["output_tokens"] or raw["errors"]:
+            say(f"WARNING {server} {scenario}: {raw['output_tokens']} tokens, {raw['errors']}")
         say(
-            f"{server:7s} {scenario:12s} {ok}/{s['requests']} ok, {tokens} tokens in "
-            f"{load_wall:.1f} s ({s['output_token_rate']:.0f} tok/s); front door "
-            f"{row['frontdoor_us_per_token']:.0f} us/token, {row['frontdoor_ms_per_request']:.2f}"
-            f" ms/request, {row['frontdoor_util_cores']:.2f} cores; replicas "
-            f"{row['replica_us_per_token']:.0f} us/token; load generator "
-            f"{row['loadgen_cpu_s']:.1f} CPU s"
+            f"{server:7s} {scenario:11s} {raw['ok']}/{raw['requests']} ok, "
+            f"{raw['output_tokens']} tokens in {raw['load_wall_s']:.1f} s "
+            f"({row['tokens_per_s']:.0f} tok/s); front door {row['frontdoor_us_per_token']:.0f}"
+            f" us/token, {row['frontdoor_ms_per_request']:.2f} ms/request, "
+            f"{row['frontdoor_util_cores']:.2f} cores; replicas "
+            f"{row['replica_us_per_token']:.0f} us/token; added TTFT p50 "
+            f"{row['added_ttft_p50_ms']:.1f} ms; load generator {raw['loadgen_cpu_s']:.1f} CPU s"
         )
-        return row
+        return raw
+
+
+def pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(xs, q)) if xs else math.nan
+
+
+def derive(raws: list[dict[str, Any]]) -> dict[str, Any]:
+    """One row from one or more runs of the same server and scenario (summed CPU, tokens,
+    requests and walls; pooled per-request latencies)."""
+    first = raws[0]
+    tot = {
+        k: sum(r[k] for r in raws)
+        for k in (
+            "requests",
+            "ok",
+            "output_tokens",
+            "load_wall_s",
+            "window_wall_s",
+            "frontdoor_cpu_s",
+            "replica_cpu_s",
+            "loadgen_cpu_s",
+        )
+    }
+    errors: dict[str, int] = {}
+    for r in raws:
+        for k, v in r["errors"].items():
+            errors[k] = errors.get(k, 0) + v
+    fd_idle = sum(r["frontdoor_idle_per_s"] * r["window_wall_s"] for r in raws)
+    rep_idle = sum(r["replica_idle_per_s"] * r["window_wall_s"] for r in raws)
+    # CPU while the load ran: the idle share of the time around it (the load generator's
+    # start and exit) taken out, the idle share during it kept -- a front door pays it.
+    fd_busy = tot["frontdoor_cpu_s"] - sum(
+        r["frontdoor_idle_per_s"] * max(r["window_wall_s"] - r["load_wall_s"], 0.0) for r in raws
+    )
+    fd_net, rep_net = tot["frontdoor_cpu_s"] - fd_idle, tot["replica_cpu_s"] - rep_idle
+    tokens, ok, wall = tot["output_tokens"], tot["ok"], tot["load_wall_s"]
+    idle_per_s = first["frontdoor_idle_per_s"]
+    per_token = fd_net / tokens if tokens else math.nan
+    outside = [x for r in raws for x in r["outside_s"]]
+    ttft = [x for r in raws for x in r["ttft_s"]]
+
+    def div(a: float, b: float, scale: float = 1.0) -> float:
+        return scale * a / b if b else math.nan
+
+    return {
+        "server": first["server"],
+        "scenario": first["scenario"],
+        "concurrency": first["concurrency"],
+        "rate": first["rate"],
+        "prompt_tokens": first["prompt_tokens"],
+        "max_tokens": first["max_tokens"],
+        "runs": len(raws),
+        **tot,
+        "errors": errors,
+        "frontdoor_idle_cpu_s": fd_idle,
+        "replica_idle_cpu_s": rep_idle,
+        "frontdoor_idle_cpu_per_s": idle_per_s,
+        "request_rate": div(ok, wall),
+        "tokens_per_s": div(tokens, wall),
+        "frontdoor_us_per_token": div(fd_net, tokens, 1e6),
+        "replica_us_per_token": div(rep_net, tokens, 1e6),
+        "frontdoor_ms_per_request": div(fd_net, ok, 1e3),
+        "replica_ms_per_request": div(rep_net, ok, 1e3),
+        "frontdoor_util_cores": div(fd_busy, wall),
+        # what one core sustains: tokens per front-door CPU second, idle share included ...
+        "tokens_per_s_per_core": div(tokens, fd_busy) if fd_busy > 0 else math.nan,
+        # ... and with the idle share counted once, not scaled with the load
+        "tokens_per_s_at_1_core": (1.0 - idle_per_s) / per_token if per_token > 0 else math.nan,
+        "added_ttft_p50_ms": 1e3 * pct(outside, 50),
+        "added_ttft_p99_ms": 1e3 * pct(outside, 99),
+        "ttft_p50_ms": 1e3 * pct(ttft, 50),
+        "ttft_p99_ms": 1e3 * pct(ttft, 99),
+    }
 
 
 def measure_idle(groups: list[Group], seconds: float) -> None:
@@ -430,47 +474,51 @@ def stop(
                 pass
 
 
-def fmt(x: float | None, spec: str) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+def fmt(x: Any, spec: str) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "n/a"
+    return format(x, spec)
 
 
 def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    def pick(server: str, scenario: str) -> dict[str, Any] | None:
-        return next((r for r in rows if r["server"] == server and r["scenario"] == scenario), None)
-
+    by = {(r["server"], r["scenario"]): r for r in rows}
     lines = ["| figure | kvroute | floor | kvroute / floor |", "| --- | --- | --- | --- |"]
 
+    def line(label: str, kv: Any, fl: Any, spec: str, ratio: bool = True) -> None:
+        q = (
+            kv / fl
+            if ratio and isinstance(kv, float | int) and isinstance(fl, float | int) and fl
+            else None
+        )
+        lines.append(f"| {label} | {fmt(kv, spec)} | {fmt(fl, spec)} | {fmt(q, '.2f')} |")
+
     def add(label: str, scenario: str, key: str, spec: str) -> None:
-        k, f = pick("kvroute", scenario), pick("floor", scenario)
-        kv = None if k is None else k[key]
-        fv = None if f is None else f[key]
-        ratio = kv / fv if kv is not None and fv else None
-        lines.append(f"| {label} | {fmt(kv, spec)} | {fmt(fv, spec)} | {fmt(ratio, '.2f')} |")
+        k, f = by.get(("kvroute", scenario)), by.get(("floor", scenario))
+        line(label, k and k[key], f and f[key], spec)
 
     concs = [int(c) for c in args.concurrency.split(",")]
-    s_out = args.stream_tokens
     for c in concs:
         add(
-            f"front door CPU us / streamed token ({c} x {s_out}-token streams)",
+            f"front door CPU us / streamed token ({c} x {args.stream_tokens}-token streams)",
             f"stream_c{c}",
             "frontdoor_us_per_token",
-            ".0f",
+            ".1f",
         )
     for c in concs:
         add(
             f"replicas CPU us / streamed token ({c} streams)",
             f"stream_c{c}",
             "replica_us_per_token",
-            ".0f",
+            ".1f",
         )
     req = f"{args.prompt_tokens} in, {args.short_tokens} out, {args.request_concurrency} concurrent"
     add(f"front door CPU ms / request ({req})", "per_request", "frontdoor_ms_per_request", ".2f")
     add(f"replicas CPU ms / request ({req})", "per_request", "replica_ms_per_request", ".2f")
-    add("requests/s achieved (same run)", "per_request", "request_rate", ".0f")
-    r = f"{args.rate:g} req/s"
-    add(f"added TTFT p50 ms (at {r})", "ttft", "added_ttft_p50_ms", ".2f")
-    add(f"added TTFT p99 ms (at {r})", "ttft", "added_ttft_p99_ms", ".2f")
-    add(f"front door CPU ms / request (at {r})", "ttft", "frontdoor_ms_per_request", ".2f")
+    add("requests/s achieved (same runs)", "per_request", "request_rate", ".0f")
+    r = f"{args.rate:g} req/s, {args.short_tokens} out"
+    add(f"added TTFT p50 ms ({r})", "ttft", "added_ttft_p50_ms", ".2f")
+    add(f"added TTFT p99 ms ({r})", "ttft", "added_ttft_p99_ms", ".2f")
+    add(f"front door CPU ms / request ({r})", "ttft", "frontdoor_ms_per_request", ".2f")
     for c in concs:
         add(f"streamed tokens/s achieved ({c} streams)", f"stream_c{c}", "tokens_per_s", ".0f")
     for c in concs:
@@ -478,30 +526,54 @@ def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
             f"front door CPU utilisation, cores ({c} streams)",
             f"stream_c{c}",
             "frontdoor_util_cores",
-            ".2f",
+            ".3f",
         )
     for c in concs:
         add(
-            f"tokens/s per front-door core ({c} streams)",
+            f"tokens/s per front-door core = tokens / CPU s ({c} streams)",
             f"stream_c{c}",
             "tokens_per_s_per_core",
             ".0f",
         )
+    top = f"stream_c{concs[-1]}"
+    add(
+        f"tokens/s at 1 front-door core, idle share counted once ({concs[-1]} streams)",
+        top,
+        "tokens_per_s_at_1_core",
+        ".0f",
+    )
+    best = {}
     for server in ("kvroute", "floor"):
         sw = [x for x in rows if x["server"] == server and x["scenario"].startswith("stream_")]
-        errs = sum(sum(x["errors"].values()) for x in rows if x["server"] == server)
-        toks = sum(x["output_tokens"] for x in rows if x["server"] == server)
-        lines.append(f"| {server}: errors / tokens counted, all runs | {errs} / {toks} | | |")
         if sw:
-            best = max(sw, key=lambda x: x["tokens_per_s"])
-            last = sw[-1]
-            filled = "measured" if best["frontdoor_util_cores"] >= 0.9 else "not a full core"
-            lines.append(
-                f"| {server}: highest tokens/s achieved / at 1 core (extrapolated, "
-                f"{last['concurrency']} streams) | {best['tokens_per_s']:.0f} ({filled}, "
-                f"{best['frontdoor_util_cores']:.2f} cores) / {last['tokens_per_s_per_core']:.0f}"
-                " | | |"
+            b = max(sw, key=lambda x: x["tokens_per_s"])
+            best[server] = (
+                f"{b['tokens_per_s']:.0f} ({b['concurrency']} streams, "
+                f"{b['frontdoor_util_cores']:.2f} cores)"
             )
+    line("highest streamed tokens/s achieved", best.get("kvroute"), best.get("floor"), "s", False)
+
+    def total(server: str, key: str) -> Any:
+        return sum(x[key] for x in rows if x["server"] == server)
+
+    def errs(server: str) -> int:
+        return sum(sum(x["errors"].values()) for x in rows if x["server"] == server)
+
+    line("errors, all runs", errs("kvroute"), errs("floor"), "d", False)
+    line(
+        "output tokens counted, all runs",
+        total("kvroute", "output_tokens"),
+        total("floor", "output_tokens"),
+        "d",
+        False,
+    )
+    line(
+        "load generator CPU s, all runs",
+        total("kvroute", "loadgen_cpu_s"),
+        total("floor", "loadgen_cpu_s"),
+        ".1f",
+        False,
+    )
     return "\n".join(lines)
 
 
@@ -542,7 +614,7 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("concurrent streams")
     ax.set_ylabel("CPU us per streamed token (idle subtracted)")
-    ax.set_title(f"Serving-path CPU per token, {MODEL}, 2 replicas")
+    ax.set_title(f"Serving-path CPU per streamed token: {MODEL}, 2 replicas")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend()
@@ -551,7 +623,9 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     say(f"plot: {path}")
 
 
-def bench_all(args: argparse.Namespace) -> list[dict[str, Any]]:
+def bench_all(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(one row per server and scenario, every run)."""
+    raws: list[dict[str, Any]] = []
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="frontdoor_capacity_") as tmp_name:
         tmp = Path(tmp_name)
@@ -559,20 +633,8 @@ def bench_all(args: argparse.Namespace) -> list[dict[str, Any]]:
         serve = floor = None
         started: set[tuple[int, str]] = set()
         try:
-            cmd = [
-                "kvroute",
-                "serve",
-                "--model",
-                MODEL,
-                "--replicas",
-                "2",
-                "--port",
-                str(args.port),
-                "--max-in-flight",
-                "4096",
-                "--time-scale",
-                "1",
-            ]
+            cmd = ["kvroute", "serve", "--model", MODEL, "--replicas", "2"]
+            cmd += ["--port", str(args.port), "--max-in-flight", "4096", "--time-scale", "1"]
             say(" ".join(cmd))
             serve = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=serve_log.open("wb"))
             t_end = time.monotonic() + 180
@@ -584,15 +646,8 @@ def bench_all(args: argparse.Namespace) -> list[dict[str, Any]]:
             fleet = http_json(kv_url + "/fleet")["replicas"]
             rep_pids = {int(r["pid"]) for r in fleet}
             say(f"replicas: {[(r['replica_id'], r['pid'], r['data_endpoint']) for r in fleet]}")
-            fcmd = [
-                sys.executable,
-                os.path.abspath(__file__),
-                "--floor-server",
-                "--port",
-                str(args.floor_port),
-                "--fleet-url",
-                kv_url,
-            ]
+            fcmd = [sys.executable, os.path.abspath(__file__), "--floor-server"]
+            fcmd += ["--port", str(args.floor_port), "--fleet-url", kv_url]
             floor = subprocess.Popen(fcmd, stdout=subprocess.DEVNULL, stderr=floor_log.open("wb"))
             fl_url = f"http://127.0.0.1:{args.floor_port}"
             wait_http(fl_url + "/health", floor, floor_log)
@@ -610,54 +665,41 @@ def bench_all(args: argparse.Namespace) -> list[dict[str, Any]]:
             time.sleep(2)  # let start-up settle
             measure_idle([kv, fl, reps], args.idle_seconds)
 
-            runner = Runner(args, tmp)
-            servers = (("kvroute", kv_url, kv), ("floor", fl_url, fl))
+            runner = Runner(tmp)
+            servers = [("kvroute", kv_url, kv), ("floor", fl_url, fl)]
 
-            def both(scenario: str, **kw: Any) -> None:
-                for name, url, group in servers:
-                    row = runner.run(name, url, group, reps, scenario, **kw)
-                    rows.append(row)
+            def both(scenario: str, rounds: int, **kw: Any) -> None:
+                """``rounds`` runs per server, alternating and in turn first, so that what
+                else the machine does lands on both alike; one row per server."""
+                mine: dict[str, list[dict[str, Any]]] = {"kvroute": [], "floor": []}
+                for i in range(rounds):
+                    for name, url, group in servers[:: 1 if i % 2 == 0 else -1]:
+                        mine[name].append(runner.run(name, url, group, reps, scenario, **kw))
+                for name in ("kvroute", "floor"):
+                    raws.extend(mine[name])
+                    rows.append(derive(mine[name]))
 
-            # Warm-up (first connections, lazy imports, JIT-free but cache-cold paths).
-            for name, url, group in servers:
-                runner.run(
-                    name,
-                    url,
-                    group,
-                    reps,
-                    "warmup",
-                    n=2 * args.request_concurrency,
-                    prompt=args.prompt_tokens,
-                    output=args.short_tokens,
-                    concurrency=args.request_concurrency,
-                )
-            both(
-                "per_request",
-                n=args.requests,
-                prompt=args.prompt_tokens,
-                output=args.short_tokens,
-                concurrency=args.request_concurrency,
-            )
-            both(
-                "ttft",
-                n=max(int(args.rate * args.rate_seconds), 20),
-                prompt=args.prompt_tokens,
-                output=args.short_tokens,
-                rate=args.rate,
-            )
+            short = {"prompt": args.prompt_tokens, "output": args.short_tokens}
+            c16 = args.request_concurrency
+            for name, url, group in servers:  # warm-up: connections, lazy imports, caches
+                runner.run(name, url, group, reps, "warmup", n=2 * c16, concurrency=c16, **short)
+            both("per_request", args.rounds, n=args.requests, concurrency=c16, **short)
+            n_rate = max(int(args.rate * args.rate_seconds / args.ttft_rounds), 20)
+            both("ttft", args.ttft_rounds, n=n_rate, rate=args.rate, **short)
             for c in [int(x) for x in args.concurrency.split(",")]:
                 both(
                     f"stream_c{c}",
+                    args.rounds,
                     n=max(args.waves * c, 8),
+                    concurrency=c,
                     prompt=args.prompt_tokens,
                     output=args.stream_tokens,
-                    concurrency=c,
                 )
             started |= identities(tree(serve_pid) | tree(floor_pid))
         finally:
             stop(floor)
             stop(serve, started)
-    return rows
+    return rows, raws
 
 
 def main() -> int:
@@ -668,14 +710,16 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--short-tokens", type=int, default=4, help="output of short requests")
     ap.add_argument("--request-concurrency", type=int, default=16)
-    ap.add_argument("--requests", type=int, default=None, help="per-request runs (default 600)")
+    ap.add_argument("--requests", type=int, default=None, help="per run (default 600; quick 200)")
     ap.add_argument("--rate", type=float, default=50.0, help="req/s for the added-TTFT runs")
-    ap.add_argument("--rate-seconds", type=float, default=None, help="default 20 (quick: 8)")
-    ap.add_argument("--concurrency", default=None, help="streams; default 4,16,32,64")
+    ap.add_argument("--rate-seconds", type=float, default=None, help="per server (30; quick 8)")
+    ap.add_argument("--ttft-rounds", type=int, default=None, help="alternating runs (4; quick 2)")
+    ap.add_argument("--concurrency", default=None, help="streams (4,16,32,64,128; quick 4,16,64)")
     ap.add_argument("--stream-tokens", type=int, default=256)
-    ap.add_argument("--waves", type=int, default=None, help="requests per stream slot")
-    ap.add_argument("--idle-seconds", type=float, default=None, help="default 6 (quick: 3)")
-    ap.add_argument("--json", default=None, help="write all rows here")
+    ap.add_argument("--waves", type=int, default=None, help="requests per stream slot (3; 2)")
+    ap.add_argument("--rounds", type=int, default=None, help="runs per server and figure (2; 1)")
+    ap.add_argument("--idle-seconds", type=float, default=None, help="default 10 (quick: 4)")
+    ap.add_argument("--json", default=None, help="write all rows (and every run) here")
     ap.add_argument("--plot", default=None, help="PNG: CPU per token against concurrency")
     ap.add_argument("--floor-server", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--fleet-url", default=None, help=argparse.SUPPRESS)
@@ -686,24 +730,36 @@ def main() -> int:
     q = args.quick
     args.floor_port = args.floor_port or args.port + 1
     args.requests = args.requests or (200 if q else 600)
-    args.rate_seconds = args.rate_seconds or (6.0 if q else 20.0)
-    args.concurrency = args.concurrency or ("4,32" if q else "4,16,32,64")
+    args.rate_seconds = args.rate_seconds or (8.0 if q else 30.0)
+    args.ttft_rounds = args.ttft_rounds or (2 if q else 4)
+    args.concurrency = args.concurrency or ("4,16,64" if q else "4,16,32,64,128")
     args.waves = args.waves or (2 if q else 3)
-    args.idle_seconds = args.idle_seconds or (3.0 if q else 6.0)
+    args.rounds = args.rounds or (1 if q else 2)
+    args.idle_seconds = args.idle_seconds or (4.0 if q else 10.0)
     t0 = time.monotonic()
-    rows = bench_all(args)
+    rows, raws = bench_all(args)
     say(f"done in {time.monotonic() - t0:.0f} s")
     print(table(rows, args))
     if args.json:
-        clean = [
-            {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.items()}
-            for r in rows
-        ]
-        Path(args.json).write_text(json.dumps(clean, indent=1))
+        runs = [{k: v for k, v in r.items() if k not in ("outside_s", "ttft_s")} for r in raws]
+        doc = {"config": vars(args), "rows": rows, "runs": runs}
+        Path(args.json).write_text(json.dumps(finite(doc), indent=1))
+        say(f"rows: {args.json}")
     if args.plot:
         plot(rows, args.plot)
     bad = [r for r in rows if not r["output_tokens"] or r["errors"]]
     return 1 if bad else 0
+
+
+def finite(obj: Any) -> Any:
+    """NaN as null: JSON has no NaN."""
+    if isinstance(obj, float) and math.isnan(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [finite(v) for v in obj]
+    return obj
 
 
 if __name__ == "__main__":

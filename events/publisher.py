@@ -196,7 +196,7 @@ class ZmqEventPublisher:
             try:
                 payload = encode(batch)
                 seq_raw = pack_seq(seq)
-                self._pub.send_multipart((self.topic, seq_raw, payload), copy=False)
+                self._pub.send_multipart((self.topic, seq_raw, payload))  # copied: see dataplane
                 self._buffer.append((seq, payload))
                 self.sent += 1
                 self._last_send = time.monotonic()

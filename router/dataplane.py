@@ -201,7 +201,8 @@ class ReplicaConnection:
     # -- the loop's reader callbacks -----------------------------------------------------------
     def _send(self, kind: bytes, payload: bytes) -> None:
         try:
-            self._sock.send_multipart((kind, payload), zmq.NOBLOCK, copy=False)
+            # Copied: pyzmq's zero-copy send costs more below tens of kB.
+            self._sock.send_multipart((kind, payload), zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # its queue is full: the replica stopped reading
             self.lose(f"cannot send ({exc})")
             return

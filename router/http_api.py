@@ -55,16 +55,18 @@ from .openai_api import (
 )
 from .responses import REPLICA_HEADER, Logprobs, respond
 from .send_deadline import SEND_TIMEOUT_S, SendDeadlineMiddleware
-from .sse import ChunkEncoder, RawSendMiddleware
+from .sse import RAW_SEND, ChunkEncoder
 from .tenants import AuthError, Tenant, Tenants
 
 __all__ = ["BODY_TIMEOUT_S", "MAX_BODY_BYTES", "REPLICA_HEADER", "create_app", "render_metrics"]
 
 
-def _authenticate(request: Request) -> Tenant:
+async def _authenticate(request: Request) -> Tenant:
     """A dependency, not an HTTP middleware: Starlette's BaseHTTPMiddleware wraps ``receive``
     and hides a client's disconnect from the handler. The handlers read their body
-    themselves, after this has run: a bad or missing key is a 401 whatever the body."""
+    themselves, after this has run: a bad or missing key is a 401 whatever the body.
+    Async, though it never awaits: FastAPI runs a plain function on a worker thread, a
+    thread hop per request for a dictionary lookup."""
     state = request.app.state
     try:
         tenant: Tenant = state.tenants.authenticate(request.headers.get("authorization"))
@@ -183,6 +185,16 @@ async def _on_http_error(request: Request, exc: Exception) -> Response:
     return error_response(exc.status_code, msg, "invalid_request_error", rid=request_id(request))
 
 
+class _App(FastAPI):
+    """FastAPI that keeps the server's own ``send`` in the scope, outside every middleware
+    (Starlette's error middleware included): SSE chunks go on it (:mod:`.sse`)."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            scope[RAW_SEND] = send
+        await super().__call__(scope, receive, send)
+
+
 def create_app(
     door: FrontDoor,
     tenants: Tenants,
@@ -209,7 +221,7 @@ def create_app(
             await door.close()
             intake.close()
 
-    app = FastAPI(title="kvroute", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app = _App(title="kvroute", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.door, app.state.tenants, app.state.intake = door, tenants, intake
     app.state.send_timeout_s = send_timeout_s  # streams keep their own deadline (sse.py)
 
@@ -228,7 +240,6 @@ def create_app(
         on_internal_error=lambda: door.errors.update(["internal"]),
         on_response=count_response,
     )
-    app.add_middleware(RawSendMiddleware)  # outermost: SSE chunks skip the others' wrappers
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(APIError, _on_api_error)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)

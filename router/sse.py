@@ -6,8 +6,8 @@ text, logprobs and finish reason, so :class:`ChunkEncoder` renders the constant 
 tail once per request and splices the rest in with msgspec (no pydantic model and no
 ``json.dumps`` per token). :class:`SSEResponse` sends the response head through the app's
 middleware (request id, status counters) and the body chunks on the server's own ``send``,
-which an outermost middleware (:class:`RawSendMiddleware`) keeps in the scope: a chunk does
-not pass through every middleware's wrapper. The deadline on a client that stops reading
+which the app keeps in the scope (``RAW_SEND``): a chunk does not pass through every
+middleware's wrapper. The deadline on a client that stops reading
 (:mod:`.send_deadline`) is kept here with two timestamps per send instead of a timer.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 from starlette.responses import Response
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from .send_deadline import ClientTooSlowError
 
@@ -70,18 +70,6 @@ class ChunkEncoder:
 
 def data_line(obj: Any) -> bytes:
     return b"data: " + _json.encode(obj) + b"\n\n"
-
-
-class RawSendMiddleware:
-    """Outermost: keeps the server's own ``send`` in the scope for :class:`SSEResponse`."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
-            scope[RAW_SEND] = send
-        await self.app(scope, receive, send)
 
 
 class SSEResponse(Response):
