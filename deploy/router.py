@@ -225,6 +225,7 @@ def build_app(
         max_body_bytes=args.max_body_bytes,
         body_timeout_s=args.body_timeout,
         send_timeout_s=args.send_timeout,
+        public=not is_loopback(args.host),
     )
 
 

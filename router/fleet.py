@@ -1,79 +1,277 @@
-"""``GET /fleet``: the fleet as this front door sees it, for operators (admin keys only).
+"""Fleet: the replicas as one front door sees them -- membership, sockets, health, and the
+feeds (KV events into the prefix index, load reports into the load view) routing reads.
 
-Why a JSON view beside ``/metrics``: metrics are numbers over time for dashboards; an
-operator debugging a routing decision or a silent 0% hit rate needs the facts at one
-instant, by replica -- where it runs, whether it is routable, what it reported last, how
-much of its cache the index holds, how it hashes and where its event stream stands.
+One object per front door, used from one asyncio loop (the HTTP server's). The event
+subscriber runs on its own thread and feeds :class:`PrefixIndex` (which locks); everything
+else is touched only from the loop.
+
+Why the shape:
+- The fleet's :class:`BlockHasher` comes from the replicas' own :class:`ReplicaInfo`, and a
+  replica whose hash config or model disagrees is refused: a router hashing differently
+  from its engines silently gets 0% hits (DESIGN, "Facts worth knowing").
+- Requests and deltas travel on the data plane (:class:`ReplicaConnection`, ZeroMQ, one
+  message per replica step), never through Ray; Ray is discovery, restarts, load reports.
+- A replica is lost when its connection drops or falls silent (the data plane notices),
+  when a request's deltas say its engine failed, or when Ray's ``info()`` stops answering
+  (the monitor). It is then unroutable, its index entries and load are dropped, and its
+  in-flight requests fail over (:mod:`.request_run`).
+- Replicas restart with new ports (Ray ``max_restarts``): the monitor polls ``info()`` and,
+  on a new incarnation, drops what the index knew and follows the new endpoints.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-import msgspec
+from kvroute.events import BlockHasher, HashConfig, ZmqEventSubscriber, to_external
+from kvroute.events.replica_api import ReplicaInfo
 
-from kvroute.events import ReplicaStats
+from .dataplane import ReplicaConnection
+from .index import PrefixIndex
+from .load import LoadTracker
 
-from .frontdoor import FrontDoor
+log = logging.getLogger(__name__)
+
+# Summed into /metrics across a replica's subscriptions.
+RETIRED_EVENT_FIELDS = ("delivered", "gaps", "malformed", "restarts", "resets")
 
 
-def fleet_view(door: FrontDoor, events: dict[str, ReplicaStats]) -> dict[str, Any]:
-    """One JSON object: the front door's settings and one entry per replica."""
-    now = time.monotonic()
-    replicas = []
-    for rid, rep in sorted(door.replicas.items()):
-        info, report, st = rep.info, door.load.last_report(rid), events.get(rid)
-        replicas.append(
-            {
-                "replica_id": rid,
-                "node_id": info.node_id,
-                "node_ip": info.node_ip,
-                "pid": info.pid,
-                "incarnation": info.incarnation,
-                "healthy": rep.alive,
-                "cordoned": rid in door.cordoned,
-                "model": info.model,
-                "max_model_len": info.max_model_len,
-                "hash": {
-                    "algo": info.hash_algo,
-                    "seed": info.hash_seed,
-                    "form": info.hash_form,
-                    "block_size": info.block_size,
-                },
-                "data_endpoint": info.data_endpoint,
-                "kv_blocks_total": info.num_blocks,
-                "cached_blocks_indexed": door.index.num_blocks(rid),
-                "load": msgspec.to_builtins(report) if report is not None else None,
-                "in_flight_here": door.load.in_flight_at(rid),
-                "routed": rep.routed,
-                "restarts": rep.restarts,
-                "failures": rep.failures,
-                "events": None
-                if st is None
-                else {
-                    "endpoint": info.events_endpoint,
-                    "replay_endpoint": info.replay_endpoint,
-                    "last_seq": st.last_seq,
-                    "delivered": st.delivered,
-                    "gaps": st.gaps,
-                    "malformed": st.malformed,
-                    "seconds_since_last_message": round(now - st.last_heard, 3)
-                    if st.last_heard
-                    else None,
-                },
-            }
-        )
-    return {
-        "model": door.model,
-        "policy": door.policy.name,
-        "hash": {
-            "algo": door.hash_config.algo,
-            "seed": door.hash_config.seed,
-            "block_size": door.hasher.block_size,
-            "form": door.hash_form,
-        },
-        "max_in_flight": door.max_in_flight,
-        "in_flight": door.load.in_flight(),
-        "replicas": replicas,
-    }
+class FleetMismatchError(ValueError):
+    """A replica that cannot join this router's fleet (hash config or model differ)."""
+
+
+@dataclass(slots=True)
+class ReplicaHandle:
+    """A replica as the front door uses it: its actor (control), its data-plane connection,
+    its info, whether it is routable."""
+
+    info: ReplicaInfo
+    actor: Any
+    alive: bool = True
+    routed: int = 0  # kept across the replica's restarts, like every counter here
+    failures: int = 0  # times it was found failed (by a request, its connection, the monitor)
+    restarts: int = 0  # new incarnations the front door followed
+    conn: ReplicaConnection | None = None  # made on the event loop, at first use
+
+
+class Fleet:
+    """Replicas, their connections and health, the prefix index and the load view."""
+
+    def __init__(
+        self,
+        replicas: Sequence[tuple[Any, ReplicaInfo]],
+        *,
+        errors: Counter[str] | None = None,
+        monitor_interval_s: float = 2.0,
+        load_interval_s: float = 0.2,
+    ) -> None:
+        if not replicas:
+            raise ValueError("a front door needs at least one replica")
+        first = replicas[0][1]
+        self.model = first.model
+        self.model_path = first.model_path
+        self.max_model_len = min(info.max_model_len for _, info in replicas)
+        self.hash_config: HashConfig = first.hash_config
+        self.hash_form = first.hash_form
+        self.hasher = BlockHasher(self.hash_config.algo, self.hash_config.seed, first.block_size)
+        self.index = PrefixIndex()
+        self.load = LoadTracker()
+        self.replicas: dict[str, ReplicaHandle] = {}
+        self.cordoned: set[str] = set()
+        # This front door's name on every replica's data plane (outputs come back to it).
+        self.client_id = f"fd-{uuid.uuid4().hex[:12]}"
+        self.subscriber = ZmqEventSubscriber(self.index.on_batch)
+        self.errors: Counter[str] = errors if errors is not None else Counter()
+        # Event-stream counters of subscriptions already closed (replica restarts, losses).
+        self.retired_event_stats: dict[str, Counter[str]] = {}
+        self.monitor_interval_s = monitor_interval_s
+        self.load_interval_s = load_interval_s
+        # Called with a replica's id when what it held is dropped (the policy's own state).
+        self.on_removed: list[Callable[[str], object]] = []
+        self._monitor: asyncio.Task[None] | None = None
+        for actor, info in replicas:
+            self.add(actor, info)
+
+    # -- membership ------------------------------------------------------------------------
+    def check(self, info: ReplicaInfo) -> None:
+        """Raises :class:`FleetMismatchError` unless the replica hashes and serves as the
+        fleet does."""
+        why = self.hash_config.mismatch(info.hash_config)
+        if why:
+            raise FleetMismatchError(f"replica {info.replica_id}: hash config differs ({why})")
+        if info.hash_form != self.hash_form:
+            raise FleetMismatchError(
+                f"replica {info.replica_id}: hash form {info.hash_form!r} != {self.hash_form!r}"
+            )
+        if info.model != self.model:
+            raise FleetMismatchError(
+                f"replica {info.replica_id}: model {info.model!r} != fleet's {self.model!r}"
+            )
+
+    def add(self, actor: Any, info: ReplicaInfo) -> None:
+        """Follows the replica's events (a snapshot first) and makes it routable."""
+        self.check(info)
+        rid = info.replica_id
+        old = self.replicas.get(rid)
+        if old is not None:
+            self._forget(rid)
+        rep = self.replicas[rid] = ReplicaHandle(info, actor)
+        if old is not None:  # a restart: its counters go on from where they were
+            rep.routed, rep.failures = old.routed, old.failures
+            rep.restarts = old.restarts + (info.incarnation != old.info.incarnation)
+        if info.cost is not None:  # priced in its own seconds; else the policy's reference
+            self.load.register(rid, info.cost, info.num_blocks)
+        self.subscriber.add_publisher(rid, info.events_endpoint, info.replay_endpoint, info.topic)
+        log.info("replica %s (incarnation %s) added", rid, info.incarnation[:8])
+
+    def connection(self, rid: str) -> ReplicaConnection:
+        """The replica's data-plane connection, made at first use (on the running loop)."""
+        rep = self.replicas[rid]
+        conn = rep.conn
+        if conn is None or conn.lost is not None:
+            info = rep.info
+            conn = rep.conn = ReplicaConnection(
+                rid, info.data_endpoint, info.incarnation, self.client_id, self._on_lost
+            )
+        return conn
+
+    def _on_lost(self, rid: str, why: str) -> None:
+        self.errors["connection_lost"] += 1
+        self.fail(rid)
+
+    def _forget(self, rid: str) -> None:
+        """Its cache is gone or out of reach: unsubscribe and drop what the index held for it
+        (whatever the policy: /metrics and any later policy read the same index)."""
+        stats = self.subscriber.stats().get(rid)
+        if stats is not None:  # a new subscription starts at zero: keep the totals
+            total = self.retired_event_stats.setdefault(rid, Counter())
+            total.update({f: getattr(stats, f) for f in RETIRED_EVENT_FIELDS})
+            total["resets"] += 1  # its indexed state is dropped now, rebuilt when it is back
+        with contextlib.suppress(RuntimeError):
+            self.subscriber.remove_publisher(rid)
+        rep = self.replicas.get(rid)
+        if rep is not None and rep.conn is not None:  # its requests fail over now
+            rep.conn.lose("dropped by the front door", notify=False)
+        self.index.drop_replica(rid)
+        for callback in self.on_removed:
+            callback(rid)
+
+    def fail(self, rid: str) -> None:
+        """The replica failed: stop routing to it until the monitor sees it back."""
+        rep = self.replicas.get(rid)
+        if rep is None or not rep.alive:
+            return
+        rep.alive = False
+        rep.failures += 1
+        self.errors["replica_failure"] += 1
+        self._forget(rid)
+        log.warning("replica %s failed; not routing to it until it is back", rid)
+
+    def alive(self) -> list[str]:
+        return [rid for rid, r in self.replicas.items() if r.alive]
+
+    def routable(self, exclude: Collection[str] = ()) -> list[str]:
+        """Live, uncordoned replicas, less ``exclude``."""
+        return [
+            rid
+            for rid, r in self.replicas.items()
+            if r.alive and rid not in self.cordoned and rid not in exclude
+        ]
+
+    def cordon(self, rid: str, cordoned: bool = True) -> None:
+        """Stop (or resume) routing new requests to a live replica, e.g. to drain it before
+        maintenance; requests already there run to their end."""
+        if rid not in self.replicas:
+            raise KeyError(rid)
+        (self.cordoned.add if cordoned else self.cordoned.discard)(rid)
+
+    def block_hashes(self, prompt_token_ids: Sequence[int], salt: str) -> list[Any]:
+        """The prompt's block hashes as the replicas publish them."""
+        form = self.hash_form
+        hashes = self.hasher.hash_blocks(prompt_token_ids, cache_salt=salt)
+        return [to_external(h, form) for h in hashes]  # type: ignore[arg-type]
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        """Connects to every replica's data plane and starts the monitor on the running loop."""
+        for rid, rep in self.replicas.items():
+            if rep.alive:
+                self.connection(rid)
+        if self._monitor is None:
+            self._monitor = asyncio.get_running_loop().create_task(self._watch())
+
+    async def close(self) -> None:
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+        for rep in self.replicas.values():
+            if rep.conn is not None:
+                rep.conn.close()
+        self.subscriber.close()
+
+    async def _watch(self) -> None:
+        """Every ``load_interval_s``: each live replica's :class:`LoadReport` into the load
+        view (the path the simulator's reports take too); every ``monitor_interval_s``:
+        restarts and recoveries."""
+        last_poll = time.monotonic()
+        while True:
+            await asyncio.sleep(min(self.load_interval_s, self.monitor_interval_s))
+            now = time.monotonic()
+            for rep in list(self.replicas.values()):
+                if rep.alive and rep.conn is not None:
+                    rep.conn.check_silence(now)
+            await asyncio.gather(*(self._load_report(rid) for rid in self.alive()))
+            if time.monotonic() - last_poll >= self.monitor_interval_s:
+                last_poll = time.monotonic()
+                await asyncio.gather(*(self._poll(rid) for rid in list(self.replicas)))
+
+    async def _load_report(self, rid: str) -> None:
+        rep = self.replicas.get(rid)
+        if rep is None:
+            return
+        try:
+            report = await asyncio.wait_for(rep.actor.load.remote(), self.monitor_interval_s)
+        except Exception:  # a failing replica is the monitor's business, not the load view's
+            self.errors["load_report_failed"] += 1
+            return
+        if rep.alive and self.replicas.get(rid) is rep:
+            self.load.report(rid, report, time.monotonic())
+
+    async def _poll(self, rid: str) -> None:
+        rep = self.replicas[rid]
+        try:
+            info = await asyncio.wait_for(rep.actor.info.remote(), self.monitor_interval_s * 5)
+        except Exception as exc:
+            if rep.alive:
+                log.warning("replica %s does not answer (%s)", rid, type(exc).__name__)
+            self.fail(rid)
+            return
+        if info.incarnation != rep.info.incarnation:
+            log.warning("replica %s restarted: following its new endpoints", rid)
+            try:
+                self.add(rep.actor, info)
+            except FleetMismatchError as exc:
+                log.error("%s", exc)
+                self.fail(rid)
+        elif not rep.alive:
+            # The same process answers info() even while its engine is dead (it exits a
+            # moment later, so Ray restarts it): only a passing health check brings it back.
+            try:
+                await asyncio.wait_for(rep.actor.health.remote(), self.monitor_interval_s * 5)
+            except Exception:
+                return
+            rep.alive = True  # the same process, healthy again (a transient failure)
+            self.connection(rid)
+            self.subscriber.add_publisher(
+                rid, info.events_endpoint, info.replay_endpoint, info.topic
+            )
+            log.info("replica %s is back", rid)

@@ -37,7 +37,7 @@ from .errors import (
     request_id,
     validation_error,
 )
-from .fleet import fleet_view
+from .fleet_view import fleet_view
 from .frontdoor import FrontDoor
 from .intake import BODY_TIMEOUT_S, MAX_BODY_BYTES, Intake
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -85,15 +85,23 @@ def _intake(request: Request) -> Intake:
 
 
 async def health(request: Request) -> JSONResponse:
-    alive = request.app.state.door.alive()
+    alive = request.app.state.door.fleet.alive()
     status = 200 if alive else 503
     return JSONResponse({"status": "ok" if alive else "no replica", "replicas": alive}, status)
 
 
 async def fleet(request: Request) -> JSONResponse:
-    """Admin keys only (any request when the server has no keys): 401 without a known
-    key, 403 for a tenant's key."""
+    """Admin keys only: 401 without a known key, 403 for a tenant's key. A server without
+    keys answers anyone only while it listens on loopback: the view names hosts and pids."""
     state = request.app.state
+    if state.tenants.open and state.public:
+        raise APIError(
+            403,
+            "/fleet needs an admin key, and this server has none: give it a tenants file "
+            "with admin_keys",
+            "permission_error",
+            code="not_admin",
+        )
     try:
         admin = state.tenants.is_admin(request.headers.get("authorization"))
     except AuthError as exc:
@@ -102,28 +110,27 @@ async def fleet(request: Request) -> JSONResponse:
     if not admin:
         raise APIError(403, "/fleet needs an admin key", "permission_error", code="not_admin")
     door: FrontDoor = state.door
-    events = await asyncio.to_thread(door.subscriber.stats)
+    events = await asyncio.to_thread(door.fleet.subscriber.stats)
     return JSONResponse(fleet_view(door, events))
 
 
 async def models(request: Request, _: TenantDep) -> ModelList:
     intake = _intake(request)
-    card = ModelCard(id=intake.model_name, max_model_len=intake.door.max_model_len)
+    card = ModelCard(id=intake.model_name, max_model_len=intake.door.fleet.max_model_len)
     return ModelList(data=[card])
 
 
 async def metrics(request: Request) -> Response:
     door: FrontDoor = request.app.state.door
-    events = await asyncio.to_thread(door.subscriber.stats)  # a hop to its thread
+    events = await asyncio.to_thread(door.fleet.subscriber.stats)  # a hop to its thread
     return Response(render_metrics(door, events), media_type=METRICS_CONTENT_TYPE)
 
 
 async def completions(request: Request, tenant: TenantDep) -> Response:
     arrival = time.perf_counter()
     intake = _intake(request)
-    body = await intake.parse(request, CompletionRequest)
-    ids = await intake.prompt_ids(body)
-    stream = await intake.open_stream(request, tenant, ids, body)
+    body, run = await intake.begin(request, tenant, CompletionRequest)
+    assert isinstance(body, CompletionRequest)
     rid = f"cmpl-{uuid.uuid4().hex}"
     encoder = ChunkEncoder(False, rid, int(time.time()), body.model)
 
@@ -135,16 +142,15 @@ async def completions(request: Request, tenant: TenantDep) -> Response:
     n = body.num_logprobs()
     shape = None if n is None else Logprobs(intake.door.tokenizer, n).completion
     return await respond(
-        intake.door, request, body, stream, encoder, final, logprobs=shape, arrival=arrival
+        intake.door, request, body, run, encoder, final, logprobs=shape, arrival=arrival
     )
 
 
 async def chat_completions(request: Request, tenant: TenantDep) -> Response:
     arrival = time.perf_counter()
     intake = _intake(request)
-    body = await intake.parse(request, ChatCompletionRequest)
-    ids = await intake.chat_ids(request, body)
-    stream = await intake.open_stream(request, tenant, ids, body)
+    body, run = await intake.begin(request, tenant, ChatCompletionRequest)
+    assert isinstance(body, ChatCompletionRequest)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     encoder = ChunkEncoder(True, rid, int(time.time()), body.model)
 
@@ -160,7 +166,7 @@ async def chat_completions(request: Request, tenant: TenantDep) -> Response:
         intake.door,
         request,
         body,
-        stream,
+        run,
         encoder,
         final,
         role_first=True,
@@ -203,14 +209,16 @@ def create_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     body_timeout_s: float | None = BODY_TIMEOUT_S,
     send_timeout_s: float | None = SEND_TIMEOUT_S,
+    public: bool = False,
 ) -> FastAPI:
     """The app; it starts ``door``'s restart monitor on its own loop and closes ``door`` on
     shutdown. ``served_model``: the name clients use in ``model`` (default: the replicas'
     configured model). ``max_body_bytes``: a larger body is a 413, refused before it is
     read whole or parsed; ``body_timeout_s``: a body slower than this is a 408;
     ``send_timeout_s``: a client that takes no piece of its response for this long is
-    dropped (:mod:`.send_deadline`)."""
-    intake = Intake(door, served_model or door.model, max_body_bytes, body_timeout_s)
+    dropped (:mod:`.send_deadline`); ``public``: the server listens beyond loopback (a
+    server without keys then keeps ``/fleet`` to itself)."""
+    intake = Intake(door, served_model or door.fleet.model, max_body_bytes, body_timeout_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -224,6 +232,7 @@ def create_app(
     app = _App(title="kvroute", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.door, app.state.tenants, app.state.intake = door, tenants, intake
     app.state.send_timeout_s = send_timeout_s  # streams keep their own deadline (sse.py)
+    app.state.public = public
 
     def count_response(scope: Any, status: int) -> None:
         if str(scope.get("path", "")).startswith("/v1/"):

@@ -1,11 +1,13 @@
-"""From an HTTP body to a routed request: read, validate, tokenize, bound, open a stream.
+"""From an HTTP request to a started :class:`RequestRun`: admit, read, validate, tokenize,
+bound, route.
 
 Why a class of its own: every step here is an edge check that must happen in order and
-before any replica is touched (the body cap before parsing, the model and unsupported
+before any replica is touched -- admission before the body is even read (a refused
+request costs a header lookup), the body cap before parsing, the model and unsupported
 parameters before tokenizing, a cheap length bound before the tokenizer, the shared bounds
-before routing), and the heavy steps (parsing big bodies, chat templates, tokenization) run
-on a worker thread, so one large request never stalls the event loop that serves /health
-and every other tenant.
+before routing -- and the heavy steps (parsing big bodies, chat templates, tokenization)
+run on a worker thread, so one large request never stalls the event loop that serves
+/health and every other tenant.
 """
 
 from __future__ import annotations
@@ -26,14 +28,14 @@ from kvroute.events.replica_api import (
     check_prompt_token_ids,
 )
 
+from .admission import OverloadedError, Ticket
 from .errors import APIError, one_line, read_body, request_id, validation_error
 from .frontdoor import FrontDoor
-from .limits import OverloadedError
 from .openai_api import ChatCompletionRequest, CompletionRequest
 from .policy import NoReplicaError
 from .quarantine import QueryOfDeathError
+from .request_run import REPLICA_FAILURES, RequestRun
 from .responses import FAILED, request_failed
-from .stream import REPLICA_FAILURES, Stream
 from .tenants import Tenant
 
 log = logging.getLogger(__name__)
@@ -87,7 +89,7 @@ class Intake:
 
     def _check(self, body: Body) -> None:
         """The model, then parameters this server does not implement."""
-        if body.model not in (self.model_name, self.door.model):
+        if body.model not in (self.model_name, self.door.fleet.model):
             # 400 (vLLM answers 404): the body names what is served.
             raise APIError(
                 400,
@@ -135,18 +137,18 @@ class Intake:
 
     def _check_length(self, chars: int) -> None:
         """A cheap bound before tokenizing: so many characters cannot fit the context."""
-        if chars > self.door.max_model_len * self.chars_per_token:
+        if chars > self.door.fleet.max_model_len * self.chars_per_token:
             raise APIError(
                 400,
                 f"The prompt is longer than this model's context of "
-                f"{self.door.max_model_len} tokens can hold.",
+                f"{self.door.fleet.max_model_len} tokens can hold.",
                 "invalid_request_error",
                 "prompt",
                 "context_length_exceeded",
             )
 
     def _check_ids(self, ids: list[int]) -> None:
-        vocab = [r.info.vocab_size for r in self.door.replicas.values() if r.info.vocab_size]
+        vocab = [r.info.vocab_size for r in self.door.fleet.replicas.values() if r.info.vocab_size]
         try:
             check_prompt_token_ids(ids, min(vocab, default=None))
         except BoundsError as exc:
@@ -186,7 +188,7 @@ class Intake:
 
     def sampling(self, body: Body, n_prompt: int) -> SamplingParams:
         """The request's sampling as the engine will check it (the shared bounds)."""
-        max_len = self.door.max_model_len
+        max_len = self.door.fleet.max_model_len
         room = max_len - n_prompt
         max_tokens = body.max_tokens
         if isinstance(body, ChatCompletionRequest):
@@ -216,42 +218,71 @@ class Intake:
         except BoundsError as exc:
             raise APIError(400, str(exc), "invalid_request_error", exc.param) from None
 
-    async def open_stream(
-        self, request: Request, tenant: Tenant, ids: list[int], body: Body
-    ) -> Stream:
-        """Routes the request and waits for its first delta; every failure a status."""
-        rid = request_id(request)
-        spec = self.sampling(body, len(ids))
+    async def begin(
+        self, request: Request, tenant: Tenant, model: type[Body]
+    ) -> tuple[Body, RequestRun]:
+        """Admits, reads and tokenizes the request, then starts it (routed, first delta
+        in); every failure a status. The ticket is given back on any failure, else the run
+        holds it."""
+        ticket = await self.admit(tenant)
         try:
-            stream = await self.door.open(tenant, ids, spec, body.cache_salt, request_id=rid)
-            if stream.first is not None and stream.first.finish_reason == "error":
-                await stream.aclose()  # failed before its first token: a status can say so
-                raise request_failed(rid, stream.first)
-            return stream
-        except InvalidRequestError as exc:
-            raise APIError(400, one_line(str(exc)), "invalid_request_error") from None
-        except QueryOfDeathError as exc:
-            raise APIError(
-                400, str(exc), "invalid_request_error", code="request_quarantined"
-            ) from None
+            body = await self.parse(request, model)
+            if isinstance(body, ChatCompletionRequest):
+                ids = await self.chat_ids(request, body)
+            else:
+                ids = await self.prompt_ids(body)
+            return body, await self.start(request, tenant, ticket, ids, body)
+        except BaseException:
+            self.door.admission.release(ticket)
+            raise
+
+    async def admit(self, tenant: Tenant) -> Ticket:
+        """The tenant's and the router's budgets: a ticket, or a 429 with Retry-After."""
+        try:
+            return await self.door.admission.admit(tenant)
         except OverloadedError as exc:
             raise APIError(
                 429, str(exc), "rate_limit_exceeded", code="rate_limit_exceeded",
                 headers={"retry-after": exc.retry_after},
             ) from None  # fmt: skip
-        except NoReplicaError as exc:
+
+    async def start(
+        self, request: Request, tenant: Tenant, ticket: Ticket, ids: list[int], body: Body
+    ) -> RequestRun:
+        """Routes the request and waits for its first delta; every failure a status."""
+        rid = request_id(request)
+        spec = self.sampling(body, len(ids))
+        door = self.door
+        door.admission.charge(ticket, len(ids))
+        try:
+            run = door.run(ticket, tenant, ids, spec, body.cache_salt, request_id=rid)
+        except QueryOfDeathError as exc:
             raise APIError(
-                503, str(exc), "service_unavailable", headers={"retry-after": "1"}
+                400, str(exc), "invalid_request_error", code="request_quarantined"
             ) from None
-        except REPLICA_FAILURES as exc:
-            log.warning("request %s: replica failed: %s", rid, one_line(str(exc)))
-            suspect = getattr(exc, "suspect", False)
-            msg = FAILED + (
-                "; it was not retried elsewhere, as it may have caused the failure"
-                if suspect
-                else ""
-            )
-            raise APIError(503, msg, "service_unavailable", code="replica_failed") from None
+        try:
+            first = await run.start()
+            if first.finish_reason == "error":  # failed before its first token: a status
+                raise request_failed(rid, first)
+            return run
+        except BaseException as exc:
+            run.close()
+            if isinstance(exc, InvalidRequestError):
+                raise APIError(400, one_line(str(exc)), "invalid_request_error") from None
+            if isinstance(exc, NoReplicaError):
+                raise APIError(
+                    503, str(exc), "service_unavailable", headers={"retry-after": "1"}
+                ) from None
+            if isinstance(exc, REPLICA_FAILURES):
+                log.warning("request %s: replica failed: %s", rid, one_line(str(exc)))
+                suspect = getattr(exc, "suspect", False)
+                msg = FAILED + (
+                    "; it was not retried elsewhere, as it may have caused the failure"
+                    if suspect
+                    else ""
+                )
+                raise APIError(503, msg, "service_unavailable", code="replica_failed") from None
+            raise
 
 
 def _chars_per_token(tokenizer: Any) -> int:

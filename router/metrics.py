@@ -139,7 +139,7 @@ class FleetCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         door, c = self.door, self.door.counters
-        reps = sorted(door.replicas.items())
+        reps = sorted(door.fleet.replicas.items())
 
         def gauge(name: str, doc: str, samples: list[tuple[str, float]]) -> Metric:
             g = GaugeMetricFamily(PREFIX + name, doc, labels=["replica"])
@@ -162,10 +162,10 @@ class FleetCollector(Collector):
         yield errors
         yield GaugeMetricFamily(PREFIX + "quarantined_requests",
                                 "Request fingerprints refused as possible queries of death.",
-                                value=door.suspects.refused())  # fmt: skip
+                                value=door.quarantine.refused())  # fmt: skip
         yield GaugeMetricFamily(PREFIX + "num_requests_in_flight",
                                 "Requests this front door has admitted and not finished.",
-                                value=door.load.in_flight())  # fmt: skip
+                                value=door.admission.in_flight)  # fmt: skip
         added = sorted(door.added_latency)
         recent = GaugeMetricFamily(PREFIX + "router_added_latency_recent_seconds",
                                    f"Quantiles of the added latency over the latest "
@@ -183,11 +183,11 @@ class FleetCollector(Collector):
             routed.add_metric([r], x.routed)
         yield routed
         yield gauge("index_blocks", "Blocks the prefix index holds per replica.",
-                    [(r, float(door.index.num_blocks(r))) for r, _ in reps])  # fmt: skip
+                    [(r, float(door.fleet.index.num_blocks(r))) for r, _ in reps])  # fmt: skip
         yield gauge("replica_num_requests_in_flight", "This front door's requests in flight "
                     "per replica.",
-                    [(r, float(door.load.in_flight_at(r))) for r, _ in reps])  # fmt: skip
-        reports = [(r, rep) for r, _ in reps if (rep := door.load.last_report(r)) is not None]
+                    [(r, float(door.fleet.load.in_flight_at(r))) for r, _ in reps])  # fmt: skip
+        reports = [(r, rep) for r, _ in reps if (rep := door.fleet.load.last_report(r)) is not None]
         yield gauge("kv_cache_blocks_total", "KV cache blocks per replica.",
                     [(r, float(x.info.num_blocks)) for r, x in reps])  # fmt: skip
         yield gauge("kv_cache_blocks_free", "Free KV blocks per replica (cached blocks no "
@@ -206,14 +206,14 @@ class FleetCollector(Collector):
         yield from self._event_streams()
 
     def _event_streams(self) -> Iterator[Metric]:
-        door, live, retired = self.door, self.events, self.door.retired_event_stats
+        door, live, retired = self.door, self.events, self.door.fleet.retired_event_stats
         names = sorted(set(live) | set(retired))
 
         def total(rid: str, field: str) -> float:
             st = live.get(rid)
             extra = 0
-            if field == "restarts" and rid in door.replicas:
-                extra = door.replicas[rid].restarts
+            if field == "restarts" and rid in door.fleet.replicas:
+                extra = door.fleet.replicas[rid].restarts
             return (getattr(st, field) if st else 0) + retired.get(rid, {}).get(field, 0) + extra
 
         for field, doc in (

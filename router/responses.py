@@ -3,8 +3,8 @@
 Why the shape: a request is routed and its first token awaited before the response starts
 (:mod:`.intake`), so errors before it get a real status; a failure after it ends the SSE
 stream with an ``error`` event, then ``[DONE]`` -- never a silently cut stream. When the
-client goes away, Starlette closes the body iterator (streaming) or the handler notices
-(non-streaming); closing the :class:`Stream` cancels the request on the replica.
+client goes away, the SSE writer is cancelled (streaming) or the handler notices
+(non-streaming); closing the :class:`RequestRun` cancels the request on the replica.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
@@ -32,8 +32,8 @@ from .openai_api import (
     error_body,
     make_usage,
 )
+from .request_run import REPLICA_FAILURES, RequestRun
 from .sse import DONE, ChunkEncoder, SSEResponse, data_line
-from .stream import REPLICA_FAILURES, Stream
 
 log = logging.getLogger(__name__)
 # One line per finished request (INFO): tenant, replica, tokens, TTFT, status. Off unless
@@ -43,7 +43,7 @@ request_log = logging.getLogger("kvroute.requests")
 
 def end_request(
     rid: str,
-    stream: Stream,
+    run: RequestRun,
     last: Any,
     ttft_s: float | None,
     status: str,
@@ -52,14 +52,14 @@ def end_request(
     """A request's end: its metrics (when it ran to its end) and its log line."""
     if status.startswith("200") and last is not None and last.finished:
         e2e = None if arrival is None else time.perf_counter() - arrival
-        stream.door.metrics.finished(stream.tenant, stream.replica, ttft_s, e2e, last)
+        run.door.metrics.finished(run.tenant, run.replica, ttft_s, e2e, last)
     if not request_log.isEnabledFor(logging.INFO):
         return
     request_log.info(
         "request %s tenant=%s replica=%s prompt=%s cached=%s output=%s ttft_ms=%s status=%s",
         rid,
-        stream.tenant,
-        stream.replica,
+        run.tenant,
+        run.replica,
         getattr(last, "num_prompt_tokens", None),
         getattr(last, "num_cached_tokens", None),
         getattr(last, "num_output_tokens", None),
@@ -147,7 +147,7 @@ async def respond(
     door: FrontDoor,
     request: Request,
     body: CompletionRequest | ChatCompletionRequest,
-    stream: Stream,
+    run: RequestRun,
     encoder: ChunkEncoder,
     final: Callable[..., dict[str, Any]],
     role_first: bool = False,
@@ -155,31 +155,36 @@ async def respond(
     arrival: float | None = None,
 ) -> Response:
     """The whole answer as one body (``final``), or an SSE stream of ``encoder``'s chunks.
-    ``logprobs`` shapes a run of tokens' logprobs (``Logprobs.completion`` or ``.chat``);
-    None: none asked for. ``arrival``: ``perf_counter()`` when the handler began, for the
-    added-latency figure."""
-    headers = {REPLICA_HEADER: stream.replica}
+    ``run`` has started (its first delta is in). ``logprobs`` shapes a run of tokens'
+    logprobs (``Logprobs.completion`` or ``.chat``); None: none asked for. ``arrival``:
+    ``perf_counter()`` when the handler began, for the added-latency figure."""
+    headers = {REPLICA_HEADER: run.replica}
     rid = request_id(request)
     ttft_s = None if arrival is None else time.perf_counter() - arrival  # first delta is in
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return SSEResponse(
-            _sse(door, stream, rid, encoder, include_usage, role_first, logprobs, arrival),
-            headers,
-            getattr(request.app.state, "send_timeout_s", None),
-        )
+
+        async def write(emit: Callable[[bytes], Awaitable[None]]) -> None:
+            await _write_sse(
+                door, run, rid, encoder, include_usage, role_first, logprobs, arrival, emit
+            )
+
+        send_timeout_s = getattr(request.app.state, "send_timeout_s", None)
+        return SSEResponse(write, headers, send_timeout_s, on_close=run.close)
     parts: list[str] = []
     ids: list[int] = []
     entries: list[dict[int, float]] = []
-    finish, last = None, None
+    last = run.first
 
     async def collect() -> None:
-        nonlocal finish, last
-        async for d in stream:
+        nonlocal last
+        d = run.first
+        while d is not None:
             parts.append(d.delta_text)
             ids.extend(d.delta_token_ids)
             entries.extend(d.logprobs or [{} for _ in d.delta_token_ids])
-            finish, last = d.finish_reason, d
+            last = d
+            d = None if d.finished else await run.next()
 
     task = asyncio.ensure_future(collect())
     try:
@@ -192,19 +197,20 @@ async def respond(
         await task
     except REPLICA_FAILURES as exc:
         log.warning("request %s: replica failed mid-request: %s", rid, one_line(str(exc)))
-        end_request(rid, stream, last, ttft_s, "503 replica_failed", arrival)
+        end_request(rid, run, last, ttft_s, "503 replica_failed", arrival)
         raise APIError(503, FAILED, "service_unavailable", code="replica_failed") from None
     finally:
-        if not task.done():  # cancelling it cancels the request on the replica
+        if not task.done():
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
-        await stream.aclose()
+        run.close()  # cancels the request on the replica if it still runs
+    finish = None if last is None else last.finish_reason
     if finish == "error":
-        end_request(rid, stream, last, ttft_s, "500 request_failed", arrival)
+        end_request(rid, run, last, ttft_s, "500 request_failed", arrival)
         raise request_failed(rid, last)
     usage = _usage(last)
-    end_request(rid, stream, last, ttft_s, f"200 {finish}", arrival)
+    end_request(rid, run, last, ttft_s, f"200 {finish}", arrival)
     shaped = logprobs(ids, entries) if logprobs is not None else None
     return JSONResponse(final("".join(parts), finish, usage, shaped), headers=headers)
 
@@ -215,16 +221,17 @@ def _usage(last: Any) -> Any:
     return make_usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
 
 
-async def _sse(
+async def _write_sse(
     door: FrontDoor,
-    stream: Stream,
+    run: RequestRun,
     rid: str,
     encoder: ChunkEncoder,
     include_usage: bool,
     role_first: bool,
-    logprobs: Callable[[list[int], list[dict[int, float]] | None], Any] | None = None,
-    arrival: float | None = None,
-) -> AsyncIterator[bytes]:
+    logprobs: Callable[[list[int], list[dict[int, float]] | None], Any] | None,
+    arrival: float | None,
+    emit: Callable[[bytes], Awaitable[None]],
+) -> None:
     """``data: {json}\\n\\n`` per delta, ``data: [DONE]`` last, whatever happens.
 
     Before ``[DONE]``, an SSE comment (clients ignore it) gives the replica's own TTFT and
@@ -233,48 +240,54 @@ async def _sse(
     last = None
     timing: dict[str, float] | None = None
     status = "200"
+    tail: list[bytes] = []  # sent after the loop with [DONE]: the end costs one write
     try:
         if role_first:
-            yield encoder.chunk("", None, role=True)
-        async for d in stream:
-            if last is None and arrival is not None and d.replica_ttft_s is not None:
-                timing = door.time_first_delta(time.perf_counter() - arrival, d.replica_ttft_s)
+            await emit(encoder.chunk("", None, role=True))
+        d = run.first
+        if d is not None and arrival is not None and d.replica_ttft_s is not None:
+            timing = door.time_first_delta(time.perf_counter() - arrival, d.replica_ttft_s)
+        while d is not None:
             last = d
             if d.finish_reason == "error":
                 status = "500 request_failed (in stream)"
                 err = request_failed(rid, d)
-                yield data_line(
-                    error_body(err.message, err.type, 500, code=err.code, request_id=rid)
+                await emit(
+                    data_line(error_body(err.message, err.type, 500, code=err.code, request_id=rid))
                 )
                 break
             shaped = None
             if logprobs is not None and d.delta_token_ids:
                 shaped = logprobs(list(d.delta_token_ids), d.logprobs)
-            if d.delta_text or d.finished or shaped is not None:
-                finish = d.finish_reason if d.finished else None
-                yield encoder.chunk(d.delta_text, finish, shaped)
-        else:
+            if d.finished:  # the last chunk leaves with the tail, in one write
+                tail.append(encoder.chunk(d.delta_text, d.finish_reason, shaped))
+                break
+            if d.delta_text or shaped is not None:
+                await emit(encoder.chunk(d.delta_text, None, shaped))
+            d = await run.next()
+        if last is not None and last.finished and last.finish_reason != "error":
             usage = _usage(last)
             if include_usage and usage is not None:
-                yield encoder.usage(usage.model_dump())
+                tail.append(encoder.usage(usage.model_dump()))
     except REPLICA_FAILURES as exc:
         status = "503 replica_failed (in stream)"
         door.errors["stream_failure"] += 1
         log.warning("request %s: replica failed mid-stream: %s", rid, one_line(str(exc)))
         body = error_body(FAILED, "service_unavailable", 503, code="replica_failed", request_id=rid)
-        yield data_line(body)
+        await emit(data_line(body))
     except Exception:  # never a silently cut stream: say so, then [DONE]
         log.exception("request %s: stream failed", rid)
         status = "500 internal_error (in stream)"
         door.errors["internal"] += 1
         body = error_body(INTERNAL, "server_error", 500, code="internal_error", request_id=rid)
-        yield data_line(body)
+        await emit(data_line(body))
     finally:
-        await stream.aclose()
+        run.close()
         ttft = None if timing is None else timing["router_ttft_s"]
         if status == "200":  # no [DONE] reached the client: it went away mid-stream
             status = f"200 {last.finish_reason}" if last and last.finished else "499 client_gone"
-        end_request(rid, stream, last, ttft, status, arrival)
+        end_request(rid, run, last, ttft, status, arrival)
     if timing is not None:
-        yield f": kvroute-timing {dumps(timing)}\n\n".encode()
-    yield DONE
+        tail.append(f": kvroute-timing {dumps(timing)}\n\n".encode())
+    tail.append(DONE)
+    await emit(b"".join(tail))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -73,20 +73,24 @@ def data_line(obj: Any) -> bytes:
 
 
 class SSEResponse(Response):
-    """An ASGI response streaming ``body`` (bytes chunks). The head goes through the app's
-    middleware; the chunks go on the server's raw ``send``. The body ends early when the
-    client disconnects (its generator is closed: the request ends on its replica), or when
-    one send waits longer than ``send_timeout_s`` (:class:`ClientTooSlowError`)."""
+    """An ASGI response whose body ``write(emit)`` produces: it awaits ``emit(chunk)`` per
+    chunk (a coroutine, not an async generator: one layer less per token). The head goes
+    through the app's middleware; the chunks go on the server's raw ``send``. The writer is
+    cancelled when the client disconnects, or when one send waits longer than
+    ``send_timeout_s`` (:class:`ClientTooSlowError`); ``on_close`` runs however it ends
+    (the request ends on its replica, its slot is released)."""
 
     def __init__(
         self,
-        body: AsyncIterator[bytes],
+        write: Callable[[Callable[[bytes], Awaitable[None]]], Awaitable[None]],
         headers: dict[str, str],
         send_timeout_s: float | None = None,
+        on_close: Callable[[], None] | None = None,
     ) -> None:
         self.status_code = 200
         self.background = None
-        self.body_iterator = body
+        self.write = write
+        self.on_close = on_close
         self.raw_headers = [(k.encode(), v.encode()) for k, v in headers.items()]
         self.raw_headers.append((b"content-type", b"text/event-stream; charset=utf-8"))
         self.raw_headers.append((b"cache-control", b"no-cache"))
@@ -100,15 +104,18 @@ class SSEResponse(Response):
         loop = asyncio.get_running_loop()
         watch = loop.create_task(self._watch(receive, task))
         raw: Send = scope.get(RAW_SEND, send)
+        msg: dict[str, Any] = {"type": "http.response.body", "body": b"", "more_body": True}
+
+        async def emit(chunk: bytes) -> None:
+            msg["body"] = chunk
+            self._sending_since = loop.time()
+            await raw(msg)
+            self._sending_since = 0.0
+
         try:
             start = {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
             await send(start)
-            msg: dict[str, Any] = {"type": "http.response.body", "body": b"", "more_body": True}
-            async for chunk in self.body_iterator:
-                msg["body"] = chunk
-                self._sending_since = loop.time()
-                await raw(msg)
-                self._sending_since = 0.0
+            await self.write(emit)
             await raw({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if task.cancelling() and self._disconnected:  # our own cancel: the client left
@@ -120,9 +127,8 @@ class SSEResponse(Response):
             raise
         finally:
             watch.cancel()
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            if self.on_close is not None:
+                self.on_close()
 
     async def _watch(self, receive: Receive, task: asyncio.Task[Any]) -> None:
         """Cancels the response when the client disconnects or a send overstays."""

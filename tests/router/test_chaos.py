@@ -97,7 +97,7 @@ async def drill(served: Served) -> tuple[Counter[str], int]:
             await asyncio.sleep(KILL_EVERY_S)
             if time.monotonic() >= end - 1:
                 return
-            alive = [r for r in ids if r in served.door.alive()] or ids
+            alive = [r for r in ids if r in served.door.fleet.alive()] or ids
             victim = alive[kills % len(alive)]
             pid = (await served.actors[victim].info.remote()).pid
             os.kill(pid, signal.SIGKILL)
@@ -128,14 +128,14 @@ def test_streams_under_a_replica_kill_every_10_s(served: Served) -> None:
     assert ok / total >= 0.99, outcomes
 
     # Every replica is back, and the router's index of each equals its cache.
-    wait_for(lambda: len(door.alive()) == REPLICAS, 60, "every killed replica is back")
+    wait_for(lambda: len(door.fleet.alive()) == REPLICAS, 60, "every killed replica is back")
 
     def converged() -> bool:
         truth = ray.get([a.cached_blocks.remote() for a in served.actors.values()], timeout=30)
         return all(
-            door.index.counts(rid) == cached
+            door.fleet.index.counts(rid) == cached
             for rid, cached in zip(served.actors, truth, strict=True)
         )
 
     wait_for(converged, 30, "the router's index equals every replica's cache")
-    assert all(door.index.num_blocks(rid) > 0 for rid in served.actors)
+    assert all(door.fleet.index.num_blocks(rid) > 0 for rid in served.actors)

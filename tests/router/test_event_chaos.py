@@ -140,14 +140,14 @@ def test_lost_delayed_and_reordered_events_heal(
     for p in proxies:
         p.calm()
     chaos = sum((p.counts for p in proxies), Counter())
-    stats = door.subscriber.stats()
+    stats = door.fleet.subscriber.stats()
 
     def converged() -> bool:
         truth = ray.get([a.cached_blocks.remote() for a in s.actors.values()], timeout=30)
-        return all(door.index.counts(r) == t for r, t in zip(s.actors, truth, strict=True))
+        return all(door.fleet.index.counts(r) == t for r, t in zip(s.actors, truth, strict=True))
 
     wait_for(converged, 30, "the router's index equals every replica's cache")
-    after = door.subscriber.stats()
+    after = door.fleet.subscriber.stats()
     print(
         f"\nevent chaos {SECONDS:.0f} s, {CLIENTS} clients: requests {dict(outcomes)}; "
         f"event messages dropped {chaos['dropped']}, delayed {chaos['delayed']}; subscriber "
@@ -159,4 +159,4 @@ def test_lost_delayed_and_reordered_events_heal(
     assert set(outcomes) == {"ok"}  # serving never noticed
     assert chaos["dropped"] >= 10 and chaos["delayed"] >= 100
     assert sum(x.gaps for x in stats.values()) >= 1  # the losses were seen, then healed
-    assert all(door.index.num_blocks(r) > 0 for r in s.actors)
+    assert all(door.fleet.index.num_blocks(r) > 0 for r in s.actors)

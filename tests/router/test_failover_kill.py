@@ -105,4 +105,4 @@ def test_streams_survive_a_replica_kill(served: Served) -> None:
     assert door.counters["failovers"] >= 1
     for i in survived:
         assert results[i][0] == reference[i % 4], i
-    wait_for(lambda: victim in door.alive(), 60, "the killed replica is back")
+    wait_for(lambda: victim in door.fleet.alive(), 60, "the killed replica is back")

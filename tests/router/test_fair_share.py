@@ -42,7 +42,7 @@ FLOOD, OTHER = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
     with serve_sim("f", 2, SIM) as s:
-        s.door.max_in_flight, s.door.shares.cap = BUDGET, SHARE
+        s.door.admission.max_in_flight, s.door.admission.shares.cap = BUDGET, SHARE
         yield s
 
 

@@ -125,12 +125,12 @@ def test_front_door_refuses_a_replica_that_hashes_or_serves_differently() -> Non
         ):
             bad = msgspec.structs.replace(base, replica_id="b", **change)
             with pytest.raises(FleetMismatchError, match=why):
-                door.add_replica(None, bad)
-        assert list(door.replicas) == ["a"]
-        door.add_replica(None, msgspec.structs.replace(base, replica_id="b"))
-        assert door.alive() == ["a", "b"]
+                door.fleet.add(None, bad)
+        assert list(door.fleet.replicas) == ["a"]
+        door.fleet.add(None, msgspec.structs.replace(base, replica_id="b"))
+        assert door.fleet.alive() == ["a", "b"]
     finally:
-        door.subscriber.close()
+        door.fleet.subscriber.close()
 
 
 # -- serving ---------------------------------------------------------------------------------
@@ -190,7 +190,7 @@ def test_shared_prefix_goes_to_the_same_replica_and_hits(fleet: dict[str, Any]) 
     # Another tenant, same prompt, on the very replica that holds alpha's blocks (the other
     # one cordoned): its salt differs, so nothing of alpha's can be hit.
     door, served = fleet["door"], first.headers[REPLICA_HEADER]
-    door.cordon("r1" if served == "r0" else "r0")
+    door.fleet.cordon("r1" if served == "r0" else "r0")
     try:
         other = client(fleet, "key-b").completions.with_raw_response.create(
             prompt=LONG + "second one!", **kw
@@ -201,13 +201,13 @@ def test_shared_prefix_goes_to_the_same_replica_and_hits(fleet: dict[str, Any]) 
         )
         again = c.completions.create(prompt=LONG + "second one!", **kw)
     finally:
-        door.cordon("r1" if served == "r0" else "r0", False)
+        door.fleet.cordon("r1" if served == "r0" else "r0", False)
     assert other.headers[REPLICA_HEADER] == salted.headers[REPLICA_HEADER] == served
     assert other.parse().usage.prompt_tokens_details.cached_tokens == 0
     assert salted.parse().usage.prompt_tokens_details.cached_tokens == 0
     assert again.usage.prompt_tokens_details.cached_tokens > 200  # still there, for alpha
     # The index learned alpha's blocks from the events of the replica that served them.
-    wait_for(lambda: door.index.num_blocks(served) >= 18, 10, "events")
+    wait_for(lambda: door.fleet.index.num_blocks(served) >= 18, 10, "events")
 
 
 def test_errors_are_openai_style(fleet: dict[str, Any]) -> None:
@@ -265,12 +265,12 @@ def test_client_disconnect_aborts_on_the_replica(fleet: dict[str, Any]) -> None:
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url, json={**ENDLESS, "prompt": "go on"}, headers=AUTH, timeout=1.0)
     wait_for(lambda: running(fleet) == 0, 3, "non-streamed request aborted")
-    assert fleet["door"].load.in_flight() == 0
+    assert fleet["door"].fleet.load.in_flight() == 0
 
 
 def test_overload_is_a_429_not_a_queue(fleet: dict[str, Any]) -> None:
     door = fleet["door"]
-    door.max_in_flight = 1
+    door.admission.max_in_flight = 1
     try:
         url = fleet["url"] + "/v1/completions"
         with httpx.stream(
@@ -281,8 +281,8 @@ def test_overload_is_a_429_not_a_queue(fleet: dict[str, Any]) -> None:
             with pytest.raises(openai.RateLimitError):
                 client(fleet).completions.create(model=MODEL, prompt="b", max_tokens=1)
     finally:
-        door.max_in_flight = None
-    wait_for(lambda: door.load.in_flight() == 0 and running(fleet) == 0, 3, "stream ended")
+        door.admission.max_in_flight = None
+    wait_for(lambda: door.fleet.load.in_flight() == 0 and running(fleet) == 0, 3, "stream ended")
 
 
 def test_one_tenants_burst_is_a_429_while_another_tenant_is_admitted(
@@ -291,7 +291,7 @@ def test_one_tenants_burst_is_a_429_while_another_tenant_is_admitted(
     """Fair share at admission: alpha holds its share of the budget; its next request is a
     429 with Retry-After while the router still has room, and beta is admitted."""
     door = fleet["door"]
-    door.max_in_flight, door.shares.cap = 3, 2
+    door.admission.max_in_flight, door.admission.shares.cap = 3, 2
     url = fleet["url"] + "/v1/completions"
     try:
         with contextlib.ExitStack() as held:
@@ -301,7 +301,8 @@ def test_one_tenants_burst_is_a_429_while_another_tenant_is_admitted(
                 r = held.enter_context(httpx.stream("POST", url, json=body, headers=AUTH))
                 lines.append(r.iter_lines())
                 assert next(lines[-1]).startswith("data: ")
-            assert door.shares.in_flight("alpha") == 2 and door.load.in_flight() == 2
+            assert door.admission.tenant_in_flight("alpha") == 2
+            assert door.fleet.load.in_flight() == 2
             burst = httpx.post(
                 url, json={"model": MODEL, "prompt": "c", "max_tokens": 1}, headers=AUTH
             )
@@ -309,11 +310,11 @@ def test_one_tenants_burst_is_a_429_while_another_tenant_is_admitted(
             assert err["code"] == "rate_limit_exceeded" and burst.headers["retry-after"] == "1"
             beta = client(fleet, "key-b").completions.create(model=MODEL, prompt="d", max_tokens=1)
             assert beta.usage is not None and beta.usage.completion_tokens == 1
-            assert door.shares.in_flight("beta") == 0  # released when its response ended
+            assert door.admission.tenant_in_flight("beta") == 0  # released when its response ended
     finally:
-        door.max_in_flight, door.shares.cap = None, None
-    wait_for(lambda: door.load.in_flight() == 0 and running(fleet) == 0, 3, "streams ended")
-    assert door.shares.in_flight("alpha") == 0
+        door.admission.max_in_flight, door.admission.shares.cap = None, None
+    wait_for(lambda: door.fleet.load.in_flight() == 0 and running(fleet) == 0, 3, "streams ended")
+    assert door.admission.tenant_in_flight("alpha") == 0
 
 
 def test_a_stream_says_what_the_front_door_added(fleet: dict[str, Any]) -> None:
@@ -333,7 +334,7 @@ def test_a_stream_says_what_the_front_door_added(fleet: dict[str, Any]) -> None:
 
 
 def test_metrics(fleet: dict[str, Any]) -> None:
-    wait_for(lambda: fleet["door"].load.in_flight() == 0, 10, "earlier streams closed")
+    wait_for(lambda: fleet["door"].fleet.load.in_flight() == 0, 10, "earlier streams closed")
     m = scrape(fleet["url"])
 
     def v(name: str, **labels: str) -> float:
@@ -412,7 +413,8 @@ def test_tenants_file_limits_and_the_admin_view(fleet: dict[str, Any]) -> None:
         assert "60 tokens per minute" in assert_clean_error(refused, 429)["message"]
         assert 20 <= int(refused.headers["retry-after"]) <= 35  # ~31 tokens at 1 a second
         assert post("key-a").status_code == 200  # the others are served meanwhile
-        assert door.shares.in_flight("gamma") == door.shares.in_flight("delta") == 0
+        admission = door.admission
+        assert admission.tenant_in_flight("gamma") == admission.tenant_in_flight("delta") == 0
 
         assert assert_clean_error(httpx.get(url + "/fleet"), 401)["code"] == "invalid_api_key"
         tenant_key = {"Authorization": "Bearer key-a"}
@@ -428,10 +430,53 @@ def test_tenants_file_limits_and_the_admin_view(fleet: dict[str, Any]) -> None:
             assert rep["hash"] == view["hash"]  # the fleet hashes as one
             assert rep["kv_blocks_total"] == CONFIG["num_blocks"]
             assert rep["load"]["total_blocks"] == CONFIG["num_blocks"]
-            assert rep["cached_blocks_indexed"] == door.index.num_blocks(rid)
+            assert rep["cached_blocks_indexed"] == door.fleet.index.num_blocks(rid)
             assert rep["events"]["last_seq"] >= 0 and rep["events"]["gaps"] >= 0
     finally:
         app.state.tenants = old
+
+
+def test_admission_comes_before_the_body(fleet: dict[str, Any]) -> None:
+    """A tenant at its concurrency limit is refused on its headers alone: a request whose
+    body never arrives gets its 429 at once, not a 408 after the body deadline (a refused
+    request of a flood costs no body read, no validation, no tokenization)."""
+    app, url, door = fleet["app"], fleet["url"], fleet["door"]
+    spec = TenantsFile([TenantConfig("eps", [hash_key("key-e")], max_concurrent=1)])
+    old, app.state.tenants = app.state.tenants, Tenants(spec, "test-secret")
+    auth = {"Authorization": "Bearer key-e"}
+    try:
+        body = {**ENDLESS, "prompt": "hold", "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, headers=auth) as held:
+            lines = held.iter_lines()
+            assert next(lines).startswith("data: ")  # its one slot is taken
+            host, port = url.removeprefix("http://").split(":")
+            with socket.create_connection((host, int(port)), timeout=5) as sock:
+                sock.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"Authorization: Bearer key-e\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 100\r\n\r\n"  # and no body, ever
+                )
+                head = sock.recv(65536)
+            assert head.startswith(b"HTTP/1.1 429"), head[:200]
+            assert b"retry-after" in head.lower()
+            assert door.admission.tenant_in_flight("eps") == 1
+        wait_for(lambda: door.admission.tenant_in_flight("eps") == 0, 10, "slot released")
+    finally:
+        app.state.tenants = old
+
+
+def test_fleet_view_needs_an_admin_key_beyond_loopback(fleet: dict[str, Any]) -> None:
+    """Without keys, /fleet (pids, node addresses) answers only a loopback-only server."""
+    app, url = fleet["app"], fleet["url"]
+    old = app.state.tenants
+    app.state.tenants = Tenants(None, "test-secret")  # no keys: anyone is the default tenant
+    try:
+        assert httpx.get(url + "/fleet", timeout=10).status_code == 200
+        app.state.public = True  # as kvroute serve --host 0.0.0.0 --allow-anonymous sets it
+        err = assert_clean_error(httpx.get(url + "/fleet", timeout=10), 403)
+        assert err["code"] == "not_admin" and "admin_keys" in err["message"]
+    finally:
+        app.state.tenants, app.state.public = old, False
 
 
 def test_replica_failure_before_first_token_is_retried_elsewhere(fleet: dict[str, Any]) -> None:
@@ -443,17 +488,17 @@ def test_replica_failure_before_first_token_is_retried_elsewhere(fleet: dict[str
     prompt = "failure drill " + LONG
     victim = c.completions.with_raw_response.create(prompt=prompt, **kw).headers[REPLICA_HEADER]
     door = fleet["door"]
-    wait_for(lambda: door.index.num_blocks(victim) >= 18, 10, "victim's events indexed")
-    old = door.replicas[victim].info.incarnation
-    routed_before = door.replicas[victim].routed
+    wait_for(lambda: door.fleet.index.num_blocks(victim) >= 18, 10, "victim's events indexed")
+    old = door.fleet.replicas[victim].info.incarnation
+    routed_before = door.fleet.replicas[victim].routed
     ray.get(fleet["actors"][victim].inject_engine_failure.remote())
     resp = c.completions.with_raw_response.create(prompt=prompt, **kw)
     assert resp.headers[REPLICA_HEADER] != victim
     assert resp.parse().usage.completion_tokens == 2
-    assert victim not in door.alive() and door.index.num_blocks(victim) == 0
+    assert victim not in door.fleet.alive() and door.fleet.index.num_blocks(victim) == 0
     assert door.counters["retries"] == 1 and door.errors["replica_failure"] >= 1
-    wait_for(lambda: door.replicas[victim].info.incarnation != old, 60, "replica restarted")
-    wait_for(lambda: victim in door.alive(), 10, "replica routable again")
+    wait_for(lambda: door.fleet.replicas[victim].info.incarnation != old, 60, "replica restarted")
+    wait_for(lambda: victim in door.fleet.alive(), 10, "replica routable again")
     assert httpx.get(fleet["url"] + "/health").json()["replicas"].count(victim) == 1
     # /metrics counts through the restart: nothing goes back to zero with the new process.
     m = scrape(fleet["url"])
@@ -475,7 +520,7 @@ def test_replica_failure_mid_stream_fails_over_without_a_seam(
     other replica, resumed from the tokens already streamed, and the client's text is the
     very text an undisturbed run gives -- no error event, no repeat, no gap."""
     door, url = fleet["door"], fleet["url"] + "/v1/completions"
-    wait_for(lambda: len(door.alive()) == 2, 60, "both replicas routable")
+    wait_for(lambda: len(door.fleet.alive()) == 2, 60, "both replicas routable")
     body = {"model": MODEL, "prompt": "failover drill", "max_tokens": 600, "ignore_eos": True}
     body |= sampling
     reference = httpx.post(url, json=body, headers=AUTH, timeout=60).json()["choices"][0]["text"]
@@ -491,7 +536,7 @@ def test_replica_failure_mid_stream_fails_over_without_a_seam(
     assert all("error" not in c for c in chunks), chunks[-1]
     assert "".join(c["choices"][0]["text"] for c in chunks) == reference
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-    assert door.counters["failovers"] == failovers + 1 and rid not in door.alive()
+    assert door.counters["failovers"] == failovers + 1 and rid not in door.fleet.alive()
 
 
 def test_a_second_failure_mid_stream_ends_the_stream_with_an_error(
@@ -500,7 +545,7 @@ def test_a_second_failure_mid_stream_ends_the_stream_with_an_error(
     """One failover per request: when the replica it moved to fails too, the SSE stream
     says what happened and ends with [DONE] -- it neither hangs nor is cut without a word."""
     door = fleet["door"]
-    wait_for(lambda: len(door.alive()) == 2, 60, "both replicas routable")
+    wait_for(lambda: len(door.fleet.alive()) == 2, 60, "both replicas routable")
     body = {**ENDLESS, "prompt": "mid-stream", "stream": True}
     events = []
     with httpx.stream(
@@ -514,4 +559,4 @@ def test_a_second_failure_mid_stream_ends_the_stream_with_an_error(
     error = json.loads(events[-2].removeprefix("data: "))
     assert error["error"]["type"] == "service_unavailable", error
     assert error["error"]["request_id"] == r.headers["x-request-id"]
-    wait_for(lambda: not door.alive(), 5, "both replicas dropped")
+    wait_for(lambda: not door.fleet.alive(), 5, "both replicas dropped")

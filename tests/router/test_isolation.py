@@ -79,7 +79,7 @@ def ks_test(a: list[float], b: list[float]) -> tuple[float, float]:
 @pytest.mark.parametrize("policy", ["kv", "approx_text"])
 def test_a_tenant_probing_anothers_prompts_learns_nothing(served: Served, policy: str) -> None:
     door, url = served.door, served.url
-    door.policy = make_policy(policy, index=door.index, block_size=16, load=door.load)
+    door.policy = make_policy(policy, index=door.fleet.index, block_size=16, load=door.fleet.load)
     rng = random.Random(f"isolation-{policy}")
     secrets = [tokens(rng) for _ in range(SECRETS)]
     holders = [ask(url, VICTIM, p)[2] for p in secrets]  # the victim caches them

@@ -35,8 +35,8 @@ AUTH = {"Authorization": "Bearer key-a"}
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
     with serve_sim("l", 2, SIM) as s:
-        s.door.max_in_flight = MAX_IN_FLIGHT
-        s.door.admission = AdmissionQueue(QUEUE, timeout_s=30.0)
+        s.door.admission.max_in_flight = MAX_IN_FLIGHT
+        s.door.admission.queue = AdmissionQueue(QUEUE, timeout_s=30.0)
         yield s
 
 
@@ -88,12 +88,12 @@ def test_500_streams_complete_or_get_429_and_nothing_is_left_behind(served: Serv
     # The queue absorbs what the budget cannot take at once (how many arrive at once
     # depends on the machine: all 500 completed on one run, 93 were refused on another).
     assert outcomes["ok"] >= min(CLIENTS, MAX_IN_FLIGHT + QUEUE)
-    assert door.admission.waiting == 0 and door.admission.reserved == 0
+    assert door.admission.waiting == 0 and door.admission.queue.reserved == 0
     assert after - before < 150, (before, after)  # a second burst leaves no growth behind
 
     # Nothing left behind: no flight at the front door, none on a replica, every block free.
-    wait_for(lambda: door.load.in_flight() == 0, 10, "the front door's flights ended")
-    assert door.shares.in_flight("alpha") == 0
+    wait_for(lambda: door.fleet.load.in_flight() == 0, 10, "the front door's flights ended")
+    assert door.admission.tenant_in_flight("alpha") == 0
 
     def drained() -> bool:
         reports = ray.get([a.load.remote() for a in served.actors.values()], timeout=30)

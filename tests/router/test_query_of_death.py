@@ -129,7 +129,7 @@ def test_a_request_failing_its_own_stage_fails_alone(served: Served) -> None:
     # Nothing else noticed: greedy requests (no draw) on the same prompt, and other prompts.
     ok = c.completions.create(model=MODEL, prompt=POISON, max_tokens=4, temperature=0)
     assert ok.usage.completion_tokens == 4
-    assert served.door.errors["replica_failure"] == 0 and len(served.door.alive()) == 2
+    assert served.door.errors["replica_failure"] == 0 and len(served.door.fleet.alive()) == 2
 
 
 def test_a_query_of_death_never_takes_down_a_second_replica(served: Served) -> None:
@@ -142,9 +142,9 @@ def test_a_query_of_death_never_takes_down_a_second_replica(served: Served) -> N
     body = err.value.response.json()["error"]
     assert body["code"] == "request_quarantined" and "fingerprint" in body["message"]
     assert door.errors["replica_failure"] == 1 and door.counters["retries"] == 0
-    assert len(door.suspects) == 1
-    victim = next(rid for rid in served.actors if rid not in door.alive())
-    (survivor,) = door.alive()
+    assert len(door.quarantine) == 1
+    victim = next(rid for rid in served.actors if rid not in door.fleet.alive())
+    (survivor,) = door.fleet.alive()
     assert ray.get(served.actors[survivor].info.remote()).incarnation == before[survivor]
     # Whoever sends it again, and however often, it is refused without reaching a replica.
     for key in ("key-a", "key-b"):
@@ -157,7 +157,7 @@ def test_a_query_of_death_never_takes_down_a_second_replica(served: Served) -> N
     # Other requests are served throughout, and the victim comes back.
     assert client(served).completions.create(model=MODEL, prompt="fine", max_tokens=2)
     assert door.errors["replica_failure"] == 1
-    wait_for(lambda: victim in door.alive(), 60, "victim restarted and routable")
+    wait_for(lambda: victim in door.fleet.alive(), 60, "victim restarted and routable")
     assert ray.get(served.actors[victim].info.remote()).incarnation != before[victim]
     assert ray.get(served.actors[survivor].info.remote()).incarnation == before[survivor]
 
@@ -168,7 +168,7 @@ def test_a_request_that_kills_its_process_is_not_replayed(served: Served) -> Non
     and its fingerprint is refused at once, so not even the client's retry reaches a
     second replica."""
     door = served.door
-    wait_for(lambda: len(door.alive()) == 2, 60, "both replicas routable")
+    wait_for(lambda: len(door.fleet.alive()) == 2, 60, "both replicas routable")
     before = {rid: ray.get(a.info.remote()).incarnation for rid, a in served.actors.items()}
     retries, failures = door.counters["retries"], door.errors["replica_failure"]
     ray.get([a.rig.remote("process") for a in served.actors.values()])
@@ -178,8 +178,8 @@ def test_a_request_that_kills_its_process_is_not_replayed(served: Served) -> Non
     assert err.value.response.json()["error"]["code"] == "request_quarantined"
     assert door.errors["replica_failure"] == failures + 1
     assert door.counters["retries"] == retries
-    victim = next(rid for rid in served.actors if rid not in door.alive())
-    (survivor,) = door.alive()
+    victim = next(rid for rid in served.actors if rid not in door.fleet.alive())
+    (survivor,) = door.fleet.alive()
     assert ray.get(served.actors[survivor].info.remote()).incarnation == before[survivor]
     assert client(served).completions.create(model=MODEL, prompt="fine", max_tokens=2)
-    wait_for(lambda: victim in door.alive(), 60, "victim restarted and routable")
+    wait_for(lambda: victim in door.fleet.alive(), 60, "victim restarted and routable")

@@ -71,5 +71,5 @@ def test_fuzzed_bodies_never_get_a_5xx_or_hurt_a_replica(served: Served, path: s
     print(f"\nschema fuzz {path}: {sum(statuses.values())} cases, statuses {dict(statuses)}")
     assert statuses[200] >= 1  # some cases were valid and ran on a replica
     assert door.errors["replica_failure"] == 0 and door.errors["internal"] == 0
-    assert all(rep.restarts == 0 and rep.alive for rep in door.replicas.values())
+    assert all(rep.restarts == 0 and rep.alive for rep in door.fleet.replicas.values())
     assert httpx.get(served.url + "/health", timeout=10).status_code == 200

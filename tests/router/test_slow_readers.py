@@ -49,7 +49,7 @@ def test_a_client_that_stops_reading_is_dropped_and_frees_its_slot(served: Serve
         b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
     )
     try:
-        wait_for(lambda: door.load.in_flight() == 1, 30, "the stream admitted")
+        wait_for(lambda: door.fleet.load.in_flight() == 1, 30, "the stream admitted")
         # Meanwhile another tenant is served.
         r = httpx.post(served.url + "/v1/completions", timeout=60,
                        headers={"Authorization": "Bearer key-b"},
@@ -57,7 +57,7 @@ def test_a_client_that_stops_reading_is_dropped_and_frees_its_slot(served: Serve
         assert r.status_code == 200
         wait_for(lambda: door.errors["slow_client"] == 1, 120, "the stuck reader dropped")
         dropped_after = time.perf_counter() - t0
-        wait_for(lambda: door.load.in_flight() == 0, 30, "its slot released")
+        wait_for(lambda: door.fleet.load.in_flight() == 0, 30, "its slot released")
         # The server let go of the socket at once (aborted, its unsent data discarded),
         # though this client still reads nothing.
         assert served.server is not None

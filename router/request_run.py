@@ -1,0 +1,215 @@
+"""RequestRun: one request from routing to its end -- routed, streaming, failing over, done.
+
+Why one object: a request holds shared resources from admission to its end -- its
+:class:`~.admission.Ticket` (the tenant's share and rates, a slot in the router's budget),
+its flight on a replica's connection, its place in the policy's load view -- and every way
+it can end (finished, client gone, replica failed, cancelled) must give them back exactly
+once. :meth:`RequestRun.close` is that one place, and it is synchronous: nothing can
+interrupt it halfway.
+
+Why no generator chain: per streamed token the front door does little, so the layers
+around it are the cost. :meth:`RequestRun.next` awaits the replica connection's
+:class:`~.dataplane.Flight` directly (deltas that arrived while the caller was busy come
+merged), and the HTTP layer awaits it directly: one wake-up per delta, no async generator
+in between.
+
+Failures: a replica that fails is dropped from routing (:meth:`Fleet.fail`). The request
+goes on once on another replica -- from scratch before its first token, from the tokens
+already streamed after it (:class:`Resume`; greedy and seeded requests continue exactly)
+-- but only when the failure cannot have been its own doing (:func:`not_caused_by`).
+Otherwise it may be a query of death: it is struck in :mod:`.quarantine` and the failure
+raised. So exactly one request per process death fails, and none is replayed blindly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from kvroute.events.replica_api import (
+    GenerateDelta,
+    GenerateRequest,
+    InvalidRequestError,
+    ReplicaDeadError,
+    ReplicaLostError,
+    Resume,
+    delta_error,
+)
+
+from .policy import NoReplicaError, RequestView
+from .quarantine import not_caused_by
+
+if TYPE_CHECKING:
+    from .admission import Ticket
+    from .dataplane import Flight, ReplicaConnection
+    from .frontdoor import FrontDoor
+
+log = logging.getLogger(__name__)
+
+# How a replica's failure reaches a request: its engine's word, or its process gone.
+REPLICA_FAILURES: tuple[type[BaseException], ...] = (ReplicaDeadError, ReplicaLostError)
+MAX_RESENDS = 1  # another replica gets a request at most this often
+
+
+class RequestRun:
+    """One routed request. ``start`` once, then ``next`` until a finished delta, then (or
+    whenever it must end) ``close``."""
+
+    def __init__(
+        self,
+        door: FrontDoor,
+        ticket: Ticket,
+        view: RequestView,
+        request: GenerateRequest,
+        fingerprint: str,
+    ) -> None:
+        self.door = door
+        self.ticket = ticket
+        self.view = view
+        self.request = request
+        self.fingerprint = fingerprint
+        self.request_id = view.request_id
+        self.tenant = ticket.tenant_id
+        self.replica = ""  # where it runs now
+        self.num_output_tokens = 0  # as the replica counts them (cumulative)
+        self.first: GenerateDelta | None = None
+        self.finished = False
+        self._tried: set[str] = set()
+        self._resends = 0
+        self._conn: ReplicaConnection | None = None
+        self._flight: Flight | None = None
+        self._output_ids: list[int] = []  # streamed so far: what a failover resumes from
+        self._sent_chars = 0
+        self._awaiting_first = True  # of the current replica (the policy times it)
+        self._itl: Any = None  # this run's inter-token histogram, once labelled
+        self._last_at = 0.0
+        self._closed = False
+
+    # -- routing -------------------------------------------------------------------------------
+    def _send(self) -> None:
+        """Routes the request among the replicas it has not tried and sends it there."""
+        door = self.door
+        candidates = door.fleet.routable(self._tried)
+        if not candidates:
+            door.errors["no_replica"] += 1
+            raise NoReplicaError("no replica is available")
+        rid = door.route(self.view, candidates, time.monotonic())
+        self._tried.add(rid)
+        req = self.request
+        if self._resends:  # a fresh id: the old replica may still know the old one
+            resume = None
+            if self._output_ids:
+                resume = Resume(
+                    output_token_ids=list(self._output_ids), sent_chars=self._sent_chars
+                )
+            req = msgspec.structs.replace(
+                req, request_id=f"{req.request_id}-{self._resends}", resume=resume
+            )
+        self.replica = rid
+        self._awaiting_first = True
+        self._conn = door.fleet.connection(rid)
+        self._flight = self._conn.submit(req)
+
+    async def start(self) -> GenerateDelta:
+        """Routes the request and waits for its first delta, so that everything that can go
+        wrong before it (a bad request, a dead replica) is settled while an HTTP status can
+        still say so. Raises :class:`InvalidRequestError` (the client's fault),
+        :class:`NoReplicaError`, or the replica's failure when it was not retried."""
+        self.door.counters["requests"] += 1
+        self._send()
+        first = await self.next()
+        self.first = first
+        return first
+
+    # -- streaming ---------------------------------------------------------------------------
+    async def next(self) -> GenerateDelta:
+        """The deltas since the last call, merged; the last one is ``finished``. A failure
+        of the replica is failed over when it may be, else raised."""
+        while True:
+            flight = self._flight
+            assert flight is not None, "start() first"
+            try:
+                delta = await flight.next()
+                exc = delta_error(delta, self.replica)
+                if exc is not None:
+                    raise exc
+            except REPLICA_FAILURES as exc:
+                self._conn = self._flight = None
+                if not self._fail_over(exc):
+                    raise
+                continue
+            except InvalidRequestError:
+                self._flight = None
+                self.door.errors["invalid_request"] += 1
+                raise
+            self._took(delta)
+            return delta
+
+    def _took(self, delta: GenerateDelta) -> None:
+        """Bookkeeping per delta: what a failover resumes from, the policy's first-token
+        time, inter-token latency for /metrics."""
+        ids = delta.delta_token_ids
+        self._output_ids += ids
+        self._sent_chars += len(delta.delta_text)
+        self.num_output_tokens = delta.num_output_tokens
+        if delta.finished:
+            self.finished = True
+            self._flight = None  # the connection forgot it already
+        now = time.perf_counter()
+        if self._awaiting_first:
+            self._awaiting_first = False
+            self.door.policy.on_first_token(self.request_id, time.monotonic())
+            self.door.fleet.replicas[self.replica].routed += 1
+        elif ids:
+            if self._itl is None:
+                m = self.door.metrics
+                self._itl = m.itl.labels(m.tenant(self.tenant), self.replica)
+            self._itl.observe((now - self._last_at) / len(ids))
+        if ids:
+            self._last_at = now
+
+    def _fail_over(self, exc: BaseException) -> bool:
+        """The replica failed under this request: drop it, and resend the request when the
+        failure cannot have been its doing and it has a resend left (True). Else strike it
+        when it may have been (False: the caller raises)."""
+        door = self.door
+        failed = self.replica
+        door.fleet.fail(failed)
+        innocent = not_caused_by(exc)
+        if innocent is not True:
+            strikes = 2 if innocent is None or getattr(exc, "alone", False) else 1
+            door.quarantine.strike(self.fingerprint, self.request_id, failed, strikes)
+            return False
+        if self._resends >= MAX_RESENDS or not door.fleet.routable(self._tried):
+            return False
+        door.policy.on_finished(self.request_id, time.monotonic())
+        self._resends += 1
+        self._send()
+        if self._output_ids or self.first is not None:
+            door.counters["failovers"] += 1
+            log.warning(
+                "request %s: replica %s failed after %d tokens; continuing on %s",
+                self.request_id, failed, len(self._output_ids), self.replica,
+            )  # fmt: skip
+        else:
+            door.counters["retries"] += 1
+            log.warning("request %s: replica %s failed, retrying on %s",
+                        self.request_id, failed, self.replica)  # fmt: skip
+        return True
+
+    # -- the end -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Ends the request: cancels it on its replica if it still runs, gives back its
+        ticket and its place in the load view. Idempotent, synchronous."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._flight is not None and self._conn is not None:
+            self._conn.abort(self._flight.request_id)
+            self._flight = None
+        door = self.door
+        door.policy.on_finished(self.request_id, time.monotonic(), self.num_output_tokens)
+        door.admission.release(self.ticket, self.num_output_tokens)

@@ -1,0 +1,85 @@
+"""Admission: tickets against the tenant's share, the router's budget and its queue, and
+the tenant's rates -- each given back exactly once, a refusal changing nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvroute.router.admission import Admission, OverloadedError
+from kvroute.router.limits import Limits
+from kvroute.router.tenants import Tenant
+
+
+def tenant(name: str, **limits: int) -> Tenant:
+    return Tenant(name, f"salt-{name}", Limits(**limits))
+
+
+async def test_a_ticket_is_released_once_however_often_release_is_called() -> None:
+    adm = Admission(max_in_flight=2)
+    a = tenant("a")
+    t1, t2 = await adm.admit(a), await adm.admit(a)
+    assert adm.in_flight == 2 and adm.tenant_in_flight("a") == 2
+    adm.release(t1)
+    adm.release(t1)  # a second release (two ways of ending one request) is a no-op
+    assert adm.in_flight == 1 and adm.tenant_in_flight("a") == 1
+    adm.release(t2, output_tokens=5)
+    assert adm.in_flight == 0 and adm.tenant_in_flight("a") == 0
+
+
+async def test_a_tenant_at_its_concurrency_limit_is_refused_and_nothing_is_counted() -> None:
+    adm = Admission(max_in_flight=10)
+    a, b = tenant("a", max_concurrent=1), tenant("b")
+    held = await adm.admit(a)
+    with pytest.raises(OverloadedError, match="1 requests in flight"):
+        await adm.admit(a)
+    assert adm.in_flight == 1 and adm.tenant_in_flight("a") == 1
+    assert adm.errors["tenant_overloaded"] == 1
+    await adm.admit(b)  # another tenant is admitted meanwhile
+    adm.release(held)
+    await adm.admit(a)  # its slot is back
+
+
+async def test_past_the_budget_the_oldest_waiter_gets_the_freed_slot() -> None:
+    adm = Admission(max_in_flight=1, queue=2, timeout_s=5.0)
+    a = tenant("a")
+    first = await adm.admit(a)
+    order: list[str] = []
+
+    async def wait(name: str) -> None:
+        ticket = await adm.admit(a)
+        order.append(name)
+        adm.release(ticket)
+
+    waiters = [asyncio.create_task(wait("w1")), asyncio.create_task(wait("w2"))]
+    await asyncio.sleep(0.01)
+    assert adm.waiting == 2
+    with pytest.raises(OverloadedError, match="waiting"):  # the queue is full: refused
+        await adm.admit(a)
+    adm.release(first)
+    await asyncio.gather(*waiters)
+    assert order == ["w1", "w2"] and adm.in_flight == 0 and adm.tenant_in_flight("a") == 0
+
+
+async def test_a_waiter_that_times_out_gives_its_share_back() -> None:
+    adm = Admission(max_in_flight=1, queue=1, timeout_s=0.05)
+    a = tenant("a")
+    held = await adm.admit(a)
+    with pytest.raises(OverloadedError, match="waited"):
+        await adm.admit(a)
+    assert adm.tenant_in_flight("a") == 1 and adm.in_flight == 1 and adm.waiting == 0
+    adm.release(held)
+    assert adm.in_flight == 0
+
+
+async def test_a_tenant_in_token_debt_is_refused_at_the_door() -> None:
+    adm = Admission()
+    a = tenant("a", tokens_per_minute=60)
+    ticket = await adm.admit(a)
+    adm.charge(ticket, 100)  # its prompt, known after tokenizing: 40 in debt
+    adm.release(ticket, output_tokens=10)  # and its output: 50 in debt
+    with pytest.raises(OverloadedError, match="60 tokens per minute") as info:
+        await adm.admit(a)
+    assert info.value.retry_after_s == pytest.approx(50.0, abs=0.1)
+    assert adm.in_flight == 0 and adm.tenant_in_flight("a") == 0  # the refusal took nothing
