@@ -40,7 +40,7 @@ from kvroute.events.replica_api import (
 )
 
 from .policy import NoReplicaError, RequestView
-from .quarantine import not_caused_by
+from .quarantine import fingerprint, not_caused_by
 
 if TYPE_CHECKING:
     from .admission import Ticket
@@ -64,13 +64,14 @@ class RequestRun:
         ticket: Ticket,
         view: RequestView,
         request: GenerateRequest,
-        fingerprint: str,
+        fingerprint: str | None = None,
     ) -> None:
+        """``fingerprint``: the request's, when already computed (else made on demand)."""
         self.door = door
         self.ticket = ticket
         self.view = view
         self.request = request
-        self.fingerprint = fingerprint
+        self._fingerprint = fingerprint
         self.request_id = view.request_id
         self.tenant = ticket.tenant_id
         self.replica = ""  # where it runs now
@@ -87,6 +88,14 @@ class RequestRun:
         self._itl: Any = None  # this run's inter-token histogram, once labelled
         self._last_at = 0.0
         self._closed = False
+
+    @property
+    def fingerprint(self) -> str:
+        """What the quarantine knows the request by (computed only when it is needed)."""
+        if self._fingerprint is None:
+            req = self.request
+            self._fingerprint = fingerprint(req.prompt_token_ids, req.sampling)
+        return self._fingerprint
 
     # -- routing -------------------------------------------------------------------------------
     def _send(self) -> None:
