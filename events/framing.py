@@ -54,10 +54,12 @@ class Waker:
                 pass
 
     def drain(self) -> None:
+        """Called when poll() saw the pipe readable. One read: ``wake`` writes one byte per
+        arming, and anything left (never, short of 4 kB) keeps the pipe readable for the next
+        poll -- where reading until EAGAIN would cost a syscall and an exception each time."""
         self._armed = False
         try:
-            while os.read(self.fd, 4096):
-                pass
+            os.read(self.fd, 4096)
         except BlockingIOError:
             pass
 

@@ -32,7 +32,7 @@ from kvroute.events.load import LoadReport
 from kvroute.events.replica_api import Resume, SamplingParams
 
 from .engine import EngineConfig, EventSink, LLMEngine
-from .outputs import RequestOutput
+from .outputs import EngineOutput, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,11 @@ class EngineDeadError(RuntimeError):
 class OutputSink(Protocol):
     """Where a request's outputs go; called on the engine thread only."""
 
-    def deliver(self, request_id: str, item: RequestOutput | BaseException) -> bool:
+    # True: the sink takes each step's increment as the data plane's GenerateDelta, built
+    # straight from the request; False: a RequestOutput (cumulative text and tokens too).
+    deltas: bool
+
+    def deliver(self, request_id: str, item: EngineOutput | BaseException) -> bool:
         """Takes one output (or the error that ends the request); False when nobody listens
         any more (the engine then aborts the request)."""
         ...
@@ -68,11 +72,12 @@ class _QueueSink:
     """An asyncio caller's queue, fed across threads."""
 
     __slots__ = ("loop", "queue")
+    deltas = False
 
     def __init__(self, queue: asyncio.Queue[Any], loop: asyncio.AbstractEventLoop) -> None:
         self.queue, self.loop = queue, loop
 
-    def deliver(self, request_id: str, item: RequestOutput | BaseException) -> bool:
+    def deliver(self, request_id: str, item: EngineOutput | BaseException) -> bool:
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:  # the caller's loop is closed
@@ -254,18 +259,21 @@ class AsyncLLMEngine:
     # -- the engine thread ---------------------------------------------------------------
     def _run(self) -> None:
         engine = self.engine
+        scheduler = engine.scheduler
         try:
             while True:
-                idle = not engine.has_unfinished_requests()
                 # Block only when there is nothing to compute.
-                if not self._drain(block=idle):
+                applied = self._drain(block=not scheduler.has_unfinished_requests())
+                if applied is None:
                     self._fail_all(EngineDeadError("the engine is shut down"))
                     return
-                if engine.has_unfinished_requests():
-                    self.load = engine.scheduler.load_report()
+                # The load changes only by a command or a step: reported once after each.
+                if applied:
+                    self.load = scheduler.load_report()
+                if scheduler.has_unfinished_requests():
                     for out in engine.step():
                         self._deliver(out.request_id, out, last=out.finished)
-                self.load = engine.scheduler.load_report()
+                    self.load = scheduler.load_report()
                 self._flush()
         except BaseException as exc:
             batch = engine.current_batch  # None: it failed before the batch was known
@@ -309,16 +317,19 @@ class AsyncLLMEngine:
             elif isinstance(cmd, _Call):
                 _resolve(cmd, err)
 
-    def _drain(self, block: bool) -> bool:
-        """Applies queued commands; False when asked to stop."""
-        while True:
+    def _drain(self, block: bool) -> int | None:
+        """Applies queued commands; how many (None: asked to stop). Looks before it takes
+        when not blocking: most steps find the queue empty, and an Empty raised costs more."""
+        commands, applied = self._commands, 0
+        while block or not commands.empty():
             try:
-                cmd = self._commands.get(block=block, timeout=0.5 if block else None)
+                cmd = commands.get(block=block, timeout=0.5 if block else None)
             except queue.Empty:
-                return True
+                return applied
             block = False
+            applied += 1
             if cmd is None:
-                return False
+                return None
             if isinstance(cmd, _Abort):
                 for out in self.engine.abort_requests([cmd.request_id]):
                     self._deliver(out.request_id, out, last=True)
@@ -353,11 +364,13 @@ class AsyncLLMEngine:
                     lora_name=cmd.lora_name,
                     resume=cmd.resume,
                     tenant=cmd.tenant,
+                    deltas=cmd.sink.deltas,
                 )
             except Exception as exc:  # a bad request fails alone
                 self._deliver(cmd.request_id, exc, last=True)
+        return applied
 
-    def _deliver(self, rid: str, item: RequestOutput | BaseException, last: bool) -> None:
+    def _deliver(self, rid: str, item: EngineOutput | BaseException, last: bool) -> None:
         sink = self._sinks.pop(rid, None) if last else self._sinks.get(rid)
         if sink is None:
             return

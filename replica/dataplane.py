@@ -18,9 +18,9 @@ Why the shape:
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -33,7 +33,6 @@ from kvroute.events.replica_api import GenerateDelta
 
 if TYPE_CHECKING:
     from .async_engine import AsyncLLMEngine
-    from .outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +42,7 @@ class _FrontDoorSink:
     ``pending``; ``flush`` hands the step's deltas to the I/O thread as one message."""
 
     __slots__ = ("client", "pending", "received", "server")
+    deltas = True  # the engine builds each GenerateDelta itself (see LLMEngine.add_request)
 
     def __init__(self, server: DataPlaneServer, client: bytes) -> None:
         self.server = server
@@ -50,11 +50,8 @@ class _FrontDoorSink:
         self.pending: list[GenerateDelta] = []
         self.received: dict[str, float] = {}  # request id -> when it arrived (first delta)
 
-    def deliver(self, request_id: str, item: RequestOutput | BaseException) -> bool:
-        if isinstance(item, BaseException):
-            delta = _failure_delta(request_id, item)
-        else:
-            delta = delta_from_output(item)
+    def deliver(self, request_id: str, item: GenerateDelta | BaseException) -> bool:
+        delta = _failure_delta(request_id, item) if isinstance(item, BaseException) else item
         started = self.received.pop(request_id, None)
         if started is not None:
             delta.replica_ttft_s = time.perf_counter() - started
@@ -89,7 +86,10 @@ class DataPlaneServer:
         self.clients_dropped = 0  # front doors gone or stuck: their requests aborted
         self._sinks: dict[bytes, _FrontDoorSink] = {}
         self._last_sent: dict[bytes, float] = {}
-        self._outbox: queue.SimpleQueue[tuple[bytes, list[GenerateDelta]]] = queue.SimpleQueue()
+        # Appended by the engine thread, popped by the I/O thread: a deque's append and
+        # popleft are atomic, and an empty one is seen without a raised queue.Empty.
+        self._outbox: deque[tuple[bytes, list[GenerateDelta]]] = deque()
+        self._heartbeat_due = 0.0  # no front door is due a heartbeat before this
         self._heartbeat = dp.encoder.encode(dp.Heartbeat(incarnation))
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -106,7 +106,7 @@ class DataPlaneServer:
 
     # -- engine thread ---------------------------------------------------------------------
     def enqueue(self, client: bytes, deltas: list[GenerateDelta]) -> None:
-        self._outbox.put((client, deltas))
+        self._outbox.append((client, deltas))
         if self._idle:  # only a sleeping thread needs the wake-up syscall
             self._waker.wake()
 
@@ -114,9 +114,9 @@ class DataPlaneServer:
     def flush(self, timeout: float = 2.0) -> bool:
         """Waits until every queued message has gone out; True if it did in time."""
         deadline = time.monotonic() + timeout
-        while not self._outbox.empty() and time.monotonic() < deadline:
+        while self._outbox and time.monotonic() < deadline:
             time.sleep(0.001)
-        return self._outbox.empty()
+        return not self._outbox
 
     def close(self, timeout: float = 2.0) -> None:
         if not self._running:
@@ -134,11 +134,12 @@ class DataPlaneServer:
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._waker.fd, zmq.POLLIN)
         interval = dp.HEARTBEAT_INTERVAL_S
+        outbox = self._outbox
         while self._running:
             timeout_ms = 0
-            if self._outbox.empty():
+            if not outbox:
                 self._idle = True  # announced before the last look: see enqueue
-                if self._outbox.empty():
+                if not outbox:
                     timeout_ms = int(interval * 1000)
             ready = dict(poller.poll(timeout_ms))
             self._idle = False
@@ -211,12 +212,9 @@ class DataPlaneServer:
         )
 
     def _send_outputs(self) -> None:
-        encode = dp.encoder.encode
-        while True:
-            try:
-                client, deltas = self._outbox.get_nowait()
-            except queue.Empty:
-                return
+        encode, outbox = dp.encoder.encode, self._outbox
+        while outbox:
+            client, deltas = outbox.popleft()
             if client in self._sinks:
                 self._send(client, dp.OUTPUTS, encode(dp.StepOutputs(deltas)))
 
@@ -243,32 +241,16 @@ class DataPlaneServer:
         self.engine.abort_sink(sink)
 
     def _send_heartbeats(self, interval: float) -> None:
+        """To each front door that heard nothing for ``interval``. Looked at once a step or
+        more often, so the front doors are walked only when the earliest can be due (a send
+        only moves a due time later; a new front door's is ``interval`` away)."""
         now = time.monotonic()
+        if now < self._heartbeat_due:
+            return
         for client, last in list(self._last_sent.items()):
             if now - last >= interval:
                 self._send(client, dp.HEARTBEAT, self._heartbeat)
-
-
-def delta_from_output(out: RequestOutput) -> GenerateDelta:
-    """One engine output as the delta a front door receives."""
-    comp = out.outputs[0]
-    n_out = len(comp.token_ids)
-    logprobs = None
-    if comp.logprobs is not None:
-        logprobs = comp.logprobs[n_out - len(out.delta_token_ids) : n_out]
-    return GenerateDelta(
-        request_id=out.request_id,
-        delta_token_ids=out.delta_token_ids,
-        delta_text=out.delta_text,
-        finished=out.finished,
-        finish_reason=comp.finish_reason,
-        stop_reason=comp.stop_reason,
-        error=comp.error,
-        num_prompt_tokens=len(out.prompt_token_ids),
-        num_cached_tokens=out.num_cached_tokens,
-        num_output_tokens=n_out,
-        logprobs=logprobs,
-    )
+        self._heartbeat_due = min(self._last_sent.values(), default=now) + interval
 
 
 def _failure_delta(request_id: str, exc: BaseException) -> GenerateDelta:

@@ -38,11 +38,12 @@ from .cost_model import sim_profile
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache_manager import KVCacheManager
 from .models import resolve_model
-from .outputs import CompletionOutput, RequestFailure, RequestOutput, SampledToken
+from .outputs import EngineOutput, RequestFailure, SampledToken, request_output, step_delta
 from .request import Request, RequestStatus
 from .scheduler import Scheduler, SchedulerConfig
 
 log = logging.getLogger(__name__)
+_FINISHED_ERROR = RequestStatus.FINISHED_ERROR  # read per token: a class lookup costs more
 
 EventSink = Callable[[list[KVCacheEvent]], Any]
 
@@ -83,12 +84,30 @@ class EngineConfig:
 class _RequestState:
     """Per-request output bookkeeping that the scheduler need not know."""
 
-    __slots__ = ("detok", "logprobs", "prompt", "request", "resumed_chars", "sent_tokens")
+    __slots__ = (
+        "deltas",
+        "detok",
+        "detokenizes",
+        "logprobs",
+        "prompt",
+        "request",
+        "resumed_chars",
+        "sent_tokens",
+    )
 
-    def __init__(self, request: Request, prompt: str | None, detok: IncrementalDetokenizer):
+    def __init__(
+        self,
+        request: Request,
+        prompt: str | None,
+        detok: IncrementalDetokenizer,
+        detokenizes: bool,
+        deltas: bool,
+    ) -> None:
         self.request = request
         self.prompt = prompt
         self.detok = detok
+        self.detokenizes = detokenizes  # text every step: streaming, or stop strings to watch
+        self.deltas = deltas  # outputs are GenerateDelta (see LLMEngine.add_request)
         self.sent_tokens = request.num_output_tokens  # a resumed request's are sent already
         self.resumed_chars = 0  # text of those tokens the client already has
         self.logprobs: list[dict[int, float]] | None = (
@@ -185,13 +204,16 @@ class LLMEngine:
         arrival_time: float | None = None,
         resume: Resume | None = None,
         tenant: str | None = None,
+        deltas: bool = False,
     ) -> Request:
         """Queues a request; raises ValueError (nothing queued) if it can never run.
 
         ``resume``: a request continued here after its replica failed mid-stream; its
         outputs so far count as generated here (see :class:`~kvroute.events.replica_api.Resume`).
         ``tenant``: whose request; waiting requests are admitted tenant by tenant in turn
-        (None: the group of requests without one).
+        (None: the group of requests without one). ``deltas``: its outputs are the data
+        plane's :class:`GenerateDelta` (what the step added), not :class:`RequestOutput`: a
+        replica sends only increments, so nothing cumulative is copied per token for it.
         """
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -234,19 +256,21 @@ class LLMEngine:
             tenant=tenant,
         )
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
-        if prior and resume is not None and (self.config.stream_text or detok.stop):
+        detokenizes = self.config.stream_text or bool(detok.stop)
+        if prior and resume is not None and detokenizes:
             try:  # before queueing: a failure here leaves nothing behind
                 detok.resume(prior, resume.sent_chars)
             except Exception as exc:
                 raise ValueError(f"the resumed outputs cannot be decoded ({exc!r})") from exc
         self.scheduler.add_request(req)
-        state = self._states[request_id] = _RequestState(req, text, detok)
+        state = _RequestState(req, text, detok, detokenizes, deltas)
+        self._states[request_id] = state
         if prior and resume is not None:
             state.resumed_chars = resume.sent_chars
             self.runner.prime(request_id, params, len(prior))
         return req
 
-    def abort_requests(self, request_ids: Sequence[str]) -> list[RequestOutput]:
+    def abort_requests(self, request_ids: Sequence[str]) -> list[EngineOutput]:
         """Frees the requests' blocks now; returns their final (aborted) outputs."""
         live = [rid for rid in request_ids if rid in self._states]
         self.scheduler.abort_requests(live)
@@ -269,7 +293,7 @@ class LLMEngine:
         return ok
 
     # -- the step ------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         """Schedules, runs the model once, applies the sampled tokens, publishes events.
 
         A request whose own stage fails (see the module docstring) comes back finished with
@@ -281,7 +305,7 @@ class LLMEngine:
             self.runner.forget(rid)
         results = self.runner.execute(sched) if sched.scheduled else {}
         sampled: dict[str, SampledToken] = {}
-        outputs: list[RequestOutput] = []
+        outputs: list[EngineOutput] = []
         for rid, result in results.items():
             if isinstance(result, RequestFailure):
                 outputs.append(self._fail(rid, result.stage, result.error))
@@ -291,7 +315,7 @@ class LLMEngine:
             sched, {rid: s.token_id for rid, s in sampled.items()}
         )
         for req in updated:
-            if req.status == RequestStatus.FINISHED_ERROR:  # its stop check failed
+            if req.status == _FINISHED_ERROR:  # its stop check failed
                 outputs.append(self._fail(req.request_id, "stop check", None))
                 continue
             try:
@@ -303,7 +327,7 @@ class LLMEngine:
         self.current_batch = frozenset()
         return outputs
 
-    def _fail(self, request_id: str, stage: str, exc: Exception | None) -> RequestOutput:
+    def _fail(self, request_id: str, stage: str, exc: Exception | None) -> EngineOutput:
         """Ends one request with ``finish_reason="error"`` (its blocks freed now); the text
         already produced is kept, nothing is decoded again."""
         state = self._states[request_id]
@@ -317,40 +341,31 @@ class LLMEngine:
         if not req.is_finished:
             self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ERROR)
         req.status = RequestStatus.FINISHED_ERROR  # also over a finish the output never told
-        completion = CompletionOutput(
-            index=0,
-            text=state.detok.text[: state.detok.sent],
-            token_ids=list(req.output_token_ids),
-            finish_reason=req.finish_reason,
-            error=req.error,
-        )
-        out = RequestOutput(
-            request_id=request_id,
-            prompt=state.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=[completion],
-            finished=True,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
-        )
         self._forget(request_id)
-        return out
+        if state.deltas:
+            return step_delta(req, [], "", None, None)
+        text = state.detok.text[: state.detok.sent]
+        return request_output(req, state.prompt, text, [], "", None, None)
 
-    def _on_update(self, req: Request, sampled: SampledToken | None) -> RequestOutput:
+    def _on_update(self, req: Request, sampled: SampledToken | None) -> EngineOutput:
         state = self._states[req.request_id]
         if sampled is not None and state.logprobs is not None:
             entry = dict(sampled.top_logprobs or {})
             entry[sampled.token_id] = sampled.logprob if sampled.logprob is not None else 0.0
             state.logprobs.append(entry)
-        new_ids = req.output_token_ids[state.sent_tokens :]
-        state.sent_tokens = len(req.output_token_ids)
+        output_ids = req.output_token_ids
+        new_ids = output_ids[state.sent_tokens :]
+        state.sent_tokens = len(output_ids)
         delta = ""
-        if self._detokenizes(state):
+        if state.detokenizes:
+            detok = state.detok
             # A stop token (EOS, stop_token_ids) ends the request but is no text, as in vLLM.
-            text_ids = new_ids[:-1] if _stopped_by_token(req) else new_ids
-            delta = state.detok.update(text_ids, finished=req.is_finished)
-            if state.detok.stop_string is not None:
-                req.stop_reason = state.detok.stop_string
-                if req.is_finished:  # max_tokens hit on the token that completed the string:
+            finished = req.is_finished
+            text_ids = new_ids[:-1] if finished and _stopped_by_token(req) else new_ids
+            delta = detok.update(text_ids, finished)
+            if detok.stop_string is not None:
+                req.stop_reason = detok.stop_string
+                if finished:  # max_tokens hit on the token that completed the string:
                     req.status = RequestStatus.FINISHED_STOPPED  # the string wins (vLLM)
                 else:
                     self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
@@ -359,14 +374,11 @@ class LLMEngine:
             self._forget(req.request_id)
         return out
 
-    def _detokenizes(self, state: _RequestState) -> bool:
-        """Text every step when streaming or when stop strings must be watched."""
-        return self.config.stream_text or bool(state.detok.stop)
-
-    def _output(self, state: _RequestState, new_ids: list[int], delta: str) -> RequestOutput:
+    def _output(self, state: _RequestState, new_ids: list[int], delta: str) -> EngineOutput:
         req = state.request
         finished = req.is_finished
-        if self._detokenizes(state):
+        text = ""
+        if state.detokenizes:
             if finished:
                 delta += state.detok.flush()
             text = state.detok.text
@@ -374,27 +386,10 @@ class LLMEngine:
             ids = req.output_token_ids[:-1] if _stopped_by_token(req) else req.output_token_ids
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             delta = text[state.resumed_chars :]  # a resumed request's client has the rest
-        else:
-            text = ""
-        completion = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=list(req.output_token_ids),
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-            logprobs=state.logprobs,
-            error=req.error,
-        )
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=req.prompt_token_ids,
-            outputs=[completion],
-            finished=finished,
-            num_cached_tokens=max(req.num_cached_tokens, 0),
-            delta_text=delta,
-            delta_token_ids=list(new_ids),
-        )
+        logprobs, stop_reason = state.logprobs, req.stop_reason
+        if state.deltas:
+            return step_delta(req, new_ids, delta, logprobs, stop_reason)
+        return request_output(req, state.prompt, text, new_ids, delta, logprobs, stop_reason)
 
     def _forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)

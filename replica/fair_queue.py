@@ -162,3 +162,8 @@ class TenantUsage:
     def live(self, tenant: Hashable) -> int:
         """The tenant's live requests."""
         return self._live.get(tenant, 0)
+
+    @property
+    def num_live_tenants(self) -> int:
+        """Tenants with live requests: fewer than two cannot compete."""
+        return len(self._live)

@@ -81,6 +81,9 @@ class KVCacheManager:
             enable_kv_cache_events=enable_kv_cache_events,
         )
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # The same tables as block ids, kept beside them: a step reads every running
+        # request's table, and a copy of an int list costs less than a walk over blocks.
+        self.req_to_block_ids: dict[str, list[int]] = {}
         self.req_to_block_hashes: dict[str, list[BlockHash]] = {}
         self.num_cached_block: dict[str, int] = {}
         # In tokens, like vLLM's prefix_cache_queries / prefix_cache_hits. Every lookup
@@ -168,9 +171,17 @@ class KVCacheManager:
         if num_new_tokens <= 0:
             raise ValueError(f"num_new_tokens must be positive, got {num_new_tokens}")
         rid = request.request_id
-        hit = list(new_computed_blocks or ())
         bs = self.block_size
         req_blocks = self.req_to_blocks.get(rid, [])
+        if req_blocks and not new_computed_blocks and not num_new_computed_tokens:
+            # A running request's decode token or next chunk: often no new block at all.
+            total = request.num_computed_tokens + num_new_tokens
+            if total <= len(req_blocks) * bs and total <= len(request.all_token_ids):
+                fills_a_block = total // bs > self.num_cached_block.get(rid, 0)
+                if fills_a_block and self.enable_caching and not delay_cache_blocks:
+                    self.cache_blocks(request, total)
+                return []
+        hit = list(new_computed_blocks or ())
         if hit:
             if not self.enable_caching:
                 raise ValueError("prefix-cache hits with caching disabled")
@@ -193,12 +204,15 @@ class KVCacheManager:
             return None
 
         req_blocks = self.req_to_blocks.setdefault(rid, req_blocks)
+        block_ids = self.req_to_block_ids.setdefault(rid, [])
         if hit:
             pool.touch(hit)
             req_blocks.extend(hit)
+            block_ids.extend(b.block_id for b in hit)
             self.num_cached_block[rid] = len(hit)
         new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         req_blocks.extend(new_blocks)
+        block_ids.extend(b.block_id for b in new_blocks)
         if self.enable_caching and not delay_cache_blocks:
             self.cache_blocks(request, total)
         return new_blocks
@@ -227,13 +241,15 @@ class KVCacheManager:
         """Releases the request's blocks, tail first; safe for a request holding none."""
         rid = request.request_id
         blocks = self.req_to_blocks.pop(rid, [])
+        self.req_to_block_ids.pop(rid, None)
         self.num_cached_block.pop(rid, None)
         self.req_to_block_hashes.pop(rid, None)
         self.block_pool.free_blocks(reversed(blocks))
 
     # -- pass-throughs -----------------------------------------------------------------
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+        """The request's block table as ids (a copy: the table grows as it runs)."""
+        return list(self.req_to_block_ids.get(request_id, ()))
 
     def get_num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()

@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvroute.events.replica_api import GenerateDelta
+
+if TYPE_CHECKING:
+    from .request import Request
 
 
 @dataclass(slots=True)
@@ -34,6 +40,68 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+
+
+# What a step hands back for one request: a RequestOutput (offline, asyncio callers) or, for
+# a request added with ``deltas=True`` (the data plane), the wire's GenerateDelta directly.
+EngineOutput = RequestOutput | GenerateDelta
+
+
+def request_output(
+    req: Request,
+    prompt: str | None,
+    text: str,
+    new_ids: list[int],
+    delta: str,
+    logprobs: list[dict[int, float]] | None,
+    stop_reason: int | str | None,
+) -> RequestOutput:
+    """``req`` after a step: its whole ``text`` and tokens so far, ``new_ids`` and ``delta``
+    what this step added."""
+    completion = CompletionOutput(
+        index=0,
+        text=text,
+        token_ids=list(req.output_token_ids),
+        finish_reason=req.finish_reason,
+        stop_reason=stop_reason,
+        logprobs=logprobs,
+        error=req.error,
+    )
+    return RequestOutput(
+        request_id=req.request_id,
+        prompt=prompt,
+        prompt_token_ids=req.prompt_token_ids,
+        outputs=[completion],
+        finished=req.is_finished,
+        num_cached_tokens=max(req.num_cached_tokens, 0),
+        delta_text=delta,
+        delta_token_ids=list(new_ids),
+    )
+
+
+def step_delta(
+    req: Request,
+    new_ids: list[int],
+    text: str,
+    logprobs: list[dict[int, float]] | None,
+    stop_reason: int | str | None,
+) -> GenerateDelta:
+    """What one step added to ``req`` (``new_ids``, their ``text``), as the data plane sends
+    it. ``logprobs``: all of the request's so far (this delta's are the last), or None."""
+    n_out = len(req.output_token_ids)
+    return GenerateDelta(
+        request_id=req.request_id,
+        delta_token_ids=new_ids,
+        delta_text=text,
+        finished=req.is_finished,
+        finish_reason=req.finish_reason,
+        stop_reason=stop_reason,
+        error=req.error,
+        num_prompt_tokens=len(req.prompt_token_ids),
+        num_cached_tokens=max(req.num_cached_tokens, 0),
+        num_output_tokens=n_out,
+        logprobs=None if logprobs is None else logprobs[n_out - len(new_ids) : n_out],
+    )
 
 
 @dataclass(slots=True)

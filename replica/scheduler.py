@@ -40,6 +40,7 @@ from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
 
 log = logging.getLogger(__name__)
+_RUNNING = RequestStatus.RUNNING  # an enum member read from its class costs a lookup per use
 
 
 class RequestTooLongError(ValueError):
@@ -73,7 +74,7 @@ class SchedulerConfig:
             raise ValueError("max_num_partial_prefills must be >= 0")
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step.
 
@@ -224,7 +225,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = req.num_tokens - req.num_computed_tokens
+            num_new = len(req.all_token_ids) - req.num_computed_tokens
             if 0 < threshold < num_new:
                 num_new = threshold
             num_new = _within_share(shares, req, min(num_new, budget))
@@ -237,7 +238,7 @@ class Scheduler:
                 preempted.append(victim)
                 if victim is req:
                     break
-            if req.status != RequestStatus.RUNNING:
+            if req.status != _RUNNING:
                 break  # req preempted itself: nothing after it is running any more
             scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
@@ -307,8 +308,8 @@ class Scheduler:
         gets a step of about its own length; the long prompt goes on at full size as soon
         as nobody else waits, and catches up in turn when it is the least served. Decodes
         are never capped."""
-        if not self.config.enable_chunked_prefill:  # a capped prompt would be a chunk
-            return None
+        if not self.config.enable_chunked_prefill or self.usage.num_live_tenants < 2:
+            return None  # a capped prompt would be a chunk; or nobody to compete with
         pending: dict[str | None, int] = {}
         for req in self.running:
             left = req.num_tokens - req.num_computed_tokens
@@ -361,12 +362,8 @@ class Scheduler:
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         """Records the chunk and advances ``num_computed_tokens`` (blocks are allocated)."""
-        sr = ScheduledRequest(
-            request=req,
-            num_computed_tokens=req.num_computed_tokens,
-            num_new_tokens=num_new,
-            block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
-        )
+        ids = self.kv_cache_manager.get_block_ids(req.request_id)
+        sr = ScheduledRequest(req, req.num_computed_tokens, num_new, ids, len(req.all_token_ids))
         req.num_computed_tokens += num_new
         return sr
 
@@ -390,7 +387,7 @@ class Scheduler:
         changed: list[Request] = []
         for sr in output.scheduled:
             req = sr.request
-            if req.status != RequestStatus.RUNNING or not sr.samples:
+            if req.status != _RUNNING or not sr.samples:
                 continue
             rid = req.request_id
             if rid not in sampled_token_ids:
@@ -410,15 +407,15 @@ class Scheduler:
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
         """Token-level stops; a stop token wins over length when both apply."""
-        sp = req.sampling_params
-        if req.num_output_tokens >= sp.min_tokens:
-            last = req.output_token_ids[-1]
+        sp, output_ids = req.sampling_params, req.output_token_ids
+        if len(output_ids) >= sp.min_tokens:
+            last = output_ids[-1]
             if not sp.ignore_eos and last == req.eos_token_id:
                 return RequestStatus.FINISHED_STOPPED
             if last in sp.stop_token_ids:
                 req.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.max_model_len:
+        if len(output_ids) >= sp.max_tokens or len(req.all_token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 
