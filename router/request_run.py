@@ -77,7 +77,6 @@ class RequestRun:
         self.replica = ""  # where it runs now
         self.num_output_tokens = 0  # as the replica counts them (cumulative)
         self.first: GenerateDelta | None = None
-        self.finished = False
         self._tried: set[str] = set()
         self._resends = 0
         self._conn: ReplicaConnection | None = None
@@ -165,7 +164,6 @@ class RequestRun:
         self._sent_chars += len(delta.delta_text)
         self.num_output_tokens = delta.num_output_tokens
         if delta.finished:
-            self.finished = True
             self._flight = None  # the connection forgot it already
         now = time.perf_counter()
         if self._awaiting_first:
