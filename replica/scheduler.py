@@ -15,7 +15,9 @@ one call to :meth:`Scheduler.update_from_output`. Per step:
 While two or more tenants have prompt tokens to compute, a step's prompt tokens are bounded
 and go to the least-served tenant first (:meth:`Scheduler._prefill_shares`,
 :class:`~.fair_queue.TenantUsage`); ``max_num_partial_prefills`` bounds how many prompts of
-one tenant are part-way at once. Decodes are never held back for fairness.
+one tenant are part-way at once. Decodes are never held back for fairness. The threshold is
+counted in cost (``attention_weight``): a chunk deep in a long prompt attends to more, so it
+is shorter, and no step of it takes longer than the threshold's tokens at a prompt's start.
 
 ``num_computed_tokens`` advances at schedule time, so the runner reads the pre-step value
 from :class:`ScheduledRequest`. No request holds blocks while waiting.
@@ -29,6 +31,7 @@ everything running can always make progress by preempting others.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +64,12 @@ class SchedulerConfig:
     # with the threshold above it bounds the prompt tokens of any step, so a newcomer waits
     # behind one short step, not several chunks at once (only with chunked prefill).
     max_num_partial_prefills: int = 0
+    # What one (query, key) pair of attention costs in prompt tokens' dense work (the cost
+    # model's attention_s_per_pair / prefill_s_per_token). >0: the threshold above bounds a
+    # chunk's cost, not its length: a chunk deep in a long prompt attends to more, so it is
+    # shorter, and a step of it lasts no longer than ``threshold`` tokens at a prompt's
+    # start. 0: plain tokens (vLLM's meaning).
+    attention_weight: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -72,6 +81,30 @@ class SchedulerConfig:
             raise ValueError("long_prefill_token_threshold must be >= 0")
         if self.max_num_partial_prefills < 0:
             raise ValueError("max_num_partial_prefills must be >= 0")
+        if self.attention_weight < 0:
+            raise ValueError("attention_weight must be >= 0")
+
+    def chunk_limit(self, num_computed: int) -> int:
+        """The most prompt tokens one request may compute in a step from position
+        ``num_computed`` (0: no limit). Solves ``n + w * (n * p0 + n * (n + 1) / 2) <= T + w
+        * T * (T + 1) / 2`` for ``n``: the cost of ``T = threshold`` tokens from position 0."""
+        t, w = self.long_prefill_token_threshold, self.attention_weight
+        if not (t and self.enable_chunked_prefill):
+            return 0
+        if w <= 0.0 or num_computed <= 0:
+            return t
+        budget = t + w * t * (t + 1) / 2
+        b = 1.0 + w * (num_computed + 0.5)
+        n = int((math.sqrt(b * b + 2.0 * w * budget) - b) / w)
+
+        def cost(k: int) -> float:
+            return k + w * (k * num_computed + k * (k + 1) / 2)
+
+        if cost(n + 1) <= budget:  # the root, rounded either way
+            n += 1
+        elif n > 1 and cost(n) > budget:
+            n -= 1
+        return max(1, n)
 
 
 @dataclass(slots=True)
@@ -216,7 +249,6 @@ class Scheduler:
         cfg = self.config
         kv = self.kv_cache_manager
         budget = cfg.max_num_batched_tokens
-        threshold = cfg.long_prefill_token_threshold if cfg.enable_chunked_prefill else 0
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
         partial = None if partial is None else dict(partial)  # counts this step's starts
@@ -226,8 +258,10 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = len(req.all_token_ids) - req.num_computed_tokens
-            if 0 < threshold < num_new:
-                num_new = threshold
+            if num_new > 1:  # a prompt chunk (decodes are never capped)
+                limit = cfg.chunk_limit(req.num_computed_tokens)
+                if 0 < limit < num_new:
+                    num_new = limit
             num_new = _within_share(shares, req, min(num_new, budget))
             if num_new <= 0:  # nothing to feed yet, or its tenant's share is spent
                 i += 1
@@ -256,8 +290,9 @@ class Scheduler:
                 # must not inflate the hit-rate counters step after step.
                 hit_blocks, num_hit = kv.get_computed_blocks(req, count=False)
                 num_new = req.num_tokens - num_hit
-                if 0 < threshold < num_new:
-                    num_new = threshold
+                limit = cfg.chunk_limit(num_hit)
+                if 0 < limit < num_new:
+                    num_new = limit
                 if num_new > budget:
                     if not cfg.enable_chunked_prefill:
                         break
@@ -341,7 +376,7 @@ class Scheduler:
         kv, cfg = self.kv_cache_manager, self.config
         num_hit = kv.peek_cached_tokens(req)
         need = req.num_tokens - num_hit
-        chunk = min(need, cfg.long_prefill_token_threshold or need, cfg.max_num_batched_tokens)
+        chunk = min(need, cfg.chunk_limit(num_hit) or need, cfg.max_num_batched_tokens)
         # Conservative: its cached blocks may sit in the free queue too, and come out of it.
         if -(-(num_hit + chunk) // self.block_size) > kv.get_num_free_blocks():
             return 0

@@ -262,7 +262,8 @@ async def _write_sse(
             if d.finished:  # the last chunk leaves with the tail, in one write
                 tail.append(encoder.chunk(d.delta_text, d.finish_reason, shaped))
                 break
-            if d.delta_text or shaped is not None:
+            if d.delta_token_ids or d.delta_text:  # as vLLM: a token that completes no
+                # character yet still gets its (empty) chunk, so the first one is never late
                 await emit(encoder.chunk(d.delta_text, None, shaped))
             d = await run.next()
         if last is not None and last.finished and last.finish_reason != "error":

@@ -10,6 +10,7 @@ tokens alone, whatever the cache size, budget or interleaving.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -70,6 +71,33 @@ def test_long_prefill_token_threshold_caps_one_chunk() -> None:
     assert out["long"].num_new_tokens == 10 and out["short"].num_new_tokens == 8
     assert scheduled_ids(h.step())["long"].num_new_tokens == 10
     h.run_all()
+
+
+def test_threshold_counted_in_cost_shortens_chunks_deep_in_a_prompt() -> None:
+    """With an attention weight, each chunk costs at most what ``threshold`` tokens cost at a
+    prompt's start (n + w * pairs), so chunks shrink as the context grows; the output is
+    the same as without the weight."""
+    t, w = 10, 0.05
+    h = Harness(200, max_num_batched_tokens=64, long_prefill_token_threshold=t, attention_weight=w)
+    h.add("long", prompt(1, 120), max_tokens=2)
+    chunks, starts = [], []
+    while not h.sched.requests["long"].output_token_ids:
+        item = scheduled_ids(h.step())["long"]
+        starts.append(item.num_computed_tokens)
+        chunks.append(item.num_new_tokens)
+
+    def cost(n: int, p0: int) -> float:
+        return n + w * (n * p0 + n * (n + 1) / 2)
+
+    assert chunks[0] == t and sum(chunks) == 120
+    assert all(a >= b for a, b in itertools.pairwise(chunks[:-1]))  # shrinking
+    assert chunks[-2] < t / 2  # deep in the prompt a chunk is much shorter...
+    for n, p0 in zip(chunks, starts, strict=True):  # ...and each is as long as allowed
+        assert cost(n, p0) <= cost(t, 0) < cost(n + 1, p0) or p0 + n == 120
+    h.run_all()
+    assert h.done["long"].output_token_ids == reference(
+        prompt(1, 120), SamplingParams(max_tokens=2), None, 8192
+    )
 
 
 def test_without_chunking_a_prompt_waits_for_budget() -> None:
