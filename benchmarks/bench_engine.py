@@ -7,11 +7,15 @@
 2. Throughput of ``LLM.generate`` on N requests sharing a 1,024-token prefix (+ 32 unique
    tokens each), 64 output tokens each, vs ``transformers`` ``generate`` on the same weights
    (one left-padded batch, SDPA attention), and vs kvroute with prefix caching off.
+
+On CUDA the engine runs in bfloat16 (its default there) and so does the transformers
+baseline, on the same GPU; on CPU both run in float32.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import platform
 import random
@@ -24,13 +28,24 @@ from transformers import AutoModelForCausalLM
 
 from kvroute.replica import LLM, SamplingParams, resolve_model
 
+CUDA = torch.cuda.is_available()
+
 
 def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(3, vocab - 8) for _ in range(n)]
 
 
+def _llm(model: str, **kwargs: object) -> LLM:
+    """A new engine. On CUDA each one sizes its KV cache from the memory still free, so the
+    previous engine's cache must be released first (engines hold reference cycles)."""
+    gc.collect()
+    if CUDA:
+        torch.cuda.empty_cache()
+    return LLM(model, **kwargs)
+
+
 def bench_ttft(model: str, reps: int) -> tuple[float, float]:
-    llm = LLM(model, max_num_batched_tokens=4096)
+    llm = _llm(model, max_num_batched_tokens=4096)
     vocab = llm.llm_engine.runner.model.config.vocab_size
     rng = random.Random(0)
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -58,15 +73,17 @@ def bench_ttft(model: str, reps: int) -> tuple[float, float]:
 def bench_throughput(model: str, n: int, out_tokens: int) -> list[tuple[str, float, int]]:
     rng = random.Random(1)
     path = resolve_model(model)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
-    hf.eval()
+    device = "cuda" if CUDA else "cpu"
+    dtype = torch.bfloat16 if CUDA else torch.float32  # the engine's default on each
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    hf.to(device).eval()
     vocab = hf.config.vocab_size
     prefix = _tokens(rng, 1024, vocab)
     prompts = [prefix + _tokens(rng, 32, vocab) for _ in range(n)]
     params = SamplingParams(temperature=0.0, max_tokens=out_tokens, ignore_eos=True)
     rows = []
     for label, caching in (("kvroute LLM.generate", True), ("kvroute, prefix caching off", False)):
-        llm = LLM(model, enable_prefix_caching=caching, max_num_batched_tokens=4096)
+        llm = _llm(model, enable_prefix_caching=caching, max_num_batched_tokens=4096)
         llm.generate([prompts[0][:64]], SamplingParams(temperature=0.0, max_tokens=2))
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
@@ -75,9 +92,11 @@ def bench_throughput(model: str, n: int, out_tokens: int) -> list[tuple[str, flo
         rows.append((label, dt, gen))
         print(f"  {label}: {dt:.1f} s", file=sys.stderr)
         del llm
-    batch = torch.tensor(prompts)  # equal lengths: no padding needed
+    batch = torch.tensor(prompts, device=device)  # equal lengths: no padding needed
     with torch.inference_mode():
         hf.generate(batch[:2, :64], max_new_tokens=2, do_sample=False)
+        if CUDA:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         res = hf.generate(
             batch,
@@ -86,6 +105,8 @@ def bench_throughput(model: str, n: int, out_tokens: int) -> list[tuple[str, flo
             min_new_tokens=out_tokens,
             do_sample=False,
         )
+        if CUDA:
+            torch.cuda.synchronize()
         dt = time.perf_counter() - t0
     rows.append(("transformers generate (batched)", dt, int(res[:, batch.shape[1] :].numel())))
     base = rows[-1][2] / rows[-1][1]

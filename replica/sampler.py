@@ -106,5 +106,8 @@ class Sampler:
             drop = sorted_probs.cumsum(0) - sorted_probs >= p.top_p
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        race = torch.empty_like(probs).exponential_(generator=generator)
-        return int((probs / race).argmax())
+        # The generators live on the CPU (as in ``prime``), so the race is drawn there and
+        # moved: a CUDA tensor cannot take a CPU generator, and a seeded request draws the
+        # same stream on a CPU and a GPU replica.
+        race = torch.empty(probs.shape, dtype=probs.dtype).exponential_(generator=generator)
+        return int((probs / race.to(probs.device)).argmax())

@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from kvroute.events import (
     AllBlocksCleared,
@@ -185,7 +186,9 @@ def test_engine_events_carry_chain_and_tokens(
     assert first.parent_block_hash is None
     assert first.token_ids[: len(SHARED)] == SHARED
     assert all(len(ev.token_ids) == BLOCK * len(ev.block_hashes) for ev in stores)
-    medium = "GPU" if engine.config.model.startswith("sim:") else "CPU"  # sim: models an H100
+    # sim: models an H100; a real model's cache is where its engine runs
+    on_gpu = engine.config.model.startswith("sim:") or torch.cuda.is_available()
+    medium = "GPU" if on_gpu else "CPU"
     assert all(ev.block_size == BLOCK and ev.medium == medium for ev in stores)
     # The second request's new blocks hang under a block the first one stored.
     known = {h for ev in stores[:-1] for h in ev.block_hashes}

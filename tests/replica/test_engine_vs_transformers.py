@@ -166,6 +166,7 @@ def test_siblings_decoding_over_a_shared_prefix(reference, monkeypatch):
     """Requests hitting one cached prefix decode side by side (the cascade-attention path)."""
     from kvroute.kernels import reference as kernels_ref
 
+    monkeypatch.setenv("KVROUTE_KERNELS_BACKEND", "torch")  # the reference's path, on CUDA too
     calls = []
     real = kernels_ref._decode_cascade
     monkeypatch.setattr(
