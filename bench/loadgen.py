@@ -10,11 +10,13 @@ with an error kind, never an exception out of :func:`run_load`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 import httpx
 import msgspec
@@ -237,16 +239,55 @@ class Progress:
             print(file=sys.stderr, flush=True)
 
 
-async def fetch_model(url: str, api_key: str | None, timeout: float = 30.0) -> str:
-    """The first model ``GET /v1/models`` lists."""
+class Breaker:
+    """Trips after ``limit`` finished requests in a row failed (a cancelled one counts neither
+    way; 0: never): a server that refuses everything is reported within seconds, not after
+    the whole run. ``last`` is the latest failure, the one to show."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.in_a_row = limit, 0
+        self.last: Record | None = None
+        self.tripped = False
+
+    def add(self, rec: Record) -> bool:
+        if rec.error == "cancelled":
+            return self.tripped
+        if rec.ok:
+            self.in_a_row = 0
+        else:
+            self.in_a_row += 1
+            self.last = rec
+            if self.limit and self.in_a_row >= self.limit:
+                self.tripped = True
+        return self.tripped
+
+
+def describe_failure(rec: Record) -> str:
+    """``HTTP 400: <the server's message>`` (or the error kind and its detail)."""
+    kind = rec.error or "ok"
+    what = f"HTTP {kind[5:]}" if kind.startswith("http_") else kind
+    return f"{what}: {rec.detail}" if rec.detail else what
+
+
+async def fetch_card(url: str, api_key: str | None, timeout: float = 30.0) -> dict[str, Any]:
+    """The first model card ``GET /v1/models`` lists (``id``; kvroute and vLLM add
+    ``max_model_len``, kvroute ``vocab_size``)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
         r = await client.get(url + "/models", headers=headers)
-        r.raise_for_status()
+        if r.status_code != 200:
+            raise ValueError(f"HTTP {r.status_code}: {_error_message(r.text)}")
         models = r.json().get("data") or []
     if not models:
         raise ValueError(f"{url}/models lists no model")
-    return str(models[0]["id"])
+    card = dict(models[0])
+    card["id"] = str(card["id"])
+    return card
+
+
+async def fetch_model(url: str, api_key: str | None, timeout: float = 30.0) -> str:
+    """The first model ``GET /v1/models`` lists."""
+    return str((await fetch_card(url, api_key, timeout))["id"])
 
 
 async def run_load(
@@ -259,10 +300,12 @@ async def run_load(
     timeout: float = 300.0,
     on_done: Callable[[Record], None] | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
+    breaker: Breaker | None = None,
 ) -> tuple[list[Record], float]:
     """Sends ``requests`` (at their ``at_s``, or ``concurrency`` at a time in order) and
     returns their records in index order and the wall time. After ``duration`` s nothing new
-    is sent; requests still running ``grace`` s later are cancelled (``cancelled``)."""
+    is sent; requests still running ``grace`` s later are cancelled (``cancelled``). When
+    ``breaker`` trips, nothing new is sent and requests in flight are cancelled at once."""
     url = url.rstrip("/")
     records: dict[int, Record] = {}
     tasks: dict[int, asyncio.Task[Record]] = {}
@@ -275,6 +318,7 @@ async def run_load(
     )
     t_run = time.perf_counter()
     stop_at = t_run + duration if duration is not None else None
+    halt = asyncio.Event()
 
     def finish(req: Planned, task: asyncio.Task[Record]) -> None:
         if req.index in records:
@@ -287,6 +331,8 @@ async def run_load(
         records[req.index] = rec
         if on_done is not None:
             on_done(rec)
+        if breaker is not None and breaker.add(rec):
+            halt.set()
 
     def launch(req: Planned) -> asyncio.Task[Record]:
         rec = partial[req.index] = Record(index=req.index, start_s=time.perf_counter() - t_run)
@@ -298,19 +344,36 @@ async def run_load(
     def time_left() -> float | None:
         return None if stop_at is None else stop_at - time.perf_counter()
 
+    async def wait_all(aws: Sequence[asyncio.Task[Any]], timeout: float | None) -> None:
+        """Until ``aws`` are all done, ``timeout`` passes or the breaker trips."""
+        deadline = None if timeout is None else time.perf_counter() + timeout
+        halted = asyncio.create_task(halt.wait())
+        try:
+            pending = set(aws)
+            while pending and not halt.is_set():
+                left = None if deadline is None else deadline - time.perf_counter()
+                if left is not None and left <= 0:
+                    return
+                _, pending = await asyncio.wait(
+                    [*pending, halted], timeout=left, return_when=asyncio.FIRST_COMPLETED
+                )
+                pending.discard(halted)
+        finally:
+            halted.cancel()
+
     try:
         if concurrency is not None:
             queue = list(reversed(requests))
 
             async def worker() -> None:
-                while queue:
+                while queue and not halt.is_set():
                     left = time_left()
                     if left is not None and left <= 0:
                         return
                     await asyncio.wait([launch(queue.pop())])  # its outcome is its record
 
             workers = [asyncio.create_task(worker()) for _ in range(max(1, concurrency))]
-            await asyncio.wait(workers, timeout=time_left())
+            await wait_all(workers, time_left())
         else:
             for req in requests:
                 wait = t_run + (req.at_s or 0.0) - time.perf_counter()
@@ -318,16 +381,19 @@ async def run_load(
                 if left is not None and (left <= 0 or (wait > 0 and wait >= left)):
                     break
                 if wait > 0:
-                    await asyncio.sleep(wait)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(halt.wait(), wait)
                     left = time_left()
                     if left is not None and left <= 0:  # the sleep overran the deadline
                         break
+                if halt.is_set():
+                    break
                 launch(req)
             workers = []
         running = [t for t in tasks.values() if not t.done()]
-        if running:
+        if running and not halt.is_set():
             # Past --duration in-flight requests get a grace; otherwise all are waited for.
-            await asyncio.wait(running, timeout=grace if stop_at is not None else None)
+            await wait_all(running, grace if stop_at is not None else None)
         for t in [*tasks.values(), *workers]:
             t.cancel()
         await asyncio.gather(*tasks.values(), *workers, return_exceptions=True)

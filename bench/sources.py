@@ -8,7 +8,7 @@ hit rate measured on a live fleet can be set beside the simulated one for the sa
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +61,24 @@ def scale_lengths(spec: RequestSpec, factor: float, max_tokens: int | None) -> R
     return RequestSpec(spec.arrival_s, segs, max(1, out), spec.cache_salt)
 
 
+def fit_context(spec: RequestSpec, context: int) -> RequestSpec:
+    """``spec`` cut to fit a ``context`` of tokens, prompt and output together: the output to
+    at most half the context, then the prompt's tail (a cut prompt is a prefix of the full
+    one, so shared prefixes stay shared). Unchanged when it fits."""
+    prompt = sum(n for _, n in spec.segments)
+    if prompt + spec.output_length <= context:
+        return spec
+    out = max(1, min(spec.output_length, context // 2))
+    room = max(1, context - out)
+    segs: list[tuple[int, int]] = []
+    for seg, n in spec.segments:
+        if room <= 0:
+            break
+        segs.append((seg, min(n, room)))
+        room -= n
+    return RequestSpec(spec.arrival_s, tuple(segs), out, spec.cache_salt)
+
+
 def spec_tokens(spec: RequestSpec, source: TokenSource) -> list[int]:
     """The prompt's token ids, exactly as the simulator sees them."""
     return np.frombuffer(source.prompt_bytes(spec), dtype="<u4").tolist()
@@ -101,16 +119,19 @@ def plan(
     keys: Sequence[str] = (),
     prompt_format: str = "tokens",
     vocab_size: int = DEFAULT_VOCAB,
+    avoid_ids: Collection[int] = (),
     rate: float | None = None,
     closed_loop: bool = False,
     seed: int = 0,
 ) -> list[Planned]:
     """Request bodies for ``specs``: streamed completions of exactly ``output_length``
     tokens (``ignore_eos``, greedy), sent at the specs' times, at Poisson ``rate``, or
-    (``closed_loop``) whenever a slot frees."""
+    (``closed_loop``) whenever a slot frees. Token ids are below ``vocab_size``; an id in
+    ``avoid_ids`` (a tokenizer's special tokens) becomes the next id that is not."""
     if prompt_format not in ("tokens", "text"):
         raise ValueError(f"unknown prompt format {prompt_format!r}")
     source = TokenSource(vocab_size)
+    swap = _swaps(vocab_size, avoid_ids)
     times: list[float | None]
     if closed_loop:
         times = [None] * len(specs)
@@ -122,6 +143,8 @@ def plan(
     out = []
     for i, (spec, at) in enumerate(zip(specs, times, strict=True)):
         tokens = spec_tokens(spec, source)
+        if swap:
+            tokens = [swap.get(t, t) for t in tokens]
         body: dict[str, Any] = {
             "model": model,
             "prompt": tokens if prompt_format == "tokens" else tokens_to_text(tokens),
@@ -135,4 +158,18 @@ def plan(
             body["cache_salt"] = spec.cache_salt
         key = pick_key(keys, spec.cache_salt, i)
         out.append(Planned(i, at, body, key, spec.cache_salt, len(tokens)))
+    return out
+
+
+def _swaps(vocab_size: int, avoid: Collection[int]) -> dict[int, int]:
+    """Each avoided id below ``vocab_size`` -> the next id (cyclically) that is not avoided."""
+    avoid = {i for i in avoid if 0 <= i < vocab_size}
+    if not avoid or len(avoid) >= vocab_size:
+        return {}
+    out = {}
+    for i in avoid:
+        j = (i + 1) % vocab_size
+        while j in avoid:
+            j = (j + 1) % vocab_size
+        out[i] = j
     return out

@@ -148,9 +148,21 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     )
     src = bench.add_mutually_exclusive_group()
     src.add_argument("--trace", help="Mooncake jsonl trace (timestamp, hash_ids, ...)")
-    src.add_argument("--workload", choices=("tenants", "chat", "rag", "agents"))
+    src.add_argument(
+        "--workload",
+        choices=("tenants", "chat", "rag", "agents"),
+        help="with neither this nor --trace: chat, 20 requests, 4 at a time, answers of at "
+        "most 128 tokens (each overridable)",
+    )
     bench.add_argument("--url", default="http://127.0.0.1:8000/v1", help="API base URL")
     bench.add_argument("--model", default=None, help="default: the first of GET /v1/models")
+    bench.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="a local Hugging Face tokenizer folder: the vocabulary size, context and special "
+        "ids (not sent) of a server whose /v1/models does not give them",
+    )
     bench.add_argument(
         "--api-key",
         action="append",
@@ -167,7 +179,9 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     bench.add_argument(
         "--speed", type=float, default=1.0, help="own timestamps divided by this (default 1)"
     )
-    bench.add_argument("--max-requests", type=int, default=1000, help="default 1000")
+    bench.add_argument(
+        "--max-requests", type=int, default=None, help="default 1000 (20 without a source)"
+    )
     bench.add_argument(
         "--duration",
         type=float,
@@ -187,7 +201,25 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "characters, so their token counts are not exact",
     )
     bench.add_argument(
-        "--vocab-size", type=int, default=128_256, help="token ids < this (tiny: 256)"
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="token ids < this (default: from /v1/models or --tokenizer, else 128256)",
+    )
+    bench.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the context: longer requests are cut to fit (default: from /v1/models or "
+        "--tokenizer, else no cut)",
+    )
+    bench.add_argument(
+        "--stop-after-errors",
+        type=int,
+        default=10,
+        metavar="N",
+        help="stop when N requests in a row failed, printing the server's message "
+        "(default 10; 0: never)",
     )
     bench.add_argument(
         "--length-scale",

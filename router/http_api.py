@@ -116,7 +116,11 @@ async def fleet(request: Request) -> JSONResponse:
 
 async def models(request: Request, _: TenantDep) -> ModelList:
     intake = _intake(request)
-    card = ModelCard(id=intake.model_name, max_model_len=intake.door.fleet.max_model_len)
+    fleet = intake.door.fleet
+    vocab = min(
+        (r.info.vocab_size for r in fleet.replicas.values() if r.info.vocab_size), default=None
+    )
+    card = ModelCard(id=intake.model_name, max_model_len=fleet.max_model_len, vocab_size=vocab)
     return ModelList(data=[card])
 
 

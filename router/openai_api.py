@@ -281,7 +281,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "kvroute"
-    max_model_len: int | None = None
+    max_model_len: int | None = None  # the context: prompt + max_tokens must fit in it
+    vocab_size: int | None = None  # prompt token ids must be below it (None: not known)
 
 
 class ModelList(BaseModel):

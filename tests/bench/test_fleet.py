@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from kvroute.bench.report import load_result
@@ -127,3 +128,52 @@ def test_max_requests_and_duration_bound_the_run(fleet: Served, tmp_path: Path) 
     # A cancelled request keeps what was measured before (its replica, once answered).
     assert set(s["per_replica"]) <= set(fleet.actors)
     assert s["wall_s"] < 1.0 + 0.3 + 1.0
+
+
+def test_defaults_fit_the_server_they_ask(
+    fleet: Served, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The model card says what bench must fit: tiny's vocabulary, the cache-capped context.
+    card = httpx.get(fleet.url + "/v1/models", headers={"Authorization": "Bearer key-a"})
+    (model,) = card.json()["data"]
+    assert model["id"] == "tiny" and 256 < model["vocab_size"] < 300
+    context = model["max_model_len"]
+    assert context == 160 * 16  # num_blocks x block_size caps the model's 8192 positions
+    # `kvroute bench` with nothing but the URL and a key: the quick chat run, every request
+    # inside the vocabulary and the context, so nothing fails.
+    out = tmp_path / "quick.json"
+    argv = ["bench", "--url", fleet.url + "/v1", "--api-key", "key-a", "--json", str(out)]
+    assert main(argv) == 0
+    res = load_result(out)
+    s, records = res["summary"], res["records"]
+    assert s["requests"] == s["ok"] == 20 and s["errors"] == {}
+    assert all(r.prompt_tokens + r.output_tokens <= context for r in records)
+    assert all(r.output_tokens <= 128 for r in records)
+    c = res["config"]
+    assert (c["vocab_size"], c["max_model_len"]) == (model["vocab_size"], context)
+    assert c["concurrency"] == 4
+    err = capsys.readouterr().err
+    assert "no --trace or --workload: the chat workload, 20 requests" in err
+    assert f"cut to fit the context of {context} tokens" in err  # chat's history outgrows it
+    assert "bench: 20/20 done, 0 errors" in err  # kvroute's own progress line
+
+
+def test_a_server_refusing_everything_stops_the_run_within_seconds(
+    fleet: Served, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A vocabulary the server does not have: every request is a 400. 1000 requests at 20/s
+    # would take 50 s; bench stops after 10 failures in a row with the server's message.
+    out = tmp_path / "refused.json"
+    argv = ["bench", "--url", fleet.url + "/v1", *KEY, "--json", str(out), "--no-progress"]
+    argv += ["--workload", "chat", "--rate", "20", "--vocab-size", "100000"]
+    t0 = time.monotonic()
+    assert main(argv) == 1
+    took = time.monotonic() - t0
+    assert took < 5, took
+    s = load_result(out)["summary"]
+    assert s["ok"] == 0 and s["errors"].get("http_400", 0) >= 10
+    assert s["requests"] < 30
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if "stopped after" in x)
+    assert "stopped after 10 failed requests in a row" in line
+    assert "the server answered HTTP 400: prompt: token ids must be ints in [0, 261)" in line

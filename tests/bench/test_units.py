@@ -13,10 +13,19 @@ import httpx
 import numpy as np
 import pytest
 
-from kvroute.bench.loadgen import Record, StreamError, run_load, send_one, sse_events
+from kvroute.bench.loadgen import (
+    Breaker,
+    Record,
+    StreamError,
+    describe_failure,
+    run_load,
+    send_one,
+    sse_events,
+)
 from kvroute.bench.report import format_table, load_result, percentile, summarize, to_json
 from kvroute.bench.sources import (
     Planned,
+    fit_context,
     pick_key,
     plan,
     scale_lengths,
@@ -104,7 +113,8 @@ def test_json_round_trip_and_side_by_side_table(tmp_path: Path) -> None:
     assert "50.0%" in table and "requests on r0" in table
     (tmp_path / "bad.json").write_text("[1]")
     assert main(["bench", "report", str(tmp_path / "bad.json")]) == 2
-    assert main(["bench"]) == 2  # no source
+    # No source is a quick run; with no server there, it stops before sending: 1.
+    assert main(["bench", "--url", "http://127.0.0.1:9/v1"]) == 1
     assert main(["bench", "--workload", "chat", "--speed", "0"]) == 2
 
 
@@ -169,6 +179,34 @@ def test_keys_pacing_and_scaling() -> None:
     assert small.cache_salt == "t" and small.arrival_s == 1.0
     src = TokenSource(256)
     assert src.prompt_bytes(small)[:200] == src.prompt_bytes(s)[:200]  # prefix kept
+
+
+def test_requests_fit_the_context_and_skip_avoided_ids() -> None:
+    s = RequestSpec(1.0, ((1, 1000), (2, 500), (3, 10)), 300, "t")
+    assert fit_context(s, 2000) is s  # fits: unchanged
+    cut = fit_context(s, 1200)  # the answer first stays whole, the prompt's tail goes
+    assert cut.segments == ((1, 900),) and cut.output_length == 300
+    long_answer = fit_context(RequestSpec(0.0, ((1, 100),), 5000, None), 1000)
+    assert long_answer.segments == ((1, 100),) and long_answer.output_length == 500
+    src = TokenSource(256)
+    assert src.prompt_bytes(cut) == src.prompt_bytes(s)[: 4 * 900]  # a prefix of the full one
+    specs = make_workload("chat", 20, seed=3)
+    plain = plan(specs, "m", vocab_size=8)
+    avoided = plan(specs, "m", vocab_size=8, avoid_ids=[0, 7, 3])
+    for a, b in zip(plain, avoided, strict=True):
+        want = [{0: 1, 7: 1, 3: 4}.get(t, t) for t in a.body["prompt"]]
+        assert b.body["prompt"] == want
+
+
+def test_breaker_trips_on_failures_in_a_row_only() -> None:
+    b = Breaker(3)
+    bad = Record(index=0, start_s=0.0, error="http_400", detail="prompt: too long")
+    ok, cancelled = Record(index=1, start_s=0.0), Record(index=2, start_s=0.0, error="cancelled")
+    assert not any(b.add(r) for r in (bad, bad, ok, bad, cancelled, bad))
+    assert b.add(bad) and b.last is bad and b.in_a_row == 3
+    assert describe_failure(bad) == "HTTP 400: prompt: too long"
+    assert describe_failure(Record(index=0, start_s=0.0, error="timeout")) == "timeout"
+    assert not any(Breaker(0).add(bad) for _ in range(100))  # 0: never
 
 
 # -- SSE and one request --------------------------------------------------------------------
@@ -255,6 +293,12 @@ async def test_nothing_listening_is_counted_not_raised() -> None:
     reqs = plan(make_workload("chat", 5), "m", closed_loop=True, vocab_size=256)
     records, _ = await run_load(f"http://127.0.0.1:{port}/v1", reqs, concurrency=2, timeout=5)
     assert [r.error for r in records] == ["connect"] * 5
+    # With a breaker, a closed loop stops sending after 4 failures in a row.
+    reqs = plan(make_workload("chat", 50), "m", closed_loop=True, vocab_size=256)
+    url, breaker = f"http://127.0.0.1:{port}/v1", Breaker(4)
+    records, _ = await run_load(url, reqs, concurrency=2, timeout=5, breaker=breaker)
+    assert breaker.tripped and 4 <= len(records) <= 6
+    assert {r.error for r in records} <= {"connect", "cancelled"}
 
 
 async def test_closed_loop_holds_c_in_flight_and_duration_cancels() -> None:
