@@ -13,7 +13,8 @@ idle (``b`` alone) and under the flood, side by side:
 - ``one queue``: no tenants passed to the engine (first come, first served: the baseline);
 - ``tenants``: tenants passed, no step bound (fair queue, least-served first);
 - ``+ threshold 256``: ``long_prefill_token_threshold`` 256;
-- ``+ partial prefills 1``: and ``max_num_partial_prefills`` 1 (the README's setting).
+- ``+ partial prefills 1``: and ``max_num_partial_prefills`` 1 (as docs/serving.md
+  sets up several tenants).
 
 TTFT is in wall seconds (divide by ``--time-scale`` for modelled H100 seconds); the ratio is
 what the issue's goal reads (another tenant within 2x of its idle TTFT p90).

@@ -13,7 +13,8 @@ vLLM itself has shipped three layouts over time -- events as tagged arrays
 (``["BlockStored", hashes, parent, ...]``) inside an array batch, events as maps inside an
 array batch, and (newest main) events as maps inside a map batch
 (``{"ts":..., "events":..., "data_parallel_rank":...}``). :func:`decode_batch` reads all of
-them; :class:`BatchEncoder` writes the array batch (DESIGN.md) or, on request, the map batch.
+them; :class:`BatchEncoder` writes the array batch (docs/architecture.md) or, on request,
+the map batch.
 """
 
 from __future__ import annotations

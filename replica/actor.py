@@ -75,7 +75,7 @@ class ReplicaServer:
             else EngineConfig(**engine_config)
         )
         if torch_threads is not None and sim_profile(config.model) is None:
-            import torch  # a cost-model replica never imports it (memory: see README)
+            import torch  # a cost-model replica never imports it (~1 GB less)
 
             torch.set_num_threads(torch_threads)
         node_ip = ray.util.get_node_ip_address()

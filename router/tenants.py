@@ -1,9 +1,9 @@
 """Tenants: API key -> tenant id -> tenant cache salt.
 
 Why a derived salt and not the tenant id itself: the salt enters block 0 of every hash
-chain (DESIGN, "Block hashing"), and block hashes travel in clear over the event stream; an
-HMAC of the tenant id under a fleet secret cannot be guessed or forged by a client, so no
-request of another tenant can name (and hit) a tenant's blocks. A request's own
+chain (docs/architecture.md, "Block hashing"), and block hashes travel in clear over the
+event stream; an HMAC of the tenant id under a fleet secret cannot be guessed or forged by
+a client, so no request of another tenant can name (and hit) a tenant's blocks. A request's own
 ``cache_salt`` (vLLM's extension field) is appended to the tenant salt: it can split a
 tenant's cache further, never reach into another tenant's.
 
