@@ -73,7 +73,7 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
         metavar="JSON",
         help='Ray runtime_env for the replicas, e.g. \'{"env_vars": {"HF_HOME": '
         "\"/models/hf\"}}' or pip/working_dir fields; default: none (the nodes' own image, "
-        "which must hold the same kvroute and the model files: see README)",
+        "which must hold the same kvroute and the model files: see docs/operating.md)",
     )
     serve.add_argument("--num-blocks", type=int, default=None, help="KV blocks per replica")
     serve.add_argument(
@@ -89,7 +89,7 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
         default=0,
         help="at most this many requests of one tenant part-way through their prompt at once "
         "(0: no limit); with --long-prefill-token-threshold it bounds every step, which keeps "
-        "one tenant's long prompts from delaying another's first token (see README)",
+        "one tenant's long prompts from delaying another's first token (see docs/serving.md)",
     )
     serve.add_argument("--block-size", type=int, default=16)
     serve.add_argument(
