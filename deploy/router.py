@@ -14,7 +14,9 @@ port with ``SO_REUSEPORT``: the kernel spreads connections over them.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import ipaddress
+import logging
 import socket
 import sys
 import threading
@@ -229,6 +231,29 @@ def build_app(
     )
 
 
+# On Ctrl-C, requests in flight get this long to finish; then their streams are cut.
+DRAIN_S = 5.0
+
+
+class _QuietCancel(logging.Filter):
+    """uvicorn logs each request it cancels at shutdown (past the drain, or on a second
+    Ctrl-C) as an ASGI exception with its full traceback, and the lifespan's cancellation
+    too: expected events, said in one line of kvroute's own instead."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        super().__init__()
+        self.say = say
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, asyncio.CancelledError):
+            return False
+        if isinstance(record.msg, str) and record.msg.startswith("Cancel %s running task"):
+            self.say(f"cut {record.args[0] if record.args else 'the'} stream(s) still running")
+            return False
+        return True
+
+
 def serve_app(
     app: Any,
     host: str,
@@ -236,13 +261,22 @@ def serve_app(
     reuse_port: bool,
     ready: Callable[[], None] | None = None,
     head_timeout_s: float = 30.0,
+    say: Callable[[str], None] = say,
 ) -> None:
     """uvicorn on a socket bound here: with ``reuse_port``, several processes share it.
     ``ready`` runs once the server accepts connections (what a "ready" line may promise);
-    ``head_timeout_s``: a request head slower than this closes its connection."""
+    ``head_timeout_s``: a request head slower than this closes its connection. On Ctrl-C,
+    requests in flight get :data:`DRAIN_S` to finish (a second Ctrl-C ends them at once)."""
     import uvicorn
 
     from .http_server import uvicorn_config
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            busy = len(self.server_state.tasks)
+            if busy:
+                say(f"stopping: {busy} request(s) in flight get {DRAIN_S:.0f} s to finish")
+            await super().shutdown(sockets)
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -250,7 +284,7 @@ def serve_app(
     if reuse_port:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
-    server = uvicorn.Server(uvicorn_config(app, head_timeout_s))
+    server = Server(uvicorn_config(app, head_timeout_s, timeout_graceful_shutdown=DRAIN_S))
 
     def announce() -> None:
         while not server.started and not server.should_exit:
@@ -259,10 +293,15 @@ def serve_app(
             ready()
 
     threading.Thread(target=announce, daemon=True).start()
+    quiet = _QuietCancel(say)
+    log = logging.getLogger("uvicorn.error")
+    log.addFilter(quiet)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on (as uvicorn.run)
         pass
+    finally:
+        log.removeFilter(quiet)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -340,7 +340,15 @@ def _run(
         f"ready: model {name!r} on http://{args.host}:{args.port}/v1 "
         f"({n} replicas, policy {args.policy}{doors}, {auth}); Ctrl-C stops"
     )
-    serve_app(app, args.host, args.port, args.routers > 1, lambda: _say(message), args.body_timeout)
+    serve_app(
+        app,
+        args.host,
+        args.port,
+        args.routers > 1,
+        lambda: _say(message),
+        args.body_timeout,
+        say=_say,
+    )
     if args.address:
         _say("stopped; the replicas keep running (detached): `kvroute stop` ends them")
     else:

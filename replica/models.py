@@ -13,6 +13,7 @@ several processes (Ray actors starting together) may build at once.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -322,14 +323,15 @@ def _convert_smollm2(out: Path, progress: bool) -> None:
         _say(progress, "dequantizing the GGUF with transformers (~25 s on 2 CPU cores)")
         t0 = time.monotonic()
         kwargs: dict[str, Any] = {"gguf_file": gguf.name}
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
         try:  # transformers 5.x: with the `kernels` package it would keep GGUF blocks packed
             from transformers import GgufConfig
 
             kwargs["quantization_config"] = GgufConfig(gguf_file=gguf.name, dequantize=True)
         except ImportError:  # 4.x always dequantizes
             pass
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
+        with _no_progress_bars():
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
         if getattr(model, "hf_quantizer", None) is not None or any(
             type(m).__name__ == "GgufLinear" for m in model.modules()
         ):
@@ -344,6 +346,31 @@ def _convert_smollm2(out: Path, progress: bool) -> None:
     _tidy_tokenizer_config(out / "tokenizer_config.json")
     total = time.monotonic() - started
     _say(progress, f"saved in {time.monotonic() - t0:.1f} s; {total:.1f} s in all")
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """No third-party progress bars while converting: kvroute's own lines say each step.
+    transformers' GGUF reader draws its bar with ``tqdm.auto`` directly, which transformers'
+    own switch does not reach, so its module's ``tqdm`` is made a silent one for the while."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        yield
+        return
+    bar = getattr(gguf_utils, "tqdm", None)
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    if bar is not None:
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _tidy_tokenizer_config(path: Path) -> None:
