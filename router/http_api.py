@@ -120,7 +120,12 @@ async def models(request: Request, _: TenantDep) -> ModelList:
     vocab = min(
         (r.info.vocab_size for r in fleet.replicas.values() if r.info.vocab_size), default=None
     )
-    card = ModelCard(id=intake.model_name, max_model_len=fleet.max_model_len, vocab_size=vocab)
+    card = ModelCard(
+        id=intake.model_name,
+        root=fleet.model_path,
+        max_model_len=fleet.max_model_len,
+        vocab_size=vocab,
+    )
     return ModelList(data=[card])
 
 

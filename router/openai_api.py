@@ -281,6 +281,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "kvroute"
+    # vLLM's field: where the weights and tokenizer were loaded from (a path on the server).
+    # `vllm bench serve` with no --model loads its tokenizer from it (and fails without it).
+    root: str | None = None
     max_model_len: int | None = None  # the context: prompt + max_tokens must fit in it
     vocab_size: int | None = None  # prompt token ids must be below it (None: not known)
 
