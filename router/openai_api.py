@@ -7,9 +7,11 @@ enforces (:mod:`kvroute.events.replica_api`), so a request the front door accept
 engine stage will fail on. Unknown fields are ignored (as OpenAI and vLLM do, so SDKs that
 send newer fields keep working), but the OpenAI parameters this server does not implement
 are declared, so that setting one is refused by name (:meth:`_Request.unsupported`) instead
-of being silently ignored. ``cache_salt``, ``top_k``, ``ignore_eos``, ``min_tokens`` and
-``stop_token_ids`` are vLLM's extensions; ``usage.prompt_tokens_details.cached_tokens`` is
-OpenAI's field for the prompt tokens served from cache.
+of being silently ignored; so are vLLM's ``repetition_penalty`` and ``min_p``, which
+``vllm bench serve`` sends (``repetition_penalty: 1.0``, neutral, always). ``cache_salt``,
+``top_k``, ``ignore_eos``, ``min_tokens`` and ``stop_token_ids`` are vLLM's extensions;
+``usage.prompt_tokens_details.cached_tokens`` is OpenAI's field for the prompt tokens served
+from cache.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "presence_penalty": (None, 0, 0.0),
     "frequency_penalty": (None, 0, 0.0),
     "repetition_penalty": (None, 1, 1.0),
+    "min_p": (None, 0, 0.0),  # vLLM's; `vllm bench serve --min-p` sends it
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
@@ -104,6 +107,7 @@ class _Request(_Strict):
     presence_penalty: Any = None
     frequency_penalty: Any = None
     repetition_penalty: Any = None
+    min_p: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
