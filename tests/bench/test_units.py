@@ -198,6 +198,16 @@ def test_requests_fit_the_context_and_skip_avoided_ids() -> None:
         assert b.body["prompt"] == want
 
 
+def test_a_tokenizer_folder_gives_vocabulary_context_and_special_ids() -> None:
+    from kvroute.bench.command import _tokenizer_facts
+    from kvroute.replica.models import tiny_model_path
+
+    vocab, context, special = _tokenizer_facts(str(tiny_model_path()))
+    assert (vocab, context, sorted(special)) == (261, 8192, [256, 257, 258, 259, 260])
+    planned = plan(make_workload("chat", 10), "m", vocab_size=vocab, avoid_ids=special)
+    assert max(max(p.body["prompt"]) for p in planned) < 256  # no special token is sent
+
+
 def test_breaker_trips_on_failures_in_a_row_only() -> None:
     b = Breaker(3)
     bad = Record(index=0, start_s=0.0, error="http_400", detail="prompt: too long")
