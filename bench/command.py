@@ -23,7 +23,7 @@ from .report import format_table, load_result, plot, summarize, to_json
 from .sources import fit_context, load_specs, plan, scale_lengths
 
 # `kvroute bench` with no --trace or --workload: a quick look that fits a small CPU server.
-QUICK_WORKLOAD, QUICK_REQUESTS, QUICK_CONCURRENCY, QUICK_MAX_TOKENS = "chat", 20, 4, 128
+QUICK_WORKLOAD, QUICK_REQUESTS, QUICK_CONCURRENCY, QUICK_MAX_TOKENS = "chat", 20, 4, 32
 MAX_REQUESTS = 1000  # with --trace or --workload
 
 
@@ -232,6 +232,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 timeout=args.timeout,
                 on_done=progress.add,
                 breaker=breaker,
+                on_tick=progress.tick,
             )
         )
     finally:

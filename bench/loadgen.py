@@ -225,9 +225,14 @@ class Progress:
     def add(self, rec: Record) -> None:
         self.done += 1
         self.errors += not rec.ok
+        self.tick(last=self.done == self.total)
+
+    def tick(self, last: bool = False) -> None:
+        """Shows the line if it is due (called on each finished request and twice a second,
+        so a run waiting on slow requests still shows it is alive); ``last``: now."""
         now = time.perf_counter()
         every = 0.5 if self._tty else 5.0
-        if self.enabled and (now - self._shown >= every or self.done == self.total):
+        if self.enabled and (now - self._shown >= every or last):
             self._shown = now
             line = f"bench: {self.done}/{self.total} done, {self.errors} errors, "
             line += f"{now - self.t0:.1f} s"
@@ -301,11 +306,13 @@ async def run_load(
     on_done: Callable[[Record], None] | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
     breaker: Breaker | None = None,
+    on_tick: Callable[[], None] | None = None,
 ) -> tuple[list[Record], float]:
     """Sends ``requests`` (at their ``at_s``, or ``concurrency`` at a time in order) and
     returns their records in index order and the wall time. After ``duration`` s nothing new
     is sent; requests still running ``grace`` s later are cancelled (``cancelled``). When
-    ``breaker`` trips, nothing new is sent and requests in flight are cancelled at once."""
+    ``breaker`` trips, nothing new is sent and requests in flight are cancelled at once.
+    ``on_tick`` is called twice a second while the run lasts."""
     url = url.rstrip("/")
     records: dict[int, Record] = {}
     tasks: dict[int, asyncio.Task[Record]] = {}
@@ -319,6 +326,13 @@ async def run_load(
     t_run = time.perf_counter()
     stop_at = t_run + duration if duration is not None else None
     halt = asyncio.Event()
+
+    async def ticker() -> None:
+        while on_tick is not None:
+            await asyncio.sleep(0.5)
+            on_tick()
+
+    ticking = asyncio.create_task(ticker()) if on_tick is not None else None
 
     def finish(req: Planned, task: asyncio.Task[Record]) -> None:
         if req.index in records:
@@ -401,6 +415,8 @@ async def run_load(
             finish(requests_by_index[i], task)
     finally:
         wall = time.perf_counter() - t_run
+        if ticking is not None:
+            ticking.cancel()
         await client.aclose()
     return [records[i] for i in sorted(records)], wall
 

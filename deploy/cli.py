@@ -152,7 +152,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         "--workload",
         choices=("tenants", "chat", "rag", "agents"),
         help="with neither this nor --trace: chat, 20 requests, 4 at a time, answers of at "
-        "most 128 tokens (each overridable)",
+        "most 32 tokens (each overridable)",
     )
     bench.add_argument("--url", default="http://127.0.0.1:8000/v1", help="API base URL")
     bench.add_argument("--model", default=None, help="default: the first of GET /v1/models")
