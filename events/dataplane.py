@@ -21,9 +21,15 @@ Frames, replica -> front door (ROUTER):   [kind, payload]
     OUTPUTS   b"O"  msgpack(StepOutputs)            one per step that changed its requests
     HEARTBEAT b"H"  msgpack(Heartbeat)              answers HELLO; then whenever nothing else
                                                     went to that front door for a while
+    LOAD      b"L"  msgpack(LoadReport)             the engine's load: at most every
+                                                    LOAD_INTERVAL_S while it changes, and every
+                                                    HEARTBEAT_INTERVAL_S while it does not
+                                                    (to front doors of version 2 and later)
 A front door that hears nothing from a replica for ``SILENCE_TIMEOUT_S`` (heartbeats come
 from the replica's I/O thread, not its step loop, so a long step is no silence) or sees its
-connection drop treats the replica as lost and fails its requests over.
+connection drop treats the replica as lost and fails its requests over. Load reports ride
+here too, pushed: a front door polling each replica over Ray would pay an RPC per replica
+per interval, hundreds a second on a large fleet.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from __future__ import annotations
 import msgspec
 import zmq
 
+from .load import LoadReport
 from .replica_api import GenerateDelta, GenerateRequest
 
 __all__ = [
@@ -39,6 +46,8 @@ __all__ = [
     "HEARTBEAT",
     "HEARTBEAT_INTERVAL_S",
     "HELLO",
+    "LOAD",
+    "LOAD_INTERVAL_S",
     "OUTPUTS",
     "PROTOCOL_VERSION",
     "SILENCE_TIMEOUT_S",
@@ -48,10 +57,11 @@ __all__ = [
     "configure_socket",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: LOAD
 HELLO, ADD, ABORT = b"H", b"A", b"X"
-OUTPUTS, HEARTBEAT = b"O", b"H"
+OUTPUTS, HEARTBEAT, LOAD = b"O", b"H", b"L"
 HEARTBEAT_INTERVAL_S = 0.5
+LOAD_INTERVAL_S = 0.1
 SILENCE_TIMEOUT_S = 5.0  # ten heartbeats missed: the replica is gone (or hung)
 # Messages queued per peer before ZeroMQ refuses more: a front door that stopped reading
 # for this many steps is stuck, and its requests are aborted rather than buffered forever.
@@ -98,3 +108,4 @@ decode_request = msgspec.msgpack.Decoder(GenerateRequest).decode
 decode_abort = msgspec.msgpack.Decoder(list[str]).decode
 decode_outputs = msgspec.msgpack.Decoder(StepOutputs).decode
 decode_heartbeat = msgspec.msgpack.Decoder(Heartbeat).decode
+decode_load = msgspec.msgpack.Decoder(LoadReport).decode

@@ -90,6 +90,9 @@ class DataPlaneServer:
         # popleft are atomic, and an empty one is seen without a raised queue.Empty.
         self._outbox: deque[tuple[bytes, list[GenerateDelta]]] = deque()
         self._heartbeat_due = 0.0  # no front door is due a heartbeat before this
+        self._load_clients: set[bytes] = set()  # front doors that read LOAD (version >= 2)
+        self._load_sent: object = None  # the engine's last report sent, and when
+        self._load_sent_at = 0.0
         self._heartbeat = dp.encoder.encode(dp.Heartbeat(incarnation))
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -140,7 +143,8 @@ class DataPlaneServer:
             if not outbox:
                 self._idle = True  # announced before the last look: see enqueue
                 if not outbox:
-                    timeout_ms = int(interval * 1000)
+                    changed = self._load() is not self._load_sent
+                    timeout_ms = int((dp.LOAD_INTERVAL_S if changed else interval) * 1000)
             ready = dict(poller.poll(timeout_ms))
             self._idle = False
             if self._waker.fd in ready:
@@ -148,6 +152,7 @@ class DataPlaneServer:
             self._send_outputs()
             if self._sock in ready:
                 self._receive()
+            self._send_load()
             self._send_heartbeats(interval)
         self._send_outputs()
 
@@ -177,6 +182,9 @@ class DataPlaneServer:
             log.info("data plane: front door %s connected", hello.client_id)
             self._sink(client)
             self._send(client, dp.HEARTBEAT, self._heartbeat)
+            if hello.version >= 2:
+                self._load_clients.add(client)
+                self._load_sent = None  # the newcomer hears the load at once
         else:
             raise ValueError(f"unknown message kind {kind!r}")
 
@@ -228,9 +236,30 @@ class DataPlaneServer:
         self.messages_sent += 1
         self._last_sent[client] = time.monotonic()
 
+    def _load(self) -> object:
+        """The engine's latest load report (a new object each step; None: it has none)."""
+        return getattr(self.engine, "load", None)
+
+    def _send_load(self) -> None:
+        """The load to every front door that reads it: at most every ``LOAD_INTERVAL_S``
+        while it changes, every ``HEARTBEAT_INTERVAL_S`` while it does not (a router holds
+        a report for a second only)."""
+        report = self._load()
+        if report is None or not self._load_clients:
+            return
+        now = time.monotonic()
+        wait = dp.LOAD_INTERVAL_S if report is not self._load_sent else dp.HEARTBEAT_INTERVAL_S
+        if now - self._load_sent_at < wait:
+            return
+        payload = dp.encoder.encode(report)
+        for client in list(self._load_clients):
+            self._send(client, dp.LOAD, payload)
+        self._load_sent, self._load_sent_at = report, now
+
     def _drop(self, client: bytes, exc: zmq.ZMQError) -> None:
         sink = self._sinks.pop(client, None)
         self._last_sent.pop(client, None)
+        self._load_clients.discard(client)
         if sink is None:
             return
         self.clients_dropped += 1

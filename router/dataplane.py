@@ -29,6 +29,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from kvroute.events import dataplane as dp
+from kvroute.events.load import LoadReport
 from kvroute.events.replica_api import (
     GenerateDelta,
     GenerateRequest,
@@ -98,13 +99,17 @@ class ReplicaConnection:
         client_id: str,
         on_lost: Callable[[str, str], None],
         context: zmq.Context | None = None,
+        on_load: Callable[[str, LoadReport], None] | None = None,
     ) -> None:
         """``on_lost(replica_id, why)`` runs once, when the connection finds the replica
-        gone (after every flight has failed)."""
+        gone (after every flight has failed); ``on_load(replica_id, report)`` with each
+        load report the replica pushes."""
         self.replica_id = replica_id
         self.endpoint = endpoint
         self.incarnation = incarnation
         self.on_lost = on_lost
+        self.on_load = on_load
+        self.loads = 0  # load reports received: the replica pushes its load (version >= 2)
         self.lost: str | None = None  # why, once lost
         self.flights: dict[str, Flight] = {}
         self.malformed = 0  # messages that did not decode, skipped
@@ -217,7 +222,8 @@ class ReplicaConnection:
         if sock.closed:
             return
         flights = self.flights
-        while True:
+        # Asked, not tried: an exception per drained socket costs more than the question.
+        while not sock.closed and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
                 kind, payload = sock.recv_multipart(zmq.NOBLOCK, copy=True)
             except zmq.Again:
@@ -235,6 +241,11 @@ class ReplicaConnection:
                         if delta.finished:
                             del flights[delta.request_id]
                         flight.put(delta)
+                elif kind == dp.LOAD:
+                    report = dp.decode_load(payload)
+                    self.loads += 1
+                    if self.on_load is not None:
+                        self.on_load(self.replica_id, report)
                 elif kind == dp.HEARTBEAT:
                     beat = dp.decode_heartbeat(payload)
                     if beat.incarnation != self.incarnation:

@@ -8,7 +8,7 @@ else is touched only from the loop.
 Why the shape:
 - The fleet's :class:`BlockHasher` comes from the replicas' own :class:`ReplicaInfo`, and a
   replica whose hash config or model disagrees is refused: a router hashing differently
-  from its engines silently gets 0% hits (DESIGN, "Facts worth knowing").
+  from its engines silently gets 0% hits (docs/architecture.md, "Block hashing").
 - Requests and deltas travel on the data plane (:class:`ReplicaConnection`, ZeroMQ, one
   message per replica step), never through Ray; Ray is discovery, restarts, load reports.
 - A replica is lost when its connection drops or falls silent (the data plane notices),
@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvroute.events import BlockHasher, HashConfig, ZmqEventSubscriber, to_external
+from kvroute.events.load import LoadReport
 from kvroute.events.replica_api import ReplicaInfo
 
 from .dataplane import ReplicaConnection
@@ -139,9 +140,19 @@ class Fleet:
         if conn is None or conn.lost is not None:
             info = rep.info
             conn = rep.conn = ReplicaConnection(
-                rid, info.data_endpoint, info.incarnation, self.client_id, self._on_lost
+                rid,
+                info.data_endpoint,
+                info.incarnation,
+                self.client_id,
+                self._on_lost,
+                on_load=self._on_load,
             )
         return conn
+
+    def _on_load(self, rid: str, report: LoadReport) -> None:
+        rep = self.replicas.get(rid)
+        if rep is not None and rep.alive:
+            self.load.report(rid, report, time.monotonic())
 
     def _on_lost(self, rid: str, why: str) -> None:
         self.errors["connection_lost"] += 1
@@ -219,17 +230,24 @@ class Fleet:
         self.subscriber.close()
 
     async def _watch(self) -> None:
-        """Every ``load_interval_s``: each live replica's :class:`LoadReport` into the load
-        view (the path the simulator's reports take too); every ``monitor_interval_s``:
-        restarts and recoveries."""
+        """Every ``load_interval_s``: a data-plane connection to each live replica (its
+        silence checked), and the :class:`LoadReport` of each replica that does not push
+        its load over that connection, polled over Ray instead (the path the simulator's
+        reports take too); every ``monitor_interval_s``: restarts and recoveries."""
         last_poll = time.monotonic()
         while True:
             await asyncio.sleep(min(self.load_interval_s, self.monitor_interval_s))
             now = time.monotonic()
-            for rep in list(self.replicas.values()):
-                if rep.alive and rep.conn is not None:
+            polled = []  # replicas whose load does not come over the data plane (yet)
+            for rid in self.alive():
+                rep = self.replicas[rid]
+                if rep.conn is None and rep.info.data_endpoint:
+                    self.connection(rid)  # every front door connects to every replica
+                if rep.conn is not None:
                     rep.conn.check_silence(now)
-            await asyncio.gather(*(self._load_report(rid) for rid in self.alive()))
+                if rep.conn is None or rep.conn.lost is not None or not rep.conn.loads:
+                    polled.append(rid)
+            await asyncio.gather(*(self._load_report(rid) for rid in polled))
             if time.monotonic() - last_poll >= self.monitor_interval_s:
                 last_poll = time.monotonic()
                 await asyncio.gather(*(self._poll(rid) for rid in list(self.replicas)))

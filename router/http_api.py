@@ -1,11 +1,11 @@
 """The OpenAI-compatible HTTP front door (FastAPI) over a :class:`FrontDoor`.
 
 Why the shape:
-- Chat templates are rendered and prompts tokenized here, router-side (DESIGN, "The request
-  path"): the router must hash exactly the tokens the engine will see. How a body becomes a
-  routed request is :mod:`.intake`; how its stream becomes a response, :mod:`.responses`;
-  what an error looks like, :mod:`.errors`. This module wires them: one module-level
-  handler per endpoint, the per-app state on ``app.state``.
+- Chat templates are rendered and prompts tokenized here, router-side (docs/architecture.md,
+  "The request path"): the router must hash exactly the tokens the engine will see. How a
+  body becomes a routed request is :mod:`.intake`; how its stream becomes a response,
+  :mod:`.responses`; what an error looks like, :mod:`.errors`. This module wires them: one
+  module-level handler per endpoint, the per-app state on ``app.state``.
 - Authentication is a dependency and the handlers read their body themselves, after it: a
   missing or bad key is a 401 whatever the body (FastAPI would parse a declared body first).
 - A request is routed and its first token awaited before the response starts, so errors

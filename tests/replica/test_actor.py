@@ -10,6 +10,7 @@ that leaves does to its requests, what a restart does to endpoints and the event
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import pickle
 import threading
@@ -227,6 +228,45 @@ async def test_a_front_door_that_goes_away_has_its_requests_aborted(replica: Any
     await asyncio.to_thread(wait_for, all_blocks_free(replica), 20.0, "blocks freed (gone)")
     # Run to its end, LONG takes > 200 steps: far fewer means it was aborted.
     assert steps(replica) - start < 100
+
+
+async def test_the_replica_pushes_its_load_to_front_doors_that_read_it(replica: Any) -> None:
+    """LOAD frames: while a request runs, reports that see it (the load a router weighs,
+    with no Ray call); while idle, one at least every heartbeat interval (a router holds a
+    report for a second); none to a front door of protocol version 1."""
+    from kvroute.events.load import LoadReport
+    from kvroute.router.dataplane import ReplicaConnection
+
+    info = await replica.info.remote()
+    reports: list[tuple[float, LoadReport]] = []
+    conn = ReplicaConnection(
+        info.replica_id, info.data_endpoint, info.incarnation, "load-test", lambda *_: None,
+        on_load=lambda _, r: reports.append((time.monotonic(), r)),
+    )  # fmt: skip
+    old = zmq.Context.instance().socket(zmq.DEALER)  # a version-1 front door
+    old.setsockopt(zmq.LINGER, 0)
+    old.connect(info.data_endpoint)
+    old.send_multipart([dp.HELLO, dp.encoder.encode(dp.Hello("v1-door", version=1))])
+    try:
+        stream = conn.stream(req("load-1", PROMPTS[4], LONG))
+        for _ in range(20):
+            await anext(stream)
+        await asyncio.sleep(0.3)
+        assert any(r.num_running >= 1 and r.decode_context_tokens > 0 for _, r in reports)
+        await stream.aclose()  # aborts it
+        await asyncio.to_thread(wait_for, all_blocks_free(replica), 20.0, "blocks freed")
+        await asyncio.sleep(0.3)
+        idle_from = time.monotonic()
+        await asyncio.sleep(1.6)
+        idle = [t for t, r in reports if t >= idle_from and r.num_running == 0]
+        assert len(idle) >= 2 and all(b - a < 1.0 for a, b in itertools.pairwise(idle))
+        kinds = set()
+        while old.poll(0):
+            kinds.add(old.recv_multipart()[0])
+        assert dp.HEARTBEAT in kinds and dp.LOAD not in kinds
+    finally:
+        conn.close()
+        old.close()
 
 
 async def test_consumer_leaving_early_aborts_the_request(replica: Any) -> None:
