@@ -156,7 +156,8 @@ async def read_body(request: Request, limit: int, timeout_s: float | None = None
             chunks.append(chunk)
 
     try:
-        await asyncio.wait_for(read(), timeout_s)
+        async with asyncio.timeout(timeout_s):  # no task of its own, as wait_for would make
+            await read()
     except TimeoutError:
         raise APIError(
             408,

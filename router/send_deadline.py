@@ -45,7 +45,8 @@ class SendDeadlineMiddleware:
 
         async def send_within_deadline(message: Message) -> None:
             try:  # the start too: a kept-alive client may have stopped reading already
-                await asyncio.wait_for(send(message), timeout)
+                async with asyncio.timeout(timeout):  # no task per send, as wait_for makes
+                    await send(message)
             except TimeoutError:
                 raise ClientTooSlowError from None
 
