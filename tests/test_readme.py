@@ -39,11 +39,8 @@ import argparse
 import json
 import re
 import shlex
-import signal
-import socket
 import subprocess
 import sys
-import threading
 import tomllib
 from collections.abc import Iterator
 from importlib import metadata
@@ -53,6 +50,8 @@ import httpx
 import pytest
 
 from kvroute.deploy.cli import build_parser
+
+from .serve_process import kvroute_serve
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -173,38 +172,11 @@ def same_shape(shown: object, real: object, path: str = "$") -> None:
 # ---------------------------------------------------------------------------- the server
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
     """``kvroute serve --model tiny --replicas 1`` on a free port; yields its base URL."""
-    port = free_port()
-    cmd = [*KVROUTE, "serve", "--model", TEST_MODEL, "--replicas", "1", "--port", str(port)]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    assert proc.stderr is not None
-    lines: list[str] = []
-    try:
-        for line in proc.stderr:
-            lines.append(line)
-            if "ready:" in line:
-                break
-        else:
-            raise AssertionError(f"kvroute serve exited {proc.wait()}:\n{''.join(lines)}")
-        # keep reading its stderr, or a full pipe would stall it
-        threading.Thread(target=lambda: [None for _ in proc.stderr], daemon=True).start()
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with kvroute_serve(["--model", TEST_MODEL, "--replicas", "1"]) as url:
+        yield url
 
 
 def pointed(text: str, base: str) -> str:

@@ -24,11 +24,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,6 +34,7 @@ import httpx
 import pytest
 import ray
 
+from ..serve_process import kvroute_serve
 from .fleet import Served, serve_sim
 
 MULTI_TENANT = {"long_prefill_token_threshold": 256, "max_num_partial_prefills": 1}
@@ -56,47 +54,24 @@ FLOOD, OTHER = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     if MODEL == "tiny":
-        yield from kvroute_serve(tmp_path_factory.mktemp("fair"))
+        yield from kvroute_served(tmp_path_factory.mktemp("fair"))
         return
     with serve_sim("f", REPLICAS, CONFIG) as s:
         s.door.admission.max_in_flight, s.door.admission.shares.cap = BUDGET, SHARE
         yield s
 
 
-def kvroute_serve(tmp: Path) -> Iterator[Served]:
+def kvroute_served(tmp: Path) -> Iterator[Served]:
     """``kvroute serve`` in its own process: the front door shares no interpreter (and no
     GIL) with the probing client, as in production."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     (tmp / "keys.json").write_text(json.dumps({"key-a": "a", "key-b": "b"}))
-    args = ["serve", "--model", "tiny", "--replicas", "1", "--port", str(port)]
-    args += ["--api-keys", str(tmp / "keys.json"), "--max-in-flight", str(BUDGET)]
-    args += ["--max-in-flight-per-tenant", str(SHARE), "--num-blocks", str(CONFIG["num_blocks"])]
-    args += ["--block-size", str(CONFIG["block_size"])]
+    args = ["--model", "tiny", "--replicas", "1", "--api-keys", str(tmp / "keys.json")]
+    args += ["--max-in-flight", str(BUDGET), "--max-in-flight-per-tenant", str(SHARE)]
+    args += ["--num-blocks", str(CONFIG["num_blocks"]), "--block-size", str(CONFIG["block_size"])]
     args += ["--long-prefill-token-threshold", str(MULTI_TENANT["long_prefill_token_threshold"])]
     args += ["--max-num-partial-prefills", str(MULTI_TENANT["max_num_partial_prefills"])]
-    cmd = [sys.executable, "-m", "kvroute.deploy.cli", *args]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stderr is not None
-        lines = []
-        for line in proc.stderr:
-            lines.append(line)
-            if "ready: model 'tiny'" in line:
-                break
-        else:
-            raise AssertionError("kvroute serve did not start:\n" + "".join(lines))
-        # Its log must be read on, or a full pipe would stall the server.
-        threading.Thread(target=proc.stderr.read, daemon=True).start()
-        yield Served(f"http://127.0.0.1:{port}", None, {})  # type: ignore[arg-type]
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with kvroute_serve(args) as url:
+        yield Served(url, None, {})  # type: ignore[arg-type]
 
 
 REPLICA_TTFT: list[float] = []  # the other tenant's TTFT as its replica measured it

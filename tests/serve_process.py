@@ -1,0 +1,48 @@
+"""``kvroute serve`` as users run it: its own process, on a free loopback port."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+
+KVROUTE = [sys.executable, "-m", "kvroute.deploy.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def kvroute_serve(args: Sequence[str], port: int | None = None) -> Iterator[str]:
+    """``kvroute serve ARGS --port PORT`` until the block ends (then Ctrl-C, as a user
+    stops it); yields its base URL once it printed ``ready:``."""
+    port = free_port() if port is None else port
+    cmd = [*KVROUTE, "serve", *args, "--port", str(port)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    lines: list[str] = []
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if "ready:" in line:
+                break
+        else:
+            raise AssertionError(f"kvroute serve exited {proc.wait()}:\n{''.join(lines)}")
+        # Its log must be read on, or a full pipe would stall the server.
+        threading.Thread(target=proc.stderr.read, daemon=True).start()
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
