@@ -12,6 +12,7 @@ from typing import Any
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _console_logging(args.command)
     if args.command == "serve":
         return _serve(args)
     if args.command == "router":
@@ -31,6 +32,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "key":
         return _key(args)
     return _hash(args)
+
+
+def _console_logging(command: str) -> None:
+    """kvroute's own warnings on stderr in the command's voice (``kvroute serve: warning:
+    ...``), like its progress lines; without a handler Python prints the bare message."""
+    import logging
+
+    class _Lower(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            return f"kvroute {command}: {record.levelname.lower()}: {super().format(record)}"
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setLevel(logging.WARNING)
+    handler.setFormatter(_Lower("%(message)s"))
+    logging.getLogger("kvroute").addHandler(handler)
 
 
 def build_parser() -> argparse.ArgumentParser:
