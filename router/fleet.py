@@ -36,7 +36,7 @@ from kvroute.events.load import LoadReport
 from kvroute.events.replica_api import ReplicaInfo
 
 from .dataplane import ReplicaConnection
-from .index import PrefixIndex
+from .index import PrefixIndex, prediction_stride
 from .load import LoadTracker
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class Fleet:
         self.hash_config: HashConfig = first.hash_config
         self.hash_form = first.hash_form
         self.hasher = BlockHasher(self.hash_config.algo, self.hash_config.seed, first.block_size)
-        self.index = PrefixIndex()
+        self.index = PrefixIndex(prediction_stride=prediction_stride(first.block_size))
         self.load = LoadTracker()
         self.replicas: dict[str, ReplicaHandle] = {}
         self.cordoned: set[str] = set()

@@ -28,6 +28,16 @@ Invariants (all guarded by ``_lock``):
 - ``children`` and ``_orphans`` values are None, one hash, or a dict of hashes to None (an
   untracked set): most nodes have one child, and a container per node would triple the
   index's memory.
+- Predictions are sampled: with ``prediction_stride`` K, a request's prediction covers its
+  blocks at chain positions p with (p + 1) % K == 0, and its last block. :meth:`match`
+  credits a replica with block i when it is predicted at the sampled block at or after i
+  in the matched chain (or at the chain's last block): chained hashes make that sound (the
+  routed request held the whole prefix up to the sample), and a sibling that diverges
+  between samples loses at most K - 1 blocks of credit. K blocks span
+  ``PREDICTION_SAMPLE_TOKENS``: 8 for 16-token blocks, 1 (every block) from 128 up. Why: a
+  prediction is written on every routed request, and a map of one entry per predicted block
+  made each route pay ~500 dict writes for an 8k-token prompt and, at ~100k entries, dict
+  resizes of several ms.
 - Masks are interned (one object per value, best effort), so ``match`` skips a block whose
   holders are exactly the replicas still matching with one identity test.
 - ``rep.blocks`` is an LRU: stores touch entries leaf first, so a chain's shared root is
@@ -65,6 +75,7 @@ from kvroute.events import ExternalBlockHash as Hash
 _Kids = Hash | dict[Hash, None] | None  # compact child set, see module docstring
 _CHUNK = 256  # blocks applied per lock hold
 _INTERN_MAX = 65536  # interned masks kept before the cache starts over
+PREDICTION_SAMPLE_TOKENS = 128  # tokens between two predicted blocks (see the docstring)
 # Approximate bytes per node / stored entry / prediction (measured on CPython 3.11, 16-byte
 # digests): node object + its slots in _masks and _nodes + the key; a stored entry's slots
 # in blocks and order + its stamp; a prediction's dict slot + its expiry.
@@ -130,6 +141,11 @@ def _external(h: Hash | None) -> str | int | None:
     return h.hex() if isinstance(h, bytes) else h
 
 
+def prediction_stride(block_size: int) -> int:
+    """Blocks between two predicted blocks, for blocks of ``block_size`` tokens."""
+    return max(1, PREDICTION_SAMPLE_TOKENS // max(block_size, 1))
+
+
 class PrefixIndex:
     """Per replica, the blocks it holds; per request, how many leading blocks each holds."""
 
@@ -137,10 +153,14 @@ class PrefixIndex:
         self,
         max_blocks_per_replica: int = 1_000_000,
         clock: Callable[[], float] = time.monotonic,
+        prediction_stride: int = 1,
     ) -> None:
         if max_blocks_per_replica < 1:
             raise ValueError("max_blocks_per_replica must be >= 1")
+        if prediction_stride < 1:
+            raise ValueError("prediction_stride must be >= 1")
         self.max_blocks_per_replica = max_blocks_per_replica
+        self.prediction_stride = prediction_stride
         self.parent_conflicts = 0  # stores naming another parent than the one known
         self._clock = clock
         self._lock = threading.Lock()
@@ -387,12 +407,17 @@ class PrefixIndex:
             # out, and is read off the list iterator then: this loop is the routing hot path.
             # Its cost is memory, not bytecode: one cache miss per block in a dict of ~1 M.
             # Predictions are consulted only where the stored masks would drop a replica.
-            pmasks, interned = self._pmasks, self._interned
+            pmasks, interned, k, last = (
+                self._pmasks,
+                self._interned,
+                self.prediction_stride,
+                total - 1,
+            )
             rest = iter(hashes)
             masks = map(self._masks.get, rest, itertools.repeat(0))
             alive = next(masks, 0)
             if pmasks:
-                alive |= pmasks.get(hashes[0], 0)
+                alive |= pmasks.get(hashes[min(k - 1, last)], 0)
                 alive = interned.get(alive, alive)
             if not alive:
                 return out
@@ -401,8 +426,8 @@ class PrefixIndex:
                     continue
                 if (m & alive) != alive:  # some replicas miss this block (all, if m is 0)
                     i = total - length_hint(rest) - 1
-                    if pmasks:
-                        m |= pmasks.get(hashes[i], 0)
+                    if pmasks:  # the sampled block at or after i (see the docstring)
+                        m |= pmasks.get(hashes[min(i + k - 1 - i % k, last)], 0)
                         if (m & alive) == alive:
                             continue
                     _credit(self._names, alive & ~m, i, out)
@@ -416,7 +441,8 @@ class PrefixIndex:
         self, replica_id: str, hashes: Sequence[Hash], ttl_s: float = 2.0, now: float | None = None
     ) -> int:
         """A request was just routed to ``replica_id``: count its blocks there until they
-        expire or real events arrive, so its siblings follow it. Returns blocks predicted.
+        expire or real events arrive, so its siblings follow it. Returns blocks predicted
+        (with ``prediction_stride`` above 1, the sampled ones: see the module docstring).
 
         Predictions live in their own map, small because they are short-lived, beside the
         stored one of ~1 M entries: this is the larger half of the routing hot path, and a
@@ -433,6 +459,12 @@ class PrefixIndex:
             expiry, added = now + ttl_s, []
             lead = len(list(itertools.takewhile(blocks.__contains__, hashes)))  # held: skip
             rest = hashes[lead:] if lead else hashes
+            k = self.prediction_stride
+            if k > 1 and rest:  # the samples at or after lead, and the last block
+                n = len(hashes)
+                rest = list(itertools.islice(hashes, lead + (k - 1 - lead % k), n, k))
+                if (n % k) != 0:
+                    rest.append(hashes[n - 1])
             if (
                 rest
                 and len(rest) <= room

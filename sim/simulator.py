@@ -34,7 +34,7 @@ from kvroute.events import AllBlocksCleared, BlockHasher, EventBatch
 from kvroute.replica.cost_model import H100_8B, CostModel, Profile
 from kvroute.replica.kv_cache_manager import KVCacheManager
 from kvroute.replica.scheduler import load_report
-from kvroute.router.index import PrefixIndex
+from kvroute.router.index import PrefixIndex, prediction_stride
 from kvroute.router.policy import Policy, RequestView, make_policy
 
 from .workloads import RequestSpec, TokenSource
@@ -140,7 +140,10 @@ class Fleet:
         self.progress = progress
         self.cm = CostModel(cfg.profile)
         self.hasher = BlockHasher(block_size=cfg.block_size)
-        self.index = PrefixIndex(max_blocks_per_replica=max(4 * cfg.blocks, 1024))
+        self.index = PrefixIndex(
+            max_blocks_per_replica=max(4 * cfg.blocks, 1024),
+            prediction_stride=prediction_stride(cfg.block_size),  # as a front door's
+        )
         self.policy: Policy = make_policy(
             policy_name, index=self.index, block_size=cfg.block_size, seed=cfg.seed,
             **cfg.kv_params,
