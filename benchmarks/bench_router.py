@@ -84,7 +84,11 @@ def ingest(replicas: int, blocks: int, chain_blocks: int) -> tuple[PrefixIndex, 
     return index, {"store_blocks_per_s": store_rate, "remove_blocks_per_s": remove_rate}, held
 
 
-def decisions(index: PrefixIndex, held: list, replicas: int, prompt_blocks: int, n: int) -> dict:
+def decisions(
+    index: PrefixIndex, held: list, replicas: int, prompt_blocks: int, n: int, rate: float = 0.0
+) -> dict:
+    """``rate`` > 0: request k is routed at time k / rate, so predictions expire (10 s) as
+    in a router; 0: all at time 0, nothing expires and the prediction map only grows."""
     ids = [f"replica-{i}" for i in range(replicas)]
     policy = KVPolicy(index, seed=0)
     rng = random.Random(1)
@@ -94,13 +98,14 @@ def decisions(index: PrefixIndex, held: list, replicas: int, prompt_blocks: int,
         keep = rng.randint(0, min(len(hs), prompt_blocks))
         hashes = hs[:keep] + chain(prompt_blocks - keep)
         req = RequestView(f"q{k}", prompt_blocks * BS + 1, hashes, BS)
+        now = k / rate if rate > 0 else 0.0
         t = time.perf_counter_ns()
-        policy.choose(req, ids, 0.0)
+        policy.choose(req, ids, now)
         choose.append(time.perf_counter_ns() - t)
         t = time.perf_counter_ns()
-        policy.route(req, ids, 0.0)
+        policy.route(req, ids, now)
         route.append(time.perf_counter_ns() - t)
-        policy.on_finished(req.request_id, 0.0)
+        policy.on_finished(req.request_id, now)
     q = lambda xs, p: statistics.quantiles(xs, n=100)[p - 1] / 1000  # noqa: E731
     return {
         "choose_p50_us": q(choose, 50),
@@ -156,6 +161,12 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=1_000_000)
     ap.add_argument("--prompt-tokens", type=int, default=8192)
     ap.add_argument("--decisions", type=int, default=2000)
+    ap.add_argument(
+        "--decision-rate",
+        type=float,
+        default=0.0,
+        help="requests/s of the decisions' own clock (predictions expire); 0: all at time 0",
+    )
     ap.add_argument("--ray-warm", type=int, default=300)
     ap.add_argument("--ray-requests", type=int, default=300)
     ap.add_argument(
@@ -185,11 +196,13 @@ def main() -> None:
     # for BS-token blocks (prediction_stride); the first run's predictions expired between.
     for stride in (1, prediction_stride(BS)):
         index.prediction_stride = stride
-        d = decisions(index, held, args.replicas, pb, args.decisions)
+        d = decisions(index, held, args.replicas, pb, args.decisions, args.decision_rate)
         index.match(held[0][0][:1], now=1e9)  # expires every prediction
         print(
             f"decision, {args.prompt_tokens}-token prompt ({pb} hashes given), "
-            f"{args.replicas} replicas, gc {args.gc}, predictions every {stride} block(s): "
+            f"{args.replicas} replicas, gc {args.gc}, predictions every {stride} block(s)"
+            + (f", {args.decision_rate:g} req/s" if args.decision_rate else "")
+            + ": "
             f"choose p50 {d['choose_p50_us']:.0f} us, p99 {d['choose_p99_us']:.0f} us; "
             f"route (+ accounting, predictions) p50 {d['route_p50_us']:.0f} us, "
             f"p99 {d['route_p99_us']:.0f} us, max {d['route_max_us']:.0f} us"
