@@ -27,7 +27,9 @@ def tokens(out) -> list[int]:
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM("tiny", num_blocks=128)
+    # float32 on any device: logprobs are checked against an fp32 reference, and top-k 1
+    # against greedy (bf16, the CUDA default, rounds near-ties the other way)
+    return LLM("tiny", num_blocks=128, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +62,7 @@ def test_seeded_request_is_the_same_under_chunking_and_preemption(llm: LLM) -> N
     """A tight engine preempts and chunks; the seeded request's generator must survive it."""
     seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=N, ignore_eos=True)
     expected = tokens(llm.generate(PROMPTS[3], seeded)[0])
-    tight = LLM("tiny", num_blocks=4, block_size=8, max_num_batched_tokens=8)
+    tight = LLM("tiny", num_blocks=4, block_size=8, max_num_batched_tokens=8, dtype="float32")
     noise = SamplingParams(temperature=1.0, max_tokens=N, ignore_eos=True)
     outs = tight.generate([PROMPTS[1], PROMPTS[3], PROMPTS[2]], [noise, seeded, noise])
     assert tight.llm_engine.scheduler.num_preemptions > 0  # the scenario really happened
