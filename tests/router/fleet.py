@@ -81,6 +81,20 @@ def serve_sim(prefix: str, n: int, config: dict[str, Any], **actor_kw: Any) -> I
             yield s
 
 
+@contextlib.contextmanager
+def serve_model(prefix: str, n: int, config: dict[str, Any], **actor_kw: Any) -> Iterator[Served]:
+    """A local Ray, ``n`` replicas of a real model (``config``'s; half a CPU and one torch
+    thread each) named ``<prefix><i>``, served until the block ends."""
+    with local_ray() as started:
+        actors = [
+            start_replica(f"{prefix}{i}", config, num_cpus=0.5, torch_threads=1, **actor_kw)
+            for i in range(n)
+        ]
+        started.extend(actors)
+        with serve(actors) as s:
+            yield s
+
+
 def assert_clean_error(r: httpx.Response, status: int) -> dict[str, Any]:
     """The status, the OpenAI shape, one line, the request id, and nothing of the insides."""
     assert r.status_code == status, r.text

@@ -18,11 +18,8 @@ import ray
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from kvroute.replica.actor import start_replica
-
-from ..ray_session import local_ray
 from ..waiting import wait_for
-from .fleet import MODEL, Served, assert_clean_error, serve
+from .fleet import MODEL, Served, assert_clean_error, serve_model
 
 NUM_BLOCKS = 64
 CONFIG = {"model": MODEL, "block_size": 16, "num_blocks": NUM_BLOCKS}
@@ -79,11 +76,8 @@ def bodies(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    with local_ray() as started:
-        actors = [start_replica("h0", CONFIG, num_cpus=0.5, torch_threads=1)]
-        started.extend(actors)
-        with serve(actors) as s:
-            yield s
+    with serve_model("h", 1, CONFIG) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

@@ -22,10 +22,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from kvroute.replica.actor import start_replica
-
-from ..ray_session import local_ray
-from .fleet import MODEL, Served, assert_clean_error, serve
+from .fleet import MODEL, Served, assert_clean_error, serve_model
 
 CONFIG = {"model": MODEL, "block_size": 16, "num_blocks": 64}
 # The client's headers (aiohttp's ``json=``), plus a key as OPENAI_API_KEY would add it.
@@ -82,11 +79,8 @@ PREFIX_CHATS = [
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[Served]:
-    with local_ray() as started:
-        actors = [start_replica("vb0", CONFIG, num_cpus=0.5, torch_threads=1)]
-        started.extend(actors)
-        with serve(actors) as s:
-            yield s
+    with serve_model("vb", 1, CONFIG) as s:
+        yield s
 
 
 def read_like_vllm(served: Served, path: str, body: dict[str, Any]) -> dict[str, Any]:
