@@ -29,6 +29,7 @@ import zmq
 from kvroute.events import dataplane as dp
 from kvroute.events.bounds import check_sampling
 from kvroute.events.framing import Waker
+from kvroute.events.load import LoadReport
 from kvroute.events.replica_api import GenerateDelta
 
 if TYPE_CHECKING:
@@ -91,7 +92,7 @@ class DataPlaneServer:
         self._outbox: deque[tuple[bytes, list[GenerateDelta]]] = deque()
         self._heartbeat_due = 0.0  # no front door is due a heartbeat before this
         self._load_clients: set[bytes] = set()  # front doors that read LOAD (version >= 2)
-        self._load_sent: object = None  # the engine's last report sent, and when
+        self._load_sent: LoadReport | None = None  # the engine's last report sent, and when
         self._load_sent_at = 0.0
         self._heartbeat = dp.encoder.encode(dp.Heartbeat(incarnation))
         self._ctx = context or zmq.Context.instance()
@@ -143,7 +144,7 @@ class DataPlaneServer:
             if not outbox:
                 self._idle = True  # announced before the last look: see enqueue
                 if not outbox:
-                    changed = self._load() is not self._load_sent
+                    changed = self.engine.load is not self._load_sent
                     timeout_ms = int((dp.LOAD_INTERVAL_S if changed else interval) * 1000)
             ready = dict(poller.poll(timeout_ms))
             self._idle = False
@@ -236,16 +237,12 @@ class DataPlaneServer:
         self.messages_sent += 1
         self._last_sent[client] = time.monotonic()
 
-    def _load(self) -> object:
-        """The engine's latest load report (a new object each step; None: it has none)."""
-        return getattr(self.engine, "load", None)
-
     def _send_load(self) -> None:
         """The load to every front door that reads it: at most every ``LOAD_INTERVAL_S``
         while it changes, every ``HEARTBEAT_INTERVAL_S`` while it does not (a router holds
         a report for a second only)."""
-        report = self._load()
-        if report is None or not self._load_clients:
+        report = self.engine.load  # a new object each step
+        if not self._load_clients:
             return
         now = time.monotonic()
         wait = dp.LOAD_INTERVAL_S if report is not self._load_sent else dp.HEARTBEAT_INTERVAL_S

@@ -458,13 +458,15 @@ class PrefixIndex:
             room = self.max_blocks_per_replica - len(predicted)  # predictions the bound allows
             expiry, added = now + ttl_s, []
             lead = len(list(itertools.takewhile(blocks.__contains__, hashes)))  # held: skip
-            rest = hashes[lead:] if lead else hashes
-            k = self.prediction_stride
-            if k > 1 and rest:  # the samples at or after lead, and the last block
-                n = len(hashes)
-                rest = list(itertools.islice(hashes, lead + (k - 1 - lead % k), n, k))
-                if (n % k) != 0:
+            n, k = len(hashes), self.prediction_stride
+            if k == 1:
+                rest = hashes[lead:] if lead else hashes
+            elif lead < n:  # the samples at or after lead, and the last block
+                rest = list(hashes[lead + (k - 1 - lead % k) : n : k])
+                if n % k:
                     rest.append(hashes[n - 1])
+            else:
+                rest = []
             if (
                 rest
                 and len(rest) <= room
