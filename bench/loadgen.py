@@ -63,7 +63,8 @@ async def sse_events(
     until ``[DONE]`` or the end of the body; comment lines go to ``on_comment``. An
     ``event: error`` event raises."""
     buf = b""
-    async for piece in response.aiter_bytes():
+    pieces = response.aiter_bytes()
+    async for piece in pieces:
         buf += piece
         while True:
             cut = _boundary(buf)
@@ -76,6 +77,10 @@ async def sse_events(
             if kind == "error":
                 raise StreamError(data[:200])
             if data == "[DONE]":
+                # Read the body to its end, as the openai client does: a response left
+                # half-read closes its connection, and every request pays a new one.
+                async for _ in pieces:
+                    pass
                 return
             yield data
     if buf.strip():

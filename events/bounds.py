@@ -35,6 +35,9 @@ class BoundsError(ValueError):
         return (type(self), (self.param, str(self).partition(": ")[2]))
 
 
+_INT_ONLY = {int}
+
+
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -95,6 +98,10 @@ def check_prompt_token_ids(token_ids: Sequence[Any], vocab_size: int | None) -> 
     if not token_ids:
         raise BoundsError("prompt", "the prompt is empty")
     limit = TOKEN_ID_MAX + 1 if vocab_size is None else min(vocab_size, TOKEN_ID_MAX + 1)
+    # The usual prompt, a list of plain ints, checked in C (~5x faster for 512 ids); any
+    # other element type, or an id out of range, takes the loop, which names the culprit.
+    if set(map(type, token_ids)) == _INT_ONLY and min(token_ids) >= 0 and max(token_ids) < limit:
+        return
     for t in token_ids:
         if not _is_int(t) or not 0 <= t < limit:
             raise BoundsError("prompt", f"token ids must be ints in [0, {limit}), got {t!r}")

@@ -8,7 +8,8 @@ tail once per request and splices the rest in with msgspec (no pydantic model an
 middleware (request id, status counters) and the body chunks on the server's own ``send``,
 which the app keeps in the scope (``RAW_SEND``): a chunk does not pass through every
 middleware's wrapper. The deadline on a client that stops reading
-(:mod:`.send_deadline`) is kept here with two timestamps per send instead of a timer.
+(:mod:`.send_deadline`) is kept here with two timestamps per send instead of a timer, read
+by one sweeper task per event loop; a disconnect is watched by one task per stream.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ log = logging.getLogger(__name__)
 RAW_SEND = "kvroute.raw_send"
 _json = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
+SWEEP_INTERVAL_S = 1.0  # how late past its deadline a stuck send may be cancelled
 
 
 class ChunkEncoder:
@@ -102,9 +104,11 @@ class SSEResponse(Response):
         task = asyncio.current_task()
         assert task is not None
         loop = asyncio.get_running_loop()
-        watch = loop.create_task(self._watch(receive, task))
+        watch = loop.create_task(_until_disconnect(receive))
+        watch.add_done_callback(lambda w: self._on_disconnect(w, task))
         raw: Send = scope.get(RAW_SEND, send)
         msg: dict[str, Any] = {"type": "http.response.body", "body": b"", "more_body": True}
+        sweeper = _Sweeper.of(loop) if self.send_timeout_s else None
 
         async def emit(chunk: bytes) -> None:
             msg["body"] = chunk
@@ -113,6 +117,8 @@ class SSEResponse(Response):
             self._sending_since = 0.0
 
         try:
+            if sweeper is not None:
+                sweeper.watch(self, task)
             start = {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
             await send(start)
             await self.write(emit)
@@ -127,27 +133,65 @@ class SSEResponse(Response):
             raise
         finally:
             watch.cancel()
+            if sweeper is not None:
+                sweeper.forget(self)
             if self.on_close is not None:
                 self.on_close()
 
-    async def _watch(self, receive: Receive, task: asyncio.Task[Any]) -> None:
-        """Cancels the response when the client disconnects or a send overstays."""
-        loop = asyncio.get_running_loop()
-        timeout = self.send_timeout_s
-        waiter = loop.create_task(_until_disconnect(receive))
+    def _on_disconnect(self, watch: asyncio.Task[None], task: asyncio.Task[Any]) -> None:
+        """The client left (or its ``receive`` broke, which ends the stream the same way)."""
+        if watch.cancelled():
+            return
+        watch.exception()  # retrieved: a broken receive is no error of the loop's
+        if not task.done():
+            self._disconnected = True
+            task.cancel()
+
+    def _overstayed(self, now: float) -> bool:
+        since = self._sending_since
+        return bool(self.send_timeout_s and since and now - since > self.send_timeout_s)
+
+
+class _Sweeper:
+    """One task per event loop that cancels every stream whose send in progress has waited
+    past its deadline, checked once a second: a timer per stream (or per send) would cost
+    every request what almost none of them needs."""
+
+    _by_loop: dict[asyncio.AbstractEventLoop, _Sweeper] = {}
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.streams: dict[SSEResponse, asyncio.Task[Any]] = {}
+        self.task: asyncio.Task[None] | None = None
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> _Sweeper:
+        sweeper = cls._by_loop.get(loop)
+        if sweeper is None:
+            for old in [lp for lp in cls._by_loop if lp.is_closed()]:
+                del cls._by_loop[old]
+            sweeper = cls._by_loop[loop] = cls(loop)
+        return sweeper
+
+    def watch(self, response: SSEResponse, task: asyncio.Task[Any]) -> None:
+        self.streams[response] = task
+        if self.task is None:
+            self.task = self.loop.create_task(self._run(), name="kvroute-send-deadlines")
+
+    def forget(self, response: SSEResponse) -> None:
+        self.streams.pop(response, None)
+
+    async def _run(self) -> None:
         try:
-            while True:
-                done, _ = await asyncio.wait({waiter}, timeout=1.0 if timeout else None)
-                if done:
-                    self._disconnected = True
-                    task.cancel()
-                    return
-                since = self._sending_since
-                if timeout and since and loop.time() - since > timeout:
-                    task.cancel()
-                    return
+            while self.streams:  # it ends with the last stream; the next one restarts it
+                await asyncio.sleep(SWEEP_INTERVAL_S)
+                now = self.loop.time()
+                for response, task in list(self.streams.items()):
+                    if response._overstayed(now) and not task.done():
+                        self.streams.pop(response, None)
+                        task.cancel()
         finally:
-            waiter.cancel()
+            self.task = None
 
 
 async def _until_disconnect(receive: Receive) -> None:

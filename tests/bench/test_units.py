@@ -342,3 +342,45 @@ async def test_closed_loop_holds_c_in_flight_and_duration_cancels() -> None:
     assert 5 <= len(records) <= 11 and wall < 1.0
     assert all(r.error == "cancelled" for r in records)
     assert all(r.replica == "r0" and r.ttft_s is not None for r in records)  # kept
+
+
+async def test_a_closed_loop_reuses_its_connection() -> None:
+    """After ``[DONE]`` the client reads the body to its end, as the openai client does: a
+    response left half-read closes its connection, and every request would pay (and make
+    the server pay) a new one. A real socket server counts the connections."""
+    connections = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal connections
+        connections += 1
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n") if not reader.at_eof() else b""
+            if not head:
+                break
+            length = next(
+                int(line.split(b":")[1])
+                for line in head.lower().split(b"\r\n")
+                if line.startswith(b"content-length:")
+            )
+            await reader.readexactly(length)
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                b"transfer-encoding: chunked\r\n\r\n"
+            )
+            for piece in (chunk("a"), chunk("b", "length") + USAGE, b"data: [DONE]\n\n"):
+                writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        reqs = plan(make_workload("chat", 6), "m", closed_loop=True, vocab_size=256)
+        records, _ = await run_load(f"http://127.0.0.1:{port}/v1", reqs, concurrency=1, timeout=5)
+    finally:
+        server.close()
+    assert [r.error for r in records] == [None] * 6
+    assert [r.output_tokens for r in records] == [3] * 6
+    assert connections == 1
