@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 
 RAY_NAMESPACE = "kvroute"
 REPLICA_ACTOR_PREFIX = "replica-"  # actor name = prefix + replica id
+# A burst waits rather than fails, as it would on one vLLM server (which queues without
+# bound): deep enough for a benchmark client that sends everything at once, bounded so an
+# overloaded fleet still answers 429 within a minute, under every common client's timeout.
+ADMISSION_TIMEOUT_S = 60.0
 
 
 def add_front_door_arguments(p: argparse.ArgumentParser) -> None:
@@ -75,13 +79,14 @@ def add_front_door_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="requests that may wait for a slot past --max-in-flight, first come first "
-        "served; more get 429 (default: as many as --max-in-flight)",
+        "served; more get 429 (default: 8 times --max-in-flight)",
     )
     p.add_argument(
         "--admission-timeout",
         type=float,
-        default=2.0,
-        help="seconds a request waits in the admission queue before a 429 (default: 2)",
+        default=ADMISSION_TIMEOUT_S,
+        help="seconds a request waits in the admission queue before a 429 (default: "
+        f"{ADMISSION_TIMEOUT_S:g})",
     )
     p.add_argument(
         "--max-body-bytes",
@@ -216,7 +221,9 @@ def build_app(
         tokenizer=tokenizer,
         max_in_flight=max_in_flight,
         max_in_flight_per_tenant=per_tenant,
-        admission_queue=args.admission_queue,
+        admission_queue=(
+            args.admission_queue if args.admission_queue is not None else 8 * max_in_flight
+        ),
         admission_timeout_s=args.admission_timeout,
     )
     tenants = Tenants(spec, resolve_fleet_secret(args.fleet_secret))
