@@ -63,7 +63,7 @@ class ReplicaServer:
         torch_threads: int | None = None,
     ) -> None:
         quiet_progress_bars()
-        from .vllm_engine import is_vllm_config
+        from .vllm_adapt import is_vllm_config
 
         self.replica_id = replica_id
         self._vllm: Any = None  # the VllmEngine when this replica runs vLLM

@@ -40,72 +40,36 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvroute.events.load import CostCoefficients, LoadReport
 from kvroute.events.replica_api import GenerateDelta, Resume, SamplingParams
 
+from .vllm_adapt import (
+    HASH_ALGO,
+    VLLM_DEFAULT_SEED,
+    LiveRequest,
+    VllmEngineConfig,
+    count_params,
+    engine_args,
+    estimate_load,
+    from_vllm_output,
+    idle_load,
+    make_delta,
+    prepare_environment,
+    to_vllm_sampling,
+)
 from .vllm_plugin import CACHED_BLOCKS_METHOD, LOAD_METHOD
 
 if TYPE_CHECKING:
     from .async_engine import OutputSink
 
+__all__ = ["HASH_ALGO", "VllmEngine", "VllmEngineConfig"]
+
 log = logging.getLogger(__name__)
 
-HASH_ALGO = "sha256_cbor_tagged"  # vLLM 0.32's sha256_cbor, salt tagged (events/hashing.py)
-VLLM_DEFAULT_SEED = "vllm-none-hash"  # vLLM's NONE_HASH seed for sha256* without PYTHONHASHSEED
 LOAD_POLL_S = 0.05  # scheduler load polled this often while requests run
 IDLE_POLL_S = 0.5  # and this often while none do (engine death is noticed here too)
-CPU_KV_CACHE_BYTES = 1 << 30  # as kvroute's engine on CPU; vLLM's default takes 90% of RAM
-_FINISH = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
-
-
-@dataclass(slots=True)
-class VllmEngineConfig:
-    """What shapes a vLLM replica. ``engine_args``: any other ``AsyncEngineArgs`` field."""
-
-    model: str = "smollm2-135m"  # a built-in name (kvroute builds the folder) or a HF folder
-    block_size: int = 32  # vLLM's CPU attention wants a multiple of 32
-    dtype: str | None = None  # None: float32 on CPU (as kvroute's engine), "auto" on GPU
-    max_model_len: int | None = None
-    kv_cache_memory_bytes: int | None = None  # None: 1 GiB on CPU; GPU: gpu_memory_utilization
-    gpu_memory_utilization: float = 0.9
-    num_blocks: int | None = None  # vLLM's num_gpu_blocks_override
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    enforce_eager: bool | None = None  # None: True on CPU (torch.compile costs ~35 s a start)
-    device: str | None = None  # "cpu" (set by start_replica without GPUs) or None
-    engine_args: dict[str, Any] = field(default_factory=dict)
-    engine: str = "vllm"  # the key that tells a replica which engine a config dict is for
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> VllmEngineConfig:
-        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
-        unknown = set(d) - set(known)
-        if unknown:
-            raise ValueError(f"unknown vLLM replica settings: {', '.join(sorted(unknown))}")
-        return cls(**known)
-
-
-def is_vllm_config(config: object) -> bool:
-    """Whether a replica's engine config asks for vLLM (a VllmEngineConfig or its dict)."""
-    if isinstance(config, VllmEngineConfig):
-        return True
-    return isinstance(config, dict) and config.get("engine") == "vllm"
-
-
-@dataclass(slots=True, eq=False)
-class _Live:
-    """One request on its way through vLLM."""
-
-    request_id: str
-    sink: OutputSink
-    num_prompt: int
-    num_output: int = 0  # generated so far, resumed tokens included
-    pending_text: str = ""  # a resumed request's text the client has not had yet
-    logprobs: bool = False
-    task: asyncio.Task[None] | None = None
 
 
 class VllmEngine:
@@ -120,20 +84,12 @@ class VllmEngine:
         self.model_path = resolve_model(config.model)
         self.error: BaseException | None = None
         self._stopped = False
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, LiveRequest] = {}
         self._touched: set[OutputSink] = set()
         self._flush_scheduled = False
         self._plugin = True  # the scheduler's load comes by utility call until one fails
-        self.load = LoadReport(
-            num_waiting=0,
-            num_running=0,
-            num_decoding=0,
-            queued_prefill_tokens=0,
-            decode_context_tokens=0,
-            free_blocks=0,
-            total_blocks=0,
-        )
-        _prepare_environment(config, events_host)
+        self.load = idle_load(0)
+        prepare_environment(config, events_host)
         self._loop = asyncio.new_event_loop()
         started: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._thread = threading.Thread(
@@ -247,47 +203,11 @@ class VllmEngine:
             self._loop.close()
 
     async def _start(self, topic: str) -> None:
-        from vllm.config import KVEventsConfig
-        from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        c = self.config
-        cpu = c.device == "cpu" or _vllm_platform() == "cpu"
-        args: dict[str, Any] = {
-            "model": str(self.model_path),
-            "dtype": c.dtype or ("float32" if cpu else "auto"),
-            "block_size": c.block_size,
-            "enable_prefix_caching": True,
-            "prefix_caching_hash_algo": "sha256_cbor",
-            "enforce_eager": cpu if c.enforce_eager is None else c.enforce_eager,
-            "gpu_memory_utilization": c.gpu_memory_utilization,
-            "kv_events_config": KVEventsConfig(
-                enable_kv_cache_events=True,
-                publisher="zmq",
-                endpoint="tcp://*:0",  # vLLM binds a free port on VLLM_HOST_IP and says which
-                replay_endpoint="tcp://*:0",
-                topic=topic,
-            ),
-            "disable_log_stats": True,
-        }
-        kv_bytes = c.kv_cache_memory_bytes or (CPU_KV_CACHE_BYTES if cpu else None)
-        for key, value in (
-            ("max_model_len", c.max_model_len),
-            ("kv_cache_memory_bytes", kv_bytes),
-            ("num_gpu_blocks_override", c.num_blocks),
-            ("max_num_seqs", c.max_num_seqs),
-            ("max_num_batched_tokens", c.max_num_batched_tokens),
-        ):
-            if value is not None:
-                args[key] = value
-        for key in ("enable_prefix_caching", "prefix_caching_hash_algo", "kv_events_config"):
-            if key in c.engine_args and c.engine_args[key] != args[key]:
-                raise ValueError(
-                    f"engine_args may not change {key}: kvroute routes by vLLM's prefix cache "
-                    "and reproduces its sha256_cbor block hashes"
-                )
-        args.update(c.engine_args)
-        self.llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**args))
+        cpu = self.config.device == "cpu" or _vllm_platform() == "cpu"
+        args = engine_args(self.config, self.model_path, cpu, topic)
+        self.llm = AsyncLLM.from_engine_args(args)
         try:
             self._describe()
         except BaseException:
@@ -316,7 +236,7 @@ class VllmEngine:
         self.max_num_seqs: int = vc.scheduler_config.max_num_seqs
         self.dtype_bytes: int = vc.model_config.dtype.itemsize
         self.tokenizer = self.llm.get_tokenizer()
-        self.load = _idle_load(self.num_blocks)
+        self.load = idle_load(self.num_blocks)
 
     def cost_coefficients(self) -> CostCoefficients:
         """kvroute's roofline for this model and device (see the module docstring)."""
@@ -335,7 +255,7 @@ class VllmEngine:
         profile = profile_for_model(
             name=f"vllm:{self.config.model}@{gpu or 'cpu'}",
             config=AutoConfig.from_pretrained(self.model_path),
-            num_params=_count_params(self.model_path),
+            num_params=count_params(self.model_path),
             dtype_bytes=self.dtype_bytes,
             kv_tokens=self.num_blocks * self.block_size,
             max_batched_tokens=self.max_num_batched_tokens,
@@ -370,7 +290,7 @@ class VllmEngine:
             return
         if isinstance(prompt, str):
             prompt = self.tokenizer.encode(prompt)
-        live = _Live(rid, sink, len(prompt), logprobs=params.logprobs is not None)
+        live = LiveRequest(rid, sink, len(prompt), logprobs=params.logprobs is not None)
         tokens = list(prompt)
         if resume is not None:
             # Continue as if the tokens had come from here: they join the prompt, and the
@@ -384,15 +304,15 @@ class VllmEngine:
         live.task = self._loop.create_task(self._serve(live, tokens, params, cache_salt))
 
     async def _serve(
-        self, live: _Live, tokens: list[int], params: SamplingParams, salt: str | None
+        self, live: LiveRequest, tokens: list[int], params: SamplingParams, salt: str | None
     ) -> None:
         from vllm.v1.engine.exceptions import EngineDeadError as VllmDeadError
 
         rid = live.request_id
         try:
-            sampling = _sampling(params, live.num_output)
+            sampling = to_vllm_sampling(params, live.num_output)
             if sampling is None:  # a resume that already reached max_tokens
-                self._finish(live, _delta(live, [], "", True, "length"))
+                self._finish(live, make_delta(live, [], "", True, "length"))
                 return
             prompt: dict[str, Any] = {"prompt_token_ids": tokens}
             if salt:
@@ -400,14 +320,14 @@ class VllmEngine:
             async for out in self.llm.generate(prompt, sampling, rid):
                 if self._live.get(rid) is not live:
                     return  # its front door is gone (abort_sink)
-                delta = _from_vllm(live, out)
+                delta = from_vllm_output(live, out)
                 if delta.finished:
                     self._finish(live, delta)
                     return
                 self._deliver(live, delta)
         except asyncio.CancelledError:  # abort(): vLLM has aborted it in generate()
             if self._live.get(rid) is live:
-                self._finish(live, _delta(live, [], "", True, "abort"))
+                self._finish(live, make_delta(live, [], "", True, "abort"))
         except VllmDeadError as exc:
             self._died(exc)
         except Exception as exc:  # vLLM refused it (too long, bad parameters): a 4xx
@@ -416,9 +336,9 @@ class VllmEngine:
                 self._deliver_to(live.sink, rid, ValueError(f"request rejected: {exc}"))
         else:  # generate() ended without a finished output (it does not): end it anyway
             if self._live.get(rid) is live:
-                self._finish(live, _delta(live, [], "", True, "abort"))
+                self._finish(live, make_delta(live, [], "", True, "abort"))
         finally:
-            if self.llm.errored and self.error is None:
+            if self.llm.errored and self.error is None and not self._stopped:
                 self._died(self.llm.dead_error)
 
     def _abort(self, rid: str) -> None:
@@ -433,12 +353,12 @@ class VllmEngine:
                 if live.task is not None:
                     live.task.cancel()
 
-    def _deliver(self, live: _Live, delta: GenerateDelta) -> None:
+    def _deliver(self, live: LiveRequest, delta: GenerateDelta) -> None:
         if not live.sink.deliver(live.request_id, delta):
             self._abort(live.request_id)  # nobody listens any more
         self._touch(live.sink)
 
-    def _finish(self, live: _Live, delta: GenerateDelta) -> None:
+    def _finish(self, live: LiveRequest, delta: GenerateDelta) -> None:
         self._live.pop(live.request_id, None)
         live.sink.deliver(live.request_id, delta)
         self._touch(live.sink)
@@ -463,17 +383,19 @@ class VllmEngine:
             except Exception:  # a sink's own failure must not stop the engine
                 log.exception("output sink failed to flush")
 
-    def _died(self, exc: BaseException) -> None:
-        """vLLM's engine core is gone: fail every live request, refuse new ones."""
+    def _died(self, exc: BaseException, *, shutdown: bool = False) -> None:
+        """vLLM's engine core is gone (or being shut down): fail every live request;
+        ``error`` set (not on shutdown) makes the actor exit so Ray restarts it."""
         from .async_engine import EngineDeadError
 
-        if self.error is None:
+        if self.error is None and not shutdown:
             log.error("vLLM engine died: %r", exc)
             self.error = exc
         for rid, live in list(self._live.items()):
             del self._live[rid]
             # vLLM does not say which request was in the step that failed: all may be.
-            err = EngineDeadError(f"vLLM engine failed: {exc!r}", suspect=True)
+            why = "the engine is shut down" if shutdown else f"vLLM engine failed: {exc!r}"
+            err = EngineDeadError(why, suspect=not shutdown)
             self._deliver_to(live.sink, rid, err)
             if live.task is not None and live.task is not asyncio.current_task():
                 live.task.cancel()
@@ -507,22 +429,7 @@ class VllmEngine:
         return self._estimate_load()
 
     def _estimate_load(self) -> LoadReport:
-        """Without the plugin: started requests count as running once they have output."""
-        waiting = [v for v in self._live.values() if v.num_output == 0]
-        decoding = [v for v in self._live.values() if v.num_output > 0]
-        context = sum(v.num_prompt + v.num_output for v in decoding)
-        used = sum(
-            -(-(v.num_prompt + v.num_output) // self.block_size) for v in self._live.values()
-        )
-        return LoadReport(
-            num_waiting=len(waiting),
-            num_running=len(decoding),
-            num_decoding=len(decoding),
-            queued_prefill_tokens=sum(v.num_prompt for v in waiting),
-            decode_context_tokens=context,
-            free_blocks=max(0, self.num_blocks - used),
-            total_blocks=self.num_blocks,
-        )
+        return estimate_load(list(self._live.values()), self.num_blocks, self.block_size)
 
 
 async def _stats(engine: VllmEngine) -> dict[str, Any]:
@@ -539,114 +446,12 @@ async def _stats(engine: VllmEngine) -> dict[str, Any]:
 
 
 async def _shutdown(engine: VllmEngine) -> None:
-    engine._died(RuntimeError("the engine is shut down"))
+    engine._died(RuntimeError("the engine is shut down"), shutdown=True)
     engine._watcher.cancel()
     engine.llm.shutdown()
-
-
-def _sampling(params: SamplingParams, done: int) -> Any:
-    """kvroute's sampling parameters as vLLM's (deltas out); None: nothing left to make."""
-    from vllm import SamplingParams as VllmSampling
-    from vllm.sampling_params import RequestOutputKind
-
-    left = params.max_tokens - done
-    if left <= 0:
-        return None
-    return VllmSampling(
-        n=1,
-        max_tokens=left,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,  # 0 disables top-k in both
-        seed=params.seed,
-        stop=list(params.stop) or None,
-        stop_token_ids=list(params.stop_token_ids) or None,
-        ignore_eos=params.ignore_eos,
-        min_tokens=max(0, params.min_tokens - done),
-        logprobs=params.logprobs,
-        output_kind=RequestOutputKind.DELTA,
-    )
-
-
-def _from_vllm(live: _Live, out: Any) -> GenerateDelta:
-    """One vLLM delta output as the data plane's GenerateDelta."""
-    c = out.outputs[0] if out.outputs else None
-    ids = list(c.token_ids) if c is not None else []
-    text = c.text if c is not None else ""
-    reason = None
-    if out.finished:
-        raw = c.finish_reason if c is not None else "abort"
-        reason = _FINISH.get(str(raw), "stop")  # vLLM's "repetition" ends it as a stop
-    delta = _delta(live, ids, text, out.finished, reason)
-    delta.num_cached_tokens = min(out.num_cached_tokens or 0, live.num_prompt)
-    if out.finished and c is not None:
-        delta.stop_reason = c.stop_reason
-    if live.logprobs and c is not None and c.logprobs is not None:
-        delta.logprobs = [{t: float(lp.logprob) for t, lp in d.items()} for d in c.logprobs]
-    return delta
-
-
-def _delta(
-    live: _Live, ids: list[int], text: str, finished: bool, reason: str | None
-) -> GenerateDelta:
-    live.num_output += len(ids)
-    if live.pending_text:
-        text, live.pending_text = live.pending_text + text, ""
-    return GenerateDelta(
-        request_id=live.request_id,
-        delta_token_ids=ids,
-        delta_text=text,
-        finished=finished,
-        finish_reason=reason,
-        num_prompt_tokens=live.num_prompt,
-        num_output_tokens=live.num_output,
-    )
-
-
-def _idle_load(total: int) -> LoadReport:
-    return LoadReport(
-        num_waiting=0,
-        num_running=0,
-        num_decoding=0,
-        queued_prefill_tokens=0,
-        decode_context_tokens=0,
-        free_blocks=total,
-        total_blocks=total,
-    )
 
 
 def _vllm_platform() -> str:
     from vllm.platforms import current_platform
 
     return str(current_platform.device_type)
-
-
-def _prepare_environment(config: VllmEngineConfig, events_host: str) -> None:
-    """Environment vLLM reads when it starts (its engine-core process inherits it)."""
-    if config.device == "cpu":
-        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-        # Several replicas may share a host: vLLM's automatic core binding would pin them
-        # all to the same cores. Threads come from OMP_NUM_THREADS (the replica's share).
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    if events_host not in ("", "*", "0.0.0.0"):
-        os.environ.setdefault("VLLM_HOST_IP", events_host)  # where `tcp://*:0` binds
-
-
-def _count_params(model_path: Any) -> int:
-    """Parameters in a folder's safetensors, read from their headers (no weights loaded)."""
-    import json
-    import struct
-    from pathlib import Path
-
-    total = 0
-    for f in sorted(Path(model_path).glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        for name, meta in header.items():
-            if name != "__metadata__":
-                count = 1
-                for d in meta["shape"]:
-                    count *= d
-                total += count
-    return total
