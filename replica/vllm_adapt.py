@@ -86,6 +86,9 @@ def engine_args(config: VllmEngineConfig, model_path: Path, cpu: bool, topic: st
             topic=topic,
         ),
         "disable_log_stats": True,
+        # One worker in the engine-core process: no third process per replica (and none
+        # left behind when Ray kills the actor). engine_args may ask for "mp" or "ray".
+        "distributed_executor_backend": "uni",
     }
     for key, value in (
         ("max_model_len", c.max_model_len),
