@@ -41,6 +41,26 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
         help="built-in name, HF folder, or sim:<profile> for cost-model replicas (sim:h100-8b)",
     )
     serve.add_argument(
+        "--engine",
+        choices=("kvroute", "vllm"),
+        default="kvroute",
+        help="the engine inside each replica: kvroute's own, or vLLM's AsyncLLM (needs vLLM "
+        "installed: see docs/serving.md); same actors, data plane and router either way",
+    )
+    serve.add_argument(
+        "--dtype", default=None, help="weights' dtype, e.g. float32 (default: fp32 on CPU)"
+    )
+    serve.add_argument(
+        "--max-model-len", type=int, default=None, help="longest prompt + output per request"
+    )
+    serve.add_argument(
+        "--vllm-args",
+        default=None,
+        metavar="JSON",
+        help="--engine vllm: more vLLM engine arguments (AsyncEngineArgs fields), e.g. "
+        "'{\"max_num_seqs\": 64}'",
+    )
+    serve.add_argument(
         "--replicas", type=int, default=None, help="default: 2 locally, one per GPU on a cluster"
     )
     serve.add_argument("--address", default=None, help="Ray cluster address (e.g. auto)")
@@ -91,7 +111,13 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
         "(0: no limit); with --long-prefill-token-threshold it bounds every step, which keeps "
         "one tenant's long prompts from delaying another's first token (see docs/serving.md)",
     )
-    serve.add_argument("--block-size", type=int, default=16)
+    serve.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="tokens per KV block (default: 16; 32 with --engine vllm, as its CPU attention "
+        "wants a multiple of 32)",
+    )
     serve.add_argument(
         "--routers",
         type=int,
@@ -128,9 +154,17 @@ def run(args: argparse.Namespace) -> int:
     if args.time_scale <= 0 or (args.time_scale != 1.0 and not simulated):
         _say("--time-scale must be > 0 and applies to sim: models only")
         return 2
+    if args.engine == "vllm" and simulated:
+        _say("--engine vllm runs a real model: sim: models are kvroute's cost-model replicas")
+        return 2
+    if args.vllm_args and args.engine != "vllm":
+        _say("--vllm-args applies to --engine vllm only")
+        return 2
+    if args.block_size is None:
+        args.block_size = 32 if args.engine == "vllm" else 16
     if args.num_cpus_per_replica is None:
         args.num_cpus_per_replica = 0.0 if simulated else 1.0
-    for flag in ("--resources-per-replica", "--runtime-env"):
+    for flag in ("--resources-per-replica", "--runtime-env", "--vllm-args"):
         attr = flag[2:].replace("-", "_")
         try:
             setattr(args, attr, _json_object(getattr(args, attr)))
@@ -219,14 +253,21 @@ def _start_replicas(args: argparse.Namespace, n: int, num_gpus: float, events_ho
     existing = set(ray.util.list_named_actors()) if detached else set()
 
     config: dict[str, Any] = {"model": args.model, "block_size": args.block_size}
-    if args.time_scale != 1.0:
-        config["time_scale"] = args.time_scale
-    if args.num_blocks:
-        config["num_blocks"] = args.num_blocks
-    if args.long_prefill_token_threshold:
-        config["long_prefill_token_threshold"] = args.long_prefill_token_threshold
-    if args.max_num_partial_prefills:
-        config["max_num_partial_prefills"] = args.max_num_partial_prefills
+    if args.dtype:
+        config["dtype"] = args.dtype
+    if args.max_model_len:
+        config["max_model_len"] = args.max_model_len
+    if args.engine == "vllm":
+        config.update(_vllm_settings(args))
+    else:
+        if args.time_scale != 1.0:
+            config["time_scale"] = args.time_scale
+        if args.num_blocks:
+            config["num_blocks"] = args.num_blocks
+        if args.long_prefill_token_threshold:
+            config["long_prefill_token_threshold"] = args.long_prefill_token_threshold
+        if args.max_num_partial_prefills:
+            config["max_num_partial_prefills"] = args.max_num_partial_prefills
     where = f"{num_gpus:g} GPU" if num_gpus else f"{args.num_cpus_per_replica:g} CPU"
     _say(f"starting {n} replica(s) of {args.model} ({where} each); loading the model...")
     t0 = time.monotonic()
@@ -268,6 +309,22 @@ def _start_replicas(args: argparse.Namespace, n: int, num_gpus: float, events_ho
             f"max_model_len {info.max_model_len}) after {time.monotonic() - t0:.0f} s"
         )
     return [(a, infos[a]) for a in actors]
+
+
+def _vllm_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """A vLLM replica's config keys (replica/vllm_adapt.py): kvroute's flags that vLLM has
+    under its own names go into its engine arguments."""
+    settings: dict[str, Any] = {"engine": "vllm"}
+    if args.num_blocks:
+        settings["num_blocks"] = args.num_blocks
+    extra = dict(args.vllm_args or {})
+    if args.long_prefill_token_threshold:
+        extra.setdefault("long_prefill_token_threshold", args.long_prefill_token_threshold)
+    if args.max_num_partial_prefills:
+        extra.setdefault("max_num_partial_prefills", args.max_num_partial_prefills)
+    if extra:
+        settings["engine_args"] = extra
+    return settings
 
 
 def _start_routers(args: argparse.Namespace, routers: list[subprocess.Popen[bytes]]) -> None:

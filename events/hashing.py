@@ -26,9 +26,14 @@ kvroute router can index a fleet of vLLM engines:
 ``H(x) = SHA-256(canonical CBOR of x)``, ``x = [parent (32-byte string), [token ints],
 extra or null]``, where ``extra`` is the array ``[lora_name?, cache_salt?]`` (vLLM puts the
 LoRA name first and the salt, in block 0 only, after it) and ``NONE_HASH = H(seed)`` with the
-seed as a CBOR text string. vLLM derives its seed from ``PYTHONHASHSEED`` (random when
-unset): start every vLLM engine with ``PYTHONHASHSEED=<seed>`` and give kvroute the same
-``<seed>``.
+seed as a CBOR text string. vLLM derives its seed from ``PYTHONHASHSEED`` when set, else
+(for sha256 and sha256_cbor) the fixed ``"vllm-none-hash"``, kvroute's default.
+
+``sha256_cbor_tagged`` -- vLLM 0.32's ``sha256_cbor``: the same CBOR and SHA-256, but each
+extra key tagged by its source: ``extra`` is ``[["lora", name, path]?, ["cache_salt",
+salt]?]`` (LoRA on every block, the salt on block 0 only). Unsalted prompts hash as in
+``sha256_cbor``. A router indexing vLLM 0.32 engines whose requests carry a ``cache_salt``
+(every kvroute tenant's do) needs this one; its LoRA keys also need the adapter's path.
 
 External (event) form: raw digest bytes, or vLLM's integer form -- the low 64 bits of the
 digest, i.e. its last 8 bytes read big-endian as an unsigned integer.
@@ -58,10 +63,10 @@ from .wire import ExternalBlockHash  # defined once, with the wire's bounds
 
 log = logging.getLogger(__name__)
 
-HashAlgo = Literal["xxh3_128", "sha256_cbor"]
+HashAlgo = Literal["xxh3_128", "sha256_cbor", "sha256_cbor_tagged"]
 HashForm = Literal["bytes", "int"]
 
-ALGOS: tuple[str, ...] = ("xxh3_128", "sha256_cbor")
+ALGOS: tuple[str, ...] = ("xxh3_128", "sha256_cbor", "sha256_cbor_tagged")
 DEFAULT_SEED = "vllm-none-hash"
 DEFAULT_BLOCK_SIZE = 16
 
@@ -153,17 +158,28 @@ class BlockHasher:
         lora_name: str | None = None,
         parent: bytes | None = None,
         start_block: int = 0,
+        lora_path: str | None = None,
     ) -> list[bytes]:
         """Hashes of the full blocks of ``token_ids`` (a trailing partial block is ignored).
 
         ``parent`` and ``start_block`` continue a chain: ``token_ids`` then holds the tokens
         from block ``start_block`` on, and ``parent`` is the hash of block ``start_block-1``.
         The salt only enters block 0, so it is ignored when ``start_block > 0``.
+        ``lora_path``: the adapter's path, which ``sha256_cbor_tagged`` hashes beside its
+        name (required there with ``lora_name``; the other algorithms ignore it).
         """
         if (parent is None) != (start_block == 0):
             raise ValueError("parent must be given exactly when start_block > 0")
         if self.algo == "xxh3_128":
             return self._hash_xxh3(token_ids, cache_salt, lora_name, parent, start_block)
+        if self.algo == "sha256_cbor_tagged":
+            lora: list[str] | None = None
+            if lora_name:
+                if lora_path is None:
+                    raise ValueError("sha256_cbor_tagged hashes a LoRA's path: pass lora_path")
+                lora = ["lora", lora_name, lora_path]
+            salt = ["cache_salt", cache_salt] if cache_salt else None
+            return self._hash_sha256_cbor(token_ids, salt, lora, parent, start_block)
         return self._hash_sha256_cbor(token_ids, cache_salt, lora_name, parent, start_block)
 
     # -- xxh3_128 ----------------------------------------------------------------------
@@ -222,18 +238,20 @@ class BlockHasher:
     def _hash_sha256_cbor(
         self,
         token_ids: Sequence[int],
-        cache_salt: str | None,
-        lora_name: str | None,
+        cache_salt: str | list[str] | None,
+        lora_name: str | list[str] | None,
         parent: bytes | None,
         start_block: int,
     ) -> list[bytes]:
+        """The extra keys as they enter the CBOR: bare strings (``sha256_cbor``) or
+        ``[source, value...]`` arrays (``sha256_cbor_tagged``)."""
         bs = self.block_size
         n_blocks = len(token_ids) // bs
         tokens = [int(t) for t in token_ids[: n_blocks * bs]]
         h = self.none_hash if parent is None else parent
         out: list[bytes] = []
         for i in range(n_blocks):
-            extra: list[str] = []
+            extra: list[str | list[str]] = []
             if lora_name:
                 extra.append(lora_name)
             if cache_salt and start_block + i == 0:

@@ -14,6 +14,11 @@ small state machine:
   event is ``AllBlocksCleared``, so applying deliveries in order always yields the engine's
   state. A publisher that cannot answer (vLLM without a replay socket, or one that is
   gone) costs only hits: the replica's state is dropped and rebuilt from what follows.
+- A publisher that keeps no snapshots (vLLM: it reads the start seq as unsigned, so the
+  snapshot request gets the end marker alone) is resynchronized from its replay buffer
+  instead: state dropped, replay from seq 0. When the buffer no longer reaches back to 0
+  (or to a gap), the view restarts at the buffer's first batch: blocks stored before it
+  are missing (fewer hits), never ones the engine dropped.
 
 A new publisher starts in SYNCING with a snapshot request, so a subscriber that joins late
 still sees every block the engine already holds.
@@ -354,10 +359,21 @@ class ZmqEventSubscriber:
             elif msg["event"] == zmq.EVENT_CONNECTED and r.was_disconnected:
                 r.was_disconnected = False
                 r.live_seq = None
-                if r.replay_endpoint is not None and r.snapshot_supported:
+                if r.replay_endpoint is not None:
                     self._cancel_request(r)
                     r.pending = []
-                    self._request(r, "snapshot", SNAPSHOT_REQUEST)
+                    if r.snapshot_supported:
+                        self._request(r, "snapshot", SNAPSHOT_REQUEST)
+                    else:
+                        self._resync(r)
+
+    def _resync(self, r: _Subscription) -> None:
+        """Rebuild a publisher without snapshots (vLLM) from its replay buffer: forget
+        what is known and replay from seq 0 (the buffer's first batch if it rolled)."""
+        if r.last_seq >= 0 or r.stats.delivered:
+            self._reset(r)
+        r.last_seq = -1
+        self._request(r, "replay", 0)
 
     def _reset(self, r: _Subscription) -> None:
         r.stats.resets += 1
@@ -469,10 +485,9 @@ class ZmqEventSubscriber:
 
     def _apply_snapshot(self, r: _Subscription, reply: list[tuple[int, bytes]]) -> None:
         if not reply:
-            # The publisher keeps no snapshots (vLLM): read its stream from the start.
+            # The publisher keeps no snapshots (vLLM): rebuild from its replay buffer.
             r.snapshot_supported = False
-            if r.pending:
-                self._drain_pending(r)
+            self._resync(r)
             return
         batches = [self._decode(r, payload) for _, payload in reply]
         if any(b is None for b in batches) or len({s for s, _ in reply}) != 1:
@@ -485,6 +500,13 @@ class ZmqEventSubscriber:
         self._drain_pending(r)
 
     def _apply_replay(self, r: _Subscription, reply: list[tuple[int, bytes]]) -> None:
+        first_seq = next((seq for seq, _ in reply if seq > r.last_seq), None)
+        if first_seq is not None and first_seq > r.last_seq + 1 and not r.snapshot_supported:
+            # The buffer no longer reaches back and there is no snapshot to ask for: what
+            # the hole changed is unknowable, so restart the view at the buffer's start.
+            if r.last_seq >= 0 or r.stats.delivered:
+                self._reset(r)
+            r.last_seq = first_seq - 1
         for seq, payload in reply:
             if seq <= r.last_seq:
                 continue

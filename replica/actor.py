@@ -63,6 +63,13 @@ class ReplicaServer:
         torch_threads: int | None = None,
     ) -> None:
         quiet_progress_bars()
+        from .vllm_adapt import is_vllm_config
+
+        self.replica_id = replica_id
+        self._vllm: Any = None  # the VllmEngine when this replica runs vLLM
+        if is_vllm_config(engine_config):
+            self._init_vllm(engine_config, events_host, torch_threads)
+            return
         from kvroute.events import ZmqEventPublisher
 
         from .async_engine import AsyncLLMEngine
@@ -81,8 +88,9 @@ class ReplicaServer:
         node_ip = ray.util.get_node_ip_address()
         bind = "*" if events_host in _WILDCARD_HOSTS else events_host
         advertised = node_ip if bind == "*" else events_host
-        self.replica_id = replica_id
-        self.publisher = ZmqEventPublisher(f"tcp://{bind}:*", f"tcp://{bind}:*", topic=replica_id)
+        self.publisher: Any = ZmqEventPublisher(
+            f"tcp://{bind}:*", f"tcp://{bind}:*", topic=replica_id
+        )
         try:
             self.engine = AsyncLLMEngine.from_config(config, [self.publisher.publish])
         except BaseException:
@@ -124,6 +132,60 @@ class ReplicaServer:
         )
         threading.Thread(target=self._watch, name="kvroute-replica-watchdog", daemon=True).start()
 
+    def _init_vllm(self, engine_config: Any, events_host: str, torch_threads: int | None) -> None:
+        """The same actor around vLLM's AsyncLLM (see :mod:`.vllm_engine`): vLLM publishes
+        its own KV events, so there is no kvroute publisher."""
+        from .dataplane import DataPlaneServer
+        from .vllm_engine import HASH_ALGO, VllmEngine, VllmEngineConfig
+
+        config = (
+            engine_config
+            if isinstance(engine_config, VllmEngineConfig)
+            else VllmEngineConfig.from_dict(engine_config)
+        )
+        if torch_threads is not None and config.device == "cpu":
+            # vLLM's engine core (a child process) sizes its OpenMP pool from this.
+            os.environ["OMP_NUM_THREADS"] = str(torch_threads)
+        node_ip = ray.util.get_node_ip_address()
+        bind = "*" if events_host in _WILDCARD_HOSTS else events_host
+        advertised = node_ip if bind == "*" else events_host
+        self.publisher = None
+        eng = self.engine = self._vllm = VllmEngine(
+            config, events_host=advertised, topic=self.replica_id
+        )
+        incarnation = uuid.uuid4().hex
+        try:
+            self.dataplane = DataPlaneServer(eng, f"tcp://{bind}:*", incarnation)  # type: ignore[arg-type]
+            cost = eng.cost_coefficients()
+        except BaseException:
+            eng.shutdown()
+            raise
+        actor_id = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
+        self._in_actor = actor_id is not None
+        self._info = ReplicaInfo(
+            replica_id=self.replica_id,
+            model=config.model,
+            model_path=str(eng.model_path),
+            hash_algo=HASH_ALGO,
+            hash_seed=eng.hash_seed,
+            hash_form=eng.hash_form,
+            block_size=eng.block_size,
+            num_blocks=eng.num_blocks,
+            max_model_len=eng.max_model_len,
+            data_endpoint=_advertise(self.dataplane.endpoint, advertised),
+            events_endpoint=eng.events_endpoint,
+            replay_endpoint=eng.replay_endpoint,
+            topic=self.replica_id,
+            node_ip=node_ip,
+            pid=os.getpid(),
+            incarnation=incarnation,
+            restarted=self._in_actor and _was_reconstructed(),
+            vocab_size=eng.vocab_size,
+            cost=cost,
+            node_id=ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
+        )
+        threading.Thread(target=self._watch, name="kvroute-replica-watchdog", daemon=True).start()
+
     def __repr__(self) -> str:  # Ray prefixes the actor's log lines and errors with it
         return f"ReplicaServer({self.replica_id})"
 
@@ -137,6 +199,15 @@ class ReplicaServer:
 
     async def stats(self) -> dict[str, Any]:
         """Engine load and cache counters (read between steps) plus the publisher's."""
+        if self._vllm is not None:
+            s = await self._on_vllm(self._vllm.stats())
+            s.update(
+                replica_id=self.replica_id,
+                dataplane_requests=self.dataplane.requests,
+                dataplane_messages_sent=self.dataplane.messages_sent,
+                dataplane_malformed=self.dataplane.malformed,
+            )
+            return s
 
         def read(e: Any) -> dict[str, Any]:
             # On the engine thread: the thread whose torch pool does the work.
@@ -160,6 +231,8 @@ class ReplicaServer:
     async def cached_blocks(self) -> dict[Any, int]:
         """External block hash -> cached copies, read between steps: what a router's index
         of this replica must equal once its event stream is applied (audits, chaos tests)."""
+        if self._vllm is not None:
+            return await self._on_vllm(self._vllm.cached_blocks())
         return await self._on_engine(lambda e: e.kv_cache_manager.block_pool.cached_hash_counts())
 
     def load(self) -> LoadReport:
@@ -170,6 +243,8 @@ class ReplicaServer:
 
     async def reset_prefix_cache(self) -> bool:
         """False when blocks are in use (nothing is reset then); True after AllBlocksCleared."""
+        if self._vllm is not None:
+            return await self._on_vllm(self._vllm.reset_prefix_cache())
         return await self._on_engine(lambda e: e.reset_prefix_cache())
 
     def health(self) -> bool:
@@ -181,7 +256,11 @@ class ReplicaServer:
         return True
 
     def inject_engine_failure(self, message: str = "injected engine failure") -> None:
-        """Fault injection (tests, drills): the engine's next step raises ``message``."""
+        """Fault injection (tests, drills): the engine's next step raises ``message``
+        (a vLLM replica's engine-core process is killed instead: its steps run there)."""
+        if self._vllm is not None:
+            self._vllm.kill_engine_core()
+            return
 
         def fail() -> None:
             raise RuntimeError(message)
@@ -192,7 +271,16 @@ class ReplicaServer:
         """For in-process use: stop the engine (live requests fail) and close the sockets."""
         self.engine.shutdown()
         self.dataplane.close()
-        self.publisher.close()
+        if self.publisher is not None:
+            self.publisher.close()
+
+    async def _on_vllm(self, pending: Any) -> Any:
+        from .async_engine import EngineDeadError
+
+        try:
+            return await pending
+        except EngineDeadError as exc:
+            raise ReplicaDeadError(f"replica {self.replica_id}: {exc}") from None
 
     async def _on_engine(self, fn: Any) -> Any:
         from .async_engine import EngineDeadError

@@ -39,12 +39,17 @@ def cbor(x: object) -> bytes:
     raise TypeError(type(x))
 
 
-def vllm_reference(tokens, block_size, seed, salt=None, lora=None):
-    """vLLM's scheme written out from its spec: H(x) = sha256(cbor(x))."""
+def vllm_reference(tokens, block_size, seed, salt=None, lora=None, lora_path=None):
+    """vLLM's scheme written out from its spec: H(x) = sha256(cbor(x)). With ``lora_path``
+    (vLLM 0.32): extra keys tagged by source, ("lora", name, path) and ("cache_salt", s)."""
     none_hash = hashlib.sha256(cbor(seed)).digest()
     parent, out = none_hash, []
     for i in range(len(tokens) // block_size):
         extra = ([lora] if lora else []) + ([salt] if salt and i == 0 else [])
+        if lora_path is not None:
+            extra = ([("lora", lora, lora_path)] if lora else []) + (
+                [("cache_salt", salt)] if salt and i == 0 else []
+            )
         item = [parent, tokens[i * block_size : (i + 1) * block_size], extra or None]
         parent = hashlib.sha256(cbor(item)).digest()
         out.append(parent)
@@ -80,6 +85,23 @@ def test_sha256_cbor_matches_vllm_spec(salt, lora):
     assert h.hash_blocks(TOKENS, cache_salt=salt, lora_name=lora) == vllm_reference(
         TOKENS, 16, "vllm-none-hash", salt, lora
     )
+
+
+@pytest.mark.parametrize("salt,lora", [(None, None), ("tenant-a", None), (None, "ad"), ("s", "ad")])
+def test_sha256_cbor_tagged_matches_vllm_032_spec(salt, lora):
+    h = BlockHasher("sha256_cbor_tagged", seed="vllm-none-hash", block_size=16)
+    got = h.hash_blocks(TOKENS, cache_salt=salt, lora_name=lora, lora_path="/adapters/ad")
+    assert got == vllm_reference(TOKENS, 16, "vllm-none-hash", salt, lora, "/adapters/ad")
+    if not salt and not lora:  # unsalted, the two layouts agree
+        assert got == BlockHasher("sha256_cbor", block_size=16).hash_blocks(TOKENS)
+    elif salt:
+        assert got != BlockHasher("sha256_cbor", block_size=16).hash_blocks(TOKENS, cache_salt=salt)
+
+
+def test_sha256_cbor_tagged_needs_a_loras_path():
+    h = BlockHasher("sha256_cbor_tagged", block_size=16)
+    with pytest.raises(ValueError, match="lora_path"):
+        h.hash_blocks(TOKENS, lora_name="ad")
 
 
 def test_sha256_cbor_large_token_ids_use_wide_cbor_ints():

@@ -334,8 +334,9 @@ class VllmLikePublisher:
     """A publisher that frames exactly as vLLM does: int hashes, tagged-array events,
     replay replies of [b"", seq, payload] without a topic frame, and no snapshots."""
 
-    def __init__(self) -> None:
+    def __init__(self, buffer_steps: int | None = None) -> None:
         ctx = zmq.Context.instance()
+        self.buffer_steps = buffer_steps  # None: keep every batch (vLLM keeps 10,000)
         self.pub = ctx.socket(zmq.PUB)
         self.pub.bind(LOCAL)
         self.router = ctx.socket(zmq.ROUTER)
@@ -353,6 +354,8 @@ class VllmLikePublisher:
         payload = msgspec.msgpack.encode([time.time(), events])
         with self.lock:
             self.buffer.append((self.seq, payload))
+            if self.buffer_steps is not None:
+                del self.buffer[: -self.buffer_steps]
             if send:
                 self.pub.send_multipart([b"", self.seq.to_bytes(8, "big"), payload])
             self.seq += 1
@@ -398,6 +401,54 @@ def test_reads_a_vllm_style_stream_with_int_hashes_and_recovers_a_gap():
         del truth[1000]
         assert poll(lambda: views.counts("vllm-0") == truth, timeout=10), sub.stats()
         assert sub.stats()["vllm-0"].gaps >= 1 and sub.stats()["vllm-0"].replays >= 1
+    finally:
+        sub.close()
+        vllm.close()
+
+
+def stored(h: int, parent: int | None) -> list:
+    return [["BlockStored", [h], parent, list(range(16)), 16, None, "GPU"]]
+
+
+def test_a_late_subscriber_replays_a_vllm_style_buffer_from_seq_0():
+    """No snapshots: a subscriber joining an idle engine rebuilds its state from the
+    replay buffer at once, not only when the next live batch reveals a gap."""
+    vllm = VllmLikePublisher()
+    for i in range(20):
+        vllm.publish(stored(2000 + i, 1999 + i if i else None))
+    vllm.publish([["BlockRemoved", [2005], "GPU"]])
+    truth = {2000 + i: 1 for i in range(20) if i != 5}
+    views = Views()
+    sub = ZmqEventSubscriber(views)
+    try:
+        sub.add_publisher("vllm-0", vllm.endpoint, vllm.replay_endpoint)
+        assert poll(lambda: views.counts("vllm-0") == truth, timeout=10), sub.stats()
+        stats = sub.stats()["vllm-0"]
+        assert (stats.snapshots, stats.replays, stats.gaps, stats.last_seq) == (1, 1, 0, 20)
+    finally:
+        sub.close()
+        vllm.close()
+
+
+def test_a_rolled_vllm_style_buffer_restarts_the_view_at_its_start():
+    """The buffer no longer reaches seq 0: the view holds what the buffer holds, then
+    follows the live stream without asking for replays again."""
+    vllm = VllmLikePublisher(buffer_steps=5)
+    for i in range(12):
+        vllm.publish(stored(3000 + i, 2999 + i if i else None))
+    views = Views()
+    sub = ZmqEventSubscriber(views)
+    try:
+        sub.add_publisher("vllm-0", vllm.endpoint, vllm.replay_endpoint)
+        in_buffer = {3000 + i: 1 for i in range(7, 12)}
+        assert poll(lambda: views.counts("vllm-0") == in_buffer, timeout=10), sub.stats()
+        time.sleep(0.2)  # SUB connection settles
+        for i in range(12, 15):
+            vllm.publish(stored(3000 + i, 2999 + i))
+        want = {**in_buffer, **{3000 + i: 1 for i in range(12, 15)}}
+        assert poll(lambda: views.counts("vllm-0") == want, timeout=10), sub.stats()
+        stats = sub.stats()["vllm-0"]
+        assert stats.replays == 1 and stats.gaps == 0 and stats.last_seq == 14
     finally:
         sub.close()
         vllm.close()
