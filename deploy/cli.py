@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -47,6 +48,10 @@ def _console_logging(command: str) -> None:
     handler.setLevel(logging.WARNING)
     handler.setFormatter(_Lower("%(message)s"))
     logging.getLogger("kvroute").addHandler(handler)
+    if not sys.stderr.isatty():
+        # Replicas' lines reach this console through Ray with a "(ReplicaServer pid=...)"
+        # prefix; colour codes in it would litter a log file. Ray reads this when it prints.
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
 
 def build_parser() -> argparse.ArgumentParser:
