@@ -233,8 +233,12 @@ def _start_ray(args: argparse.Namespace) -> tuple[int, float, str]:
             else ")"
         )
     )
-    ray.init(
-        num_cpus=cpus, namespace=RAY_NAMESPACE, include_dashboard=False, logging_level="warning"
+    ray.init(  # "local": a Ray of its own, never one found on this machine (ray start)
+        address="local",
+        num_cpus=cpus,
+        namespace=RAY_NAMESPACE,
+        include_dashboard=False,
+        logging_level="warning",
     )
     return n, args.num_gpus_per_replica or 0, "127.0.0.1"
 

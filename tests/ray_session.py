@@ -25,7 +25,14 @@ def local_ray() -> Iterator[list[Any]]:
     if not ray.is_initialized():
         # Replicas' own output stays in Ray's log files: tests kill replicas on purpose,
         # and Ray would relay their expected tracebacks into the test run's output.
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="warning", log_to_driver=False)
+        # "local": a Ray of this test process's own, never another one on the machine.
+        ray.init(
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            logging_level="warning",
+            log_to_driver=False,
+        )
     before = _alive()
     started: list[Any] = []
     try:

@@ -63,7 +63,7 @@ def complete(port: int, prompt: list[int]) -> httpx.Response:
 def fleet() -> Iterator[str]:
     """Four named cost-model replicas on a local Ray; yields the cluster's address."""
     shutdown()  # the run's shared local Ray: this module needs a Ray of its own
-    ctx = ray.init(num_cpus=1, namespace=RAY_NAMESPACE, include_dashboard=False,
+    ctx = ray.init(address="local", num_cpus=1, namespace=RAY_NAMESPACE, include_dashboard=False,
                    logging_level="warning")  # fmt: skip
     try:
         actors = [
