@@ -133,7 +133,11 @@ class ChunkReader:
         if chunk.error is not None:  # vLLM's error event mid-stream: this request failed
             self.finished = True
             self._held = None
-            return self._delta([], "", "error", error=chunk.error.message or "backend error")
+            err = chunk.error
+            delta = self._delta([], "", "error", error=err.message or "backend error")
+            if str(err.code).isdigit() and 400 <= int(str(err.code)) < 500:
+                delta.failure = "invalid"  # vLLM refused it (e.g. a token out of vocabulary)
+            return delta
         if chunk.usage is not None and self._held is not None and not chunk.choices:
             usage = chunk.usage
             details = usage.prompt_tokens_details

@@ -22,9 +22,11 @@ Why the shape:
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -163,10 +165,11 @@ def build_info(
     else:
         num_blocks = 0
     host = urlsplit(spec.url).hostname or ""
+    model_path = str(card.get("root") or card["id"])
     return ReplicaInfo(
         replica_id=rid,
         model=str(card["id"]),
-        model_path=str(card.get("root") or card["id"]),
+        model_path=model_path,
         hash_algo=HASH_ALGO,
         hash_seed=hash_seed,
         hash_form=HASH_FORM,
@@ -181,7 +184,20 @@ def build_info(
         pid=0,  # not known from outside
         incarnation=f"{rid}@{metrics.start_time or 'unknown'}",
         restarted=False,
+        vocab_size=_vocab_size(model_path),
     )
+
+
+def _vocab_size(folder: str) -> int | None:
+    """The model's vocabulary, from its ``config.json`` when its folder is on this host:
+    the front door refuses token ids past it with a 400 (vLLM would, as an error event)."""
+    try:
+        with open(Path(folder) / "config.json", "rb") as f:
+            config = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return int(size) if isinstance(size, int) and size > 0 else None
 
 
 def load_report(metrics: BackendMetrics, block_size: int) -> LoadReport:

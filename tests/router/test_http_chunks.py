@@ -88,6 +88,15 @@ def test_an_error_event_ends_the_request_not_the_backend() -> None:
     assert reader.finished
 
 
+def test_an_error_event_vllm_answers_as_a_4xx_is_the_requests_fault() -> None:
+    reader = ChunkReader("r1", num_prompt=3)
+    line = (
+        'data: {"error": {"message": "Token id 9 is out of vocabulary", "type": "x", "code": 400}}'
+    )
+    (delta,) = feed_all(reader, [line])
+    assert (delta.finish_reason, delta.failure) == ("error", "invalid")
+
+
 def test_done_without_a_finish_reason_is_an_error_not_a_hang() -> None:
     reader = ChunkReader("r1", num_prompt=3)
     (delta,) = feed_all(reader, ["data: [DONE]"])
