@@ -276,7 +276,7 @@ def read_stream(fleet: Fleet, s: Stream, max_tokens: int) -> None:
 
 
 def test_killing_a_backend_mid_stream_fails_its_requests_over(fleet: Fleet) -> None:
-    max_tokens = 600
+    max_tokens = 1800  # the context is 2048: streams long enough to outlast the others' start
     streams = [Stream(prompt(200 + i, 10)) for i in range(3)]
     threads = [
         threading.Thread(target=read_stream, args=(fleet, s, max_tokens), daemon=True)
@@ -289,7 +289,7 @@ def test_killing_a_backend_mid_stream_fails_its_requests_over(fleet: Fleet) -> N
         """The streams of the first backend found streaming two (3 streams, 2 backends)."""
         by_replica: dict[str, list[Stream]] = {}
         for s in streams:
-            if s.started.is_set() and s.replica:
+            if s.started.is_set() and s.replica and not s.done:
                 by_replica.setdefault(s.replica, []).append(s)
         return max(by_replica.values(), key=len, default=[])
 
@@ -297,7 +297,6 @@ def test_killing_a_backend_mid_stream_fails_its_requests_over(fleet: Fleet) -> N
     victims = on_victim()
     victim_id = victims[0].replica
     victim = next(b for b in fleet.backends if b.replica_id == victim_id)
-    assert all(not s.done for s in victims), "streams ended before the kill"
     victim.kill()
     for t in threads:
         t.join(300)
