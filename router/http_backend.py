@@ -103,15 +103,26 @@ class ChunkReader:
     Feed it the stream's lines; it returns a delta when one is due. The finishing chunk is
     held until the usage chunk (or ``[DONE]``) that follows it, so the finished delta
     carries the counts and the cached tokens. ``done``: resumed tokens (they count as
-    output), ``pending_text``: their text the client has not had yet (it goes first)."""
+    output), ``pending_text``: their text the client has not had yet (it goes first).
+
+    ``text``: a resumed request's text, made here from its token ids
+    (:class:`ResumeText`) in place of vLLM's: vLLM primes its detokenizer with the whole
+    prompt, and a prompt that ends inside a UTF-8 character (a resume cut there) makes a
+    later delta repeat the prompt's whole text."""
 
     def __init__(
-        self, request_id: str, num_prompt: int, done: int = 0, pending_text: str = ""
+        self,
+        request_id: str,
+        num_prompt: int,
+        done: int = 0,
+        pending_text: str = "",
+        text: ResumeText | None = None,
     ) -> None:
         self.request_id = request_id
         self.num_prompt = num_prompt
         self.num_output = done
         self.pending_text = pending_text
+        self.text = text
         self.finished = False  # ``[DONE]`` or an error seen: nothing more will come
         self._held: GenerateDelta | None = None  # the finishing delta, awaiting usage
 
@@ -148,6 +159,8 @@ class ChunkReader:
             return None
         c = chunk.choices[0]
         ids = list(c.token_ids or ())
+        if self.text is not None:
+            c.text = self.text.step(ids, c.finish_reason is not None)
         reason = None
         if c.finish_reason is not None:
             reason = _FINISH.get(c.finish_reason, "stop")  # "repetition" ends as a stop
@@ -185,6 +198,39 @@ def _logprob_ids(top: dict[str, float]) -> dict[int, float]:
         if name.startswith(TOKEN_ID_PREFIX):
             out[int(name[len(TOKEN_ID_PREFIX) :])] = float(lp)
     return out
+
+
+class ResumeText:
+    """A resumed request's text from its token ids, incrementally (a window of a few
+    tokens decoded per step, as vLLM's and TGI's slow detokenizers do): text goes out only
+    once its characters are whole; bytes of a character the request ends inside are
+    dropped, as vLLM drops them."""
+
+    def __init__(self, decode: Callable[[list[int]], str], made: list[int], sent: int) -> None:
+        """``made``: the tokens streamed before the failover; ``sent``: how many characters
+        of their text the client has (the rest goes out with the first step)."""
+        self.decode = decode
+        self.ids = list(made)
+        read = len(made)  # back off to a whole character: the rest is decoded with the next
+        while read > 0 and read > len(made) - 4 and decode(made[:read]).endswith("\ufffd"):
+            read -= 1
+        self.pending = decode(made[:read])[sent:]
+        self.read = read
+        self.prefix = max(read - 6, 0)
+
+    def step(self, ids: list[int], last: bool) -> str:
+        self.ids += ids
+        before = self.decode(self.ids[self.prefix : self.read])
+        after = self.decode(self.ids[self.prefix :])
+        if last:  # as vLLM: a request that ends inside a character ends before it
+            after = after.rstrip("\ufffd")
+        out = ""
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            out = after[len(before) :]
+            self.prefix, self.read = self.read, len(self.ids)
+        if self.pending:
+            out, self.pending = self.pending + out, ""
+        return out
 
 
 def completion_body(req: GenerateRequest, model: str) -> dict[str, Any] | None:
@@ -294,12 +340,16 @@ class HttpReplicaConnection:
         return flight
 
     def _reader(self, req: GenerateRequest) -> ChunkReader:
-        done, pending = 0, ""
-        if req.resume is not None and req.resume.output_token_ids:
-            done = len(req.resume.output_token_ids)
-            if self.decode is not None:
-                pending = self.decode(list(req.resume.output_token_ids))[req.resume.sent_chars :]
-        return ChunkReader(req.request_id, len(req.prompt_token_ids), done, pending)
+        resume, decode = req.resume, self.decode
+        if resume is None or not resume.output_token_ids or decode is None:
+            done = len(resume.output_token_ids) if resume is not None else 0
+            return ChunkReader(req.request_id, len(req.prompt_token_ids), done)
+        made = list(resume.output_token_ids)
+        if req.sampling.stop:  # vLLM holds text back for stop strings: its own text, then
+            pending = decode(made)[resume.sent_chars :]
+            return ChunkReader(req.request_id, len(req.prompt_token_ids), len(made), pending)
+        text = ResumeText(decode, made, resume.sent_chars)
+        return ChunkReader(req.request_id, len(req.prompt_token_ids), len(made), "", text)
 
     def abort(self, request_id: str) -> None:
         """Ends the request: its stream is closed, so vLLM aborts it."""

@@ -12,7 +12,12 @@ from __future__ import annotations
 import pytest
 
 from kvroute.events.replica_api import GenerateRequest, Resume, SamplingParams
-from kvroute.router.http_backend import ChunkReader, MalformedChunkError, completion_body
+from kvroute.router.http_backend import (
+    ChunkReader,
+    MalformedChunkError,
+    ResumeText,
+    completion_body,
+)
 from kvroute.router.http_control import (
     BackendError,
     BackendSpec,
@@ -72,6 +77,22 @@ def test_a_resumed_stream_counts_the_resumed_tokens_and_sends_the_held_text_firs
     first, *_ = feed_all(reader, STREAM)
     assert first.delta_text == "heldM"
     assert first.num_output_tokens == 6
+
+
+def test_a_resumed_streams_text_is_made_from_token_ids() -> None:
+    """vLLM's deltas after a prompt cut inside a character repeat the prompt's text: the
+    reader makes a resumed request's text from its token ids instead."""
+    made = list("héllo wö".encode())[:-1]  # the resumed tokens end inside "ö" (bytes)
+
+    def decode(ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    reader = ChunkReader("r1-1", 3, len(made), text=ResumeText(decode, made, len("héllo w")))
+    line = 'data: {"choices":[{"text":"PROMPT TEXT!","token_ids":[%d]}]}'
+    deltas = feed_all(reader, [line % "ö".encode()[-1], line % "é".encode()[0]])
+    deltas += feed_all(reader, [line % "é".encode()[1], line % 33])
+    assert "".join(d.delta_text for d in deltas) == "öé!"
+    assert [d.num_output_tokens for d in deltas] == [len(made) + i for i in range(1, 5)]
 
 
 def test_an_error_event_ends_the_request_not_the_backend() -> None:
