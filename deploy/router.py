@@ -9,6 +9,12 @@ cache and load, not only on the requests it sent itself. Front doors on one host
 port with ``SO_REUSEPORT``: the kernel spreads connections over them.
 
 ``kvroute serve --routers N`` starts N-1 of these beside its own front door.
+
+``kvroute router --backend URL=EVENTS_ENDPOINT[,REPLAY_ENDPOINT] ...`` fronts ``vllm serve``
+processes kvroute did not start, with no Ray: each backend is read once at start-up
+(served model, block size, hash algorithm: :mod:`kvroute.router.http_control`), its KV
+events indexed, its requests streamed over its own HTTP API
+(:mod:`kvroute.router.http_backend`).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -125,6 +132,49 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="bind with SO_REUSEPORT, beside other front doors on the same port",
     )
+    b = p.add_argument_group(
+        "fronting vllm serve (no Ray)",
+        "route to vllm serve processes kvroute did not start, by their KV events",
+    )
+    b.add_argument(
+        "--backend",
+        action="append",
+        default=[],
+        metavar="URL=EVENTS[,REPLAY]",
+        help="a vllm serve: its base URL, its KV-event PUB endpoint and (optional, for gap "
+        "recovery) its replay endpoint, e.g. http://10.0.0.5:8000=tcp://10.0.0.5:5557,"
+        "tcp://10.0.0.5:5558; repeat per backend",
+    )
+    b.add_argument(
+        "--events-topic",
+        default="",
+        help="the topic in the backends' --kv-events-config (default: vLLM's, empty)",
+    )
+    b.add_argument(
+        "--hash-seed",
+        default=None,
+        help="the backends' $PYTHONHASHSEED if they run with one (default: vLLM's "
+        "'vllm-none-hash'); kvroute cannot read it from them",
+    )
+    b.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="check that the backends use this block size (read from their /metrics; "
+        "needed only when they run with --disable-log-stats)",
+    )
+    b.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="FOLDER",
+        help="the model's tokenizer, when the backends' weights folder is not on this host",
+    )
+    b.add_argument(
+        "--backend-wait",
+        type=float,
+        default=300.0,
+        help="seconds to wait at start-up for backends still loading (default: 300)",
+    )
 
 
 def say(msg: str) -> None:
@@ -189,14 +239,17 @@ def build_app(
     args: argparse.Namespace, replicas: list[tuple[Any, Any]], spec: TenantsFile | None
 ) -> Any:
     """The front door over ``replicas`` and its FastAPI app."""
-    from pathlib import Path
-
     from kvroute.router.frontdoor import FrontDoor
     from kvroute.router.http_api import create_app
     from kvroute.router.tenants import Tenants, resolve_fleet_secret
 
     tokenizer = None
-    if not Path(replicas[0][1].model_path).is_dir():  # the replicas live on another node
+    folder = getattr(args, "tokenizer", None)
+    if folder is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    elif not Path(replicas[0][1].model_path).is_dir():  # the replicas live on another node
         from transformers import AutoTokenizer
 
         from kvroute.replica.models import resolve_model
@@ -312,6 +365,8 @@ def serve_app(
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "backend", None):
+        return run_backends(args)
     import ray
 
     from kvroute.router.frontdoor import FleetMismatchError
@@ -344,6 +399,64 @@ def run(args: argparse.Namespace) -> int:
         return 130
     finally:
         ray.shutdown()
+
+
+def describe_backends(args: argparse.Namespace) -> list[tuple[Any, Any]]:
+    """(control, info) of every ``--backend``, once each answers; a ValueError says, in
+    one line, which cannot be fronted and why."""
+    from kvroute.router.http_control import VLLM_DEFAULT_SEED, BackendError, BackendSpec, describe
+
+    specs = [BackendSpec.parse(text) for text in args.backend]
+    urls = [s.url for s in specs]
+    if len(set(urls)) != len(urls):
+        raise ValueError("--backend: the same URL is given twice")
+    out = []
+    for s in specs:
+        try:
+            out.append(
+                describe(
+                    s,
+                    topic=args.events_topic,
+                    hash_seed=args.hash_seed or VLLM_DEFAULT_SEED,
+                    block_size=args.block_size,
+                    wait_s=args.backend_wait,
+                    say=say,
+                )
+            )
+        except BackendError as exc:
+            raise ValueError(str(exc)) from None
+    if args.tokenizer is None and not Path(out[0][1].model_path).is_dir():
+        raise ValueError(
+            f"the backends' weights folder {out[0][1].model_path!r} is not on this host: "
+            "give --tokenizer FOLDER (the model's tokenizer files)"
+        )
+    return out
+
+
+def run_backends(args: argparse.Namespace) -> int:
+    """``kvroute router --backend ...``: the front door over ``vllm serve`` processes."""
+    from kvroute.router.frontdoor import FleetMismatchError
+
+    try:
+        spec = front_door_tenants(args)
+        backends = describe_backends(args)
+        app = build_app(args, backends, spec)
+    except (ValueError, FleetMismatchError) as exc:
+        say(str(exc))
+        return 2
+    info = backends[0][1]
+    message = (
+        f"ready on http://{args.host}:{args.port}/v1 ({len(backends)} vllm serve backend(s) "
+        f"of {info.model!r}, {info.block_size}-token blocks, policy {args.policy}; "
+        f"{describe_tenants(spec)})"
+    )
+    try:
+        serve_app(
+            app, args.host, args.port, args.reuse_port, lambda: say(message), args.body_timeout
+        )
+    except KeyboardInterrupt:
+        return 130
+    return 0
 
 
 def add_stop_arguments(p: argparse.ArgumentParser) -> None:

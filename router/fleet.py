@@ -17,6 +17,9 @@ Why the shape:
   in-flight requests fail over (:mod:`.request_run`).
 - Replicas restart with new ports (Ray ``max_restarts``): the monitor polls ``info()`` and,
   on a new incarnation, drops what the index knew and follows the new endpoints.
+- A replica whose data endpoint is ``http(s)://`` is a ``vllm serve`` kvroute did not
+  start (``kvroute router --backend``): its connection is :mod:`.http_backend`'s, its
+  control (the ``actor``) :mod:`.http_control`'s; everything else is the same.
 """
 
 from __future__ import annotations
@@ -29,15 +32,22 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvroute.events import BlockHasher, HashConfig, ZmqEventSubscriber, to_external
 from kvroute.events.load import LoadReport
 from kvroute.events.replica_api import ReplicaInfo
+from kvroute.events.subscriber import ReplicaBatch
+from kvroute.events.wire import BlockStored
 
 from .dataplane import ReplicaConnection
+from .http_backend import HttpReplicaConnection, http_client
+from .http_control import HttpBackend
 from .index import PrefixIndex, prediction_stride
 from .load import LoadTracker
+
+if TYPE_CHECKING:
+    import httpx
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +70,7 @@ class ReplicaHandle:
     routed: int = 0  # kept across the replica's restarts, like every counter here
     failures: int = 0  # times it was found failed (by a request, its connection, the monitor)
     restarts: int = 0  # new incarnations the front door followed
-    conn: ReplicaConnection | None = None  # made on the event loop, at first use
+    conn: ReplicaConnection | HttpReplicaConnection | None = None  # made at first use
 
 
 class Fleet:
@@ -89,7 +99,12 @@ class Fleet:
         self.cordoned: set[str] = set()
         # This front door's name on every replica's data plane (outputs come back to it).
         self.client_id = f"fd-{uuid.uuid4().hex[:12]}"
-        self.subscriber = ZmqEventSubscriber(self.index.on_batch)
+        self.subscriber = ZmqEventSubscriber(self._on_events)
+        self._wrong_block_size: set[str] = set()  # replicas already reported for it
+        # Token ids to text (the front door's tokenizer): a resumed request's text held
+        # back from the client, for HTTP backends (kvroute's replicas decode it themselves).
+        self.decode: Callable[[list[int]], str] | None = None
+        self._http: httpx.AsyncClient | None = None  # shared by every HTTP backend
         self.errors: Counter[str] = errors if errors is not None else Counter()
         # Event-stream counters of subscriptions already closed (replica restarts, losses).
         self.retired_event_stats: dict[str, Counter[str]] = {}
@@ -133,12 +148,26 @@ class Fleet:
         self.subscriber.add_publisher(rid, info.events_endpoint, info.replay_endpoint, info.topic)
         log.info("replica %s (incarnation %s) added", rid, info.incarnation[:8])
 
-    def connection(self, rid: str) -> ReplicaConnection:
+    def connection(self, rid: str) -> ReplicaConnection | HttpReplicaConnection:
         """The replica's data-plane connection, made at first use (on the running loop)."""
         rep = self.replicas[rid]
         conn = rep.conn
-        if conn is None or conn.lost is not None:
-            info = rep.info
+        if conn is not None and conn.lost is None:
+            return conn
+        info = rep.info
+        if info.data_endpoint.startswith(("http://", "https://")):
+            if self._http is None:
+                self._http = http_client()
+            conn = rep.conn = HttpReplicaConnection(
+                rid,
+                info.data_endpoint,
+                info.incarnation,
+                info.model,
+                self._http,
+                self._on_lost,
+                decode=self.decode,
+            )
+        else:
             conn = rep.conn = ReplicaConnection(
                 rid,
                 info.data_endpoint,
@@ -148,6 +177,23 @@ class Fleet:
                 on_load=self._on_load,
             )
         return conn
+
+    def _on_events(self, item: ReplicaBatch) -> None:
+        """The subscriber's thread: into the index, unless the engine's blocks are not the
+        size this fleet hashes (its events would never match a request: said, not indexed)."""
+        size = self.hasher.block_size
+        for ev in item.batch.events:
+            if isinstance(ev, BlockStored) and ev.block_size != size:
+                self.errors["block_size_mismatch"] += 1
+                if item.replica_id not in self._wrong_block_size:
+                    self._wrong_block_size.add(item.replica_id)
+                    log.error(
+                        "replica %s publishes %d-token blocks, the fleet hashes %d-token "
+                        "ones: its events are not indexed (is its events endpoint another "
+                        "server's?)", item.replica_id, ev.block_size, size,
+                    )  # fmt: skip
+                return
+        self.index.on_batch(item)
 
     def _on_load(self, rid: str, report: LoadReport) -> None:
         rep = self.replicas.get(rid)
@@ -227,6 +273,10 @@ class Fleet:
         for rep in self.replicas.values():
             if rep.conn is not None:
                 rep.conn.close()
+            if isinstance(rep.actor, HttpBackend):  # its control client
+                await rep.actor.aclose()
+        if self._http is not None:
+            await self._http.aclose()
         self.subscriber.close()
 
     async def _watch(self) -> None:

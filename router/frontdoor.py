@@ -85,6 +85,8 @@ class FrontDoor:
 
             tokenizer = AutoTokenizer.from_pretrained(fleet.model_path)
         self.tokenizer = tokenizer
+        # What an HTTP backend's resumed request needs (kvroute's replicas decode themselves).
+        fleet.decode = lambda ids: str(tokenizer.decode(ids, skip_special_tokens=True))
 
     @classmethod
     async def connect(cls, actors: Sequence[Any], **kw: Any) -> FrontDoor:

@@ -1,0 +1,348 @@
+"""The control side of a ``vllm serve`` backend: what the fleet's monitor asks a replica
+(``info``, ``health``, ``load``), answered from vLLM's own HTTP endpoints.
+
+Why the shape:
+- :class:`HttpBackend` answers ``backend.info.remote()``, ``.health.remote()`` and
+  ``.load.remote()`` with awaitables, as a Ray actor handle does, so :mod:`.fleet`'s
+  monitor (restarts, recoveries, load polls) runs unchanged over Ray replicas and HTTP
+  backends alike.
+- Everything kvroute must agree on is read from the engine, not assumed:
+  ``vllm:cache_config_info`` on ``/metrics`` names the block size, whether prefix caching is
+  on and its hash algorithm; ``/v1/models`` the served name, weights folder and context.
+  Only the hash seed cannot be read (vLLM takes ``$PYTHONHASHSEED`` when set, else
+  ``vllm-none-hash``): it is a flag. A backend whose hashing kvroute cannot reproduce is
+  refused with what to change.
+- The incarnation is the server's ``process_start_time_seconds``: a restarted ``vllm
+  serve`` (new cache, event seq from 0) is followed as a restarted replica.
+- Load comes from ``/metrics`` (running and waiting requests, KV use), at most every
+  ``min_load_interval_s``: rendering vLLM's ~50 kB of metrics costs its API server CPU.
+- Its own small HTTP client: health checks must not queue behind a data pool full of
+  streams.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from kvroute.events.load import LoadReport
+from kvroute.events.replica_api import ReplicaInfo
+
+HASH_ALGO = "sha256_cbor_tagged"  # vLLM 0.32's sha256_cbor, salts tagged (events/hashing.py)
+VLLM_HASH_ALGO = "sha256_cbor"  # what `vllm serve --prefix-caching-hash-algo` must say
+VLLM_DEFAULT_SEED = "vllm-none-hash"  # vLLM's seed for sha256* without $PYTHONHASHSEED
+HASH_FORM = "int"  # vLLM publishes block hashes as uint64 ints
+_WANTED = (
+    "vllm:num_requests_running{",
+    "vllm:num_requests_waiting{",
+    "vllm:kv_cache_usage_perc{",
+    "vllm:cache_config_info{",
+    "process_start_time_seconds ",
+)
+
+
+class BackendError(RuntimeError):
+    """A backend kvroute cannot front as configured (the message says what to change)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    """One ``--backend URL=EVENTS_ENDPOINT[,REPLAY_ENDPOINT]``."""
+
+    url: str
+    events_endpoint: str
+    replay_endpoint: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> BackendSpec:
+        url, sep, events = text.partition("=")
+        if not sep or not events or not url.startswith(("http://", "https://")):
+            raise ValueError(
+                f"--backend {text!r}: expected URL=EVENTS_ENDPOINT[,REPLAY_ENDPOINT], e.g. "
+                "http://10.0.0.5:8000=tcp://10.0.0.5:5557,tcp://10.0.0.5:5558"
+            )
+        pub, _, replay = events.partition(",")
+        for ep in (pub, replay):
+            if ep and not ep.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"--backend {text!r}: {ep!r} is not a ZeroMQ endpoint")
+        return cls(url.rstrip("/"), pub, replay or None)
+
+    @property
+    def replica_id(self) -> str:
+        """``host:port``: what /metrics and ``x-kvroute-replica`` call it."""
+        parts = urlsplit(self.url)
+        return parts.netloc or self.url
+
+
+@dataclass(slots=True)
+class BackendMetrics:
+    """The few figures of vLLM's ``/metrics`` kvroute reads."""
+
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    start_time: str | None = None
+    cache_config: dict[str, str] = field(default_factory=dict)
+
+
+def parse_metrics(text: str) -> BackendMetrics:
+    """Scans the exposition text for the wanted lines only (a full parse of ~50 kB of
+    histograms per poll would cost the router's loop for nothing). Summed over engines
+    (``engine="0"``, ``"1"``...: a data-parallel server is one backend)."""
+    m = BackendMetrics()
+    for line in text.splitlines():
+        if not line.startswith(_WANTED):
+            continue
+        head, _, value = line.rpartition(" ")
+        if line.startswith("process_start_time_seconds"):
+            m.start_time = value
+        elif line.startswith("vllm:cache_config_info{"):
+            m.cache_config = _labels(head[len("vllm:cache_config_info") :])
+        elif line.startswith("vllm:num_requests_running"):
+            m.running += float(value)
+        elif line.startswith("vllm:num_requests_waiting"):
+            m.waiting += float(value)
+        else:
+            m.kv_usage = max(m.kv_usage, float(value))
+    return m
+
+
+def _labels(text: str) -> dict[str, str]:
+    """``{a="1",b="x"}`` as a dict (vLLM's label values hold no quotes or commas we need)."""
+    out: dict[str, str] = {}
+    for part in text.strip("{}").split('",'):
+        key, _, value = part.partition("=")
+        out[key.strip()] = value.strip().strip('"')
+    return out
+
+
+def build_info(
+    spec: BackendSpec,
+    models: dict[str, Any],
+    metrics: BackendMetrics,
+    *,
+    topic: str,
+    hash_seed: str,
+    block_size: int | None,
+) -> ReplicaInfo:
+    """The backend as a :class:`ReplicaInfo`; raises :class:`BackendError` when kvroute
+    cannot reproduce its block hashes or it serves no model."""
+    rid = spec.replica_id
+    cards = models.get("data") or []
+    if len(cards) != 1:
+        raise BackendError(f"backend {rid}: serves {len(cards)} models; kvroute fronts one")
+    card = cards[0]
+    cc = metrics.cache_config
+    if cc:
+        if cc.get("enable_prefix_caching") != "True":
+            raise BackendError(f"backend {rid}: start vllm serve with --enable-prefix-caching")
+        algo = cc.get("prefix_caching_hash_algo")
+        if algo != VLLM_HASH_ALGO:
+            raise BackendError(
+                f"backend {rid}: its prefix-cache hash is {algo!r}, which kvroute cannot "
+                f"reproduce; start vllm serve with --prefix-caching-hash-algo {VLLM_HASH_ALGO}"
+            )
+        engine_block = int(cc["block_size"])
+        if block_size is not None and block_size != engine_block:
+            raise BackendError(
+                f"backend {rid}: its block size is {engine_block}, not --block-size "
+                f"{block_size}; the router must hash the blocks the engine hashes"
+            )
+        block_size = engine_block
+        num_blocks = int(cc.get("num_gpu_blocks") or 0)
+    elif block_size is None:
+        raise BackendError(
+            f"backend {rid}: its /metrics has no vllm:cache_config_info (started with "
+            "--disable-log-stats?): give --block-size to say its block size"
+        )
+    else:
+        num_blocks = 0
+    host = urlsplit(spec.url).hostname or ""
+    model_path = str(card.get("root") or card["id"])
+    return ReplicaInfo(
+        replica_id=rid,
+        model=str(card["id"]),
+        model_path=model_path,
+        hash_algo=HASH_ALGO,
+        hash_seed=hash_seed,
+        hash_form=HASH_FORM,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_model_len=int(card.get("max_model_len") or 0),
+        data_endpoint=spec.url,
+        events_endpoint=spec.events_endpoint,
+        replay_endpoint=spec.replay_endpoint,
+        topic=topic,
+        node_ip=host,
+        pid=0,  # not known from outside
+        incarnation=f"{rid}@{metrics.start_time or 'unknown'}",
+        restarted=False,
+        vocab_size=_vocab_size(model_path),
+    )
+
+
+def _vocab_size(folder: str) -> int | None:
+    """The model's vocabulary, from its ``config.json`` when its folder is on this host:
+    the front door refuses token ids past it with a 400 (vLLM would, as an error event)."""
+    try:
+        with open(Path(folder) / "config.json", "rb") as f:
+            config = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return int(size) if isinstance(size, int) and size > 0 else None
+
+
+def load_report(metrics: BackendMetrics, block_size: int) -> LoadReport:
+    """vLLM's gauges as a :class:`LoadReport`. vLLM does not split running requests into
+    prefills and decodes, nor say how many prompt tokens wait: running counts as
+    decoding, its KV in use as their context, and the router's own in-flight accounting
+    fills in the queued prefill (:mod:`.load`)."""
+    total = int(metrics.cache_config.get("num_gpu_blocks") or 0)
+    used = round(metrics.kv_usage * total)
+    running = int(metrics.running)
+    return LoadReport(
+        num_waiting=int(metrics.waiting),
+        num_running=running,
+        num_decoding=running,
+        queued_prefill_tokens=0,
+        decode_context_tokens=used * block_size,
+        free_blocks=max(0, total - used),
+        total_blocks=total,
+    )
+
+
+class _Call:
+    """``backend.info.remote()``, as on a Ray actor handle: a fresh awaitable per call."""
+
+    __slots__ = ("_fn",)
+
+    def __init__(self, fn: Callable[[], Awaitable[Any]]) -> None:
+        self._fn = fn
+
+    def remote(self) -> Awaitable[Any]:
+        return self._fn()
+
+
+class HttpBackend:
+    """One ``vllm serve`` as the fleet's monitor sees a replica."""
+
+    def __init__(
+        self,
+        spec: BackendSpec,
+        info: ReplicaInfo,
+        *,
+        hash_seed: str = VLLM_DEFAULT_SEED,
+        block_size: int | None = None,
+        min_load_interval_s: float = 0.5,
+        timeout_s: float = 5.0,
+    ) -> None:
+        """``info``: what the backend said at start-up (:func:`describe`)."""
+        self.spec = spec
+        self.hash_seed = hash_seed
+        self.block_size = block_size
+        self.min_load_interval_s = min_load_interval_s
+        self.timeout_s = timeout_s
+        self._info = info
+        self._models: dict[str, Any] | None = None
+        self._report: LoadReport | None = None
+        self._report_at = float("-inf")
+        self._client: httpx.AsyncClient | None = None
+        self.info = _Call(self._get_info)
+        self.health = _Call(self._get_health)
+        self.load = _Call(self._get_load)
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:  # made on the loop that uses it
+            self._client = httpx.AsyncClient(timeout=self.timeout_s)
+        return self._client
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def _metrics(self) -> BackendMetrics:
+        r = await self.client.get(f"{self.spec.url}/metrics")
+        r.raise_for_status()
+        return parse_metrics(r.text)
+
+    async def _get_info(self) -> ReplicaInfo:
+        """Fresh: the monitor's liveness check and restart detection."""
+        metrics = await self._metrics()
+        if self._models is None or not self._info.incarnation.endswith(f"@{metrics.start_time}"):
+            r = await self.client.get(f"{self.spec.url}/v1/models")
+            r.raise_for_status()
+            self._models = r.json()
+        self._info = build_info(
+            self.spec,
+            self._models,
+            metrics,
+            topic=self._info.topic,
+            hash_seed=self.hash_seed,
+            block_size=self.block_size,
+        )
+        self._remember(metrics)
+        return self._info
+
+    async def _get_health(self) -> None:
+        r = await self.client.get(f"{self.spec.url}/health")
+        r.raise_for_status()
+
+    async def _get_load(self) -> LoadReport:
+        now = time.monotonic()
+        if self._report is None or now - self._report_at >= self.min_load_interval_s:
+            self._remember(await self._metrics())
+        assert self._report is not None
+        return self._report
+
+    def _remember(self, metrics: BackendMetrics) -> None:
+        self._report = load_report(metrics, self._info.block_size)
+        self._report_at = time.monotonic()
+
+
+def describe(
+    spec: BackendSpec,
+    *,
+    topic: str,
+    hash_seed: str = VLLM_DEFAULT_SEED,
+    block_size: int | None = None,
+    wait_s: float = 0.0,
+    say: Callable[[str], None] | None = None,
+) -> tuple[HttpBackend, ReplicaInfo]:
+    """The backend and its info, once it answers (waiting up to ``wait_s`` for a ``vllm
+    serve`` still loading its model). Synchronous: run before the front door's loop exists."""
+    deadline = time.monotonic() + wait_s
+    told = False
+    with httpx.Client(timeout=10.0) as client:
+        while True:
+            try:
+                r = client.get(f"{spec.url}/v1/models")
+                r.raise_for_status()
+                models = r.json()
+                m = client.get(f"{spec.url}/metrics")
+                m.raise_for_status()
+                break
+            except httpx.HTTPError as exc:
+                if time.monotonic() >= deadline:
+                    why = f"backend {spec.replica_id} does not answer ({exc})"
+                    raise BackendError(why) from None
+                if say is not None and not told:
+                    say(f"waiting for backend {spec.url} ({type(exc).__name__})")
+                    told = True
+                time.sleep(1.0)
+    metrics = parse_metrics(m.text)
+    info = build_info(
+        spec, models, metrics, topic=topic, hash_seed=hash_seed, block_size=block_size
+    )
+    backend = HttpBackend(spec, info, hash_seed=hash_seed, block_size=block_size)
+    backend._models = models
+    return backend, info
