@@ -85,6 +85,21 @@ class Flight:
         return delta
 
 
+def fail_flights(flights: dict[str, Flight], replica_id: str, why: str) -> int:
+    """Fails (and forgets) every flight of a lost replica, the youngest marked as the
+    possible cause (the last request sent is the likeliest to have killed it); how many."""
+    lost = list(flights.values())
+    flights.clear()
+    youngest = max(lost, key=lambda f: f.seq, default=None)
+    for f in lost:
+        f.fail(
+            ReplicaLostError(
+                f"replica {replica_id}: {why}", maybe_cause=f is youngest, alone=len(lost) == 1
+            )
+        )
+    return len(lost)
+
+
 _connection_ids = itertools.count()
 
 
@@ -177,19 +192,8 @@ class ReplicaConnection:
         if self.lost is not None:
             return
         self.lost = why
-        flights = list(self.flights.values())
-        self.flights.clear()
-        youngest = max(flights, key=lambda f: f.seq, default=None)
-        for f in flights:
-            f.fail(
-                ReplicaLostError(
-                    f"replica {self.replica_id}: {why}",
-                    maybe_cause=f is youngest,
-                    alone=len(flights) == 1,
-                )
-            )
-        log.warning("replica %s lost (%s); %d request(s) in flight", self.replica_id, why,
-                    len(flights))  # fmt: skip
+        n = fail_flights(self.flights, self.replica_id, why)
+        log.warning("replica %s lost (%s); %d request(s) in flight", self.replica_id, why, n)
         self.close()
         if notify:
             self.on_lost(self.replica_id, why)

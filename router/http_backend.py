@@ -47,7 +47,7 @@ from kvroute.events.replica_api import (
     ReplicaLostError,
 )
 
-from .dataplane import Flight
+from .dataplane import Flight, fail_flights
 
 log = logging.getLogger(__name__)
 
@@ -434,19 +434,8 @@ class HttpReplicaConnection:
         if self.lost is not None:
             return
         self.lost = why
-        flights = list(self.flights.values())
-        self.flights.clear()
-        youngest = max(flights, key=lambda f: f.seq, default=None)
-        for f in flights:
-            f.fail(
-                ReplicaLostError(
-                    f"replica {self.replica_id}: {why}",
-                    maybe_cause=f is youngest,
-                    alone=len(flights) == 1,
-                )
-            )
-        log.warning("backend %s lost (%s); %d request(s) in flight", self.replica_id, why,
-                    len(flights))  # fmt: skip
+        n = fail_flights(self.flights, self.replica_id, why)
+        log.warning("backend %s lost (%s); %d request(s) in flight", self.replica_id, why, n)
         self.close()
         if notify:
             self.on_lost(self.replica_id, why)
