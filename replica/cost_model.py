@@ -140,6 +140,14 @@ class CostModel:
         return np.cumsum(t)
 
 
+def attention_weight(cost: CostCoefficients) -> float:
+    """One attention (query, key) pair's cost in prompt tokens of dense work, by a replica's
+    cost model: what bounds its prompt chunks by cost (``SchedulerConfig.attention_weight``)."""
+    if cost.prefill_s_per_token <= 0:
+        return 0.0
+    return cost.attention_s_per_pair / cost.prefill_s_per_token
+
+
 # Dense bf16 FLOP/s and memory bytes/s from the vendors' datasheets (SXM / PCIe as named).
 DEVICE_PEAKS: dict[str, tuple[float, float]] = {
     "H200": (989e12, 4.8e12),

@@ -196,11 +196,9 @@ class KVCacheManager:
         if total > len(request.all_token_ids):
             raise ValueError(f"{total} tokens scheduled, request {rid!r} has fewer")
 
-        num_required = -(-total // bs)
-        num_new_blocks = max(num_required - len(req_blocks) - len(hit), 0)
+        num_new_blocks = max(-(-total // bs) - len(req_blocks) - len(hit), 0)
         pool = self.block_pool
-        num_evictable_hits = sum(1 for b in hit if b.ref_cnt == 0)
-        if num_new_blocks > pool.get_num_free_blocks() - num_evictable_hits:
+        if num_new_blocks > pool.get_num_free_blocks() - _num_evictable(hit):
             return None
 
         req_blocks = self.req_to_blocks.setdefault(rid, req_blocks)
@@ -216,6 +214,35 @@ class KVCacheManager:
         if self.enable_caching and not delay_cache_blocks:
             self.cache_blocks(request, total)
         return new_blocks
+
+    def can_allocate(
+        self,
+        request: CacheRequest,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+    ) -> bool:
+        """Whether :meth:`allocate_slots` would find the blocks for these tokens now, without
+        allocating them (a scheduler's look-ahead)."""
+        held = len(self.req_to_blocks.get(request.request_id, ()))
+        bs = self.block_size
+        total = request.num_computed_tokens + len(new_computed_blocks) * bs + num_new_tokens
+        num_new_blocks = -(-total // bs) - held - len(new_computed_blocks)
+        free = self.block_pool.get_num_free_blocks() - _num_evictable(new_computed_blocks)
+        return num_new_blocks <= free
+
+    def num_noop_slots(self, request: CacheRequest) -> int:
+        """How many more tokens, one per step, :meth:`allocate_slots` would take for
+        ``request`` without doing anything: no block allocated, none filled (so none
+        cached, no event). A run of that many decode steps leaves this manager as it is,
+        which is what lets a simulator advance such a run in one go."""
+        rid, bs = request.request_id, self.block_size
+        p = request.num_computed_tokens
+        room = len(self.req_to_blocks.get(rid, ())) * bs - p  # slots held beyond p
+        if self.enable_caching:
+            if self.num_cached_block.get(rid, 0) < p // bs:
+                return 0  # a full block is still to be cached: the next call caches it
+            room = min(room, (p // bs + 1) * bs - 1 - p)  # the token that fills a block
+        return max(room, 0)
 
     def cache_blocks(self, request: CacheRequest, num_computed_tokens: int) -> None:
         """Registers the request's blocks filled by its first ``num_computed_tokens`` tokens."""
@@ -263,3 +290,9 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.block_pool.usage
+
+
+def _num_evictable(hit: Sequence[KVCacheBlock]) -> int:
+    """Hit blocks in the free queue: touching them takes them out of it, so they count
+    against the free blocks."""
+    return sum(1 for b in hit if b.ref_cnt == 0)

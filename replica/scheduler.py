@@ -38,6 +38,7 @@ from typing import Any
 
 from kvroute.events.load import LoadReport
 
+from .block_pool import KVCacheBlock
 from .fair_queue import FairQueue, TenantUsage
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
@@ -286,17 +287,9 @@ class Scheduler:
                 if kv.get_num_free_blocks() == 0 and self.running:
                     break  # admission always needs a new block (a hit stops before the end)
                 req = self.waiting.peek()
-                # Counted only once admitted: a request passed over, or stuck at the head,
-                # must not inflate the hit-rate counters step after step.
-                hit_blocks, num_hit = kv.get_computed_blocks(req, count=False)
-                num_new = req.num_tokens - num_hit
-                limit = cfg.chunk_limit(num_hit)
-                if 0 < limit < num_new:
-                    num_new = limit
-                if num_new > budget:
-                    if not cfg.enable_chunked_prefill:
-                        break
-                    num_new = budget
+                hit_blocks, num_hit, num_new = self._first_chunk(req, budget)
+                if not num_new:
+                    break  # the whole prompt must fit one step, and it does not
                 num_new = _within_share(shares, req, num_new)
                 starts_partial = partial is not None and num_new < req.num_tokens - num_hit
                 if starts_partial and partial.get(req.tenant, 0) >= cfg.max_num_partial_prefills:
@@ -328,6 +321,21 @@ class Scheduler:
                     partial[req.tenant] = partial.get(req.tenant, 0) + 1
                 _charge_share(shares, req, num_new)
         return scheduled, preempted
+
+    def _first_chunk(self, req: Request, budget: int) -> tuple[list[KVCacheBlock], int, int]:
+        """A waiting request's cached prefix (blocks, tokens) and the tokens its first step
+        would compute within ``budget``; 0 of them when chunked prefill is off and its
+        prompt does not fit. The lookup is not counted: a request passed over, or stuck at
+        the head, must not inflate the hit-rate counters step after step."""
+        cfg = self.config
+        hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req, count=False)
+        num_new = req.num_tokens - num_hit
+        limit = cfg.chunk_limit(num_hit)
+        if 0 < limit < num_new:
+            num_new = limit
+        if num_new > budget:
+            num_new = budget if cfg.enable_chunked_prefill else 0
+        return hit_blocks, num_hit, num_new
 
     def _prefill_shares(
         self, partial: dict[str | None, int] | None
@@ -453,6 +461,76 @@ class Scheduler:
         if len(output_ids) >= sp.max_tokens or len(req.all_token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    # -- runs of pure decode steps, advanced at once (the simulator's fast path) ---------
+    def decode_run_length(self) -> int:
+        """How many next steps are bound to be the same pure-decode batch, so that
+        :meth:`advance_decode_run` may apply them at once; 0 when the next one is not.
+
+        Such a run: every running request decodes one token and gets it (the budget holds
+        them all); no block is allocated or filled (:meth:`KVCacheManager.num_noop_slots`),
+        so the pool, the hits and the free blocks stay as they are; nobody waiting can be
+        admitted (:meth:`_admission_blocked`), and with the pool unchanged nobody becomes
+        admissible; no request reaches its length limits before the run's last step; and
+        no token can stop one (no EOS, or ignored, and no stop ids), so the run does not
+        depend on what is sampled. The engine samples every step and never calls this; a
+        simulator, which samples nothing and owns its clock, skips the per-step work."""
+        running = self.running
+        if not running or len(running) > self.config.max_num_batched_tokens:
+            return 0
+        kv, max_len = self.kv_cache_manager, self.max_model_len
+        steps = max_len
+        for req in running:
+            num_tokens, num_output = len(req.all_token_ids), len(req.output_token_ids)
+            if num_tokens - req.num_computed_tokens != 1 or not num_output:
+                return 0  # a prompt (or recompute) chunk to go
+            sp = req.sampling_params
+            if sp.stop_token_ids or (req.eos_token_id is not None and not sp.ignore_eos):
+                return 0
+            steps = min(steps, kv.num_noop_slots(req), sp.max_tokens - num_output,
+                        max_len - num_tokens)  # fmt: skip
+            if steps <= 0:
+                return 0
+        return steps if self._admission_blocked() else 0
+
+    def _admission_blocked(self) -> bool:
+        """Nobody waiting would be admitted in the next step, nor in the steps after it
+        while the pool, the queues and the running set stay as they are (during a run of
+        pure decode steps): the waiting loop of :meth:`_schedule` stops at once."""
+        cfg, kv = self.config, self.kv_cache_manager
+        budget = cfg.max_num_batched_tokens - len(self.running)
+        if not self.waiting or budget <= 0 or len(self.running) >= cfg.max_num_seqs:
+            return True
+        if kv.get_num_free_blocks() == 0:
+            return True
+        # With shares, the order of tenants follows the usage counts, which every step
+        # changes: no promise. Without, only the head is tried, and it fits or not alike in
+        # every step (no partial prefills are running, so their limit does not bind).
+        if self._prefill_shares(self._partial_prefills()) is not None:
+            return False
+        req = self.waiting.peek()
+        hit_blocks, _, num_new = self._first_chunk(req, budget)
+        return not num_new or not kv.can_allocate(req, num_new, hit_blocks)
+
+    def advance_decode_run(self, num_steps: int, token_id: int = 0) -> list[Request]:
+        """Applies ``num_steps`` steps of a run (at most :meth:`decode_run_length`) at once,
+        every running request sampling ``token_id`` in each: the state that as many
+        :meth:`schedule` / :meth:`update_from_output` calls would leave. Returns the requests
+        that finished (at the run's last step)."""
+        if num_steps < 1:
+            raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+        self.finished_req_ids = set()  # what the steps' schedule() calls would have taken
+        tokens = [token_id] * num_steps
+        charge = self.usage.charge
+        for req in self.running:
+            req.num_computed_tokens += num_steps
+            req.append_output_tokens(tokens)
+            charge(req.tenant, num_steps)
+        finished = [req for req in self.running if self._check_stop(req) is not None]
+        for req in finished:
+            self.running.remove(req)
+            self._finish(req, self._check_stop(req))  # type: ignore[arg-type]
+        return finished
 
     # -- observation -------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
