@@ -33,7 +33,7 @@ Invariants:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from kvroute.events import MEDIUM_GPU, BlockHasher, KVCacheEvent
@@ -230,19 +230,27 @@ class KVCacheManager:
         free = self.block_pool.get_num_free_blocks() - _num_evictable(new_computed_blocks)
         return num_new_blocks <= free
 
-    def num_noop_slots(self, request: CacheRequest) -> int:
-        """How many more tokens, one per step, :meth:`allocate_slots` would take for
-        ``request`` without doing anything: no block allocated, none filled (so none
+    def num_noop_steps(self, requests: Iterable[CacheRequest]) -> int:
+        """How many steps each of ``requests`` can be given one more token, one per step,
+        with :meth:`allocate_slots` doing nothing: no block allocated, none filled (so none
         cached, no event). A run of that many decode steps leaves this manager as it is,
         which is what lets a simulator advance such a run in one go."""
-        rid, bs = request.request_id, self.block_size
-        p = request.num_computed_tokens
-        room = len(self.req_to_blocks.get(rid, ())) * bs - p  # slots held beyond p
-        if self.enable_caching:
-            if self.num_cached_block.get(rid, 0) < p // bs:
-                return 0  # a full block is still to be cached: the next call caches it
-            room = min(room, (p // bs + 1) * bs - 1 - p)  # the token that fills a block
-        return max(room, 0)
+        bs, caching = self.block_size, self.enable_caching
+        tables, num_cached = self.req_to_blocks, self.num_cached_block
+        steps = 1 << 62
+        for req in requests:
+            rid, p = req.request_id, req.num_computed_tokens
+            room = len(tables.get(rid, ())) * bs - p  # slots held beyond p
+            if caching:
+                full = p // bs
+                if num_cached.get(rid, 0) < full:
+                    return 0  # a full block is still to be cached: the next call caches it
+                room = min(room, (full + 1) * bs - 1 - p)  # stop before the filling token
+            if room < steps:
+                if room <= 0:
+                    return 0
+                steps = room
+        return steps
 
     def cache_blocks(self, request: CacheRequest, num_computed_tokens: int) -> None:
         """Registers the request's blocks filled by its first ``num_computed_tokens`` tokens."""

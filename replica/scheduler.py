@@ -231,13 +231,15 @@ class Scheduler:
             # The shares went to a tenant that could not run after all (its request did not
             # fit): rather than a step that does nothing, schedule as if alone. Liveness.
             scheduled, preempted = self._schedule(None, partial)
+        charge, num_tokens = self.usage.charge, 0
         for sr in scheduled:
-            self.usage.charge(sr.request.tenant, sr.num_new_tokens)
-        finished = sorted(self.finished_req_ids)
+            charge(sr.request.tenant, sr.num_new_tokens)
+            num_tokens += sr.num_new_tokens
+        finished = sorted(self.finished_req_ids) if self.finished_req_ids else []
         self.finished_req_ids = set()
         return SchedulerOutput(
             scheduled=scheduled,
-            num_scheduled_tokens=sum(sr.num_new_tokens for sr in scheduled),
+            num_scheduled_tokens=num_tokens,
             preempted_request_ids=[r.request_id for r in preempted],
             finished_request_ids=finished,
         )
@@ -255,15 +257,18 @@ class Scheduler:
         partial = None if partial is None else dict(partial)  # counts this step's starts
 
         # 1. Running requests: decodes and unfinished prefill chunks.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        i, running = 0, self.running
+        while i < len(running) and budget > 0:
+            req = running[i]
             num_new = len(req.all_token_ids) - req.num_computed_tokens
-            if num_new > 1:  # a prompt chunk (decodes are never capped)
+            if num_new > 1:  # a prompt chunk (decodes are never capped, budget > 0)
                 limit = cfg.chunk_limit(req.num_computed_tokens)
                 if 0 < limit < num_new:
                     num_new = limit
-            num_new = _within_share(shares, req, min(num_new, budget))
+                if num_new > budget:
+                    num_new = budget
+                if shares is not None:
+                    num_new = _within_share(shares, req, num_new)
             if num_new <= 0:  # nothing to feed yet, or its tenant's share is spent
                 i += 1
                 continue
@@ -277,7 +282,8 @@ class Scheduler:
                 break  # req preempted itself: nothing after it is running any more
             scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
-            _charge_share(shares, req, num_new)
+            if shares is not None:
+                _charge_share(shares, req, num_new)
             i += 1
 
         # 2. Waiting requests, tenants in turn, unless this step already had to preempt.
@@ -429,8 +435,8 @@ class Scheduler:
         """
         changed: list[Request] = []
         for sr in output.scheduled:
-            req = sr.request
-            if req.status != _RUNNING or not sr.samples:
+            req = sr.request  # below: sr.samples, inline (read per request per step)
+            if req.status != _RUNNING or sr.num_computed_tokens + sr.num_new_tokens < sr.num_tokens:
                 continue
             rid = req.request_id
             if rid not in sampled_token_ids:
@@ -463,12 +469,14 @@ class Scheduler:
         return None
 
     # -- runs of pure decode steps, advanced at once (the simulator's fast path) ---------
-    def decode_run_length(self) -> int:
+    def decode_run_length(self, min_steps: int = 1) -> int:
         """How many next steps are bound to be the same pure-decode batch, so that
-        :meth:`advance_decode_run` may apply them at once; 0 when the next one is not.
+        :meth:`advance_decode_run` may apply them at once; 0 when the next one is not, or
+        when fewer than ``min_steps`` are (a caller with no use for shorter runs skips the
+        admission check).
 
         Such a run: every running request decodes one token and gets it (the budget holds
-        them all); no block is allocated or filled (:meth:`KVCacheManager.num_noop_slots`),
+        them all); no block is allocated or filled (:meth:`KVCacheManager.num_noop_steps`),
         so the pool, the hits and the free blocks stay as they are; nobody waiting can be
         admitted (:meth:`_admission_blocked`), and with the pool unchanged nobody becomes
         admissible; no request reaches its length limits before the run's last step; and
@@ -478,8 +486,7 @@ class Scheduler:
         running = self.running
         if not running or len(running) > self.config.max_num_batched_tokens:
             return 0
-        kv, max_len = self.kv_cache_manager, self.max_model_len
-        steps = max_len
+        steps = max_len = self.max_model_len
         for req in running:
             num_tokens, num_output = len(req.all_token_ids), len(req.output_token_ids)
             if num_tokens - req.num_computed_tokens != 1 or not num_output:
@@ -487,11 +494,13 @@ class Scheduler:
             sp = req.sampling_params
             if sp.stop_token_ids or (req.eos_token_id is not None and not sp.ignore_eos):
                 return 0
-            steps = min(steps, kv.num_noop_slots(req), sp.max_tokens - num_output,
-                        max_len - num_tokens)  # fmt: skip
-            if steps <= 0:
-                return 0
-        return steps if self._admission_blocked() else 0
+            left = min(sp.max_tokens - num_output, max_len - num_tokens)
+            if left < steps:
+                steps = left
+        if steps < min_steps:
+            return 0
+        steps = min(steps, self.kv_cache_manager.num_noop_steps(running))
+        return steps if steps >= max(min_steps, 1) and self._admission_blocked() else 0
 
     def _admission_blocked(self) -> bool:
         """Nobody waiting would be admitted in the next step, nor in the steps after it
@@ -521,15 +530,24 @@ class Scheduler:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         self.finished_req_ids = set()  # what the steps' schedule() calls would have taken
         tokens = [token_id] * num_steps
-        charge = self.usage.charge
+        charge, max_len = self.usage.charge, self.max_model_len
+        ending: list[Request] = []
         for req in self.running:
             req.num_computed_tokens += num_steps
             req.append_output_tokens(tokens)
             charge(req.tenant, num_steps)
-        finished = [req for req in self.running if self._check_stop(req) is not None]
-        for req in finished:
-            self.running.remove(req)
-            self._finish(req, self._check_stop(req))  # type: ignore[arg-type]
+            # No token stops anyone in a run (decode_run_length), only the length limits.
+            if req.num_output_tokens >= req.sampling_params.max_tokens or (
+                len(req.all_token_ids) >= max_len
+            ):
+                ending.append(req)
+        finished = []
+        for req in ending:
+            status = self._check_stop(req)
+            if status is not None:
+                self.running.remove(req)
+                self._finish(req, status)
+                finished.append(req)
         return finished
 
     # -- observation -------------------------------------------------------------------

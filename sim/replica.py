@@ -42,6 +42,19 @@ from .workloads import RequestSpec
 OUTPUT_TOKEN = 0  # what every simulated step samples
 
 
+class _AllSample(dict):
+    """Every request samples :data:`OUTPUT_TOKEN` (no dict built per step)."""
+
+    def __contains__(self, request_id: object) -> bool:
+        return True
+
+    def __missing__(self, request_id: str) -> int:
+        return OUTPUT_TOKEN
+
+
+_SAMPLED: dict[str, int] = _AllSample()
+
+
 class SimRequest(Request):
     """The engine's :class:`Request`, tokens kept as uint32 arrays (4 bytes a token, not a
     list of int objects: thousands of long prompts queue at once past saturation), plus what
@@ -171,7 +184,7 @@ class SimReplica:
             sched.add_request(req)
         self.inbox.clear()
         if self.fast_decode:
-            k = sched.decode_run_length()
+            k = sched.decode_run_length(min_steps=2)
             if k >= 2:
                 pos = sum(r.num_computed_tokens for r in sched.running)
                 cum = self.cost.decode_run(len(sched.running), pos, k)
@@ -227,11 +240,9 @@ class SimReplica:
             return [], finished  # type: ignore[return-value]
         out, self.step = self.step, None
         assert out is not None
-        sampled = {sr.request.request_id: OUTPUT_TOKEN for sr in out.scheduled if sr.samples}
         first: list[SimRequest] = []
         finished: list[SimRequest] = []
-        for req in sched.update_from_output(out, sampled):
-            assert isinstance(req, SimRequest)
+        for req in sched.update_from_output(out, _SAMPLED):  # type: ignore[assignment]
             if req.first_s is None:
                 first.append(req)
             if req.is_finished:

@@ -115,6 +115,7 @@ class Fleet:
             SimReplica(i, sched_cfg, cfg.blocks, self.hasher, self.cm, cfg.fast_decode)
             for i in range(cfg.replicas)
         ]
+        self.max_model_len = self.reps[0].scheduler.max_model_len  # the engines' own limit
         coefficients = self.cm.coefficients()  # what each replica's info carries
         for rep in self.reps:
             self.policy.load.register(rep.id, coefficients, cfg.blocks)
@@ -174,9 +175,9 @@ class Fleet:
         toks.frombytes(self.src.prompt_bytes(spec))
         req = self.reqs[i] = SimRequest(i, spec, toks, self.now)
         req.first_s = first_s  # a retry: the client has its first token already
-        if -(-(spec.input_length + spec.output_length) // bs) > self.cfg.blocks:
-            # Longer than the whole cache: refused at the door, as vLLM refuses a prompt
-            # plus max_tokens beyond the context (the engine would cut it short).
+        if spec.input_length + spec.output_length > self.max_model_len:
+            # Beyond the engines' context (the model's, or the whole cache): refused at the
+            # door, as vLLM refuses a prompt plus max_tokens beyond max_model_len.
             self.rejected += 1
             req.release()
             return
