@@ -183,6 +183,8 @@ class SimReplica:
         for req in self.inbox:
             sched.add_request(req)
         self.inbox.clear()
+        if not sched.has_unfinished_requests():
+            return None  # an engine with nothing to do waits for its queue
         if self.fast_decode:
             k = sched.decode_run_length(min_steps=2)
             if k >= 2:
