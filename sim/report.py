@@ -172,6 +172,8 @@ def simulate(
             "event_loss": cfg.event_loss,
             "seed": cfg.seed,
             "kv_params": dict(cfg.kv_params),
+            "long_prefill_token_threshold": cfg.long_prefill_token_threshold,
+            "max_num_partial_prefills": cfg.max_num_partial_prefills,
         },
         "workload": {
             "requests": len(specs),
