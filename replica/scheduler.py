@@ -510,14 +510,17 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens - len(self.running)
         if not self.waiting or budget <= 0 or len(self.running) >= cfg.max_num_seqs:
             return True
-        if kv.get_num_free_blocks() == 0:
+        free = kv.get_num_free_blocks()
+        if free == 0:
             return True
+        req = self.waiting.peek()
+        if free >= -(-req.num_tokens // self.block_size):
+            return False  # the head fits whatever it hits: no need for the lookup
         # With shares, the order of tenants follows the usage counts, which every step
         # changes: no promise. Without, only the head is tried, and it fits or not alike in
         # every step (no partial prefills are running, so their limit does not bind).
         if self._prefill_shares(self._partial_prefills()) is not None:
             return False
-        req = self.waiting.peek()
         hit_blocks, _, num_new = self._first_chunk(req, budget)
         return not num_new or not kv.can_allocate(req, num_new, hit_blocks)
 
