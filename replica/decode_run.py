@@ -4,7 +4,7 @@ uses it).
 
 Why: most steps of a busy engine decode one token for every running request and change
 nothing else. A simulator, which samples nothing and owns its clock, need not go through
-them one by one: :meth:`DecodeRuns.decode_run_length` says how many such steps are certain,
+them one by one: :meth:`DecodeRuns.decode_run_after` says how many such steps are certain,
 and :meth:`DecodeRuns.advance_decode_run` applies them at once, leaving exactly the state
 that step-by-step scheduling would (tests/replica/test_decode_run.py).
 """
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .fair_queue import FairQueue, TenantUsage
     from .kv_cache_manager import KVCacheManager
     from .request import Request, RequestStatus
-    from .scheduler import SchedulerConfig
+    from .scheduler import SchedulerConfig, SchedulerOutput
 
 
 class DecodeRuns:
@@ -45,43 +45,60 @@ class DecodeRuns:
         def _check_stop(self, req: Request) -> RequestStatus | None: ...
         def _finish(self, req: Request, status: RequestStatus) -> None: ...
 
-    def decode_run_length(self, min_steps: int = 1) -> int:
-        """How many next steps are bound to be the same pure-decode batch, so that
-        :meth:`advance_decode_run` may apply them at once; 0 when the next one is not, or
-        when fewer than ``min_steps`` are (a caller with no use for shorter runs skips the
-        admission check).
+    def decode_run_after(self, output: SchedulerOutput) -> int:
+        """How many steps after ``output`` (just scheduled, its tokens not yet applied) are
+        bound to be the same batch, so that :meth:`advance_decode_run` may apply them at
+        once after ``update_from_output(output)``; 0 when the next one is not.
 
-        Such a run: every running request decodes one token and gets it (the budget holds
-        them all); no block is allocated or filled (:meth:`KVCacheManager.num_noop_steps`),
-        so the pool, the hits and the free blocks stay as they are; nobody waiting can be
-        admitted (:meth:`_admission_blocked`), and with the pool unchanged nobody becomes
-        admissible; no request reaches its length limits before the run's last step; and
-        no token can stop one (no EOS, or ignored, and no stop ids), so the run does not
-        depend on what is sampled. The engine samples every step and never calls this; a
-        simulator, which samples nothing and owns its clock, skips the per-step work."""
+        Such a run: ``output`` decodes one token for every running request, and so does each
+        step of the run; each of its steps but the last allocates no block and fills none
+        (:meth:`KVCacheManager.num_noop_steps`), so the pool, the hits and the free blocks
+        stay as ``output`` left them; the last may fill or allocate a block per request when
+        nobody waits and the free blocks suffice (what it changes is published at the run's
+        end, as that step's would be); nobody waiting can be admitted
+        (:meth:`_admission_blocked`); no request reaches its length limits before the run's
+        last step; and no token can stop one (no EOS, or ignored, and no stop ids), so the
+        run does not depend on what is sampled. The engine samples every step and never
+        calls this; a simulator, which samples nothing and owns its clock, skips the
+        per-step work."""
         running = self.running
-        if not running or len(running) > self.config.max_num_batched_tokens:
+        if output.preempted_request_ids or len(output.scheduled) != len(running):
             return 0
         steps = max_len = self.max_model_len
-        for req in running:
-            num_tokens, num_output = len(req.all_token_ids), len(req.output_token_ids)
-            if num_tokens - req.num_computed_tokens != 1 or not num_output:
-                return 0  # a prompt (or recompute) chunk to go
+        for item, req in zip(output.scheduled, running, strict=True):
+            if item.request is not req or item.num_new_tokens != 1 or not req.num_output_tokens:
+                return 0  # a prompt chunk, a newcomer, a recompute
+            if item.num_computed_tokens + 1 != item.num_tokens:
+                return 0  # does not sample
             sp = req.sampling_params
             if sp.stop_token_ids or (req.eos_token_id is not None and not sp.ignore_eos):
                 return 0
-            left = min(sp.max_tokens - num_output, max_len - num_tokens)
+            # after output's token: num_output + 1 outputs, num_tokens + 1 tokens
+            left = min(sp.max_tokens - req.num_output_tokens, max_len - len(req.all_token_ids))
             if left < steps:
                 steps = left
-        if steps < min_steps:
+        steps -= 1
+        if steps <= 0:
             return 0
-        steps = min(steps, self.kv_cache_manager.num_noop_steps(running))
-        return steps if steps >= max(min_steps, 1) and self._admission_blocked() else 0
+        kv = self.kv_cache_manager
+        noop = kv.num_noop_steps(running)  # num_computed_tokens already counts output's
+        if noop < steps and not self.waiting:
+            # The next step may fill or allocate, as the run's last: its blocks must be free.
+            bs, tables = self.block_size, kv.req_to_blocks
+            need = sum(
+                req.num_computed_tokens + noop + 1 > len(tables[req.request_id]) * bs
+                for req in running
+            )
+            if need <= kv.get_num_free_blocks():
+                noop += 1
+        steps = min(steps, noop)
+        return steps if steps > 0 and self._admission_blocked() else 0
 
     def _admission_blocked(self) -> bool:
         """Nobody waiting would be admitted in the next step, nor in the steps after it
         while the pool, the queues and the running set stay as they are (during a run of
-        pure decode steps): the waiting loop of :meth:`_schedule` stops at once."""
+        pure decode steps): the waiting loop of :meth:`_schedule` stops at once. (A block
+        allocated or evicted can only keep it so: fewer free blocks, fewer hits.)"""
         cfg, kv = self.config, self.kv_cache_manager
         budget = cfg.max_num_batched_tokens - len(self.running)
         if not self.waiting or budget <= 0 or len(self.running) >= cfg.max_num_seqs:
@@ -101,21 +118,30 @@ class DecodeRuns:
         return not num_new or not kv.can_allocate(req, num_new, hit_blocks)
 
     def advance_decode_run(self, num_steps: int, token_id: int = 0) -> list[Request]:
-        """Applies ``num_steps`` steps of a run (at most :meth:`decode_run_length`) at once,
-        every running request sampling ``token_id`` in each: the state that as many
-        :meth:`schedule` / :meth:`update_from_output` calls would leave. Returns the requests
-        that finished (at the run's last step)."""
+        """Applies ``num_steps`` steps of a run (at most :meth:`decode_run_after` said) at
+        once, every running request sampling ``token_id`` in each: the state that as many
+        :meth:`schedule` / :meth:`update_from_output` calls would leave (the last step's
+        slots taken as schedule() takes them). Returns the requests that finished (at the
+        run's last step)."""
         if num_steps < 1:
             raise ValueError(f"num_steps must be >= 1, got {num_steps}")
         self.finished_req_ids = set()  # what the steps' schedule() calls would have taken
-        tokens = [token_id] * num_steps
+        running, kv = self.running, self.kv_cache_manager
+        if num_steps > 1:
+            tokens = [token_id] * (num_steps - 1)
+            for req in running:
+                req.num_computed_tokens += num_steps - 1
+                req.append_output_tokens(tokens)
+        for req in running:  # the last step: a block filled or allocated, at most
+            if kv.allocate_slots(req, 1) is None:
+                raise RuntimeError(f"decode run out of blocks at {req.request_id!r}")
+            req.num_computed_tokens += 1
         charge, max_len = self.usage.charge, self.max_model_len
         ending: list[Request] = []
-        for req in self.running:
-            req.num_computed_tokens += num_steps
-            req.append_output_tokens(tokens)
+        for req in running:
+            req.append_output_token(token_id)
             charge(req.tenant, num_steps)
-            # No token stops anyone in a run (decode_run_length), only the length limits.
+            # No token stops anyone in a run (decode_run_after), only the length limits.
             if req.num_output_tokens >= req.sampling_params.max_tokens or (
                 len(req.all_token_ids) >= max_len
             ):
@@ -124,7 +150,7 @@ class DecodeRuns:
         for req in ending:
             status = self._check_stop(req)
             if status is not None:
-                self.running.remove(req)
+                running.remove(req)
                 self._finish(req, status)
                 finished.append(req)
         return finished

@@ -16,20 +16,24 @@ What the engine's model runner would do is done here without a model:
   engine thread drains its command queue between steps.
 
 The scheduler reads no clock: time enters only as a request's ``arrival_time``, which the
-fleet stamps with its own. Runs of pure decode steps (:meth:`Scheduler.decode_run_length`)
-are advanced in one event whose step times are summed in numpy, and cut short when a
-request arrives meanwhile; the result is the same as step by step.
+fleet stamps with its own. A step that starts a run of pure decode steps
+(:meth:`Scheduler.decode_run_after`) is taken with the run in one event whose step times are
+summed in numpy, cut short when a request arrives meanwhile; what the steps of the run would
+publish (the first step's block events, load reports when due) goes out at those steps'
+ends, so the result is the same as step by step.
 """
 
 from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from itertools import chain
 
+import msgspec
 import numpy as np
 
-from kvroute.events import BlockHasher
+from kvroute.events import BlockHasher, KVCacheEvent
 from kvroute.events.load import LoadReport
 from kvroute.events.replica_api import SamplingParams
 from kvroute.replica.cost_model import CostModel
@@ -101,6 +105,26 @@ class SimRequest(Request):
         return self.num_cached_tokens if self.num_cached_tokens >= 0 else None
 
 
+@dataclass(slots=True, eq=False)
+class DecodeRun:
+    """A step scheduled for real (``first``) and the decode steps that follow it unchanged,
+    in flight as one event; ``cum``: the end of each step after ``t0``."""
+
+    id: int
+    t0: float
+    cum: np.ndarray
+    first: SchedulerOutput
+    events: list[KVCacheEvent]  # the first step's, published at its end
+    steps: int = field(init=False)  # planned, or fewer when cut short
+
+    def __post_init__(self) -> None:
+        self.steps = len(self.cum)
+
+    def end(self, step: int) -> float:
+        """When its ``step``-th step (1-based) ends."""
+        return self.t0 + float(self.cum[step - 1])
+
+
 class SimReplica:
     """A replica's scheduler, the step in flight, and what it computed."""
 
@@ -116,11 +140,12 @@ class SimReplica:
         "inbox",
         "last_deliver",
         "last_report",
-        "macro",
         "num_blocks",
+        "num_runs",
         "preemptions",
         "prefill_tokens",
         "routed",
+        "run",
         "sched_config",
         "scheduler",
         "step",
@@ -142,9 +167,9 @@ class SimReplica:
         self.scheduler = self._new_scheduler()
         self.inbox: list[SimRequest] = []
         self.step: SchedulerOutput | None = None  # a normal step in flight
-        self.macro: tuple[float, np.ndarray, int] | None = None  # (start, cum times, steps)
+        self.run: DecodeRun | None = None  # a run of decode steps in flight
         self.version = self.epoch = self.routed = self.prefill_tokens = self.decode_tokens = 0
-        self.preemptions = 0
+        self.preemptions = self.num_runs = 0
         self.busy_s, self.last_deliver, self.last_report = 0.0, 0.0, -1.0
         self.alive = True
 
@@ -157,12 +182,20 @@ class SimReplica:
 
     @property
     def busy(self) -> bool:
-        return self.step is not None or self.macro is not None
+        return self.step is not None or self.run is not None
 
-    def load_report(self) -> LoadReport:
-        """As the engine reports it; requests in the inbox count as waiting."""
+    def load_report(self, run_steps: int = 0) -> LoadReport:
+        """As the engine reports it; requests in the inbox count as waiting. ``run_steps``:
+        as it would after that many steps of the run in flight (each adds a token of decode
+        context per running request; nothing else in the report moves during a run)."""
         sched = self.scheduler
-        return load_report(chain(self.inbox, sched.waiting), sched.running, self.kv)
+        report = load_report(chain(self.inbox, sched.waiting), sched.running, self.kv)
+        if run_steps:
+            extra = run_steps * len(sched.running)
+            report = msgspec.structs.replace(
+                report, decode_context_tokens=report.decode_context_tokens + extra
+            )
+        return report
 
     def crash(self) -> list[SimRequest]:
         """The engine process is gone: a fresh scheduler over an empty pool; returns the
@@ -171,28 +204,20 @@ class SimReplica:
         orphans: list[SimRequest] = [*sched.running, *sched.waiting, *self.inbox]  # type: ignore[list-item]
         self.scheduler = self._new_scheduler()
         self.inbox = []
-        self.step = self.macro = None
+        self.step = self.run = None
         self.version += 1
         return orphans
 
     # -- steps -------------------------------------------------------------------------
     def start_step(self, now: float) -> float | None:
-        """Adds the inbox, then starts the next step: its duration, or None when there is
-        nothing to run."""
+        """Adds the inbox, then schedules the next step: its duration (a run's, when it
+        starts one), or None when there is nothing to run."""
         sched = self.scheduler
         for req in self.inbox:
             sched.add_request(req)
         self.inbox.clear()
         if not sched.has_unfinished_requests():
             return None  # an engine with nothing to do waits for its queue
-        if self.fast_decode:
-            k = sched.decode_run_length(min_steps=2)
-            if k >= 2:
-                pos = sum(r.num_computed_tokens for r in sched.running)
-                cum = self.cost.decode_run(len(sched.running), pos, k)
-                self.macro = (now, cum, k)
-                self.version += 1
-                return float(cum[-1])
         out = sched.schedule()
         self.preemptions += len(out.preempted_request_ids)
         if out.is_empty:
@@ -210,37 +235,46 @@ class SimReplica:
                 prefill += n
         self.prefill_tokens += prefill
         self.decode_tokens += decode
+        self.version += 1
+        more = sched.decode_run_after(out) if self.fast_decode else 0
+        if more:  # this step and ``more`` like it: one event
+            self.num_runs += 1
+            pos = sum(sr.num_computed_tokens for sr in out.scheduled)
+            cum = self.cost.decode_run(len(out.scheduled), pos, more + 1)
+            self.run = DecodeRun(self.num_runs, now, cum, out, self.kv.take_events())
+            return float(cum[-1])
         dt = self.cost.step_time(tokens, pairs, ctx)
         self.busy_s += dt
         self.step = out
-        self.version += 1
         return dt
 
     def cut_run(self, now: float) -> float | None:
         """A request arrived during a run of decode steps: the run ends with the step in
         progress (the next one would see the newcomer). The run's new end time, or None when
         that is its planned end already."""
-        assert self.macro is not None
-        t0, cum, k = self.macro
-        m = min(int(np.searchsorted(cum, now - t0, side="left")) + 1, k)
-        if m >= k:
+        run = self.run
+        assert run is not None
+        m = min(int(np.searchsorted(run.cum, now - run.t0, side="left")) + 1, run.steps)
+        if m >= run.steps:
             return None
-        self.macro = (t0, cum, m)
+        run.steps = m
         self.version += 1
-        return t0 + float(cum[m - 1])
+        return run.end(m)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """What the pool changed since the last publish (a run's first step's included)."""
+        events = self.kv.take_events()
+        if self.run is not None and self.run.events:
+            events, self.run.events = self.run.events + events, []
+        return events
 
     def end_step(self) -> tuple[list[SimRequest], list[SimRequest]]:
         """Applies the step (or run) in flight as the engine would its sampled tokens;
         returns (requests that got their first token, requests that finished)."""
         sched = self.scheduler
-        if self.macro is not None:
-            _, cum, m = self.macro
-            self.macro = None
-            self.busy_s += float(cum[m - 1])
-            self.decode_tokens += m * len(sched.running)
-            finished = sched.advance_decode_run(m, OUTPUT_TOKEN)
-            return [], finished  # type: ignore[return-value]
-        out, self.step = self.step, None
+        run = self.run
+        out = run.first if run is not None else self.step
+        self.step = None
         assert out is not None
         first: list[SimRequest] = []
         finished: list[SimRequest] = []
@@ -249,4 +283,9 @@ class SimReplica:
                 first.append(req)
             if req.is_finished:
                 finished.append(req)
+        if run is not None:
+            self.busy_s += float(run.cum[run.steps - 1])
+            if run.steps > 1:
+                self.decode_tokens += (run.steps - 1) * len(sched.running)
+                finished += sched.advance_decode_run(run.steps - 1, OUTPUT_TOKEN)  # type: ignore[arg-type]
         return first, finished

@@ -13,9 +13,10 @@ wait behind it, as the subscriber applies in order) into the real
 Speed (the full Mooncake trace must fit in minutes): blocks are 512 tokens by default (the
 trace's own granularity -- it records no finer sharing); segment tokens are generated once;
 and a run of pure decode steps that leaves the pool and the queues as they are
-(:meth:`~kvroute.replica.scheduler.Scheduler.decode_run_length`) is advanced in one event
-whose step times are summed in numpy, cut short if a request arrives meanwhile. Results are
-per-step exact.
+(:meth:`~kvroute.replica.scheduler.Scheduler.decode_run_after`) is advanced in one event
+whose step times are summed in numpy, cut short if a request arrives meanwhile; the block
+events and load reports its steps would publish go out at those steps' ends. Results are
+per-step exact (up to float rounding of the summed times).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from kvroute.events import AllBlocksCleared, BlockHasher, EventBatch
 from kvroute.replica.cost_model import H100_8B, CostModel, Profile, attention_weight
@@ -38,7 +41,7 @@ from .workloads import RequestSpec, TokenSource
 
 __all__ = ["Fault", "Fleet", "SimConfig", "SimReplica", "SimRequest"]
 
-_ARRIVE, _STEP, _DELIVER, _FAULT = 0, 1, 2, 3
+_ARRIVE, _STEP, _DELIVER, _FAULT, _RUN_STEP = 0, 1, 2, 3, 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +162,8 @@ class Fleet:
                     self.index.apply(rep.id, batch)
                     if report is not None:
                         self.policy.load.report(rep.id, report, t)
+            elif kind == _RUN_STEP:
+                self._run_step(*payload)
             elif kind == _ARRIVE:
                 self._arrive(payload)
                 done += 1
@@ -190,7 +195,7 @@ class Fleet:
         rep.inbox.append(req)
         if not rep.busy:
             self._start_step(rep)
-        elif rep.macro is not None:  # the step after the one in progress sees it
+        elif rep.run is not None:  # the step after the one in progress sees it
             end = rep.cut_run(self.now)
             if end is not None:
                 self._push(end, _STEP, (rep, rep.version))
@@ -200,6 +205,31 @@ class Fleet:
         dt = rep.start_step(self.now)
         if dt is not None:
             self._push(self.now + dt, _STEP, (rep, rep.version))
+            if rep.run is not None:
+                self._next_run_step(rep, 0)
+
+    def _next_run_step(self, rep: SimReplica, done: int) -> None:
+        """The next step of the run in flight, after step ``done``, whose end publishes
+        something (the first step's block events; a load report when one is due): an event
+        at its end. The run's last step is its own end event's."""
+        run = rep.run
+        assert run is not None
+        j = done + 1
+        if not (j == 1 and run.events):
+            due = rep.last_report + self.cfg.report_interval_s - run.t0
+            j = max(j, int(np.searchsorted(run.cum, due, side="left")))  # one early: rounding
+            # the same float test as _publish's, on the time the event will carry
+            while j < run.steps and run.end(j) - rep.last_report < self.cfg.report_interval_s:
+                j += 1
+        if j < run.steps:
+            self._push(run.end(j), _RUN_STEP, (rep, run.id, j))
+
+    def _run_step(self, rep: SimReplica, run_id: int, j: int) -> None:
+        run = rep.run
+        if run is None or run.id != run_id or j >= run.steps:
+            return  # the run was cut short (its end publishes), or the replica failed
+        self._publish(rep, run_steps=j)
+        self._next_run_step(rep, j)
 
     def _end_step(self, rep: SimReplica) -> None:
         now, policy = self.now, self.policy
@@ -212,17 +242,18 @@ class Fleet:
             r.release()
             policy.on_finished(r.request_id, now, r.num_output_tokens)
         self._publish(rep)
+        rep.run = None
         self._start_step(rep)
 
-    def _publish(self, rep: SimReplica, events: list | None = None) -> None:
-        """After a step: its events, and a load report when one is due (one per interval,
-        riding on the event stream; an empty batch carries it when the step stored nothing,
-        as a live replica's heartbeat would)."""
-        events = rep.kv.take_events() if events is None else events
+    def _publish(self, rep: SimReplica, events: list | None = None, run_steps: int = 0) -> None:
+        """After a step (the ``run_steps``-th of a run in flight): its events, and a load
+        report when one is due (one per interval, riding on the event stream; an empty batch
+        carries it when the step stored nothing, as a live replica's heartbeat would)."""
+        events = rep.take_events() if events is None else events
         report = None
         if self.now - rep.last_report >= self.cfg.report_interval_s:
             rep.last_report = self.now
-            report = rep.load_report()  # as a live one does
+            report = rep.load_report(run_steps)  # as a live one does
         if not events and report is None:
             return
         t = self.now + self.cfg.event_delay_s

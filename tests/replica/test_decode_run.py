@@ -1,10 +1,11 @@
 """Runs of pure decode steps advanced at once (the simulator's fast path) leave the scheduler,
 its queues, its tenant counters and its KV cache exactly as step-by-step scheduling does.
 
-Two schedulers are fed the same requests in lockstep; whenever ``decode_run_length`` promises
-a run, one takes it step by step (and each of those steps must be the promised batch: every
-running request, one token each, nothing admitted or preempted), the other in one
-``advance_decode_run`` call; then their whole states must agree, and they go on together.
+Two schedulers are fed the same requests in lockstep; whenever ``decode_run_after`` promises a
+run after the step just scheduled, one takes it step by step (and each of those steps must be
+the promised batch: every running request, one token each, nothing admitted or preempted),
+the other in one ``advance_decode_run`` call; then their whole states (block events
+included) must agree, and they go on together.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from kvroute.events import BlockHasher
 from kvroute.events.replica_api import SamplingParams
 from kvroute.replica.kv_cache_manager import KVCacheManager
 from kvroute.replica.request import Request
-from kvroute.replica.scheduler import Scheduler, SchedulerConfig
+from kvroute.replica.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 BS = 16
 
@@ -49,9 +50,13 @@ def state(s: Scheduler) -> tuple:
     )
 
 
-def step(s: Scheduler) -> Any:
-    out = s.schedule()
+def update(s: Scheduler, out: SchedulerOutput) -> None:
     s.update_from_output(out, {x.request.request_id: 0 for x in out.scheduled if x.samples})
+
+
+def step(s: Scheduler) -> SchedulerOutput:
+    out = s.schedule()
+    update(s, out)
     return out
 
 
@@ -77,7 +82,7 @@ def test_bulk_advance_equals_step_by_step(name: str) -> None:
     shared = [rng.randrange(1000) for _ in range(5 * BS)]  # a prefix some prompts share
     runs = runs_with_waiting = bulk_steps = 0
     next_id = 0
-    for _ in range(1500):
+    for _ in range(700):
         if rng.random() < 0.15 and next_id < 120:
             n = rng.randrange(1, 6 * BS)
             prompt = shared[: rng.randrange(0, len(shared))] if rng.random() < 0.5 else []
@@ -88,8 +93,11 @@ def test_bulk_advance_equals_step_by_step(name: str) -> None:
                 sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
                 s.add_request(Request(f"r{next_id}", prompt, sp, tenant=tenant, arrival_time=0.0))
             next_id += 1
-        k = a.decode_run_length()
-        assert k == b.decode_run_length()
+        out_a, out_b = a.schedule(), b.schedule()
+        k = a.decode_run_after(out_a)
+        assert k == b.decode_run_after(out_b)
+        update(a, out_a)
+        update(b, out_b)
         if k >= 1:
             m = rng.randrange(1, k + 1)  # a run may be cut short by an arrival
             running = [r.request_id for r in a.running]
@@ -103,9 +111,6 @@ def test_bulk_advance_equals_step_by_step(name: str) -> None:
                 assert not out.preempted_request_ids
             finished = b.advance_decode_run(m)
             assert [r.request_id for r in finished] == sorted(a.finished_req_ids, key=running.index)
-        else:
-            step(a)
-            step(b)
         assert state(a) == state(b)
     assert runs > 20 and bulk_steps > 2 * runs  # the fast path was exercised, and in bulk
     if name in ("tight memory", "few seqs"):
@@ -118,8 +123,9 @@ def test_no_run_when_a_token_could_stop_a_request() -> None:
     s = make(100)
     s.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=50), eos_token_id=7))
     step(s)
-    assert s.decode_run_length() == 0  # what it samples decides whether it goes on
+    assert s.decode_run_after(s.schedule()) == 0  # what it samples decides if it goes on
     s = make(100)
     s.add_request(Request("b", [1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True), 7))
     step(s)
-    assert s.decode_run_length() == BS - 4  # positions 3..14; position 15 fills block 0
+    # position 3 scheduled; the run: positions 4..15, the last filling block 0
+    assert s.decode_run_after(s.schedule()) == BS - 4
