@@ -26,12 +26,12 @@ ends, so the result is the same as step by step.
 from __future__ import annotations
 
 from array import array
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 
 import msgspec
-import numpy as np
 
 from kvroute.events import BlockHasher, KVCacheEvent
 from kvroute.events.load import LoadReport
@@ -108,21 +108,17 @@ class SimRequest(Request):
 @dataclass(slots=True, eq=False)
 class DecodeRun:
     """A step scheduled for real (``first``) and the decode steps that follow it unchanged,
-    in flight as one event; ``cum``: the end of each step after ``t0``."""
+    in flight as one event, from ``t0``; ``ends[j - 1]``: when its j-th step ends."""
 
     id: int
     t0: float
-    cum: np.ndarray
+    ends: list[float]
     first: SchedulerOutput
     events: list[KVCacheEvent]  # the first step's, published at its end
     steps: int = field(init=False)  # planned, or fewer when cut short
 
     def __post_init__(self) -> None:
-        self.steps = len(self.cum)
-
-    def end(self, step: int) -> float:
-        """When its ``step``-th step (1-based) ends."""
-        return self.t0 + float(self.cum[step - 1])
+        self.steps = len(self.ends)
 
 
 class SimReplica:
@@ -240,9 +236,9 @@ class SimReplica:
         if more:  # this step and ``more`` like it: one event
             self.num_runs += 1
             pos = sum(sr.num_computed_tokens for sr in out.scheduled)
-            cum = self.cost.decode_run(len(out.scheduled), pos, more + 1)
-            self.run = DecodeRun(self.num_runs, now, cum, out, self.kv.take_events())
-            return float(cum[-1])
+            ends = self.cost.decode_run(len(out.scheduled), pos, more + 1, now)
+            self.run = DecodeRun(self.num_runs, now, ends, out, self.kv.take_events())
+            return ends[-1] - now
         dt = self.cost.step_time(tokens, pairs, ctx)
         self.busy_s += dt
         self.step = out
@@ -254,12 +250,12 @@ class SimReplica:
         that is its planned end already."""
         run = self.run
         assert run is not None
-        m = min(int(np.searchsorted(run.cum, now - run.t0, side="left")) + 1, run.steps)
+        m = bisect_left(run.ends, now, hi=run.steps) + 1
         if m >= run.steps:
             return None
         run.steps = m
         self.version += 1
-        return run.end(m)
+        return run.ends[m - 1]
 
     def take_events(self) -> list[KVCacheEvent]:
         """What the pool changed since the last publish (a run's first step's included)."""
@@ -284,7 +280,7 @@ class SimReplica:
             if req.is_finished:
                 finished.append(req)
         if run is not None:
-            self.busy_s += float(run.cum[run.steps - 1])
+            self.busy_s += run.ends[run.steps - 1] - run.t0
             if run.steps > 1:
                 self.decode_tokens += (run.steps - 1) * len(sched.running)
                 finished += sched.advance_decode_run(run.steps - 1, OUTPUT_TOKEN)  # type: ignore[arg-type]

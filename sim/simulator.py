@@ -24,11 +24,10 @@ from __future__ import annotations
 import heapq
 import random
 from array import array
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 from kvroute.events import AllBlocksCleared, BlockHasher, EventBatch
 from kvroute.replica.cost_model import H100_8B, CostModel, Profile, attention_weight
@@ -214,15 +213,14 @@ class Fleet:
         at its end. The run's last step is its own end event's."""
         run = rep.run
         assert run is not None
+        ends, last, interval = run.ends, rep.last_report, self.cfg.report_interval_s
         j = done + 1
         if not (j == 1 and run.events):
-            due = rep.last_report + self.cfg.report_interval_s - run.t0
-            j = max(j, int(np.searchsorted(run.cum, due, side="left")))  # one early: rounding
-            # the same float test as _publish's, on the time the event will carry
-            while j < run.steps and run.end(j) - rep.last_report < self.cfg.report_interval_s:
+            j = max(j, bisect_left(ends, last + interval, hi=run.steps))  # one early: rounding
+            while j < run.steps and ends[j - 1] - last < interval:  # _publish's own test
                 j += 1
         if j < run.steps:
-            self._push(run.end(j), _RUN_STEP, (rep, run.id, j))
+            self._push(ends[j - 1], _RUN_STEP, (rep, run.id, j))
 
     def _run_step(self, rep: SimReplica, run_id: int, j: int) -> None:
         run = rep.run
