@@ -132,8 +132,11 @@ class DecodeRuns:
             for req in running:
                 req.num_computed_tokens += num_steps - 1
                 req.append_output_tokens(tokens)
+        bs = self.block_size
         for req in running:  # the last step: a block filled or allocated, at most
-            if kv.allocate_slots(req, 1) is None:
+            # A token that neither starts a block nor fills one needs nothing of the cache
+            # (the table holds ceil(computed / B) blocks): skip the call.
+            if (req.num_computed_tokens + 1) % bs <= 1 and kv.allocate_slots(req, 1) is None:
                 raise RuntimeError(f"decode run out of blocks at {req.request_id!r}")
             req.num_computed_tokens += 1
         charge, max_len = self.usage.charge, self.max_model_len

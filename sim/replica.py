@@ -218,13 +218,14 @@ class SimReplica:
         self.preemptions += len(out.preempted_request_ids)
         if out.is_empty:
             return None
-        tokens = ctx = prefill = decode = 0
+        tokens = ctx = prefill = decode = pos = 0
         pairs = 0.0
         for sr in out.scheduled:
             n, p0 = sr.num_new_tokens, sr.num_computed_tokens
             tokens += n
             pairs += n * p0 + n * (n - 1) / 2
             ctx += p0 + n
+            pos += p0
             if n == 1 and sr.request.num_output_tokens and p0 + 1 >= sr.num_tokens:
                 decode += 1
             else:
@@ -235,7 +236,6 @@ class SimReplica:
         more = sched.decode_run_after(out) if self.fast_decode else 0
         if more:  # this step and ``more`` like it: one event
             self.num_runs += 1
-            pos = sum(sr.num_computed_tokens for sr in out.scheduled)
             ends = self.cost.decode_run(len(out.scheduled), pos, more + 1, now)
             self.run = DecodeRun(self.num_runs, now, ends, out, self.kv.take_events())
             return ends[-1] - now
