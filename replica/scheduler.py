@@ -22,6 +22,11 @@ is shorter, and no step of it takes longer than the threshold's tokens at a prom
 ``num_computed_tokens`` advances at schedule time, so the runner reads the pre-step value
 from :class:`ScheduledRequest`. No request holds blocks while waiting.
 
+Clock: none. Nothing here reads time; a request's ``arrival_time`` is stamped by whoever
+creates it, so the engine steps this scheduler in real time and the fleet simulator
+(``kvroute.sim``) in its own virtual time, on the same code. For the simulator,
+:mod:`.decode_run` advances runs of pure decode steps at once, to the same state.
+
 Liveness: ``max_model_len`` is capped to what the whole cache holds (and, without chunked
 prefill, to the token budget), prompts beyond it are rejected at :meth:`add_request`, and a
 request finishes with ``length`` at it. So a request alone in the engine always fits, and
