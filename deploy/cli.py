@@ -144,6 +144,18 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     sim.add_argument("--kv-ttl", type=float, default=None, help="prediction TTL (s)")
     sim.add_argument("--no-bounds", action="store_true", help="skip ceiling and pooled bound")
     sim.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        help="the engines' per-request prompt chunk cap, as `kvroute serve` (0: none)",
+    )
+    sim.add_argument(
+        "--max-num-partial-prefills",
+        type=int,
+        default=0,
+        help="the engines' prompts part-way per tenant, as `kvroute serve` (0: no limit)",
+    )
+    sim.add_argument(
         "--sweep-speed",
         default=None,
         metavar="S1,S2,...",
@@ -353,6 +365,8 @@ def _simulate(args: argparse.Namespace) -> int:
         event_loss=args.event_loss,
         seed=args.seed,
         kv_params=kv_params,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_num_partial_prefills=args.max_num_partial_prefills,
     )
     show = args.progress if args.progress is not None else sys.stderr.isatty()
     if args.sweep_speed:

@@ -38,8 +38,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from kvroute.events.load import CostCoefficients
 
 
@@ -128,16 +126,30 @@ class CostModel:
         nbytes = p.weight_bytes + self._kvb * ctx_sum
         return p.overhead_s + max(flops / p.peak_flops, nbytes / p.mem_bw)
 
-    def decode_run(self, batch: int, pos_sum: int, steps: int) -> np.ndarray:
-        """Cumulative end times of ``steps`` pure decode steps of ``batch`` requests whose
-        positions sum to ``pos_sum`` at the first step (each step adds ``batch``)."""
+    def decode_run(self, batch: int, pos_sum: int, steps: int, start: float = 0.0) -> list[float]:
+        """End times, after ``start``, of ``steps`` pure decode steps of ``batch`` requests
+        whose positions sum to ``pos_sum`` at the first step (each step adds ``batch``): the
+        same sums as :meth:`step_time`, step after step. A plain loop: runs are a few dozen
+        steps, where numpy's per-call cost was most of the time."""
         p = self.p
-        j = np.arange(steps, dtype=np.float64)
-        pos = pos_sum + batch * j
-        flops = batch * self._dense + self._attn * pos
-        nbytes = p.weight_bytes + self._kvb * (pos + batch)
-        t = p.overhead_s + np.maximum(flops / p.peak_flops, nbytes / p.mem_bw)
-        return np.cumsum(t)
+        dense, attn, kvb = batch * self._dense, self._attn, self._kvb
+        peak, bw, weights, overhead = p.peak_flops, p.mem_bw, p.weight_bytes, p.overhead_s
+        ends: list[float] = []
+        t, pos = start, pos_sum
+        for _ in range(steps):
+            compute, memory = (dense + attn * pos) / peak, (weights + kvb * (pos + batch)) / bw
+            t += overhead + (compute if compute > memory else memory)
+            ends.append(t)
+            pos += batch
+        return ends
+
+
+def attention_weight(cost: CostCoefficients) -> float:
+    """One attention (query, key) pair's cost in prompt tokens of dense work, by a replica's
+    cost model: what bounds its prompt chunks by cost (``SchedulerConfig.attention_weight``)."""
+    if cost.prefill_s_per_token <= 0:
+        return 0.0
+    return cost.attention_s_per_pair / cost.prefill_s_per_token
 
 
 # Dense bf16 FLOP/s and memory bytes/s from the vendors' datasheets (SXM / PCIe as named).

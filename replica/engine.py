@@ -34,7 +34,7 @@ from kvroute.events.hashing import HashForm
 from kvroute.events.load import CostCoefficients
 from kvroute.events.replica_api import Resume, SamplingParams
 
-from .cost_model import sim_profile
+from .cost_model import attention_weight, sim_profile
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache_manager import KVCacheManager
 from .models import resolve_model
@@ -158,7 +158,7 @@ class LLMEngine:
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 max_num_partial_prefills=config.max_num_partial_prefills,
-                attention_weight=_attention_weight(self.cost_coefficients()),
+                attention_weight=attention_weight(self.cost_coefficients()),
             ),
             self.kv_cache_manager,
         )
@@ -470,11 +470,3 @@ def _eos_token_ids(path: Path, tokenizer: Any) -> tuple[int | None, list[int]]:
     if primary is None and ids:
         primary = ids[0]
     return primary, [i for i in ids if i != primary]
-
-
-def _attention_weight(cost: CostCoefficients) -> float:
-    """One attention (query, key) pair's cost in prompt tokens of dense work, by the
-    engine's own cost model: what bounds its prompt chunks by cost (SchedulerConfig)."""
-    if cost.prefill_s_per_token <= 0:
-        return 0.0
-    return cost.attention_s_per_pair / cost.prefill_s_per_token

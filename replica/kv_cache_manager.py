@@ -33,7 +33,7 @@ Invariants:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 from kvroute.events import MEDIUM_GPU, BlockHasher, KVCacheEvent
@@ -196,11 +196,9 @@ class KVCacheManager:
         if total > len(request.all_token_ids):
             raise ValueError(f"{total} tokens scheduled, request {rid!r} has fewer")
 
-        num_required = -(-total // bs)
-        num_new_blocks = max(num_required - len(req_blocks) - len(hit), 0)
+        num_new_blocks = max(-(-total // bs) - len(req_blocks) - len(hit), 0)
         pool = self.block_pool
-        num_evictable_hits = sum(1 for b in hit if b.ref_cnt == 0)
-        if num_new_blocks > pool.get_num_free_blocks() - num_evictable_hits:
+        if num_new_blocks > pool.get_num_free_blocks() - _num_evictable(hit):
             return None
 
         req_blocks = self.req_to_blocks.setdefault(rid, req_blocks)
@@ -216,6 +214,43 @@ class KVCacheManager:
         if self.enable_caching and not delay_cache_blocks:
             self.cache_blocks(request, total)
         return new_blocks
+
+    def can_allocate(
+        self,
+        request: CacheRequest,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+    ) -> bool:
+        """Whether :meth:`allocate_slots` would find the blocks for these tokens now, without
+        allocating them (a scheduler's look-ahead)."""
+        held = len(self.req_to_blocks.get(request.request_id, ()))
+        bs = self.block_size
+        total = request.num_computed_tokens + len(new_computed_blocks) * bs + num_new_tokens
+        num_new_blocks = -(-total // bs) - held - len(new_computed_blocks)
+        free = self.block_pool.get_num_free_blocks() - _num_evictable(new_computed_blocks)
+        return num_new_blocks <= free
+
+    def num_noop_steps(self, requests: Iterable[CacheRequest]) -> int:
+        """How many steps each of ``requests`` can be given one more token, one per step,
+        with :meth:`allocate_slots` doing nothing: no block allocated, none filled (so none
+        cached, no event). A run of that many decode steps leaves this manager as it is,
+        which is what lets a simulator advance such a run in one go."""
+        bs, caching = self.block_size, self.enable_caching
+        tables, num_cached = self.req_to_blocks, self.num_cached_block
+        steps = 1 << 62
+        for req in requests:
+            rid, p = req.request_id, req.num_computed_tokens
+            room = len(tables.get(rid, ())) * bs - p  # slots held beyond p
+            if caching:
+                full = p // bs
+                if num_cached.get(rid, 0) < full:
+                    return 0  # a full block is still to be cached: the next call caches it
+                room = min(room, (full + 1) * bs - 1 - p)  # stop before the filling token
+            if room < steps:
+                if room <= 0:
+                    return 0
+                steps = room
+        return steps
 
     def cache_blocks(self, request: CacheRequest, num_computed_tokens: int) -> None:
         """Registers the request's blocks filled by its first ``num_computed_tokens`` tokens."""
@@ -263,3 +298,9 @@ class KVCacheManager:
     @property
     def usage(self) -> float:
         return self.block_pool.usage
+
+
+def _num_evictable(hit: Sequence[KVCacheBlock]) -> int:
+    """Hit blocks in the free queue: touching them takes them out of it, so they count
+    against the free blocks."""
+    return sum(1 for b in hit if b.ref_cnt == 0)

@@ -69,7 +69,6 @@ class Request:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt")
         self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
         self.eos_token_id = eos_token_id
         self.cache_salt = cache_salt
@@ -77,9 +76,7 @@ class Request:
         self.lora_name = lora_name
         self.arrival_time = time.time() if arrival_time is None else arrival_time
 
-        self.all_token_ids: list[int] = [*self.prompt_token_ids, *output_token_ids]
-        # A second list rather than a slice of all_token_ids: read every step, O(1) here.
-        self._output_token_ids: list[int] = list(output_token_ids)
+        self._init_tokens(prompt_token_ids, output_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-hit tokens at first scheduling
         self.num_preemptions = 0
@@ -88,6 +85,15 @@ class Request:
         self.error: str | None = None  # why it ended with FINISHED_ERROR (one line)
 
     # -- tokens ------------------------------------------------------------------------
+    def _init_tokens(
+        self, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]
+    ) -> None:
+        """Lists of ints here; the simulator's requests keep arrays (4 bytes a token)."""
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.all_token_ids: list[int] = [*self.prompt_token_ids, *output_token_ids]
+        # A second list rather than a slice of all_token_ids: read every step, O(1) here.
+        self._output_token_ids: list[int] = list(output_token_ids)
+
     @property
     def output_token_ids(self) -> list[int]:
         """Generated tokens so far. The scheduler's list: do not mutate."""
@@ -108,6 +114,11 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
         self._output_token_ids.append(token_id)
+
+    def append_output_tokens(self, token_ids: Sequence[int]) -> None:
+        """Several steps' tokens at once (a run of decode steps advanced in bulk)."""
+        self.all_token_ids.extend(token_ids)
+        self._output_token_ids.extend(token_ids)
 
     # -- status ------------------------------------------------------------------------
     @property

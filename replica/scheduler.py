@@ -22,6 +22,11 @@ is shorter, and no step of it takes longer than the threshold's tokens at a prom
 ``num_computed_tokens`` advances at schedule time, so the runner reads the pre-step value
 from :class:`ScheduledRequest`. No request holds blocks while waiting.
 
+Clock: none. Nothing here reads time; a request's ``arrival_time`` is stamped by whoever
+creates it, so the engine steps this scheduler in real time and the fleet simulator
+(``kvroute.sim``) in its own virtual time, on the same code. For the simulator,
+:mod:`.decode_run` advances runs of pure decode steps at once, to the same state.
+
 Liveness: ``max_model_len`` is capped to what the whole cache holds (and, without chunked
 prefill, to the token budget), prompts beyond it are rejected at :meth:`add_request`, and a
 request finishes with ``length`` at it. So a request alone in the engine always fits, and
@@ -38,6 +43,8 @@ from typing import Any
 
 from kvroute.events.load import LoadReport
 
+from .block_pool import KVCacheBlock
+from .decode_run import DecodeRuns
 from .fair_queue import FairQueue, TenantUsage
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
@@ -145,7 +152,7 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-class Scheduler:
+class Scheduler(DecodeRuns):
     """Decides, each step, which requests run and how many tokens each feeds."""
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
@@ -230,13 +237,15 @@ class Scheduler:
             # The shares went to a tenant that could not run after all (its request did not
             # fit): rather than a step that does nothing, schedule as if alone. Liveness.
             scheduled, preempted = self._schedule(None, partial)
+        charge, num_tokens = self.usage.charge, 0
         for sr in scheduled:
-            self.usage.charge(sr.request.tenant, sr.num_new_tokens)
-        finished = sorted(self.finished_req_ids)
+            charge(sr.request.tenant, sr.num_new_tokens)
+            num_tokens += sr.num_new_tokens
+        finished = sorted(self.finished_req_ids) if self.finished_req_ids else []
         self.finished_req_ids = set()
         return SchedulerOutput(
             scheduled=scheduled,
-            num_scheduled_tokens=sum(sr.num_new_tokens for sr in scheduled),
+            num_scheduled_tokens=num_tokens,
             preempted_request_ids=[r.request_id for r in preempted],
             finished_request_ids=finished,
         )
@@ -254,15 +263,18 @@ class Scheduler:
         partial = None if partial is None else dict(partial)  # counts this step's starts
 
         # 1. Running requests: decodes and unfinished prefill chunks.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        i, running = 0, self.running
+        while i < len(running) and budget > 0:
+            req = running[i]
             num_new = len(req.all_token_ids) - req.num_computed_tokens
-            if num_new > 1:  # a prompt chunk (decodes are never capped)
+            if num_new > 1:  # a prompt chunk (decodes are never capped, budget > 0)
                 limit = cfg.chunk_limit(req.num_computed_tokens)
                 if 0 < limit < num_new:
                     num_new = limit
-            num_new = _within_share(shares, req, min(num_new, budget))
+                if num_new > budget:
+                    num_new = budget
+                if shares is not None:
+                    num_new = _within_share(shares, req, num_new)
             if num_new <= 0:  # nothing to feed yet, or its tenant's share is spent
                 i += 1
                 continue
@@ -276,7 +288,8 @@ class Scheduler:
                 break  # req preempted itself: nothing after it is running any more
             scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
-            _charge_share(shares, req, num_new)
+            if shares is not None:
+                _charge_share(shares, req, num_new)
             i += 1
 
         # 2. Waiting requests, tenants in turn, unless this step already had to preempt.
@@ -286,17 +299,9 @@ class Scheduler:
                 if kv.get_num_free_blocks() == 0 and self.running:
                     break  # admission always needs a new block (a hit stops before the end)
                 req = self.waiting.peek()
-                # Counted only once admitted: a request passed over, or stuck at the head,
-                # must not inflate the hit-rate counters step after step.
-                hit_blocks, num_hit = kv.get_computed_blocks(req, count=False)
-                num_new = req.num_tokens - num_hit
-                limit = cfg.chunk_limit(num_hit)
-                if 0 < limit < num_new:
-                    num_new = limit
-                if num_new > budget:
-                    if not cfg.enable_chunked_prefill:
-                        break
-                    num_new = budget
+                hit_blocks, num_hit, num_new = self._first_chunk(req, budget)
+                if not num_new:
+                    break  # the whole prompt must fit one step, and it does not
                 num_new = _within_share(shares, req, num_new)
                 starts_partial = partial is not None and num_new < req.num_tokens - num_hit
                 if starts_partial and partial.get(req.tenant, 0) >= cfg.max_num_partial_prefills:
@@ -328,6 +333,21 @@ class Scheduler:
                     partial[req.tenant] = partial.get(req.tenant, 0) + 1
                 _charge_share(shares, req, num_new)
         return scheduled, preempted
+
+    def _first_chunk(self, req: Request, budget: int) -> tuple[list[KVCacheBlock], int, int]:
+        """A waiting request's cached prefix (blocks, tokens) and the tokens its first step
+        would compute within ``budget``; 0 of them when chunked prefill is off and its
+        prompt does not fit. The lookup is not counted: a request passed over, or stuck at
+        the head, must not inflate the hit-rate counters step after step."""
+        cfg = self.config
+        hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req, count=False)
+        num_new = req.num_tokens - num_hit
+        limit = cfg.chunk_limit(num_hit)
+        if 0 < limit < num_new:
+            num_new = limit
+        if num_new > budget:
+            num_new = budget if cfg.enable_chunked_prefill else 0
+        return hit_blocks, num_hit, num_new
 
     def _prefill_shares(
         self, partial: dict[str | None, int] | None
@@ -421,8 +441,8 @@ class Scheduler:
         """
         changed: list[Request] = []
         for sr in output.scheduled:
-            req = sr.request
-            if req.status != _RUNNING or not sr.samples:
+            req = sr.request  # below: sr.samples, inline (read per request per step)
+            if req.status != _RUNNING or sr.num_computed_tokens + sr.num_new_tokens < sr.num_tokens:
                 continue
             rid = req.request_id
             if rid not in sampled_token_ids:

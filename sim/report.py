@@ -79,7 +79,7 @@ def bounds(
         total += n
         toks = array("I")
         toks.frombytes(tokens.prompt_bytes(spec))
-        req = SimRequest(i, RequestSpec(0.0, spec.segments, 1, spec.cache_salt), toks)
+        req = SimRequest(i, RequestSpec(0.0, spec.segments, 1, spec.cache_salt), toks, 0.0)
         blocks, hit = kv.get_computed_blocks(req)
         if kv.allocate_slots(req, n - hit, hit, blocks) is not None:
             pooled_hit += hit
@@ -172,6 +172,8 @@ def simulate(
             "event_loss": cfg.event_loss,
             "seed": cfg.seed,
             "kv_params": dict(cfg.kv_params),
+            "long_prefill_token_threshold": cfg.long_prefill_token_threshold,
+            "max_num_partial_prefills": cfg.max_num_partial_prefills,
         },
         "workload": {
             "requests": len(specs),

@@ -74,12 +74,12 @@ def test_lost_batches_without_recovery_would_be_caught():
     dropped = []
     last_arrival = specs[-1].arrival_s
 
-    def lossy(rep, events=None):
-        events = rep.kv.take_events() if events is None else events
+    def lossy(rep, events=None, run_steps=0):
+        events = rep.take_events() if events is None else events
         if events and f.now > last_arrival:
             dropped.append(events)
             return
-        publish(rep, events)
+        publish(rep, events, run_steps)
 
     f._publish = lossy  # type: ignore[method-assign]
     f.run()
@@ -101,13 +101,15 @@ def test_same_seed_same_numbers():
 @pytest.mark.parametrize("blocks", [4000, 260])
 def test_fast_decode_path_is_exact(blocks):
     specs = make_workload("chat", 200, seed=4, speed=3.0)
-    # No load reports: a run of decode steps advanced as one event reports once at its end,
-    # not after each step, so the policy would see other figures; the decode math is exact.
-    cfg = SimConfig(replicas=2, block_size=64, blocks_per_replica=blocks, report_interval_s=1e9)
+    # Load reports and lost batches included: a run publishes what its steps would, when
+    # they would, so the policy sees the same figures and routes alike.
+    cfg = SimConfig(replicas=2, block_size=64, blocks_per_replica=blocks, event_loss=0.1)
     fast = fleet(specs, "kv", cfg)
     cfg.fast_decode = False
     slow = fleet(specs, "kv", cfg)
     assert fast.decode_tokens == slow.decode_tokens and fast.preemptions == slow.preemptions
+    assert fast.lost_batches == slow.lost_batches > 0
+    assert sum(rep.num_runs for rep in fast.reps) > 100  # the fast path was taken
     capacity = blocks * cfg.block_size
     for a, b in zip(fast.reqs, slow.reqs, strict=True):
         assert a is not None and b is not None
