@@ -101,6 +101,7 @@ class Fleet:
         self.client_id = f"fd-{uuid.uuid4().hex[:12]}"
         self.subscriber = ZmqEventSubscriber(self._on_events)
         self._wrong_block_size: set[str] = set()  # replicas already reported for it
+        self._block_size_ok: set[str] = set()  # streams whose block size was checked
         # Token ids to text (the front door's tokenizer): a resumed request's text held
         # back from the client, for HTTP backends (kvroute's replicas decode it themselves).
         self.decode: Callable[[list[int]], str] | None = None
@@ -180,17 +181,25 @@ class Fleet:
 
     def _on_events(self, item: ReplicaBatch) -> None:
         """The subscriber's thread: into the index, unless the engine's blocks are not the
-        size this fleet hashes (its events would never match a request: said, not indexed)."""
-        size = self.hasher.block_size
-        for ev in item.batch.events:
-            if isinstance(ev, BlockStored) and ev.block_size != size:
+        size this fleet hashes (its events would never match a request: said, not indexed).
+        An engine's block size is fixed, so each stream's first BlockStored is checked and
+        the rest go straight to the index (this is the event-ingest path)."""
+        rid = item.replica_id
+        if rid not in self._block_size_ok:
+            size = self.hasher.block_size
+            stored = next((ev for ev in item.batch.events if isinstance(ev, BlockStored)), None)
+            if stored is None:
+                pass  # nothing to judge by yet
+            elif stored.block_size == size:
+                self._block_size_ok.add(rid)
+            else:
                 self.errors["block_size_mismatch"] += 1
-                if item.replica_id not in self._wrong_block_size:
-                    self._wrong_block_size.add(item.replica_id)
+                if rid not in self._wrong_block_size:
+                    self._wrong_block_size.add(rid)
                     log.error(
                         "replica %s publishes %d-token blocks, the fleet hashes %d-token "
                         "ones: its events are not indexed (is its events endpoint another "
-                        "server's?)", item.replica_id, ev.block_size, size,
+                        "server's?)", rid, stored.block_size, size,
                     )  # fmt: skip
                 return
         self.index.on_batch(item)
@@ -207,6 +216,8 @@ class Fleet:
     def _forget(self, rid: str) -> None:
         """Its cache is gone or out of reach: unsubscribe and drop what the index held for it
         (whatever the policy: /metrics and any later policy read the same index)."""
+        self._block_size_ok.discard(rid)  # a new stream (a restart, maybe reconfigured)
+        self._wrong_block_size.discard(rid)
         stats = self.subscriber.stats().get(rid)
         if stats is not None:  # a new subscription starts at zero: keep the totals
             total = self.retired_event_stats.setdefault(rid, Counter())
