@@ -20,6 +20,7 @@ Create replicas with :func:`start_replica` (resources, restarts, CPU pinning) or
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import sys
@@ -131,6 +132,11 @@ class ReplicaServer:
             node_id=ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
         )
         threading.Thread(target=self._watch, name="kvroute-replica-watchdog", daemon=True).start()
+        # The model is loaded: what lives now (torch, transformers, the weights' modules:
+        # ~430k objects for `tiny`) leaves the collector's reach. A full collection walked
+        # it all, 195 ms on this CPU in which no engine step ran; frozen, ~0.1 ms.
+        gc.collect()
+        gc.freeze()
 
     def _init_vllm(self, engine_config: Any, events_host: str, torch_threads: int | None) -> None:
         """The same actor around vLLM's AsyncLLM (see :mod:`.vllm_engine`): vLLM publishes

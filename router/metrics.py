@@ -19,12 +19,22 @@ process; none touches the global one).
 
 from __future__ import annotations
 
+import time
+from bisect import bisect_left
 from collections.abc import Iterator
+from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
     from kvroute.events import ReplicaStats
@@ -46,18 +56,99 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 ADDED_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
-class Metrics:
+class _HistogramChild:
+    """One label set's buckets: a count per bucket (not cumulative) and the sum."""
+
+    __slots__ = ("_bounds", "counts", "created", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last: above every bound (+Inf)
+        self.sum = 0.0
+        self.created = time.time()
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self._bounds, value)] += 1  # the first bound >= value: "le"
+        self.sum += value
+
+
+class _CounterChild:
+    __slots__ = ("created", "value")
+
+    def __init__(self) -> None:
+        self.value = 0.0
+        self.created = time.time()
+
+    def inc(self, amount: float = 1) -> None:
+        self.value += amount
+
+
+class _Family:
+    """A labelled series kept as plain numbers, exposed only when scraped.
+
+    Why not ``prometheus_client``'s own Counter and Histogram: each ``labels()`` call
+    validates and joins its values, and each ``observe``/``inc`` takes a lock and walks the
+    buckets in Python, several microseconds a time -- and the front door records every
+    streamed token's inter-token latency. Here a child is a dict lookup away and an
+    observation is one C bisect and two additions. The exposition (names, labels, buckets,
+    ``_created``) is what prometheus-client's own types write. Written and scraped on the
+    front door's event loop only, so no lock."""
+
+    def __init__(
+        self, name: str, doc: str, labels: list[str], buckets: tuple[float, ...] | None = None
+    ) -> None:
+        self.name, self.doc, self.labelnames, self.buckets = name, doc, labels, buckets
+        self.children: dict[tuple[str, ...], Any] = {}
+        if not labels:  # as prometheus-client: a series without labels exists from the start
+            self.labels()
+
+    def labels(self, *values: str) -> Any:
+        child = self.children.get(values)
+        if child is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name}: labels {self.labelnames}, got {values}")
+            values = tuple(str(v) for v in values)
+            made = _CounterChild() if self.buckets is None else _HistogramChild(self.buckets)
+            child = self.children.setdefault(values, made)
+        return child
+
+    def observe(self, value: float) -> None:  # a family without labels
+        self.labels().observe(value)
+
+    def inc(self, amount: float = 1) -> None:
+        self.labels().inc(amount)
+
+    def metric(self) -> Metric:
+        if self.buckets is None:
+            fam: Metric = CounterMetricFamily(self.name, self.doc, labels=self.labelnames)
+            for values, c in self.children.items():
+                fam.add_metric(list(values), c.value, created=c.created)
+            return fam
+        fam = HistogramMetricFamily(self.name, self.doc, labels=self.labelnames)
+        les = [floatToGoString(b) for b in self.buckets] + ["+Inf"]
+        for values, h in self.children.items():
+            cumulative = list(accumulate(h.counts))
+            fam.add_metric(list(values), list(zip(les, cumulative, strict=True)), h.sum)
+            labels = dict(zip(self.labelnames, values, strict=True))
+            fam.samples.append(Sample(self.name + "_created", labels, h.created))
+        return fam
+
+
+class Metrics(Collector):
     """The per-request series of one front door, in its own registry."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)  # collect() runs at scrapes only
         self._tenants: set[str] = set()
+        self._families: list[_Family] = []
 
-        def hist(name: str, doc: str, labels: list[str], buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
+        def hist(name: str, doc: str, labels: list[str], buckets: tuple[float, ...]) -> _Family:
+            self._families.append(_Family(PREFIX + name, doc, labels, buckets))
+            return self._families[-1]
 
-        def counter(name: str, doc: str, labels: list[str]) -> Counter:
-            return Counter(PREFIX + name, doc, labels, registry=self.registry)
+        def counter(name: str, doc: str, labels: list[str]) -> _Family:
+            self._families.append(_Family(PREFIX + name, doc, labels))
+            return self._families[-1]
 
         by = ["tenant", "replica"]
         self.ttft = hist("time_to_first_token_seconds",
@@ -96,6 +187,11 @@ class Metrics:
                                "replica holds the longest cached prefix), load (another "
                                "held more, but this one was cheaper), spread (none held "
                                "any: load alone decided).", ["replica", "reason"])  # fmt: skip
+        self.registry.register(self)
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._families:
+            yield family.metric()
 
     def tenant(self, tenant_id: str | None) -> str:
         """The tenant's label: its id while fewer than MAX_TENANT_LABELS are in use."""

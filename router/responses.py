@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import Request
@@ -33,7 +33,7 @@ from .openai_api import (
     make_usage,
 )
 from .request_run import REPLICA_FAILURES, RequestRun
-from .sse import DONE, ChunkEncoder, SSEResponse, data_line
+from .sse import DONE, ChunkEncoder, Emit, SSEResponse, data_line
 
 log = logging.getLogger(__name__)
 # One line per finished request (INFO): tenant, replica, tokens, TTFT, status. Off unless
@@ -164,7 +164,7 @@ async def respond(
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-        async def write(emit: Callable[[bytes], Awaitable[None]]) -> None:
+        async def write(emit: Emit) -> None:
             await _write_sse(
                 door, run, rid, encoder, include_usage, role_first, logprobs, arrival, emit
             )
@@ -230,7 +230,7 @@ async def _write_sse(
     role_first: bool,
     logprobs: Callable[[list[int], list[dict[int, float]] | None], Any] | None,
     arrival: float | None,
-    emit: Callable[[bytes], Awaitable[None]],
+    emit: Emit,
 ) -> None:
     """``data: {json}\\n\\n`` per delta, ``data: [DONE]`` last, whatever happens.
 
@@ -291,4 +291,4 @@ async def _write_sse(
     if timing is not None:
         tail.append(f": kvroute-timing {dumps(timing)}\n\n".encode())
     tail.append(DONE)
-    await emit(b"".join(tail))
+    await emit(b"".join(tail), True)

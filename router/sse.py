@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 from starlette.responses import Response
@@ -31,6 +31,12 @@ RAW_SEND = "kvroute.raw_send"
 _json = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
 SWEEP_INTERVAL_S = 1.0  # how late past its deadline a stuck send may be cancelled
+
+
+class Emit(Protocol):
+    """Sends one chunk of the body; ``last``: and ends the body in the same write."""
+
+    def __call__(self, chunk: bytes, last: bool = False) -> Awaitable[None]: ...
 
 
 class ChunkEncoder:
@@ -76,7 +82,9 @@ def data_line(obj: Any) -> bytes:
 
 class SSEResponse(Response):
     """An ASGI response whose body ``write(emit)`` produces: it awaits ``emit(chunk)`` per
-    chunk (a coroutine, not an async generator: one layer less per token). The head goes
+    chunk (a coroutine, not an async generator: one layer less per token), and
+    ``emit(chunk, last=True)`` for the last, which then ends the body in the same write
+    (else an empty last message ends it: one more write per request). The head goes
     through the app's middleware; the chunks go on the server's raw ``send``. The writer is
     cancelled when the client disconnects, or when one send waits longer than
     ``send_timeout_s`` (:class:`ClientTooSlowError`); ``on_close`` runs however it ends
@@ -84,7 +92,7 @@ class SSEResponse(Response):
 
     def __init__(
         self,
-        write: Callable[[Callable[[bytes], Awaitable[None]]], Awaitable[None]],
+        write: Callable[[Emit], Awaitable[None]],
         headers: dict[str, str],
         send_timeout_s: float | None = None,
         on_close: Callable[[], None] | None = None,
@@ -110,8 +118,10 @@ class SSEResponse(Response):
         msg: dict[str, Any] = {"type": "http.response.body", "body": b"", "more_body": True}
         sweeper = _Sweeper.of(loop) if self.send_timeout_s else None
 
-        async def emit(chunk: bytes) -> None:
+        async def emit(chunk: bytes, last: bool = False) -> None:
             msg["body"] = chunk
+            if last:
+                msg["more_body"] = False
             self._sending_since = loop.time()
             await raw(msg)
             self._sending_since = 0.0
@@ -122,7 +132,8 @@ class SSEResponse(Response):
             start = {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
             await send(start)
             await self.write(emit)
-            await raw({"type": "http.response.body", "body": b"", "more_body": False})
+            if msg["more_body"]:  # the writer did not end the body
+                await raw({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if task.cancelling() and self._disconnected:  # our own cancel: the client left
                 task.uncancel()

@@ -10,6 +10,7 @@ that leaves does to its requests, what a restart does to endpoints and the event
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import os
 import pickle
@@ -391,6 +392,20 @@ async def test_engine_death_restarts_the_replica(actors: dict[str, Any], referen
     # the replay buffer holds every batch of this young process).
     seqs = await asyncio.to_thread(replay_seqs, after.replay_endpoint, 0)
     assert seqs[:1] == [0] and seqs == list(range(len(seqs)))
+
+
+def test_a_started_replica_keeps_its_loaded_heap_out_of_the_collectors_walk() -> None:
+    """Once the model is loaded, what lives (the engine, its weights' modules, torch's and
+    transformers' objects) is frozen: a full collection, which pauses the engine's step
+    loop, no longer walks it."""
+    server = ReplicaServer("frozen", CONFIG, torch_threads=1)
+    try:
+        walked = {id(o) for o in gc.get_objects()}
+        for obj in (server, server.engine, server.engine.engine, server.dataplane):
+            assert id(obj) not in walked, type(obj).__name__
+        assert gc.get_freeze_count() > 0
+    finally:
+        server.shutdown()
 
 
 async def test_in_process_server_reports_death_without_exiting(actors: dict[str, Any]) -> None:

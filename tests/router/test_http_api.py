@@ -9,6 +9,7 @@ client left, a replica that dies before its first token.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import socket
 import threading
@@ -79,6 +80,18 @@ def fleet() -> Iterator[dict[str, Any]]:
 
 def client(fleet: dict[str, Any], key: str = "key-a") -> openai.OpenAI:
     return openai.OpenAI(base_url=fleet["url"] + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def test_the_started_front_door_keeps_its_startup_heap_out_of_the_collectors_walk(
+    fleet: dict[str, Any],
+) -> None:
+    """What lived when the server started (its app, front door, fleet and every module's
+    objects) is frozen: a full collection, which stops every stream, no longer walks it."""
+    walked = {id(o) for o in gc.get_objects()}
+    door = fleet["door"]
+    for obj in (fleet["app"], door, door.fleet, door.fleet.index, door.metrics):
+        assert id(obj) not in walked, type(obj).__name__
+    assert gc.get_freeze_count() > 0
 
 
 # -- tenants (no server) --------------------------------------------------------------------
