@@ -265,6 +265,8 @@ class Fleet:
         """The prompt's block hashes as the replicas publish them."""
         form = self.hash_form
         hashes = self.hasher.hash_blocks(prompt_token_ids, cache_salt=salt)
+        if form == "bytes":  # events carry the digests themselves
+            return hashes
         return [to_external(h, form) for h in hashes]  # type: ignore[arg-type]
 
     # -- lifecycle -------------------------------------------------------------------------

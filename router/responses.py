@@ -28,12 +28,11 @@ from .openai_api import (
     CompletionLogprobs,
     CompletionRequest,
     TopLogprob,
-    dumps,
     error_body,
     make_usage,
 )
 from .request_run import REPLICA_FAILURES, RequestRun
-from .sse import DONE, ChunkEncoder, Emit, SSEResponse, data_line
+from .sse import DONE, ChunkEncoder, Emit, SSEResponse, data_line, encode_json
 
 log = logging.getLogger(__name__)
 # One line per finished request (INFO): tenant, replica, tokens, TTFT, status. Off unless
@@ -289,6 +288,6 @@ async def _write_sse(
             status = f"200 {last.finish_reason}" if last and last.finished else "499 client_gone"
         end_request(rid, run, last, ttft, status, arrival)
     if timing is not None:
-        tail.append(f": kvroute-timing {dumps(timing)}\n\n".encode())
+        tail.append(b": kvroute-timing " + encode_json(timing) + b"\n\n")
     tail.append(DONE)
     await emit(b"".join(tail), True)

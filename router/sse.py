@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 RAW_SEND = "kvroute.raw_send"
 _json = msgspec.json.Encoder()
+encode_json = _json.encode
 DONE = b"data: [DONE]\n\n"
 SWEEP_INTERVAL_S = 1.0  # how late past its deadline a stuck send may be cancelled
 
