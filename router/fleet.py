@@ -172,10 +172,11 @@ class Fleet:
         if reproducible(info.hash_algo):
             self.translators.pop(rid, None)
         else:
-            if rid not in self.translators:
-                log.info(
+            if rid not in self.translators:  # one line per replica, on the console too
+                log.warning(
                     "replica %s hashes with %s, which kvroute cannot reproduce: indexed by "
-                    "its events' token ids (re-hashed with the fleet's %s)",
+                    "its events' token ids, re-hashed with the fleet's %s (vLLM's "
+                    "sha256_cbor would spare the router that work)",
                     rid, info.hash_algo, self.hash_config.algo,
                 )  # fmt: skip
             self.translators[rid] = EventTranslator(
