@@ -102,12 +102,17 @@ def snapshot_events(records: dict[ExternalBlockHash, StoredBlock]) -> list[Block
 
     Each event holds a single block with its own parent: the snapshot need not be ordered
     parent-first for a consumer that links children to parents by hash.
+    Each keeps its block's ``extra_keys`` (the cache salt on block 0): a subscriber that
+    indexes by token ids hashes them (:mod:`.translate`).
     """
     out: list[BlockStored] = []
     for h, r in records.items():
         src = r.stored_by
+        keys = src.extra_keys
+        extra = [keys[r.index]] if keys and r.index < len(keys) else None
         ev = BlockStored(
-            [h], r.parent, r.token_ids, src.block_size, src.lora_id, src.medium, src.lora_name
-        )
+            [h], r.parent, r.token_ids, src.block_size, src.lora_id, src.medium, src.lora_name,
+            extra, src.group_idx,
+        )  # fmt: skip
         out.extend([ev] * r.count)
     return out

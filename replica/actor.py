@@ -142,7 +142,7 @@ class ReplicaServer:
         """The same actor around vLLM's AsyncLLM (see :mod:`.vllm_engine`): vLLM publishes
         its own KV events, so there is no kvroute publisher."""
         from .dataplane import DataPlaneServer
-        from .vllm_engine import HASH_ALGO, VllmEngine, VllmEngineConfig
+        from .vllm_engine import VllmEngine, VllmEngineConfig
 
         config = (
             engine_config
@@ -172,7 +172,7 @@ class ReplicaServer:
             replica_id=self.replica_id,
             model=config.model,
             model_path=str(eng.model_path),
-            hash_algo=HASH_ALGO,
+            hash_algo=eng.hash_algo,
             hash_seed=eng.hash_seed,
             hash_form=eng.hash_form,
             block_size=eng.block_size,

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvroute.events.load import LoadReport
 from kvroute.events.replica_api import GenerateDelta, SamplingParams
+from kvroute.events.translate import from_vllm_hash_algo
 
 if TYPE_CHECKING:
     import asyncio
@@ -26,8 +27,10 @@ HASH_ALGO = "sha256_cbor_tagged"  # vLLM 0.32's sha256_cbor, salt tagged (events
 VLLM_DEFAULT_SEED = "vllm-none-hash"  # vLLM's NONE_HASH seed for sha256* without PYTHONHASHSEED
 CPU_KV_CACHE_BYTES = 1 << 30  # as kvroute's engine on CPU; vLLM's default takes 90% of RAM
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
-# What kvroute's routing depends on: engine_args may not change them.
-_FIXED = ("enable_prefix_caching", "prefix_caching_hash_algo", "kv_events_config")
+# What kvroute's routing depends on: engine_args may not change them. (It may change
+# prefix_caching_hash_algo: one kvroute cannot reproduce is indexed by token ids.)
+_FIXED = ("enable_prefix_caching", "kv_events_config")
+VLLM_HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")  # vLLM 0.32's choices
 
 
 @dataclass(slots=True)
@@ -65,7 +68,8 @@ def is_vllm_config(config: object) -> bool:
 
 def engine_args(config: VllmEngineConfig, model_path: Path, cpu: bool, topic: str) -> Any:
     """vLLM's ``AsyncEngineArgs``: prefix caching with ``sha256_cbor`` (the hash kvroute
-    reproduces), KV events on vLLM's ZMQ publisher with its replay socket, on free ports."""
+    reproduces) unless ``engine_args`` names another (then the router indexes its events by
+    token ids), KV events on vLLM's ZMQ publisher with its replay socket, on free ports."""
     from vllm.config import KVEventsConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -103,9 +107,20 @@ def engine_args(config: VllmEngineConfig, model_path: Path, cpu: bool, topic: st
         if key in c.engine_args and c.engine_args[key] != args[key]:
             raise ValueError(
                 f"engine_args may not change {key}: kvroute routes by vLLM's prefix cache "
-                "and reproduces its sha256_cbor block hashes"
+                "and its KV events"
             )
+    algo = c.engine_args.get("prefix_caching_hash_algo", args["prefix_caching_hash_algo"])
+    if algo not in VLLM_HASH_ALGOS:
+        raise ValueError(
+            f"prefix_caching_hash_algo {algo!r}: expected one of {', '.join(VLLM_HASH_ALGOS)}"
+        )
     return AsyncEngineArgs(**{**args, **c.engine_args})
+
+
+def reported_hash_algo(vllm_algo: str) -> str:
+    """The hash algorithm a vLLM replica reports: ``sha256_cbor_tagged`` for vLLM's
+    ``sha256_cbor`` (kvroute reproduces it), else ``vllm:<algo>`` (indexed by token ids)."""
+    return from_vllm_hash_algo(vllm_algo)
 
 
 def prepare_environment(config: VllmEngineConfig, events_host: str) -> None:

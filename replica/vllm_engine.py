@@ -17,8 +17,10 @@ How it maps:
 - KV events are vLLM's own: its ZMQ publisher and replay socket in the engine-core
   process, bound on ports it picks and reports back (``get_kv_event_sources``). Prefix
   caching uses ``sha256_cbor``, which kvroute reproduces (``sha256_cbor_tagged``: vLLM
-  0.32 tags the cache salt), so routers index vLLM's hashes exactly. A tenant's salt is
-  vLLM's ``cache_salt``.
+  0.32 tags the cache salt), so routers index vLLM's hashes exactly. Asked for another
+  (``engine_args={"prefix_caching_hash_algo": "sha256"}``), the replica reports
+  ``vllm:sha256`` and routers index its events by token ids. A tenant's salt is vLLM's
+  ``cache_salt``.
 - Load: the scheduler's own figures through a utility call added by kvroute's vLLM plugin
   (:mod:`.vllm_plugin`), polled while requests run; without the plugin, counts kept here.
   Cost coefficients: kvroute's roofline from the model's config and a start-up
@@ -57,6 +59,7 @@ from .vllm_adapt import (
     idle_load,
     make_delta,
     prepare_environment,
+    reported_hash_algo,
     to_vllm_sampling,
 )
 from .vllm_plugin import CACHED_BLOCKS_METHOD, LOAD_METHOD
@@ -225,6 +228,7 @@ class VllmEngine:
         self.max_model_len: int = vc.model_config.max_model_len
         self.vocab_size: int = vc.model_config.get_vocab_size()
         self.hash_seed = os.environ.get("PYTHONHASHSEED") or VLLM_DEFAULT_SEED
+        self.hash_algo: str = reported_hash_algo(vc.cache_config.prefix_caching_hash_algo)
         self.hash_form = "int" if envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES else "bytes"
         sources = self.llm.get_kv_event_sources()
         if not sources:

@@ -20,6 +20,12 @@ Why the shape:
 - A replica whose data endpoint is ``http(s)://`` is a ``vllm serve`` kvroute did not
   start (``kvroute router --backend``): its connection is :mod:`.http_backend`'s, its
   control (the ``actor``) :mod:`.http_control`'s; everything else is the same.
+- A replica whose engine hashes with an algorithm kvroute cannot reproduce (vLLM's default
+  ``sha256``, reported as ``vllm:sha256``) is indexed by its events' token ids: an
+  :class:`~kvroute.events.translate.EventTranslator` per such replica re-hashes each batch
+  with the fleet's hasher before the index sees it, and is cleared whenever the index
+  drops the replica. Only its block size (and model) must then agree with the fleet's.
+  The fleet's hash is the first reproducible replica's, else ``xxh3_128``.
 """
 
 from __future__ import annotations
@@ -34,10 +40,11 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvroute.events import BlockHasher, HashConfig, ZmqEventSubscriber, to_external
+from kvroute.events import DEFAULT_SEED, BlockHasher, HashConfig, ZmqEventSubscriber, to_external
 from kvroute.events.load import LoadReport
 from kvroute.events.replica_api import ReplicaInfo
 from kvroute.events.subscriber import ReplicaBatch
+from kvroute.events.translate import TOKEN_INDEX_ALGO, EventTranslator, reproducible
 from kvroute.events.wire import BlockStored
 
 from .dataplane import ReplicaConnection
@@ -90,10 +97,20 @@ class Fleet:
         self.model = first.model
         self.model_path = first.model_path
         self.max_model_len = min(info.max_model_len for _, info in replicas)
-        self.hash_config: HashConfig = first.hash_config
-        self.hash_form = first.hash_form
-        self.hasher = BlockHasher(self.hash_config.algo, self.hash_config.seed, first.block_size)
-        self.index = PrefixIndex(prediction_stride=prediction_stride(first.block_size))
+        # The fleet hashes as its first reproducible replica does; token-indexed replicas
+        # are translated into that (a fleet of none hashes with xxh3_128, the fastest).
+        ref = next((i for _, i in replicas if reproducible(i.hash_algo)), None)
+        if ref is not None:
+            self.hash_config: HashConfig = ref.hash_config
+            self.hash_form = ref.hash_form
+        else:
+            self.hash_config = HashConfig(TOKEN_INDEX_ALGO, DEFAULT_SEED, first.block_size)
+            self.hash_form = "bytes"
+        bs = self.hash_config.block_size
+        self.hasher = BlockHasher(self.hash_config.algo, self.hash_config.seed, bs)
+        self.index = PrefixIndex(prediction_stride=prediction_stride(bs))
+        # Token-indexed replicas' translators (read by the subscriber's thread).
+        self.translators: dict[str, EventTranslator] = {}
         self.load = LoadTracker()
         self.replicas: dict[str, ReplicaHandle] = {}
         self.cordoned: set[str] = set()
@@ -120,11 +137,17 @@ class Fleet:
     # -- membership ------------------------------------------------------------------------
     def check(self, info: ReplicaInfo) -> None:
         """Raises :class:`FleetMismatchError` unless the replica hashes and serves as the
-        fleet does."""
-        why = self.hash_config.mismatch(info.hash_config)
-        if why:
+        fleet does (a token-indexed replica: unless its blocks are the fleet's size)."""
+        if not reproducible(info.hash_algo):
+            if info.block_size != self.hasher.block_size:
+                raise FleetMismatchError(
+                    f"replica {info.replica_id}: its engine caches {info.block_size}-token "
+                    f"blocks, the fleet hashes {self.hasher.block_size}-token ones; its "
+                    "events (indexed by token ids) could never match a request"
+                )
+        elif why := self.hash_config.mismatch(info.hash_config):
             raise FleetMismatchError(f"replica {info.replica_id}: hash config differs ({why})")
-        if info.hash_form != self.hash_form:
+        elif info.hash_form != self.hash_form:
             raise FleetMismatchError(
                 f"replica {info.replica_id}: hash form {info.hash_form!r} != {self.hash_form!r}"
             )
@@ -146,6 +169,19 @@ class Fleet:
             rep.restarts = old.restarts + (info.incarnation != old.info.incarnation)
         if info.cost is not None:  # priced in its own seconds; else the policy's reference
             self.load.register(rid, info.cost, info.num_blocks)
+        if reproducible(info.hash_algo):
+            self.translators.pop(rid, None)
+        else:
+            if rid not in self.translators:  # one line per replica, on the console too
+                log.warning(
+                    "replica %s hashes with %s, which kvroute cannot reproduce: indexed by "
+                    "its events' token ids, re-hashed with the fleet's %s (vLLM's "
+                    "sha256_cbor would spare the router that work)",
+                    rid, info.hash_algo, self.hash_config.algo,
+                )  # fmt: skip
+            self.translators[rid] = EventTranslator(
+                self.hasher, self.hash_form, self.index.max_blocks_per_replica
+            )
         self.subscriber.add_publisher(rid, info.events_endpoint, info.replay_endpoint, info.topic)
         log.info("replica %s (incarnation %s) added", rid, info.incarnation[:8])
 
@@ -202,6 +238,12 @@ class Fleet:
                         "server's?)", rid, stored.block_size, size,
                     )  # fmt: skip
                 return
+        # Set before a token-indexed replica's subscription starts (so the index never sees
+        # an engine's own hashes); unset only when it comes back reproducible.
+        tr = self.translators.get(rid)
+        if tr is not None:
+            batch = tr.translate(item.batch, snapshot=item.source == "snapshot")
+            item = ReplicaBatch(rid, item.seq, batch, item.source)
         self.index.on_batch(item)
 
     def _on_load(self, rid: str, report: LoadReport) -> None:
@@ -229,6 +271,9 @@ class Fleet:
         if rep is not None and rep.conn is not None:  # its requests fail over now
             rep.conn.lose("dropped by the front door", notify=False)
         self.index.drop_replica(rid)
+        tr = self.translators.get(rid)
+        if tr is not None:  # a later subscription to it starts from an empty map
+            tr.clear()
         for callback in self.on_removed:
             callback(rid)
 

@@ -8,6 +8,7 @@ much of its cache the index holds, how it hashes and where its event stream stan
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -41,6 +42,9 @@ def fleet_view(door: FrontDoor, events: dict[str, ReplicaStats]) -> dict[str, An
                     "form": info.hash_form,
                     "block_size": info.block_size,
                 },
+                # Indexed by token ids (its engine's hash is not reproducible): what the
+                # translation kept and dropped, in blocks (events/translate.py).
+                "token_index": _token_index(door, rid),
                 "data_endpoint": info.data_endpoint,
                 "kv_blocks_total": info.num_blocks,
                 "cached_blocks_indexed": door.fleet.index.num_blocks(rid),
@@ -77,3 +81,10 @@ def fleet_view(door: FrontDoor, events: dict[str, ReplicaStats]) -> dict[str, An
         "in_flight": door.admission.in_flight,
         "replicas": replicas,
     }
+
+
+def _token_index(door: FrontDoor, rid: str) -> dict[str, int] | None:
+    tr = door.fleet.translators.get(rid)
+    if tr is None:
+        return None
+    return {"engine_hashes": len(tr), **dataclasses.asdict(tr.stats)}

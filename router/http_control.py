@@ -10,8 +10,10 @@ Why the shape:
   ``vllm:cache_config_info`` on ``/metrics`` names the block size, whether prefix caching is
   on and its hash algorithm; ``/v1/models`` the served name, weights folder and context.
   Only the hash seed cannot be read (vLLM takes ``$PYTHONHASHSEED`` when set, else
-  ``vllm-none-hash``): it is a flag. A backend whose hashing kvroute cannot reproduce is
-  refused with what to change.
+  ``vllm-none-hash``): it is a flag. A backend whose hash kvroute cannot reproduce (vLLM's
+  default ``sha256``) is reported as ``vllm:<algo>`` and indexed by its events' token ids
+  (:mod:`kvroute.events.translate`); one without prefix caching, or whose block size is
+  not ``--block-size``, is refused with what to change.
 - The incarnation is the server's ``process_start_time_seconds``: a restarted ``vllm
   serve`` (new cache, event seq from 0) is followed as a restarted replica.
 - Load comes from ``/metrics`` (running and waiting requests, KV use), at most every
@@ -34,9 +36,10 @@ import httpx
 
 from kvroute.events.load import LoadReport
 from kvroute.events.replica_api import ReplicaInfo
+from kvroute.events.translate import from_vllm_hash_algo
 
 HASH_ALGO = "sha256_cbor_tagged"  # vLLM 0.32's sha256_cbor, salts tagged (events/hashing.py)
-VLLM_HASH_ALGO = "sha256_cbor"  # what `vllm serve --prefix-caching-hash-algo` must say
+VLLM_HASH_ALGO = "sha256_cbor"  # the `--prefix-caching-hash-algo` kvroute reproduces
 VLLM_DEFAULT_SEED = "vllm-none-hash"  # vLLM's seed for sha256* without $PYTHONHASHSEED
 HASH_FORM = "int"  # vLLM publishes block hashes as uint64 ints
 _WANTED = (
@@ -132,23 +135,20 @@ def build_info(
     hash_seed: str,
     block_size: int | None,
 ) -> ReplicaInfo:
-    """The backend as a :class:`ReplicaInfo`; raises :class:`BackendError` when kvroute
-    cannot reproduce its block hashes or it serves no model."""
+    """The backend as a :class:`ReplicaInfo`; raises :class:`BackendError` when it caches
+    no prefixes, its blocks are not ``block_size`` tokens, or it serves no model."""
     rid = spec.replica_id
     cards = models.get("data") or []
     if len(cards) != 1:
         raise BackendError(f"backend {rid}: serves {len(cards)} models; kvroute fronts one")
     card = cards[0]
     cc = metrics.cache_config
+    hash_algo = HASH_ALGO
     if cc:
         if cc.get("enable_prefix_caching") != "True":
             raise BackendError(f"backend {rid}: start vllm serve with --enable-prefix-caching")
-        algo = cc.get("prefix_caching_hash_algo")
-        if algo != VLLM_HASH_ALGO:
-            raise BackendError(
-                f"backend {rid}: its prefix-cache hash is {algo!r}, which kvroute cannot "
-                f"reproduce; start vllm serve with --prefix-caching-hash-algo {VLLM_HASH_ALGO}"
-            )
+        # sha256_cbor: indexed by its hashes; any other: by its events' token ids.
+        hash_algo = from_vllm_hash_algo(cc.get("prefix_caching_hash_algo") or VLLM_HASH_ALGO)
         engine_block = int(cc["block_size"])
         if block_size is not None and block_size != engine_block:
             raise BackendError(
@@ -170,7 +170,7 @@ def build_info(
         replica_id=rid,
         model=str(card["id"]),
         model_path=model_path,
-        hash_algo=HASH_ALGO,
+        hash_algo=hash_algo,
         hash_seed=hash_seed,
         hash_form=HASH_FORM,
         block_size=block_size,

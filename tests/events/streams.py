@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 
+import msgspec
 import zmq
 
 from kvroute.events import (
@@ -17,6 +19,7 @@ from kvroute.events import (
     KVCacheEvent,
     ReplicaBatch,
 )
+from kvroute.events.framing import pack_seq
 
 BS = 4
 
@@ -131,3 +134,53 @@ class LossyProxy:
         self._thread.join(2)
         self._sub.close(0)
         self._pub.close(0)
+
+
+class VllmLikePublisher:
+    """A publisher that frames exactly as vLLM does: int hashes, tagged-array events,
+    replay replies of [b"", seq, payload] without a topic frame, and no snapshots."""
+
+    def __init__(self, buffer_steps: int | None = None) -> None:
+        ctx = zmq.Context.instance()
+        self.buffer_steps = buffer_steps  # None: keep every batch (vLLM keeps 10,000)
+        self.pub = ctx.socket(zmq.PUB)
+        self.pub.bind("tcp://127.0.0.1:*")
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.bind("tcp://127.0.0.1:*")
+        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.buffer: list[tuple[int, bytes]] = []
+        self.seq = 0
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._serve, daemon=True)
+        self._t.start()
+
+    def publish(self, events: list, send: bool = True) -> None:
+        payload = msgspec.msgpack.encode([time.time(), events])
+        with self.lock:
+            self.buffer.append((self.seq, payload))
+            if self.buffer_steps is not None:
+                del self.buffer[: -self.buffer_steps]
+            if send:
+                self.pub.send_multipart([b"", self.seq.to_bytes(8, "big"), payload])
+            self.seq += 1
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self.router.poll(20):
+                continue
+            ident, _, start_raw = self.router.recv_multipart()
+            start = int.from_bytes(start_raw, "big")  # vLLM reads it unsigned
+            with self.lock:
+                for seq, payload in self.buffer:
+                    if seq >= start:
+                        self.router.send_multipart([ident, b"", seq.to_bytes(8, "big"), payload])
+                # vLLM's end marker has no topic frame either: [b"", -1, b""]
+                self.router.send_multipart([ident, b"", pack_seq(-1), b""])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._t.join(2)
+        self.pub.close(0)
+        self.router.close(0)

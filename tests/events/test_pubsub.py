@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import threading
 import time
 
 import msgspec
@@ -20,7 +19,7 @@ from kvroute.events import (
 from kvroute.events.framing import pack_seq, unpack_seq
 
 from ..waiting import poll
-from .streams import BS, Churn, LossyProxy, Views
+from .streams import BS, Churn, LossyProxy, Views, VllmLikePublisher
 
 LOCAL = "tcp://127.0.0.1:*"
 
@@ -330,56 +329,6 @@ def test_garbage_is_counted_and_skipped_and_the_stream_goes_on():
 
 
 # -- a vLLM engine's stream ---------------------------------------------------------------
-class VllmLikePublisher:
-    """A publisher that frames exactly as vLLM does: int hashes, tagged-array events,
-    replay replies of [b"", seq, payload] without a topic frame, and no snapshots."""
-
-    def __init__(self, buffer_steps: int | None = None) -> None:
-        ctx = zmq.Context.instance()
-        self.buffer_steps = buffer_steps  # None: keep every batch (vLLM keeps 10,000)
-        self.pub = ctx.socket(zmq.PUB)
-        self.pub.bind(LOCAL)
-        self.router = ctx.socket(zmq.ROUTER)
-        self.router.bind(LOCAL)
-        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.buffer: list[tuple[int, bytes]] = []
-        self.seq = 0
-        self.lock = threading.Lock()
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._serve, daemon=True)
-        self._t.start()
-
-    def publish(self, events: list, send: bool = True) -> None:
-        payload = msgspec.msgpack.encode([time.time(), events])
-        with self.lock:
-            self.buffer.append((self.seq, payload))
-            if self.buffer_steps is not None:
-                del self.buffer[: -self.buffer_steps]
-            if send:
-                self.pub.send_multipart([b"", self.seq.to_bytes(8, "big"), payload])
-            self.seq += 1
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            if not self.router.poll(20):
-                continue
-            ident, _, start_raw = self.router.recv_multipart()
-            start = int.from_bytes(start_raw, "big")  # vLLM reads it unsigned
-            with self.lock:
-                for seq, payload in self.buffer:
-                    if seq >= start:
-                        self.router.send_multipart([ident, b"", seq.to_bytes(8, "big"), payload])
-                # vLLM's end marker has no topic frame either: [b"", -1, b""]
-                self.router.send_multipart([ident, b"", pack_seq(-1), b""])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._t.join(2)
-        self.pub.close(0)
-        self.router.close(0)
-
-
 def test_reads_a_vllm_style_stream_with_int_hashes_and_recovers_a_gap():
     vllm = VllmLikePublisher()
     views = Views()

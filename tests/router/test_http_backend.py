@@ -16,6 +16,7 @@ output equal to an uninterrupted run) or fails them cleanly (an ``error`` event,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -84,7 +85,7 @@ class Backend:
         self.proc.wait(timeout=60)
 
 
-def start_vllm(tmp: Path, name: str) -> Backend:
+def start_vllm(tmp: Path, name: str, hash_algo: str = "sha256_cbor") -> Backend:
     port, events, replay = free_port(), free_port(), free_port()
     # vLLM binds only a wildcard PUB endpoint (it connects to any other).
     kv_events = {
@@ -100,7 +101,7 @@ def start_vllm(tmp: Path, name: str) -> Backend:
         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "float32", "--max-model-len", "2048", "--block-size", "32",
         "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20),
-        "--enable-prefix-caching", "--prefix-caching-hash-algo", "sha256_cbor",
+        "--enable-prefix-caching", "--prefix-caching-hash-algo", hash_algo,
         "--enable-prompt-tokens-details", "--kv-events-config", json.dumps(kv_events),
     ]  # fmt: skip
     env = {
@@ -137,8 +138,14 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    tmp = tmp_path_factory.mktemp("vllm-serve")
-    backends = [start_vllm(tmp, f"vllm-{i}") for i in range(2)]
+    with serve_backends(tmp_path_factory.mktemp("vllm-serve")) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def serve_backends(tmp: Path, hash_algo: str = "sha256_cbor") -> Iterator[Fleet]:
+    """Two ``vllm serve`` hashing with ``hash_algo`` and a ``kvroute router`` before them."""
+    backends = [start_vllm(tmp, f"vllm-{i}", hash_algo) for i in range(2)]
     router = None
     try:
         for b in backends:

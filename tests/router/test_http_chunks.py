@@ -203,7 +203,6 @@ def test_a_backend_is_described_by_its_own_endpoints() -> None:
 @pytest.mark.parametrize(
     ("metrics", "block_size", "says"),
     [
-        (METRICS.replace('"sha256_cbor"', '"sha256"'), None, "--prefix-caching-hash-algo"),
         (
             METRICS.replace('enable_prefix_caching="True"', 'enable_prefix_caching="False"'),
             None,
@@ -220,6 +219,21 @@ def test_a_backend_kvroute_cannot_hash_for_is_refused(
         build_info(
             SPEC, MODELS, parse_metrics(metrics), topic="", hash_seed="s", block_size=block_size
         )
+
+
+@pytest.mark.parametrize(
+    ("algo", "reported"), [("sha256", "vllm:sha256"), ("xxhash", "vllm:xxhash")]
+)
+def test_a_backend_whose_hash_kvroute_cannot_reproduce_is_indexed_by_token_ids(
+    algo: str, reported: str
+) -> None:
+    """vLLM's default sha256 (a pickle) is not refused: the router re-hashes its events'
+    token ids (events/translate.py), so only its block size must agree."""
+    m = parse_metrics(METRICS.replace('"sha256_cbor"', f'"{algo}"'))
+    info = build_info(SPEC, MODELS, m, topic="", hash_seed="s", block_size=32)
+    assert info.hash_algo == reported
+    with pytest.raises(BackendError, match="block size is 32"):
+        build_info(SPEC, MODELS, m, topic="", hash_seed="s", block_size=16)
 
 
 def test_backend_specs() -> None:
