@@ -158,9 +158,10 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     sim.add_argument(
         "--sweep-speed",
         default=None,
-        metavar="S1,S2,...",
+        metavar="S1,S2,...|auto",
         help="goodput: run every policy at each speed and report the highest rate meeting "
-        "the SLO (--slo-ttft, --slo-itl)",
+        "the SLO (--slo-ttft, --slo-itl); auto: search each policy's limit (double from "
+        "1x until it fails, then bisect to within 10%%)",
     )
     sim.add_argument("--slo-ttft", type=float, default=2.0, help="SLO: TTFT p90 (s)")
     sim.add_argument("--slo-itl", type=float, default=0.1, help="SLO: inter-token p90 (s)")
@@ -296,14 +297,15 @@ def _bench(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace, policies: list[str], cfg: Any, progress: Any) -> int:
     import json
 
-    from kvroute.sim.report import format_sweep, plot_sweep, sweep
+    from kvroute.sim.report import find_limits, format_sweep, plot_sweep, sweep
     from kvroute.sim.traces import load_mooncake, specs_from_trace
     from kvroute.sim.workloads import make_workload
 
+    auto = args.sweep_speed.strip() == "auto"
     try:
-        speeds = [float(s) for s in args.sweep_speed.split(",") if s.strip()]
-        if not speeds or min(speeds) <= 0:
-            raise ValueError("--sweep-speed needs speeds > 0")
+        speeds = [] if auto else [float(s) for s in args.sweep_speed.split(",") if s.strip()]
+        if not auto and (not speeds or min(speeds) <= 0):
+            raise ValueError("--sweep-speed needs speeds > 0, or auto")
         trace = load_mooncake(args.trace, args.limit) if args.trace else None
     except (OSError, ValueError) as e:
         print(f"kvroute simulate: {e}", file=sys.stderr)
@@ -314,7 +316,10 @@ def _sweep(args: argparse.Namespace, policies: list[str], cfg: Any, progress: An
             return specs_from_trace(trace, speed)
         return make_workload(args.workload, args.limit or 4000, args.seed, speed)
 
-    result = sweep(specs, speeds, policies, cfg, args.slo_ttft, args.slo_itl, progress)
+    if auto:
+        result = find_limits(specs, policies, cfg, args.slo_ttft, args.slo_itl, progress)
+    else:
+        result = sweep(specs, speeds, policies, cfg, args.slo_ttft, args.slo_itl, progress)
     if args.plot:
         src = args.trace.rsplit("/", 1)[-1] if args.trace else args.workload
         plot_sweep(result, args.plot, f"{src}, {args.replicas} replicas: latency vs rate")

@@ -319,6 +319,92 @@ def sweep(
             "goodput_rps": goodput}  # fmt: skip
 
 
+LIMIT_TOLERANCE = 0.1  # a limit search stops once its pass and fail speeds are this close
+MIN_SPEED, MAX_SPEED = 1 / 64, 256.0  # where a limit search gives up, below and above
+
+
+def find_limits(
+    make_specs: Callable[[float], Sequence[RequestSpec]],
+    policies: Sequence[str],
+    cfg: SimConfig,
+    slo_ttft_s: float = SLO_TTFT_P90_S,
+    slo_itl_s: float = SLO_ITL_P90_S,
+    progress: Progress | None = None,
+    start: float = 1.0,
+    tolerance: float = LIMIT_TOLERANCE,
+) -> dict[str, Any]:
+    """Per policy, the highest arrival rate that meets the SLO, searched rather than read
+    off a fixed grid: the speed doubles (or halves) from ``start`` until the SLO's verdict
+    flips, then a geometric bisection narrows the last passing and first failing speeds to
+    within ``tolerance`` of each other. Why: on a grid a policy's limit is only known to lie
+    between two points, and two policies whose limits share an interval read as equal.
+
+    Each policy is searched on its own (its speeds differ from the others'); the arrivals of
+    a speed are the same for every policy. The search assumes a policy that fails at some
+    rate fails above it too; ``limits`` gives the bracketing speeds, and ``rows`` every
+    point tried, so a non-monotone verdict shows. Same result shape as :func:`sweep`, with
+    ``limits`` added."""
+    cache: dict[float, tuple[Sequence[RequestSpec], float]] = {}
+
+    def arrivals(speed: float) -> tuple[Sequence[RequestSpec], float]:
+        if speed not in cache:
+            specs = make_specs(speed)
+            cache[speed] = specs, len(specs) / max(specs[-1].arrival_s - specs[0].arrival_s, 1e-9)
+        return cache[speed]
+
+    rows: list[dict[str, Any]] = []
+    limits: dict[str, dict[str, float | None]] = {}
+    for policy in policies:
+
+        def meets(speed: float, policy: str = policy) -> bool:
+            specs, rate = arrivals(speed)
+            m = simulate(specs, [policy], cfg, progress, with_bounds=False)["policies"][policy]
+            ok = m["ttft_s"]["p90"] <= slo_ttft_s and m["itl_s"]["p90"] <= slo_itl_s
+            rows.append({
+                "policy": policy, "speed": speed, "rate_rps": rate, "hit_rate": m["hit_rate"],
+                "ttft_p90_s": m["ttft_s"]["p90"], "e2e_p90_s": m["e2e_s"]["p90"],
+                "itl_p90_s": m["itl_s"]["p90"], "preemptions": m["preemptions"],
+                "meets_slo": ok,
+            })  # fmt: skip
+            return ok
+
+        ok_speed: float | None = None
+        fail_speed: float | None = None
+        speed = start
+        if meets(speed):
+            ok_speed = speed
+            while ok_speed < MAX_SPEED:
+                speed = min(ok_speed * 2, MAX_SPEED)
+                if not meets(speed):
+                    fail_speed = speed
+                    break
+                ok_speed = speed
+        else:
+            fail_speed = speed
+            while fail_speed > MIN_SPEED:
+                speed = fail_speed / 2
+                if meets(speed):
+                    ok_speed = speed
+                    break
+                fail_speed = speed
+        if ok_speed is not None and fail_speed is not None:
+            while fail_speed / ok_speed > 1 + tolerance:
+                mid = (ok_speed * fail_speed) ** 0.5
+                if meets(mid):
+                    ok_speed = mid
+                else:
+                    fail_speed = mid
+        limits[policy] = {
+            "speed_ok": ok_speed,
+            "speed_fail": fail_speed,  # None: it still met the SLO at MAX_SPEED
+            "rate_ok_rps": None if ok_speed is None else arrivals(ok_speed)[1],
+            "rate_fail_rps": None if fail_speed is None else arrivals(fail_speed)[1],
+        }
+    goodput = {p: limits[p]["rate_ok_rps"] or 0.0 for p in policies}
+    return {"slo": {"ttft_p90_s": slo_ttft_s, "itl_p90_s": slo_itl_s}, "rows": rows,
+            "goodput_rps": goodput, "limits": limits}  # fmt: skip
+
+
 def format_sweep(result: dict[str, Any]) -> str:
     slo = result["slo"]
     head = (
@@ -336,8 +422,20 @@ def format_sweep(result: dict[str, Any]) -> str:
         f"goodput (highest rate with TTFT p90 <= {slo['ttft_p90_s']:g} s and inter-token p90 "
         f"<= {slo['itl_p90_s'] * 1e3:g} ms):"
     )
+    limits = result.get("limits", {})
     for p, g in result["goodput_rps"].items():
-        lines.append(f"  {p:<13}{g:.2f} req/s")
+        lim = limits.get(p)
+        if lim is None:
+            lines.append(f"  {p:<13}{g:.2f} req/s")
+        elif lim["speed_fail"] is None:
+            lines.append(f"  {p:<13}{g:.2f} req/s or more (met the SLO at {lim['speed_ok']:g}x)")
+        elif lim["speed_ok"] is None:
+            lines.append(f"  {p:<13}0 (missed the SLO down to {lim['speed_fail']:.3g}x)")
+        else:
+            lines.append(
+                f"  {p:<13}{g:.2f} req/s (met at {lim['speed_ok']:.3g}x, missed at "
+                f"{lim['speed_fail']:.3g}x: {lim['rate_fail_rps']:.2f} req/s)"
+            )
     return "\n".join(lines)
 
 

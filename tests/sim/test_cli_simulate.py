@@ -85,3 +85,33 @@ def test_simulate_sweep_reports_goodput_at_the_slo(capsys):
         assert g == max(ok, default=0.0)
         assert slow[p]["meets_slo"]  # 150 requests at the base rate on 2 replicas: easy
     assert main(["simulate", "--workload", "rag", "--sweep-speed", "0,1"]) == 2
+
+
+def test_simulate_sweep_auto_brackets_each_policys_limit(capsys):
+    """``--sweep-speed auto``: each policy's goodput is the rate of a speed that met the SLO,
+    and a speed at most 10% above it missed it (both simulated, both in the rows)."""
+    rc = main(
+        ["simulate", "--workload", "rag", "--limit", "150", "--replicas", "2",
+         "--policy", "kv,round_robin", "--sweep-speed", "auto", "--slo-ttft", "1.0",
+         "--json", "--no-progress"]
+    )  # fmt: skip
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    for p in ("kv", "round_robin"):
+        lim = out["limits"][p]
+        rows = {r["speed"]: r for r in out["rows"] if r["policy"] == p}
+        assert rows[lim["speed_ok"]]["meets_slo"] and not rows[lim["speed_fail"]]["meets_slo"]
+        assert lim["speed_ok"] < lim["speed_fail"] <= lim["speed_ok"] * 1.1 + 1e-9
+        assert out["goodput_rps"][p] == rows[lim["speed_ok"]]["rate_rps"] == lim["rate_ok_rps"]
+        for r in rows.values():  # every point tried agrees with the SLO it reports
+            assert r["meets_slo"] == (r["ttft_p90_s"] <= 1.0 and r["itl_p90_s"] <= 0.1)
+
+
+def test_simulate_sweep_auto_says_when_nothing_meets_the_slo(capsys):
+    rc = main(
+        ["simulate", "--workload", "rag", "--limit", "60", "--replicas", "2",
+         "--policy", "round_robin", "--sweep-speed", "auto", "--slo-ttft", "0.000001"]
+    )  # fmt: skip
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "round_robin  0 (missed the SLO down to 0.0156x)" in out
