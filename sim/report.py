@@ -287,6 +287,18 @@ SLO_TTFT_P90_S = 2.0  # defaults for h100-8b, as llm-d and Dynamo report goodput
 SLO_ITL_P90_S = 0.1
 
 
+def _sweep_row(
+    policy: str, speed: float, rate: float, m: dict[str, Any], slo_ttft_s: float, slo_itl_s: float
+) -> dict[str, Any]:
+    """One policy at one speed, as a sweep reports it."""
+    return {
+        "policy": policy, "speed": speed, "rate_rps": rate, "hit_rate": m["hit_rate"],
+        "ttft_p90_s": m["ttft_s"]["p90"], "e2e_p90_s": m["e2e_s"]["p90"],
+        "itl_p90_s": m["itl_s"]["p90"], "preemptions": m["preemptions"],
+        "meets_slo": m["ttft_s"]["p90"] <= slo_ttft_s and m["itl_s"]["p90"] <= slo_itl_s,
+    }  # fmt: skip
+
+
 def sweep(
     make_specs: Callable[[float], Sequence[RequestSpec]],
     speeds: Sequence[float],
@@ -304,13 +316,7 @@ def sweep(
         rate = len(specs) / max(specs[-1].arrival_s - specs[0].arrival_s, 1e-9)
         result = simulate(specs, policies, cfg, progress, with_bounds=False)
         for name, m in result["policies"].items():
-            ok = m["ttft_s"]["p90"] <= slo_ttft_s and m["itl_s"]["p90"] <= slo_itl_s
-            rows.append({
-                "policy": name, "speed": speed, "rate_rps": rate, "hit_rate": m["hit_rate"],
-                "ttft_p90_s": m["ttft_s"]["p90"], "e2e_p90_s": m["e2e_s"]["p90"],
-                "itl_p90_s": m["itl_s"]["p90"], "preemptions": m["preemptions"],
-                "meets_slo": ok,
-            })  # fmt: skip
+            rows.append(_sweep_row(name, speed, rate, m, slo_ttft_s, slo_itl_s))
     goodput = {
         p: max((r["rate_rps"] for r in rows if r["policy"] == p and r["meets_slo"]), default=0.0)
         for p in policies
@@ -359,14 +365,8 @@ def find_limits(
         def meets(speed: float, policy: str = policy) -> bool:
             specs, rate = arrivals(speed)
             m = simulate(specs, [policy], cfg, progress, with_bounds=False)["policies"][policy]
-            ok = m["ttft_s"]["p90"] <= slo_ttft_s and m["itl_s"]["p90"] <= slo_itl_s
-            rows.append({
-                "policy": policy, "speed": speed, "rate_rps": rate, "hit_rate": m["hit_rate"],
-                "ttft_p90_s": m["ttft_s"]["p90"], "e2e_p90_s": m["e2e_s"]["p90"],
-                "itl_p90_s": m["itl_s"]["p90"], "preemptions": m["preemptions"],
-                "meets_slo": ok,
-            })  # fmt: skip
-            return ok
+            rows.append(_sweep_row(policy, speed, rate, m, slo_ttft_s, slo_itl_s))
+            return bool(rows[-1]["meets_slo"])
 
         ok_speed: float | None = None
         fail_speed: float | None = None
