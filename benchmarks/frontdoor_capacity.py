@@ -681,8 +681,9 @@ def bench_all(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict
 
             short = {"prompt": args.prompt_tokens, "output": args.short_tokens}
             c16 = args.request_concurrency
+            warm = max(2 * c16, args.fill_requests)
             for name, url, group in servers:  # warm-up: connections, lazy imports, caches
-                runner.run(name, url, group, reps, "warmup", n=2 * c16, concurrency=c16, **short)
+                runner.run(name, url, group, reps, "warmup", n=warm, concurrency=c16, **short)
             both("per_request", args.rounds, n=args.requests, concurrency=c16, **short)
             n_rate = max(int(args.rate * args.rate_seconds / args.ttft_rounds), 20)
             both("ttft", args.ttft_rounds, n=n_rate, rate=args.rate, **short)
@@ -718,6 +719,14 @@ def main() -> int:
     ap.add_argument("--stream-tokens", type=int, default=256)
     ap.add_argument("--waves", type=int, default=None, help="requests per stream slot (3; 2)")
     ap.add_argument("--rounds", type=int, default=None, help="runs per server and figure (2; 1)")
+    ap.add_argument(
+        "--fill-requests",
+        type=int,
+        default=0,
+        help="unmeasured requests per server first: enough of them fill the replicas' KV "
+        "caches, so the runs pay evictions (and the index their removals) as a long-running "
+        "server does",
+    )
     ap.add_argument("--idle-seconds", type=float, default=None, help="default 10 (quick: 4)")
     ap.add_argument("--json", default=None, help="write all rows (and every run) here")
     ap.add_argument("--plot", default=None, help="PNG: CPU per token against concurrency")
