@@ -24,7 +24,7 @@ from kvroute.events import (
 )
 from kvroute.events.translate import EventTranslator, from_vllm_hash_algo, reproducible
 
-from .twin import TwinCache, vllm_sha256_hashes
+from .twin import TwinCache, reachable, vllm_sha256_hashes
 
 BS = 4
 SALTS = {"salted": ["a" * 64, "b" * 64 + ":req", None], "unsalted": [None]}
@@ -119,20 +119,6 @@ def test_all_blocks_cleared_empties_the_map():
     assert len(p.tr) == 0 and len(p.translated) == 0
     p.tr.clear()  # and the front door's own clear (a dropped replica)
     assert len(p.tr) == 0
-
-
-def reachable(engine: BlockSet, kv_of: dict) -> dict:
-    """The kvroute hash and copies of each block the engine holds whose every ancestor it
-    holds too: the blocks a request can hit (a lookup stops at the first miss)."""
-    records, memo = engine.records(), {}
-
-    def ok(h) -> bool:
-        if h not in memo:
-            r = records.get(h)
-            memo[h] = r is not None and (r.parent is None or ok(r.parent))
-        return memo[h]
-
-    return {kv_of[h]: r.count for h, r in records.items() if ok(h)}
 
 
 @pytest.mark.parametrize("salts", SALTS.values(), ids=list(SALTS))

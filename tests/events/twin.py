@@ -21,6 +21,7 @@ from kvroute.events import (
     AllBlocksCleared,
     BlockHasher,
     BlockRemoved,
+    BlockSet,
     BlockStored,
     KVCacheEvent,
     to_external,
@@ -39,6 +40,20 @@ def vllm_sha256_hashes(tokens: Sequence[int], block_size: int, salt: str | None)
         parent = hashlib.sha256(pickle.dumps((parent, block, extra), protocol=5)).digest()
         out.append(int.from_bytes(parent[-8:], "big"))
     return out
+
+
+def reachable(engine: BlockSet, kv_of: dict) -> dict:
+    """The kvroute hash and copies of each block the engine holds whose every ancestor it
+    holds too: the blocks a request can hit (a lookup stops at the first miss)."""
+    records, memo = engine.records(), {}
+
+    def ok(h) -> bool:
+        if h not in memo:
+            r = records.get(h)
+            memo[h] = r is not None and (r.parent is None or ok(r.parent))
+        return memo[h]
+
+    return {kv_of[h]: r.count for h, r in records.items() if ok(h)}
 
 
 class TwinCache:

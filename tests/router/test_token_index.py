@@ -25,7 +25,7 @@ from kvroute.router.frontdoor import FrontDoor
 from kvroute.router.tenants import Tenants, tenants_from_api_keys
 
 from ..events.streams import VllmLikePublisher
-from ..events.twin import TwinCache, vllm_sha256_hashes
+from ..events.twin import TwinCache, reachable, vllm_sha256_hashes
 from ..waiting import poll, wait_for
 
 BS = 16
@@ -141,18 +141,6 @@ def test_a_late_front_door_rebuilds_by_replay_then_follows_restart_and_removal(v
         fleet.subscriber.close()
 
 
-def reachable_kv(engine: BlockSet, twin: TwinCache) -> dict:
-    records, memo = engine.records(), {}
-
-    def ok(h) -> bool:
-        if h not in memo:
-            r = records.get(h)
-            memo[h] = r is not None and (r.parent is None or ok(r.parent))
-        return memo[h]
-
-    return {twin.kv_of[h]: r.count for h, r in records.items() if ok(h)}
-
-
 def test_a_late_front_door_rebuilds_by_snapshot():
     """A publisher with snapshots (kvroute's) of a vLLM ``sha256`` stream: the snapshot's
     blocks come in any order, with their extra keys; the front door indexes every block a
@@ -171,7 +159,7 @@ def test_a_late_front_door_rebuilds_by_snapshot():
         fleet = Fleet([(None, info("s", pub, hash_form="bytes"))])
         try:
             assert fleet.hasher.config == hasher.config
-            want = reachable_kv(engine, twin)
+            want = reachable(engine, twin.kv_of)
             wait_for(lambda: fleet.index.counts("s") == want, 10, "index rebuilt by snapshot")
             assert fleet.subscriber.stats()["s"].snapshots == 1
         finally:
