@@ -12,6 +12,9 @@ from typing import Any
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from kvroute.events.torch_wheels import hide_broken
+
+    hide_broken()  # before any command reads a model's config or tokenizer
     args = build_parser().parse_args(argv)
     _console_logging(args.command)
     if args.command == "serve":

@@ -10,6 +10,7 @@ from .blockset import BlockSet, StoredBlock, snapshot_events
 from .hashing import ALGOS, DEFAULT_SEED, BlockHasher, HashConfig, to_external
 from .publisher import ZmqEventPublisher
 from .subscriber import ReplicaBatch, ReplicaStats, ZmqEventSubscriber
+from .torch_wheels import hide_broken as _hide_broken
 from .wire import (
     MEDIUM_CPU,
     MEDIUM_GPU,
@@ -24,6 +25,9 @@ from .wire import (
     decode_batch,
     encode_batch,
 )
+
+# Before any caller reads a model's config: torchvision & co. that cannot load look absent.
+_hide_broken()
 
 __all__ = [
     "ALGOS",

