@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from transformers import GenerationConfig
 
 from kvroute.events import DEFAULT_SEED, BlockHasher, HashConfig, KVCacheEvent
 from kvroute.events.bounds import check_prompt_token_ids, check_text
@@ -462,9 +461,13 @@ def _stopped_by_token(req: Request) -> bool:
 def _eos_token_ids(path: Path, tokenizer: Any) -> tuple[int | None, list[int]]:
     """The tokenizer's EOS, and any other EOS ids the model's generation config names."""
     primary = tokenizer.eos_token_id
+    # Read as JSON: transformers' GenerationConfig imports torch in some versions (5.19),
+    # which a cost-model replica must not load.
     try:
-        gen_eos = GenerationConfig.from_pretrained(path).eos_token_id
-    except OSError:  # no generation_config.json
+        gen_eos = msgspec.json.decode((path / "generation_config.json").read_bytes()).get(
+            "eos_token_id"
+        )
+    except (OSError, msgspec.DecodeError, AttributeError):  # absent or not a JSON object
         gen_eos = None
     ids = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
     if primary is None and ids:
