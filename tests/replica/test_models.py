@@ -181,8 +181,10 @@ _CHILD = textwrap.dedent(
     """
     import hashlib, json, sys
     from pathlib import Path
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    # kvroute first: where the vllm extra brought torchvision built for CUDA, importing
+    # kvroute hides it before transformers decides whether it is installed.
     from kvroute.replica.models import tiny_model_path
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = tiny_model_path()
     model = AutoModelForCausalLM.from_pretrained(path)
