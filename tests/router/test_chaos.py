@@ -138,4 +138,6 @@ def test_streams_under_a_replica_kill_every_10_s(served: Served) -> None:
         )
 
     wait_for(converged, 30, "the router's index equals every replica's cache")
-    assert all(door.fleet.index.num_blocks(rid) > 0 for rid in served.actors)
+    # Not vacuous: the index holds blocks. (The replica killed last may come back after the
+    # drill's traffic ended, on a loaded host, and then rightly holds none.)
+    assert any(door.fleet.index.num_blocks(rid) > 0 for rid in served.actors)
