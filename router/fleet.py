@@ -38,7 +38,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvroute.events import DEFAULT_SEED, BlockHasher, HashConfig, ZmqEventSubscriber, to_external
 from kvroute.events.load import LoadReport
@@ -48,13 +48,10 @@ from kvroute.events.translate import TOKEN_INDEX_ALGO, EventTranslator, reproduc
 from kvroute.events.wire import BlockStored
 
 from .dataplane import ReplicaConnection
-from .http_backend import HttpReplicaConnection, http_client
+from .http_backend import HttpReplicaConnection
 from .http_control import HttpBackend
 from .index import PrefixIndex, prediction_stride
 from .load import LoadTracker
-
-if TYPE_CHECKING:
-    import httpx
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +119,6 @@ class Fleet:
         # Token ids to text (the front door's tokenizer): a resumed request's text held
         # back from the client, for HTTP backends (kvroute's replicas decode it themselves).
         self.decode: Callable[[list[int]], str] | None = None
-        self._http: httpx.AsyncClient | None = None  # shared by every HTTP backend
         self.errors: Counter[str] = errors if errors is not None else Counter()
         # Event-stream counters of subscriptions already closed (replica restarts, losses).
         self.retired_event_stats: dict[str, Counter[str]] = {}
@@ -193,14 +189,11 @@ class Fleet:
             return conn
         info = rep.info
         if info.data_endpoint.startswith(("http://", "https://")):
-            if self._http is None:
-                self._http = http_client()
             conn = rep.conn = HttpReplicaConnection(
                 rid,
                 info.data_endpoint,
                 info.incarnation,
                 info.model,
-                self._http,
                 self._on_lost,
                 decode=self.decode,
             )
@@ -333,8 +326,6 @@ class Fleet:
                 rep.conn.close()
             if isinstance(rep.actor, HttpBackend):  # its control client
                 await rep.actor.aclose()
-        if self._http is not None:
-            await self._http.aclose()
         self.subscriber.close()
 
     async def _watch(self) -> None:

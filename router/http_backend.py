@@ -24,8 +24,12 @@ Why the shape:
   it (connection refused) is nobody's cause. A backend that hangs without closing is
   found by the fleet's monitor (its ``/metrics`` stops answering): HTTP streams have no
   heartbeat, and a queued request streams nothing for as long as it waits.
-- One shared ``httpx.AsyncClient`` (keep-alive) per front door; one connection per
-  request in flight (HTTP/1.1 streams one response per connection).
+- A pool of kept-alive connections per backend (:mod:`.http_wire`, not httpx: its
+  per-chunk machinery was most of the front door's CPU per request); one connection per
+  request in flight (HTTP/1.1 streams one response per connection). Each line of the
+  stream is fed to the request's :class:`ChunkReader` inside the connection's
+  ``data_received``, and its delta put in the flight there: no task wake-up per chunk. A
+  stream is read to its end after ``[DONE]`` so that its connection can be reused.
 """
 
 from __future__ import annotations
@@ -37,7 +41,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import httpx
 import msgspec
 
 from kvroute.events.replica_api import (
@@ -48,6 +51,7 @@ from kvroute.events.replica_api import (
 )
 
 from .dataplane import Flight, fail_flights
+from .http_wire import BackendPool, ConnectFailedError, StreamBrokenError
 
 log = logging.getLogger(__name__)
 
@@ -276,16 +280,6 @@ def completion_body(req: GenerateRequest, model: str) -> dict[str, Any] | None:
     return body
 
 
-def http_client(max_connections: int = 4096) -> httpx.AsyncClient:
-    """The front door's one client for every backend: keep-alive, no read timeout (a
-    queued request streams nothing while it waits; liveness is the monitor's), a short
-    connect timeout (a dead backend refuses or times out at once)."""
-    return httpx.AsyncClient(
-        timeout=httpx.Timeout(None, connect=5.0),
-        limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=256),
-    )
-
-
 _conn_ids = itertools.count()
 
 
@@ -298,7 +292,6 @@ class HttpReplicaConnection:
         base_url: str,
         incarnation: str,
         model: str,
-        client: httpx.AsyncClient,
         on_lost: Callable[[str, str], None],
         decode: Callable[[list[int]], str] | None = None,
     ) -> None:
@@ -315,11 +308,10 @@ class HttpReplicaConnection:
         self.flights: dict[str, Flight] = {}
         self.malformed = 0
         self.last_heard = time.monotonic()
-        self._client = client
-        self._url = f"{self.endpoint}/v1/completions"
         self._seq = itertools.count()
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._loop = asyncio.get_running_loop()
+        self.pool = BackendPool(self.endpoint)
         self.id = next(_conn_ids)
 
     # -- requests ----------------------------------------------------------------------------
@@ -360,51 +352,55 @@ class HttpReplicaConnection:
 
     async def _run(self, body: dict[str, Any], reader: ChunkReader, flight: Flight) -> None:
         rid = flight.request_id
-        sent = time.perf_counter()
-        first = True
+        raw = _encode(body)
+        data = self.pool.head("POST", "/v1/completions", len(raw)) + raw
+        stream = _Stream(self, reader, flight)
+        pending = None  # the response being read, until it is whole
         try:
-            async with self._client.stream("POST", self._url, json=body) as resp:
-                if resp.status_code != 200:
-                    await self._refused(flight, resp)
+            for attempt in (0, 1):
+                try:
+                    conn = await self.pool.acquire()
+                except ConnectFailedError as exc:
+                    # Never reached it: not this request's doing; the backend is gone.
+                    why = f"replica {self.replica_id}: unreachable ({exc})"
+                    self._end(flight, ReplicaLostError(why))
+                    self.lose("unreachable (ConnectError)")
                     return
-                async for line in resp.aiter_lines():
-                    self.last_heard = time.monotonic()
-                    try:
-                        delta = reader.feed(line)
-                    except MalformedChunkError as exc:
-                        self.malformed += 1
-                        self._end(flight, ReplicaDeadError(f"replica {self.replica_id}: {exc}"))
-                        return
-                    if delta is not None:
-                        if first and (delta.delta_token_ids or delta.finished):
-                            first = False
-                            delta.replica_ttft_s = time.perf_counter() - sent
-                        if delta.finished:
-                            self.flights.pop(rid, None)
-                        flight.put(delta)
-                    if reader.finished:
-                        return
-            # The response ended without [DONE]: the backend cut it short.
-            self.lose("its response ended early")
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-            # Never reached it: not this request's doing; the backend is gone.
-            self._end(flight, ReplicaLostError(f"replica {self.replica_id}: unreachable ({exc})"))
-            self.lose(f"unreachable ({type(exc).__name__})")
-        except httpx.HTTPError as exc:  # its connection broke mid-response: it died
-            self.lose(f"its stream broke ({type(exc).__name__})")
+                reused = conn.uses > 0
+                stream.sent = time.perf_counter()
+                pending = conn.request(data, stream.line)
+                try:
+                    status, refused = await pending
+                    break
+                except StreamBrokenError:
+                    # A kept-alive connection the server closed as the request went out:
+                    # once more on a fresh one (nothing of it was answered).
+                    if reused and not conn.got_bytes and attempt == 0:
+                        continue
+                    raise
+            if status != 200:
+                self._refused(flight, status, refused)
+            elif not stream.ended and not reader.finished:
+                # The response ended without [DONE]: the backend cut it short.
+                self.lose("its response ended early")
+        except StreamBrokenError as exc:  # its connection broke mid-response: it died
+            if not stream.ended:
+                self.lose(f"its stream broke ({exc})")
         finally:
+            # Given up on mid-stream (aborted: cancelling this task cancelled ``pending``):
+            # the connection is closed, so vLLM aborts the request.
+            if pending is not None and (not pending.done() or pending.cancelled()):
+                conn.abort()
             if self._tasks.get(rid) is asyncio.current_task():
                 del self._tasks[rid]
 
-    async def _refused(self, flight: Flight, resp: httpx.Response) -> None:
+    def _refused(self, flight: Flight, status: int, raw: bytes) -> None:
         """A non-200 answer: a 4xx is the request's fault (vLLM's message), a 5xx the
         backend's (it failed this request; the monitor decides whether it is gone)."""
-        raw = await resp.aread()
         try:
             msg = msgspec.json.decode(raw).get("error", {}).get("message") or ""
         except (msgspec.DecodeError, AttributeError):
             msg = raw[:200].decode(errors="replace")
-        status = resp.status_code
         if 400 <= status < 500:
             delta = GenerateDelta(
                 request_id=flight.request_id,
@@ -441,10 +437,55 @@ class HttpReplicaConnection:
             self.on_lost(self.replica_id, why)
 
     def close(self) -> None:
-        """Closes every stream (the shared client stays: it is the fleet's)."""
+        """Closes every stream and connection."""
         tasks = list(self._tasks.values())
         self._tasks.clear()
         current = asyncio.current_task() if self._loop.is_running() else None
         for task in tasks:
             if task is not current:
                 task.cancel()
+        self.pool.close()
+
+
+_encode = msgspec.json.Encoder().encode
+
+
+class _Stream:
+    """One response's lines into its reader, and the deltas into its flight; called from
+    the connection's ``data_received`` (:mod:`.http_wire`), so a chunk costs no task
+    wake-up. ``ended``: the request is settled (``[DONE]``, an error event, a malformed
+    line): nothing the connection does after it concerns the request."""
+
+    __slots__ = ("conn", "ended", "first", "flight", "reader", "sent")
+
+    def __init__(self, conn: HttpReplicaConnection, reader: ChunkReader, flight: Flight) -> None:
+        self.conn = conn
+        self.reader = reader
+        self.flight = flight
+        self.sent = 0.0
+        self.first = True
+        self.ended = False
+
+    def line(self, raw: bytes) -> bool | None:
+        """False: stop reading (the connection is closed)."""
+        if self.ended or not raw:
+            return None  # after [DONE] the body's end is awaited only to reuse the connection
+        conn = self.conn
+        conn.last_heard = time.monotonic()
+        try:
+            delta = self.reader.feed(raw.decode())
+        except (MalformedChunkError, UnicodeDecodeError) as exc:
+            conn.malformed += 1
+            self.ended = True
+            conn._end(self.flight, ReplicaDeadError(f"replica {conn.replica_id}: {exc}"))
+            return False
+        if delta is not None:
+            if self.first and (delta.delta_token_ids or delta.finished):
+                self.first = False
+                delta.replica_ttft_s = time.perf_counter() - self.sent
+            if delta.finished:
+                conn.flights.pop(self.flight.request_id, None)
+            self.flight.put(delta)
+        if self.reader.finished:
+            self.ended = True
+        return None
