@@ -17,7 +17,8 @@ Why the shape:
 - The incarnation is the server's ``process_start_time_seconds``: a restarted ``vllm
   serve`` (new cache, event seq from 0) is followed as a restarted replica.
 - Load comes from ``/metrics`` (running and waiting requests, KV use), at most every
-  ``min_load_interval_s``: rendering vLLM's ~50 kB of metrics costs its API server CPU.
+  ``min_load_interval_s`` (every ``idle_load_interval_s`` while the backend is idle):
+  rendering vLLM's ~50 kB of metrics costs its API server CPU, and reading it the router's.
 - Its own small HTTP client: health checks must not queue behind a data pool full of
   streams.
 """
@@ -242,13 +243,18 @@ class HttpBackend:
         hash_seed: str = VLLM_DEFAULT_SEED,
         block_size: int | None = None,
         min_load_interval_s: float = 0.5,
+        idle_load_interval_s: float = 2.0,
         timeout_s: float = 5.0,
     ) -> None:
-        """``info``: what the backend said at start-up (:func:`describe`)."""
+        """``info``: what the backend said at start-up (:func:`describe`). Load is read at
+        most every ``min_load_interval_s``, every ``idle_load_interval_s`` while the backend
+        runs and queues nothing (an idle fleet costs its router and its backends less; the
+        router's own in-flight accounting covers what it sends meanwhile, :mod:`.load`)."""
         self.spec = spec
         self.hash_seed = hash_seed
         self.block_size = block_size
         self.min_load_interval_s = min_load_interval_s
+        self.idle_load_interval_s = idle_load_interval_s
         self.timeout_s = timeout_s
         self._info = info
         self._models: dict[str, Any] | None = None
@@ -299,7 +305,11 @@ class HttpBackend:
 
     async def _get_load(self) -> LoadReport:
         now = time.monotonic()
-        if self._report is None or now - self._report_at >= self.min_load_interval_s:
+        report = self._report
+        interval = self.min_load_interval_s
+        if report is not None and not report.num_running and not report.num_waiting:
+            interval = max(interval, self.idle_load_interval_s)
+        if report is None or now - self._report_at >= interval:
             self._remember(await self._metrics())
         assert self._report is not None
         return self._report

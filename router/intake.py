@@ -67,6 +67,7 @@ class Intake:
         # One thread: a tokenizer is not safe to share between threads.
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="kvroute-tokenize")
         self.chars_per_token = _chars_per_token(door.tokenizer)
+        self.encode = fast_encoder(door.tokenizer)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -158,8 +159,8 @@ class Intake:
         if isinstance(body.prompt, str):
             text = body.prompt
             self._check_length(len(text))
-            tokenizer = self.door.tokenizer
-            ids: list[int] = await self.off_loop(lambda: list(tokenizer(text).input_ids))
+            encode = self.encode
+            ids: list[int] = await self.off_loop(lambda: encode(text))
         else:
             ids = list(body.prompt)
         self._check_ids(ids)
@@ -283,6 +284,36 @@ class Intake:
                 )
                 raise APIError(503, msg, "service_unavailable", code="replica_failed") from None
             raise
+
+
+def fast_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
+    """A prompt's ids as ``tokenizer(text).input_ids`` gives them, from a fast tokenizer's
+    Rust backend called directly when it gives the same ids (checked on probes here, once):
+    no offsets computed, no ``BatchEncoding`` built -- ~20% less CPU for a 550-token prompt
+    (BENCHMARKS.md, "Fronting vllm serve"). Otherwise the tokenizer itself."""
+
+    def slow(text: str) -> list[int]:
+        return list(tokenizer(text).input_ids)
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if not getattr(tokenizer, "is_fast", False) or backend is None:
+        return slow
+    batch = getattr(backend, "encode_batch_fast", None)  # tokenizers >= 0.21: no offsets
+
+    def fast(text: str) -> list[int]:
+        if batch is not None:
+            return list(batch([text])[0].ids)
+        return list(backend.encode(text).ids)
+
+    specials = "".join(getattr(tokenizer, "all_special_tokens", None) or ())
+    probes = ["", "Hello, world!", "  two  spaces\n\nand lines\t", "ünïcödé 你好 🙂", specials,
+              f"{specials} text between {specials}"]  # fmt: skip
+    try:
+        if all(fast(p) == slow(p) for p in probes):
+            return fast
+    except Exception:  # an odd backend: the tokenizer's own call is the reference
+        log.debug("tokenizer backend not used directly", exc_info=True)
+    return slow
 
 
 def _chars_per_token(tokenizer: Any) -> int:

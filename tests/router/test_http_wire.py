@@ -258,3 +258,29 @@ def test_an_abort_closes_the_backends_connection() -> None:
         assert not lost and not conn.flights
 
     run(main())
+
+
+def test_an_idle_backends_load_is_read_less_often() -> None:
+    from kvroute.router.http_control import BackendMetrics, BackendSpec, HttpBackend
+
+    async def main() -> None:
+        spec = BackendSpec.parse("http://127.0.0.1:1=tcp://127.0.0.1:2")
+        info: Any = type("I", (), {"block_size": 32})()
+        backend = HttpBackend(spec, info, min_load_interval_s=0.0, idle_load_interval_s=3600)
+        reads: list[float] = []
+        running = [2.0]
+
+        async def metrics() -> BackendMetrics:
+            reads.append(running[0])
+            return BackendMetrics(running=running[0])
+
+        backend._metrics = metrics  # type: ignore[method-assign]
+        await backend.load.remote()
+        await backend.load.remote()
+        assert len(reads) == 2  # busy: every call reads (min interval 0)
+        running[0] = 0.0
+        await backend.load.remote()
+        await backend.load.remote()
+        assert len(reads) == 3  # idle now: the next read waits for the idle interval
+
+    run(main())
