@@ -92,7 +92,7 @@ def lane_us(n: int) -> float:
             first = True
             never = loop.create_future()
 
-            async def receive() -> Any:
+            async def receive(never: asyncio.Future[Any] = never) -> Any:
                 nonlocal first
                 if first:
                     first = False
