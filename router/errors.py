@@ -86,8 +86,10 @@ def one_line(text: str) -> str:
 
 
 def request_id(request: Request) -> str:
-    """The id :class:`RequestIdMiddleware` gave this request."""
-    return str(getattr(request.state, "request_id", "") or "")
+    """The id :class:`RequestIdMiddleware` gave this request (``request.state`` is a view of
+    ``scope["state"]``: read it there, without making the view)."""
+    state = request.scope.get("state")
+    return str((state.get("request_id") if state else None) or "")
 
 
 def error_response(
