@@ -312,15 +312,13 @@ class KVPolicy(Policy):
                 hit = blocks * bs
                 pair = fixed[key] = (c.prefill_s(n - hit, hit), (n - hit) * c.prefill_s_per_token)
             base, recompute = pair
-            new_blocks = need - blocks
-            if total <= 0:  # evicted_reuse, inline
-                base += EVICTED_REUSE * recompute
-            else:
-                left = free - new_blocks
+            left = free - need + blocks  # blocks left once its own are placed; < 0: short
+            if total > 0:  # evicted_reuse, inline
                 if left < total:
-                    if left < 1:
-                        left = 1
-                    base += recompute * ((total - left) / left)
+                    rest = left if left >= 1 else 1
+                    base += recompute * ((total - rest) / rest)
+            else:
+                base += EVICTED_REUSE * recompute
             ctx = f * context + own_ctx
             compute = (f * decoding + 1) * c.prefill_s_per_token + ctx * c.attention_s_per_pair
             memory = c.weights_read_s + ctx * c.kv_read_s_per_token
@@ -329,9 +327,8 @@ class KVPolicy(Policy):
                 + queued * c.prefill_s_per_token
                 + out * (c.step_overhead_s + (compute if compute > memory else memory))
             )
-            short = new_blocks - free
-            if short > 0:
-                cost += 2.0 * c.prefill_s(short * bs)
+            if left < 0:  # short of blocks: preemption
+                cost += 2.0 * c.prefill_s(-left * bs)
             if cost < best or (cost == best and count < fewest):
                 best, fewest, tied = cost, count, [r]
             elif cost == best and count == fewest:
