@@ -148,7 +148,7 @@ def run_sim(args: argparse.Namespace) -> dict[str, Any]:
     cfg = SimConfig(
         replicas=args.replicas,
         block_size=args.block_size,
-        profile=PROFILES[args.model.removeprefix("sim:")],
+        profiles=(PROFILES[args.model.removeprefix("sim:")],),
     )
     return simulate(specs, list(args.policies), cfg)
 

@@ -138,7 +138,12 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         default="kv,round_robin,random,least_loaded,approx_text",
         help="comma-separated: kv, round_robin, random, least_loaded, approx_text",
     )
-    sim.add_argument("--profile", default="h100-8b")
+    sim.add_argument(
+        "--profile",
+        default="h100-8b",
+        help="cost-model profile; comma-separated for a mixed fleet, replica i running the "
+        "i-th modulo their number (h100-8b,a100-8b: half of each)",
+    )
     sim.add_argument("--speed", type=float, default=1.0, help="arrival-rate multiplier")
     sim.add_argument("--limit", type=int, default=None, help="first K requests")
     sim.add_argument("--seed", type=int, default=0)
@@ -345,8 +350,11 @@ def _simulate(args: argparse.Namespace) -> int:
     if bad or not policies:
         print(f"kvroute simulate: unknown policy {bad}; choose from {POLICIES}", file=sys.stderr)
         return 2
-    if args.profile not in PROFILES:
-        print(f"kvroute simulate: unknown profile {args.profile!r}", file=sys.stderr)
+    profiles = [p.strip() for p in args.profile.split(",") if p.strip()]
+    unknown = [p for p in profiles if p not in PROFILES]
+    if unknown or not profiles:
+        print(f"kvroute simulate: unknown profile {unknown}; choose from {list(PROFILES)}",
+              file=sys.stderr)  # fmt: skip
         return 2
     if args.plot:
         try:
@@ -368,7 +376,7 @@ def _simulate(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         blocks_per_replica=args.blocks_per_replica,
         block_size=args.block_size or (512 if args.trace else 64),
-        profile=PROFILES[args.profile],
+        profiles=tuple(PROFILES[p] for p in profiles),
         event_delay_s=args.event_delay_ms / 1000.0,
         event_loss=args.event_loss,
         seed=args.seed,

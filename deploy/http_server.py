@@ -88,7 +88,7 @@ class _Deadlines:
         response: called where each protocol creates it, before its app task first runs."""
         cycle = self.cycle
         if cycle is not None and not isinstance(cycle.transport, _AbortIfIncomplete):
-            cycle.transport = _AbortIfIncomplete(cycle.transport, cycle)
+            cycle.transport = _AbortIfIncomplete(cycle.transport, cycle, self.loop)
 
 
 class DeadlineH11Protocol(_Deadlines, H11Protocol):
@@ -117,21 +117,53 @@ class _AbortIfIncomplete:
     flush the buffer to a client that never reads, keeping the socket forever. Bound to the
     request, not the connection: with httptools a pipelined request replaces the protocol's
     ``cycle`` while the response before it is still being written (and may end in a close
-    that must flush)."""
+    that must flush).
 
-    def __init__(self, transport: asyncio.Transport, cycle: Any) -> None:
+    It also holds the response's first write (its head) back until the next write or the
+    end of the loop's current iteration, whichever comes first: the server writes the head
+    and the first piece of the body in two calls, which would be two system calls and, on
+    loopback, two wake-ups of the client. A streamed completion's first chunk follows its
+    head in the same step (its first token is in before the response starts), so the two
+    leave in one write. Order is kept; nothing is held past the iteration."""
+
+    def __init__(
+        self, transport: asyncio.Transport, cycle: Any, loop: asyncio.AbstractEventLoop
+    ) -> None:
         self._transport = transport
         self._cycle = cycle
+        self._loop = loop
+        self._first = True
+        self._held: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        held = self._held
+        if held is not None:
+            self._held = None
+            self._transport.write(held + data)
+        elif self._first:
+            self._first = False
+            self._held = bytes(data)
+            self._loop.call_soon(self._flush)
+        else:
+            self._transport.write(data)
+
+    def _flush(self) -> None:
+        held = self._held
+        if held is not None:
+            self._held = None
+            if not self._transport.is_closing():
+                self._transport.write(held)
 
     def close(self) -> None:
+        self._flush()
         if self._cycle.response_complete:
             self._transport.close()
         else:
             self._transport.abort()
 
     def __getattr__(self, name: str) -> Any:
-        # Kept once looked up: ``write`` runs per streamed chunk, and a lookup that reaches
-        # __getattr__ first fails the normal way (an AttributeError each time).
+        # Kept once looked up (``is_closing``, ``get_extra_info``, ...): a lookup that
+        # reaches __getattr__ first fails the normal way (an AttributeError each time).
         value = getattr(self._transport, name)
         setattr(self, name, value)
         return value

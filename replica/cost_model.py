@@ -30,12 +30,19 @@ Profile ``h100-8b``: Llama-3.1-8B in bf16 on one H100 SXM 80 GB.
 - Batching: ``max_num_batched_tokens`` 8192 and ``max_num_seqs`` 256, vLLM V1's defaults for
   its OpenAI server.
 
+Profile ``a100-8b``: the same model on one A100 SXM 80 GB, the generation before (NVIDIA A100
+datasheet: 312 TFLOPS dense bf16, 2,039 GB/s HBM2e), with the same efficiencies, overhead,
+KV capacity (same 80 GB) and batching: prefill ~3.2x and decode ~1.6x slower than
+``h100-8b``. Half of each is a mixed fleet (``kvroute simulate --profile h100-8b,a100-8b``),
+where a router must send the faster replicas proportionally more.
+
 These are a model, not a measurement: the simulator compares policies on equal terms; its
 absolute latencies are only as right as this profile.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from kvroute.events.load import CostCoefficients
@@ -79,7 +86,11 @@ H100_8B = Profile(
     kv_tokens=434_176,
 )
 
-PROFILES: dict[str, Profile] = {H100_8B.name: H100_8B}
+A100_8B = dataclasses.replace(
+    H100_8B, name="a100-8b", peak_flops=0.45 * 312e12, mem_bw=0.75 * 2.039e12
+)
+
+PROFILES: dict[str, Profile] = {p.name: p for p in (H100_8B, A100_8B)}
 SIM_MODEL_PREFIX = "sim:"  # ``--model sim:h100-8b``: a replica that runs the cost model
 
 

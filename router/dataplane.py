@@ -45,9 +45,13 @@ class Flight:
     """One request in flight on one connection: its pending delta (merged while unread) or
     the error that ended it."""
 
-    __slots__ = ("_waiter", "delta", "done", "error", "request_id", "seq")
+    __slots__ = ("_loop", "_waiter", "delta", "done", "error", "request_id", "seq")
 
-    def __init__(self, request_id: str, seq: int) -> None:
+    def __init__(
+        self, request_id: str, seq: int, loop: asyncio.AbstractEventLoop | None = None
+    ) -> None:
+        """``loop``: the one it is awaited on, when known (else looked up per wait)."""
+        self._loop = loop
         self.request_id = request_id
         self.seq = seq  # send order on its connection: the youngest is the likeliest culprit
         self.delta: GenerateDelta | None = None
@@ -79,7 +83,7 @@ class Flight:
         while self.delta is None:
             if self.error is not None:
                 raise self.error
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = (self._loop or asyncio.get_running_loop()).create_future()
             await self._waiter
         delta, self.delta = self.delta, None
         return delta
@@ -148,7 +152,7 @@ class ReplicaConnection:
     # -- requests ----------------------------------------------------------------------------
     def submit(self, req: GenerateRequest) -> Flight:
         """Sends the request; its deltas arrive in the returned flight."""
-        flight = Flight(req.request_id, next(self._seq))
+        flight = Flight(req.request_id, next(self._seq), self._loop)
         if self.lost is not None:
             flight.fail(ReplicaLostError(f"replica {self.replica_id}: {self.lost}"))
             return flight

@@ -18,7 +18,6 @@ what changes together in its own parts and only wires them:
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections import Counter, deque
 from collections.abc import Sequence
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 from kvroute.events.replica_api import GenerateRequest, ReplicaInfo, SamplingParams
 
 from .admission import Admission, Ticket
+from .errors import new_id
 from .fleet import Fleet, FleetMismatchError
 from .metrics import FleetCollector, Metrics
 from .policy import Policy, RequestView, make_policy
@@ -117,7 +117,7 @@ class FrontDoor:
         if self.quarantine:  # nothing to check against (the usual case): no hashing
             fp = fingerprint(prompt_token_ids, sampling)
             self.quarantine.check(fp)
-        request_id = request_id or uuid.uuid4().hex
+        request_id = request_id or new_id()
         salt = tenant.salt_for(request_salt)
         fleet = self.fleet
         view = RequestView(

@@ -22,6 +22,7 @@ import pydantic
 from fastapi import Request
 
 from kvroute.events.replica_api import (
+    TOKEN_ID_MAX,
     BoundsError,
     InvalidRequestError,
     SamplingParams,
@@ -148,10 +149,20 @@ class Intake:
                 "context_length_exceeded",
             )
 
-    def _check_ids(self, ids: list[int]) -> None:
-        vocab = [r.info.vocab_size for r in self.door.fleet.replicas.values() if r.info.vocab_size]
+    def _check_ids(self, ids: list[int], validated: bool = False) -> None:
+        """The shared bound on prompt ids (below the smallest vocabulary). ``validated``:
+        ``ids`` came through the body's schema (a non-empty list of plain ints in ``[0,
+        TOKEN_ID_MAX]``), so one ``max`` in C settles the usual case; anything else, or an
+        id past the vocabulary, takes the full check, which names the culprit."""
+        vocab = None
+        for r in self.door.fleet.replicas.values():
+            v = r.info.vocab_size
+            if v and (vocab is None or v < vocab):
+                vocab = v
+        if validated and ids and max(ids) < (TOKEN_ID_MAX + 1 if vocab is None else vocab):
+            return
         try:
-            check_prompt_token_ids(ids, min(vocab, default=None))
+            check_prompt_token_ids(ids, vocab)
         except BoundsError as exc:
             raise APIError(400, str(exc), "invalid_request_error", exc.param) from None
 
@@ -161,9 +172,10 @@ class Intake:
             self._check_length(len(text))
             encode = self.encode
             ids: list[int] = await self.off_loop(lambda: encode(text))
+            self._check_ids(ids)
         else:
             ids = list(body.prompt)
-        self._check_ids(ids)
+            self._check_ids(ids, validated=True)
         return ids
 
     async def chat_ids(self, request: Request, body: ChatCompletionRequest) -> list[int]:

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from kvroute.events.load import CostCoefficients, LoadReport
 
 # A view: (queued prefill tokens, decode context tokens, decoding requests, requests in
-# flight, free KV blocks). Tuples, not objects: the policy reads one per replica per request.
-LoadView = tuple[int, int, int, int, int]
+# flight, free KV blocks, total KV blocks -- 0 when not known yet). Tuples, not objects: the
+# policy reads one per replica per request.
+LoadView = tuple[int, int, int, int, int, int]
 _NO_LIMIT = 1 << 40  # free blocks of a replica whose KV size is not known yet
 
 
@@ -151,14 +152,15 @@ class LoadTracker:
     # -- the view --------------------------------------------------------------------------
     def get(self, replica: str, now: float) -> LoadView:
         """(queued prefill tokens, decode context tokens, decoding requests, requests in
-        flight, free KV blocks)."""
+        flight, free KV blocks, total KV blocks: 0 while the replica's size is unknown)."""
         load = self._loads.get(replica)
         if load is None:
-            return 0, 0, 0, 0, _NO_LIMIT
+            return 0, 0, 0, 0, _NO_LIMIT, 0
         rep = load.report
+        total = load.total_blocks
         if rep is None or load.report_expiry < now:
-            free = load.total_blocks - load.blocks if load.total_blocks else _NO_LIMIT
-            return load.prefill, load.decode, load.decoding, load.count, free
+            free = total - load.blocks if total else _NO_LIMIT
+            return load.prefill, load.decode, load.decoding, load.count, free, total
         placed = load.blocks - load.blocks_at_report  # placed since the report was taken
         return (
             max(load.prefill, rep.queued_prefill_tokens),
@@ -166,6 +168,7 @@ class LoadTracker:
             max(load.decoding, rep.num_decoding),
             max(load.count, rep.num_waiting + rep.num_running),
             rep.free_blocks - max(placed, 0),
+            total,
         )
 
     def in_flight(self) -> int:

@@ -11,20 +11,39 @@ or make others wait there, and picks the cheapest (:func:`price`). With ``n`` pr
 ``h`` of them cached there (the event-fed index), ``o`` expected output tokens (the request's
 ``max_tokens``, else the mean output of finished requests) and the replica's load view
 (:class:`~kvroute.router.load.LoadTracker`: ``Q`` queued prefill tokens, ``B`` decoding
-requests holding ``C`` KV tokens, ``F`` free blocks)::
+requests holding ``C`` KV tokens, ``F`` free blocks of ``T``)::
 
     wait     = prefill_s_per_token * Q                the prefill queued ahead of it (FCFS)
     prefill  = prefill_s(n - h, cached=h)             its own uncached prefill, quadratic
                                                       in length through attention
-    evict    = prefill_s_per_token * (n - h)          a full cache makes room for each new
-                                                      block by evicting one: priced as one
-                                                      future recompute of what it displaces
+    evict    = prefill_s_per_token * (n - h) * R      a full cache makes room for each new
+                                                      block by evicting one: priced as the
+                                                      R future recomputes it sets off there
     decode   = o * step(B/3 + 1, C/3 + n + o/2)       its own decode steps in that batch
                                                       (memory-bound: a step reads the
                                                       batch's whole context)
     capacity = 2 * prefill_s(max(0, need - F) blocks) blocks beyond the free ones preempt a
                                                       running request: its tokens are
                                                       recomputed, and it waits meanwhile
+
+Why ``R = U / (T - U)`` (:func:`evicted_reuse`), with ``T`` the replica's KV blocks and
+``U = T - F + (new blocks of this request)`` those committed to live work (held by its
+running requests, placed there by this router since its report, and this one): lazy LRU
+keeps every block no request holds cached, so a new block evicts the least recently used
+of the ``T - U`` left for cached prefixes. Whether that block is still wanted depends on the
+replica's working set of reused prefixes, which the router does not see; taken as equally
+likely any size up to the cache, it is wanted with probability ``p = U / T`` (the chance
+the working set exceeds what is left). A wanted block, once evicted, is recomputed by the
+next request that needs it, and that recompute needs a new block, which evicts another
+tail block, wanted with probability ``p`` again: ``p + p^2 + ... = p / (1 - p) = U / (T -
+U)`` recomputes per evicted token. At light load (little committed) a miss costs almost no
+future work, so work spreads; at half the cache committed it costs one recompute (the
+constant this replaced); as the running batch crowds the cache it grows without bound
+(``T - U`` is floored at one block), so a saturated replica takes hits and sends its misses
+to replicas with room. Signals: the replica's load report (free and total blocks), filled
+in by this router's own placements since (:class:`~kvroute.router.load.LoadTracker`);
+prompts waiting there since before the report count once admitted, when they hold blocks.
+A replica whose size is not known yet is priced ``R = 1``.
 
 Why a third of the batch (:data:`DECODE_OVERLAP`): the decoders there are halfway through
 their outputs on average, and while they finish, the router sends new arrivals to lighter
@@ -89,9 +108,25 @@ class RequestView:
 
 # The share of a replica's current decode load a new request feels (module docstring).
 DECODE_OVERLAP = 1 / 3
-# Future recomputes an evicted token costs (module docstring): a full cache -- lazy LRU's
-# steady state -- makes room for every new block by evicting one.
+# Future recomputes an evicted token costs on a replica whose KV size is not known yet
+# (module docstring; :func:`evicted_reuse` otherwise): half its cache taken as committed.
 EVICTED_REUSE = 1.0
+
+
+def evicted_reuse(free: int, total: int, new_blocks: int) -> float:
+    """Future recomputes each token a placement evicts sets off on a replica with ``free``
+    of ``total`` KV blocks unheld (as :meth:`LoadTracker.get` gives them: net of what this
+    router placed since the replica's report) and ``new_blocks`` to be taken by this
+    request: ``U / (T - U)``, ``U`` the committed blocks (module docstring). 0 on an empty
+    cache; ``EVICTED_REUSE`` when ``total`` is 0 (not known yet)."""
+    if total <= 0:
+        return EVICTED_REUSE
+    left = free - new_blocks
+    if left >= total:
+        return 0.0
+    if left < 1:
+        left = 1
+    return (total - left) / left
 
 
 class CostParts(NamedTuple):
@@ -115,14 +150,16 @@ def price(
     output tokens) costs on a replica with coefficients ``c`` and load ``view``; the formula
     and why each term is there are in the module docstring. The reference for
     :meth:`KVPolicy.choose`, which computes the same sums inline."""
-    queued, context, decoding, _, free = view
+    queued, context, decoding, _, free, total = view
     f = DECODE_OVERLAP
     decode = out * c.decode_step_s(f * decoding + 1, f * context + n + 0.5 * out)
-    short = -(-(n + int(out)) // block_size) - hit // block_size - free
+    new_blocks = -(-(n + int(out)) // block_size) - hit // block_size
+    short = new_blocks - free
+    reuse = evicted_reuse(free, total, new_blocks)
     return CostParts(
         wait=queued * c.prefill_s_per_token,
         prefill=c.prefill_s(n - hit, hit),
-        evict=EVICTED_REUSE * (n - hit) * c.prefill_s_per_token,
+        evict=(n - hit) * c.prefill_s_per_token * reuse,
         decode=decode,
         capacity=2.0 * c.prefill_s(short * block_size) if short > 0 else 0.0,
     )
@@ -255,27 +292,33 @@ class KVPolicy(Policy):
         """Lowest (seconds, requests in flight), then a seeded coin among the tied.
 
         :func:`price`'s sums, inline: this loop and the index walk are the routing hot path.
-        What depends only on the replica's coefficients and hit (its prefill, eviction and
-        own-context terms) is computed once per distinct pair, so a fleet of one hardware
-        kind pays it once for all the replicas that miss."""
+        What depends only on the replica's coefficients and hit (its prefill and the tokens
+        an eviction would cost to recompute) is computed once per distinct pair, so a fleet
+        of one hardware kind pays it once for all the replicas that miss."""
         matched, n, bs = self._match(req, now), req.num_prompt_tokens, req.block_size
         out = self.load.expected_output_tokens(req.max_tokens)
         load, coef, default = self.load.get, self.load.coefficients, self.default_coefficients
         f, own_ctx = DECODE_OVERLAP, n + 0.5 * out
         need = -(-(n + int(out)) // bs)
-        fixed: dict[tuple[int, int], float] = {}
+        fixed: dict[tuple[int, int], tuple[float, float]] = {}
         best, fewest, tied = float("inf"), 0, []
         for r in replicas:
-            queued, context, decoding, count, free = load(r, now)
+            queued, context, decoding, count, free, total = load(r, now)
             c = coef(r) or default
             blocks = matched.get(r, 0)
             key = (id(c), blocks)
-            base = fixed.get(key)
-            if base is None:  # prefill + eviction: the uncached tokens
+            pair = fixed.get(key)
+            if pair is None:  # prefill, and one recompute of what it evicts: uncached tokens
                 hit = blocks * bs
-                base = fixed[key] = (
-                    c.prefill_s(n - hit, hit) + EVICTED_REUSE * (n - hit) * c.prefill_s_per_token
-                )
+                pair = fixed[key] = (c.prefill_s(n - hit, hit), (n - hit) * c.prefill_s_per_token)
+            base, recompute = pair
+            left = free - need + blocks  # blocks left once its own are placed; < 0: short
+            if total > 0:  # evicted_reuse, inline
+                if left < total:
+                    rest = left if left >= 1 else 1
+                    base += recompute * ((total - rest) / rest)
+            else:
+                base += EVICTED_REUSE * recompute
             ctx = f * context + own_ctx
             compute = (f * decoding + 1) * c.prefill_s_per_token + ctx * c.attention_s_per_pair
             memory = c.weights_read_s + ctx * c.kv_read_s_per_token
@@ -284,9 +327,8 @@ class KVPolicy(Policy):
                 + queued * c.prefill_s_per_token
                 + out * (c.step_overhead_s + (compute if compute > memory else memory))
             )
-            short = need - blocks - free
-            if short > 0:
-                cost += 2.0 * c.prefill_s(short * bs)
+            if left < 0:  # short of blocks: preemption
+                cost += 2.0 * c.prefill_s(-left * bs)
             if cost < best or (cost == best and count < fewest):
                 best, fewest, tied = cost, count, [r]
             elif cost == best and count == fewest:

@@ -73,7 +73,7 @@ def bounds(
     serving the requests one at a time in arrival order."""
     bs = cfg.block_size
     total = pooled_hit = 0
-    kv = KVCacheManager(cfg.replicas * cfg.blocks, BlockHasher(block_size=bs))
+    kv = KVCacheManager(cfg.total_blocks, BlockHasher(block_size=bs))
     for i, spec in enumerate(specs):
         n = spec.input_length
         total += n
@@ -146,11 +146,30 @@ def summarize(fleet: Fleet, wall_s: float) -> dict[str, Any]:
             }
             for rep, w in zip(fleet.reps, work, strict=True)
         ],
+        "by_profile": _by_profile(fleet, work / total_work),
         "preemptions": fleet.preemptions,
         "lost_batches": fleet.lost_batches,
         "wall_s": wall_s,
         "ttft_samples": ttft,  # dropped from JSON; for the plot
     }
+
+
+def _by_profile(fleet: Fleet, shares: np.ndarray) -> dict[str, dict[str, float]]:
+    """Per profile: its replicas, and the mean share of the fleet's work and requests one of
+    them took. On a mixed fleet the faster profile's replicas should take more."""
+    out: dict[str, dict[str, float]] = {}
+    routed = sum(rep.routed for rep in fleet.reps) or 1
+    for i, rep in enumerate(fleet.reps):
+        d = out.setdefault(
+            fleet.cfg.profile(i).name, {"replicas": 0, "work_share": 0.0, "routed_share": 0.0}
+        )
+        d["replicas"] += 1
+        d["work_share"] += float(shares[i])
+        d["routed_share"] += rep.routed / routed
+    for d in out.values():
+        d["work_share"] /= d["replicas"]
+        d["routed_share"] /= d["replicas"]
+    return out
 
 
 def simulate(
@@ -165,9 +184,11 @@ def simulate(
     result: dict[str, Any] = {
         "config": {
             "replicas": cfg.replicas,
-            "blocks_per_replica": cfg.blocks,
+            "blocks_per_replica": cfg.blocks(0)
+            if len({cfg.blocks(i) for i in range(len(cfg.profiles))}) == 1
+            else [cfg.blocks(i) for i in range(len(cfg.profiles))],
             "block_size": cfg.block_size,
-            "profile": cfg.profile.name,
+            "profile": cfg.profile_names,
             "event_delay_s": cfg.event_delay_s,
             "event_loss": cfg.event_loss,
             "seed": cfg.seed,
@@ -238,6 +259,15 @@ def format_table(result: dict[str, Any]) -> str:
             f"rejected {m['rejected']}, {m['wall_s']:.0f}s"
         )
         lines.append(f"  {name:<13}{shares}{extra}")
+    first = next(iter(result["policies"].values()), None)
+    if first is not None and len(first["by_profile"]) > 1:
+        lines.append("mean work share of one replica, per profile (and of requests routed):")
+        for name, m in result["policies"].items():
+            per = "  ".join(
+                f"{prof} {d['work_share']:.3f} ({d['routed_share']:.3f})"
+                for prof, d in m["by_profile"].items()
+            )
+            lines.append(f"  {name:<13}{per}")
     return "\n".join(lines)
 
 
@@ -295,7 +325,10 @@ def _sweep_row(
         "policy": policy, "speed": speed, "rate_rps": rate, "hit_rate": m["hit_rate"],
         "ttft_p90_s": m["ttft_s"]["p90"], "e2e_p90_s": m["e2e_s"]["p90"],
         "itl_p90_s": m["itl_s"]["p90"], "preemptions": m["preemptions"],
+        "imbalance": m["imbalance"],
         "meets_slo": m["ttft_s"]["p90"] <= slo_ttft_s and m["itl_s"]["p90"] <= slo_itl_s,
+        # one replica's mean share of the fleet's work, per profile (a mixed fleet)
+        "work_share_by_profile": {k: d["work_share"] for k, d in m["by_profile"].items()},
     }  # fmt: skip
 
 

@@ -53,9 +53,11 @@ class Fault:
 @dataclass(slots=True)
 class SimConfig:
     replicas: int = 8
-    blocks_per_replica: int | None = None  # None: the profile's KV capacity
+    blocks_per_replica: int | None = None  # None: each profile's KV capacity
     block_size: int = 512
-    profile: Profile = H100_8B
+    # Replica i runs profiles[i % len(profiles)]: ("h100-8b", "a100-8b") is a mixed fleet,
+    # half of each, as a fleet bought over two GPU generations.
+    profiles: tuple[Profile, ...] = (H100_8B,)
     event_delay_s: float = 0.005
     event_loss: float = 0.0
     recovery_s: float = 0.5
@@ -68,15 +70,28 @@ class SimConfig:
     long_prefill_token_threshold: int = 0
     max_num_partial_prefills: int = 0
 
-    @property
-    def blocks(self) -> int:
+    def profile(self, i: int = 0) -> Profile:
+        """Replica ``i``'s profile."""
+        return self.profiles[i % len(self.profiles)]
+
+    def blocks(self, i: int = 0) -> int:
+        """Replica ``i``'s KV blocks."""
         if self.blocks_per_replica is not None:
             return self.blocks_per_replica
-        return self.profile.kv_tokens // self.block_size
+        return self.profile(i).kv_tokens // self.block_size
 
-    def scheduler_config(self) -> SchedulerConfig:
-        """What a cost-model replica of this profile runs (LLMEngine with ``sim:<profile>``)."""
-        p = self.profile
+    @property
+    def total_blocks(self) -> int:
+        return sum(self.blocks(i) for i in range(self.replicas))
+
+    @property
+    def profile_names(self) -> str:
+        return ",".join(p.name for p in self.profiles)
+
+    def scheduler_config(self, i: int = 0) -> SchedulerConfig:
+        """What a cost-model replica of replica ``i``'s profile runs (LLMEngine with
+        ``sim:<profile>``)."""
+        p = self.profile(i)
         return SchedulerConfig(
             max_num_batched_tokens=p.max_batched_tokens,
             max_num_seqs=p.max_num_seqs,
@@ -101,10 +116,10 @@ class Fleet:
     ) -> None:
         self.specs, self.cfg, self.src, self.hashes = specs, cfg, tokens, hashes
         self.progress = progress
-        self.cm = CostModel(cfg.profile)
         self.hasher = BlockHasher(block_size=cfg.block_size)
+        most_blocks = max(cfg.blocks(i) for i in range(cfg.replicas))
         self.index = PrefixIndex(
-            max_blocks_per_replica=max(4 * cfg.blocks, 1024),
+            max_blocks_per_replica=max(4 * most_blocks, 1024),
             prediction_stride=prediction_stride(cfg.block_size),  # as a front door's
         )
         self.policy: Policy = make_policy(
@@ -112,15 +127,19 @@ class Fleet:
             **cfg.kv_params,
         )  # fmt: skip
         self.rng = random.Random(f"loss:{cfg.seed}")
-        sched_cfg = cfg.scheduler_config()
+        models = [CostModel(p) for p in cfg.profiles]
         self.reps = [
-            SimReplica(i, sched_cfg, cfg.blocks, self.hasher, self.cm, cfg.fast_decode)
+            SimReplica(
+                i, cfg.scheduler_config(i), cfg.blocks(i), self.hasher,
+                models[i % len(models)], cfg.fast_decode,
+            )
             for i in range(cfg.replicas)
-        ]
-        self.max_model_len = self.reps[0].scheduler.max_model_len  # the engines' own limit
-        coefficients = self.cm.coefficients()  # what each replica's info carries
-        for rep in self.reps:
-            self.policy.load.register(rep.id, coefficients, cfg.blocks)
+        ]  # fmt: skip
+        # the engines' own limit (the smallest, where profiles differ)
+        self.max_model_len = min(rep.scheduler.max_model_len for rep in self.reps)
+        for i, rep in enumerate(self.reps):  # what each replica's info carries
+            coefficients = models[i % len(models)].coefficients()
+            self.policy.load.register(rep.id, coefficients, cfg.blocks(i))
         self._by_id = {rep.id: rep for rep in self.reps}
         self._index_of = {rep.id: i for i, rep in enumerate(self.reps)}
         self.reqs: list[SimRequest | None] = [None] * len(specs)

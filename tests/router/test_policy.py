@@ -18,6 +18,7 @@ from kvroute.router.policy import (
     KVPolicy,
     NoReplicaError,
     RequestView,
+    evicted_reuse,
     make_policy,
     price,
 )
@@ -196,19 +197,22 @@ def test_load_tracker_accounting_and_reports():
     t.register("r", REFERENCE_COEFFICIENTS, total_blocks=1000)
     t.on_routed("a", "r", 1000, 1200, blocks=80)
     t.on_routed("b", "r", 500, 600, blocks=40)
-    assert t.get("r", 0.0) == (1500, 0, 0, 2, 880)
+    assert t.get("r", 0.0) == (1500, 0, 0, 2, 880, 1000)
     t.on_first_token("a")
-    assert t.get("r", 0.0) == (500, 1200, 1, 2, 880)
+    assert t.get("r", 0.0) == (500, 1200, 1, 2, 880, 1000)
     t.on_finished("a", output_tokens=100)
     t.on_finished("a")  # twice is harmless
-    assert t.get("r", 0.0) == (500, 0, 0, 1, 960)
+    assert t.get("r", 0.0) == (500, 0, 0, 1, 960, 1000)
     t.report("r", report(9000, 50_000, 3, 5, free=700), now=10.0)
-    assert t.get("r", 10.5) == (9000, 50_000, 3, 5, 700)
+    assert t.get("r", 10.5) == (9000, 50_000, 3, 5, 700, 1000)
     t.on_routed("c", "r", 100, 100, blocks=25)  # placed after the report: not in its figures
-    assert t.get("r", 10.5) == (9000, 50_000, 3, 5, 675)  # counts: the larger figure
-    assert t.get("r", 11.5) == (600, 0, 0, 2, 935)  # stale report ignored
+    assert t.get("r", 10.5) == (9000, 50_000, 3, 5, 675, 1000)  # counts: the larger figure
+    assert t.get("r", 11.5) == (600, 0, 0, 2, 935, 1000)  # stale report ignored
     assert sorted(t.drop_replica("r")) == ["b", "c"]
-    assert t.get("r", 0.0) == (0, 0, 0, 0, 1000)  # coefficients and size survive a drop
+    assert t.get("r", 0.0) == (0, 0, 0, 0, 1000, 1000)  # coefficients and size survive a drop
+    unknown = LoadTracker()
+    unknown.on_routed("x", "new", 100, 100, blocks=5)
+    assert unknown.get("new", 0.0)[4:] == (1 << 40, 0)  # size not known yet: total 0
     assert t.coefficients("r") is REFERENCE_COEFFICIENTS
 
 
@@ -224,13 +228,13 @@ def test_expected_output_learns_from_finished_requests():
 
 # -- the kv cost, one part at a time ---------------------------------------------------------
 C = REFERENCE_COEFFICIENTS
-IDLE = (0, 0, 0, 0, 10_000)
+IDLE = (0, 0, 0, 0, 10_000, 0)  # KV size not reported: an eviction is one recompute
 
 
 def test_cost_queued_prefill_is_waited_out_at_the_replicas_prefill_rate():
     quiet, queued = (
         price(C, IDLE, 1000, 0, 100, BS),
-        price(C, (50_000, 0, 0, 3, 10_000), 1000, 0, 100, BS),
+        price(C, (50_000, 0, 0, 3, 10_000, 0), 1000, 0, 100, BS),
     )
     assert quiet.wait == 0 and queued.wait == pytest.approx(50_000 * C.prefill_s_per_token)
     assert queued._replace(wait=0) == quiet  # nothing else moved
@@ -246,8 +250,8 @@ def test_cost_prefill_counts_only_uncached_tokens_with_the_quadratic_term():
 
 
 def test_cost_decode_grows_with_the_context_the_replica_is_decoding():
-    light = price(C, (0, 10_000, 4, 4, 10_000), 1000, 0, 200, BS)
-    heavy = price(C, (0, 400_000, 4, 4, 10_000), 1000, 0, 200, BS)
+    light = price(C, (0, 10_000, 4, 4, 10_000, 0), 1000, 0, 200, BS)
+    heavy = price(C, (0, 400_000, 4, 4, 10_000, 0), 1000, 0, 200, BS)
     # memory-bound: the overlapped share of the extra context is read at every one of its steps
     extra = 200 * DECODE_OVERLAP * 390_000 * C.kv_read_s_per_token
     assert heavy.decode - light.decode == pytest.approx(extra)
@@ -260,14 +264,91 @@ def test_cost_eviction_prices_the_blocks_a_miss_displaces():
     assert warm.evict == pytest.approx(96 * C.prefill_s_per_token)
 
 
+def test_cost_eviction_grows_with_the_share_of_the_cache_committed_to_live_work():
+    """R = U / (T - U) recomputes per evicted token, U the blocks committed (held by running
+    requests, placed since the last report, taken by this request), T the cache."""
+    t, n, out = 10_000, 4096, 100
+    new = -(-(n + out) // BS)  # this request's blocks
+    one = n * C.prefill_s_per_token  # one recompute of what it evicts
+
+    def evict(free: int) -> float:
+        return price(C, (0, 0, 0, 0, free, t), n, 0, out, BS).evict
+
+    assert evicted_reuse(t, t, 0) == 0.0  # an empty cache: nothing anyone wants is lost
+    assert evict(t) == pytest.approx(one * new / (t - new))  # only its own blocks: ~0.03
+    assert evict(t // 2 + new) == pytest.approx(one)  # half committed: the old constant
+    assert evict(t // 5 + new) == pytest.approx(4 * one)  # 4/5 committed: 4 recomputes
+    # monotone in pressure, finite when nothing is left (floored at one block)
+    prices = [evict(free) for free in range(t, -100, -250)]
+    assert prices == sorted(prices) and prices[-1] == pytest.approx(one * (t - 1))
+    # a hit needs fewer new blocks and evicts only its uncached tokens
+    warm = price(C, (0, 0, 0, 0, t // 2 + new, t), n, 4000, out, BS).evict
+    left = t // 2 + new - (new - 4000 // BS)
+    assert warm == pytest.approx(96 * C.prefill_s_per_token * (t - left) / left)
+
+
+def _fleet_with_a_holder(free: int, holder_queue: int) -> tuple[KVPolicy, RequestView]:
+    """Four replicas of 10,000 blocks, each reporting ``free`` of them unheld; replica-0
+    holds the request's 2,048-token prefix and has ``holder_queue`` prompt tokens queued."""
+    index = PrefixIndex()
+    hold(index, "replica-0", prefix(2048))
+    policy = KVPolicy(index, seed=2)
+    for r in REPLICAS:
+        policy.load.register(r, C, 10_000)
+        queued = holder_queue if r == "replica-0" else 0
+        rep = msgspec.structs.replace(report(queued, 0, 0, 1, free), total_blocks=10_000)
+        policy.load.report(r, rep, now=0.0)
+    return policy, view("q", prefix(2048) + [9] * 2048)
+
+
+def test_at_low_pressure_a_loaded_holder_loses_the_request_to_an_idle_replica():
+    """Caches nearly empty of live work: evicting costs almost nothing, so the hit is
+    worth only its prefill, and a queue at the holder longer than that sends the request
+    to an idle replica. With one recompute per evicted token at any pressure (the old
+    constant) the holder's 2,048 cached tokens were worth twice that and it kept it."""
+    saved_prefill = C.prefill_s(2048 + 2048) - C.prefill_s(2048, 2048)
+    queue = int(1.5 * saved_prefill / C.prefill_s_per_token)  # costs 1.5x the prefill saved
+    assert 1.5 * saved_prefill < saved_prefill + 2048 * C.prefill_s_per_token  # old: holder
+    policy, req = _fleet_with_a_holder(free=9_900, holder_queue=queue)
+    parts = policy.breakdown(req, REPLICAS, 0.1)
+    assert parts["replica-1"].evict < 0.05 * 4096 * C.prefill_s_per_token
+    assert policy.route(req, REPLICAS, 0.1).replica != "replica-0"
+
+
+def test_at_high_pressure_the_holder_keeps_its_prefix_despite_its_queue():
+    """Caches mostly committed to live work: a miss evicts prefixes that will be wanted
+    again, and each recompute evicts another, so copying the prefix elsewhere costs far
+    more than its prefill. The same queue at the holder -- and one three times as long,
+    which the old constant price sent elsewhere -- no longer moves the request."""
+    saved_prefill = C.prefill_s(2048 + 2048) - C.prefill_s(2048, 2048)
+    queue = int(3 * saved_prefill / C.prefill_s_per_token)
+    assert 3 * saved_prefill > saved_prefill + 2048 * C.prefill_s_per_token  # old: moved
+    policy, req = _fleet_with_a_holder(free=1_500, holder_queue=queue)
+    parts = policy.breakdown(req, REPLICAS, 0.1)
+    assert parts["replica-1"].evict > 5 * 4096 * C.prefill_s_per_token
+    assert policy.route(req, REPLICAS, 0.1).replica == "replica-0"
+
+
+def test_a_miss_goes_to_the_replica_with_the_most_cache_to_spare():
+    """Equal queues, no hit anywhere: the miss lands where evicting costs least, the
+    replica whose cache is least committed."""
+    for seed in range(8):  # not a coin's luck
+        policy = KVPolicy(PrefixIndex(), seed=seed)
+        for r, free in zip(REPLICAS, (2_000, 6_000, 3_000, 2_500), strict=True):
+            policy.load.register(r, C, 10_000)
+            rep = msgspec.structs.replace(report(0, 0, 0, 1, free), total_blocks=10_000)
+            policy.load.report(r, rep, now=0.0)
+        assert policy.route(view("m", [5] * 3000), REPLICAS, 0.1).replica == "replica-1"
+
+
 def test_cost_capacity_prices_preemption_only_when_free_blocks_run_short():
     need = -(-(1000 + 200) // BS)
-    roomy = price(C, (0, 0, 0, 0, need), 1000, 0, 200, BS)
-    tight = price(C, (0, 0, 0, 0, need - 10), 1000, 0, 200, BS)
+    roomy = price(C, (0, 0, 0, 0, need, 0), 1000, 0, 200, BS)
+    tight = price(C, (0, 0, 0, 0, need - 10, 0), 1000, 0, 200, BS)
     assert roomy.capacity == 0.0
     assert tight.capacity == pytest.approx(2 * C.prefill_s(10 * BS))
     # a hit needs fewer new blocks: the same replica has room for a request it holds
-    assert price(C, (0, 0, 0, 0, need - 10), 1000, 512, 200, BS).capacity == 0.0
+    assert price(C, (0, 0, 0, 0, need - 10, 0), 1000, 512, 200, BS).capacity == 0.0
 
 
 def test_a_slower_replica_is_priced_in_its_own_seconds():

@@ -31,9 +31,9 @@ def engine_loop(specs: list[RequestSpec], cfg: SimConfig) -> tuple[list[Step], d
     """What an engine thread does, on a virtual clock: between steps it takes the requests
     that arrived, then schedules, runs the batch for its modelled time, applies the tokens."""
     sched = Scheduler(
-        cfg.scheduler_config(), KVCacheManager(cfg.blocks, BlockHasher(block_size=cfg.block_size))
+        cfg.scheduler_config(), KVCacheManager(cfg.blocks(), BlockHasher(block_size=cfg.block_size))
     )
-    cost, src = CostModel(cfg.profile), TokenSource()
+    cost, src = CostModel(cfg.profile()), TokenSource()
     arrivals = list(enumerate(specs))[::-1]
     steps: list[Step] = []
     times: dict[str, tuple] = {}

@@ -174,4 +174,4 @@ def test_simulated_replicas_report_load_through_the_routers_load_tracker():
     assert all(isinstance(rep, LoadReport) and rep.total_blocks == 3000 for _, rep in seen)
     assert any(rep.num_decoding and rep.decode_context_tokens for _, rep in seen)
     assert any(rep.queued_prefill_tokens for _, rep in seen)
-    assert f.policy.load.coefficients("replica-0") == f.cm.coefficients()
+    assert f.policy.load.coefficients("replica-0") == f.reps[0].cost.coefficients()
