@@ -51,50 +51,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from proc_cpu import cpu_of, stat, tree
 
 MODEL = "sim:h100-8b"
 MOONCAKE_BLOCK = 512
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def say(msg: str) -> None:
     print(f"frontdoor_capacity: {msg}", file=sys.stderr, flush=True)
-
-
-# -- CPU time from /proc --------------------------------------------------------------------
-def _stat(pid: int) -> list[str] | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def cpu_of(pids: set[int]) -> dict[int, float]:
-    """utime + stime (s) of each pid still alive (all its threads)."""
-    out = {}
-    for pid in pids:
-        f = _stat(pid)
-        if f is not None:
-            out[pid] = (int(f[11]) + int(f[12])) / TICK
-    return out
-
-
-def tree(root: int, exclude: frozenset[int] | set[int] = frozenset()) -> set[int]:
-    """``root`` and its descendants, less ``exclude`` and their descendants."""
-    children: dict[int, list[int]] = {}
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            f = _stat(int(p.name))
-            if f is not None:
-                children.setdefault(int(f[1]), []).append(int(p.name))
-    out, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        if pid in exclude or pid in out:
-            continue
-        out.add(pid)
-        todo.extend(children.get(pid, ()))
-    return out
 
 
 class Group:
@@ -448,7 +412,7 @@ def measure_idle(groups: list[Group], seconds: float) -> None:
 
 def identities(pids: set[int]) -> set[tuple[int, str]]:
     """(pid, start time): a process, not a pid that may be reused."""
-    return {(p, f[19]) for p in pids if (f := _stat(p)) is not None}
+    return {(p, f[19]) for p in pids if (f := stat(p)) is not None}
 
 
 def stop(
@@ -465,7 +429,7 @@ def stop(
             proc.kill()
             proc.wait()
     for pid, started in leftovers:
-        f = _stat(pid)
+        f = stat(pid)
         if f is not None and f[19] == started:
             say(f"killing a leftover process {pid}")
             try:

@@ -48,9 +48,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from proc_cpu import TICK, stat, tree
+
 MODEL = "smollm2-135m"
 BLOCK = 32
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def say(msg: str) -> None:
@@ -63,35 +64,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-# -- /proc ----------------------------------------------------------------------------------
-def _stat(pid: int) -> list[str] | None:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def tree(root: int) -> set[int]:
-    children: dict[int, list[int]] = {}
-    for p in Path("/proc").iterdir():
-        if p.name.isdigit():
-            f = _stat(int(p.name))
-            if f is not None:
-                children.setdefault(int(f[1]), []).append(int(p.name))
-    out, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        if pid not in out:
-            out.add(pid)
-            todo.extend(children.get(pid, ()))
-    return out
-
-
 def cpu_s(root: int) -> float:
     """utime + stime of ``root``'s live tree (seconds)."""
     total = 0.0
     for pid in tree(root):
-        f = _stat(pid)
+        f = stat(pid)
         if f is not None:
             total += (int(f[11]) + int(f[12])) / TICK
     return total
