@@ -105,6 +105,14 @@ def error_response(
     return Response(dumps(body), status, headers=headers, media_type="application/json")
 
 
+INTERNAL_ERROR = "internal error; the request id finds it in the server log"
+
+
+def internal_error_response(rid: str) -> Response:
+    """The 500 a request gets when its handler raised before its status went out."""
+    return error_response(500, INTERNAL_ERROR, "server_error", code="internal_error", rid=rid)
+
+
 def api_error_response(request: Request, exc: APIError) -> Response:
     return error_response(
         exc.status, exc.message, exc.type, exc.param, exc.code, request_id(request), exc.headers
@@ -151,11 +159,7 @@ class RequestIdMiddleware:
                 self.on_internal_error()
             if started:  # the status is out: the body simply ends
                 return
-            response = error_response(
-                500, "internal error; the request id finds it in the server log",
-                "server_error", code="internal_error", rid=rid,
-            )  # fmt: skip
-            await response(scope, receive, send_with_id)
+            await internal_error_response(rid)(scope, receive, send_with_id)
 
 
 async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:

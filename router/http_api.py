@@ -37,6 +37,7 @@ from .errors import (
     api_error_response,
     error_response,
     header,
+    internal_error_response,
     new_id,
     one_line,
     request_id,
@@ -298,10 +299,6 @@ class _HotLane:
             door.errors["internal"] += 1
             if started:  # the status is out: the body simply ends
                 return
-            response = error_response(
-                500, "internal error; the request id finds it in the server log",
-                "server_error", code="internal_error", rid=rid,
-            )  # fmt: skip
 
             async def send_plain(message: Message) -> None:  # no deadline, as before
                 if message["type"] == "http.response.start":
@@ -309,7 +306,7 @@ class _HotLane:
                     self.count_response(scope, message["status"])
                 await send(message)
 
-            await response(scope, receive, send_plain)
+            await internal_error_response(rid)(scope, receive, send_plain)
 
 
 def freeze_startup_heap() -> None:

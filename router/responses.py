@@ -19,7 +19,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from .errors import APIError, one_line, request_id
+from .errors import INTERNAL_ERROR, APIError, one_line, request_id
 from .frontdoor import FrontDoor
 from .openai_api import (
     ChatCompletionRequest,
@@ -70,7 +70,6 @@ def end_request(
 REPLICA_HEADER = "x-kvroute-replica"
 DISCONNECT_POLL_S = 0.5
 FAILED = "the replica serving this request failed; the request id finds it in the server log"
-INTERNAL = "internal error; the request id finds it in the server log"
 
 
 class Logprobs:
@@ -279,7 +278,9 @@ async def _write_sse(
         log.exception("request %s: stream failed", rid)
         status = "500 internal_error (in stream)"
         door.errors["internal"] += 1
-        body = error_body(INTERNAL, "server_error", 500, code="internal_error", request_id=rid)
+        body = error_body(
+            INTERNAL_ERROR, "server_error", 500, code="internal_error", request_id=rid
+        )
         await emit(data_line(body))
     finally:
         run.close()
