@@ -1,9 +1,13 @@
-"""Sending: streamed ``/v1/completions`` over ``httpx.AsyncClient``, timed per chunk.
+"""Sending: streamed ``/v1/completions`` over kept-alive HTTP/1.1 connections, timed per event.
 
-Why not the ``openai`` client: it builds a pydantic object per chunk, and the load generator
-shares 2 cores with the fleet it measures; a few lines of SSE parsing over raw bytes cost a
-fraction of that, so the client's own overhead stays out of the latencies. Every failure
-(HTTP status, timeout, refused connection, an ``error`` event in the stream) becomes a record
+Why not the ``openai`` client, nor httpx: the load generator shares the machine with the
+fleet it measures, and what the client spends between a chunk's arrival and its timestamp
+lands in every latency it reports. httpx costs ~2.5-3.4 ms of CPU per streamed request here
+(httpcore's state machine, h11, anyio's cancel scopes and a decoder per chunk) and added
+~1.3 ms to each TTFT at 50 req/s (BENCHMARKS.md, "Serving path"); the front door's own
+client for ``vllm serve`` (:mod:`kvroute.router.http_wire`) hands each body line to a
+callback inside the protocol, so a chunk is timed when it arrives. Every failure (HTTP
+status, timeout, refused connection, an ``error`` event in the stream) becomes a record
 with an error kind, never an exception out of :func:`run_load`.
 """
 
@@ -15,12 +19,13 @@ import json
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
 import msgspec
 
+from kvroute.router.http_wire import BackendPool, ConnectFailedError, StreamBrokenError
 from kvroute.router.responses import REPLICA_HEADER
 
 from .sources import Planned
@@ -56,67 +61,54 @@ class StreamError(Exception):
     """The server said, inside a 200 stream, that the request failed."""
 
 
-async def sse_events(
-    response: httpx.Response, on_comment: Callable[[str], None] | None = None
-) -> AsyncIterator[str]:
-    """The ``data`` payload of each server-sent event (multi-line data joined by newlines),
-    until ``[DONE]`` or the end of the body; comment lines go to ``on_comment``. An
-    ``event: error`` event raises."""
-    buf = b""
-    pieces = response.aiter_bytes()
-    async for piece in pieces:
-        buf += piece
-        while True:
-            cut = _boundary(buf)
-            if cut is None:
-                break
-            raw, buf = buf[: cut[0]], buf[cut[1] :]
-            kind, data = _parse_event(raw, on_comment)
-            if data is None:
-                continue
-            if kind == "error":
-                raise StreamError(data[:200])
-            if data == "[DONE]":
-                # Read the body to its end, as the openai client does: a response left
-                # half-read closes its connection, and every request pays a new one.
-                async for _ in pieces:
-                    pass
-                return
-            yield data
-    if buf.strip():
-        kind, data = _parse_event(buf, on_comment)
-        if data is not None and data != "[DONE]":
-            if kind == "error":
-                raise StreamError(data[:200])
-            yield data
+class SSEReader:
+    """Cuts a response body's lines (from :mod:`kvroute.router.http_wire`, one call per
+    line, without its newline) into server-sent events: ``on_event(data)`` per event's
+    ``data`` (multi-line data joined by newlines) until ``[DONE]``, comment lines to
+    ``on_comment``; an ``event: error`` event raises :class:`StreamError`."""
 
+    __slots__ = ("_data", "_kind", "done", "on_comment", "on_event")
 
-def _boundary(buf: bytes) -> tuple[int, int] | None:
-    """(end of the first event, start of the next) at a blank line, any newline style."""
-    best = None
-    for sep in (b"\n\n", b"\r\n\r\n", b"\r\r"):
-        i = buf.find(sep)
-        if i >= 0 and (best is None or i < best[0]):
-            best = (i, i + len(sep))
-    return best
+    def __init__(
+        self, on_event: Callable[[str], None], on_comment: Callable[[str], None] | None = None
+    ) -> None:
+        self.on_event, self.on_comment = on_event, on_comment
+        self._data: list[str] = []
+        self._kind: str | None = None
+        self.done = False  # [DONE] seen: the rest of the body is read and ignored
 
-
-def _parse_event(
-    raw: bytes, on_comment: Callable[[str], None] | None = None
-) -> tuple[str | None, str | None]:
-    kind, data = None, []
-    for line in raw.decode("utf-8", "replace").splitlines():
-        if line.startswith(":"):  # comment / keep-alive
-            if on_comment is not None:
-                on_comment(line[1:].strip())
-            continue
+    def line(self, raw: bytes) -> None:
+        if self.done:
+            return
+        if not raw:
+            self.end()
+            return
+        line = raw.decode("utf-8", "replace")
+        if line[0] == ":":  # comment / keep-alive
+            if self.on_comment is not None:
+                self.on_comment(line[1:].strip())
+            return
         name, _, value = line.partition(":")
         value = value[1:] if value.startswith(" ") else value
         if name == "data":
-            data.append(value)
+            self._data.append(value)
         elif name == "event":
-            kind = value
-    return kind, ("\n".join(data) if data else None)
+            self._kind = value
+
+    def end(self) -> None:
+        """The event so far is whole (a blank line, or the body's end)."""
+        data, kind = self._data, self._kind
+        if not data or self.done:
+            self._kind = None
+            return
+        self._data, self._kind = [], None
+        text = "\n".join(data)
+        if kind == "error":
+            raise StreamError(text[:200])
+        if text == "[DONE]":
+            self.done = True
+            return
+        self.on_event(text)
 
 
 def _first_line(text: str) -> str:
@@ -135,8 +127,7 @@ def _error_message(body: str) -> str:
 
 
 async def send_one(
-    client: httpx.AsyncClient,
-    url: str,
+    pool: BackendPool,
     req: Planned,
     t_run: float,
     timeout: float,
@@ -144,42 +135,64 @@ async def send_one(
 ) -> Record:
     """Sends one streamed completion and times it into ``rec`` (a new one if None), which
     keeps what was measured even if the task is cancelled; any failure is its ``error``."""
-    headers = {"Authorization": f"Bearer {req.api_key}"} if req.api_key else {}
     t0 = time.perf_counter()
     if rec is None:
         rec = Record(index=req.index, start_s=t0 - t_run)
     rec.start_s, rec.cache_salt = t0 - t_run, req.cache_salt
+    body = _encode(req.body)
+    auth = f"authorization: Bearer {req.api_key}\r\n" if req.api_key else ""
+    data = (
+        f"POST {pool.base_path}/completions HTTP/1.1\r\nhost: {pool.host_header}\r\n"
+        f"content-type: application/json\r\naccept: text/event-stream\r\n{auth}"
+        f"content-length: {len(body)}\r\n\r\n"
+    ).encode("latin-1") + body
     last: float | None = None
+
+    def on_event(text: str) -> None:
+        nonlocal last
+        now = time.perf_counter()
+        chunk = _decode(text)
+        if "error" in chunk:
+            raise StreamError(str(chunk["error"].get("message", chunk["error"])))
+        for choice in chunk.get("choices") or ():
+            if choice.get("finish_reason") == "error":
+                raise StreamError("finish_reason error")
+            if choice.get("text") or choice.get("finish_reason"):
+                if last is None:
+                    rec.ttft_s = now - t0
+                elif choice.get("text"):
+                    rec.itl_s.append(now - last)
+                last = now
+        usage = chunk.get("usage")
+        if usage:
+            rec.prompt_tokens = usage.get("prompt_tokens")
+            rec.output_tokens = usage.get("completion_tokens")
+            details = usage.get("prompt_tokens_details") or {}
+            rec.cached_tokens = details.get("cached_tokens") or 0
+
+    conn, pending = None, None
     try:
         async with asyncio.timeout(timeout):
-            async with client.stream(
-                "POST", url + "/completions", json=req.body, headers=headers
-            ) as resp:
-                rec.replica = resp.headers.get(REPLICA_HEADER)
-                if resp.status_code != 200:
-                    rec.error = f"http_{resp.status_code}"
-                    rec.detail = _error_message((await resp.aread()).decode("utf-8", "replace"))
-                    return rec
-                async for data in sse_events(resp, lambda c: _timing(rec, c)):
-                    now = time.perf_counter()
-                    chunk = json.loads(data)
-                    if "error" in chunk:
-                        raise StreamError(str(chunk["error"].get("message", chunk["error"])))
-                    for choice in chunk.get("choices") or ():
-                        if choice.get("finish_reason") == "error":
-                            raise StreamError("finish_reason error")
-                        if choice.get("text") or choice.get("finish_reason"):
-                            if last is None:
-                                rec.ttft_s = now - t0
-                            elif choice.get("text"):
-                                rec.itl_s.append(now - last)
-                            last = now
-                    usage = chunk.get("usage")
-                    if usage:
-                        rec.prompt_tokens = usage.get("prompt_tokens")
-                        rec.output_tokens = usage.get("completion_tokens")
-                        details = usage.get("prompt_tokens_details") or {}
-                        rec.cached_tokens = details.get("cached_tokens") or 0
+            for attempt in (0, 1):
+                sse = SSEReader(on_event, lambda c: _timing(rec, c))
+                conn = await pool.acquire()
+                reused = conn.uses > 0
+                pending = conn.request(data, sse.line)
+                try:
+                    status, refused = await pending
+                    break
+                except StreamBrokenError:
+                    # A kept-alive connection the server closed as the request went out:
+                    # once more on a fresh one (nothing of it was answered).
+                    if reused and not conn.got_bytes and attempt == 0:
+                        continue
+                    raise
+            rec.replica = conn.headers.get(REPLICA_HEADER)
+            if status != 200:
+                rec.error = f"http_{status}"
+                rec.detail = _error_message(refused.decode("utf-8", "replace"))
+                return rec
+            sse.end()
         rec.e2e_s = time.perf_counter() - t0
         if rec.ttft_s is None:
             rec.error, rec.detail = "empty_stream", "no content chunk before the stream ended"
@@ -187,20 +200,26 @@ async def send_one(
         rec.error, rec.detail = "stream_error", _first_line(str(e))
     except TimeoutError:
         rec.error = "timeout"
-    except httpx.TimeoutException as e:
-        rec.error, rec.detail = "timeout", type(e).__name__
-    except httpx.ConnectError as e:
+    except ConnectFailedError as e:
         rec.error, rec.detail = "connect", _first_line(str(e))
-    except (httpx.RemoteProtocolError, httpx.ReadError) as e:
+    except StreamBrokenError as e:
         rec.error, rec.detail = "disconnected", _first_line(str(e)) or type(e).__name__
-    except httpx.HTTPError as e:
-        rec.error, rec.detail = "http_error", _first_line(str(e)) or type(e).__name__
-    except json.JSONDecodeError as e:
+    except (msgspec.DecodeError, ValueError, AttributeError) as e:
         rec.error, rec.detail = "bad_chunk", _first_line(str(e))
     except asyncio.CancelledError:
         rec.error = "cancelled"
         raise
+    finally:
+        if conn is not None:
+            if rec.replica is None:
+                rec.replica = conn.headers.get(REPLICA_HEADER)
+            if pending is not None and (not pending.done() or pending.cancelled()):
+                conn.abort()  # given up on mid-response: closed, so the server aborts it
     return rec
+
+
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder().decode
 
 
 def _timing(rec: Record, comment: str) -> None:
@@ -309,7 +328,6 @@ async def run_load(
     grace: float = 10.0,
     timeout: float = 300.0,
     on_done: Callable[[Record], None] | None = None,
-    transport: httpx.AsyncBaseTransport | None = None,
     breaker: Breaker | None = None,
     on_tick: Callable[[], None] | None = None,
 ) -> tuple[list[Record], float]:
@@ -323,11 +341,9 @@ async def run_load(
     tasks: dict[int, asyncio.Task[Record]] = {}
     partial: dict[int, Record] = {}
     requests_by_index = {r.index: r for r in requests}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-    # trust_env=False: never route loopback load through a proxy from the environment.
-    client = httpx.AsyncClient(
-        timeout=httpx.Timeout(timeout), limits=limits, trust_env=False, transport=transport
-    )
+    # Kept-alive HTTP/1.1 connections, one per request in flight (no proxy from the
+    # environment: loopback load must not detour).
+    pool = BackendPool(url, connect_timeout_s=min(timeout, 30.0), keep_headers=(REPLICA_HEADER,))
     t_run = time.perf_counter()
     stop_at = t_run + duration if duration is not None else None
     halt = asyncio.Event()
@@ -355,7 +371,7 @@ async def run_load(
 
     def launch(req: Planned) -> asyncio.Task[Record]:
         rec = partial[req.index] = Record(index=req.index, start_s=time.perf_counter() - t_run)
-        task = asyncio.create_task(send_one(client, url, req, t_run, timeout, rec))
+        task = asyncio.create_task(send_one(pool, req, t_run, timeout, rec))
         task.add_done_callback(lambda t, r=req: finish(r, t))
         tasks[req.index] = task
         return task
@@ -422,7 +438,7 @@ async def run_load(
         wall = time.perf_counter() - t_run
         if ticking is not None:
             ticking.cancel()
-        await client.aclose()
+        pool.close()
     return [records[i] for i in sorted(records)], wall
 
 

@@ -57,6 +57,7 @@ class _Conn(asyncio.Protocol):
         self._left = 0
         self._status = 0
         self._keep_alive = True
+        self.headers: dict[str, str] = {}  # the response's headers the pool keeps
         self._on_line: OnLine | None = None
         self._done: asyncio.Future[tuple[int, bytes]] | None = None
 
@@ -71,6 +72,8 @@ class _Conn(asyncio.Protocol):
         self._on_line = on_line
         self._status = 0
         self._keep_alive = True
+        if self.headers:
+            self.headers = {}
         self._body.clear()
         self._lines.clear()
         self._done = self.pool.loop.create_future()
@@ -193,9 +196,12 @@ class _Conn(asyncio.Protocol):
         self._status = status
         chunked, length = False, None
         self._keep_alive = parts[0] != "HTTP/1.0"
+        keep = self.pool.keep_headers
         for line in lines[1:]:
             name, _, value = line.partition(":")
             name = name.strip().lower()
+            if name in keep:
+                self.headers[name] = value.strip()
             if name == "transfer-encoding":
                 chunked = "chunked" in value.lower()
             elif name == "content-length":
@@ -275,7 +281,15 @@ class BackendPool:
     from one event loop only. Connections are made on demand, one per request in flight;
     an idle one is reused, the newest first (the server closes long-idle ones)."""
 
-    def __init__(self, base_url: str, connect_timeout_s: float = 5.0, max_idle: int = 256):
+    def __init__(
+        self,
+        base_url: str,
+        connect_timeout_s: float = 5.0,
+        max_idle: int = 256,
+        keep_headers: tuple[str, ...] = (),
+    ) -> None:
+        """``keep_headers``: lower-case names of response headers to keep in each
+        connection's ``headers`` (the rest are read for framing only)."""
         parts = urlsplit(base_url)
         self.tls = parts.scheme == "https"
         self.host = parts.hostname or "127.0.0.1"
@@ -284,6 +298,7 @@ class BackendPool:
         self.host_header = parts.netloc
         self.connect_timeout_s = connect_timeout_s
         self.max_idle = max_idle
+        self.keep_headers = frozenset(keep_headers)
         self.loop = asyncio.get_running_loop()
         self._idle: list[_Conn] = []
         self._all: set[_Conn] = set()

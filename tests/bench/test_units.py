@@ -1,26 +1,27 @@
 """``kvroute bench`` without a server: statistics, request bodies, the SSE parser, and one
-request's outcome for each way a server can answer (httpx's MockTransport)."""
+request's outcome for each way a real (loopback) server can answer."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-import httpx
 import numpy as np
 import pytest
 
 from kvroute.bench.loadgen import (
     Breaker,
     Record,
+    SSEReader,
     StreamError,
     describe_failure,
     run_load,
     send_one,
-    sse_events,
 )
 from kvroute.bench.report import format_table, load_result, percentile, summarize, to_json
 from kvroute.bench.sources import (
@@ -32,6 +33,7 @@ from kvroute.bench.sources import (
     tokens_to_text,
 )
 from kvroute.deploy.cli import main
+from kvroute.router.http_wire import BackendPool
 from kvroute.router.responses import REPLICA_HEADER
 from kvroute.sim.traces import TraceRequest, prompt_tokens, specs_from_trace
 from kvroute.sim.workloads import RequestSpec, TokenSource, make_workload
@@ -220,28 +222,26 @@ def test_breaker_trips_on_failures_in_a_row_only() -> None:
 
 
 # -- SSE and one request --------------------------------------------------------------------
-class Chunks:
-    def __init__(self, parts: list[bytes]) -> None:
-        self.parts = parts
-
-    async def aiter_bytes(self) -> AsyncIterator[bytes]:
-        for p in self.parts:
-            yield p
-
-
-async def collect(parts: list[bytes]) -> list[str]:
-    return [d async for d in sse_events(Chunks(parts))]  # type: ignore[arg-type]
+def events_of(raw: bytes) -> list[str]:
+    """Body lines as :mod:`kvroute.router.http_wire` hands them over (no newline, no CR)."""
+    out: list[str] = []
+    sse = SSEReader(out.append)
+    for line in raw.split(b"\n"):
+        sse.line(line.rstrip(b"\r"))
+    sse.end()
+    return out
 
 
-async def test_sse_parser_framing() -> None:
+def test_sse_reader_framing() -> None:
     raw = b'data: {"a": 1}\n\n: keep-alive\n\ndata: {"b":\ndata: 2}\r\n\r\n'
-    raw += b"data: x\n\ndata: [DONE]\n\n"
-    for size in (1, 3, 7, len(raw)):
-        parts = [raw[i : i + size] for i in range(0, len(raw), size)]
-        assert await collect(parts) == ['{"a": 1}', '{"b":\n2}', "x"]
-    assert await collect([b"data: tail-without-blank-line"]) == ["tail-without-blank-line"]
+    assert events_of(raw + b"data: x\n\ndata: [DONE]\n\ndata: after\n\n") == [
+        '{"a": 1}',
+        '{"b":\n2}',
+        "x",
+    ]
+    assert events_of(b"data: tail-without-blank-line") == ["tail-without-blank-line"]
     with pytest.raises(StreamError):
-        await collect([b'data: {"a": 1}\n\nevent: error\ndata: boom\n\n'])
+        events_of(b'data: {"a": 1}\n\nevent: error\ndata: boom\n\n')
 
 
 def chunk(text: str, finish: str | None = None) -> bytes:
@@ -252,38 +252,105 @@ def chunk(text: str, finish: str | None = None) -> bytes:
 USAGE = b'data: {"choices": [], "usage": {"prompt_tokens": 40, "completion_tokens": 3, ' \
     b'"total_tokens": 43, "prompt_tokens_details": {"cached_tokens": 32}}}\n\n'  # fmt: skip
 
+# A response: status, headers, then the body's pieces (each its own chunk and write; a
+# piece that is a float is a pause of that many seconds instead).
+Answer = tuple[int, dict[str, str], list["bytes | float"]]
 
-def handler(request: httpx.Request) -> httpx.Response:
-    body = json.loads(request.content)
+
+class FakeServer:
+    """A real HTTP/1.1 server on loopback that answers each POST with ``respond(body,
+    headers)``: chunked, kept alive. Counts connections and requests in flight."""
+
+    def __init__(self, respond: Callable[[dict[str, Any], dict[str, str]], Answer]) -> None:
+        self.respond = respond
+        self.connections = self.live = self.peak = 0
+        self.server: asyncio.base_events.Server | None = None
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/v1"
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError:
+                    break
+                lines = head.decode("latin-1").split("\r\n")
+                headers = {
+                    k.strip().lower(): v.strip()
+                    for k, _, v in (line.partition(":") for line in lines[1:] if line)
+                }
+                body = json.loads(await reader.readexactly(int(headers["content-length"])))
+                status, extra, pieces = self.respond(body, headers)
+                self.live += 1
+                self.peak = max(self.peak, self.live)
+                try:
+                    out = f"HTTP/1.1 {status} X\r\ntransfer-encoding: chunked\r\n"
+                    out += "".join(f"{k}: {v}\r\n" for k, v in extra.items()) + "\r\n"
+                    writer.write(out.encode())
+                    for piece in pieces:
+                        if isinstance(piece, float):  # a pause, cut short by the client's close
+                            with contextlib.suppress(TimeoutError):
+                                if not await asyncio.wait_for(reader.read(1), piece):
+                                    return
+                            continue
+                        writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                        await writer.drain()
+                    writer.write(b"0\r\n\r\n")
+                    await writer.drain()
+                finally:
+                    self.live -= 1
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+
+def answer(body: dict[str, Any], headers: dict[str, str]) -> Answer:
     case = body["case"]
     sse = {"content-type": "text/event-stream", REPLICA_HEADER: "r1"}
     if case == "ok":
-        assert request.headers["authorization"] == "Bearer k"
+        assert headers["authorization"] == "Bearer k"
         timing = b': kvroute-timing {"replica_ttft_s": 0.25, "router_ttft_s": 0.5}\n\n'
         stream = chunk("a") + chunk("b") + chunk("c", "length") + USAGE + timing
         stream += b"data: [DONE]\n\n"
-        return httpx.Response(200, headers=sse, content=stream)
+        # Cut anywhere: mid-line, mid-event, one byte at a time at the start.
+        return 200, sse, [*(stream[i : i + 1] for i in range(7)), stream[7:50], stream[50:]]
     if case == "401":
-        return httpx.Response(401, json={"error": {"message": "bad key"}})
+        return 401, {"content-type": "application/json"}, [b'{"error": {"message": "bad key"}}']
     if case == "finish_error":
-        return httpx.Response(200, headers=sse, content=chunk("a") + chunk("", "error"))
+        return 200, sse, [chunk("a") + chunk("", "error")]
     if case == "error_body":
         err = b'data: {"error": {"message": "replica failed"}}\n\ndata: [DONE]\n\n'
-        return httpx.Response(200, headers=sse, content=chunk("a") + err)
+        return 200, sse, [chunk("a") + err]
+    if case == "event_error":
+        return 200, sse, [chunk("a"), b"event: error\ndata: boom\n\n"]
+    if case == "bad_json":
+        return 200, sse, [b"data: {not json\n\n"]
     if case == "empty":
-        return httpx.Response(200, headers=sse, content=b"data: [DONE]\n\n")
-    raise httpx.ConnectError("refused", request=request)
+        return 200, sse, [b"data: [DONE]\n\n"]
+    raise AssertionError(case)
 
 
 @pytest.mark.parametrize(
     ("case", "error"),
     [("ok", None), ("401", "http_401"), ("finish_error", "stream_error"),
-     ("error_body", "stream_error"), ("empty", "empty_stream"), ("refused", "connect")],
+     ("error_body", "stream_error"), ("event_error", "stream_error"),
+     ("bad_json", "bad_chunk"), ("empty", "empty_stream")],
 )  # fmt: skip
 async def test_one_request_each_outcome(case: str, error: str | None) -> None:
     req = Planned(0, 0.0, {"case": case}, "k", "salt", 40)
-    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
-        r = await send_one(client, "http://x/v1", req, 0.0, timeout=5.0)
+    async with FakeServer(answer) as url:
+        pool = BackendPool(url, keep_headers=(REPLICA_HEADER,))
+        r = await send_one(pool, req, 0.0, timeout=5.0)
+        pool.close()
     assert r.error == error
     if case == "401":
         assert r.detail == "bad key"
@@ -312,75 +379,60 @@ async def test_nothing_listening_is_counted_not_raised() -> None:
 
 
 async def test_closed_loop_holds_c_in_flight_and_duration_cancels() -> None:
-    live = peak = 0
-
-    async def slow(request: httpx.Request) -> httpx.Response:
-        nonlocal live, peak
-        live += 1
-        peak = max(peak, live)
-
-        async def body() -> AsyncIterator[bytes]:
-            nonlocal live
-            yield chunk("a")
-            await asyncio.sleep(0.05 if b"quick" in request.content else 30)
-            live -= 1  # before the last chunk: the client may never ask past it
-            yield chunk("b", "length") + USAGE + b"data: [DONE]\n\n"
-
-        return httpx.Response(200, headers={REPLICA_HEADER: "r0"}, content=body())
+    def slow(body: dict[str, Any], headers: dict[str, str]) -> Answer:
+        pause = 0.05 if body["case"] == "quick" else 30.0
+        last = chunk("b", "length") + USAGE + b"data: [DONE]\n\n"
+        return 200, {REPLICA_HEADER: "r0"}, [chunk("a"), pause, last]
 
     def reqs(n: int, case: str) -> list[Planned]:
         return [Planned(i, 0.02 * i, {"case": case}, None, None, 40) for i in range(n)]
 
-    t = httpx.MockTransport(slow)
-    records, _ = await run_load("http://x/v1", reqs(10, "quick"), concurrency=3, transport=t)
-    assert [r.index for r in records] == list(range(10)) and all(r.ok for r in records)
-    assert peak == 3
-    # Open loop, 50/s for 0.2 s: ~10 sent, each stuck after its first chunk until cancelled.
-    records, wall = await run_load(
-        "http://x/v1", reqs(100, "stuck"), duration=0.2, grace=0.1, transport=t
-    )
-    assert 5 <= len(records) <= 11 and wall < 1.0
-    assert all(r.error == "cancelled" for r in records)
-    assert all(r.replica == "r0" and r.ttft_s is not None for r in records)  # kept
+    server = FakeServer(slow)
+    async with server as url:
+        records, _ = await run_load(url, reqs(10, "quick"), concurrency=3)
+        assert [r.index for r in records] == list(range(10)) and all(r.ok for r in records)
+        assert server.peak == 3
+        # Open loop, 50/s for 0.2 s: ~10 sent, each stuck after its first chunk until
+        # cancelled, and the cancelled ones' connections closed (the server sees them go).
+        records, wall = await run_load(url, reqs(100, "stuck"), duration=0.2, grace=0.1)
+        assert 5 <= len(records) <= 11 and wall < 1.0
+        assert all(r.error == "cancelled" for r in records)
+        assert all(r.replica == "r0" and r.ttft_s is not None for r in records)  # kept
+        for _ in range(100):
+            if server.live == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert server.live == 0
+
+
+async def test_a_timeout_is_counted_and_its_connection_closed() -> None:
+    def stuck(body: dict[str, Any], headers: dict[str, str]) -> Answer:
+        return 200, {}, [chunk("a"), 30.0]
+
+    server = FakeServer(stuck)
+    async with server as url:
+        reqs = [Planned(0, 0.0, {"case": "stuck"}, None, None, 40)]
+        records, _ = await run_load(url, reqs, concurrency=1, timeout=0.3)
+        assert [r.error for r in records] == ["timeout"] and records[0].ttft_s is not None
+        for _ in range(100):
+            if server.live == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert server.live == 0
 
 
 async def test_a_closed_loop_reuses_its_connection() -> None:
-    """After ``[DONE]`` the client reads the body to its end, as the openai client does: a
-    response left half-read closes its connection, and every request would pay (and make
-    the server pay) a new one. A real socket server counts the connections."""
-    connections = 0
+    """One kept-alive connection serves a whole closed loop of one: the client reads each
+    body to its end (a response left half-read would close its connection, and every
+    request would pay, and make the server pay, a new one)."""
 
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal connections
-        connections += 1
-        while True:
-            head = await reader.readuntil(b"\r\n\r\n") if not reader.at_eof() else b""
-            if not head:
-                break
-            length = next(
-                int(line.split(b":")[1])
-                for line in head.lower().split(b"\r\n")
-                if line.startswith(b"content-length:")
-            )
-            await reader.readexactly(length)
-            writer.write(
-                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
-                b"transfer-encoding: chunked\r\n\r\n"
-            )
-            for piece in (chunk("a"), chunk("b", "length") + USAGE, b"data: [DONE]\n\n"):
-                writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
-                await writer.drain()
-            writer.write(b"0\r\n\r\n")
-            await writer.drain()
-        writer.close()
+    def ok(body: dict[str, Any], headers: dict[str, str]) -> Answer:
+        return 200, {}, [chunk("a"), chunk("b", "length") + USAGE, b"data: [DONE]\n\n"]
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    try:
+    server = FakeServer(ok)
+    async with server as url:
         reqs = plan(make_workload("chat", 6), "m", closed_loop=True, vocab_size=256)
-        records, _ = await run_load(f"http://127.0.0.1:{port}/v1", reqs, concurrency=1, timeout=5)
-    finally:
-        server.close()
+        records, _ = await run_load(url, reqs, concurrency=1, timeout=5)
     assert [r.error for r in records] == [None] * 6
     assert [r.output_tokens for r in records] == [3] * 6
-    assert connections == 1
+    assert server.connections == 1
