@@ -179,16 +179,6 @@ class LoadTracker:
         load = self._loads.get(replica)
         return load.count if load is not None else 0
 
-    def unheld_queue(self, replica: str, now: float) -> int:
-        """Prefill tokens queued at the replica's last report while it is fresh (0 without
-        one): prompts waiting there then hold no KV blocks, so the report's free blocks
-        still count those they will take. (This router's placements since the report are
-        already out of :meth:`get`'s free blocks; its own queued prefill is not this.)"""
-        load = self._loads.get(replica)
-        if load is None or load.report is None or load.report_expiry < now:
-            return 0
-        return load.report.queued_prefill_tokens
-
     def last_report(self, replica: str) -> LoadReport | None:
         """The replica's latest report, however old (for /metrics; routing uses get())."""
         load = self._loads.get(replica)

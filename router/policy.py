@@ -27,9 +27,8 @@ requests holding ``C`` KV tokens, ``F`` free blocks of ``T``)::
                                                       recomputed, and it waits meanwhile
 
 Why ``R = U / (T - U)`` (:func:`evicted_reuse`), with ``T`` the replica's KV blocks and
-``U = T - F + (new blocks of this request) + W / block size`` those committed to live work
-(held by its running requests, placed there by this router since its report, this one, and
-the prompts waiting there at its report, ``W``): lazy LRU
+``U = T - F + (new blocks of this request)`` those committed to live work (held by its
+running requests, placed there by this router since its report, and this one): lazy LRU
 keeps every block no request holds cached, so a new block evicts the least recently used
 of the ``T - U`` left for cached prefixes. Whether that block is still wanted depends on the
 replica's working set of reused prefixes, which the router does not see; taken as equally
@@ -42,22 +41,9 @@ future work, so work spreads; at half the cache committed it costs one recompute
 constant this replaced); as the running batch crowds the cache it grows without bound
 (``T - U`` is floored at one block), so a saturated replica takes hits and sends its misses
 to replicas with room. Signals: the replica's load report (free and total blocks), filled
-in by this router's own placements since (:class:`~kvroute.router.load.LoadTracker`).
-
-Why the waiting prompts count in ``U``: a prompt waiting there holds no block yet, so the
-report's ``F`` still counts as free the blocks it will take, but once admitted it holds its
-whole prompt while it runs: its uncached tokens take new blocks, evicting as this request's
-do. So the cache left for reused prefixes is what the running requests, the waiting
-prompts and this request leave. ``W`` is the report's queued prefill while the report is
-fresh (:meth:`~kvroute.router.load.LoadTracker.unheld_queue`: waiting prompts net of what
-their prefix lookup would hit, and running prefills' remainder, which hold no blocks yet),
-in whole blocks; 0 without a fresh report. Not the view's ``Q``: that one also counts this
-router's placements since the report, whose blocks are already out of ``F``. The cached
-blocks the waiting prompts will pin are left out, so ``U`` is, if anything, low. Below
-saturation the queue is short and ``R`` is what it was; at and past it, a replica whose
-queue will take its free blocks prices a miss as a full cache does, so misses go where the
-queued work leaves cache to spare. A replica whose size is not known
-yet is priced ``R = 1``.
+in by this router's own placements since (:class:`~kvroute.router.load.LoadTracker`);
+prompts waiting there since before the report count once admitted, when they hold blocks.
+A replica whose size is not known yet is priced ``R = 1``.
 
 Why a third of the batch (:data:`DECODE_OVERLAP`): the decoders there are halfway through
 their outputs on average, and while they finish, the router sends new arrivals to lighter
@@ -130,10 +116,9 @@ EVICTED_REUSE = 1.0
 def evicted_reuse(free: int, total: int, new_blocks: int) -> float:
     """Future recomputes each token a placement evicts sets off on a replica with ``free``
     of ``total`` KV blocks unheld (as :meth:`LoadTracker.get` gives them: net of what this
-    router placed since the replica's report) and ``new_blocks`` to be taken before its
-    blocks age (this request's, and the prompts queued there, :func:`price`): ``U / (T -
-    U)``, ``U`` the committed blocks (module docstring). 0 on an empty cache;
-    ``EVICTED_REUSE`` when ``total`` is 0 (not known yet)."""
+    router placed since the replica's report) and ``new_blocks`` to be taken by this
+    request: ``U / (T - U)``, ``U`` the committed blocks (module docstring). 0 on an empty
+    cache; ``EVICTED_REUSE`` when ``total`` is 0 (not known yet)."""
     if total <= 0:
         return EVICTED_REUSE
     left = free - new_blocks
@@ -159,25 +144,18 @@ class CostParts(NamedTuple):
 
 
 def price(
-    c: CostCoefficients,
-    view: LoadView,
-    n: int,
-    hit: int,
-    out: float,
-    block_size: int,
-    waiting: int = 0,
+    c: CostCoefficients, view: LoadView, n: int, hit: int, out: float, block_size: int
 ) -> CostParts:
     """The seconds a request of ``n`` prompt tokens (``hit`` cached there, ``out`` expected
-    output tokens) costs on a replica with coefficients ``c``, load ``view`` and ``waiting``
-    prefill tokens queued at its last report (``W``); the formula and why each term is there
-    are in the module docstring. The reference for
+    output tokens) costs on a replica with coefficients ``c`` and load ``view``; the formula
+    and why each term is there are in the module docstring. The reference for
     :meth:`KVPolicy.choose`, which computes the same sums inline."""
     queued, context, decoding, _, free, total = view
     f = DECODE_OVERLAP
     decode = out * c.decode_step_s(f * decoding + 1, f * context + n + 0.5 * out)
     new_blocks = -(-(n + int(out)) // block_size) - hit // block_size
     short = new_blocks - free
-    reuse = evicted_reuse(free, total, new_blocks + waiting // block_size)
+    reuse = evicted_reuse(free, total, new_blocks)
     return CostParts(
         wait=queued * c.prefill_s_per_token,
         prefill=c.prefill_s(n - hit, hit),
@@ -304,8 +282,7 @@ class KVPolicy(Policy):
         for r in replicas:
             c = self.load.coefficients(r) or self.default_coefficients
             hit = matched.get(r, 0) * req.block_size
-            view, waiting = self.load.get(r, now), self.load.unheld_queue(r, now)
-            out[r] = price(c, view, req.num_prompt_tokens, hit, o, req.block_size, waiting)
+            out[r] = price(c, self.load.get(r, now), req.num_prompt_tokens, hit, o, req.block_size)
         return out
 
     def costs(self, req: RequestView, replicas: Sequence[str], now: float) -> dict[str, float]:
@@ -321,7 +298,6 @@ class KVPolicy(Policy):
         matched, n, bs = self._match(req, now), req.num_prompt_tokens, req.block_size
         out = self.load.expected_output_tokens(req.max_tokens)
         load, coef, default = self.load.get, self.load.coefficients, self.default_coefficients
-        unheld = self.load.unheld_queue
         f, own_ctx = DECODE_OVERLAP, n + 0.5 * out
         need = -(-(n + int(out)) // bs)
         fixed: dict[tuple[int, int], tuple[float, float]] = {}
@@ -337,11 +313,9 @@ class KVPolicy(Policy):
                 pair = fixed[key] = (c.prefill_s(n - hit, hit), (n - hit) * c.prefill_s_per_token)
             base, recompute = pair
             left = free - need + blocks  # blocks left once its own are placed; < 0: short
-            if total > 0:  # evicted_reuse, inline, the waiting prompts' blocks committed too
-                rest = left - unheld(r, now) // bs
-                if rest < total:
-                    if rest < 1:
-                        rest = 1
+            if total > 0:  # evicted_reuse, inline
+                if left < total:
+                    rest = left if left >= 1 else 1
                     base += recompute * ((total - rest) / rest)
             else:
                 base += EVICTED_REUSE * recompute

@@ -287,64 +287,6 @@ def test_cost_eviction_grows_with_the_share_of_the_cache_committed_to_live_work(
     assert warm == pytest.approx(96 * C.prefill_s_per_token * (t - left) / left)
 
 
-def test_cost_eviction_counts_the_prompts_waiting_at_the_report_as_committed():
-    """Prompts waiting on a replica at its last report hold no blocks yet, but once admitted
-    their uncached tokens take new blocks: ``U`` counts them (the report's queued prefill /
-    block size) with the running requests' and this one's, so a replica whose free blocks
-    its queue will take prices a miss's evictions as a full cache does. The view's own
-    queued prefill does not count: it includes this router's placements since the report,
-    whose blocks are already out of the free blocks."""
-    t, n, out = 10_000, 4096, 100
-    new = -(-(n + out) // BS)
-    one = n * C.prefill_s_per_token
-
-    def evict(waiting: int, free: int = t) -> float:
-        return price(C, (waiting, 0, 0, 0, free, t), n, 0, out, BS, waiting).evict
-
-    assert evict(0) == pytest.approx(one * new / (t - new))
-    half = (t // 2 - new) * BS  # waiting prompts taking half the cache with this one
-    assert evict(half) == pytest.approx(one)
-    assert evict(half + 8 * BS) > evict(half)  # monotone in the queue
-    assert evict(t * BS) == pytest.approx(one * (t - 1))  # a queue past the cache: floored
-    assert evict(15, free=t // 2 + new) == evict(0, free=t // 2 + new)  # whole blocks only
-    own = price(C, (half, 0, 0, 0, t, t), n, 0, out, BS).evict  # the view's queue alone
-    assert own == pytest.approx(evict(0))
-    # the tracker gives the fresh report's queue, and nothing without one
-    tracker = LoadTracker(report_ttl_s=1.0)
-    tracker.register("r", C, t)
-    tracker.on_routed("mine", "r", 5000, 5000, blocks=80)
-    assert tracker.unheld_queue("r", 0.0) == 0  # no report: own placements are in free
-    tracker.report("r", report(7000, 0, 0, 2, free=t), now=1.0)
-    assert tracker.unheld_queue("r", 1.5) == 7000 and tracker.unheld_queue("r", 2.5) == 0
-
-
-def test_a_miss_avoids_replicas_whose_queued_prompts_will_fill_their_cache():
-    """The holder's queue is longer than the others' by more than the prefill its hit
-    saves, so by wait and prefill alone the request would move; but the others' queued
-    prompts will take nearly all their free blocks, and the prefix copied there would evict
-    what those prompts and their successors need. Priced as committed, the queues keep it
-    on the holder. Counting only held blocks (before), it moved."""
-    index = PrefixIndex()
-    hold(index, "replica-0", prefix(2048))
-    policy = KVPolicy(index, seed=4)
-    others_queue = 1_800 * BS  # 1,800 blocks of prompts waiting, 2,000 blocks free
-    for r in REPLICAS:
-        policy.load.register(r, C, 10_000)
-        queued, free = (
-            (others_queue + 4096 + 2048, 9_000) if r == "replica-0" else (others_queue, 2_000)
-        )
-        rep = msgspec.structs.replace(report(queued, 0, 0, 1, free), total_blocks=10_000)
-        policy.load.report(r, rep, now=0.0)
-    req = view("q", prefix(2048) + [9] * 2048)
-    parts = policy.breakdown(req, REPLICAS, 0.1)
-    # by the queue and the prefill alone, replica-1 is cheaper
-    assert parts["replica-1"].wait + parts["replica-1"].prefill < (
-        parts["replica-0"].wait + parts["replica-0"].prefill
-    )
-    assert parts["replica-1"].evict > 100 * parts["replica-0"].evict
-    assert policy.route(req, REPLICAS, 0.1).replica == "replica-0"
-
-
 def _fleet_with_a_holder(free: int, holder_queue: int) -> tuple[KVPolicy, RequestView]:
     """Four replicas of 10,000 blocks, each reporting ``free`` of them unheld; replica-0
     holds the request's 2,048-token prefix and has ``holder_queue`` prompt tokens queued."""
