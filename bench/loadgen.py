@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from kvroute.router.http_wire import BackendPool, ConnectFailedError, StreamBrokenError
+from kvroute.router.http_wire import BackendPool, ConnectFailedError, Connection, StreamBrokenError
 from kvroute.router.responses import REPLICA_HEADER
 
 from .sources import Planned
@@ -170,23 +170,12 @@ async def send_one(
             details = usage.get("prompt_tokens_details") or {}
             rec.cached_tokens = details.get("cached_tokens") or 0
 
-    conn, pending = None, None
+    sse = SSEReader(on_event, lambda c: _timing(rec, c))
+    conns: list[Connection] = []  # the one it went out on last (its headers name the replica)
     try:
         async with asyncio.timeout(timeout):
-            for attempt in (0, 1):
-                sse = SSEReader(on_event, lambda c: _timing(rec, c))
-                conn = await pool.acquire()
-                reused = conn.uses > 0
-                pending = conn.request(data, sse.line)
-                try:
-                    status, refused = await pending
-                    break
-                except StreamBrokenError:
-                    # A kept-alive connection the server closed as the request went out:
-                    # once more on a fresh one (nothing of it was answered).
-                    if reused and not conn.got_bytes and attempt == 0:
-                        continue
-                    raise
+            # Given up on (timed out, cancelled), the connection is closed: the server aborts.
+            conn, status, refused = await pool.send(data, sse.line, conns.append)
             rec.replica = conn.headers.get(REPLICA_HEADER)
             if status != 200:
                 rec.error = f"http_{status}"
@@ -210,11 +199,8 @@ async def send_one(
         rec.error = "cancelled"
         raise
     finally:
-        if conn is not None:
-            if rec.replica is None:
-                rec.replica = conn.headers.get(REPLICA_HEADER)
-            if pending is not None and (not pending.done() or pending.cancelled()):
-                conn.abort()  # given up on mid-response: closed, so the server aborts it
+        if rec.replica is None and conns:  # failed mid-response: its head was read
+            rec.replica = conns[-1].headers.get(REPLICA_HEADER)
     return rec
 
 

@@ -355,29 +355,17 @@ class HttpReplicaConnection:
         raw = _encode(body)
         data = self.pool.head("POST", "/v1/completions", len(raw)) + raw
         stream = _Stream(self, reader, flight)
-        pending = None  # the response being read, until it is whole
         try:
-            for attempt in (0, 1):
-                try:
-                    conn = await self.pool.acquire()
-                except ConnectFailedError as exc:
-                    # Never reached it: not this request's doing; the backend is gone.
-                    why = f"replica {self.replica_id}: unreachable ({exc})"
-                    self._end(flight, ReplicaLostError(why))
-                    self.lose("unreachable (ConnectError)")
-                    return
-                reused = conn.uses > 0
-                stream.sent = time.perf_counter()
-                pending = conn.request(data, stream.line)
-                try:
-                    status, refused = await pending
-                    break
-                except StreamBrokenError:
-                    # A kept-alive connection the server closed as the request went out:
-                    # once more on a fresh one (nothing of it was answered).
-                    if reused and not conn.got_bytes and attempt == 0:
-                        continue
-                    raise
+            try:
+                # Given up on mid-stream (aborted: this task cancelled), the connection is
+                # closed, so vLLM aborts the request.
+                _, status, refused = await self.pool.send(data, stream.line, stream.sending)
+            except ConnectFailedError as exc:
+                # Never reached it: not this request's doing; the backend is gone.
+                why = f"replica {self.replica_id}: unreachable ({exc})"
+                self._end(flight, ReplicaLostError(why))
+                self.lose("unreachable (ConnectError)")
+                return
             if status != 200:
                 self._refused(flight, status, refused)
             elif not stream.ended and not reader.finished:
@@ -387,10 +375,6 @@ class HttpReplicaConnection:
             if not stream.ended:
                 self.lose(f"its stream broke ({exc})")
         finally:
-            # Given up on mid-stream (aborted: cancelling this task cancelled ``pending``):
-            # the connection is closed, so vLLM aborts the request.
-            if pending is not None and (not pending.done() or pending.cancelled()):
-                conn.abort()
             if self._tasks.get(rid) is asyncio.current_task():
                 del self._tasks[rid]
 
@@ -465,6 +449,10 @@ class _Stream:
         self.sent = 0.0
         self.first = True
         self.ended = False
+
+    def sending(self, _conn: object) -> None:
+        """The request goes out (again, if a stale connection had to be replaced)."""
+        self.sent = time.perf_counter()
 
     def line(self, raw: bytes) -> bool | None:
         """False: stop reading (the connection is closed)."""

@@ -41,7 +41,7 @@ class StreamBrokenError(ConnectionError):
     """The connection ended (or spoke no HTTP) before the response was whole."""
 
 
-class _Conn(asyncio.Protocol):
+class Connection(asyncio.Protocol):
     """One connection; one request at a time (HTTP/1.1, no pipelining)."""
 
     def __init__(self, pool: BackendPool) -> None:
@@ -300,8 +300,8 @@ class BackendPool:
         self.max_idle = max_idle
         self.keep_headers = frozenset(keep_headers)
         self.loop = asyncio.get_running_loop()
-        self._idle: list[_Conn] = []
-        self._all: set[_Conn] = set()
+        self._idle: list[Connection] = []
+        self._all: set[Connection] = set()
         self._ssl: ssl.SSLContext | None = ssl.create_default_context() if self.tls else None
         self.connects = 0  # connections made (a figure for tests and benchmarks)
 
@@ -313,7 +313,7 @@ class BackendPool:
             f"content-length: {content_length}\r\n\r\n"
         ).encode("latin-1")
 
-    async def acquire(self) -> _Conn:
+    async def acquire(self) -> Connection:
         """An idle connection, or a new one (:class:`ConnectFailedError` if none can be made)."""
         while self._idle:
             conn = self._idle.pop()
@@ -322,7 +322,7 @@ class BackendPool:
         try:
             async with asyncio.timeout(self.connect_timeout_s):
                 _, proto = await self.loop.create_connection(
-                    lambda: _Conn(self),
+                    lambda: Connection(self),
                     self.host,
                     self.port,
                     ssl=self._ssl,
@@ -332,17 +332,45 @@ class BackendPool:
             raise ConnectFailedError(f"{type(exc).__name__}: {exc}") from None
         self.connects += 1
         conn = proto  # type: ignore[assignment]
-        assert isinstance(conn, _Conn)
+        assert isinstance(conn, Connection)
         self._all.add(conn)
         return conn
 
-    def _release(self, conn: _Conn) -> None:
+    async def send(
+        self, data: bytes, on_line: OnLine, on_conn: Callable[[Connection], None] | None = None
+    ) -> tuple[Connection, int, bytes]:
+        """Sends one request (head and body in ``data``) and waits for the whole response:
+        (its connection, status, body; see :meth:`Connection.request`). ``on_conn`` is told each
+        connection as the request goes out on it. A kept-alive connection that the server
+        closed as the request went out (nothing of it answered) is retried once on a fresh
+        one. Given up on (cancelled, or the caller's ``on_line`` failed), the connection is
+        closed, so the server sees the client go. Raises :class:`ConnectFailedError` or
+        :class:`StreamBrokenError` as the failures are told apart above."""
+        for attempt in (0, 1):
+            conn = await self.acquire()
+            reused = conn.uses > 0
+            if on_conn is not None:
+                on_conn(conn)
+            pending = conn.request(data, on_line)
+            try:
+                status, body = await pending
+            except StreamBrokenError:
+                if reused and not conn.got_bytes and attempt == 0:
+                    continue
+                raise
+            except BaseException:
+                conn.abort()
+                raise
+            return conn, status, body
+        raise AssertionError("unreachable: the second attempt returns or raises")
+
+    def _release(self, conn: Connection) -> None:
         if len(self._idle) < self.max_idle:
             self._idle.append(conn)
         else:
             conn.abort()
 
-    def _forget(self, conn: _Conn) -> None:
+    def _forget(self, conn: Connection) -> None:
         self._all.discard(conn)
 
     def close(self) -> None:
