@@ -436,3 +436,22 @@ async def test_a_closed_loop_reuses_its_connection() -> None:
     assert [r.error for r in records] == [None] * 6
     assert [r.output_tokens for r in records] == [3] * 6
     assert server.connections == 1
+
+
+async def test_chunks_are_timed_as_they_arrive() -> None:
+    """TTFT and inter-token gaps are the server's own pauses (the client stamps each event
+    as it reads it, not when a buffer fills or the response ends)."""
+
+    def paced(body: dict[str, Any], headers: dict[str, str]) -> Answer:
+        last = chunk("c", "length") + USAGE + b"data: [DONE]\n\n"
+        return 200, {}, [0.3, chunk("a"), 0.2, chunk("b"), 0.2, last]
+
+    async with FakeServer(paced) as url:
+        pool = BackendPool(url)
+        r = await send_one(pool, Planned(0, 0.0, {}, None, None, 40), 0.0, timeout=5.0)
+        pool.close()
+    assert r.ok and r.ttft_s is not None and r.e2e_s is not None
+    # Lower bounds only (the pauses guarantee them; a busy machine can only add): a client
+    # that stamped events when the body ended would show gaps of ~0 and a late TTFT.
+    assert r.ttft_s >= 0.3 and r.e2e_s - r.ttft_s >= 0.4
+    assert len(r.itl_s) == 2 and all(gap >= 0.2 for gap in r.itl_s)
