@@ -98,10 +98,9 @@ class SSEReader:
     def end(self) -> None:
         """The event so far is whole (a blank line, or the body's end)."""
         data, kind = self._data, self._kind
-        if not data or self.done:
-            self._kind = None
-            return
         self._data, self._kind = [], None
+        if not data:
+            return
         text = "\n".join(data)
         if kind == "error":
             raise StreamError(text[:200])
@@ -140,12 +139,7 @@ async def send_one(
         rec = Record(index=req.index, start_s=t0 - t_run)
     rec.start_s, rec.cache_salt = t0 - t_run, req.cache_salt
     body = _encode(req.body)
-    auth = f"authorization: Bearer {req.api_key}\r\n" if req.api_key else ""
-    data = (
-        f"POST {pool.base_path}/completions HTTP/1.1\r\nhost: {pool.host_header}\r\n"
-        f"content-type: application/json\r\naccept: text/event-stream\r\n{auth}"
-        f"content-length: {len(body)}\r\n\r\n"
-    ).encode("latin-1") + body
+    data = pool.head("POST", "/completions", len(body), req.api_key) + body
     last: float | None = None
 
     def on_event(text: str) -> None:

@@ -305,11 +305,13 @@ class BackendPool:
         self._ssl: ssl.SSLContext | None = ssl.create_default_context() if self.tls else None
         self.connects = 0  # connections made (a figure for tests and benchmarks)
 
-    def head(self, method: str, path: str, content_length: int) -> bytes:
-        """A request head for a JSON body of ``content_length`` bytes."""
+    def head(self, method: str, path: str, content_length: int, bearer: str | None = None) -> bytes:
+        """A request head for a JSON body of ``content_length`` bytes (``bearer``: an API
+        key, sent as ``Authorization: Bearer``)."""
+        auth = f"authorization: Bearer {bearer}\r\n" if bearer else ""
         return (
             f"{method} {self.base_path}{path} HTTP/1.1\r\nhost: {self.host_header}\r\n"
-            f"content-type: application/json\r\naccept: text/event-stream\r\n"
+            f"content-type: application/json\r\naccept: text/event-stream\r\n{auth}"
             f"content-length: {content_length}\r\n\r\n"
         ).encode("latin-1")
 

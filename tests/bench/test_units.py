@@ -270,6 +270,14 @@ class FakeServer:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
         return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/v1"
 
+    async def drained(self, timeout: float = 2.0) -> bool:
+        """Whether every response ended (or its client went) within ``timeout``."""
+        for _ in range(int(timeout / 0.02)):
+            if self.live == 0:
+                break
+            await asyncio.sleep(0.02)
+        return self.live == 0
+
     async def __aexit__(self, *exc: object) -> None:
         assert self.server is not None
         self.server.close()
@@ -398,11 +406,7 @@ async def test_closed_loop_holds_c_in_flight_and_duration_cancels() -> None:
         assert 5 <= len(records) <= 11 and wall < 1.0
         assert all(r.error == "cancelled" for r in records)
         assert all(r.replica == "r0" and r.ttft_s is not None for r in records)  # kept
-        for _ in range(100):
-            if server.live == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert server.live == 0
+        assert await server.drained()
 
 
 async def test_a_timeout_is_counted_and_its_connection_closed() -> None:
@@ -414,11 +418,7 @@ async def test_a_timeout_is_counted_and_its_connection_closed() -> None:
         reqs = [Planned(0, 0.0, {"case": "stuck"}, None, None, 40)]
         records, _ = await run_load(url, reqs, concurrency=1, timeout=0.3)
         assert [r.error for r in records] == ["timeout"] and records[0].ttft_s is not None
-        for _ in range(100):
-            if server.live == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert server.live == 0
+        assert await server.drained()
 
 
 async def test_a_closed_loop_reuses_its_connection() -> None:
