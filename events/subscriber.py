@@ -25,8 +25,19 @@ still sees every block the engine already holds.
 
 Malformed frames and payloads are counted, logged once per replica, and skipped; a
 malformed payload is treated as a lost batch (its seq is recovered by replay or snapshot).
-All sockets live on the subscriber's thread; deliveries go to ``on_batch`` on that thread,
-and, if asked, to an asyncio queue.
+All sockets live on the subscriber's own thread, or, given ``loop``, on that asyncio event
+loop; deliveries go to ``on_batch`` there and, if asked, to an asyncio queue. A front door
+passes its loop: every engine step sends it the step's outputs on the data plane and the
+step's events here, and a second thread would be a second wake-up (and a GIL hand-off) per
+step of every replica. The price: a snapshot is applied in one piece on the loop (tens of ms
+for a replica of ~30k blocks, once per replica join or restart).
+
+The thread waits on the sockets' ``ZMQ_FD`` descriptors with the platform's selector
+(epoll, kqueue), not ``zmq.Poller`` (two system calls and a scan of every socket per
+wake-up). A ``ZMQ_FD`` signals edge-like (readable when the socket's state changed, not
+while messages wait), so a socket reported ready is drained until ``ZMQ_EVENTS`` says it is
+empty, and one whose reading was cut short (a budget) or whose signal a send may have
+consumed is looked at again before the next wait.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import selectors
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -47,6 +59,8 @@ from .framing import SNAPSHOT_REQUEST, Waker, pack_seq, unpack_seq
 from .wire import AllBlocksCleared, EventBatch, MalformedBatchError, decode_batch
 
 log = logging.getLogger(__name__)
+
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: no IntFlag per question
 
 Source = Literal["live", "replay", "snapshot", "reset"]
 
@@ -111,7 +125,10 @@ class ZmqEventSubscriber:
         max_message_bytes: int = 64 << 20,
         rcvhwm: int = 100_000,
         context: zmq.Context | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
+        """``loop``: run on that event loop (its thread calls ``on_batch``; call every method
+        from it) instead of a thread of its own. See the module docstring for why."""
         self._on_batch = on_batch
         self.request_timeout = request_timeout
         self.max_attempts = max_attempts
@@ -124,9 +141,19 @@ class ZmqEventSubscriber:
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._waker = Waker()
         self._async_sinks: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
+        # descriptor -> its handler, to run before the next wait (see the module docstring)
+        self._again: dict[int, Callable[[], None]] = {}
         self._running = True
-        self._thread = threading.Thread(target=self._run, name="kvroute-subscriber", daemon=True)
-        self._thread.start()
+        self._loop = loop
+        self._detaching = False  # attach(): the thread stops, the loop takes over
+        self._thread: threading.Thread | None = None
+        if loop is None:
+            self._selector = selectors.DefaultSelector()
+            self._watch(self._waker.fd, self._on_waker)
+            self._thread = threading.Thread(
+                target=self._run, name="kvroute-subscriber", daemon=True
+            )
+            self._thread.start()
 
     # -- public API (any thread) -------------------------------------------------------
     def add_publisher(
@@ -173,14 +200,43 @@ class ZmqEventSubscriber:
         finally:
             self._call(lambda: self._async_sinks.remove(sink))
 
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Moves the subscriber from its thread onto ``loop``, where it stays; call from the
+        loop's thread (a front door does, once its loop runs)."""
+        if self._loop is not None or not self._running:
+            return
+        assert self._thread is not None
+        self._detaching = True
+        self._waker.wake()
+        self._thread.join()
+        self._thread = None
+        handlers = [k.data for k in self._selector.get_map().values() if k.fd != self._waker.fd]
+        fds = [k.fd for k in self._selector.get_map().values() if k.fd != self._waker.fd]
+        self._selector.close()
+        self._loop = loop
+        for fd, handler in zip(fds, handlers, strict=True):
+            loop.add_reader(fd, handler)
+            loop.call_soon(handler)  # what arrived while it moved
+        self._again.clear()
+        while True:
+            try:
+                loop.call_soon(self._command, self._commands.get_nowait())
+            except queue.Empty:
+                break
+        if any(r.syncing for r in self._replicas.values()):
+            loop.call_later(self._poll_timeout_s(), self._on_deadline)
+
     def close(self) -> None:
         if not self._running:
             return
         self._running = False
-        self._waker.wake()
-        self._thread.join(5.0)
+        if self._thread is not None:
+            self._waker.wake()
+            self._thread.join(5.0)
         for r in self._replicas.values():
             self._close_sockets(r)
+        if self._thread is not None:
+            self._selector.close()
         self._waker.close()
 
     def __enter__(self) -> ZmqEventSubscriber:
@@ -192,45 +248,77 @@ class ZmqEventSubscriber:
     def _call(self, fn: Callable[[], None]) -> None:
         if not self._running:
             raise RuntimeError("subscriber is closed")
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._command, fn)
+            return
         self._commands.put(fn)
         self._waker.wake()
 
-    # -- subscriber thread -------------------------------------------------------------
+    # -- the subscriber's thread (or loop) -----------------------------------------------
     def _run(self) -> None:
-        self._poller = zmq.Poller()
-        self._poller.register(self._waker.fd, zmq.POLLIN)
-        while self._running:
+        while self._running and not self._detaching:
+            again, self._again = self._again, {}
+            timeout = 0.0 if again else self._poll_timeout_s()
             try:
-                ready = dict(self._poller.poll(self._poll_timeout_ms()))
-            except zmq.ZMQError:
+                ready = self._selector.select(timeout)
+            except (OSError, ValueError):  # a descriptor closed under it
                 if not self._running:
                     break
                 raise
-            if self._waker.fd in ready:
-                self._waker.drain()
-                while True:
-                    try:
-                        cmd = self._commands.get_nowait()
-                    except queue.Empty:
-                        break
-                    try:
-                        cmd()
-                    except Exception:
-                        log.exception("subscriber command failed")
-            for r in list(self._replicas.values()):
-                if r.monitor is not None and r.monitor in ready:
-                    self._on_monitor(r)
-                if r.dealer is not None and r.dealer in ready:
-                    self._read_reply(r)
-                if r.sub in ready:
-                    self._read_live(r)
+            for key, _ in ready:
+                again[key.fileobj] = key.data  # type: ignore[index]
+            for handler in again.values():
+                handler()
             self._check_deadlines()
 
-    def _poll_timeout_ms(self) -> int:
+    def _watch(self, fd: int, handler: Callable[[], None]) -> None:
+        if self._loop is not None:
+            self._loop.add_reader(fd, handler)
+        else:
+            self._selector.register(fd, selectors.EVENT_READ, handler)
+
+    def _unwatch(self, sock: zmq.Socket) -> None:
+        fd = sock.getsockopt(zmq.FD)
+        if self._loop is not None:
+            if not self._loop.is_closed():
+                self._loop.remove_reader(fd)
+            return
+        try:
+            self._selector.unregister(fd)
+        except KeyError:
+            pass
+        self._again.pop(fd, None)
+
+    def _look_again(self, sock: zmq.Socket, handler: Callable[[], None]) -> None:
+        """Run ``handler`` before the next wait: ``sock`` may hold messages its FD will
+        not signal again."""
+        if self._loop is not None:
+            self._loop.call_soon(handler)
+        else:
+            self._again[sock.getsockopt(zmq.FD)] = handler
+
+    def _on_waker(self) -> None:
+        self._waker.drain()
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            self._command(cmd)
+
+    def _command(self, cmd: Callable[[], None]) -> None:
+        if not self._running:
+            return
+        try:
+            cmd()
+        except Exception:
+            log.exception("subscriber command failed")
+
+    def _poll_timeout_s(self) -> float:
         deadlines = [r.deadline for r in self._replicas.values() if r.syncing]
         if not deadlines:
-            return 1000
-        return max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
+            return 1.0
+        return max(0.0, min(deadlines) - time.monotonic() + 0.001)
 
     def _add(self, rid: str, endpoint: str, replay_endpoint: str | None, topic: bytes) -> None:
         if rid in self._replicas:
@@ -244,8 +332,8 @@ class ZmqEventSubscriber:
         r.monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sub.connect(endpoint)
         self._replicas[rid] = r
-        self._poller.register(sub, zmq.POLLIN)
-        self._poller.register(r.monitor, zmq.POLLIN)
+        self._watch(sub.getsockopt(zmq.FD), lambda: self._read_live(r))
+        self._watch(r.monitor.getsockopt(zmq.FD), lambda: self._on_monitor(r))
         if replay_endpoint is not None:
             self._request(r, "snapshot", SNAPSHOT_REQUEST)
 
@@ -263,10 +351,8 @@ class ZmqEventSubscriber:
         for s in (r.monitor, r.sub, r.dealer):
             if s is None:
                 continue
-            try:
-                self._poller.unregister(s)
-            except (KeyError, AttributeError):
-                pass
+            if not s.closed:
+                self._unwatch(s)
             s.close(linger=0)
         r.dealer = r.monitor = None
 
@@ -274,18 +360,21 @@ class ZmqEventSubscriber:
         """Forget an outstanding request; a fresh socket makes sure a late reply is never
         mistaken for the answer to a later request."""
         if r.dealer is not None:
-            self._poller.unregister(r.dealer)
+            self._unwatch(r.dealer)
             r.dealer.close(linger=0)
             r.dealer = None
         r.syncing, r.reply = "", []
 
     # -- live stream -------------------------------------------------------------------
     def _read_live(self, r: _Subscription, budget: int = 1024) -> None:
+        if r.monitor is not None:  # a reconnect must be seen before what came after it
+            self._on_monitor(r)
+        sub = r.sub
         for _ in range(budget):
-            try:
-                frames = r.sub.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+            # Asked, not tried: a zmq.Again per drained socket costs more than the question.
+            if sub.closed or not sub.getsockopt(_EVENTS) & _POLLIN:
                 return
+            frames = sub.recv_multipart(zmq.NOBLOCK)
             r.stats.received += 1
             r.stats.last_heard = time.monotonic()
             if len(frames) != 3:
@@ -300,6 +389,8 @@ class ZmqEventSubscriber:
                 continue
             batch = self._decode(r, frames[2])
             self._on_live(r, seq, batch)
+        if not sub.closed:  # the budget ran out: the rest waits one turn, not for a signal
+            self._look_again(sub, lambda: self._read_live(r))
 
     def _decode(self, r: _Subscription, payload: bytes) -> EventBatch | None:
         try:
@@ -349,11 +440,8 @@ class ZmqEventSubscriber:
 
     def _on_monitor(self, r: _Subscription) -> None:
         """A reconnect may hide a restart: resynchronize from a snapshot to be sure."""
-        while r.monitor is not None:
-            try:
-                msg = recv_monitor_message(r.monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        while r.monitor is not None and r.monitor.getsockopt(_EVENTS) & _POLLIN:
+            msg = recv_monitor_message(r.monitor, zmq.NOBLOCK)
             if msg["event"] == zmq.EVENT_DISCONNECTED:
                 r.was_disconnected = True
             elif msg["event"] == zmq.EVENT_CONNECTED and r.was_disconnected:
@@ -422,7 +510,7 @@ class ZmqEventSubscriber:
             r.dealer.setsockopt(zmq.LINGER, 0)
             r.dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
             r.dealer.connect(r.replay_endpoint)
-            self._poller.register(r.dealer, zmq.POLLIN)
+            self._watch(r.dealer.getsockopt(zmq.FD), lambda: self._read_reply(r))
         if kind == "replay":
             r.stats.replays += 1
         else:
@@ -431,6 +519,13 @@ class ZmqEventSubscriber:
         r.reply = []
         r.deadline = time.monotonic() + self.request_timeout
         r.dealer.send_multipart((b"", pack_seq(start)))
+        self._look_again(r.dealer, lambda: self._read_reply(r))  # the send may take the edge
+        if self._loop is not None:  # the thread looks after every wake-up
+            self._loop.call_later(self.request_timeout + 0.001, self._on_deadline)
+
+    def _on_deadline(self) -> None:
+        if self._running:
+            self._check_deadlines()
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()

@@ -106,7 +106,7 @@ class Fleet:
         bs = self.hash_config.block_size
         self.hasher = BlockHasher(self.hash_config.algo, self.hash_config.seed, bs)
         self.index = PrefixIndex(prediction_stride=prediction_stride(bs))
-        # Token-indexed replicas' translators (read by the subscriber's thread).
+        # Token-indexed replicas' translators (read where the subscriber runs).
         self.translators: dict[str, EventTranslator] = {}
         self.load = LoadTracker()
         self.replicas: dict[str, ReplicaHandle] = {}
@@ -209,10 +209,11 @@ class Fleet:
         return conn
 
     def _on_events(self, item: ReplicaBatch) -> None:
-        """The subscriber's thread: into the index, unless the engine's blocks are not the
-        size this fleet hashes (its events would never match a request: said, not indexed).
-        An engine's block size is fixed, so each stream's first BlockStored is checked and
-        the rest go straight to the index (this is the event-ingest path)."""
+        """Where the subscriber runs (the loop, once started): into the index, unless the
+        engine's blocks are not the size this fleet hashes (its events would never match a
+        request: said, not indexed). An engine's block size is fixed, so each stream's
+        first BlockStored is checked and the rest go straight to the index (this is the
+        event-ingest path)."""
         rid = item.replica_id
         if rid not in self._block_size_ok:
             size = self.hasher.block_size
@@ -309,7 +310,10 @@ class Fleet:
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
-        """Connects to every replica's data plane and starts the monitor on the running loop."""
+        """Connects to every replica's data plane and starts the monitor on the running loop,
+        where the event subscriber moves too (each step's events and outputs then wake one
+        thread, not two)."""
+        self.subscriber.attach(asyncio.get_running_loop())
         for rid, rep in self.replicas.items():
             if rep.alive:
                 self.connection(rid)

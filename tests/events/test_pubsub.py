@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+import sys
+import threading
 import time
 
 import msgspec
@@ -22,6 +25,41 @@ from ..waiting import poll
 from .streams import BS, Churn, LossyProxy, Views, VllmLikePublisher
 
 LOCAL = "tcp://127.0.0.1:*"
+
+
+class OnLoop(ZmqEventSubscriber):
+    """The subscriber as a front door runs it: moved onto an event loop once that runs
+    (here a loop on a thread of its own, so the tests drive it as they drive the thread)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.test_loop = asyncio.new_event_loop()
+        self.test_thread = threading.Thread(target=self.test_loop.run_forever, daemon=True)
+        self.test_thread.start()
+        self._on_test_loop(lambda: self.attach(self.test_loop))
+        assert self._thread is None and self._loop is self.test_loop
+
+    def _on_test_loop(self, fn) -> None:
+        async def run() -> None:
+            fn()
+
+        asyncio.run_coroutine_threadsafe(run(), self.test_loop).result(10)
+
+    def close(self) -> None:
+        if self.test_loop.is_closed():
+            return
+        self._on_test_loop(super().close)
+        self.test_loop.call_soon_threadsafe(self.test_loop.stop)
+        self.test_thread.join(10)
+        self.test_loop.close()
+
+
+@pytest.fixture(autouse=True, params=["thread", "loop"])
+def where(request, monkeypatch):
+    """Every test twice: on the subscriber's own thread, and attached to an event loop."""
+    if request.param == "loop":
+        monkeypatch.setattr(sys.modules[__name__], "ZmqEventSubscriber", OnLoop)
+    return request.param
 
 
 def publisher(**kw) -> ZmqEventPublisher:
