@@ -49,7 +49,7 @@ class Flight:
     """One request in flight on one connection: its pending delta (merged while unread) or
     the error that ended it."""
 
-    __slots__ = ("_loop", "_waiter", "delta", "done", "error", "request_id", "seq")
+    __slots__ = ("_loop", "_waiter", "delta", "done", "error", "push", "request_id", "seq")
 
     def __init__(
         self, request_id: str, seq: int, loop: asyncio.AbstractEventLoop | None = None
@@ -62,8 +62,20 @@ class Flight:
         self.error: BaseException | None = None
         self.done = False  # a finished delta or an error arrived: nothing more will
         self._waiter: asyncio.Future[None] | None = None
+        # Takes a delta at once, from the connection's callback, while the reader waits
+        # with nothing pending (False: it cannot; the delta waits for the reader as usual).
+        self.push: Callable[[GenerateDelta], bool] | None = None
 
     def put(self, delta: GenerateDelta) -> None:
+        push = self.push
+        if (
+            push is not None
+            and self._waiter is not None  # the reader waits, with nothing unread: in order
+            and self.delta is None
+            and not delta.finished  # the end, and errors, go through the reader
+            and push(delta)
+        ):
+            return
         self.delta = delta if self.delta is None else merge_deltas(self.delta, delta)
         if delta.finished:
             self.done = True

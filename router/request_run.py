@@ -11,7 +11,9 @@ Why no generator chain: per streamed token the front door does little, so the la
 around it are the cost. :meth:`RequestRun.next` awaits the replica connection's
 :class:`~.dataplane.Flight` directly (deltas that arrived while the caller was busy come
 merged), and the HTTP layer awaits it directly: one wake-up per delta, no async generator
-in between.
+in between. Once a stream is under way even that wake-up goes: :meth:`RequestRun.stream_to`
+hands each delta that arrives while the stream waits straight to its socket, from the
+connection's callback, as long as the client keeps up.
 
 Failures: a replica that fails is dropped from routing (:meth:`Fleet.fail`). The request
 goes on once on another replica -- from scratch before its first token, from the tokens
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -87,6 +90,7 @@ class RequestRun:
         self._itl: Any = None  # this run's inter-token histogram, once labelled
         self._last_at = 0.0
         self._closed = False
+        self.push: Callable[[GenerateDelta], bool] | None = None  # see stream_to
 
     @property
     def fingerprint(self) -> str:
@@ -120,6 +124,8 @@ class RequestRun:
         self._awaiting_first = True
         self._conn = door.fleet.connection(rid)
         self._flight = self._conn.submit(req)
+        if self.push is not None:
+            self._flight.push = self._push
 
     async def start(self) -> GenerateDelta:
         """Routes the request and waits for its first delta, so that everything that can go
@@ -155,6 +161,29 @@ class RequestRun:
                 raise
             self._took(delta)
             return delta
+
+    def stream_to(self, push: Callable[[GenerateDelta], bool]) -> None:
+        """From now on, a delta that arrives while :meth:`next` waits goes to ``push`` at
+        once, on the connection's callback, if it takes it (True): no task wakes and no
+        future is made per token while the client keeps up. The rest (the last delta,
+        failures, deltas ``push`` refuses) still come out of :meth:`next`, in order."""
+        self.push = push
+        if self._flight is not None:
+            self._flight.push = self._push
+
+    def _push(self, delta: GenerateDelta) -> bool:
+        push = self.push
+        if delta.failure is not None or push is None:
+            return False
+        try:
+            if not push(delta):
+                return False
+        except Exception:  # on the connection's callback: never let it raise there
+            log.exception("request %s: a delta failed on the direct path", self.request_id)
+            self.push = None
+            return False
+        self._took(delta)
+        return True
 
     def _took(self, delta: GenerateDelta) -> None:
         """Bookkeeping per delta: what a failover resumes from, the policy's first-token
@@ -214,6 +243,7 @@ class RequestRun:
         if self._closed:
             return
         self._closed = True
+        self.push = None
         if self._flight is not None and self._conn is not None:
             self._conn.abort(self._flight.request_id)
             self._flight = None

@@ -19,6 +19,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from kvroute.events.replica_api import GenerateDelta
+
 from .errors import INTERNAL_ERROR, APIError, one_line, request_id
 from .frontdoor import FrontDoor
 from .openai_api import (
@@ -239,6 +241,18 @@ async def _write_sse(
     timing: dict[str, float] | None = None
     status = "200"
     tail: list[bytes] = []  # sent after the loop with [DONE]: the end costs one write
+    direct = False
+
+    def push(d: GenerateDelta) -> bool:
+        """A delta between the first and the last, as the loop below writes it, straight
+        from the replica connection's callback (see :meth:`RequestRun.stream_to`)."""
+        if not (d.delta_token_ids or d.delta_text):
+            return True
+        shaped = None
+        if logprobs is not None and d.delta_token_ids:
+            shaped = logprobs(list(d.delta_token_ids), d.logprobs)
+        return emit.now(encoder.chunk(d.delta_text, None, shaped))
+
     try:
         if role_first:
             await emit(encoder.chunk("", None, role=True))
@@ -263,6 +277,9 @@ async def _write_sse(
             if d.delta_token_ids or d.delta_text:  # as vLLM: a token that completes no
                 # character yet still gets its (empty) chunk, so the first one is never late
                 await emit(encoder.chunk(d.delta_text, None, shaped))
+            if not direct:  # the head and first chunk are out: deltas may go direct
+                direct = True
+                run.stream_to(push)
             d = await run.next()
         if last is not None and last.finished and last.finish_reason != "error":
             usage = _usage(last)

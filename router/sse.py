@@ -39,6 +39,12 @@ class Emit(Protocol):
 
     def __call__(self, chunk: bytes, last: bool = False) -> Awaitable[None]: ...
 
+    def now(self, chunk: bytes) -> bool:
+        """Writes one chunk at once, without awaiting (from a callback), when the client
+        keeps up; False when it cannot (the socket's buffer is full, a send waits, the
+        client left, or the server is not one it can write to): then ``await emit(chunk)``."""
+        ...
+
 
 class ChunkEncoder:
     """``data: {...}\\n\\n`` lines of one request's stream, in OpenAI's shapes."""
@@ -116,24 +122,16 @@ class SSEResponse(Response):
         watch = loop.create_task(_until_disconnect(receive))
         watch.add_done_callback(lambda w: self._on_disconnect(w, task))
         raw: Send = scope.get(RAW_SEND, send)
-        msg: dict[str, Any] = {"type": "http.response.body", "body": b"", "more_body": True}
+        body = _Body(self, raw, loop)
         sweeper = _Sweeper.of(loop) if self.send_timeout_s else None
-
-        async def emit(chunk: bytes, last: bool = False) -> None:
-            msg["body"] = chunk
-            if last:
-                msg["more_body"] = False
-            self._sending_since = loop.time()
-            await raw(msg)
-            self._sending_since = 0.0
 
         try:
             if sweeper is not None:
                 sweeper.watch(self, task)
             start = {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
             await send(start)
-            await self.write(emit)
-            if msg["more_body"]:  # the writer did not end the body
+            await self.write(body)
+            if body.more:  # the writer did not end the body
                 await raw({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if task.cancelling() and self._disconnected:  # our own cancel: the client left
@@ -162,6 +160,51 @@ class SSEResponse(Response):
     def _overstayed(self, now: float) -> bool:
         since = self._sending_since
         return bool(self.send_timeout_s and since and now - since > self.send_timeout_s)
+
+
+class _Body:
+    """An SSE response's body, two ways out (:class:`Emit`): awaited through the server's
+    ``send`` (flow control, the send deadline), or, for a chunk a callback has in hand
+    while the client keeps up, written at once in HTTP/1.1's chunked framing onto
+    uvicorn's httptools cycle -- the same bytes its ``send`` would write, without the
+    awaits around them. Only that cycle is written to directly: it is ``raw``'s owner and
+    its state (``chunked_encoding``, ``flow``, ``disconnected``) says when it may be."""
+
+    __slots__ = ("_cycle", "_loop", "_msg", "_raw", "_response", "more")
+
+    def __init__(self, response: SSEResponse, raw: Send, loop: asyncio.AbstractEventLoop):
+        self._response = response
+        self._raw = raw
+        self._loop = loop
+        self._msg: dict[str, Any] = {"type": "http.response.body", "body": b"", "more_body": True}
+        cycle = getattr(raw, "__self__", None)
+        direct = hasattr(cycle, "chunked_encoding") and hasattr(cycle, "flow")
+        self._cycle = cycle if direct else None
+        self.more = True
+
+    async def __call__(self, chunk: bytes, last: bool = False) -> None:
+        msg, response = self._msg, self._response
+        msg["body"] = chunk
+        if last:
+            msg["more_body"] = self.more = False
+        response._sending_since = self._loop.time()
+        await self._raw(msg)
+        response._sending_since = 0.0
+
+    def now(self, chunk: bytes) -> bool:
+        cycle = self._cycle
+        if (
+            cycle is None
+            or self._response._sending_since  # a send waits: order, and its deadline
+            or self._response._disconnected
+            or cycle.chunked_encoding is not True
+            or cycle.flow.write_paused
+            or cycle.disconnected
+            or cycle.response_complete
+        ):
+            return False
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+        return True
 
 
 class _Sweeper:
