@@ -51,9 +51,10 @@ Invariants (all guarded by ``_lock``):
   struct, none of which CPython tracks. A full collection therefore never walks the index
   (an OrderedDict LRU, always tracked, made one walk ~1.25 M entries: ~120 ms).
 
-Thread-safety: one non-reentrant :class:`threading.Lock`. ``apply`` (subscriber thread) takes
-it per event, and per 256 blocks of a longer event, so ``match`` (asyncio thread, which
-holds it for its one walk) never waits long; a reader may see a batch half applied, which
+Thread-safety: one non-reentrant :class:`threading.Lock`. ``apply`` (the subscriber's
+thread, or a front door's loop once the subscriber moved there) takes it per event, and per
+256 blocks of a longer event, so ``match`` (asyncio thread, which holds it for its one walk)
+never waits long; a reader may see a batch half applied, which
 is a state the engine passed through or an under-approximation of one.
 """
 
@@ -174,7 +175,7 @@ class PrefixIndex:
         self._seq = itertools.count()
         self._interned: dict[int, int] = {}
 
-    # -- events (subscriber thread) --------------------------------------------------------
+    # -- events (where the subscriber runs) -------------------------------------------------
     def on_batch(self, item: ReplicaBatch) -> None:
         """``ZmqEventSubscriber(on_batch=index.on_batch)``: snapshots and restarts arrive as
         batches that start with AllBlocksCleared, so applying in order is all it takes."""

@@ -110,6 +110,21 @@ def healthy(b: Backend) -> bool:
         return False
 
 
+def wait_healthy(tmp: Path, b: Backend, name: str, hash_algo: str, tries: int = 3) -> Backend:
+    """``b`` once it answers, or a fresh start on fresh ports when a port it was given was
+    taken before it bound it (ports are picked free, then bound seconds later by vLLM's
+    engine process, while the other backend's processes take ephemeral ports of their own)."""
+    for attempt in range(tries):
+        try:
+            wait_for(lambda b=b: healthy(b), timeout=600, what=f"vllm serve at {b.url}")
+            return b
+        except AssertionError:
+            if attempt == tries - 1 or "Address already in use" not in b.log.read_text():
+                raise
+            b = start_vllm(tmp, f"{name}-{attempt + 1}", hash_algo)
+    raise AssertionError("unreachable")
+
+
 @dataclass
 class Fleet:
     url: str
@@ -130,8 +145,8 @@ def serve_backends(tmp: Path, hash_algo: str = "sha256_cbor") -> Iterator[Fleet]
     backends = [start_vllm(tmp, f"vllm-{i}", hash_algo) for i in range(2)]
     router = None
     try:
-        for b in backends:
-            wait_for(lambda b=b: healthy(b), timeout=600, what=f"vllm serve at {b.url}")
+        for i in range(len(backends)):
+            backends[i] = wait_healthy(tmp, backends[i], f"vllm-{i}", hash_algo)
         keys = tmp / "keys.json"
         keys.write_text(json.dumps(KEYS))
         port = free_port()
