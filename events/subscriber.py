@@ -25,12 +25,12 @@ still sees every block the engine already holds.
 
 Malformed frames and payloads are counted, logged once per replica, and skipped; a
 malformed payload is treated as a lost batch (its seq is recovered by replay or snapshot).
-All sockets live on the subscriber's own thread, or, given ``loop``, on that asyncio event
-loop; deliveries go to ``on_batch`` there and, if asked, to an asyncio queue. A front door
-passes its loop: every engine step sends it the step's outputs on the data plane and the
-step's events here, and a second thread would be a second wake-up (and a GIL hand-off) per
-step of every replica. The price: a snapshot is applied in one piece on the loop (tens of ms
-for a replica of ~30k blocks, once per replica join or restart).
+All sockets live on the subscriber's own thread, or, once :meth:`ZmqEventSubscriber.attach`
+moved them, on an asyncio event loop; deliveries go to ``on_batch`` there and, if asked, to
+an asyncio queue. A front door attaches its loop: every engine step sends it the step's
+outputs on the data plane and the step's events here, and a second thread would be a second
+wake-up (and a GIL hand-off) per step of every replica. The price: a snapshot is applied in
+one piece on the loop (tens of ms for a replica of ~30k blocks, once per join or restart).
 
 The thread waits on the sockets' ``ZMQ_FD`` descriptors with the platform's selector
 (epoll, kqueue), not ``zmq.Poller`` (two system calls and a scan of every socket per
@@ -125,10 +125,7 @@ class ZmqEventSubscriber:
         max_message_bytes: int = 64 << 20,
         rcvhwm: int = 100_000,
         context: zmq.Context | None = None,
-        loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
-        """``loop``: run on that event loop (its thread calls ``on_batch``; call every method
-        from it) instead of a thread of its own. See the module docstring for why."""
         self._on_batch = on_batch
         self.request_timeout = request_timeout
         self.max_attempts = max_attempts
@@ -144,16 +141,14 @@ class ZmqEventSubscriber:
         # descriptor -> its handler, to run before the next wait (see the module docstring)
         self._again: dict[int, Callable[[], None]] = {}
         self._running = True
-        self._loop = loop
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by attach()
         self._detaching = False  # attach(): the thread stops, the loop takes over
-        self._thread: threading.Thread | None = None
-        if loop is None:
-            self._selector = selectors.DefaultSelector()
-            self._watch(self._waker.fd, self._on_waker)
-            self._thread = threading.Thread(
-                target=self._run, name="kvroute-subscriber", daemon=True
-            )
-            self._thread.start()
+        self._selector = selectors.DefaultSelector()
+        self._watch(self._waker.fd, self._on_waker)
+        self._thread: threading.Thread | None = threading.Thread(
+            target=self._run, name="kvroute-subscriber", daemon=True
+        )
+        self._thread.start()
 
     # -- public API (any thread) -------------------------------------------------------
     def add_publisher(
@@ -201,8 +196,9 @@ class ZmqEventSubscriber:
             self._call(lambda: self._async_sinks.remove(sink))
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Moves the subscriber from its thread onto ``loop``, where it stays; call from the
-        loop's thread (a front door does, once its loop runs)."""
+        """Moves the subscriber from its thread onto ``loop``, where it stays: its thread
+        calls ``on_batch`` from then on. Call from the loop's thread (a front door does, once
+        its loop runs), and every later method too."""
         if self._loop is not None or not self._running:
             return
         assert self._thread is not None
@@ -210,14 +206,13 @@ class ZmqEventSubscriber:
         self._waker.wake()
         self._thread.join()
         self._thread = None
-        handlers = [k.data for k in self._selector.get_map().values() if k.fd != self._waker.fd]
-        fds = [k.fd for k in self._selector.get_map().values() if k.fd != self._waker.fd]
+        keys = [k for k in self._selector.get_map().values() if k.fd != self._waker.fd]
         self._selector.close()
+        self._again.clear()  # every socket is looked at once below
         self._loop = loop
-        for fd, handler in zip(fds, handlers, strict=True):
-            loop.add_reader(fd, handler)
-            loop.call_soon(handler)  # what arrived while it moved
-        self._again.clear()
+        for key in keys:
+            loop.add_reader(key.fd, key.data)
+            loop.call_soon(key.data)  # what arrived while it moved
         while True:
             try:
                 loop.call_soon(self._command, self._commands.get_nowait())

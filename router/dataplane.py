@@ -72,7 +72,7 @@ class Flight:
             push is not None
             and self._waiter is not None  # the reader waits, with nothing unread: in order
             and self.delta is None
-            and not delta.finished  # the end, and errors, go through the reader
+            and not delta.finished  # the end (a failure is one) goes through the reader
             and push(delta)
         ):
             return

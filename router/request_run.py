@@ -90,7 +90,7 @@ class RequestRun:
         self._itl: Any = None  # this run's inter-token histogram, once labelled
         self._last_at = 0.0
         self._closed = False
-        self.push: Callable[[GenerateDelta], bool] | None = None  # see stream_to
+        self._writer: Callable[[GenerateDelta], bool] | None = None  # see stream_to
 
     @property
     def fingerprint(self) -> str:
@@ -124,7 +124,7 @@ class RequestRun:
         self._awaiting_first = True
         self._conn = door.fleet.connection(rid)
         self._flight = self._conn.submit(req)
-        if self.push is not None:
+        if self._writer is not None:
             self._flight.push = self._push
 
     async def start(self) -> GenerateDelta:
@@ -162,25 +162,25 @@ class RequestRun:
             self._took(delta)
             return delta
 
-    def stream_to(self, push: Callable[[GenerateDelta], bool]) -> None:
-        """From now on, a delta that arrives while :meth:`next` waits goes to ``push`` at
+    def stream_to(self, writer: Callable[[GenerateDelta], bool]) -> None:
+        """From now on, a delta that arrives while :meth:`next` waits goes to ``writer`` at
         once, on the connection's callback, if it takes it (True): no task wakes and no
         future is made per token while the client keeps up. The rest (the last delta,
-        failures, deltas ``push`` refuses) still come out of :meth:`next`, in order."""
-        self.push = push
+        failures, deltas ``writer`` refuses) still come out of :meth:`next`, in order."""
+        self._writer = writer
         if self._flight is not None:
             self._flight.push = self._push
 
     def _push(self, delta: GenerateDelta) -> bool:
-        push = self.push
-        if delta.failure is not None or push is None:
+        writer = self._writer
+        if writer is None:
             return False
         try:
-            if not push(delta):
+            if not writer(delta):
                 return False
         except Exception:  # on the connection's callback: never let it raise there
             log.exception("request %s: a delta failed on the direct path", self.request_id)
-            self.push = None
+            self._writer = None
             return False
         self._took(delta)
         return True
@@ -243,7 +243,7 @@ class RequestRun:
         if self._closed:
             return
         self._closed = True
-        self.push = None
+        self._writer = None
         if self._flight is not None and self._conn is not None:
             self._conn.abort(self._flight.request_id)
             self._flight = None

@@ -241,17 +241,18 @@ async def _write_sse(
     timing: dict[str, float] | None = None
     status = "200"
     tail: list[bytes] = []  # sent after the loop with [DONE]: the end costs one write
-    direct = False
 
-    def push(d: GenerateDelta) -> bool:
-        """A delta between the first and the last, as the loop below writes it, straight
-        from the replica connection's callback (see :meth:`RequestRun.stream_to`)."""
-        if not (d.delta_token_ids or d.delta_text):
-            return True
+    def chunk(d: GenerateDelta, finish: str | None = None) -> bytes:
         shaped = None
         if logprobs is not None and d.delta_token_ids:
             shaped = logprobs(list(d.delta_token_ids), d.logprobs)
-        return emit.now(encoder.chunk(d.delta_text, None, shaped))
+        return encoder.chunk(d.delta_text, finish, shaped)
+
+    def push(d: GenerateDelta) -> bool:
+        """A delta between the first and the last, as the loop below writes it, straight
+        from the replica connection's callback (see :meth:`RequestRun.stream_to`). Only
+        while the loop waits in ``run.next()``: never before the first chunk is out."""
+        return emit.now(chunk(d)) if d.delta_token_ids or d.delta_text else True
 
     try:
         if role_first:
@@ -259,6 +260,7 @@ async def _write_sse(
         d = run.first
         if d is not None and arrival is not None and d.replica_ttft_s is not None:
             timing = door.time_first_delta(time.perf_counter() - arrival, d.replica_ttft_s)
+        run.stream_to(push)
         while d is not None:
             last = d
             if d.finish_reason == "error":
@@ -268,18 +270,12 @@ async def _write_sse(
                     data_line(error_body(err.message, err.type, 500, code=err.code, request_id=rid))
                 )
                 break
-            shaped = None
-            if logprobs is not None and d.delta_token_ids:
-                shaped = logprobs(list(d.delta_token_ids), d.logprobs)
             if d.finished:  # the last chunk leaves with the tail, in one write
-                tail.append(encoder.chunk(d.delta_text, d.finish_reason, shaped))
+                tail.append(chunk(d, d.finish_reason))
                 break
             if d.delta_token_ids or d.delta_text:  # as vLLM: a token that completes no
                 # character yet still gets its (empty) chunk, so the first one is never late
-                await emit(encoder.chunk(d.delta_text, None, shaped))
-            if not direct:  # the head and first chunk are out: deltas may go direct
-                direct = True
-                run.stream_to(push)
+                await emit(chunk(d))
             d = await run.next()
         if last is not None and last.finished and last.finish_reason != "error":
             usage = _usage(last)
