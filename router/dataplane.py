@@ -235,8 +235,9 @@ class ReplicaConnection:
         except zmq.ZMQError as exc:  # its queue is full: the replica stopped reading
             self.lose(f"cannot send ({exc})")
             return
-        # A send may consume the socket's edge-triggered read signal: look for input now.
-        if not self._draining:
+        # A send may consume the socket's edge-triggered read signal: if input is waiting,
+        # read it on the next turn of the loop (asking costs less than a callback per send).
+        if not self._draining and self._sock.getsockopt(_EVENTS) & _POLLIN:
             self._draining = True
             self._loop.call_soon(self._on_readable)
 

@@ -152,7 +152,7 @@ async def completions(request: Request, tenant: TenantDep) -> Response:
     arrival = time.perf_counter()
     intake = _intake(request)
     body, run = await intake.begin(request, tenant, CompletionRequest)
-    assert isinstance(body, CompletionRequest)
+    assert not body.chat
     rid = f"cmpl-{new_id()}"
     encoder = ChunkEncoder(False, rid, int(time.time()), body.model)
 
@@ -172,7 +172,7 @@ async def chat_completions(request: Request, tenant: TenantDep) -> Response:
     arrival = time.perf_counter()
     intake = _intake(request)
     body, run = await intake.begin(request, tenant, ChatCompletionRequest)
-    assert isinstance(body, ChatCompletionRequest)
+    assert body.chat
     rid = f"chatcmpl-{new_id()}"
     encoder = ChunkEncoder(True, rid, int(time.time()), body.model)
 

@@ -33,6 +33,7 @@ from .admission import OverloadedError, Ticket
 from .errors import APIError, one_line, read_body, request_id, validation_error
 from .frontdoor import FrontDoor
 from .openai_api import ChatCompletionRequest, CompletionRequest
+from .openai_wire import DECODERS, ChatBody, CompletionBody
 from .policy import NoReplicaError
 from .quarantine import QueryOfDeathError
 from .request_run import REPLICA_FAILURES, RequestRun
@@ -48,7 +49,7 @@ BODY_TIMEOUT_S = 30.0  # default time for a body to arrive whole (a 408 past it)
 DEFAULT_CHARS_PER_TOKEN = 32
 OFF_LOOP_BODY_BYTES = 64 << 10  # bodies past this are parsed on the worker thread
 M = TypeVar("M", bound=pydantic.BaseModel)
-Body = CompletionRequest | ChatCompletionRequest
+Body = CompletionRequest | ChatCompletionRequest | CompletionBody | ChatBody
 
 
 class Intake:
@@ -77,13 +78,19 @@ class Intake:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
 
     async def parse(self, request: Request, model: type[M]) -> M:
-        """The body as ``model``: read under the size cap, validated strictly, checked."""
+        """The body as ``model`` (or its msgspec twin, which behaves the same): read under
+        the size cap, validated strictly, checked."""
         raw = await read_body(request, self.max_body_bytes, self.body_timeout_s)
+        fast = DECODERS[model]
+
+        def decode() -> M:
+            try:
+                return fast(raw)  # the msgspec twin (openai_wire): ~5x cheaper
+            except ValueError:  # msgspec's errors, and UnicodeDecodeError on bad UTF-8
+                return model.model_validate_json(raw)  # accepts, or says why not
+
         try:
-            if len(raw) > OFF_LOOP_BODY_BYTES:
-                body = await self.off_loop(lambda: model.model_validate_json(raw))
-            else:
-                body = model.model_validate_json(raw)
+            body = await self.off_loop(decode) if len(raw) > OFF_LOOP_BODY_BYTES else decode()
         except pydantic.ValidationError as exc:
             raise validation_error(list(exc.errors(include_url=False))) from None
         self._check(body)  # type: ignore[arg-type]
@@ -110,7 +117,7 @@ class Intake:
                 param,
                 "unsupported_parameter",
             )
-        if isinstance(body, ChatCompletionRequest):
+        if body.chat:
             if body.top_logprobs and not body.logprobs:
                 raise APIError(
                     400,
@@ -166,7 +173,7 @@ class Intake:
         except BoundsError as exc:
             raise APIError(400, str(exc), "invalid_request_error", exc.param) from None
 
-    async def prompt_ids(self, body: CompletionRequest) -> list[int]:
+    async def prompt_ids(self, body: CompletionRequest | CompletionBody) -> list[int]:
         if isinstance(body.prompt, str):
             text = body.prompt
             self._check_length(len(text))
@@ -178,7 +185,7 @@ class Intake:
             self._check_ids(ids, validated=True)
         return ids
 
-    async def chat_ids(self, request: Request, body: ChatCompletionRequest) -> list[int]:
+    async def chat_ids(self, request: Request, body: ChatCompletionRequest | ChatBody) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         self._check_length(sum(len(m["content"]) for m in messages))
         tokenizer = self.door.tokenizer
@@ -204,8 +211,8 @@ class Intake:
         max_len = self.door.fleet.max_model_len
         room = max_len - n_prompt
         max_tokens = body.max_tokens
-        if isinstance(body, ChatCompletionRequest):
-            max_tokens = body.max_completion_tokens or max_tokens
+        if body.chat:
+            max_tokens = body.max_completion_tokens or max_tokens  # type: ignore[union-attr]
         if room < 1 or (max_tokens is not None and max_tokens > room):
             raise APIError(
                 400,
@@ -240,10 +247,10 @@ class Intake:
         ticket = await self.admit(tenant)
         try:
             body = await self.parse(request, model)
-            if isinstance(body, ChatCompletionRequest):
-                ids = await self.chat_ids(request, body)
+            if body.chat:
+                ids = await self.chat_ids(request, body)  # type: ignore[arg-type]
             else:
-                ids = await self.prompt_ids(body)
+                ids = await self.prompt_ids(body)  # type: ignore[arg-type]
             return body, await self.start(request, tenant, ticket, ids, body)
         except BaseException:
             self.door.admission.release(ticket)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -77,6 +77,74 @@ def _neutral(value: object, neutral: tuple[object, ...]) -> bool:
     return any(value is n or (type(value) is type(n) and value == n) for n in neutral)
 
 
+# The behaviour of a request body, shared by these pydantic models (the schema, OpenAPI, the
+# error messages) and their msgspec twins in openai_wire (the hot path's decoder).
+class RequestMethods:
+    __slots__ = ()
+    chat: ClassVar[bool] = False
+    if TYPE_CHECKING:  # declared by the classes that mix this in (an annotation here would
+        model: str  # be taken for a field by msgspec, and override theirs)
+        stream: bool | None
+        stream_options: Any
+        stop: str | list[str] | None
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def unsupported(self) -> str | None:
+        """The first OpenAI parameter set that this server does not implement, or None
+        (every one of them defaults to None, so "set" is "not None")."""
+        for name, neutral in UNSUPPORTED.items():
+            value = getattr(self, name, None)
+            if value is not None and not _neutral(value, neutral):
+                return name
+        return None
+
+
+class CompletionMethods(RequestMethods):
+    __slots__ = ()
+    if TYPE_CHECKING:
+        logprobs: int | None
+
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token the engine should report (None: no logprobs)."""
+        return self.logprobs
+
+
+class ChatMethods(RequestMethods):
+    __slots__ = ()
+    chat: ClassVar[bool] = True
+    if TYPE_CHECKING:
+        logprobs: bool | None
+        top_logprobs: int | None
+
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token the engine should report (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class ChatMessageMethods:
+    __slots__ = ()
+    if TYPE_CHECKING:
+        content: Any
+
+    def text(self) -> str:
+        """The message's text (parts joined); non-text parts are refused before this."""
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(p.text or "" for p in self.content)
+
+    def non_text_part(self) -> tuple[int, str] | None:
+        """(index, type) of the first part that is not text (an image, audio, a file)."""
+        if isinstance(self.content, list):
+            for i, part in enumerate(self.content):
+                if part.type != "text" or part.text is None:
+                    return i, part.type
+        return None
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -85,7 +153,7 @@ class StreamOptions(_Strict):
     include_usage: bool | None = False
 
 
-class _Request(_Strict):
+class _Request(_Strict, RequestMethods):
     model: Text
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)  # None: 1
@@ -118,30 +186,14 @@ class _Request(_Strict):
     prediction: Any = None
     web_search_options: Any = None
 
-    def stop_list(self) -> list[str]:
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
-    def unsupported(self) -> str | None:
-        """The first OpenAI parameter set that this server does not implement, or None."""
-        for name, neutral in UNSUPPORTED.items():
-            if name in self.model_fields_set and not _neutral(getattr(self, name), neutral):
-                return name
-        return None
-
-
-class CompletionRequest(_Request):
+class CompletionRequest(_Request, CompletionMethods):
     # Text, or token ids; one prompt per request (a list of prompts is refused).
     prompt: Text | Annotated[list[TokenId], Field(min_length=1)]
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
     echo: bool | None = None
     suffix: Text | None = None
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
-
-    def num_logprobs(self) -> int | None:
-        """Alternatives per token the engine should report (None: no logprobs)."""
-        return self.logprobs
 
 
 class ContentPart(_Strict):
@@ -152,36 +204,18 @@ class ContentPart(_Strict):
     text: Text | None = None
 
 
-class ChatMessage(_Strict):
+class ChatMessage(_Strict, ChatMessageMethods):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
 
-    def text(self) -> str:
-        """The message's text (parts joined); non-text parts are refused before this."""
-        if self.content is None or isinstance(self.content, str):
-            return self.content or ""
-        return "".join(p.text or "" for p in self.content)
 
-    def non_text_part(self) -> tuple[int, str] | None:
-        """(index, type) of the first part that is not text (an image, audio, a file)."""
-        if isinstance(self.content, list):
-            for i, part in enumerate(self.content):
-                if part.type != "text" or part.text is None:
-                    return i, part.type
-        return None
-
-
-class ChatCompletionRequest(_Request):
+class ChatCompletionRequest(_Request, ChatMethods):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     parallel_tool_calls: bool | None = None
-
-    def num_logprobs(self) -> int | None:
-        """Alternatives per token the engine should report (None: no logprobs)."""
-        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class PromptTokensDetails(BaseModel):

@@ -24,11 +24,10 @@ from kvroute.events.replica_api import GenerateDelta
 from .errors import INTERNAL_ERROR, APIError, one_line, request_id
 from .frontdoor import FrontDoor
 from .openai_api import (
-    ChatCompletionRequest,
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,
-    CompletionRequest,
+    RequestMethods,
     TopLogprob,
     error_body,
     make_usage,
@@ -146,7 +145,7 @@ def request_failed(rid: str, last: Any) -> APIError:
 async def respond(
     door: FrontDoor,
     request: Request,
-    body: CompletionRequest | ChatCompletionRequest,
+    body: RequestMethods,
     run: RequestRun,
     encoder: ChunkEncoder,
     final: Callable[..., dict[str, Any]],
