@@ -265,7 +265,10 @@ class ReplicaConnection:
                             continue
                         if delta.finished:
                             del flights[delta.request_id]
-                        flight.put(delta)
+                        try:
+                            flight.put(delta)
+                        except Exception as exc:  # its own failure, never the connection's
+                            self._fail_flight(delta.request_id, flight, exc)
                 elif kind == dp.LOAD:
                     report = dp.decode_load(payload)
                     self.loads += 1
@@ -282,6 +285,17 @@ class ReplicaConnection:
                 self.malformed += 1
                 log.warning("replica %s: skipped a malformed data-plane message",
                             self.replica_id)  # fmt: skip
+            except Exception:  # a callback's bug: an exception out of here would stop
+                # this connection's reads for good (its socket's signal is edge-triggered)
+                self.malformed += 1
+                log.exception("replica %s: a data-plane message failed", self.replica_id)
+
+    def _fail_flight(self, request_id: str, flight: Flight, exc: Exception) -> None:
+        """A delta its flight could not take fails that request alone; the replica forgets it."""
+        log.error("request %s: its delta failed on arrival", request_id, exc_info=exc)
+        if self.flights.pop(request_id, None) is not None:
+            self._send(dp.ABORT, dp.encoder.encode([request_id]))
+        flight.fail(exc)
 
     def _on_monitor(self) -> None:
         mon = self._monitor
