@@ -164,7 +164,15 @@ async def completions(request: Request, tenant: TenantDep) -> Response:
     n = body.num_logprobs()
     shape = None if n is None else Logprobs(intake.door.tokenizer, n).completion
     return await respond(
-        intake.door, request, body, run, encoder, final, logprobs=shape, arrival=arrival
+        intake.door,
+        request,
+        body,
+        run,
+        encoder,
+        final,
+        ready=lambda: intake.first(request, run),
+        logprobs=shape,
+        arrival=arrival,
     )
 
 
@@ -191,6 +199,7 @@ async def chat_completions(request: Request, tenant: TenantDep) -> Response:
         run,
         encoder,
         final,
+        ready=lambda: intake.first(request, run),
         role_first=True,
         logprobs=shape,
         arrival=arrival,
@@ -288,9 +297,11 @@ class _HotLane:
             request = Request(scope, receive)
             try:
                 response = await self.handler(request, authenticate(scope, self.state))
-            except APIError as exc:
-                response = api_error_response(request, exc)
-            await response(scope, receive, send_with_id)
+                await response(scope, receive, send_with_id)
+            except APIError as exc:  # from the handler, or a stream's before its head
+                if started:
+                    raise
+                await api_error_response(request, exc)(scope, receive, send_with_id)
         except ClientTooSlowError:
             log.warning("request %s: the client took nothing for %g s; dropped", rid, timeout)
             door.errors["slow_client"] += 1

@@ -241,9 +241,10 @@ class Intake:
     async def begin(
         self, request: Request, tenant: Tenant, model: type[Body]
     ) -> tuple[Body, RequestRun]:
-        """Admits, reads and tokenizes the request, then starts it (routed, first delta
-        in); every failure a status. The ticket is given back on any failure, else the run
-        holds it."""
+        """Admits, reads and tokenizes the request, then routes and sends it; every failure
+        a status. The ticket is given back on any failure, else the run holds it. The run's
+        first delta is not in yet: :meth:`first` waits for it (the caller gets its response
+        ready meanwhile)."""
         ticket = await self.admit(tenant)
         try:
             body = await self.parse(request, model)
@@ -251,7 +252,7 @@ class Intake:
                 ids = await self.chat_ids(request, body)  # type: ignore[arg-type]
             else:
                 ids = await self.prompt_ids(body)  # type: ignore[arg-type]
-            return body, await self.start(request, tenant, ticket, ids, body)
+            return body, self.launch(request, tenant, ticket, ids, body)
         except BaseException:
             self.door.admission.release(ticket)
             raise
@@ -266,43 +267,56 @@ class Intake:
                 headers={"retry-after": exc.retry_after},
             ) from None  # fmt: skip
 
-    async def start(
+    def launch(
         self, request: Request, tenant: Tenant, ticket: Ticket, ids: list[int], body: Body
     ) -> RequestRun:
-        """Routes the request and waits for its first delta; every failure a status."""
-        rid = request_id(request)
+        """Routes the request and sends it; every failure a status."""
         spec = self.sampling(body, len(ids))
         door = self.door
         door.admission.charge(ticket, len(ids))
         try:
-            run = door.run(ticket, tenant, ids, spec, body.cache_salt, request_id=rid)
+            run = door.run(
+                ticket, tenant, ids, spec, body.cache_salt, request_id=request_id(request)
+            )
         except QueryOfDeathError as exc:
             raise APIError(
                 400, str(exc), "invalid_request_error", code="request_quarantined"
             ) from None
         try:
-            first = await run.start()
-            if first.finish_reason == "error":  # failed before its first token: a status
-                raise request_failed(rid, first)
-            return run
+            run.submit()
         except BaseException as exc:
             run.close()
-            if isinstance(exc, InvalidRequestError):
-                raise APIError(400, one_line(str(exc)), "invalid_request_error") from None
-            if isinstance(exc, NoReplicaError):
-                raise APIError(
-                    503, str(exc), "service_unavailable", headers={"retry-after": "1"}
-                ) from None
-            if isinstance(exc, REPLICA_FAILURES):
-                log.warning("request %s: replica failed: %s", rid, one_line(str(exc)))
-                suspect = getattr(exc, "suspect", False)
-                msg = FAILED + (
-                    "; it was not retried elsewhere, as it may have caused the failure"
-                    if suspect
-                    else ""
-                )
-                raise APIError(503, msg, "service_unavailable", code="replica_failed") from None
-            raise
+            raise _as_status(request_id(request), exc) from None
+        return run
+
+    async def first(self, request: Request, run: RequestRun) -> None:
+        """Waits for the run's first delta, so that everything that can go wrong before it
+        (a bad request, a dead replica) is settled while an HTTP status can still say so;
+        every failure a status, the run closed."""
+        rid = request_id(request)
+        try:
+            first = await run.first_delta()
+            if first.finish_reason == "error":  # failed before its first token: a status
+                raise request_failed(rid, first)
+        except BaseException as exc:
+            run.close()
+            raise _as_status(rid, exc) from None
+
+
+def _as_status(rid: str, exc: BaseException) -> BaseException:
+    """A failure before the first token as the status that says it (others unchanged)."""
+    if isinstance(exc, InvalidRequestError):
+        return APIError(400, one_line(str(exc)), "invalid_request_error")
+    if isinstance(exc, NoReplicaError):
+        return APIError(503, str(exc), "service_unavailable", headers={"retry-after": "1"})
+    if isinstance(exc, REPLICA_FAILURES):
+        log.warning("request %s: replica failed: %s", rid, one_line(str(exc)))
+        suspect = getattr(exc, "suspect", False)
+        msg = FAILED + (
+            "; it was not retried elsewhere, as it may have caused the failure" if suspect else ""
+        )
+        return APIError(503, msg, "service_unavailable", code="replica_failed")
+    return exc
 
 
 def fast_encoder(tokenizer: Any) -> Callable[[str], list[int]]:

@@ -132,8 +132,17 @@ class RequestRun:
         wrong before it (a bad request, a dead replica) is settled while an HTTP status can
         still say so. Raises :class:`InvalidRequestError` (the client's fault),
         :class:`NoReplicaError`, or the replica's failure when it was not retried."""
+        self.submit()
+        return await self.first_delta()
+
+    def submit(self) -> None:
+        """The first half of :meth:`start`: routed and sent (raises
+        :class:`NoReplicaError`), so the caller can get ready while the replica computes."""
         self.door.counters["requests"] += 1
         self._send()
+
+    async def first_delta(self) -> GenerateDelta:
+        """The second half of :meth:`start`."""
         first = await self.next()
         self.first = first
         return first

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
@@ -152,14 +152,16 @@ async def respond(
     role_first: bool = False,
     logprobs: Callable[[list[int], list[dict[int, float]] | None], Any] | None = None,
     arrival: float | None = None,
+    ready: Callable[[], Awaitable[None]] | None = None,
 ) -> Response:
     """The whole answer as one body (``final``), or an SSE stream of ``encoder``'s chunks.
-    ``run`` has started (its first delta is in). ``logprobs`` shapes a run of tokens'
-    logprobs (``Logprobs.completion`` or ``.chat``); None: none asked for. ``arrival``:
-    ``perf_counter()`` when the handler began, for the added-latency figure."""
-    headers = {REPLICA_HEADER: run.replica}
+    ``run`` has been sent; ``ready`` waits for its first delta (None: it is in), raising
+    the status a failure before it gets. A stream's response is made before that and its
+    head sent after, so the work of getting it ready is off the time to first token.
+    ``logprobs`` shapes a run of tokens' logprobs (``Logprobs.completion`` or ``.chat``);
+    None: none asked for. ``arrival``: ``perf_counter()`` when the handler began, for the
+    added-latency figure."""
     rid = request_id(request)
-    ttft_s = None if arrival is None else time.perf_counter() - arrival  # first delta is in
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -169,7 +171,17 @@ async def respond(
             )
 
         send_timeout_s = getattr(request.app.state, "send_timeout_s", None)
-        return SSEResponse(write, headers, send_timeout_s, on_close=run.close)
+        return SSEResponse(
+            write,
+            lambda: {REPLICA_HEADER: run.replica},  # where the first delta came from
+            send_timeout_s,
+            on_close=run.close,
+            ready=ready,
+        )
+    if ready is not None:
+        await ready()
+    headers = {REPLICA_HEADER: run.replica}
+    ttft_s = None if arrival is None else time.perf_counter() - arrival  # first delta is in
     parts: list[str] = []
     ids: list[int] = []
     entries: list[dict[int, float]] = []

@@ -87,6 +87,12 @@ def data_line(obj: Any) -> bytes:
     return b"data: " + _json.encode(obj) + b"\n\n"
 
 
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+]
+
+
 class SSEResponse(Response):
     """An ASGI response whose body ``write(emit)`` produces: it awaits ``emit(chunk)`` per
     chunk (a coroutine, not an async generator: one layer less per token), and
@@ -95,22 +101,25 @@ class SSEResponse(Response):
     through the app's middleware; the chunks go on the server's raw ``send``. The writer is
     cancelled when the client disconnects, or when one send waits longer than
     ``send_timeout_s`` (:class:`ClientTooSlowError`); ``on_close`` runs however it ends
-    (the request ends on its replica, its slot is released)."""
+    (the request ends on its replica, its slot is released). ``ready``, when given, is
+    awaited before the head, with the disconnect watch already on: what it raises (a
+    status for the app to send) leaves with nothing sent; ``headers`` may be a function,
+    read after it."""
 
     def __init__(
         self,
         write: Callable[[Emit], Awaitable[None]],
-        headers: dict[str, str],
+        headers: dict[str, str] | Callable[[], dict[str, str]],
         send_timeout_s: float | None = None,
         on_close: Callable[[], None] | None = None,
+        ready: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.status_code = 200
         self.background = None
         self.write = write
         self.on_close = on_close
-        self.raw_headers = [(k.encode(), v.encode()) for k, v in headers.items()]
-        self.raw_headers.append((b"content-type", b"text/event-stream; charset=utf-8"))
-        self.raw_headers.append((b"cache-control", b"no-cache"))
+        self.ready = ready
+        self.headers_of = headers if callable(headers) else lambda: headers
         self.send_timeout_s = send_timeout_s
         self._sending_since = 0.0  # loop time the send in progress began; 0: none
         self._disconnected = False
@@ -128,8 +137,11 @@ class SSEResponse(Response):
         try:
             if sweeper is not None:
                 sweeper.watch(self, task)
-            start = {"type": "http.response.start", "status": 200, "headers": self.raw_headers}
-            await send(start)
+            if self.ready is not None:  # may raise a status: nothing is sent yet
+                await self.ready()
+            headers = [(k.encode(), v.encode()) for k, v in self.headers_of().items()]
+            headers += _SSE_HEADERS
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
             await self.write(body)
             if body.more:  # the writer did not end the body
                 await raw({"type": "http.response.body", "body": b"", "more_body": False})

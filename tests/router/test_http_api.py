@@ -281,6 +281,25 @@ def test_client_disconnect_aborts_on_the_replica(fleet: dict[str, Any]) -> None:
     assert fleet["door"].fleet.load.in_flight() == 0
 
 
+def test_a_stream_whose_client_leaves_before_its_first_token_gives_everything_back(
+    fleet: dict[str, Any],
+) -> None:
+    """The stream's response waits for the first delta with the disconnect watch already
+    on: a client gone by then ends the request on its replica and frees its slot, and no
+    head is written for nobody."""
+    door = fleet["door"]
+    url = fleet["url"] + "/v1/completions"
+    prompt = [(7 * i) % 250 for i in range(2000)]  # tens of ms of prefill on tiny
+    for _ in range(3):
+        with pytest.raises(httpx.ReadTimeout):
+            body = {**ENDLESS, "max_tokens": 400, "prompt": prompt, "stream": True}
+            httpx.post(url, json=body, headers=AUTH, timeout=httpx.Timeout(5, read=0.005))
+        prompt = [t + 1 for t in prompt]  # a fresh prefix each time
+    wait_for(lambda: running(fleet) == 0, 5, "requests left before their first token aborted")
+    wait_for(lambda: door.fleet.load.in_flight() == 0, 3, "their slots given back")
+    assert door.admission.in_flight == 0 and door.admission.tenant_in_flight("alpha") == 0
+
+
 def test_overload_is_a_429_not_a_queue(fleet: dict[str, Any]) -> None:
     door = fleet["door"]
     door.admission.max_in_flight = 1
