@@ -148,6 +148,7 @@ class ReplicaConnection:
         self.lost: str | None = None  # why, once lost
         self.flights: dict[str, Flight] = {}
         self.malformed = 0  # messages that did not decode, skipped
+        self.callback_errors = 0  # messages a callback failed on (logged), skipped
         self._seq = itertools.count()
         self._loop = asyncio.get_running_loop()
         ctx = context or zmq.Context.instance()
@@ -287,7 +288,7 @@ class ReplicaConnection:
                             self.replica_id)  # fmt: skip
             except Exception:  # a callback's bug: an exception out of here would stop
                 # this connection's reads for good (its socket's signal is edge-triggered)
-                self.malformed += 1
+                self.callback_errors += 1
                 log.exception("replica %s: a data-plane message failed", self.replica_id)
 
     def _fail_flight(self, request_id: str, flight: Flight, exc: Exception) -> None:

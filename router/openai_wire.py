@@ -9,8 +9,13 @@ Structs may refuse more than the models, never less, and must decode what they a
 the same values: ``tests/router/test_openai_wire.py`` checks both on generated bodies, and
 that each model's fields are declared here.
 
-Text needs no validator here: msgspec refuses a lone surrogate, escaped or raw, where the
-models' ``_utf8`` check refuses it after parsing.
+Text needs no validator here: msgspec refuses a lone surrogate, escaped or raw, in every
+field it decodes, where the models' ``_utf8`` check refuses it after parsing. Fields it does
+not declare it skips unread, so the caller (:meth:`~.intake.Intake.parse`) checks the whole
+body's UTF-8 first, and falls back to pydantic on a ``RecursionError`` (nesting msgspec
+cannot follow). Two differences remain, both in values nothing reads: msgspec accepts
+nesting between pydantic's limit (~200) and its own (~990), and integers of over ~4,300
+digits, in unknown fields and in the ``Any`` fields declared only to be refused by name.
 """
 
 from __future__ import annotations

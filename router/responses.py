@@ -170,13 +170,22 @@ async def respond(
                 door, run, rid, encoder, include_usage, role_first, logprobs, arrival, emit
             )
 
+        async def first() -> None:
+            try:
+                if ready is not None:
+                    await ready()
+            except asyncio.CancelledError:  # the client left before its first token
+                door.errors["client_gone"] += 1
+                end_request(rid, run, None, None, "499 client_gone", arrival)
+                raise
+
         send_timeout_s = getattr(request.app.state, "send_timeout_s", None)
         return SSEResponse(
             write,
             lambda: {REPLICA_HEADER: run.replica},  # where the first delta came from
             send_timeout_s,
             on_close=run.close,
-            ready=ready,
+            ready=first,
         )
     if ready is not None:
         await ready()

@@ -123,6 +123,7 @@ class SSEResponse(Response):
         self.send_timeout_s = send_timeout_s
         self._sending_since = 0.0  # loop time the send in progress began; 0: none
         self._disconnected = False
+        self._ended = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         task = asyncio.current_task()
@@ -154,7 +155,8 @@ class SSEResponse(Response):
                 raise ClientTooSlowError from None
             raise
         finally:
-            watch.cancel()
+            self._ended = True  # a disconnect noticed from now on cancels nothing: the
+            watch.cancel()  # task may be sending the status a raising ``ready`` asked for
             if sweeper is not None:
                 sweeper.forget(self)
             if self.on_close is not None:
@@ -165,6 +167,8 @@ class SSEResponse(Response):
         if watch.cancelled():
             return
         watch.exception()  # retrieved: a broken receive is no error of the loop's
+        if self._ended:
+            return
         if not task.done():
             self._disconnected = True
             task.cancel()

@@ -7,6 +7,7 @@ accept to the same values, and must declare every field its model has.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -15,8 +16,11 @@ import pydantic
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from starlette.requests import Request
 
 from kvroute.events.replica_api import MAX_STOP_CHARS, SEED_MAX, TOKEN_ID_MAX
+from kvroute.router.errors import APIError
+from kvroute.router.intake import Intake
 from kvroute.router.openai_api import ChatCompletionRequest, CompletionRequest
 from kvroute.router.openai_wire import DECODERS, TWINS
 
@@ -178,3 +182,32 @@ def test_common_bodies_take_the_fast_path(model: type[pydantic.BaseModel], body:
 )
 def test_edge_bodies_agree(raw: bytes) -> None:
     check(CompletionRequest, raw)
+
+
+DEEP = b"[" * 1000 + b"]" * 1000
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model":"m","prompt":"hi","zz":' + DEEP + b"}",  # the twin: RecursionError
+        b'{"model":"m","prompt":"hi","zz":"\xff"}',
+        b'{"model":"m","prompt":"hi","zz":"\xed\xa0\x80"}',
+        b'{"model":"m","prompt":"hi","\x80":1}',
+    ],
+)
+def test_the_front_door_refuses_what_pydantic_refuses_in_fields_it_ignores(raw: bytes) -> None:
+    """msgspec skips unknown fields without validating them (UTF-8, depth): the front
+    door's decode (Intake.parse) checks UTF-8 first and falls back on deep nesting."""
+    intake = Intake.__new__(Intake)  # parse needs no front door for a body it refuses
+    intake.max_body_bytes, intake.body_timeout_s = 1 << 20, None
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": raw, "more_body": False}
+
+    request = Request({"type": "http", "method": "POST", "headers": []}, receive)
+    with pytest.raises(pydantic.ValidationError):
+        CompletionRequest.model_validate_json(raw)
+    with pytest.raises(APIError) as info:
+        asyncio.run(intake.parse(request, CompletionRequest))
+    assert info.value.status == 400

@@ -99,7 +99,7 @@ def test_a_failing_callback_fails_its_request_alone_and_reading_goes_on() -> Non
                 if len(loads) == 2:
                     break
                 await asyncio.sleep(0.01)
-            assert len(loads) == 2 and conn.malformed == 1  # counted, and read on
+            assert len(loads) == 2 and conn.callback_errors == 1  # counted, and read on
             assert conn.lost is None and not conn.flights
         finally:
             conn.close()
