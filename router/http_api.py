@@ -20,7 +20,7 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Annotated, Any
 
 import pydantic
@@ -59,6 +59,7 @@ from .openai_api import (
     ModelCard,
     ModelList,
 )
+from .request_run import RequestRun
 from .responses import REPLICA_HEADER, Logprobs, respond
 from .send_deadline import SEND_TIMEOUT_S, ClientTooSlowError, SendDeadlineMiddleware
 from .sse import RAW_SEND, ChunkEncoder
@@ -148,10 +149,27 @@ async def metrics(request: Request) -> Response:
     return Response(render_metrics(door, events), media_type=METRICS_CONTENT_TYPE)
 
 
+@contextlib.contextmanager
+def _closed_on_error(run: RequestRun) -> Iterator[None]:
+    """From ``begin`` until the response owns the run: any failure gives it back."""
+    try:
+        yield
+    except BaseException:
+        run.close()
+        raise
+
+
 async def completions(request: Request, tenant: TenantDep) -> Response:
     arrival = time.perf_counter()
     intake = _intake(request)
     body, run = await intake.begin(request, tenant, CompletionRequest)
+    with _closed_on_error(run):
+        return await _complete(intake, request, body, run, arrival)
+
+
+async def _complete(
+    intake: Intake, request: Request, body: Any, run: RequestRun, arrival: float
+) -> Response:
     assert not body.chat
     rid = f"cmpl-{new_id()}"
     encoder = ChunkEncoder(False, rid, int(time.time()), body.model)
@@ -180,6 +198,13 @@ async def chat_completions(request: Request, tenant: TenantDep) -> Response:
     arrival = time.perf_counter()
     intake = _intake(request)
     body, run = await intake.begin(request, tenant, ChatCompletionRequest)
+    with _closed_on_error(run):
+        return await _chat(intake, request, body, run, arrival)
+
+
+async def _chat(
+    intake: Intake, request: Request, body: Any, run: RequestRun, arrival: float
+) -> Response:
     assert body.chat
     rid = f"chatcmpl-{new_id()}"
     encoder = ChunkEncoder(True, rid, int(time.time()), body.model)

@@ -300,6 +300,26 @@ def test_a_stream_whose_client_leaves_before_its_first_token_gives_everything_ba
     assert door.admission.in_flight == 0 and door.admission.tenant_in_flight("alpha") == 0
 
 
+def test_a_failure_between_routing_and_the_response_gives_the_request_back(
+    fleet: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The request is already on its replica when the handler builds its response: a bug
+    there is a 500, and the run is closed (aborted, its slot and ticket given back)."""
+    import kvroute.router.http_api as http_api
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("a bug while shaping logprobs")
+
+    monkeypatch.setattr(http_api, "Logprobs", broken)
+    door = fleet["door"]
+    for stream in (False, True):
+        body = {**ENDLESS, "prompt": "x", "logprobs": 1, "stream": stream}
+        r = httpx.post(fleet["url"] + "/v1/completions", json=body, headers=AUTH)
+        assert r.status_code == 500, r.text
+    wait_for(lambda: running(fleet) == 0, 5, "both requests aborted on their replicas")
+    assert door.fleet.load.in_flight() == 0 and door.admission.in_flight == 0
+
+
 def test_overload_is_a_429_not_a_queue(fleet: dict[str, Any]) -> None:
     door = fleet["door"]
     door.admission.max_in_flight = 1
