@@ -20,7 +20,8 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import Annotated, Any
 
 import pydantic
@@ -59,7 +60,6 @@ from .openai_api import (
     ModelCard,
     ModelList,
 )
-from .request_run import RequestRun
 from .responses import REPLICA_HEADER, Logprobs, respond
 from .send_deadline import SEND_TIMEOUT_S, ClientTooSlowError, SendDeadlineMiddleware
 from .sse import RAW_SEND, ChunkEncoder
@@ -149,86 +149,60 @@ async def metrics(request: Request) -> Response:
     return Response(render_metrics(door, events), media_type=METRICS_CONTENT_TYPE)
 
 
-@contextlib.contextmanager
-def _closed_on_error(run: RequestRun) -> Iterator[None]:
-    """From ``begin`` until the response owns the run: any failure gives it back."""
+async def completions(request: Request, tenant: TenantDep) -> Response:
+    return await _serve(request, tenant, CompletionRequest)
+
+
+async def chat_completions(request: Request, tenant: TenantDep) -> Response:
+    return await _serve(request, tenant, ChatCompletionRequest)
+
+
+async def _serve(request: Request, tenant: Tenant, model: type[Any]) -> Response:
+    """Both completion endpoints: the request is sent by ``begin``; until the response
+    owns its run (``respond``), any failure here closes it."""
+    arrival = time.perf_counter()
+    intake = _intake(request)
+    body, run = await intake.begin(request, tenant, model)
     try:
-        yield
+        chat = body.chat
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{new_id()}"
+        encoder = ChunkEncoder(chat, rid, int(time.time()), body.model)
+        final = partial(_chat_body if chat else _completion_body, rid, body.model)
+        n = body.num_logprobs()
+        shape = None
+        if n is not None:
+            shapes = Logprobs(intake.door.tokenizer, n)
+            shape = shapes.chat if chat else shapes.completion
+        return await respond(
+            intake.door,
+            request,
+            body,
+            run,
+            encoder,
+            final,
+            ready=lambda: intake.first(request, run),
+            role_first=chat,
+            logprobs=shape,
+            arrival=arrival,
+        )
     except BaseException:
         run.close()
         raise
 
 
-async def completions(request: Request, tenant: TenantDep) -> Response:
-    arrival = time.perf_counter()
-    intake = _intake(request)
-    body, run = await intake.begin(request, tenant, CompletionRequest)
-    with _closed_on_error(run):
-        return await _complete(intake, request, body, run, arrival)
+def _completion_body(
+    rid: str, model: str, text: str, finish: str | None, usage: Any, logprobs: Any
+) -> dict[str, Any]:
+    choice = CompletionChoice(text=text, finish_reason=finish, logprobs=logprobs)
+    return CompletionResponse(id=rid, model=model, choices=[choice], usage=usage).model_dump()
 
 
-async def _complete(
-    intake: Intake, request: Request, body: Any, run: RequestRun, arrival: float
-) -> Response:
-    assert not body.chat
-    rid = f"cmpl-{new_id()}"
-    encoder = ChunkEncoder(False, rid, int(time.time()), body.model)
-
-    def final(text: str, finish: str | None, usage: Any, logprobs: Any) -> dict[str, Any]:
-        choice = CompletionChoice(text=text, finish_reason=finish, logprobs=logprobs)
-        resp = CompletionResponse(id=rid, model=body.model, choices=[choice], usage=usage)
-        return resp.model_dump()
-
-    n = body.num_logprobs()
-    shape = None if n is None else Logprobs(intake.door.tokenizer, n).completion
-    return await respond(
-        intake.door,
-        request,
-        body,
-        run,
-        encoder,
-        final,
-        ready=lambda: intake.first(request, run),
-        logprobs=shape,
-        arrival=arrival,
-    )
-
-
-async def chat_completions(request: Request, tenant: TenantDep) -> Response:
-    arrival = time.perf_counter()
-    intake = _intake(request)
-    body, run = await intake.begin(request, tenant, ChatCompletionRequest)
-    with _closed_on_error(run):
-        return await _chat(intake, request, body, run, arrival)
-
-
-async def _chat(
-    intake: Intake, request: Request, body: Any, run: RequestRun, arrival: float
-) -> Response:
-    assert body.chat
-    rid = f"chatcmpl-{new_id()}"
-    encoder = ChunkEncoder(True, rid, int(time.time()), body.model)
-
-    def final(text: str, finish: str | None, usage: Any, logprobs: Any) -> dict[str, Any]:
-        msg = ChatDelta(role="assistant", content=text)
-        choice = ChatChoice(message=msg, finish_reason=finish, logprobs=logprobs)
-        resp = ChatCompletionResponse(id=rid, model=body.model, choices=[choice], usage=usage)
-        return resp.model_dump()
-
-    n = body.num_logprobs()
-    shape = None if n is None else Logprobs(intake.door.tokenizer, n).chat
-    return await respond(
-        intake.door,
-        request,
-        body,
-        run,
-        encoder,
-        final,
-        ready=lambda: intake.first(request, run),
-        role_first=True,
-        logprobs=shape,
-        arrival=arrival,
-    )
+def _chat_body(
+    rid: str, model: str, text: str, finish: str | None, usage: Any, logprobs: Any
+) -> dict[str, Any]:
+    msg = ChatDelta(role="assistant", content=text)
+    choice = ChatChoice(message=msg, finish_reason=finish, logprobs=logprobs)
+    return ChatCompletionResponse(id=rid, model=model, choices=[choice], usage=usage).model_dump()
 
 
 async def _on_validation_error(request: Request, exc: Exception) -> Response:

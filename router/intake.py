@@ -272,13 +272,12 @@ class Intake:
         self, request: Request, tenant: Tenant, ticket: Ticket, ids: list[int], body: Body
     ) -> RequestRun:
         """Routes the request and sends it; every failure a status."""
+        rid = request_id(request)
         spec = self.sampling(body, len(ids))
         door = self.door
         door.admission.charge(ticket, len(ids))
         try:
-            run = door.run(
-                ticket, tenant, ids, spec, body.cache_salt, request_id=request_id(request)
-            )
+            run = door.run(ticket, tenant, ids, spec, body.cache_salt, request_id=rid)
         except QueryOfDeathError as exc:
             raise APIError(
                 400, str(exc), "invalid_request_error", code="request_quarantined"
@@ -287,7 +286,7 @@ class Intake:
             run.submit()
         except BaseException as exc:
             run.close()
-            raise _as_status(request_id(request), exc) from None
+            raise _as_status(rid, exc) from None
         return run
 
     async def first(self, request: Request, run: RequestRun) -> None:
