@@ -5,7 +5,7 @@
 What runs: the replica's engine thread as it is (:class:`AsyncLLMEngine` over a cost-model
 engine, ``sim:h100-8b``, whose steps sleep for the modelled GPU time scaled by
 ``--time-scale``) with each front door's sink (:class:`_FrontDoorSink`) whose step message is
-encoded with msgspec (``StepOutputs``) as the data plane's I/O thread would, then dropped:
+encoded with msgspec (``StepOutputs``) as the data plane would, then dropped:
 everything a replica does per step except socket I/O and wake-ups. ``N`` streams start at
 once (512-token prompts, ``--tokens`` outputs each, EOS ignored); the figure is the process's
 CPU time (``time.process_time``, all threads) from the first submit to the last delta, per
@@ -67,20 +67,22 @@ def measure(streams: int, tokens: int, time_scale: float, first_id: int) -> floa
     from kvroute.replica.engine import EngineConfig, LLMEngine
 
     class EncodingServer:
-        """The I/O thread's share without the socket: one encoded message per step."""
+        """The data plane's share without the socket: one encoded message per step."""
 
         def __init__(self) -> None:
             self.tokens = 0
             self.left = streams
             self.done = threading.Event()
 
-        def enqueue(self, client: bytes, deltas: list[Any]) -> None:
+        def send_outputs(self, client: bytes, deltas: list[Any]) -> None:
             dp.encoder.encode(dp.StepOutputs(deltas))
             for d in deltas:
                 self.tokens += len(d.delta_token_ids)
                 self.left -= d.finished
             if self.left == 0:
                 self.done.set()
+
+        enqueue = send_outputs  # what a tree before the engine thread sent itself calls
 
     engine = AsyncLLMEngine(LLMEngine(EngineConfig(model="sim:h100-8b", time_scale=time_scale)))
     try:

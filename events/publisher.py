@@ -24,7 +24,7 @@ from typing import Literal
 import zmq
 
 from .blockset import BlockSet, snapshot_events
-from .framing import END_MARKER, SNAPSHOT_REQUEST, Waker, pack_seq, unpack_seq
+from .framing import END_MARKER, SNAPSHOT_REQUEST, Waker, name_native_thread, pack_seq, unpack_seq
 from .wire import AllBlocksCleared, BatchEncoder, EventBatch, KVCacheEvent
 
 log = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class ZmqEventPublisher:
         self._waker = Waker()
         self._idle = False
         self._running = True
-        self._thread = threading.Thread(target=self._run, name="kvroute-publisher", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="kvr-publisher", daemon=True)
         self._thread.start()
 
     # -- caller side -------------------------------------------------------------------
@@ -152,6 +152,7 @@ class ZmqEventPublisher:
 
     # -- publisher thread --------------------------------------------------------------
     def _run(self) -> None:
+        name_native_thread()
         poller = zmq.Poller()
         poller.register(self._waker.fd, zmq.POLLIN)
         if self._replay is not None:

@@ -55,7 +55,7 @@ from typing import Literal
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .framing import SNAPSHOT_REQUEST, Waker, pack_seq, unpack_seq
+from .framing import SNAPSHOT_REQUEST, Waker, name_native_thread, pack_seq, unpack_seq
 from .wire import AllBlocksCleared, EventBatch, MalformedBatchError, decode_batch
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ class ZmqEventSubscriber:
         self._selector = selectors.DefaultSelector()
         self._watch(self._waker.fd, self._on_waker)
         self._thread: threading.Thread | None = threading.Thread(
-            target=self._run, name="kvroute-subscriber", daemon=True
+            target=self._run, name="kvr-subscriber", daemon=True
         )
         self._thread.start()
 
@@ -251,6 +251,7 @@ class ZmqEventSubscriber:
 
     # -- the subscriber's thread (or loop) -----------------------------------------------
     def _run(self) -> None:
+        name_native_thread()
         while self._running and not self._detaching:
             again, self._again = self._again, {}
             timeout = 0.0 if again else self._poll_timeout_s()

@@ -303,8 +303,8 @@ class ReplicaServer:
         log.error("replica %s: engine died (%r)", self.replica_id, self.engine.error)
         if not self._in_actor:
             return
-        # Every live request's failure delta is queued by now: let the I/O thread send it.
-        self.dataplane.flush(EXIT_GRACE_S)
+        # Every live request's failure delta must leave before the process does.
+        self.engine.wait_failed(EXIT_GRACE_S)
         time.sleep(0.2)  # what was handed to ZeroMQ's own I/O thread must leave too
         log.error("replica %s: exiting so Ray restarts it", self.replica_id)
         sys.stderr.flush()

@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+from kvroute.events.framing import name_native_thread
 from kvroute.events.load import LoadReport
 from kvroute.events.replica_api import Resume, SamplingParams
 
@@ -131,11 +132,12 @@ class AsyncLLMEngine:
         self._touched: set[OutputSink] = set()  # sinks delivered to since the last flush
         self._ids = itertools.count()
         self.error: BaseException | None = None
+        self._failed = threading.Event()  # set once a failure has reached every request
         self._stopped = False
         # The scheduler's load after the engine thread's latest step or intake: readable from
         # any thread at once, where a call() would wait for a step to end (a long prefill).
         self.load: LoadReport = engine.scheduler.load_report()
-        self._thread = threading.Thread(target=self._run, name="kvroute-engine", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="kvr-engine", daemon=True)
         self._thread.start()
 
     @classmethod
@@ -248,6 +250,11 @@ class AsyncLLMEngine:
         self._commands.put(_Call(fn, future, loop))
         return await future
 
+    def wait_failed(self, timeout: float) -> bool:
+        """After the engine failed (``errored``): waits until every request it held or had
+        queued has been handed its error and its sink flushed. True if that happened."""
+        return self._failed.wait(timeout)
+
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stops the engine thread; live streams end with :class:`EngineDeadError`."""
         self._stopped = True
@@ -258,6 +265,7 @@ class AsyncLLMEngine:
 
     # -- the engine thread ---------------------------------------------------------------
     def _run(self) -> None:
+        name_native_thread()
         engine = self.engine
         scheduler = engine.scheduler
         try:
@@ -285,6 +293,7 @@ class AsyncLLMEngine:
                 self._deliver(rid, err, last=True)
             self._fail_queued(EngineDeadError(f"engine step failed: {exc!r}"))
             self._flush()
+            self._failed.set()
 
     def _flush(self) -> None:
         touched = self._touched

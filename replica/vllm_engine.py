@@ -44,6 +44,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvroute.events.framing import name_native_thread
 from kvroute.events.load import CostCoefficients, LoadReport
 from kvroute.events.replica_api import GenerateDelta, Resume, SamplingParams
 
@@ -87,6 +88,7 @@ class VllmEngine:
         self.config = config
         self.model_path = resolve_model(config.model)
         self.error: BaseException | None = None
+        self._failed = threading.Event()  # set once a failure has reached every request
         self._stopped = False
         self._live: dict[str, LiveRequest] = {}
         self._touched: set[OutputSink] = set()
@@ -97,7 +99,7 @@ class VllmEngine:
         self._loop = asyncio.new_event_loop()
         started: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._thread = threading.Thread(
-            target=self._run, args=(started, topic), name="kvroute-vllm", daemon=True
+            target=self._run, args=(started, topic), name="kvr-vllm", daemon=True
         )
         self._thread.start()
         started.result()  # the start-up error, if any, raised here
@@ -178,6 +180,11 @@ class VllmEngine:
         manager = getattr(self.llm.engine_core.resources, "engine_manager", None)
         return [p.pid for p in getattr(manager, "processes", ()) if p.pid is not None]
 
+    def wait_failed(self, timeout: float) -> bool:
+        """After the engine failed (``errored``): waits until every live request has been
+        handed its error and its sink flushed. True if that happened."""
+        return self._failed.wait(timeout)
+
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stops vLLM (its processes end) and the loop; live requests end as failed."""
         if self._stopped:
@@ -193,6 +200,7 @@ class VllmEngine:
 
     # -- start-up (the engine's thread) --------------------------------------------------
     def _run(self, started: concurrent.futures.Future[None], topic: str) -> None:
+        name_native_thread()
         asyncio.set_event_loop(self._loop)
         try:
             self._loop.run_until_complete(self._start(topic))
@@ -405,6 +413,7 @@ class VllmEngine:
             self._deliver_to(live.sink, rid, err)
             if live.task is not None and live.task is not asyncio.current_task():
                 live.task.cancel()
+        self._loop.call_soon(self._failed.set)  # after the flush the deliveries scheduled
 
     async def _watch(self) -> None:
         """Polls the scheduler's load while requests run (and notices a dead engine)."""

@@ -281,6 +281,7 @@ async def test_a_shared_failure_names_the_requests_of_its_step(
     queued one is not: only the first may have caused it (a router replays the second)."""
     runner = async_engine.engine.runner
     execute, steps = runner.execute, itertools.count()
+    assert not async_engine.wait_failed(0)  # nothing has failed yet
 
     def execute_then_fail(sched: Any) -> Any:
         if next(steps) == 3:
@@ -296,3 +297,5 @@ async def test_a_shared_failure_names_the_requests_of_its_step(
     assert all(isinstance(r, EngineDeadError) for r in results), results
     assert [r.suspect for r in results] == [True, False]  # type: ignore[union-attr]
     assert async_engine.errored
+    # What a replica waits for before it exits: every request has been handed its error.
+    assert async_engine.wait_failed(5)

@@ -1,0 +1,176 @@
+"""A replica's CPU per streamed token over its real data plane, beside a baseline, in one run.
+
+    python benchmarks/bench_replica_path.py [--baseline REV] [--repeat 5] [--time-scale 1]
+
+What runs, in one fresh process per measurement: what a replica actor runs outside Ray --
+:class:`AsyncLLMEngine` over a cost-model engine (``sim:h100-8b``, steps that sleep for the
+modelled GPU time times ``--time-scale``), its :class:`ZmqEventPublisher` and its
+:class:`DataPlaneServer` on a real TCP socket -- and, in a second process, a front door's
+side of the data plane: a DEALER that says HELLO, sends ``N`` requests at once (512-token
+prompts, ``--tokens`` outputs each, EOS ignored) and reads every step's message until all
+have finished. The figure is the replica process's CPU (``time.process_time``: every
+thread, ZeroMQ's I/O thread included) from the first request's arrival to the last delta's
+send, per output token. Ray's own threads are not in it (``bench_step_loop`` leaves the
+socket out too; ``frontdoor_capacity`` measures the whole actor process under Ray).
+
+``--baseline REV`` runs the same on another commit (a temporary ``git worktree``), run by
+run interleaved with this tree's so that both see the same neighbours. The default
+``--time-scale`` 1 is a live replica's pace: the engine sleeps through each modelled step,
+so the caches are cold when it wakes, as they are on a busy host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench_step_loop import ROOT, _use_tree, baseline_tree
+
+STREAMS = (1, 4, 16, 64)
+PROMPT_TOKENS = 512
+
+
+def client(endpoint: str, streams: int, tokens: int, first_id: int) -> None:
+    """The front door's side: HELLO, ``streams`` requests, every delta until all finished."""
+    import zmq
+
+    from kvroute.events import dataplane as dp
+    from kvroute.events.replica_api import GenerateRequest, SamplingParams
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    dp.configure_socket(sock)
+    sock.connect(endpoint)
+    sock.send_multipart((dp.HELLO, dp.encoder.encode(dp.Hello("bench"))))
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True)
+    for i in range(streams):
+        rid = first_id + i
+        prompt = [rid * 7 % 30_000 + k for k in range(PROMPT_TOKENS)]
+        req = GenerateRequest(request_id=f"r{rid}", prompt_token_ids=prompt, sampling=params)
+        sock.send_multipart((dp.ADD, dp.encoder.encode(req)))
+    left, got = streams, 0
+    while left:
+        kind, payload = sock.recv_multipart()
+        if kind != dp.OUTPUTS:
+            continue
+        for d in dp.decode_outputs(payload).deltas:
+            got += len(d.delta_token_ids)
+            if d.finished:
+                left -= 1
+                if d.error:
+                    raise RuntimeError(d.error)
+    if got != streams * tokens:
+        raise RuntimeError(f"{got} tokens streamed, {streams * tokens} expected")
+    print(got)
+
+
+def measure(streams: int, tokens: int, time_scale: float, first_id: int, tree: str | None) -> float:
+    """CPU microseconds per output token in the replica process, first arrival to last send."""
+    from kvroute.events.publisher import ZmqEventPublisher
+    from kvroute.replica.async_engine import AsyncLLMEngine
+    from kvroute.replica.dataplane import DataPlaneServer
+    from kvroute.replica.engine import EngineConfig, LLMEngine
+
+    publisher = ZmqEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic="bench")
+    config = EngineConfig(model="sim:h100-8b", time_scale=time_scale)
+    engine = AsyncLLMEngine(LLMEngine(config, [publisher.publish]))
+    server = DataPlaneServer(engine, "tcp://127.0.0.1:*", "bench")
+    try:
+        cmd = [sys.executable, __file__, "--client", server.endpoint, str(streams)]
+        cmd += [str(tokens), str(first_id)] + (["--tree", tree] if tree else [])
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        while server.requests == 0:  # the clock starts when the first request is in
+            if proc.poll() is not None:
+                raise RuntimeError("the client ended before sending")
+            time.sleep(0.0005)
+        start = time.process_time()
+        out, _ = proc.communicate(timeout=600)
+        cpu = time.process_time() - start
+        if proc.returncode != 0:
+            raise RuntimeError(f"the client failed ({proc.returncode})")
+    finally:
+        server.close()
+        engine.shutdown()
+        publisher.close()
+    return cpu * 1e6 / int(out.split()[-1])
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One fresh process: a warm-up, then every stream count once; JSON on stdout."""
+    measure(4, 32, args.time_scale, 1_000_000, args.tree)
+    figures = {
+        n: measure(n, args.tokens, args.time_scale, 1000 * n, args.tree) for n in args.streams
+    }
+    print(json.dumps(figures))
+
+
+def run_worker(tree: Path | None, args: argparse.Namespace) -> dict[int, float]:
+    cmd = [sys.executable, __file__, "--worker", "--tokens", str(args.tokens)]
+    cmd += ["--time-scale", repr(args.time_scale), "--streams", *map(str, args.streams)]
+    if tree is not None:
+        cmd += ["--tree", str(tree)]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return {int(k): v for k, v in json.loads(out.splitlines()[-1]).items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--baseline", metavar="REV", help="a commit to measure beside this tree")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=256, help="output tokens per stream")
+    ap.add_argument("--time-scale", type=float, default=1.0)
+    ap.add_argument("--streams", type=int, nargs="+", default=list(STREAMS))
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--client", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--tree", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.tree:
+        _use_tree(Path(args.tree))
+    if args.client:
+        endpoint, streams, tokens, first_id = args.client
+        client(endpoint, int(streams), int(tokens), int(first_id))
+        return
+    if args.worker:
+        worker(args)
+        return
+
+    runs: dict[str, list[dict[int, float]]] = {"this tree": []}
+    with tempfile.TemporaryDirectory(prefix="bench-replica-path-") as tmp:
+        base = baseline_tree(args.baseline, Path(tmp)) if args.baseline else None
+        if base is not None:
+            runs = {f"baseline {args.baseline}": [], "this tree": []}
+        try:
+            for i in range(args.repeat):
+                print(f"# round {i + 1}/{args.repeat}", file=sys.stderr, flush=True)
+                if base is not None:
+                    runs[f"baseline {args.baseline}"].append(run_worker(base, args))
+                runs["this tree"].append(run_worker(None, args))
+        finally:
+            if base is not None:
+                subprocess.run(
+                    ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)],
+                    check=False,
+                    capture_output=True,
+                )
+    print(
+        f"# replica CPU us per streamed token over the data plane, sim:h100-8b, "
+        f"{PROMPT_TOKENS}-token prompts, {args.tokens} tokens each, "
+        f"time_scale={args.time_scale:g}, median of {args.repeat}"
+    )
+    names = list(runs)
+    print(f"{'streams':>8} " + " ".join(f"{n:>22}" for n in names) + ("  ratio" * (len(names) > 1)))
+    for n in args.streams:
+        med = [statistics.median(r[n] for r in runs[name]) for name in names]
+        line = f"{n:>8} " + " ".join(f"{m:>22.1f}" for m in med)
+        if len(med) > 1:
+            line += f"  {med[-1] / med[0]:5.2f}"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
