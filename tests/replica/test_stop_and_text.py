@@ -9,6 +9,7 @@ byte tokens, stop strings spanning tokens).
 from __future__ import annotations
 
 import itertools
+import random
 from dataclasses import dataclass
 
 import pytest
@@ -240,3 +241,19 @@ def test_detokenizer_releases_a_held_back_partial_match(tokenizer) -> None:
     deltas = feed(detok, tokenizer(TEXT).input_ids, 1)
     assert detok.stop_string is None
     assert "".join(deltas) == TEXT
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["decode-stream", "window"])
+def test_detokenizer_text_is_the_whole_decode_even_of_broken_utf8(tokenizer, stream: bool) -> None:
+    """Random bytes: characters split across tokens, sequences that never complete, and
+    requests that finish in the middle of one. Both ways of decoding give exactly what
+    decoding the whole output at once gives."""
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.randrange(3, 256) for _ in range(rng.randrange(1, 80))]
+        chunk = rng.choice([1, 1, 2, 3])
+        detok = IncrementalDetokenizer(tokenizer, stream=stream)
+        assert (detok._stream is not None) == stream  # the path under test is the one taken
+        deltas = [detok.update(ids[k : k + chunk]) for k in range(0, len(ids), chunk)]
+        deltas.append(detok.update([], finished=True))
+        assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True) == detok.text
