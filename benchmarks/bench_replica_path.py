@@ -14,7 +14,8 @@ send, per output token. Ray's own threads are not in it (``bench_step_loop`` lea
 socket out too; ``frontdoor_capacity`` measures the whole actor process under Ray).
 
 ``--baseline REV`` runs the same on another commit (a temporary ``git worktree``), run by
-run interleaved with this tree's so that both see the same neighbours. The default
+run interleaved with this tree's so that both see the same neighbours; ``--baseline-tree
+DIR`` on a checkout already there (a machine without the repository's history). The default
 ``--time-scale`` 1 is a live replica's pace: the engine sleeps through each modelled step,
 so the caches are cold when it wakes, as they are on a busy host.
 """
@@ -121,6 +122,9 @@ def run_worker(tree: Path | None, args: argparse.Namespace) -> dict[int, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--baseline", metavar="REV", help="a commit to measure beside this tree")
+    ap.add_argument(
+        "--baseline-tree", metavar="DIR", help="a checkout to measure beside this tree (no git)"
+    )
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--tokens", type=int, default=256, help="output tokens per stream")
     ap.add_argument("--time-scale", type=float, default=1.0)
@@ -142,6 +146,8 @@ def main() -> None:
     runs: dict[str, list[dict[int, float]]] = {"this tree": []}
     with tempfile.TemporaryDirectory(prefix="bench-replica-path-") as tmp:
         base = baseline_tree(args.baseline, Path(tmp)) if args.baseline else None
+        if args.baseline_tree:
+            base, args.baseline = Path(args.baseline_tree).resolve(), args.baseline_tree
         if base is not None:
             runs = {f"baseline {args.baseline}": [], "this tree": []}
         try:
@@ -151,7 +157,7 @@ def main() -> None:
                     runs[f"baseline {args.baseline}"].append(run_worker(base, args))
                 runs["this tree"].append(run_worker(None, args))
         finally:
-            if base is not None:
+            if base is not None and not args.baseline_tree:
                 subprocess.run(
                     ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)],
                     check=False,
