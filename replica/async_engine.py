@@ -24,6 +24,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
@@ -38,6 +39,8 @@ from .outputs import EngineOutput, RequestOutput
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+LOAD_REFRESH_S = 0.02  # the engine's load report is at most this stale between commands
 
 
 class EngineDeadError(RuntimeError):
@@ -268,6 +271,7 @@ class AsyncLLMEngine:
         name_native_thread()
         engine = self.engine
         scheduler = engine.scheduler
+        load_at = time.monotonic()
         try:
             while True:
                 # Block only when there is nothing to compute.
@@ -275,13 +279,21 @@ class AsyncLLMEngine:
                 if applied is None:
                     self._fail_all(EngineDeadError("the engine is shut down"))
                     return
-                # The load changes only by a command or a step: reported once after each.
+                # The load changes only by a command or a step. It is read every 0.1 s at
+                # most (the data plane's push, Ray polls), and a report walks every waiting
+                # request's prefix: remade after commands (before the step, which may be a
+                # long prefill) and after a step that ended a request, otherwise once it
+                # is LOAD_REFRESH_S old (decode steps come faster).
                 if applied:
-                    self.load = scheduler.load_report()
+                    self.load, load_at = scheduler.load_report(), time.monotonic()
+                ended = False
                 if scheduler.has_unfinished_requests():
                     for out in engine.step():
+                        ended |= out.finished
                         self._deliver(out.request_id, out, last=out.finished)
-                    self.load = scheduler.load_report()
+                    now = time.monotonic()
+                    if ended or now - load_at >= LOAD_REFRESH_S:
+                        self.load, load_at = scheduler.load_report(), now
                 self._flush()
         except BaseException as exc:
             batch = engine.current_batch  # None: it failed before the batch was known
