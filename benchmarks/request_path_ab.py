@@ -1,21 +1,28 @@
-"""The front door's cost per request, this tree against a baseline commit, in one run.
+"""The front door's cost per request and per streamed token, this tree against a baseline
+commit, in one run.
 
     python benchmarks/request_path_ab.py [--baseline REV] [--rounds 2] [--requests 2000]
+        [--streams 16] [--stream-tokens 256]
 
 What runs: ``kvroute serve --model sim:h100-8b --replicas 2`` (cost-model replicas), from this
 tree and from ``--baseline`` (a temporary ``git worktree`` put first on ``PYTHONPATH``), one
 after the other, ``--rounds`` times, interleaved so that both see the same neighbours. Each
 serve gets a warm-up, then closed-loop load over keep-alive connections: streamed
 ``/v1/completions`` with ``--prompt-tokens`` unique token ids (no prefix hits) and 4 output
-tokens, first ``--requests`` at 16 concurrent, then a quarter as many one at a time.
+tokens, first ``--requests`` at 16 concurrent, then a quarter as many one at a time; then
+three waves of ``--streams`` streams of ``--stream-tokens`` tokens each (0: none). The
+baseline's tree gets this tree's compiled hashing accelerator (``events/_chain*.so``, not in
+git) when it has none: without it, its front door would hash every prompt in pure Python.
 
 Printed per serve: the front-door process's CPU per request at 16 concurrent (utime + stime
 of the ``kvroute serve`` process from ``/proc``, all its threads, replicas excluded, no idle
 share subtracted), and the front door's own added TTFT, p50 and p90, at 16 concurrent and
 at 1: ``router_ttft_s - replica_ttft_s`` from the stream's ``: kvroute-timing`` comment (the
 handler's start to the first delta's write, less the replica's own time to first token),
-which leaves out the client's side. A narrower and steadier figure than
-``frontdoor_capacity.py``'s, for one change's A/B.
+which leaves out the client's side; and over the streams, the front-door process's CPU
+per streamed token and the replica processes' (their pids from ``/fleet``), neither with an
+idle share subtracted. Narrower and steadier figures than ``frontdoor_capacity.py``'s, for
+one change's A/B.
 """
 
 from __future__ import annotations
@@ -23,9 +30,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -48,7 +57,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def requests(n: int, prompt_tokens: int, seed: int) -> list[bytes]:
+def requests(n: int, prompt_tokens: int, seed: int, max_tokens: int = 4) -> list[bytes]:
     rng = random.Random(seed)
     out = []
     for _ in range(n):
@@ -56,7 +65,7 @@ def requests(n: int, prompt_tokens: int, seed: int) -> list[bytes]:
             {
                 "model": "sim:h100-8b",
                 "prompt": [rng.randrange(1000, 128000) for _ in range(prompt_tokens)],
-                "max_tokens": 4,
+                "max_tokens": max_tokens,
                 "ignore_eos": True,
                 "stream": True,
             }
@@ -125,10 +134,24 @@ def measure(label: str, pythonpath: str | None, args: argparse.Namespace, seed: 
             "ms_per_request": (after[proc.pid] - before[proc.pid]) / n * 1e3,
             "added16": (pct(added16, 0.5), pct(added16, 0.9)),
             "added1": (pct(added1, 0.5), pct(added1, 0.9)),
+            "fd_us_per_token": math.nan,
+            "replica_us_per_token": math.nan,
         }
+        if args.streams and args.stream_tokens:
+            fleet = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/fleet"))
+            reps = {int(r["pid"]) for r in fleet["replicas"]}
+            sreqs = requests(3 * args.streams, p, seed + 2, max_tokens=args.stream_tokens)
+            fd0, rep0 = cpu_of({proc.pid}), cpu_of(reps)
+            asyncio.run(load(port, sreqs, args.streams))
+            fd1, rep1 = cpu_of({proc.pid}), cpu_of(reps)
+            tokens = len(sreqs) * args.stream_tokens
+            row["fd_us_per_token"] = (fd1[proc.pid] - fd0[proc.pid]) / tokens * 1e6
+            rep_cpu = sum(rep1.get(pid, 0.0) - rep0.get(pid, 0.0) for pid in reps)
+            row["replica_us_per_token"] = rep_cpu / tokens * 1e6
         print(
             f"| {label} | {row['ms_per_request']:.3f} | {row['added16'][0]:.2f} / "
-            f"{row['added16'][1]:.2f} | {row['added1'][0]:.2f} / {row['added1'][1]:.2f} |",
+            f"{row['added16'][1]:.2f} | {row['added1'][0]:.2f} / {row['added1'][1]:.2f} | "
+            f"{row['fd_us_per_token']:.1f} | {row['replica_us_per_token']:.1f} |",
             flush=True,
         )
         return row
@@ -147,6 +170,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--streams", type=int, default=16, help="concurrent streams (0: none)")
+    ap.add_argument("--stream-tokens", type=int, default=256)
     args = ap.parse_args()
     trees: list[tuple[str, str | None]] = [("this tree", None)]
     tmp = None
@@ -154,10 +179,16 @@ def main() -> None:
         tmp = Path(tempfile.mkdtemp(prefix="kvroute-ab-"))
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach",
                         str(tmp / "kvroute"), args.baseline], check=True)  # fmt: skip
+        for so in (ROOT / "events").glob("_chain*.so"):
+            if not (tmp / "kvroute" / "events" / so.name).exists():
+                shutil.copy2(so, tmp / "kvroute" / "events" / so.name)
         trees.append((f"baseline {args.baseline}", str(tmp)))
+    n_streams = args.streams
+    per_token = f"CPU us / token ({n_streams} streams)"
     print("| tree | front door CPU ms / request (16 concurrent) | added TTFT p50 / p90 ms, "
-          "16 concurrent | added TTFT p50 / p90 ms, 1 at a time |")  # fmt: skip
-    print("| --- | ---: | ---: | ---: |")
+          "16 concurrent | added TTFT p50 / p90 ms, 1 at a time | "
+          f"front door {per_token} | replicas {per_token} |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
     rows = []
     try:
         for r in range(args.rounds):
@@ -173,7 +204,9 @@ def main() -> None:
             f"| {label}, median of {len(mine)} | "
             f"{statistics.median(x['ms_per_request'] for x in mine):.3f} | "
             f"{statistics.median(x['added16'][0] for x in mine):.2f} | "
-            f"{statistics.median(x['added1'][0] for x in mine):.2f} |",
+            f"{statistics.median(x['added1'][0] for x in mine):.2f} | "
+            f"{statistics.median(x['fd_us_per_token'] for x in mine):.1f} | "
+            f"{statistics.median(x['replica_us_per_token'] for x in mine):.1f} |",
             file=sys.stdout,
         )
 

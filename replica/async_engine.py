@@ -133,6 +133,12 @@ class AsyncLLMEngine:
         )
         self._sinks: dict[str, OutputSink] = {}
         self._touched: set[OutputSink] = set()  # sinks delivered to since the last flush
+        # A step's KV events leave right after its outputs, not in the middle of the step:
+        # back to back, the two sends share one wake-up of ZeroMQ's I/O thread here and
+        # of each front door's event loop there (~2-3 us per token at 16 streams).
+        self._event_sinks = list(engine.event_sinks)
+        self._events: list[list[Any]] = []  # batches the engine made since the last flush
+        engine.event_sinks[:] = [self._events.append]
         self._ids = itertools.count()
         self.error: BaseException | None = None
         self._failed = threading.Event()  # set once a failure has reached every request
@@ -315,6 +321,14 @@ class AsyncLLMEngine:
                 sink.flush()
             except Exception:  # a sink's own failure must not stop the engine
                 log.exception("output sink failed to flush")
+        if self._events:
+            batches, self._events[:] = list(self._events), []
+            for events in batches:
+                for publish in self._event_sinks:
+                    try:
+                        publish(events)
+                    except Exception:
+                        log.exception("event sink failed")
 
     def _fail_all(self, err: EngineDeadError) -> None:
         """On shutdown: free every live request's blocks and end its stream with ``err``."""

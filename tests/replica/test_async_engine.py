@@ -113,6 +113,46 @@ async def test_load_is_readable_in_the_middle_of_a_step() -> None:
         eng.shutdown()
 
 
+def test_a_steps_events_leave_right_after_its_outputs() -> None:
+    """Every KV-event batch is published after the outputs of the step that made it were
+    flushed, and before the next step's: back to back with them."""
+    log: list[str] = []
+
+    class Sink:
+        deltas = True
+
+        def deliver(self, request_id: str, item: object) -> bool:
+            return True
+
+        def flush(self) -> None:
+            log.append("outputs")
+
+    eng = AsyncLLMEngine.from_config(
+        EngineConfig(model="tiny", num_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN),
+        [lambda events: log.append("events")],
+    )
+    try:
+        steps = eng.engine.step
+
+        def step() -> list:
+            log.append("step")
+            return steps()
+
+        eng.engine.step = step  # type: ignore[method-assign]
+        eng.submit("r", list(range(3, 3 + 40)), GREEDY, Sink())  # 2 full blocks, then decode
+        deadline = time.monotonic() + 30
+        while "events" not in log or eng.engine.scheduler.has_unfinished_requests():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        eng.shutdown()
+    assert "events" in log
+    for i, what in enumerate(log):
+        if what == "events":  # the step before it, its outputs, then (other batches and) it
+            before = [w for w in log[:i] if w != "events"]
+            assert before[-2:] == ["step", "outputs"], log
+
+
 async def test_breaking_out_of_the_stream_aborts_and_frees_blocks(engine: AsyncLLMEngine) -> None:
     other = asyncio.create_task(collect(engine, PROMPTS[1]))
     seen = 0
