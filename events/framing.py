@@ -56,12 +56,16 @@ class Waker:
     def drain(self) -> None:
         """Called when poll() saw the pipe readable. One read: ``wake`` writes one byte per
         arming, and anything left (never, short of 4 kB) keeps the pipe readable for the next
-        poll -- where reading until EAGAIN would cost a syscall and an exception each time."""
-        self._armed = False
+        poll -- where reading until EAGAIN would cost a syscall and an exception each time.
+        Read, then disarm: disarmed first, a ``wake`` between the two would write a byte this
+        read takes, leaving the waker armed over an empty pipe, and every later ``wake`` a
+        no-op. This way a ``wake`` that finds it still armed is one the caller, awake and
+        about to look at its work, does not need."""
         try:
             os.read(self.fd, 4096)
         except BlockingIOError:
             pass
+        self._armed = False
 
     def close(self) -> None:
         for fd in (self.fd, self._w):

@@ -114,7 +114,9 @@ class ZmqEventPublisher:
         return self._next_seq - 1
 
     def publish(self, events: EventBatch | Sequence[KVCacheEvent]) -> int:
-        """Queue one batch; never blocks. Returns its seq (consumed even if dropped)."""
+        """Sends one batch, or queues it behind one being sent. Never waits on the socket
+        (a non-blocking send), only, briefly, for the lock (a snapshot copies the block set
+        under it). Returns its seq (consumed even if dropped)."""
         if not self._running:
             raise RuntimeError("publisher is closed")
         if not isinstance(events, EventBatch):

@@ -227,8 +227,12 @@ class AsyncLLMEngine:
         tenant: str | None = None,
     ) -> None:
         """Queues a request from any thread; its outputs (or the error that refuses or ends
-        it) go to ``sink``. Never blocks."""
+        it) go to ``sink``. Never blocks, except on a failed or stopping engine (below)."""
         if self.error is not None or self._stopped:
+            # The engine thread may still be failing its requests and flushing their sinks,
+            # this one among them: a sink is filled and flushed by one thread at a time.
+            if threading.current_thread() is not self._thread:
+                self._thread.join(5.0)
             why = "the engine has failed" if self.error is not None else "the engine is shut down"
             sink.deliver(request_id, EngineDeadError(why))
             sink.flush()

@@ -6,8 +6,9 @@ Why the shape:
   at the end of the step. A hand-off to the I/O thread instead costs a thread wake-up per
   step (~70 us of CPU on a 2-vCPU VM, more than encoding and sending the message), which
   is most of a replica's per-step cost outside the model at low concurrency. The send
-  never waits: it is non-blocking, and the lock is held for a recv or a send only, never
-  while a request is decoded or submitted.
+  is non-blocking, and the lock is held for socket work (a batch of receives, a round of
+  heartbeats or load reports, a send and what a failed one sets off), never while a
+  request is decoded or submitted.
 - ZeroMQ sockets are not thread-safe, but one may be used from several threads with a full
   memory barrier between uses (the lock). So the I/O thread never blocks in poll() on the
   socket itself: it waits on the socket's edge-triggered ``FD``. Any operation on the
@@ -124,19 +125,12 @@ class DataPlaneServer:
             if not self._running or client not in self._sinks:
                 return  # closed, or the front door was dropped: its requests are aborted
             self._send(client, dp.OUTPUTS, payload)
-            waiting = self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN
-        if waiting:  # the send may have taken the edge that would wake the I/O thread
-            self._waker.wake()
+            # The send may have taken the edge that would wake the I/O thread. (Under the
+            # lock: close() closes the waker only once it has seen _running cleared.)
+            if self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                self._waker.wake()
 
     # -- any thread ------------------------------------------------------------------------
-    def flush(self, timeout: float = 2.0) -> bool:
-        """Waits until no send is under way; True if none was within ``timeout``. (Every
-        send is handed to ZeroMQ by the thread that makes it: nothing else queues here.)"""
-        if self._lock.acquire(timeout=timeout):
-            self._lock.release()
-            return True
-        return False
-
     def close(self, timeout: float = 2.0) -> None:
         if not self._running:
             return

@@ -8,8 +8,9 @@ Why ``tokenizers``' ``DecodeStream`` where it applies (a fast tokenizer whose Py
 adds nothing to the Rust decode): it keeps the context window and the incomplete bytes on
 the Rust side, one call per token, ~1 us against ~4.6 us for two decodes of a window per
 token (the fallback, which any tokenizer takes, and which also decodes a finished
-request's incomplete tail: the stream holds it back for good). This runs on the replica's
-engine thread, per token of every sequence, between GPU steps.
+request's incomplete tail, which the stream holds back for good, and the rest of a request
+whose bytes the stream refuses: a byte-fallback tokenizer's bytes that never form UTF-8).
+This runs on the replica's engine thread, per token of every sequence, between GPU steps.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ class IncrementalDetokenizer:
         *,
         stream: bool = True,
     ) -> None:
-        """``stream=False``: the window decode even where ``DecodeStream`` applies (they
-        must agree; tests and benchmarks compare them)."""
+        """``stream=False``: the window decode even where ``DecodeStream`` applies (their
+        text must agree, though the stream may hand it out in other pieces; tests compare
+        them)."""
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
         self.skip_special_tokens = skip_special_tokens
@@ -103,9 +105,17 @@ class IncrementalDetokenizer:
         tokens it has turned into text."""
         ids, step = self._ids, self._stream_step
         pieces = []
-        for token_id in new_token_ids:
+        for k, token_id in enumerate(new_token_ids):
             ids.append(token_id)
-            piece = step(token_id)
+            try:
+                piece = step(token_id)
+            except Exception:  # bytes that can never become UTF-8 (a byte-fallback
+                # tokenizer's): the window decode renders them as U+FFFD, as a whole
+                # decode does, for the rest of this request
+                self._stream = None
+                self._prefix_offset = max(self._read_offset - _CONTEXT_TOKENS, 0)
+                pieces.append(self._window_text(new_token_ids[k + 1 :], finished))
+                return "".join(pieces)
             if piece is not None:  # None: a character still incomplete
                 pieces.append(piece)
                 self._read_offset = len(ids)

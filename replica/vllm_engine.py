@@ -126,13 +126,17 @@ class VllmEngine:
         from .async_engine import EngineDeadError
 
         if self.error is not None or self._stopped:
+            # The loop may still be failing its requests and flushing their sinks, this one
+            # among them: a sink is filled and flushed by one thread at a time.
+            if self.error is not None and threading.current_thread() is not self._thread:
+                self._failed.wait(5.0)
             why = "the engine has failed" if self.error is not None else "the engine is shut down"
             sink.deliver(request_id, EngineDeadError(why))
             sink.flush()
             return
-        if lora_name is not None:
-            sink.deliver(request_id, ValueError("LoRA adapters are not served by this replica"))
-            sink.flush()
+        if lora_name is not None:  # refused on the loop, which may be delivering to this sink
+            why = ValueError("LoRA adapters are not served by this replica")
+            self._loop.call_soon_threadsafe(self._deliver_to, sink, request_id, why)
             return
         args = (request_id, prompt, params, sink, cache_salt, resume)
         self._loop.call_soon_threadsafe(self._start_request, *args)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import select
 import sys
 import threading
 import time
@@ -9,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.events.framing import name_native_thread
+from kvroute.events import framing
+from kvroute.events.framing import Waker, name_native_thread
 from kvroute.events.publisher import ZmqEventPublisher
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl and /proc")
@@ -44,3 +47,30 @@ def test_the_publishers_thread_is_told_apart_in_top() -> None:
         while os_name(native_id) != "kvr-publisher" and time.monotonic() < deadline:
             time.sleep(0.01)
         assert os_name(native_id) == "kvr-publisher"
+
+
+@pytest.mark.parametrize("when", ["before the read", "after the read"])
+def test_a_wake_that_lands_while_the_waker_drains_is_never_lost(monkeypatch, when: str) -> None:
+    """Another thread's ``wake`` may land at any point of ``drain``. Whatever the point, the
+    waker must not end up armed over an empty pipe, where every later ``wake`` is a no-op
+    and its reader sleeps through them (found in review: disarming before the read)."""
+    waker = Waker()
+    try:
+        waker.wake()
+        read = os.read
+
+        def racing_read(fd: int, n: int) -> bytes:
+            if when == "before the read":
+                waker.wake()
+                return read(fd, n)
+            data = read(fd, n)
+            waker.wake()
+            return data
+
+        monkeypatch.setattr(framing.os, "read", racing_read)
+        waker.drain()
+        monkeypatch.undo()
+        waker.wake()  # the reader goes back to sleep on the pipe: this must wake it
+        assert select.select([waker.fd], [], [], 0)[0], "a wake was lost"
+    finally:
+        waker.close()

@@ -257,3 +257,63 @@ def test_detokenizer_text_is_the_whole_decode_even_of_broken_utf8(tokenizer, str
         deltas = [detok.update(ids[k : k + chunk]) for k in range(0, len(ids), chunk)]
         deltas.append(detok.update([], finished=True))
         assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True) == detok.text
+
+
+@pytest.fixture(scope="module")
+def byte_fallback_tokenizer():
+    """A SentencePiece-style tokenizer as Llama 2, Mistral and Gemma ship them: words with
+    "▁" for a space, and byte tokens <0x00>..<0xFF> for what the vocabulary lacks."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)})
+    for word in ["▁Hello", "▁world", "B", "▁ok", "é"]:
+        vocab[word] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+         decoders.Strip(" ", 1, 0)]
+    )  # fmt: skip
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, clean_up_tokenization_spaces=False,
+        bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["decode-stream", "window"])
+def test_byte_fallback_bytes_that_never_form_utf8_do_not_fail_the_request(
+    byte_fallback_tokenizer, stream: bool
+) -> None:
+    """``DecodeStream`` raises on byte tokens that can no longer become a character (a lone
+    lead byte followed by a word). The request must go on: its deltas add up to its text, a
+    failover's ``resume`` over the same tokens rebuilds the same text (the offsets of what
+    was sent must hold), and where the bytes do form UTF-8 the text is the whole decode's.
+    (Where they do not, no incremental decode matches the whole one: ByteFallback turns
+    every byte of an invalid run into U+FFFD, a run that grows as tokens arrive.)"""
+    tok = byte_fallback_tokenizer
+    words = [tok.convert_tokens_to_ids(w) for w in ["▁Hello", "▁world", "B", "▁ok", "é"]]
+    rng = random.Random(1)
+    cases = [[words[0], 3 + 0xC3, 3 + 0xA9, 3 + 0xE2, words[2]]]  # é by bytes, then a lone lead
+    for _ in range(300):
+        cases.append(
+            [rng.choice(words) if rng.random() < 0.4 else 3 + rng.randrange(256)
+             for _ in range(rng.randrange(1, 30))]
+        )  # fmt: skip
+    for text in ["é ok", "Hello wörld ∑ 😀"]:  # valid UTF-8, all of it in bytes but spaces
+        cases.append([3 + b for b in text.encode()])
+    valid = 0
+    for ids in cases:
+        whole = tok.decode(ids, skip_special_tokens=True)
+        detok = IncrementalDetokenizer(tok, stream=stream)
+        assert (detok._stream is not None) == stream
+        deltas = [detok.update([t]) for t in ids] + [detok.update([], finished=True)]
+        assert "".join(deltas) == detok.text, ids
+        again = IncrementalDetokenizer(tok, stream=stream)
+        again.resume(ids, 0)
+        again.update([], finished=True)
+        assert again.text == detok.text, ids
+        if "\ufffd" not in whole:
+            valid += 1
+            assert detok.text == whole, ids
+    assert valid >= 20  # the comparison with the whole decode did happen
