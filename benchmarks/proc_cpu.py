@@ -31,6 +31,27 @@ def cpu_of(pids: set[int]) -> dict[int, float]:
     return out
 
 
+def wakeups_of(pids: set[int]) -> int:
+    """Voluntary context switches of every thread of ``pids``: how often they slept and
+    were woken. On a small VM a wake-up costs tens of us, so wake-ups per token explain
+    CPU per token with much less noise than the CPU figure itself."""
+    n = 0
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except FileNotFoundError:
+            continue
+        for tid in tids:
+            try:
+                text = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            for line in text.splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    n += int(line.split()[1])
+    return n
+
+
 def tree(root: int, exclude: frozenset[int] | set[int] = frozenset()) -> set[int]:
     """``root`` and its descendants, less ``exclude`` and their descendants."""
     children: dict[int, list[int]] = {}

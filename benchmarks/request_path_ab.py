@@ -21,8 +21,9 @@ at 1: ``router_ttft_s - replica_ttft_s`` from the stream's ``: kvroute-timing`` 
 handler's start to the first delta's write, less the replica's own time to first token),
 which leaves out the client's side; and over the streams, the front-door process's CPU
 per streamed token and the replica processes' (their pids from ``/fleet``), neither with an
-idle share subtracted. Narrower and steadier figures than ``frontdoor_capacity.py``'s, for
-one change's A/B.
+idle share subtracted, and their voluntary context switches per token (wake-ups, which on a
+small VM explain CPU per token with less noise than the CPU figure). Narrower and steadier
+figures than ``frontdoor_capacity.py``'s, for one change's A/B.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from proc_cpu import cpu_of
+from proc_cpu import cpu_of, wakeups_of
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMING = re.compile(rb'replica_ttft_s":([0-9.e-]+),"router_ttft_s":([0-9.e-]+)')
@@ -136,22 +137,29 @@ def measure(label: str, pythonpath: str | None, args: argparse.Namespace, seed: 
             "added1": (pct(added1, 0.5), pct(added1, 0.9)),
             "fd_us_per_token": math.nan,
             "replica_us_per_token": math.nan,
+            "fd_wakes_per_token": math.nan,
+            "replica_wakes_per_token": math.nan,
         }
         if args.streams and args.stream_tokens:
             fleet = json.load(urllib.request.urlopen(f"http://127.0.0.1:{port}/fleet"))
             reps = {int(r["pid"]) for r in fleet["replicas"]}
             sreqs = requests(3 * args.streams, p, seed + 2, max_tokens=args.stream_tokens)
             fd0, rep0 = cpu_of({proc.pid}), cpu_of(reps)
+            wake0 = wakeups_of({proc.pid}), wakeups_of(reps)
             asyncio.run(load(port, sreqs, args.streams))
             fd1, rep1 = cpu_of({proc.pid}), cpu_of(reps)
+            wake1 = wakeups_of({proc.pid}), wakeups_of(reps)
             tokens = len(sreqs) * args.stream_tokens
             row["fd_us_per_token"] = (fd1[proc.pid] - fd0[proc.pid]) / tokens * 1e6
             rep_cpu = sum(rep1.get(pid, 0.0) - rep0.get(pid, 0.0) for pid in reps)
             row["replica_us_per_token"] = rep_cpu / tokens * 1e6
+            row["fd_wakes_per_token"] = (wake1[0] - wake0[0]) / tokens
+            row["replica_wakes_per_token"] = (wake1[1] - wake0[1]) / tokens
         print(
             f"| {label} | {row['ms_per_request']:.3f} | {row['added16'][0]:.2f} / "
             f"{row['added16'][1]:.2f} | {row['added1'][0]:.2f} / {row['added1'][1]:.2f} | "
-            f"{row['fd_us_per_token']:.1f} | {row['replica_us_per_token']:.1f} |",
+            f"{row['fd_us_per_token']:.1f} | {row['replica_us_per_token']:.1f} | "
+            f"{row['fd_wakes_per_token']:.3f} | {row['replica_wakes_per_token']:.3f} |",
             flush=True,
         )
         return row
@@ -187,8 +195,9 @@ def main() -> None:
     per_token = f"CPU us / token ({n_streams} streams)"
     print("| tree | front door CPU ms / request (16 concurrent) | added TTFT p50 / p90 ms, "
           "16 concurrent | added TTFT p50 / p90 ms, 1 at a time | "
-          f"front door {per_token} | replicas {per_token} |")  # fmt: skip
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+          f"front door {per_token} | replicas {per_token} | front door wake-ups / token | "
+          "replicas wake-ups / token |")  # fmt: skip
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     rows = []
     try:
         for r in range(args.rounds):
@@ -206,7 +215,9 @@ def main() -> None:
             f"{statistics.median(x['added16'][0] for x in mine):.2f} | "
             f"{statistics.median(x['added1'][0] for x in mine):.2f} | "
             f"{statistics.median(x['fd_us_per_token'] for x in mine):.1f} | "
-            f"{statistics.median(x['replica_us_per_token'] for x in mine):.1f} |",
+            f"{statistics.median(x['replica_us_per_token'] for x in mine):.1f} | "
+            f"{statistics.median(x['fd_wakes_per_token'] for x in mine):.3f} | "
+            f"{statistics.median(x['replica_wakes_per_token'] for x in mine):.3f} |",
             file=sys.stdout,
         )
 
