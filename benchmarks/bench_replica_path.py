@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from bench_step_loop import ROOT, _use_tree, baseline_tree
+from bench_step_loop import _use_tree, interleaved, print_medians
 
 STREAMS = (1, 4, 16, 64)
 PROMPT_TOKENS = 512
@@ -143,39 +141,14 @@ def main() -> None:
         worker(args)
         return
 
-    runs: dict[str, list[dict[int, float]]] = {"this tree": []}
-    with tempfile.TemporaryDirectory(prefix="bench-replica-path-") as tmp:
-        base = baseline_tree(args.baseline, Path(tmp)) if args.baseline else None
-        if args.baseline_tree:
-            base, args.baseline = Path(args.baseline_tree).resolve(), args.baseline_tree
-        if base is not None:
-            runs = {f"baseline {args.baseline}": [], "this tree": []}
-        try:
-            for i in range(args.repeat):
-                print(f"# round {i + 1}/{args.repeat}", file=sys.stderr, flush=True)
-                if base is not None:
-                    runs[f"baseline {args.baseline}"].append(run_worker(base, args))
-                runs["this tree"].append(run_worker(None, args))
-        finally:
-            if base is not None and not args.baseline_tree:
-                subprocess.run(
-                    ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)],
-                    check=False,
-                    capture_output=True,
-                )
-    print(
+    runs = interleaved(args, run_worker, args.baseline_tree)
+    print_medians(
+        runs,
+        args.streams,
         f"# replica CPU us per streamed token over the data plane, sim:h100-8b, "
         f"{PROMPT_TOKENS}-token prompts, {args.tokens} tokens each, "
-        f"time_scale={args.time_scale:g}, median of {args.repeat}"
+        f"time_scale={args.time_scale:g}, median of {args.repeat}",
     )
-    names = list(runs)
-    print(f"{'streams':>8} " + " ".join(f"{n:>22}" for n in names) + ("  ratio" * (len(names) > 1)))
-    for n in args.streams:
-        med = [statistics.median(r[n] for r in runs[name]) for name in names]
-        line = f"{n:>8} " + " ".join(f"{m:>22.1f}" for m in med)
-        if len(med) > 1:
-            line += f"  {med[-1] / med[0]:5.2f}"
-        print(line)
 
 
 if __name__ == "__main__":

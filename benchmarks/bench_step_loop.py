@@ -30,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +139,52 @@ def baseline_tree(rev: str, into: Path) -> Path:
     return tree
 
 
+def interleaved(
+    args: argparse.Namespace,
+    run_worker: Callable[[Path | None, argparse.Namespace], dict[int, float]],
+    baseline_dir: str | None = None,
+) -> dict[str, list[dict[int, float]]]:
+    """``args.repeat`` runs of this tree, each after one of the baseline when there is one
+    (``args.baseline``: a commit, checked out in a temporary worktree; ``baseline_dir``: a
+    checkout already there), so that both see the same neighbours."""
+    runs: dict[str, list[dict[int, float]]] = {"this tree": []}
+    with tempfile.TemporaryDirectory(prefix="bench-ab-") as tmp:
+        base: Path | None = None
+        if baseline_dir:
+            base, label = Path(baseline_dir).resolve(), baseline_dir
+        elif args.baseline:
+            base, label = baseline_tree(args.baseline, Path(tmp)), args.baseline
+        if base is not None:
+            runs = {f"baseline {label}": [], "this tree": []}
+        try:
+            for i in range(args.repeat):
+                print(f"# round {i + 1}/{args.repeat}", file=sys.stderr, flush=True)
+                if base is not None:
+                    runs[f"baseline {label}"].append(run_worker(base, args))
+                runs["this tree"].append(run_worker(None, args))
+        finally:
+            if base is not None and not baseline_dir:
+                subprocess.run(
+                    ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)],
+                    check=False,
+                    capture_output=True,
+                )
+    return runs
+
+
+def print_medians(runs: dict[str, list[dict[int, float]]], streams: list[int], title: str) -> None:
+    """One line per stream count: each tree's median, and this tree's over the baseline's."""
+    print(title)
+    names = list(runs)
+    print(f"{'streams':>8} " + " ".join(f"{n:>22}" for n in names) + ("  ratio" * (len(names) > 1)))
+    for n in streams:
+        med = [statistics.median(r[n] for r in runs[name]) for name in names]
+        line = f"{n:>8} " + " ".join(f"{m:>22.1f}" for m in med)
+        if len(med) > 1:
+            line += f"  {med[-1] / med[0]:5.2f}"
+        print(line)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--baseline", metavar="REV", help="a commit to measure beside this tree")
@@ -151,36 +198,13 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-
-    runs: dict[str, list[dict[int, float]]] = {"this tree": []}
-    with tempfile.TemporaryDirectory(prefix="bench-step-loop-") as tmp:
-        base = baseline_tree(args.baseline, Path(tmp)) if args.baseline else None
-        if base is not None:
-            runs = {f"baseline {args.baseline}": [], "this tree": []}
-        try:
-            for _ in range(args.repeat):
-                if base is not None:
-                    runs[f"baseline {args.baseline}"].append(run_worker(base, args))
-                runs["this tree"].append(run_worker(None, args))
-        finally:
-            if base is not None:
-                subprocess.run(
-                    ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)],
-                    check=False,
-                    capture_output=True,
-                )
-    print(
+    runs = interleaved(args, run_worker)
+    print_medians(
+        runs,
+        args.streams,
         f"# CPU us per streamed token, sim:h100-8b, {PROMPT_TOKENS}-token prompts, "
-        f"{args.tokens} tokens each, time_scale={args.time_scale:g}, median of {args.repeat}"
+        f"{args.tokens} tokens each, time_scale={args.time_scale:g}, median of {args.repeat}",
     )
-    names = list(runs)
-    print(f"{'streams':>8} " + " ".join(f"{n:>22}" for n in names) + ("  ratio" * (len(names) > 1)))
-    for n in args.streams:
-        med = [statistics.median(r[n] for r in runs[name]) for name in names]
-        line = f"{n:>8} " + " ".join(f"{m:>22.1f}" for m in med)
-        if len(med) > 1:
-            line += f"  {med[-1] / med[0]:5.2f}"
-        print(line)
 
 
 if __name__ == "__main__":

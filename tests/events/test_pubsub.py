@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import msgspec
 import pytest
@@ -231,25 +233,37 @@ def test_many_publishers_each_with_their_own_view():
             p.close()
 
 
-def test_inline_publishing_sends_every_batch_in_order():
-    """The default: each batch is sent by the caller as it is published. 20,000 in a tight
-    loop: none queued or dropped, none out of order (a subscriber would see a gap)."""
-    pub = publisher(topic="r0")
-    churn = Churn(seed=7)
+@contextlib.contextmanager
+def joined(pub: ZmqEventPublisher) -> Iterator[tuple[ZmqEventSubscriber, Views]]:
+    """A subscriber that has joined ``pub`` (as replica r0) and its views; both closed after."""
     views = Views()
     sub = ZmqEventSubscriber(views)
     try:
         sub.add_publisher("r0", pub.endpoint, pub.replay_endpoint, "r0")
         assert poll(lambda: sub.in_sync("r0")), "subscriber never joined"
+        yield sub, views
+    finally:
+        sub.close()
+        pub.close()
+
+
+def assert_in_order(sub: ZmqEventSubscriber) -> None:
+    """Every batch arrived live and in seq order: no gap seen, no replay asked for."""
+    stats = sub.stats()["r0"]
+    assert stats.gaps == 0 and stats.replays == 0, stats
+
+
+def test_inline_publishing_sends_every_batch_in_order():
+    """The default: each batch is sent by the caller as it is published. 20,000 in a tight
+    loop: none queued or dropped, none out of order (a subscriber would see a gap)."""
+    pub = publisher(topic="r0")
+    churn = Churn(seed=7)
+    with joined(pub) as (sub, views):
         for _ in range(20_000):
             pub.publish(churn.step(max_events=2))
         assert pub.dropped == 0 and pub.sent >= 20_000
         wait_until_synced(sub, views, "r0", churn.truth)
-        stats = sub.stats()["r0"]
-        assert stats.gaps == 0 and stats.replays == 0, stats
-    finally:
-        sub.close()
-        pub.close()
+        assert_in_order(sub)
 
 
 def test_a_batch_published_while_the_thread_sends_waits_behind_it():
@@ -258,11 +272,7 @@ def test_a_batch_published_while_the_thread_sends_waits_behind_it():
     once it is empty again go out inline: all in seq order, none lost."""
     pub = publisher(topic="r0")
     churn = Churn(seed=8)
-    views = Views()
-    sub = ZmqEventSubscriber(views)
-    try:
-        sub.add_publisher("r0", pub.endpoint, pub.replay_endpoint, "r0")
-        assert poll(lambda: sub.in_sync("r0")), "subscriber never joined"
+    with joined(pub) as (sub, views):
         senders: dict[int, str] = {}
         send = pub._send
 
@@ -285,29 +295,18 @@ def test_a_batch_published_while_the_thread_sends_waits_behind_it():
         assert senders[held] == "kvr-publisher"  # queued, then sent by the thread
         assert senders[last] == threading.current_thread().name  # inline again
         wait_until_synced(sub, views, "r0", churn.truth)
-        stats = sub.stats()["r0"]
-        assert stats.gaps == 0 and stats.replays == 0, stats
-    finally:
-        sub.close()
-        pub.close()
+        assert_in_order(sub)
 
 
 def test_publish_never_blocks_and_counts_overflow():
     pub = publisher(topic="r0", max_queue_size=8, inline=False)
     churn = Churn(seed=6)
-    views = Views()
-    sub = ZmqEventSubscriber(views)
-    try:
-        sub.add_publisher("r0", pub.endpoint, pub.replay_endpoint, "r0")
-        assert poll(lambda: sub.in_sync("r0")), "subscriber never joined"
+    with joined(pub) as (sub, views):
         for _ in range(20_000):
             pub.publish(churn.step(max_events=2))
         assert pub.dropped > 0  # the queue overflowed and said so...
         # ...and the subscriber still ends up with the engine's exact state (via snapshot).
         wait_until_synced(sub, views, "r0", churn.truth)
-    finally:
-        sub.close()
-        pub.close()
 
 
 def test_idle_publisher_sends_heartbeats_so_a_lost_last_batch_is_noticed():
