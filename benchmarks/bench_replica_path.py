@@ -23,13 +23,14 @@ so the caches are cold when it wakes, as they are on a busy host.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from bench_step_loop import _use_tree, interleaved, print_medians
+from bench_step_loop import _use_tree, interleaved, print_medians, run_worker
 
 STREAMS = (1, 4, 16, 64)
 PROMPT_TOKENS = 512
@@ -108,15 +109,6 @@ def worker(args: argparse.Namespace) -> None:
     print(json.dumps(figures))
 
 
-def run_worker(tree: Path | None, args: argparse.Namespace) -> dict[int, float]:
-    cmd = [sys.executable, __file__, "--worker", "--tokens", str(args.tokens)]
-    cmd += ["--time-scale", repr(args.time_scale), "--streams", *map(str, args.streams)]
-    if tree is not None:
-        cmd += ["--tree", str(tree)]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
-    return {int(k): v for k, v in json.loads(out.splitlines()[-1]).items()}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--baseline", metavar="REV", help="a commit to measure beside this tree")
@@ -141,7 +133,7 @@ def main() -> None:
         worker(args)
         return
 
-    runs = interleaved(args, run_worker, args.baseline_tree)
+    runs = interleaved(args, functools.partial(run_worker, script=__file__), args.baseline_tree)
     print_medians(
         runs,
         args.streams,

@@ -115,8 +115,12 @@ def worker(args: argparse.Namespace) -> None:
     print(json.dumps(figures))
 
 
-def run_worker(tree: Path | None, args: argparse.Namespace) -> dict[int, float]:
-    cmd = [sys.executable, __file__, "--worker", "--tokens", str(args.tokens)]
+def run_worker(
+    tree: Path | None, args: argparse.Namespace, script: str = __file__
+) -> dict[int, float]:
+    """One ``--worker`` run of ``script`` (this file, or another built on it) in a fresh
+    process, on ``tree`` (None: this checkout): its figure per stream count."""
+    cmd = [sys.executable, script, "--worker", "--tokens", str(args.tokens)]
     cmd += ["--time-scale", repr(args.time_scale), "--streams", *map(str, args.streams)]
     if tree is not None:
         cmd += ["--tree", str(tree)]
