@@ -1,12 +1,14 @@
-"""Test helpers: an engine-like source of block churn, a lossy forwarding proxy, and views."""
+"""Test helpers: an engine-like source of block churn, a lossy forwarding proxy, views, and a
+publisher with a subscriber joined to it."""
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import msgspec
 import zmq
@@ -18,10 +20,15 @@ from kvroute.events import (
     BlockStored,
     KVCacheEvent,
     ReplicaBatch,
+    ZmqEventPublisher,
+    ZmqEventSubscriber,
 )
 from kvroute.events.framing import pack_seq
 
+from ..waiting import poll
+
 BS = 4
+LOCAL = "tcp://127.0.0.1:*"
 
 
 class Churn:
@@ -184,3 +191,36 @@ class VllmLikePublisher:
         self._t.join(2)
         self.pub.close(0)
         self.router.close(0)
+
+
+def publisher(**kw) -> ZmqEventPublisher:
+    kw.setdefault("heartbeat_interval", 0.05)
+    return ZmqEventPublisher(LOCAL, LOCAL, **kw)
+
+
+def wait_until_synced(sub, views, rid, truth, timeout=60.0) -> None:
+    ok = poll(lambda: sub.in_sync(rid) and views.counts(rid) == dict(truth), timeout)
+    assert ok, (
+        f"view of {rid} never matched the engine: {len(views.counts(rid))} vs {len(truth)} "
+        f"hashes; stats {sub.stats().get(rid)}"
+    )
+
+
+@contextlib.contextmanager
+def joined(pub: ZmqEventPublisher) -> Iterator[tuple[ZmqEventSubscriber, Views]]:
+    """A subscriber that has joined ``pub`` (as replica r0) and its views; both closed after."""
+    views = Views()
+    sub = ZmqEventSubscriber(views)
+    try:
+        sub.add_publisher("r0", pub.endpoint, pub.replay_endpoint, "r0")
+        assert poll(lambda: sub.in_sync("r0")), "subscriber never joined"
+        yield sub, views
+    finally:
+        sub.close()
+        pub.close()
+
+
+def assert_in_order(sub: ZmqEventSubscriber) -> None:
+    """Every batch arrived live and in seq order: no gap seen, no replay asked for."""
+    stats = sub.stats()["r0"]
+    assert stats.gaps == 0 and stats.replays == 0, stats

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import sys
 import threading
 import time
-from collections.abc import Iterator
 
 import msgspec
 import pytest
@@ -24,9 +22,16 @@ from kvroute.events import (
 from kvroute.events.framing import pack_seq, unpack_seq
 
 from ..waiting import poll
-from .streams import BS, Churn, LossyProxy, Views, VllmLikePublisher
-
-LOCAL = "tcp://127.0.0.1:*"
+from .streams import (
+    BS,
+    LOCAL,
+    Churn,
+    LossyProxy,
+    Views,
+    VllmLikePublisher,
+    publisher,
+    wait_until_synced,
+)
 
 
 class OnLoop(ZmqEventSubscriber):
@@ -62,19 +67,6 @@ def where(request, monkeypatch):
     if request.param == "loop":
         monkeypatch.setattr(sys.modules[__name__], "ZmqEventSubscriber", OnLoop)
     return request.param
-
-
-def publisher(**kw) -> ZmqEventPublisher:
-    kw.setdefault("heartbeat_interval", 0.05)
-    return ZmqEventPublisher(LOCAL, LOCAL, **kw)
-
-
-def wait_until_synced(sub, views, rid, truth, timeout=60.0) -> None:
-    ok = poll(lambda: sub.in_sync(rid) and views.counts(rid) == dict(truth), timeout)
-    assert ok, (
-        f"view of {rid} never matched the engine: {len(views.counts(rid))} vs {len(truth)} "
-        f"hashes; stats {sub.stats().get(rid)}"
-    )
 
 
 def test_100k_events_through_a_lossy_path_rebuild_the_exact_block_set():
@@ -231,82 +223,6 @@ def test_many_publishers_each_with_their_own_view():
         sub.close()
         for p in pubs:
             p.close()
-
-
-@contextlib.contextmanager
-def joined(pub: ZmqEventPublisher) -> Iterator[tuple[ZmqEventSubscriber, Views]]:
-    """A subscriber that has joined ``pub`` (as replica r0) and its views; both closed after."""
-    views = Views()
-    sub = ZmqEventSubscriber(views)
-    try:
-        sub.add_publisher("r0", pub.endpoint, pub.replay_endpoint, "r0")
-        assert poll(lambda: sub.in_sync("r0")), "subscriber never joined"
-        yield sub, views
-    finally:
-        sub.close()
-        pub.close()
-
-
-def assert_in_order(sub: ZmqEventSubscriber) -> None:
-    """Every batch arrived live and in seq order: no gap seen, no replay asked for."""
-    stats = sub.stats()["r0"]
-    assert stats.gaps == 0 and stats.replays == 0, stats
-
-
-def test_inline_publishing_sends_every_batch_in_order():
-    """The default: each batch is sent by the caller as it is published. 20,000 in a tight
-    loop: none queued or dropped, none out of order (a subscriber would see a gap)."""
-    pub = publisher(topic="r0")
-    churn = Churn(seed=7)
-    with joined(pub) as (sub, views):
-        for _ in range(20_000):
-            pub.publish(churn.step(max_events=2))
-        assert pub.dropped == 0 and pub.sent >= 20_000
-        wait_until_synced(sub, views, "r0", churn.truth)
-        assert_in_order(sub)
-
-
-def test_a_batch_published_while_the_thread_sends_waits_behind_it():
-    """While the publisher's thread is marked as sending, a published batch queues (the
-    caller must not use the socket then); the thread sends the queue, and batches published
-    once it is empty again go out inline: all in seq order, none lost."""
-    pub = publisher(topic="r0")
-    churn = Churn(seed=8)
-    with joined(pub) as (sub, views):
-        senders: dict[int, str] = {}
-        send = pub._send
-
-        def spy(seq: int, batch: EventBatch) -> None:
-            senders[seq] = threading.current_thread().name
-            send(seq, batch)
-
-        pub._send = spy  # type: ignore[method-assign]
-        with pub._lock:
-            pub._sending = True  # as the thread marks itself while it sends
-        held = pub.publish(churn.step(max_events=2))
-        with pub._lock:
-            pub._sending = False
-        pub._waker.wake()
-        assert poll(lambda: held in senders)
-        last = held
-        for _ in range(500):
-            last = pub.publish(churn.step(max_events=2))
-        assert pub.flush(10) and pub.dropped == 0
-        assert senders[held] == "kvr-publisher"  # queued, then sent by the thread
-        assert senders[last] == threading.current_thread().name  # inline again
-        wait_until_synced(sub, views, "r0", churn.truth)
-        assert_in_order(sub)
-
-
-def test_publish_never_blocks_and_counts_overflow():
-    pub = publisher(topic="r0", max_queue_size=8, inline=False)
-    churn = Churn(seed=6)
-    with joined(pub) as (sub, views):
-        for _ in range(20_000):
-            pub.publish(churn.step(max_events=2))
-        assert pub.dropped > 0  # the queue overflowed and said so...
-        # ...and the subscriber still ends up with the engine's exact state (via snapshot).
-        wait_until_synced(sub, views, "r0", churn.truth)
 
 
 def test_idle_publisher_sends_heartbeats_so_a_lost_last_batch_is_noticed():
