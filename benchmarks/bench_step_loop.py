@@ -128,10 +128,11 @@ def run_worker(
     return {int(k): v for k, v in json.loads(out.splitlines()[-1]).items()}
 
 
-def baseline_tree(rev: str, into: Path) -> Path:
-    """A checkout of ``rev``, with this tree's compiled hashing accelerator if it lacks one
-    (otherwise the baseline's prefill would hash in pure Python)."""
-    tree = into / "tree"
+def baseline_tree(rev: str, into: Path, name: str = "tree") -> Path:
+    """A checkout of ``rev`` at ``into/name`` (a ``git worktree``), with this tree's compiled
+    hashing accelerator if it lacks one (otherwise the baseline's prefill would hash in pure
+    Python)."""
+    tree = into / name
     subprocess.run(
         ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), rev],
         check=True,

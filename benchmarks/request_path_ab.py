@@ -35,7 +35,6 @@ import math
 import os
 import random
 import re
-import shutil
 import signal
 import socket
 import statistics
@@ -46,6 +45,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from bench_step_loop import baseline_tree
 from proc_cpu import cpu_of, wakeups_of
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -185,11 +185,7 @@ def main() -> None:
     tmp = None
     if args.baseline:
         tmp = Path(tempfile.mkdtemp(prefix="kvroute-ab-"))
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach",
-                        str(tmp / "kvroute"), args.baseline], check=True)  # fmt: skip
-        for so in (ROOT / "events").glob("_chain*.so"):
-            if not (tmp / "kvroute" / "events" / so.name).exists():
-                shutil.copy2(so, tmp / "kvroute" / "events" / so.name)
+        baseline_tree(args.baseline, tmp, name="kvroute")  # importable as kvroute from tmp
         trees.append((f"baseline {args.baseline}", str(tmp)))
     n_streams = args.streams
     per_token = f"CPU us / token ({n_streams} streams)"

@@ -325,8 +325,9 @@ class AsyncLLMEngine:
                 sink.flush()
             except Exception:  # a sink's own failure must not stop the engine
                 log.exception("output sink failed to flush")
-        if self._events:
-            batches, self._events[:] = list(self._events), []
+        if self._events:  # the engine appends to this very list (its only event sink)
+            batches = self._events.copy()
+            self._events.clear()
             for events in batches:
                 for publish in self._event_sinks:
                     try:
