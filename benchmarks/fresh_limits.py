@@ -76,6 +76,7 @@ def main() -> int:
     ap.add_argument("--policy", default="kv,approx_text,least_loaded,round_robin,random")
     ap.add_argument("--replicas", type=int, default=8)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--sustained", action="store_true", help="as kvroute simulate's")
     args = ap.parse_args()
     policies = [s.strip() for s in args.policy.split(",") if s.strip()]
     base, params = fresh(args.seed, args.requests)
@@ -84,7 +85,9 @@ def main() -> int:
         return [RequestSpec(s.arrival_s / speed, s.segments, s.output_length) for s in base]
 
     cfg = SimConfig(replicas=args.replicas, block_size=64, seed=0)
-    limits = find_limits(specs, policies, cfg, SLO_TTFT_P90_S, SLO_ITL_P90_S)
+    limits = find_limits(
+        specs, policies, cfg, SLO_TTFT_P90_S, SLO_ITL_P90_S, sustained=args.sustained
+    )
     light = simulate(specs(0.5), policies, cfg, with_bounds=False)["policies"]
     half = {
         name: {

@@ -173,6 +173,12 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     )
     sim.add_argument("--slo-ttft", type=float, default=2.0, help="SLO: TTFT p90 (s)")
     sim.add_argument("--slo-itl", type=float, default=0.1, help="SLO: inter-token p90 (s)")
+    sim.add_argument(
+        "--sustained",
+        action="store_true",
+        help="with --sweep-speed: a rate counts only if the fleet also keeps up (its busy "
+        "seconds fit in the arrival span), not only while a finite run's backlog drains",
+    )
     sim.add_argument("--json", action="store_true", help="print one JSON object")
     sim.add_argument("--plot", default=None, metavar="FILE.png", help="needs matplotlib")
     sim.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
@@ -325,9 +331,13 @@ def _sweep(args: argparse.Namespace, policies: list[str], cfg: Any, progress: An
         return make_workload(args.workload, args.limit or 4000, args.seed, speed)
 
     if auto:
-        result = find_limits(specs, policies, cfg, args.slo_ttft, args.slo_itl, progress)
+        result = find_limits(
+            specs, policies, cfg, args.slo_ttft, args.slo_itl, progress, sustained=args.sustained
+        )
     else:
-        result = sweep(specs, speeds, policies, cfg, args.slo_ttft, args.slo_itl, progress)
+        result = sweep(
+            specs, speeds, policies, cfg, args.slo_ttft, args.slo_itl, progress, args.sustained
+        )
     if args.plot:
         src = args.trace.rsplit("/", 1)[-1] if args.trace else args.workload
         plot_sweep(result, args.plot, f"{src}, {args.replicas} replicas: latency vs rate")

@@ -1,12 +1,5 @@
-"""Runs policies over one workload, computes the bounds, and reports (table, JSON, plot).
-
-The bounds use the same hashing and the same engine code as the fleet:
-
-- ``ceiling``: an infinite cache -- a request hits its leading full blocks seen before (at
-  most ``prompt - 1`` tokens); no router or cache can do better;
-- ``pooled``: one real :class:`KVCacheManager` of ``replicas x blocks`` blocks serving the
-  requests one at a time in arrival order (lazy LRU, no concurrency, no output blocks): the
-  hit rate of a perfect router over perfectly shared memory.
+"""Runs policies over one workload and reports (table, JSON, plot), beside the bounds of
+:mod:`.bounds` (what no router can beat: hit rates and a throughput ceiling).
 
 JSON field names are stable; times are seconds, rates fractions of prompt tokens.
 """
@@ -22,8 +15,8 @@ from typing import Any
 import numpy as np
 
 from kvroute.events import BlockHasher
-from kvroute.replica.kv_cache_manager import KVCacheManager
 
+from .bounds import bounds, least_work_s, work_ceiling
 from .simulator import Fleet, SimConfig, SimRequest
 from .workloads import RequestSpec, TokenSource
 
@@ -41,54 +34,6 @@ def router_hashes(
         toks.frombytes(tokens.prompt_bytes(spec))
         out.append(hasher.hash_blocks(toks, cache_salt=spec.cache_salt))
     return out
-
-
-def ceiling_hit_rate(
-    specs: Sequence[RequestSpec], hashes: Sequence[Sequence[bytes]], block_size: int
-) -> float:
-    """An infinite cache: each request hits its leading full blocks that any earlier request
-    had (at most ``prompt - 1`` tokens, block-granular, as the engine hits). No router or
-    cache can do better. On Mooncake's traces this is their README's figure up to partial
-    last blocks (0.373 vs 0.374 and 0.650 vs 0.651)."""
-    seen: set[bytes] = set()
-    total = hit = 0
-    for spec, chain in zip(specs, hashes, strict=True):
-        n = spec.input_length
-        total += n
-        for h in chain[: (n - 1) // block_size]:
-            if h not in seen:
-                break
-            hit += block_size
-        seen.update(chain)
-    return hit / total if total else 0.0
-
-
-def bounds(
-    specs: Sequence[RequestSpec],
-    hashes: Sequence[Sequence[bytes]],
-    cfg: SimConfig,
-    tokens: TokenSource,
-) -> dict[str, float]:
-    """The ceiling, and ``pooled``: one real KVCacheManager of the whole fleet's blocks
-    serving the requests one at a time in arrival order."""
-    bs = cfg.block_size
-    total = pooled_hit = 0
-    kv = KVCacheManager(cfg.total_blocks, BlockHasher(block_size=bs))
-    for i, spec in enumerate(specs):
-        n = spec.input_length
-        total += n
-        toks = array("I")
-        toks.frombytes(tokens.prompt_bytes(spec))
-        req = SimRequest(i, RequestSpec(0.0, spec.segments, 1, spec.cache_salt), toks, 0.0)
-        blocks, hit = kv.get_computed_blocks(req)
-        if kv.allocate_slots(req, n - hit, hit, blocks) is not None:
-            pooled_hit += hit
-        kv.free(req)
-    return {
-        "prompt_tokens": total,
-        "ceiling_hit_rate": ceiling_hit_rate(specs, hashes, bs),
-        "pooled_hit_rate": pooled_hit / total if total else 0.0,
-    }
 
 
 def _pct(xs: np.ndarray, q: float) -> float:
@@ -118,6 +63,15 @@ def summarize(fleet: Fleet, wall_s: float) -> dict[str, Any]:
     # work: tokens each replica computed (prefill, recomputation included, and decode)
     work = np.array([rep.prefill_tokens + rep.decode_tokens for rep in fleet.reps], float)
     total_work = float(work.sum()) or 1.0
+    # The least work of what each replica served, at the hits it had (sim.bounds): above the
+    # arrival span on any replica, it could not have kept up at that rate for long.
+    served: dict[int, list[SimRequest]] = {}
+    for r in done:
+        served.setdefault(r.replica, []).append(r)
+    least = [
+        least_work_s([r.spec for r in rs], [r.hit or 0 for r in rs], fleet.cfg.profile(i))
+        for i, rs in served.items()
+    ]
     return {
         "completed": len(done),
         "rejected": fleet.rejected,
@@ -135,6 +89,9 @@ def summarize(fleet: Fleet, wall_s: float) -> dict[str, Any]:
         "requests_per_s": len(done) / span,
         "imbalance": float(work.max() / work.mean()) if work.sum() else 1.0,
         "busy_fraction": float(busy.sum() / (len(busy) * span)) if len(busy) else 0.0,
+        "busy_s": float(busy.sum()),  # the fleet's step time, summed over replicas
+        "least_work_s": sum(w["seconds"] for w in least),
+        "least_work_max_s": max((w["seconds"] for w in least), default=0.0),
         "replicas": [
             {
                 "id": rep.id,
@@ -238,6 +195,11 @@ def format_table(result: dict[str, Any]) -> str:
             f"pooled ({cfg['replicas']}x{cfg['blocks_per_replica']} blocks, LRU) "
             f"{b['pooled_hit_rate']:.3f}"
         )
+        c = b["throughput_ceiling"]
+        lines.append(
+            f"throughput ceiling (any policy, least work, {c['binding']}-bound): "
+            f"{c['rate_rps']:.1f} req/s ({c['speed']:.3g}x this workload's rate)"
+        )
     head = (
         f"{'policy':<13}{'hit':>7}{'prefill tok':>14}{'TTFT mean':>10}{'p50':>7}{'p90':>7}"
         f"{'p99':>7}{'e2e mean':>9}{'p90':>7}{'ITL p90':>8}{'tok/s':>7}{'imbal':>6}{'preempt':>8}"
@@ -318,15 +280,29 @@ SLO_ITL_P90_S = 0.1
 
 
 def _sweep_row(
-    policy: str, speed: float, rate: float, m: dict[str, Any], slo_ttft_s: float, slo_itl_s: float
+    policy: str,
+    speed: float,
+    specs: Sequence[RequestSpec],
+    m: dict[str, Any],
+    slo_ttft_s: float,
+    slo_itl_s: float,
 ) -> dict[str, Any]:
-    """One policy at one speed, as a sweep reports it."""
+    """One policy at one speed, as a sweep reports it. ``utilization``: the least work of
+    what the busiest replica served (:func:`~.bounds.least_work_s`, at the hits it had, in
+    full batches) over the arrival span. Above 1 that replica could not keep up even with
+    perfect batching: a finite run may still meet the SLO while its backlog drains after
+    the last arrival, but at that rate a longer run's backlog grows without bound
+    (``keeps_up`` is False). At or below 1 it may or may not: a necessary condition."""
+    span = max(specs[-1].arrival_s - specs[0].arrival_s, 1e-9)
+    rate = len(specs) / span
+    utilization = m["least_work_max_s"] / span
     return {
         "policy": policy, "speed": speed, "rate_rps": rate, "hit_rate": m["hit_rate"],
         "ttft_p90_s": m["ttft_s"]["p90"], "e2e_p90_s": m["e2e_s"]["p90"],
         "itl_p90_s": m["itl_s"]["p90"], "preemptions": m["preemptions"],
         "imbalance": m["imbalance"],
         "meets_slo": m["ttft_s"]["p90"] <= slo_ttft_s and m["itl_s"]["p90"] <= slo_itl_s,
+        "utilization": utilization, "keeps_up": utilization <= 1.0,
         # one replica's mean share of the fleet's work, per profile (a mixed fleet)
         "work_share_by_profile": {k: d["work_share"] for k, d in m["by_profile"].items()},
     }  # fmt: skip
@@ -340,22 +316,32 @@ def sweep(
     slo_ttft_s: float = SLO_TTFT_P90_S,
     slo_itl_s: float = SLO_ITL_P90_S,
     progress: Progress | None = None,
+    sustained: bool = False,
 ) -> dict[str, Any]:
     """Each policy at each arrival-rate multiplier; per policy, the highest rate (requests/s)
-    whose TTFT p90 and inter-token p90 both meet the SLO."""
+    whose TTFT p90 and inter-token p90 both meet the SLO (and, ``sustained``, at which the
+    fleet keeps up: see :func:`_sweep_row`)."""
     rows: list[dict[str, Any]] = []
     for speed in sorted(speeds):
         specs = make_specs(speed)
-        rate = len(specs) / max(specs[-1].arrival_s - specs[0].arrival_s, 1e-9)
         result = simulate(specs, policies, cfg, progress, with_bounds=False)
         for name, m in result["policies"].items():
-            rows.append(_sweep_row(name, speed, rate, m, slo_ttft_s, slo_itl_s))
+            rows.append(_sweep_row(name, speed, specs, m, slo_ttft_s, slo_itl_s))
     goodput = {
-        p: max((r["rate_rps"] for r in rows if r["policy"] == p and r["meets_slo"]), default=0.0)
+        p: max((r["rate_rps"] for r in rows if r["policy"] == p and _counts(r, sustained)),
+               default=0.0)
         for p in policies
-    }
-    return {"slo": {"ttft_p90_s": slo_ttft_s, "itl_p90_s": slo_itl_s}, "rows": rows,
-            "goodput_rps": goodput}  # fmt: skip
+    }  # fmt: skip
+    return {"slo": _slo(slo_ttft_s, slo_itl_s, sustained), "rows": rows, "goodput_rps": goodput}
+
+
+def _counts(row: dict[str, Any], sustained: bool) -> bool:
+    """Whether a sweep row's rate counts as goodput."""
+    return bool(row["meets_slo"] and (row["keeps_up"] or not sustained))
+
+
+def _slo(ttft_s: float, itl_s: float, sustained: bool) -> dict[str, Any]:
+    return {"ttft_p90_s": ttft_s, "itl_p90_s": itl_s, "sustained": sustained}
 
 
 LIMIT_TOLERANCE = 0.1  # a limit search stops once its pass and fail speeds are this close
@@ -371,6 +357,7 @@ def find_limits(
     progress: Progress | None = None,
     start: float = 1.0,
     tolerance: float = LIMIT_TOLERANCE,
+    sustained: bool = False,
 ) -> dict[str, Any]:
     """Per policy, the highest arrival rate that meets the SLO, searched rather than read
     off a fixed grid: the speed doubles (or halves) from ``start`` until the SLO's verdict
@@ -396,10 +383,10 @@ def find_limits(
     for policy in policies:
 
         def meets(speed: float, policy: str = policy) -> bool:
-            specs, rate = arrivals(speed)
+            specs = arrivals(speed)[0]
             m = simulate(specs, [policy], cfg, progress, with_bounds=False)["policies"][policy]
-            rows.append(_sweep_row(policy, speed, rate, m, slo_ttft_s, slo_itl_s))
-            return bool(rows[-1]["meets_slo"])
+            rows.append(_sweep_row(policy, speed, specs, m, slo_ttft_s, slo_itl_s))
+            return _counts(rows[-1], sustained)
 
         ok_speed: float | None = None
         fail_speed: float | None = None
@@ -434,26 +421,30 @@ def find_limits(
             "rate_fail_rps": None if fail_speed is None else arrivals(fail_speed)[1],
         }
     goodput = {p: limits[p]["rate_ok_rps"] or 0.0 for p in policies}
-    return {"slo": {"ttft_p90_s": slo_ttft_s, "itl_p90_s": slo_itl_s}, "rows": rows,
-            "goodput_rps": goodput, "limits": limits}  # fmt: skip
+    base = arrivals(1.0)[0]
+    ceiling = work_ceiling(base, router_hashes(base, cfg, TokenSource()), cfg)
+    return {"slo": _slo(slo_ttft_s, slo_itl_s, sustained), "rows": rows,
+            "goodput_rps": goodput, "limits": limits, "ceiling": ceiling}  # fmt: skip
 
 
 def format_sweep(result: dict[str, Any]) -> str:
     slo = result["slo"]
     head = (
         f"{'policy':<13}{'speed':>6}{'req/s':>8}{'hit':>7}{'TTFT p90':>9}{'e2e p90':>9}"
-        f"{'ITL p90':>9}{'preempt':>8}  SLO"
+        f"{'ITL p90':>9}{'preempt':>8}{'util':>6}  SLO"
     )
     lines = [head, "-" * len(head)]
     for r in sorted(result["rows"], key=lambda r: (r["policy"], r["speed"])):
         lines.append(
             f"{r['policy']:<13}{r['speed']:>6g}{r['rate_rps']:>8.2f}{r['hit_rate']:>7.3f}"
             f"{r['ttft_p90_s']:>9.2f}{r['e2e_p90_s']:>9.2f}{r['itl_p90_s'] * 1e3:>7.0f}ms"
-            f"{r['preemptions']:>8}  {'ok' if r['meets_slo'] else 'missed'}"
+            f"{r['preemptions']:>8}{r['utilization']:>6.2f}  {'ok' if r['meets_slo'] else 'missed'}"
+            f"{'' if r['keeps_up'] else ', fleet behind'}"
         )
+    keeps_up = " and the fleet keeping up (util <= 1)" if slo.get("sustained") else ""
     lines.append(
         f"goodput (highest rate with TTFT p90 <= {slo['ttft_p90_s']:g} s and inter-token p90 "
-        f"<= {slo['itl_p90_s'] * 1e3:g} ms):"
+        f"<= {slo['itl_p90_s'] * 1e3:g} ms{keeps_up}):"
     )
     limits = result.get("limits", {})
     for p, g in result["goodput_rps"].items():
@@ -469,6 +460,13 @@ def format_sweep(result: dict[str, Any]) -> str:
                 f"  {p:<13}{g:.2f} req/s (met at {lim['speed_ok']:.3g}x, missed at "
                 f"{lim['speed_fail']:.3g}x: {lim['rate_fail_rps']:.2f} req/s)"
             )
+    c = result.get("ceiling")
+    if c is not None:
+        shares = ", ".join(f"{p} {g / c['rate_rps']:.0%}" for p, g in result["goodput_rps"].items())
+        lines.append(
+            f"throughput ceiling (no policy can sustain more; {c['binding']}-bound): "
+            f"{c['rate_rps']:.2f} req/s ({c['speed']:.3g}x); goodput as a share of it: {shares}"
+        )
     return "\n".join(lines)
 
 

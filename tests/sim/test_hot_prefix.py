@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvroute.sim.report import bounds, router_hashes, summarize
+from kvroute.sim.bounds import bounds
+from kvroute.sim.report import router_hashes, summarize
 from kvroute.sim.simulator import Fleet, SimConfig
 from kvroute.sim.workloads import RequestSpec, TokenSource
 

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.sim.report import ceiling_hit_rate, router_hashes
+from kvroute.sim.bounds import ceiling_hit_rate
+from kvroute.sim.report import router_hashes
 from kvroute.sim.simulator import SimConfig
 from kvroute.sim.traces import (
     TraceRequest,

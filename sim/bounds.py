@@ -1,0 +1,161 @@
+"""What no router can beat on a workload: hit-rate bounds and a throughput ceiling.
+
+- ``ceiling`` hit rate: an infinite cache -- a request hits its leading full blocks that any
+  earlier request had (at most ``prompt - 1`` tokens, block-granular, as the engine hits);
+- ``pooled`` hit rate: one real :class:`KVCacheManager` of the whole fleet's blocks serving
+  the requests one at a time in arrival order (lazy LRU, no concurrency, no output blocks):
+  a perfect router over perfectly shared memory;
+- the **throughput ceiling** (:func:`work_ceiling`): the highest arrival rate at which the
+  fleet can do even the least work the workload needs. Why: a goodput goal stated as a
+  multiple of another policy's ("1.5x the best other") is only reachable if the ceiling is
+  that far above the other policy's limit; this says where it is.
+
+The least work assumes everything in a router's favour at once: every request hits the
+infinite-cache ceiling, every prompt is prefilled in one chunk, decode steps run as full as
+the engine allows (``max_num_seqs`` requests, ``max_num_batched_tokens`` tokens, the KV
+cache's tokens of context), and replicas are never idle. On the cost model's roofline a
+step lasts ``overhead + max(flops / peak, bytes / bandwidth)``; summed over steps that is
+at least ``S * overhead + max(sum flops / peak, (S * weights + sum kv bytes) / bandwidth)``
+with ``S`` the fewest steps the batching limits allow -- a bound for one replica, and, as
+every term is a sum, for the fleet's summed busy time. The rate that fills every replica's
+time with it is ``requests * replicas / seconds``. A finite run can exceed it by a backlog
+of about an SLO's length over its span (under 1% on the built-in workloads and traces).
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvroute.events import BlockHasher
+from kvroute.replica.cost_model import Profile
+from kvroute.replica.kv_cache_manager import KVCacheManager
+
+from .workloads import RequestSpec, TokenSource
+
+if TYPE_CHECKING:
+    from .simulator import SimConfig
+
+
+def ceiling_hits(
+    specs: Sequence[RequestSpec], hashes: Sequence[Sequence[bytes]], block_size: int
+) -> list[int]:
+    """Per request, the prompt tokens an infinite cache would hit (see the module docstring)."""
+    seen: set[bytes] = set()
+    hits = []
+    for spec, chain in zip(specs, hashes, strict=True):
+        hit = 0
+        for h in chain[: (spec.input_length - 1) // block_size]:
+            if h not in seen:
+                break
+            hit += block_size
+        hits.append(hit)
+        seen.update(chain)
+    return hits
+
+
+def ceiling_hit_rate(
+    specs: Sequence[RequestSpec], hashes: Sequence[Sequence[bytes]], block_size: int
+) -> float:
+    """An infinite cache's hit rate. On Mooncake's traces this is their README's figure up
+    to partial last blocks (0.373 vs 0.374 and 0.650 vs 0.651)."""
+    total = sum(s.input_length for s in specs)
+    return sum(ceiling_hits(specs, hashes, block_size)) / total if total else 0.0
+
+
+def pooled_hit_rate(specs: Sequence[RequestSpec], cfg: SimConfig, tokens: TokenSource) -> float:
+    """One real KVCacheManager of the fleet's blocks, serving requests one at a time."""
+    from .simulator import SimRequest  # the simulator imports this module's callers
+
+    total = hit_tokens = 0
+    kv = KVCacheManager(cfg.total_blocks, BlockHasher(block_size=cfg.block_size))
+    for i, spec in enumerate(specs):
+        n = spec.input_length
+        total += n
+        toks = array("I")
+        toks.frombytes(tokens.prompt_bytes(spec))
+        req = SimRequest(i, RequestSpec(0.0, spec.segments, 1, spec.cache_salt), toks, 0.0)
+        blocks, hit = kv.get_computed_blocks(req)
+        if kv.allocate_slots(req, n - hit, hit, blocks) is not None:
+            hit_tokens += hit
+        kv.free(req)
+    return hit_tokens / total if total else 0.0
+
+
+def least_work_s(specs: Sequence[RequestSpec], hits: Sequence[int], p: Profile) -> dict[str, float]:
+    """The fewest busy seconds one replica of profile ``p`` (or a fleet of them, summed)
+    needs for ``specs`` when request ``i`` has ``hits[i]`` prompt tokens cached; with the
+    sums it is made of. See the module docstring for why each is a lower bound."""
+    dense, attn = 2.0 * p.params, p.attn_flops
+    prefill = decode = pairs = kv_tokens = decode_ctx = 0.0
+    for spec, h in zip(specs, hits, strict=True):
+        n, o = spec.input_length, spec.output_length
+        m = n - h  # computed in the prefill; its last position samples the first token
+        prefill += m
+        pairs += m * h + m * (m - 1) / 2
+        kv_tokens += n
+        d = max(o - 1, 0)  # each later token is one decode step at positions n .. n + d - 1
+        decode += d
+        pairs += d * n + d * (d - 1) / 2
+        ctx = d * n + d * (d + 1) / 2  # the context a decode step reads, summed
+        decode_ctx += ctx
+        kv_tokens += ctx
+    steps = max(
+        decode / p.max_num_seqs,  # a step decodes at most max_num_seqs requests
+        (prefill + decode) / p.max_batched_tokens,  # and computes at most this many tokens
+        decode_ctx / p.kv_tokens,  # and its batch's context fits in the KV cache
+    )
+    flops = dense * (prefill + decode) + attn * pairs
+    nbytes = steps * p.weight_bytes + p.kv_bytes_per_token * kv_tokens
+    compute_s, memory_s = flops / p.peak_flops, nbytes / p.mem_bw
+    return {
+        "seconds": steps * p.overhead_s + max(compute_s, memory_s),
+        "steps": steps,
+        "compute_s": compute_s,
+        "memory_s": memory_s,
+        "overhead_s": steps * p.overhead_s,
+        "prefill_tokens": prefill,
+        "decode_tokens": decode,
+    }
+
+
+def work_ceiling(
+    specs: Sequence[RequestSpec],
+    hashes: Sequence[Sequence[bytes]],
+    cfg: SimConfig,
+) -> dict[str, Any]:
+    """The throughput ceiling of ``specs`` on ``cfg``'s fleet, in requests/s and as a speed
+    (a multiple of the arrival rate ``specs`` has). A mixed fleet is bounded as if every
+    replica were its fastest profile's (loose, but still a bound)."""
+    hits = ceiling_hits(specs, hashes, cfg.block_size)
+    works = [least_work_s(specs, hits, cfg.profile(i)) for i in range(len(cfg.profiles))]
+    work = min(works, key=lambda w: w["seconds"])
+    rate = len(specs) * cfg.replicas / work["seconds"] if work["seconds"] > 0 else float("inf")
+    span = specs[-1].arrival_s - specs[0].arrival_s if len(specs) > 1 else 0.0
+    arrival_rate = len(specs) / span if span > 0 else float("inf")
+    bound = "compute" if work["compute_s"] >= work["memory_s"] else "memory"
+    return {
+        "rate_rps": rate,
+        "speed": rate / arrival_rate,
+        "least_work_s": work["seconds"],
+        "binding": bound,
+        "hit_rate": sum(hits) / max(sum(s.input_length for s in specs), 1),
+        **{k: work[k] for k in ("steps", "compute_s", "memory_s", "overhead_s")},
+    }
+
+
+def bounds(
+    specs: Sequence[RequestSpec],
+    hashes: Sequence[Sequence[bytes]],
+    cfg: SimConfig,
+    tokens: TokenSource,
+) -> dict[str, Any]:
+    """The hit-rate bounds and the throughput ceiling of one workload on one fleet."""
+    ceiling = work_ceiling(specs, hashes, cfg)
+    return {
+        "prompt_tokens": sum(s.input_length for s in specs),
+        "ceiling_hit_rate": ceiling["hit_rate"],
+        "pooled_hit_rate": pooled_hit_rate(specs, cfg, tokens),
+        "throughput_ceiling": ceiling,
+    }
