@@ -76,7 +76,12 @@ def main() -> int:
     ap.add_argument("--policy", default="kv,approx_text,least_loaded,round_robin,random")
     ap.add_argument("--replicas", type=int, default=8)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--sustained", action="store_true", help="as kvroute simulate's")
+    ap.add_argument(
+        "--sustained",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="as kvroute simulate's (default: on)",
+    )
     args = ap.parse_args()
     policies = [s.strip() for s in args.policy.split(",") if s.strip()]
     base, params = fresh(args.seed, args.requests)

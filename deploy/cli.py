@@ -175,9 +175,11 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     sim.add_argument("--slo-itl", type=float, default=0.1, help="SLO: inter-token p90 (s)")
     sim.add_argument(
         "--sustained",
-        action="store_true",
-        help="with --sweep-speed: a rate counts only if the fleet also keeps up (its busy "
-        "seconds fit in the arrival span), not only while a finite run's backlog drains",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --sweep-speed: a rate counts as goodput only if every replica could keep "
+        "up with it (util <= 1), not only while a finite run's backlog drains after the "
+        "last arrival (default: on)",
     )
     sim.add_argument("--json", action="store_true", help="print one JSON object")
     sim.add_argument("--plot", default=None, metavar="FILE.png", help="needs matplotlib")

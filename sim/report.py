@@ -316,7 +316,7 @@ def sweep(
     slo_ttft_s: float = SLO_TTFT_P90_S,
     slo_itl_s: float = SLO_ITL_P90_S,
     progress: Progress | None = None,
-    sustained: bool = False,
+    sustained: bool = True,
 ) -> dict[str, Any]:
     """Each policy at each arrival-rate multiplier; per policy, the highest rate (requests/s)
     whose TTFT p90 and inter-token p90 both meet the SLO (and, ``sustained``, at which the
@@ -357,7 +357,7 @@ def find_limits(
     progress: Progress | None = None,
     start: float = 1.0,
     tolerance: float = LIMIT_TOLERANCE,
-    sustained: bool = False,
+    sustained: bool = True,
 ) -> dict[str, Any]:
     """Per policy, the highest arrival rate that meets the SLO, searched rather than read
     off a fixed grid: the speed doubles (or halves) from ``start`` until the SLO's verdict
