@@ -332,7 +332,13 @@ def sweep(
                default=0.0)
         for p in policies
     }  # fmt: skip
-    return {"slo": _slo(slo_ttft_s, slo_itl_s, sustained), "rows": rows, "goodput_rps": goodput}
+    return {"slo": _slo(slo_ttft_s, slo_itl_s, sustained), "rows": rows, "goodput_rps": goodput,
+            "ceiling": _ceiling(make_specs(1.0), cfg)}  # fmt: skip
+
+
+def _ceiling(specs: Sequence[RequestSpec], cfg: SimConfig) -> dict[str, Any]:
+    """The throughput ceiling of the workload at 1x (its speed is a multiple of 1x's rate)."""
+    return work_ceiling(specs, router_hashes(specs, cfg, TokenSource()), cfg)
 
 
 def _counts(row: dict[str, Any], sustained: bool) -> bool:
@@ -421,10 +427,9 @@ def find_limits(
             "rate_fail_rps": None if fail_speed is None else arrivals(fail_speed)[1],
         }
     goodput = {p: limits[p]["rate_ok_rps"] or 0.0 for p in policies}
-    base = arrivals(1.0)[0]
-    ceiling = work_ceiling(base, router_hashes(base, cfg, TokenSource()), cfg)
     return {"slo": _slo(slo_ttft_s, slo_itl_s, sustained), "rows": rows,
-            "goodput_rps": goodput, "limits": limits, "ceiling": ceiling}  # fmt: skip
+            "goodput_rps": goodput, "limits": limits,
+            "ceiling": _ceiling(arrivals(1.0)[0], cfg)}  # fmt: skip
 
 
 def format_sweep(result: dict[str, Any]) -> str:
