@@ -20,8 +20,8 @@ with ``S`` the fewest steps the batching limits allow -- a bound for one replica
 every term is a sum, for the fleet's summed busy time. The rate that fills every replica's
 time with it is ``requests * replicas / seconds``. A finite run can still meet a latency
 SLO above it, because the decode work left at the last arrival drains afterwards (on
-4,000-request runs, up to ~20% above it); no fleet sustains that rate, which is what a
-sweep's ``util`` check (:func:`kvroute.sim.report._sweep_row`) catches.
+4,000-request runs: tenants 22% above it, fresh seed 7 15%); no fleet sustains that rate,
+which is what a sweep's ``util`` check (:func:`kvroute.sim.report._sweep_row`) catches.
 """
 
 from __future__ import annotations
