@@ -117,6 +117,9 @@ def main() -> int:
             f"        {h['ttft_p90_s']:6.2f}  {h['e2e_p90_s']:7.2f}  {h['hit_rate']:.3f}"
             f"  {h['imbalance']:.2f}"
         )
+    c = limits["ceiling"]
+    print(f"throughput ceiling (no policy can sustain more): {c['rate_rps']:.1f} req/s "
+          f"({c['speed']:.2f}x, {c['binding']}-bound)")  # fmt: skip
     return 0
 
 
