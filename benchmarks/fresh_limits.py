@@ -20,7 +20,8 @@ import sys
 
 import numpy as np
 
-from kvroute.sim.report import SLO_ITL_P90_S, SLO_TTFT_P90_S, find_limits, simulate
+from kvroute.sim.goodput import SLO_ITL_P90_S, SLO_TTFT_P90_S, find_limits
+from kvroute.sim.report import simulate
 from kvroute.sim.simulator import SimConfig
 from kvroute.sim.workloads import RequestSpec, _Ids, _poisson_times, _zipf_weights
 

@@ -313,7 +313,7 @@ def _bench(args: argparse.Namespace) -> int:
 def _sweep(args: argparse.Namespace, policies: list[str], cfg: Any, progress: Any) -> int:
     import json
 
-    from kvroute.sim.report import find_limits, format_sweep, plot_sweep, sweep
+    from kvroute.sim.goodput import find_limits, format_sweep, plot_sweep, sweep
     from kvroute.sim.traces import load_mooncake, specs_from_trace
     from kvroute.sim.workloads import make_workload
 

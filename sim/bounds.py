@@ -21,7 +21,7 @@ every term is a sum, for the fleet's summed busy time. The rate that fills every
 time with it is ``requests * replicas / seconds``. A finite run can still meet a latency
 SLO above it, because the decode work left at the last arrival drains afterwards (on
 4,000-request runs: tenants 22% above it, fresh seed 7 15%); no fleet sustains that rate,
-which is what a sweep's ``util`` check (:func:`kvroute.sim.report._sweep_row`) catches.
+which is what a sweep's ``util`` check (:func:`kvroute.sim.goodput._sweep_row`) catches.
 """
 
 from __future__ import annotations
