@@ -234,8 +234,8 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float
 class Runner:
     """Runs ``kvroute bench`` against one server and measures the CPU around it."""
 
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
+    def __init__(self, tmp: Path, model: str = MODEL, bench_args: tuple[str, ...] = ()) -> None:
+        self.tmp, self.model, self.bench_args = tmp, model, bench_args
         self.n_runs = 0
 
     def trace(self, n: int, prompt: int, output: int) -> Path:
@@ -269,9 +269,11 @@ class Runner:
         trace = self.trace(n, prompt, output)
         result = self.tmp / f"run_{self.n_runs}.json"
         mode = ["--concurrency", str(concurrency)] if concurrency else ["--rate", str(rate)]
-        cmd = ["kvroute", "bench", "--url", url + "/v1", "--model", MODEL, "--trace", str(trace)]
+        cmd = ["kvroute", "bench", "--url", url + "/v1", "--model", self.model]
+        cmd += ["--trace", str(trace)]
         cmd += ["--max-requests", str(n), "--prompt-format", "tokens", "--no-progress"]
         cmd += ["--json", str(result), "--seed", str(self.n_runs), "--timeout", "120", *mode]
+        cmd += self.bench_args
         f0, r0, t0 = fd.snap(), reps.snap(), time.monotonic()
         err = result.with_suffix(".err")
         with err.open("wb") as err_f:
