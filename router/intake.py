@@ -175,14 +175,26 @@ class Intake:
             raise APIError(400, str(exc), "invalid_request_error", exc.param) from None
 
     async def prompt_ids(self, body: CompletionRequest | CompletionBody) -> list[int]:
-        if isinstance(body.prompt, str):
-            text = body.prompt
+        prompt = body.prompt
+        if prompt and not isinstance(prompt, str) and not isinstance(prompt[0], int):
+            if len(prompt) > 1:  # a batch: each prompt is its own request here
+                raise APIError(
+                    400,
+                    f"`prompt` holds {len(prompt)} prompts; this server takes one prompt per "
+                    "request: send each as a request of its own.",
+                    "invalid_request_error",
+                    "prompt",
+                    "unsupported_parameter",
+                )
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            text = prompt
             self._check_length(len(text))
             encode = self.encode
             ids: list[int] = await self.off_loop(lambda: encode(text))
             self._check_ids(ids)
         else:
-            ids = list(body.prompt)
+            ids = list(prompt)
             self._check_ids(ids, validated=True)
         return ids
 

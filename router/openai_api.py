@@ -188,8 +188,15 @@ class _Request(_Strict, RequestMethods):
 
 
 class CompletionRequest(_Request, CompletionMethods):
-    # Text, or token ids; one prompt per request (a list of prompts is refused).
-    prompt: Text | Annotated[list[TokenId], Field(min_length=1)]
+    # Text, or token ids; or a list holding one of either, as clients that batch send one
+    # prompt (LangChain's completions LLM always does). A list of several is refused at
+    # intake (:meth:`~kvroute.router.intake.Intake.prompt_ids`), by name.
+    prompt: (
+        Text
+        | Annotated[list[TokenId], Field(min_length=1)]
+        | Annotated[list[Text], Field(min_length=1)]
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
+    )
     max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
     echo: bool | None = None
     suffix: Text | None = None

@@ -83,7 +83,8 @@ BAD: list[tuple[str, str, dict[str, Any], str | None]] = [
     ("stream-string", C, completion(stream="yes"), "stream"),
     ("max-tokens-string", C, completion(max_tokens="5"), "max_tokens"),
     ("max-tokens-bool", C, completion(max_tokens=True), "max_tokens"),
-    ("token-ids-strings", C, completion(prompt=["1", "2"]), "prompt.0"),
+    # strings are text prompts: two of them are a batch, refused by name
+    ("token-ids-strings", C, completion(prompt=["1", "2"]), "prompt"),
     ("ignore-eos-string", C, completion(ignore_eos="yes"), "ignore_eos"),
     ("temperature-string", C, completion(temperature="1"), "temperature"),
     ("temperature-range", C, completion(temperature=2.5), "temperature"),

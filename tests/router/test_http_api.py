@@ -175,6 +175,34 @@ def test_completion_stream_equals_non_stream(fleet: dict[str, Any]) -> None:
     assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
 
 
+def test_a_prompt_list_of_one_is_that_prompt_and_a_batch_is_refused_by_name(
+    fleet: dict[str, Any],
+) -> None:
+    """Clients that batch (LangChain's completions LLM) send even one prompt as a list."""
+    c = client(fleet)
+    kw: dict[str, Any] = {"model": MODEL, "max_tokens": 6, "temperature": 0.0}
+    kw["extra_body"] = {"ignore_eos": True}
+    ids = list(b"Hello there")  # the tiny tokenizer's ids are the bytes
+    plain = c.completions.create(prompt="Hello there", **kw).choices[0].text
+    for prompt in (["Hello there"], [ids], ids):
+        got = c.completions.create(prompt=prompt, **kw)
+        assert got.choices[0].text == plain and got.usage.prompt_tokens == len(ids), prompt
+    url, auth = fleet["url"] + "/v1/completions", {"Authorization": "Bearer key-a"}
+    for prompt, code in (
+        (["a", "b"], "unsupported_parameter"),
+        ([[1], [2]], "unsupported_parameter"),
+        ([], None),
+        (["a", 1], None),
+        ([[]], None),
+    ):
+        r = httpx.post(url, json={"model": MODEL, "prompt": prompt}, headers=auth)
+        assert r.status_code == 400, (prompt, r.text)
+        err = r.json()["error"]
+        assert err["param"].startswith("prompt"), (prompt, err)
+        if code:
+            assert err["code"] == code and "2 prompts" in err["message"], err
+
+
 def test_chat_stream_and_non_stream(fleet: dict[str, Any]) -> None:
     c = client(fleet)
     kw: dict[str, Any] = {"model": MODEL, "max_tokens": 10, "temperature": 0.0}
