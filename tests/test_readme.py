@@ -147,6 +147,19 @@ def check_pip_install(cmd: list[str]) -> None:
             metadata.distribution(name)  # installed here: the test extra brings it
 
 
+def check_benchmark(cmd: list[str]) -> None:
+    """``python benchmarks/X.py [flags]``: the script is in the clone and takes every flag
+    (its ``--help`` names it)."""
+    script = ROOT / cmd[1]
+    assert script.is_file() and script.parent.name == "benchmarks", cmd
+    usage = subprocess.run(
+        [sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert usage.returncode == 0, usage.stderr
+    for flag in (a.split("=")[0] for a in cmd[2:] if a.startswith("--")):
+        assert flag in usage.stdout, f"{shlex.join(cmd)}: {flag} not in its --help"
+
+
 def check_kvroute(cmd: list[str]) -> argparse.Namespace:
     """Parsed by kvroute's own parser: an unknown flag or bad value fails."""
     assert cmd[0] == "kvroute", cmd
@@ -225,6 +238,8 @@ def test_shell_commands_are_recognised_and_consistent():
                     args = check_kvroute(cmd)
                     if args.command == "serve" and len(cmd) == 2:
                         seen["serve"] = True
+                elif cmd[0] == "python" and cmd[1].startswith("benchmarks/"):
+                    check_benchmark(cmd)
                 elif cmd[0] in ("curl", "ruff") or cmd[:3] == ["python", "-m", "pytest"]:
                     pass  # curl: run by test_curl_examples; the others: the chain above
                 else:
