@@ -22,6 +22,8 @@ MAX_LOGPROBS = 20  # OpenAI's top_logprobs bound
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512  # the detokenizer holds back this many characters while streaming
 MAX_STOP_TOKEN_IDS = 256
+MAX_PENALTY = 2.0  # OpenAI's bound on presence_penalty and frequency_penalty (either sign)
+MAX_REPETITION_PENALTY = 10.0  # vLLM takes any value > 0; past this every seen token is gone
 
 
 class BoundsError(ValueError):
@@ -80,6 +82,16 @@ def check_sampling(p: Any) -> None:
         )
     if p.logprobs is not None and (not _is_int(p.logprobs) or not 0 <= p.logprobs <= MAX_LOGPROBS):
         raise BoundsError("logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(p, name, 0.0)
+        if not _is_number(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+            bound = f"[-{MAX_PENALTY}, {MAX_PENALTY}]"
+            raise BoundsError(name, f"must be a number in {bound}, got {v!r}")
+    v = getattr(p, "repetition_penalty", 1.0)
+    if not _is_number(v) or not 0.0 < v <= MAX_REPETITION_PENALTY:
+        raise BoundsError(
+            "repetition_penalty", f"must be a number in (0, {MAX_REPETITION_PENALTY}], got {v!r}"
+        )
 
 
 def check_text(text: str, param: str) -> None:

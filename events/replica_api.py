@@ -18,6 +18,8 @@ import msgspec
 
 from .bounds import (  # the shared request bounds, part of this contract
     MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -34,6 +36,8 @@ from .load import CostCoefficients
 
 __all__ = [
     "MAX_LOGPROBS",
+    "MAX_PENALTY",
+    "MAX_REPETITION_PENALTY",
     "MAX_STOP_CHARS",
     "MAX_STOP_STRINGS",
     "MAX_STOP_TOKEN_IDS",
@@ -146,6 +150,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     tokens were generated (``max_tokens`` still applies). ``stop`` strings are matched by
     the engine on detokenised text; the scheduler only handles token-level stops.
     ``logprobs``: how many top logprobs to return per token (None: none).
+    Penalties, as vLLM applies them to the logits before anything else: ``repetition_penalty``
+    divides a positive logit (multiplies a negative one) of every token in the prompt or the
+    output so far; ``frequency_penalty`` subtracts itself once per time a token was output,
+    ``presence_penalty`` once for any token output at all (OpenAI's definitions).
     """
 
     max_tokens: int = 16
@@ -158,6 +166,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -171,6 +182,12 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or (
+            self.repetition_penalty != 1.0
+        )
 
 
 class Resume(msgspec.Struct, kw_only=True, frozen=True):

@@ -11,9 +11,15 @@ that raises comes back as a :class:`RequestFailure` in its place.
 
 Sampling uses the exponential race (``argmax(p / E)``, ``E ~ Exp(1)``), which equals a draw
 from ``p`` and needs no cumulative sum per row.
+
+Penalties change a row's logits before greedy or sampling, as vLLM's do (repetition over the
+prompt and output tokens, then frequency and presence over the output's counts); logprobs
+stay those of the raw logits (vLLM's default). Only rows that ask for a penalty pay for it.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
@@ -61,17 +67,34 @@ class Sampler:
         logits: torch.Tensor,
         request_ids: list[str],
         params: list[SamplingParams],
+        token_ids: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
     ) -> list[SampledToken | RequestFailure]:
         """``logits``: [num_requests, vocab] for the requests in ``request_ids`` order.
+        ``token_ids``: each request's (prompt, output so far), needed where it asks for a
+        penalty.
 
         Batch-wide work (argmax, log-softmax) may raise: that is shared state. Per-row work
         that raises yields a :class:`RequestFailure` for that row only."""
         logits = logits.float()
-        greedy = logits.argmax(dim=-1).tolist()
-        out: list[SampledToken | RequestFailure] = []
         want_logprobs = any(p.logprobs is not None for p in params)
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        failed: dict[int, RequestFailure] = {}
+        penalized = [i for i, p in enumerate(params) if p.has_penalties]
+        if penalized:
+            logits = logits.clone()  # the raw logits' logprobs were taken above
+            for i in penalized:
+                try:
+                    if token_ids is None:
+                        raise ValueError("penalties need the request's token ids")
+                    _penalize(logits[i], params[i], *token_ids[i])
+                except Exception as exc:
+                    failed[i] = RequestFailure("penalties", exc)
+        greedy = logits.argmax(dim=-1).tolist()
+        out: list[SampledToken | RequestFailure] = []
         for i, (rid, p) in enumerate(zip(request_ids, params, strict=True)):
+            if i in failed:
+                out.append(failed[i])
+                continue
             stage = "seed"
             try:
                 if p.temperature == 0.0:
@@ -111,3 +134,19 @@ class Sampler:
         # same stream on a CPU and a GPU replica.
         race = torch.empty(probs.shape, dtype=probs.dtype).exponential_(generator=generator)
         return int((probs / race.to(probs.device)).argmax())
+
+
+def _penalize(
+    row: torch.Tensor, p: SamplingParams, prompt: Sequence[int], output: Sequence[int]
+) -> None:
+    """Applies ``p``'s penalties to one row of logits, in place (vLLM's order and formulas)."""
+    vocab, dev = row.numel(), row.device
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor([*prompt, *output], dtype=torch.long, device=dev).unique()
+        seen = seen[seen < vocab]
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+    if output and (p.frequency_penalty or p.presence_penalty):
+        counts = torch.bincount(torch.tensor(output, dtype=torch.long, device=dev), minlength=vocab)
+        counts = counts[:vocab].to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)

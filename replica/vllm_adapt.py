@@ -184,6 +184,11 @@ def to_vllm_sampling(params: SamplingParams, done: int) -> Any:
         ignore_eos=params.ignore_eos,
         min_tokens=max(0, params.min_tokens - done),
         logprobs=params.logprobs,
+        # A resumed request's earlier tokens are its prompt here: they count for the
+        # repetition penalty, not for the frequency and presence ones.
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
         output_kind=RequestOutputKind.DELTA,
     )
 

@@ -275,6 +275,14 @@ def completion_body(req: GenerateRequest, model: str) -> dict[str, Any] | None:
     if s.logprobs is not None:
         body["logprobs"] = s.logprobs
         body["return_tokens_as_token_ids"] = True
+    # As with a vLLM replica, a resume's earlier tokens are prompt to vLLM: they count for
+    # the repetition penalty only.
+    if s.presence_penalty:
+        body["presence_penalty"] = s.presence_penalty
+    if s.frequency_penalty:
+        body["frequency_penalty"] = s.frequency_penalty
+    if s.repetition_penalty != 1.0:
+        body["repetition_penalty"] = s.repetition_penalty
     if req.cache_salt:  # vLLM wants 1 to 1024 characters, or none
         body["cache_salt"] = req.cache_salt
     return body

@@ -247,6 +247,11 @@ class Intake:
                 ignore_eos=bool(body.ignore_eos),
                 min_tokens=body.min_tokens or 0,
                 logprobs=body.num_logprobs(),
+                presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                repetition_penalty=(
+                    1.0 if body.repetition_penalty is None else body.repetition_penalty
+                ),
             )
         except BoundsError as exc:
             raise APIError(400, str(exc), "invalid_request_error", exc.param) from None

@@ -7,9 +7,9 @@ enforces (:mod:`kvroute.events.replica_api`), so a request the front door accept
 engine stage will fail on. Unknown fields are ignored (as OpenAI and vLLM do, so SDKs that
 send newer fields keep working), but the OpenAI parameters this server does not implement
 are declared, so that setting one is refused by name (:meth:`_Request.unsupported`) instead
-of being silently ignored; so are vLLM's ``repetition_penalty`` and ``min_p``, which
-``vllm bench serve`` sends (``repetition_penalty: 1.0``, neutral, always). ``cache_salt``,
-``top_k``, ``ignore_eos``, ``min_tokens`` and ``stop_token_ids`` are vLLM's extensions;
+of being silently ignored; so is vLLM's ``min_p``, which ``vllm bench serve --min-p``
+sends. ``cache_salt``, ``top_k``, ``ignore_eos``, ``min_tokens``, ``repetition_penalty``
+and ``stop_token_ids`` are vLLM's extensions;
 ``usage.prompt_tokens_details.cached_tokens`` is OpenAI's field for the prompt tokens served
 from cache.
 """
@@ -24,6 +24,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from kvroute.events.replica_api import (
     MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -56,9 +58,6 @@ UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "echo": (None, False),
     "suffix": (None, ""),
     "logit_bias": (None, {}),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
     "min_p": (None, 0, 0.0),  # vLLM's; `vllm bench serve --min-p` sends it
     "tools": (None, []),
     "tool_choice": (None, "none"),
@@ -168,13 +167,13 @@ class _Request(_Strict, RequestMethods):
     cache_salt: Text | None = Field(default=None, min_length=1, max_length=256)  # vLLM
     ignore_eos: bool | None = False  # vLLM extension
     min_tokens: int | None = Field(default=None, ge=0)  # vLLM extension
+    presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=MAX_REPETITION_PENALTY)
     # Declared only to be refused by name when set (see UNSUPPORTED); never used.
     n: int | None = None
     best_of: int | None = None
     logit_bias: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
     min_p: Any = None
     tools: Any = None
     tool_choice: Any = None

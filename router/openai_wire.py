@@ -28,6 +28,8 @@ from msgspec import Meta
 
 from kvroute.events.replica_api import (
     MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_REPETITION_PENALTY,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -69,12 +71,12 @@ class _Request(msgspec.Struct, kw_only=True):
     cache_salt: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
     ignore_eos: bool | None = False
     min_tokens: Annotated[int, Meta(ge=0)] | None = None
+    presence_penalty: Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY)] | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=MAX_REPETITION_PENALTY)] | None = None
     n: int | None = None
     best_of: int | None = None
     logit_bias: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    repetition_penalty: Any = None
     min_p: Any = None
     tools: Any = None
     tool_choice: Any = None

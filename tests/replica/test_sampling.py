@@ -168,6 +168,81 @@ def test_more_logprobs_than_the_vocabulary_is_refused_and_the_engine_lives_on(ll
     assert len(tokens(out[0])) == 2
 
 
+def _hf_model() -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(
+        tiny_model_path(), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+def test_repetition_penalty_equals_transformers_generate(llm: LLM) -> None:
+    """transformers' ``repetition_penalty`` uses vLLM's rule (over prompt and output)."""
+    model, penalty, changed = _hf_model(), 1.8, 0
+    for prompt in PROMPTS[:2]:
+        out, plain = llm.generate(
+            [prompt, prompt],
+            [
+                SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=penalty),
+                SamplingParams(temperature=0.0, max_tokens=12),
+            ],
+        )
+        ids = out.prompt_token_ids
+        with torch.inference_mode():
+            ref = model.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=12,
+                do_sample=False,
+                repetition_penalty=penalty,
+            )[0, len(ids) :].tolist()
+        assert tokens(out) == ref, prompt
+        changed += tokens(out) != tokens(plain)
+    assert changed  # the penalty decided something (PROMPTS[1]: from the 7th token)
+
+
+def _greedy_with_openai_penalties(
+    model: torch.nn.Module, prompt: list[int], n: int, presence: float, frequency: float
+) -> list[int]:
+    """A greedy loop over transformers' logits with OpenAI's penalties written out: each
+    output token's logit less ``frequency`` per time it was output and ``presence`` once."""
+    out: list[int] = []
+    for _ in range(n):
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + out])).logits[0, -1].float()
+            for t in set(out):
+                logits[t] -= frequency * out.count(t) + presence
+        out.append(int(logits.argmax()))
+    return out
+
+
+def test_presence_and_frequency_penalties_equal_their_definition(llm: LLM) -> None:
+    model, n = _hf_model(), 24  # long enough for greedy to repeat itself on this model
+    kinds = [
+        {"frequency_penalty": 1.5},
+        {"presence_penalty": 2.0},
+        {"presence_penalty": -1.0, "frequency_penalty": -0.5},
+        {},  # a batch mate without penalties is untouched
+    ]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw) for kw in kinds]
+    outs = llm.generate([PROMPTS[0]] * 4, params)
+    plain = tokens(outs[3])
+    assert plain == _greedy_with_openai_penalties(model, outs[3].prompt_token_ids, n, 0.0, 0.0)
+    for out, p in zip(outs[:3], params[:3], strict=True):
+        want = _greedy_with_openai_penalties(
+            model, out.prompt_token_ids, n, p.presence_penalty, p.frequency_penalty
+        )
+        assert tokens(out) == want and want != plain, p
+    # The penalties change what is chosen, not what logprobs report (the raw model's).
+    pen = llm.generate(
+        PROMPTS[0],
+        SamplingParams(
+            temperature=0.0, max_tokens=n, ignore_eos=True, presence_penalty=2.0, logprobs=0
+        ),
+    )[0]
+    ref = _reference_logprobs(pen.prompt_token_ids, tokens(pen))
+    for i, (tok, entry) in enumerate(zip(tokens(pen), pen.outputs[0].logprobs, strict=True)):
+        assert math.isclose(entry[tok], float(ref[i, tok]), abs_tol=1e-3)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -189,6 +264,11 @@ def test_more_logprobs_than_the_vocabulary_is_refused_and_the_engine_lives_on(ll
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens: must be an int in [0, max_tokens=4]"),
         ({"logprobs": -1}, "logprobs: must be None or an int in [0, 20]"),
         ({"logprobs": 21}, "logprobs: must be None or an int in [0, 20]"),
+        ({"presence_penalty": 2.5}, "presence_penalty: must be a number in [-2.0, 2.0]"),
+        ({"frequency_penalty": -3}, "frequency_penalty: must be a number in [-2.0, 2.0]"),
+        ({"frequency_penalty": True}, "frequency_penalty: must be a number in [-2.0, 2.0]"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty: must be a number in (0, 10.0]"),
+        ({"repetition_penalty": 11}, "repetition_penalty: must be a number in (0, 10.0]"),
     ],
 )
 def test_sampling_params_reject_bad_values_naming_field_and_value(

@@ -86,6 +86,9 @@ BAD: list[tuple[str, str, dict[str, Any], str | None]] = [
     # strings are text prompts: two of them are a batch, refused by name
     ("token-ids-strings", C, completion(prompt=["1", "2"]), "prompt"),
     ("ignore-eos-string", C, completion(ignore_eos="yes"), "ignore_eos"),
+    ("presence-penalty-past-2", C, completion(presence_penalty=2.5), "presence_penalty"),
+    ("repetition-penalty-zero", C, completion(repetition_penalty=0), "repetition_penalty"),
+    ("frequency-penalty-string", C, completion(frequency_penalty="1"), "frequency_penalty"),
     ("temperature-string", C, completion(temperature="1"), "temperature"),
     ("temperature-range", C, completion(temperature=2.5), "temperature"),
     ("top-p-zero", C, completion(top_p=0), "top_p"),
@@ -118,8 +121,7 @@ UNSUPPORTED: list[tuple[str, dict[str, Any], str]] = [
     (C, completion(best_of=2), "best_of"),
     (C, completion(echo=True), "echo"),
     (C, completion(suffix="tail"), "suffix"),
-    (C, completion(presence_penalty=0.5), "presence_penalty"),
-    (H, chat(frequency_penalty=1), "frequency_penalty"),
+    (C, completion(min_p=0.1), "min_p"),
     (H, chat([{"type": "image_url", "image_url": {"url": "http://x"}}]), "messages.0.content.0"),
 ]
 
@@ -148,6 +150,9 @@ def test_neutral_values_and_bounds_are_served(served: Served) -> None:
     parts = [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]
     assert post(served, H, chat(parts)).status_code == 200
     assert post(served, C, completion(prompt=[1, 2, 260])).status_code == 200  # vocab's last
+    edges = {"presence_penalty": -2, "frequency_penalty": 2.0, "repetition_penalty": 10}
+    assert post(served, C, completion(**edges)).status_code == 200
+    assert post(served, H, chat(presence_penalty=2, repetition_penalty=0.01)).status_code == 200
 
 
 def test_authentication_comes_before_the_body(served: Served) -> None:
