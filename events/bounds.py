@@ -24,6 +24,8 @@ MAX_STOP_CHARS = 512  # the detokenizer holds back this many characters while st
 MAX_STOP_TOKEN_IDS = 256
 MAX_PENALTY = 2.0  # OpenAI's bound on presence_penalty and frequency_penalty (either sign)
 MAX_REPETITION_PENALTY = 10.0  # vLLM takes any value > 0; past this every seen token is gone
+MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on each logit_bias value (either sign)
+MAX_LOGIT_BIAS_TOKENS = 1024  # entries per request: a bias is a scatter per row and step
 
 
 class BoundsError(ValueError):
@@ -87,6 +89,19 @@ def check_sampling(p: Any) -> None:
         if not _is_number(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
             bound = f"[-{MAX_PENALTY}, {MAX_PENALTY}]"
             raise BoundsError(name, f"must be a number in {bound}, got {v!r}")
+    bias = getattr(p, "logit_bias", None)
+    if bias is not None:
+        if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise BoundsError(
+                "logit_bias", f"must map at most {MAX_LOGIT_BIAS_TOKENS} token ids to biases"
+            )
+        for t, b in bias.items():
+            if not _is_int(t) or not 0 <= t <= TOKEN_ID_MAX:
+                raise BoundsError("logit_bias", f"token ids must be ints in [0, {TOKEN_ID_MAX}]")
+            if not _is_number(b) or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS:
+                raise BoundsError(
+                    "logit_bias", f"biases must be numbers in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]"
+                )
     v = getattr(p, "repetition_penalty", 1.0)
     if not _is_number(v) or not 0.0 < v <= MAX_REPETITION_PENALTY:
         raise BoundsError(

@@ -17,6 +17,8 @@ from typing import Any
 import msgspec
 
 from .bounds import (  # the shared request bounds, part of this contract
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
     MAX_LOGPROBS,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
@@ -35,6 +37,8 @@ from .hashing import HashConfig
 from .load import CostCoefficients
 
 __all__ = [
+    "MAX_LOGIT_BIAS",
+    "MAX_LOGIT_BIAS_TOKENS",
     "MAX_LOGPROBS",
     "MAX_PENALTY",
     "MAX_REPETITION_PENALTY",
@@ -154,6 +158,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     divides a positive logit (multiplies a negative one) of every token in the prompt or the
     output so far; ``frequency_penalty`` subtracts itself once per time a token was output,
     ``presence_penalty`` once for any token output at all (OpenAI's definitions).
+    ``logit_bias`` adds to the logits of the token ids it names, before the penalties (as
+    in vLLM).
     """
 
     max_tokens: int = 16
@@ -169,6 +175,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -185,7 +192,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     @property
     def has_penalties(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty) or (
+        """Whether the sampler must change this request's logits (bias or penalties)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias) or (
             self.repetition_penalty != 1.0
         )
 

@@ -12,8 +12,9 @@ that raises comes back as a :class:`RequestFailure` in its place.
 Sampling uses the exponential race (``argmax(p / E)``, ``E ~ Exp(1)``), which equals a draw
 from ``p`` and needs no cumulative sum per row.
 
-Penalties change a row's logits before greedy or sampling, as vLLM's do (repetition over the
-prompt and output tokens, then frequency and presence over the output's counts); logprobs
+A logit bias and penalties change a row's logits before greedy or sampling, as vLLM's do
+(the bias, then repetition over the prompt and output tokens, then frequency and presence
+over the output's counts); logprobs
 stay those of the raw logits (vLLM's default). Only rows that ask for a penalty pay for it.
 """
 
@@ -139,8 +140,14 @@ class Sampler:
 def _penalize(
     row: torch.Tensor, p: SamplingParams, prompt: Sequence[int], output: Sequence[int]
 ) -> None:
-    """Applies ``p``'s penalties to one row of logits, in place (vLLM's order and formulas)."""
+    """Applies ``p``'s logit bias and penalties to one row of logits, in place (vLLM's
+    order and formulas)."""
     vocab, dev = row.numel(), row.device
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=dev)
+        if int(ids.max()) >= vocab:
+            raise ValueError(f"logit_bias: token id {int(ids.max())} is past the vocabulary")
+        row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=dev)
     if p.repetition_penalty != 1.0:
         seen = torch.tensor([*prompt, *output], dtype=torch.long, device=dev).unique()
         seen = seen[seen < vocab]

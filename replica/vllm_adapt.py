@@ -189,6 +189,7 @@ def to_vllm_sampling(params: SamplingParams, done: int) -> Any:
         presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
+        logit_bias=dict(params.logit_bias) if params.logit_bias else None,
         output_kind=RequestOutputKind.DELTA,
     )
 

@@ -283,6 +283,8 @@ def completion_body(req: GenerateRequest, model: str) -> dict[str, Any] | None:
         body["frequency_penalty"] = s.frequency_penalty
     if s.repetition_penalty != 1.0:
         body["repetition_penalty"] = s.repetition_penalty
+    if s.logit_bias:
+        body["logit_bias"] = {str(t): b for t, b in s.logit_bias.items()}
     if req.cache_salt:  # vLLM wants 1 to 1024 characters, or none
         body["cache_salt"] = req.cache_salt
     return body

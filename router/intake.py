@@ -157,16 +157,40 @@ class Intake:
                 "context_length_exceeded",
             )
 
-    def _check_ids(self, ids: list[int], validated: bool = False) -> None:
-        """The shared bound on prompt ids (below the smallest vocabulary). ``validated``:
-        ``ids`` came through the body's schema (a non-empty list of plain ints in ``[0,
-        TOKEN_ID_MAX]``), so one ``max`` in C settles the usual case; anything else, or an
-        id past the vocabulary, takes the full check, which names the culprit."""
+    def _vocab(self) -> int | None:
+        """The fleet's smallest vocabulary (None: no replica says)."""
         vocab = None
         for r in self.door.fleet.replicas.values():
             v = r.info.vocab_size
             if v and (vocab is None or v < vocab):
                 vocab = v
+        return vocab
+
+    def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
+        """OpenAI's ``logit_bias`` (token ids as strings) as the engine's, every id checked
+        against the vocabulary here: an id past it would fail the request on its replica."""
+        if not bias:
+            return None
+        vocab = self._vocab()
+        out: dict[int, float] = {}
+        for key, value in bias.items():
+            if not (key.isascii() and key.isdigit()) or (vocab is not None and int(key) >= vocab):
+                raise APIError(
+                    400,
+                    f"logit_bias: {key[:20]!r} is not a token id of this model "
+                    f"(a decimal string{f' below {vocab}' if vocab else ''})",
+                    "invalid_request_error",
+                    "logit_bias",
+                )
+            out[int(key)] = float(value)
+        return out
+
+    def _check_ids(self, ids: list[int], validated: bool = False) -> None:
+        """The shared bound on prompt ids (below the smallest vocabulary). ``validated``:
+        ``ids`` came through the body's schema (a non-empty list of plain ints in ``[0,
+        TOKEN_ID_MAX]``), so one ``max`` in C settles the usual case; anything else, or an
+        id past the vocabulary, takes the full check, which names the culprit."""
+        vocab = self._vocab()
         if validated and ids and max(ids) < (TOKEN_ID_MAX + 1 if vocab is None else vocab):
             return
         try:
@@ -252,6 +276,7 @@ class Intake:
                 repetition_penalty=(
                     1.0 if body.repetition_penalty is None else body.repetition_penalty
                 ),
+                logit_bias=self._logit_bias(body.logit_bias),
             )
         except BoundsError as exc:
             raise APIError(400, str(exc), "invalid_request_error", exc.param) from None

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from kvroute.events.replica_api import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
     MAX_LOGPROBS,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
@@ -57,7 +59,6 @@ UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
-    "logit_bias": (None, {}),
     "min_p": (None, 0, 0.0),  # vLLM's; `vllm bench serve --min-p` sends it
     "tools": (None, []),
     "tool_choice": (None, "none"),
@@ -170,10 +171,17 @@ class _Request(_Strict, RequestMethods):
     presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     repetition_penalty: float | None = Field(default=None, gt=0.0, le=MAX_REPETITION_PENALTY)
+    # OpenAI's: token ids (as JSON object keys, strings) to biases added to their logits.
+    logit_bias: (
+        Annotated[
+            dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
+            Field(max_length=MAX_LOGIT_BIAS_TOKENS),
+        ]
+        | None
+    ) = None
     # Declared only to be refused by name when set (see UNSUPPORTED); never used.
     n: int | None = None
     best_of: int | None = None
-    logit_bias: Any = None
     min_p: Any = None
     tools: Any = None
     tool_choice: Any = None

@@ -27,6 +27,8 @@ import msgspec
 from msgspec import Meta
 
 from kvroute.events.replica_api import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
     MAX_LOGPROBS,
     MAX_PENALTY,
     MAX_REPETITION_PENALTY,
@@ -74,9 +76,15 @@ class _Request(msgspec.Struct, kw_only=True):
     presence_penalty: Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY)] | None = None
     frequency_penalty: Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY)] | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=MAX_REPETITION_PENALTY)] | None = None
+    logit_bias: (
+        Annotated[
+            dict[str, Annotated[float, Meta(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
+            Meta(max_length=MAX_LOGIT_BIAS_TOKENS),
+        ]
+        | None
+    ) = None
     n: int | None = None
     best_of: int | None = None
-    logit_bias: Any = None
     min_p: Any = None
     tools: Any = None
     tool_choice: Any = None

@@ -243,6 +243,28 @@ def test_presence_and_frequency_penalties_equal_their_definition(llm: LLM) -> No
         assert math.isclose(entry[tok], float(ref[i, tok]), abs_tol=1e-3)
 
 
+def test_logit_bias_moves_the_logits_it_names(llm: LLM, greedy: list[list[int]]) -> None:
+    model = _hf_model()
+    forced, banned, mixed = llm.generate(
+        [PROMPTS[0]] * 3,
+        [
+            SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True, logit_bias=bias)
+            for bias in ({65: 100.0}, {t: -100.0 for t in greedy[0]}, {greedy[0][0]: -3, 66: 2})
+        ],
+    )
+    assert tokens(forced) == [65] * N
+    assert not set(tokens(banned)) & set(greedy[0])
+    # A moderate bias equals greedy over transformers' logits plus the bias.
+    ids, out = mixed.prompt_token_ids, []
+    for _ in range(N):
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids + out])).logits[0, -1].float()
+            logits[greedy[0][0]] -= 3
+            logits[66] += 2
+        out.append(int(logits.argmax()))
+    assert tokens(mixed) == out != greedy[0]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -269,6 +291,9 @@ def test_presence_and_frequency_penalties_equal_their_definition(llm: LLM) -> No
         ({"frequency_penalty": True}, "frequency_penalty: must be a number in [-2.0, 2.0]"),
         ({"repetition_penalty": 0.0}, "repetition_penalty: must be a number in (0, 10.0]"),
         ({"repetition_penalty": 11}, "repetition_penalty: must be a number in (0, 10.0]"),
+        ({"logit_bias": {5: 101}}, "logit_bias: biases must be numbers in [-100.0, 100.0]"),
+        ({"logit_bias": {-1: 1}}, "logit_bias: token ids must be ints in [0, 4294967295]"),
+        ({"logit_bias": [1]}, "logit_bias: must map at most 1024 token ids to biases"),
     ],
 )
 def test_sampling_params_reject_bad_values_naming_field_and_value(

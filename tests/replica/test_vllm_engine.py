@@ -149,6 +149,7 @@ def test_penalties_equal_kvroutes_engine(served: Served, kvroute_tiny: Any) -> N
         {"repetition_penalty": 1.8},
         {"frequency_penalty": -1.5, "presence_penalty": 0.5},
         {"presence_penalty": -1.0, "repetition_penalty": 0.7},
+        {"logit_bias": {97: 4.0, 98: 4.0}, "frequency_penalty": 0.5},
     ]
     ids = list(kvroute_tiny.tokenizer(PROMPTS[0]).input_ids)
     actor = next(iter(served.actors.values()))

@@ -89,6 +89,9 @@ BAD: list[tuple[str, str, dict[str, Any], str | None]] = [
     ("presence-penalty-past-2", C, completion(presence_penalty=2.5), "presence_penalty"),
     ("repetition-penalty-zero", C, completion(repetition_penalty=0), "repetition_penalty"),
     ("frequency-penalty-string", C, completion(frequency_penalty="1"), "frequency_penalty"),
+    ("logit-bias-word-key", C, completion(logit_bias={"the": 1}), "logit_bias"),
+    ("logit-bias-past-vocab", C, completion(logit_bias={"261": 1}), "logit_bias"),
+    ("logit-bias-past-100", H, chat(logit_bias={"5": 101}), "logit_bias.5"),
     ("temperature-string", C, completion(temperature="1"), "temperature"),
     ("temperature-range", C, completion(temperature=2.5), "temperature"),
     ("top-p-zero", C, completion(top_p=0), "top_p"),
@@ -115,7 +118,6 @@ def test_invalid_requests_are_clean_400s(
 UNSUPPORTED: list[tuple[str, dict[str, Any], str]] = [
     (H, chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     (H, chat(tool_choice="auto"), "tool_choice"),
-    (C, completion(logit_bias={"5": 10}), "logit_bias"),
     (H, chat(response_format={"type": "json_object"}), "response_format"),
     (H, chat(n=2), "n"),
     (C, completion(best_of=2), "best_of"),
@@ -153,6 +155,9 @@ def test_neutral_values_and_bounds_are_served(served: Served) -> None:
     edges = {"presence_penalty": -2, "frequency_penalty": 2.0, "repetition_penalty": 10}
     assert post(served, C, completion(**edges)).status_code == 200
     assert post(served, H, chat(presence_penalty=2, repetition_penalty=0.01)).status_code == 200
+    forced = completion(logit_bias={"65": 100}, max_tokens=4, temperature=0)
+    r = post(served, C, forced)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "AAAA", r.text
 
 
 def test_authentication_comes_before_the_body(served: Served) -> None:

@@ -147,13 +147,17 @@ def test_the_body_sends_token_ids_salt_and_sampling() -> None:
     assert body["stream"] and body["return_token_ids"]
     assert body["stream_options"] == {"include_usage": True}
     assert body["logprobs"] == 2 and body["return_tokens_as_token_ids"]
-    assert not {"presence_penalty", "frequency_penalty", "repetition_penalty"} & set(body)
-    penalized = SamplingParams(presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2)
+    assert not {"presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"} & set(
+        body
+    )
+    penalized = SamplingParams(
+        presence_penalty=0.5, frequency_penalty=-1, repetition_penalty=1.2, logit_bias={65: 3.0}
+    )
     body = completion_body(GenerateRequest(request_id="r2", prompt_token_ids=PROMPT,
                                            sampling=penalized), "tiny")  # fmt: skip
     assert body is not None
     assert (body["presence_penalty"], body["frequency_penalty"]) == (0.5, -1)
-    assert body["repetition_penalty"] == 1.2
+    assert body["repetition_penalty"] == 1.2 and body["logit_bias"] == {"65": 3.0}
 
 
 def test_a_resume_continues_from_the_streamed_tokens() -> None:

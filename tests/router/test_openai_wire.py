@@ -74,6 +74,7 @@ VALID: dict[str, st.SearchStrategy[Any]] = {
     "presence_penalty": st.sampled_from([None, 0, -2, 2.0, 0.5]),
     "frequency_penalty": st.sampled_from([None, 0.0, -1.5, 2]),
     "repetition_penalty": st.sampled_from([None, 1, 1.0, 0.5, 10]),
+    "logit_bias": st.sampled_from([None, {}, {"5": 1.0}, {"65": -100, "1": 100}]),
     "echo": st.sampled_from([None, False, True]),
     "suffix": st.sampled_from([None, "", "s"]),
     "logprobs": st.sampled_from([None, 0, 5, True, False]),
