@@ -89,6 +89,9 @@ def check_sampling(p: Any) -> None:
         if not _is_number(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
             bound = f"[-{MAX_PENALTY}, {MAX_PENALTY}]"
             raise BoundsError(name, f"must be a number in {bound}, got {v!r}")
+    v = getattr(p, "min_p", 0.0)
+    if not _is_number(v) or not 0.0 <= v <= 1.0:
+        raise BoundsError("min_p", f"must be a number in [0, 1], got {v!r}")
     bias = getattr(p, "logit_bias", None)
     if bias is not None:
         if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS_TOKENS:

@@ -166,6 +166,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0 = off; else drop tokens below min_p x the likeliest's probability
     seed: int | None = None
     stop: list[str] = msgspec.field(default_factory=list)
     stop_token_ids: list[int] = msgspec.field(default_factory=list)

@@ -120,6 +120,9 @@ class Sampler:
 
     def _draw(self, row: torch.Tensor, p: SamplingParams, generator: torch.Generator) -> int:
         row = row / p.temperature
+        if p.min_p > 0.0:  # vLLM's order: after temperature, before top-k and top-p
+            probs = torch.softmax(row, dim=-1)
+            row = row.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
         if 0 < p.top_k < row.numel():
             kth = row.topk(p.top_k).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))

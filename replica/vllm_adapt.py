@@ -178,6 +178,7 @@ def to_vllm_sampling(params: SamplingParams, done: int) -> Any:
         temperature=params.temperature,
         top_p=params.top_p,
         top_k=params.top_k,  # 0 disables top-k in both
+        min_p=params.min_p,
         seed=params.seed,
         stop=list(params.stop) or None,
         stop_token_ids=list(params.stop_token_ids) or None,

@@ -262,6 +262,8 @@ def completion_body(req: GenerateRequest, model: str) -> dict[str, Any] | None:
     }
     if s.top_k > 0:
         body["top_k"] = s.top_k
+    if s.min_p > 0:
+        body["min_p"] = s.min_p
     if s.seed is not None:
         body["seed"] = s.seed
     if s.stop:

@@ -265,6 +265,7 @@ class Intake:
                 temperature=1.0 if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p,
                 top_k=max(body.top_k or 0, 0),
+                min_p=body.min_p or 0.0,
                 seed=body.seed,
                 stop=body.stop_list(),
                 stop_token_ids=list(body.stop_token_ids or ()),

@@ -7,9 +7,8 @@ enforces (:mod:`kvroute.events.replica_api`), so a request the front door accept
 engine stage will fail on. Unknown fields are ignored (as OpenAI and vLLM do, so SDKs that
 send newer fields keep working), but the OpenAI parameters this server does not implement
 are declared, so that setting one is refused by name (:meth:`_Request.unsupported`) instead
-of being silently ignored; so is vLLM's ``min_p``, which ``vllm bench serve --min-p``
-sends. ``cache_salt``, ``top_k``, ``ignore_eos``, ``min_tokens``, ``repetition_penalty``
-and ``stop_token_ids`` are vLLM's extensions;
+of being silently ignored. ``cache_salt``, ``top_k``, ``min_p``, ``ignore_eos``,
+``min_tokens``, ``repetition_penalty`` and ``stop_token_ids`` are vLLM's extensions;
 ``usage.prompt_tokens_details.cached_tokens`` is OpenAI's field for the prompt tokens served
 from cache.
 """
@@ -59,7 +58,6 @@ UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
-    "min_p": (None, 0, 0.0),  # vLLM's; `vllm bench serve --min-p` sends it
     "tools": (None, []),
     "tool_choice": (None, "none"),
     "functions": (None, []),
@@ -159,6 +157,7 @@ class _Request(_Strict, RequestMethods):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)  # None: 1
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)  # None: 1
     top_k: int | None = Field(default=None, ge=-1)  # vLLM extension; 0 or -1: off
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # vLLM extension; 0: off
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
@@ -182,7 +181,6 @@ class _Request(_Strict, RequestMethods):
     # Declared only to be refused by name when set (see UNSUPPORTED); never used.
     n: int | None = None
     best_of: int | None = None
-    min_p: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None

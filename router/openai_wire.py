@@ -64,6 +64,7 @@ class _Request(msgspec.Struct, kw_only=True):
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     seed: Annotated[int, Meta(ge=SEED_MIN, le=SEED_MAX)] | None = None
     stop: StopString | Annotated[list[StopString], Meta(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: Annotated[list[TokenId], Meta(max_length=MAX_STOP_TOKEN_IDS)] | None = None
@@ -85,7 +86,6 @@ class _Request(msgspec.Struct, kw_only=True):
     ) = None
     n: int | None = None
     best_of: int | None = None
-    min_p: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None

@@ -83,8 +83,9 @@ def test_different_seeds_give_different_tokens(llm: LLM) -> None:
         SamplingParams(temperature=5.0, top_k=1, max_tokens=N, ignore_eos=True),
         SamplingParams(temperature=5.0, top_p=1e-6, max_tokens=N, ignore_eos=True),
         SamplingParams(temperature=5.0, top_k=1, seed=3, max_tokens=N, ignore_eos=True),
+        SamplingParams(temperature=5.0, min_p=1.0, max_tokens=N, ignore_eos=True),
     ],
-    ids=["top_k=1", "top_p=1e-6", "top_k=1,seeded"],
+    ids=["top_k=1", "top_p=1e-6", "top_k=1,seeded", "min_p=1"],
 )
 def test_limits_that_leave_one_token_equal_greedy(
     llm: LLM, greedy: list[list[int]], params: SamplingParams
@@ -291,6 +292,7 @@ def test_logit_bias_moves_the_logits_it_names(llm: LLM, greedy: list[list[int]])
         ({"frequency_penalty": True}, "frequency_penalty: must be a number in [-2.0, 2.0]"),
         ({"repetition_penalty": 0.0}, "repetition_penalty: must be a number in (0, 10.0]"),
         ({"repetition_penalty": 11}, "repetition_penalty: must be a number in (0, 10.0]"),
+        ({"min_p": 1.5}, "min_p: must be a number in [0, 1], got 1.5"),
         ({"logit_bias": {5: 101}}, "logit_bias: biases must be numbers in [-100.0, 100.0]"),
         ({"logit_bias": {-1: 1}}, "logit_bias: token ids must be ints in [0, 4294967295]"),
         ({"logit_bias": [1]}, "logit_bias: must map at most 1024 token ids to biases"),

@@ -123,7 +123,6 @@ UNSUPPORTED: list[tuple[str, dict[str, Any], str]] = [
     (C, completion(best_of=2), "best_of"),
     (C, completion(echo=True), "echo"),
     (C, completion(suffix="tail"), "suffix"),
-    (C, completion(min_p=0.1), "min_p"),
     (H, chat([{"type": "image_url", "image_url": {"url": "http://x"}}]), "messages.0.content.0"),
 ]
 

@@ -60,6 +60,7 @@ VALID: dict[str, st.SearchStrategy[Any]] = {
     "temperature": st.sampled_from([None, 0, 0.0, 0.7, 1, 2.0]),
     "top_p": st.sampled_from([None, 1, 1.0, 0.1]),
     "top_k": st.sampled_from([None, -1, 0, 50]),
+    "min_p": st.sampled_from([None, 0, 0.05, 1.0]),
     "seed": st.sampled_from([None, 0, -1, 7, SEED_MAX]),
     "stop": st.one_of(
         st.sampled_from([None, "a", "\n"]), st.lists(st.sampled_from(["a", "\n"]), max_size=3)
