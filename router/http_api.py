@@ -31,6 +31,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from .choices import respond_choices
 from .errors import (
     REQUEST_ID_HEADER,
     APIError,
@@ -158,21 +159,34 @@ async def chat_completions(request: Request, tenant: TenantDep) -> Response:
 
 
 async def _serve(request: Request, tenant: Tenant, model: type[Any]) -> Response:
-    """Both completion endpoints: the request is sent by ``begin``; until the response
-    owns its run (``respond``), any failure here closes it."""
+    """Both completion endpoints: the request's runs (one per choice) are sent by
+    ``begin``; until the response owns them (``respond``), any failure here closes them."""
     arrival = time.perf_counter()
     intake = _intake(request)
-    body, run = await intake.begin(request, tenant, model)
+    body, runs = await intake.begin(request, tenant, model)
     try:
         chat = body.chat
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{new_id()}"
-        encoder = ChunkEncoder(chat, rid, int(time.time()), body.model)
-        final = partial(_chat_body if chat else _completion_body, rid, body.model)
         n = body.num_logprobs()
         shape = None
         if n is not None:
             shapes = Logprobs(intake.door.tokenizer, n)
             shape = shapes.chat if chat else shapes.completion
+        if len(runs) > 1:
+            return await respond_choices(
+                intake.door,
+                request,
+                runs,
+                body.n or 1,
+                lambda run: intake.first(request, run),
+                _chat_choice if chat else _completion_choice,
+                partial(_chat_response if chat else _completion_response, rid, body.model),
+                logprobs=shape,
+                arrival=arrival,
+            )
+        run = runs[0]
+        encoder = ChunkEncoder(chat, rid, int(time.time()), body.model)
+        final = partial(_chat_body if chat else _completion_body, rid, body.model)
         return await respond(
             intake.door,
             request,
@@ -186,8 +200,26 @@ async def _serve(request: Request, tenant: Tenant, model: type[Any]) -> Response
             arrival=arrival,
         )
     except BaseException:
-        run.close()
+        for run in runs:
+            run.close()
         raise
+
+
+def _completion_choice(index: int, text: str, finish: str | None, logprobs: Any) -> Any:
+    return CompletionChoice(index=index, text=text, finish_reason=finish, logprobs=logprobs)
+
+
+def _chat_choice(index: int, text: str, finish: str | None, logprobs: Any) -> Any:
+    msg = ChatDelta(role="assistant", content=text)
+    return ChatChoice(index=index, message=msg, finish_reason=finish, logprobs=logprobs)
+
+
+def _completion_response(rid: str, model: str, choices: list[Any], usage: Any) -> dict[str, Any]:
+    return CompletionResponse(id=rid, model=model, choices=choices, usage=usage).model_dump()
+
+
+def _chat_response(rid: str, model: str, choices: list[Any], usage: Any) -> dict[str, Any]:
+    return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage).model_dump()
 
 
 def _completion_body(

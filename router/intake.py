@@ -22,6 +22,7 @@ import pydantic
 from fastapi import Request
 
 from kvroute.events.replica_api import (
+    SEED_MIN,
     TOKEN_ID_MAX,
     BoundsError,
     InvalidRequestError,
@@ -32,7 +33,7 @@ from kvroute.events.replica_api import (
 from .admission import OverloadedError, Ticket
 from .errors import APIError, one_line, read_body, request_id, validation_error
 from .frontdoor import FrontDoor
-from .openai_api import ChatCompletionRequest, CompletionRequest
+from .openai_api import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
 from .openai_wire import DECODERS, ChatBody, CompletionBody
 from .policy import NoReplicaError
 from .quarantine import QueryOfDeathError
@@ -198,29 +199,25 @@ class Intake:
         except BoundsError as exc:
             raise APIError(400, str(exc), "invalid_request_error", exc.param) from None
 
-    async def prompt_ids(self, body: CompletionRequest | CompletionBody) -> list[int]:
-        prompt = body.prompt
-        if prompt and not isinstance(prompt, str) and not isinstance(prompt[0], int):
-            if len(prompt) > 1:  # a batch: each prompt is its own request here
-                raise APIError(
-                    400,
-                    f"`prompt` holds {len(prompt)} prompts; this server takes one prompt per "
-                    "request: send each as a request of its own.",
-                    "invalid_request_error",
-                    "prompt",
-                    "unsupported_parameter",
-                )
-            prompt = prompt[0]
+    async def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """One prompt's token ids: text tokenized off the loop, ids checked."""
         if isinstance(prompt, str):
-            text = prompt
-            self._check_length(len(text))
+            self._check_length(len(prompt))
             encode = self.encode
-            ids: list[int] = await self.off_loop(lambda: encode(text))
+            ids: list[int] = await self.off_loop(lambda: encode(prompt))
             self._check_ids(ids)
         else:
             ids = list(prompt)
             self._check_ids(ids, validated=True)
         return ids
+
+    @staticmethod
+    def prompts(body: CompletionRequest | CompletionBody) -> list[Any]:
+        """The body's prompts: one, or each of a batch (a list of texts or of id lists)."""
+        prompt = body.prompt
+        if prompt and not isinstance(prompt, str) and not isinstance(prompt[0], int):
+            return list(prompt)
+        return [prompt]
 
     async def chat_ids(self, request: Request, body: ChatCompletionRequest | ChatBody) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
@@ -284,22 +281,64 @@ class Intake:
 
     async def begin(
         self, request: Request, tenant: Tenant, model: type[Body]
-    ) -> tuple[Body, RequestRun]:
-        """Admits, reads and tokenizes the request, then routes and sends it; every failure
-        a status. The ticket is given back on any failure, else the run holds it. The run's
-        first delta is not in yet: :meth:`first` waits for it (the caller gets its response
-        ready meanwhile)."""
-        ticket = await self.admit(tenant)
+    ) -> tuple[Body, list[RequestRun]]:
+        """Admits, reads and tokenizes the request, then routes and sends one run per
+        choice (``n`` per prompt, prompt by prompt); every failure a status. Each run holds
+        one admission ticket, taken before it is launched; on any failure the tickets no
+        run holds are given back and the runs already sent are closed. No run's first delta
+        is in yet: :meth:`first` waits for it (the caller gets its response ready
+        meanwhile)."""
+        tickets = [await self.admit(tenant)]
+        runs: list[RequestRun] = []
         try:
             body = await self.parse(request, model)
-            if body.chat:
-                ids = await self.chat_ids(request, body)  # type: ignore[arg-type]
+            prompts = None if body.chat else self.prompts(body)  # type: ignore[arg-type]
+            self._check_choices(body, 1 if prompts is None else len(prompts))
+            if prompts is None:
+                all_ids = [await self.chat_ids(request, body)]  # type: ignore[arg-type]
             else:
-                ids = await self.prompt_ids(body)  # type: ignore[arg-type]
-            return body, self.launch(request, tenant, ticket, ids, body)
+                all_ids = [await self.prompt_ids(p) for p in prompts]
+            n = body.n or 1
+            for ids in all_ids:
+                for sample in range(n):
+                    if len(tickets) <= len(runs):
+                        tickets.append(await self.admit(tenant))
+                    many = len(all_ids) * n > 1
+                    runs.append(
+                        self.launch(request, tenant, tickets[len(runs)], ids, body,
+                                    index=len(runs) if many else None, sample=sample)
+                    )  # fmt: skip
+            return body, runs
         except BaseException:
-            self.door.admission.release(ticket)
+            for ticket in tickets[len(runs) :]:
+                self.door.admission.release(ticket)
+            for run in runs:
+                run.close()
             raise
+
+    @staticmethod
+    def _check_choices(body: Body, num_prompts: int) -> None:
+        """Several choices (a batch, ``n`` > 1) are served whole, not streamed; and at most
+        ``MAX_CHOICES`` of them."""
+        n = body.n or 1
+        param = "n" if n > 1 else "prompt"
+        if num_prompts * n > 1 and body.stream:
+            raise APIError(
+                400,
+                f"`stream: true` serves one choice per request; this one asks for "
+                f"{num_prompts * n} ({num_prompts} prompt(s) x n={n}): send it without "
+                "`stream`, or as separate requests.",
+                "invalid_request_error",
+                param,
+                "unsupported_parameter",
+            )
+        if num_prompts * n > MAX_CHOICES:
+            raise APIError(
+                400,
+                f"{num_prompts} prompt(s) x n={n} is more than {MAX_CHOICES} choices.",
+                "invalid_request_error",
+                param,
+            )
 
     async def admit(self, tenant: Tenant) -> Ticket:
         """The tenant's and the router's budgets: a ticket, or a 429 with Retry-After."""
@@ -312,11 +351,25 @@ class Intake:
             ) from None  # fmt: skip
 
     def launch(
-        self, request: Request, tenant: Tenant, ticket: Ticket, ids: list[int], body: Body
+        self,
+        request: Request,
+        tenant: Tenant,
+        ticket: Ticket,
+        ids: list[int],
+        body: Body,
+        index: int | None = None,
+        sample: int = 0,
     ) -> RequestRun:
-        """Routes the request and sends it; every failure a status."""
+        """Routes one choice and sends it; every failure a status. ``index``: the choice's
+        place among several (its request id takes it as a suffix); ``sample``: its place
+        among its prompt's ``n``, by which a seed is offset so that they differ (as vLLM's
+        do)."""
         rid = request_id(request)
+        if index is not None:
+            rid = f"{rid}-{index}"
         spec = self.sampling(body, len(ids))
+        if sample and spec.seed is not None:
+            spec.seed = (spec.seed + sample - SEED_MIN) % 2**64 + SEED_MIN
         door = self.door
         door.admission.charge(ticket, len(ids))
         try:

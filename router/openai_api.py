@@ -50,11 +50,13 @@ Text = Annotated[str, AfterValidator(_utf8)]
 StopString = Annotated[Text, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 TokenId = Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound for the legacy completions' ``logprobs``
+# Choices one request may ask for (prompts x ``n``): each is a request in flight, with its
+# own admission ticket.
+MAX_CHOICES = 64
 
 # Parameters of OpenAI's API this server does not implement, with the values that ask for
 # nothing (and so are accepted): anything else is a 400 naming the parameter.
 UNSUPPORTED: dict[str, tuple[object, ...]] = {
-    "n": (None, 1),
     "best_of": (None, 1),
     "echo": (None, False),
     "suffix": (None, ""),
@@ -179,7 +181,7 @@ class _Request(_Strict, RequestMethods):
         | None
     ) = None
     # Declared only to be refused by name when set (see UNSUPPORTED); never used.
-    n: int | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)  # choices per prompt
     best_of: int | None = None
     tools: Any = None
     tool_choice: Any = None
@@ -193,9 +195,8 @@ class _Request(_Strict, RequestMethods):
 
 
 class CompletionRequest(_Request, CompletionMethods):
-    # Text, or token ids; or a list holding one of either, as clients that batch send one
-    # prompt (LangChain's completions LLM always does). A list of several is refused at
-    # intake (:meth:`~kvroute.router.intake.Intake.prompt_ids`), by name.
+    # Text, or token ids; or a list of either, a batch (LangChain's completions LLM sends
+    # even one prompt so): each prompt gets ``n`` choices, indexed prompt by prompt.
     prompt: (
         Text
         | Annotated[list[TokenId], Field(min_length=1)]

@@ -41,6 +41,7 @@ from kvroute.events.replica_api import (
 )
 
 from .openai_api import (
+    MAX_CHOICES,
     MAX_COMPLETION_LOGPROBS,
     ChatCompletionRequest,
     ChatMessageMethods,
@@ -84,7 +85,7 @@ class _Request(msgspec.Struct, kw_only=True):
         ]
         | None
     ) = None
-    n: int | None = None
+    n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] | None = None
     best_of: int | None = None
     tools: Any = None
     tool_choice: Any = None

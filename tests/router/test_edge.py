@@ -83,8 +83,8 @@ BAD: list[tuple[str, str, dict[str, Any], str | None]] = [
     ("stream-string", C, completion(stream="yes"), "stream"),
     ("max-tokens-string", C, completion(max_tokens="5"), "max_tokens"),
     ("max-tokens-bool", C, completion(max_tokens=True), "max_tokens"),
-    # strings are text prompts: two of them are a batch, refused by name
-    ("token-ids-strings", C, completion(prompt=["1", "2"]), "prompt"),
+    # strings are text prompts, ints token ids: a list mixing them is neither
+    ("token-ids-strings", C, completion(prompt=["1", 2]), "prompt.0"),
     ("ignore-eos-string", C, completion(ignore_eos="yes"), "ignore_eos"),
     ("presence-penalty-past-2", C, completion(presence_penalty=2.5), "presence_penalty"),
     ("repetition-penalty-zero", C, completion(repetition_penalty=0), "repetition_penalty"),
@@ -119,7 +119,7 @@ UNSUPPORTED: list[tuple[str, dict[str, Any], str]] = [
     (H, chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     (H, chat(tool_choice="auto"), "tool_choice"),
     (H, chat(response_format={"type": "json_object"}), "response_format"),
-    (H, chat(n=2), "n"),
+    (H, chat(n=2, stream=True), "n"),  # several choices are served whole, not streamed
     (C, completion(best_of=2), "best_of"),
     (C, completion(echo=True), "echo"),
     (C, completion(suffix="tail"), "suffix"),
