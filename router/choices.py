@@ -5,6 +5,8 @@ route and replica, as vLLM runs ``n`` as parallel requests), so ``n`` samples of
 share its cached prefix wherever the router sends them, and the choices decode in the same
 engine steps. The answer is one JSON body once all have finished (streaming several choices
 is refused at intake); any choice that fails fails the request, and every run is closed.
+Metrics and the request log count each choice as a request; ``x-kvroute-replica`` lists
+the replicas that answered, in choice order, each once.
 """
 
 from __future__ import annotations
