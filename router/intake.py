@@ -99,8 +99,11 @@ class Intake:
         return body
 
     def _check(self, body: Body) -> None:
-        """The model, then parameters this server does not implement."""
-        if body.model not in (self.model_name, self.door.fleet.model):
+        """The model (none named: the one served), then parameters this server does not
+        implement."""
+        if body.model is None:
+            body.model = self.model_name
+        elif body.model not in (self.model_name, self.door.fleet.model):
             # 400 (vLLM answers 404): the body names what is served.
             raise APIError(
                 400,

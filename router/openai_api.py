@@ -83,7 +83,7 @@ class RequestMethods:
     __slots__ = ()
     chat: ClassVar[bool] = False
     if TYPE_CHECKING:  # declared by the classes that mix this in (an annotation here would
-        model: str  # be taken for a field by msgspec, and override theirs)
+        model: str | None  # be taken for a field by msgspec, and override theirs)
         stream: bool | None
         stream_options: Any
         stop: str | list[str] | None
@@ -154,7 +154,7 @@ class StreamOptions(_Strict):
 
 
 class _Request(_Strict, RequestMethods):
-    model: Text
+    model: Text | None = None  # None: the served model (vLLM's default; OpenAI requires it)
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)  # None: 1
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)  # None: 1

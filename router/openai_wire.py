@@ -60,7 +60,7 @@ class StreamOptions(msgspec.Struct):
 
 
 class _Request(msgspec.Struct, kw_only=True):
-    model: str
+    model: str | None = None
     max_tokens: PositiveInt | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None

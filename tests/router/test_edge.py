@@ -154,6 +154,9 @@ def test_neutral_values_and_bounds_are_served(served: Served) -> None:
     edges = {"presence_penalty": -2, "frequency_penalty": 2.0, "repetition_penalty": 10}
     assert post(served, C, completion(**edges)).status_code == 200
     assert post(served, H, chat(presence_penalty=2, repetition_penalty=0.01)).status_code == 200
+    # No model named: the served one, as vLLM answers (OpenAI requires the field).
+    r = post(served, C, {"prompt": "x", "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["model"] == MODEL, r.text
     forced = completion(logit_bias={"65": 100}, max_tokens=4, temperature=0)
     r = post(served, C, forced)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "AAAA", r.text
