@@ -93,6 +93,12 @@ class Admission:
             raise
         return Ticket(tid)
 
+    def most(self, tenant: Tenant) -> int | None:
+        """The most requests ``tenant`` can ever hold at once (None: no bound): a request
+        needing more (several choices) could never be admitted, whatever it waits."""
+        caps = [c for c in (self.shares.cap_for(tenant.limits), self.max_in_flight) if c]
+        return min(caps) if caps else None
+
     def charge(self, ticket: Ticket, tokens: int) -> None:
         """Tokens of the ticket's request (its prompt once known, its output at the end)
         against its tenant's tokens per minute."""

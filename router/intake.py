@@ -296,7 +296,7 @@ class Intake:
         try:
             body = await self.parse(request, model)
             prompts = None if body.chat else self.prompts(body)  # type: ignore[arg-type]
-            self._check_choices(body, 1 if prompts is None else len(prompts))
+            self._check_choices(body, 1 if prompts is None else len(prompts), tenant)
             if prompts is None:
                 all_ids = [await self.chat_ids(request, body)]  # type: ignore[arg-type]
             else:
@@ -319,10 +319,10 @@ class Intake:
                 run.close()
             raise
 
-    @staticmethod
-    def _check_choices(body: Body, num_prompts: int) -> None:
-        """Several choices (a batch, ``n`` > 1) are served whole, not streamed; and at most
-        ``MAX_CHOICES`` of them."""
+    def _check_choices(self, body: Body, num_prompts: int, tenant: Tenant) -> None:
+        """Several choices (a batch, ``n`` > 1) are served whole, not streamed; at most
+        ``MAX_CHOICES`` of them, and no more than the tenant may ever run at once (a 429
+        would tell its client to retry what can never be admitted)."""
         n = body.n or 1
         param = "n" if n > 1 else "prompt"
         if num_prompts * n > 1 and body.stream:
@@ -339,6 +339,15 @@ class Intake:
             raise APIError(
                 400,
                 f"{num_prompts} prompt(s) x n={n} is more than {MAX_CHOICES} choices.",
+                "invalid_request_error",
+                param,
+            )
+        most = self.door.admission.most(tenant) if num_prompts * n > 1 else None
+        if most is not None and num_prompts * n > most:
+            raise APIError(
+                400,
+                f"{num_prompts} prompt(s) x n={n} choices run as {num_prompts * n} requests; "
+                f"this tenant may run at most {most} at once.",
                 "invalid_request_error",
                 param,
             )

@@ -498,6 +498,7 @@ def test_tenants_file_limits_and_the_admin_view(fleet: dict[str, Any]) -> None:
             TenantConfig("alpha", [hash_key("key-a")]),
             TenantConfig("gamma", [hash_key("key-g")], requests_per_minute=2),
             TenantConfig("delta", [hash_key("key-d")], tokens_per_minute=60),
+            TenantConfig("kappa", [hash_key("key-k")], max_concurrent=2),
         ],
         admin_keys=[hash_key("key-admin")],
     )
@@ -521,6 +522,10 @@ def test_tenants_file_limits_and_the_admin_view(fleet: dict[str, Any]) -> None:
         assert "60 tokens per minute" in assert_clean_error(refused, 429)["message"]
         assert 20 <= int(refused.headers["retry-after"]) <= 35  # ~31 tokens at 1 a second
         assert post("key-a").status_code == 200  # the others are served meanwhile
+        # More choices than the tenant may ever run at once: a 400, not a 429 to retry.
+        err = assert_clean_error(post("key-k", n=3), 400)
+        assert err["param"] == "n" and "at most 2 at once" in err["message"]
+        assert len(post("key-k", n=2).json()["choices"]) == 2
         admission = door.admission
         assert admission.tenant_in_flight("gamma") == admission.tenant_in_flight("delta") == 0
 
