@@ -240,11 +240,10 @@ class ModelRunner:
         if not sample_rows:
             return {}
         logits = self.lm_head(hidden[torch.tensor(sample_rows, device=dev)])
-        params = [r.sampling_params for r in sample_reqs]
-        histories = None
-        if any(p.has_penalties for p in params):
-            histories = [(r.prompt_token_ids, r.output_token_ids) for r in sample_reqs]
         sampled = self.sampler.sample(
-            logits, [r.request_id for r in sample_reqs], params, histories
+            logits,
+            [r.request_id for r in sample_reqs],
+            [r.sampling_params for r in sample_reqs],
+            [(r.all_token_ids, r.output_token_ids) for r in sample_reqs],
         )
         return {r.request_id: s for r, s in zip(sample_reqs, sampled, strict=True)}

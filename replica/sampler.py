@@ -14,8 +14,8 @@ from ``p`` and needs no cumulative sum per row.
 
 A logit bias and penalties change a row's logits before greedy or sampling, as vLLM's do
 (the bias, then repetition over the prompt and output tokens, then frequency and presence
-over the output's counts); logprobs
-stay those of the raw logits (vLLM's default). Only rows that ask for a penalty pay for it.
+over the output's counts); logprobs stay those of the raw logits (vLLM's default). Only
+rows that ask for one pay for it.
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ class Sampler:
         token_ids: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
     ) -> list[SampledToken | RequestFailure]:
         """``logits``: [num_requests, vocab] for the requests in ``request_ids`` order.
-        ``token_ids``: each request's (prompt, output so far), needed where it asks for a
-        penalty.
+        ``token_ids``: each request's (prompt and output so far, output so far), read only
+        where it asks for a bias or a penalty.
 
         Batch-wide work (argmax, log-softmax) may raise: that is shared state. Per-row work
         that raises yields a :class:`RequestFailure` for that row only."""
@@ -141,7 +141,7 @@ class Sampler:
 
 
 def _penalize(
-    row: torch.Tensor, p: SamplingParams, prompt: Sequence[int], output: Sequence[int]
+    row: torch.Tensor, p: SamplingParams, seen_ids: Sequence[int], output: Sequence[int]
 ) -> None:
     """Applies ``p``'s logit bias and penalties to one row of logits, in place (vLLM's
     order and formulas)."""
@@ -152,7 +152,7 @@ def _penalize(
             raise ValueError(f"logit_bias: token id {int(ids.max())} is past the vocabulary")
         row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=dev)
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor([*prompt, *output], dtype=torch.long, device=dev).unique()
+        seen = torch.tensor(seen_ids, dtype=torch.long, device=dev).unique()
         seen = seen[seen < vocab]
         vals = row[seen]
         row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)

@@ -24,29 +24,15 @@ from .errors import APIError, one_line, request_id
 from .frontdoor import FrontDoor
 from .openai_api import make_usage
 from .request_run import REPLICA_FAILURES, RequestRun
-from .responses import DISCONNECT_POLL_S, FAILED, REPLICA_HEADER, end_request, log, request_failed
-
-
-class _Collected:
-    """One choice's text, token ids, logprob entries and last delta."""
-
-    def __init__(self) -> None:
-        self.parts: list[str] = []
-        self.ids: list[int] = []
-        self.entries: list[dict[int, float]] = []
-        self.last: Any = None
-
-    async def collect(
-        self, run: RequestRun, first: Callable[[RequestRun], Awaitable[None]]
-    ) -> None:
-        await first(run)
-        d = run.first
-        while d is not None:
-            self.parts.append(d.delta_text)
-            self.ids.extend(d.delta_token_ids)
-            self.entries.extend(d.logprobs or [{} for _ in d.delta_token_ids])
-            self.last = d
-            d = None if d.finished else await run.next()
+from .responses import (
+    DISCONNECT_POLL_S,
+    FAILED,
+    REPLICA_HEADER,
+    Collected,
+    end_request,
+    log,
+    request_failed,
+)
 
 
 async def respond_choices(
@@ -65,8 +51,13 @@ async def respond_choices(
     status of a failure before it); usage counts each prompt once (runs ``n`` apart share
     one) and every choice's output."""
     rid = request_id(request)
-    got = [_Collected() for _ in runs]
-    tasks = [asyncio.ensure_future(c.collect(run, first)) for c, run in zip(got, runs, strict=True)]
+    got = [Collected() for _ in runs]
+
+    async def answer(c: Collected, run: RequestRun) -> None:
+        await first(run)
+        await c.collect(run)
+
+    tasks = [asyncio.ensure_future(answer(c, run)) for c, run in zip(got, runs, strict=True)]
     try:
         pending: set[asyncio.Future[None]] = set(tasks)
         while pending:
@@ -106,7 +97,7 @@ async def respond_choices(
         output += last.num_output_tokens
         end_request(rid, run, last, ttft_s, f"200 {last.finish_reason}", arrival)
         shaped = logprobs(c.ids, c.entries) if logprobs is not None else None
-        choices.append(choice(i, "".join(c.parts), last.finish_reason, shaped))
+        choices.append(choice(i, c.text(), last.finish_reason, shaped))
     replicas = ",".join(dict.fromkeys(str(run.replica) for run in runs))
     usage = make_usage(prompt, output, cached)
     return JSONResponse(body(choices, usage), headers={REPLICA_HEADER: replicas})

@@ -225,16 +225,13 @@ def _chat_response(rid: str, model: str, choices: list[Any], usage: Any) -> dict
 def _completion_body(
     rid: str, model: str, text: str, finish: str | None, usage: Any, logprobs: Any
 ) -> dict[str, Any]:
-    choice = CompletionChoice(text=text, finish_reason=finish, logprobs=logprobs)
-    return CompletionResponse(id=rid, model=model, choices=[choice], usage=usage).model_dump()
+    return _completion_response(rid, model, [_completion_choice(0, text, finish, logprobs)], usage)
 
 
 def _chat_body(
     rid: str, model: str, text: str, finish: str | None, usage: Any, logprobs: Any
 ) -> dict[str, Any]:
-    msg = ChatDelta(role="assistant", content=text)
-    choice = ChatChoice(message=msg, finish_reason=finish, logprobs=logprobs)
-    return ChatCompletionResponse(id=rid, model=model, choices=[choice], usage=usage).model_dump()
+    return _chat_response(rid, model, [_chat_choice(0, text, finish, logprobs)], usage)
 
 
 async def _on_validation_error(request: Request, exc: Exception) -> Response:

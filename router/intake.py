@@ -18,6 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import msgspec
 import pydantic
 from fastapi import Request
 
@@ -302,14 +303,23 @@ class Intake:
             else:
                 all_ids = [await self.prompt_ids(p) for p in prompts]
             n = body.n or 1
+            many = len(all_ids) * n > 1
             for ids in all_ids:
+                spec = self.sampling(body, len(ids))
                 for sample in range(n):
                     if len(tickets) <= len(runs):
                         tickets.append(await self.admit(tenant))
-                    many = len(all_ids) * n > 1
+                    # A prompt's n seeded choices: seeds offset by place, so they differ
+                    # (as vLLM's do). Unseeded ones share one spec (nothing mutates it).
+                    if sample and spec.seed is not None:
+                        seed = (spec.seed + sample - SEED_MIN) % 2**64 + SEED_MIN
+                        choice_spec = msgspec.structs.replace(spec, seed=seed)
+                    else:
+                        choice_spec = spec
+                    index = len(runs) if many else None
                     runs.append(
-                        self.launch(request, tenant, tickets[len(runs)], ids, body,
-                                    index=len(runs) if many else None, sample=sample)
+                        self.launch(request, tenant, tickets[len(runs)], ids, body.cache_salt,
+                                    choice_spec, index)
                     )  # fmt: skip
             return body, runs
         except BaseException:
@@ -368,24 +378,19 @@ class Intake:
         tenant: Tenant,
         ticket: Ticket,
         ids: list[int],
-        body: Body,
+        salt: str | None,
+        spec: SamplingParams,
         index: int | None = None,
-        sample: int = 0,
     ) -> RequestRun:
         """Routes one choice and sends it; every failure a status. ``index``: the choice's
-        place among several (its request id takes it as a suffix); ``sample``: its place
-        among its prompt's ``n``, by which a seed is offset so that they differ (as vLLM's
-        do)."""
+        place among several (its request id takes it as a suffix)."""
         rid = request_id(request)
         if index is not None:
             rid = f"{rid}-{index}"
-        spec = self.sampling(body, len(ids))
-        if sample and spec.seed is not None:
-            spec.seed = (spec.seed + sample - SEED_MIN) % 2**64 + SEED_MIN
         door = self.door
         door.admission.charge(ticket, len(ids))
         try:
-            run = door.run(ticket, tenant, ids, spec, body.cache_salt, request_id=rid)
+            run = door.run(ticket, tenant, ids, spec, salt, request_id=rid)
         except QueryOfDeathError as exc:
             raise APIError(
                 400, str(exc), "invalid_request_error", code="request_quarantined"

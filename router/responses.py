@@ -133,6 +133,29 @@ def _bytes(text: str) -> list[int]:
     return list(text.encode("utf-8", "replace"))
 
 
+class Collected:
+    """A run's answer as it arrives: text pieces, token ids, logprob entries, last delta."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.ids: list[int] = []
+        self.entries: list[dict[int, float]] = []
+        self.last: Any = None
+
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    async def collect(self, run: RequestRun) -> None:
+        """Every delta of ``run`` from its first (which must be in) to its last."""
+        d = run.first
+        while d is not None:
+            self.parts.append(d.delta_text)
+            self.ids.extend(d.delta_token_ids)
+            self.entries.extend(d.logprobs or [{} for _ in d.delta_token_ids])
+            self.last = d
+            d = None if d.finished else await run.next()
+
+
 def request_failed(rid: str, last: Any) -> APIError:
     """A request whose own stage failed on the replica (the others there ran on)."""
     why = one_line(getattr(last, "error", None) or "unknown")
@@ -191,22 +214,9 @@ async def respond(
         await ready()
     headers = {REPLICA_HEADER: run.replica}
     ttft_s = None if arrival is None else time.perf_counter() - arrival  # first delta is in
-    parts: list[str] = []
-    ids: list[int] = []
-    entries: list[dict[int, float]] = []
-    last = run.first
-
-    async def collect() -> None:
-        nonlocal last
-        d = run.first
-        while d is not None:
-            parts.append(d.delta_text)
-            ids.extend(d.delta_token_ids)
-            entries.extend(d.logprobs or [{} for _ in d.delta_token_ids])
-            last = d
-            d = None if d.finished else await run.next()
-
-    task = asyncio.ensure_future(collect())
+    got = Collected()
+    got.last = run.first
+    task = asyncio.ensure_future(got.collect(run))
     try:
         # Starlette does not cancel a handler whose client left: watch for it, so an
         # abandoned request stops using the replica.
@@ -217,7 +227,7 @@ async def respond(
         await task
     except REPLICA_FAILURES as exc:
         log.warning("request %s: replica failed mid-request: %s", rid, one_line(str(exc)))
-        end_request(rid, run, last, ttft_s, "503 replica_failed", arrival)
+        end_request(rid, run, got.last, ttft_s, "503 replica_failed", arrival)
         raise APIError(503, FAILED, "service_unavailable", code="replica_failed") from None
     finally:
         if not task.done():
@@ -225,14 +235,15 @@ async def respond(
             with contextlib.suppress(BaseException):
                 await task
         run.close()  # cancels the request on the replica if it still runs
+    last = got.last
     finish = None if last is None else last.finish_reason
     if finish == "error":
         end_request(rid, run, last, ttft_s, "500 request_failed", arrival)
         raise request_failed(rid, last)
     usage = _usage(last)
     end_request(rid, run, last, ttft_s, f"200 {finish}", arrival)
-    shaped = logprobs(ids, entries) if logprobs is not None else None
-    return JSONResponse(final("".join(parts), finish, usage, shaped), headers=headers)
+    shaped = logprobs(got.ids, got.entries) if logprobs is not None else None
+    return JSONResponse(final(got.text(), finish, usage, shaped), headers=headers)
 
 
 def _usage(last: Any) -> Any:
