@@ -84,6 +84,9 @@ def check_sampling(p: Any) -> None:
         )
     if p.logprobs is not None and (not _is_int(p.logprobs) or not 0 <= p.logprobs <= MAX_LOGPROBS):
         raise BoundsError("logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]")
+    k = getattr(p, "prompt_logprobs", None)
+    if k is not None and (not _is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+        raise BoundsError("prompt_logprobs", f"must be None or an int in [0, {MAX_LOGPROBS}]")
     for name in ("presence_penalty", "frequency_penalty"):
         v = getattr(p, name, 0.0)
         if not _is_number(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:

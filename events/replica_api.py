@@ -154,6 +154,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     tokens were generated (``max_tokens`` still applies). ``stop`` strings are matched by
     the engine on detokenised text; the scheduler only handles token-level stops.
     ``logprobs``: how many top logprobs to return per token (None: none).
+    ``prompt_logprobs``: the same for every prompt token after the first, each given the
+    tokens before it (vLLM's; OpenAI's ``echo`` with ``logprobs``). Such a request reads
+    nothing from the prefix cache: a cached token has no logits to report.
     Penalties, as vLLM applies them to the logits before anything else: ``repetition_penalty``
     divides a positive logit (multiplies a negative one) of every token in the prompt or the
     output so far; ``frequency_penalty`` subtracts itself once per time a token was output,
@@ -173,6 +176,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -243,6 +247,11 @@ class GenerateDelta(msgspec.Struct, kw_only=True, array_like=True):
     # ``error`` says why), "dead" (the engine failed; the request was not in the failing
     # step) or "suspect" (it was, or that step's batch is unknown: maybe a query of death).
     failure: str | None = None
+    # With the first output token, when asked (``SamplingParams.prompt_logprobs``): one
+    # entry per prompt token, None for the first (nothing precedes it), each holding the
+    # prompt token's logprob and the top alternatives. Last, so that a shorter array (from
+    # a replica one version older) still decodes.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 def merge_deltas(first: GenerateDelta, then: GenerateDelta) -> GenerateDelta:
@@ -259,6 +268,9 @@ def merge_deltas(first: GenerateDelta, then: GenerateDelta) -> GenerateDelta:
         replica_ttft_s=first.replica_ttft_s
         if first.replica_ttft_s is not None
         else then.replica_ttft_s,
+        prompt_logprobs=first.prompt_logprobs
+        if first.prompt_logprobs is not None
+        else then.prompt_logprobs,
     )
 
 

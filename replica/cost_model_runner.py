@@ -118,8 +118,12 @@ class CostModelRunner:
             tokens += n
             pairs += n * p0 + n * (n - 1) / 2
             ctx += p0 + n
+            req = item.request
+            if req.prompt_logprobs is not None:  # a sure prompt, as the outputs' logprobs
+                ids, have = req.prompt_token_ids, len(req.prompt_logprobs)
+                stop = min(p0 + n, len(ids) - 1)
+                req.prompt_logprobs.extend({ids[i + 1]: 0.0} for i in range(have - 1, stop))
             if item.samples:
-                req = item.request
                 key = self._keys.get(req.request_id)
                 if key is None:
                     key = self._keys[req.request_id] = prompt_key(req.prompt_token_ids)

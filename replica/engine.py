@@ -239,11 +239,11 @@ class LLMEngine:
             check_prompt_token_ids(prior, vocab)
             if len(prior) >= params.max_tokens:
                 raise ValueError("a resumed request must have tokens left to generate")
-        if params.logprobs is not None and params.logprobs > vocab:
-            # Caught here, not in the sampler's topk, where it would fail the whole step.
-            raise ValueError(
-                f"logprobs must be <= the vocabulary size {vocab}, got {params.logprobs}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > vocab:
+                # Caught here, not in a topk, where it would fail the whole step.
+                raise ValueError(f"{name} must be <= the vocabulary size {vocab}, got {k}")
         req = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,

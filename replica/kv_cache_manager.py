@@ -55,6 +55,8 @@ class CacheRequest(Protocol):
     def cache_salt(self) -> str | None: ...
     @property
     def lora_name(self) -> str | None: ...
+    @property
+    def skip_reading_prefix_cache(self) -> bool: ...  # computes every token (prompt logprobs)
 
 
 class KVCacheManager:
@@ -144,7 +146,10 @@ class KVCacheManager:
     def _cached_prefix(self, request: CacheRequest) -> list[KVCacheBlock]:
         """Walks the hash chain and stops at the first miss (block i+1's hash folds in block
         i's, so nothing past a miss can be a valid hit), over at most ``num_tokens - 1``
-        tokens: one token is always computed, to get logits."""
+        tokens: one token is always computed, to get logits. Nothing for a request that must
+        compute every token."""
+        if request.skip_reading_prefix_cache:
+            return []
         max_blocks = max(len(request.all_token_ids) - 1, 0) // self.block_size
         hit: list[KVCacheBlock] = []
         get = self.block_pool.get_cached_block

@@ -9,7 +9,8 @@ variable, as vLLM's forward context does.
 
 The batch is one sequence of ``num_scheduled_tokens`` tokens (batch dimension 1): prefills,
 chunks over a cached prefix and decodes side by side, each token with its own position.
-Only the last position of a request that samples this step goes through the LM head.
+Only the last position of a request that samples this step goes through the LM head, and
+every prompt position of a request that asked for its prompt's logprobs.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
@@ -30,13 +32,16 @@ from kvroute.events.replica_api import SamplingParams
 from kvroute.kernels import AttentionMetadata, paged_attention, store_kv
 
 from .outputs import RequestFailure, SampledToken
-from .sampler import Sampler
+from .sampler import Sampler, prompt_logprobs
 from .scheduler import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
 ATTN_IMPLEMENTATION = "kvroute_paged"
 CPU_KV_CACHE_BYTES = 1 << 30
+# Prompt positions whose logits are taken at once, for prompt logprobs: a bound on the
+# [rows, vocab] float32 block (512 x 128k vocab = 256 MiB).
+PROMPT_LOGPROBS_ROWS = 512
 # Room for one step's activations on a GPU, not profiled (vLLM runs a dummy step instead).
 ACTIVATION_MARGIN_BYTES = 2 << 30
 
@@ -210,9 +215,17 @@ class ModelRunner:
         positions: list[int] = []
         sample_rows: list[int] = []
         sample_reqs = []
+        prompt_rows = []  # (request, its first row in the batch, first position, end position)
         for item in sched.scheduled:
             req = item.request
             start, end = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
+            if req.prompt_logprobs is not None:
+                # Position p gives prompt token p+1's entry; those a preempted request
+                # recomputes are in already.
+                first = max(start, len(req.prompt_logprobs) - 1)
+                stop = min(end, req.num_prompt_tokens - 1)
+                if first < stop:
+                    prompt_rows.append((req, len(input_ids) + first - start, first, stop))
             input_ids.extend(req.all_token_ids[start:end])
             positions.extend(range(start, end))
             if item.samples:
@@ -237,13 +250,30 @@ class ModelRunner:
             ).last_hidden_state[0]
         finally:
             _FORWARD_CONTEXT.reset(token)
-        if not sample_rows:
-            return {}
-        logits = self.lm_head(hidden[torch.tensor(sample_rows, device=dev)])
-        sampled = self.sampler.sample(
-            logits,
-            [r.request_id for r in sample_reqs],
-            [r.sampling_params for r in sample_reqs],
-            [(r.all_token_ids, r.output_token_ids) for r in sample_reqs],
-        )
-        return {r.request_id: s for r, s in zip(sample_reqs, sampled, strict=True)}
+        out: dict[str, SampledToken | RequestFailure] = {}
+        if sample_rows:
+            logits = self.lm_head(hidden[torch.tensor(sample_rows, device=dev)])
+            sampled = self.sampler.sample(
+                logits,
+                [r.request_id for r in sample_reqs],
+                [r.sampling_params for r in sample_reqs],
+                [(r.all_token_ids, r.output_token_ids) for r in sample_reqs],
+            )
+            out = {r.request_id: s for r, s in zip(sample_reqs, sampled, strict=True)}
+        for req, row, first, stop in prompt_rows:
+            try:
+                self._prompt_logprobs(req, hidden, row, first, stop)
+            except Exception as exc:  # this request's alone: the others' tokens stand
+                out[req.request_id] = RequestFailure("prompt logprobs", exc)
+        return out
+
+    def _prompt_logprobs(
+        self, req: Any, hidden: torch.Tensor, row: int, first: int, stop: int
+    ) -> None:
+        """Appends the entries of prompt tokens ``first + 1 .. stop`` to the request's."""
+        k = req.sampling_params.prompt_logprobs
+        ids = req.prompt_token_ids
+        for lo in range(first, stop, PROMPT_LOGPROBS_ROWS):
+            hi = min(lo + PROMPT_LOGPROBS_ROWS, stop)
+            logits = self.lm_head(hidden[row + lo - first : row + hi - first])
+            req.prompt_logprobs.extend(prompt_logprobs(logits, list(ids[lo + 1 : hi + 1]), k))

@@ -40,6 +40,9 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    # When asked: entry i is prompt token i's ``{token id: logprob}`` given the tokens
+    # before it, the top alternatives included; None for the first token (as vLLM's).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 # What a step hands back for one request: a RequestOutput (offline, asyncio callers) or, for
@@ -76,6 +79,7 @@ def request_output(
         num_cached_tokens=max(req.num_cached_tokens, 0),
         delta_text=delta,
         delta_token_ids=list(new_ids),
+        prompt_logprobs=req.prompt_logprobs,
     )
 
 
@@ -87,7 +91,8 @@ def step_delta(
     stop_reason: int | str | None,
 ) -> GenerateDelta:
     """What one step added to ``req`` (``new_ids``, their ``text``), as the data plane sends
-    it. ``logprobs``: all of the request's so far (this delta's are the last), or None."""
+    it. ``logprobs``: all of the request's so far (this delta's are the last), or None.
+    The prompt's logprobs, when asked, go with the first output token."""
     n_out = len(req.output_token_ids)
     return GenerateDelta(
         request_id=req.request_id,
@@ -101,6 +106,7 @@ def step_delta(
         num_cached_tokens=max(req.num_cached_tokens, 0),
         num_output_tokens=n_out,
         logprobs=None if logprobs is None else logprobs[n_out - len(new_ids) : n_out],
+        prompt_logprobs=req.prompt_logprobs if new_ids and n_out == len(new_ids) else None,
     )
 
 

@@ -83,6 +83,11 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None  # the stop token id or stop string
         self.error: str | None = None  # why it ended with FINISHED_ERROR (one line)
+        # When asked: the prompt tokens' logprobs as the runner computes them, chunk by
+        # chunk; entry i is token i's, given the tokens before it (None for the first).
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if self.sampling_params.prompt_logprobs is not None else None
+        )
 
     # -- tokens ------------------------------------------------------------------------
     def _init_tokens(
@@ -98,6 +103,12 @@ class Request:
     def output_token_ids(self) -> list[int]:
         """Generated tokens so far. The scheduler's list: do not mutate."""
         return self._output_token_ids
+
+    @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """A request that wants its prompt's logprobs computes every prompt token (a cached
+        one has no logits); its blocks are still cached for others (vLLM v1's rule)."""
+        return self.prompt_logprobs is not None
 
     @property
     def num_tokens(self) -> int:

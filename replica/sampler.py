@@ -140,6 +140,22 @@ class Sampler:
         return int((probs / race.to(probs.device)).argmax())
 
 
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[dict[int, float]]:
+    """Row i's logprob of ``targets[i]`` and its ``k`` likeliest tokens, from the raw
+    logits (as vLLM's prompt logprobs): ``{token id: logprob}``, the target always in."""
+    rows = torch.log_softmax(logits.float(), dim=-1)
+    chosen = rows.gather(1, torch.tensor(targets, device=rows.device)[:, None])[:, 0].tolist()
+    if k:
+        vals, idx = rows.topk(k, dim=-1)
+        pairs = zip(idx.tolist(), vals.tolist(), strict=True)
+        entries = [dict(zip(i, v, strict=True)) for i, v in pairs]
+    else:
+        entries = [{} for _ in targets]
+    for entry, target, lp in zip(entries, targets, chosen, strict=True):
+        entry[target] = lp
+    return entries
+
+
 def _penalize(
     row: torch.Tensor, p: SamplingParams, seen_ids: Sequence[int], output: Sequence[int]
 ) -> None:

@@ -185,6 +185,9 @@ def to_vllm_sampling(params: SamplingParams, done: int) -> Any:
         ignore_eos=params.ignore_eos,
         min_tokens=max(0, params.min_tokens - done),
         logprobs=params.logprobs,
+        # All at once at the end of the prefill, with DELTA outputs. A resumed request's
+        # client has them from its first replica.
+        prompt_logprobs=params.prompt_logprobs if not done else None,
         # A resumed request's earlier tokens are its prompt here: they count for the
         # repetition penalty, not for the frequency and presence ones.
         presence_penalty=params.presence_penalty,
@@ -209,6 +212,11 @@ def from_vllm_output(live: LiveRequest, out: Any) -> GenerateDelta:
         delta.stop_reason = c.stop_reason
     if live.logprobs and c is not None and c.logprobs is not None:
         delta.logprobs = [{t: float(lp.logprob) for t, lp in d.items()} for d in c.logprobs]
+    if out.prompt_logprobs:
+        delta.prompt_logprobs = [
+            None if d is None else {t: float(lp.logprob) for t, lp in d.items()}
+            for d in out.prompt_logprobs
+        ]
     return delta
 
 

@@ -127,6 +127,7 @@ class FrontDoor:
             block_size=fleet.hasher.block_size,
             token_ids=prompt_token_ids,
             max_tokens=sampling.max_tokens,
+            reads_cache=sampling.prompt_logprobs is None,
         )
         request = GenerateRequest(
             request_id=request_id,

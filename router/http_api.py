@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .choices import respond_choices
+from .echo import Echo
 from .errors import (
     REQUEST_ID_HEADER,
     APIError,
@@ -61,6 +62,7 @@ from .openai_api import (
     ModelCard,
     ModelList,
 )
+from .request_run import RequestRun
 from .responses import REPLICA_HEADER, Logprobs, respond
 from .send_deadline import SEND_TIMEOUT_S, ClientTooSlowError, SendDeadlineMiddleware
 from .sse import RAW_SEND, ChunkEncoder
@@ -168,23 +170,32 @@ async def _serve(request: Request, tenant: Tenant, model: type[Any]) -> Response
         chat = body.chat
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{new_id()}"
         n = body.num_logprobs()
-        shape = None
-        if n is not None:
-            shapes = Logprobs(intake.door.tokenizer, n)
-            shape = shapes.chat if chat else shapes.completion
+
+        def ready(run: RequestRun) -> Awaitable[None]:
+            return intake.first(request, run)
+
+        if not chat and body.echo:
+            ready = _echo(intake, body, runs).first(ready)
         if len(runs) > 1:
+            each = None  # each choice's logprobs shaped afresh: its ``text_offset`` from 0
+            if n is not None:
+                each = partial(_shape_once, intake.door.tokenizer, n, chat)
             return await respond_choices(
                 intake.door,
                 request,
                 runs,
                 body.n or 1,
-                lambda run: intake.first(request, run),
+                ready,
                 _chat_choice if chat else _completion_choice,
                 partial(_chat_response if chat else _completion_response, rid, body.model),
-                logprobs=shape,
+                logprobs=each,
                 arrival=arrival,
             )
         run = runs[0]
+        shape = None  # one shaper for the whole stream: ``text_offset`` runs on
+        if n is not None:
+            shapes = Logprobs(intake.door.tokenizer, n)
+            shape = shapes.chat if chat else shapes.completion
         encoder = ChunkEncoder(chat, rid, int(time.time()), body.model)
         final = partial(_chat_body if chat else _completion_body, rid, body.model)
         return await respond(
@@ -194,7 +205,7 @@ async def _serve(request: Request, tenant: Tenant, model: type[Any]) -> Response
             run,
             encoder,
             final,
-            ready=lambda: intake.first(request, run),
+            ready=lambda: ready(run),
             role_first=chat,
             logprobs=shape,
             arrival=arrival,
@@ -203,6 +214,24 @@ async def _serve(request: Request, tenant: Tenant, model: type[Any]) -> Response
         for run in runs:
             run.close()
         raise
+
+
+def _shape_once(tokenizer: Any, n: int, chat: bool, ids: list[int], entries: Any) -> Any:
+    shapes = Logprobs(tokenizer, n)
+    return shapes.chat(ids, entries) if chat else shapes.completion(ids, entries)
+
+
+def _echo(intake: Intake, body: Any, runs: list[RequestRun]) -> Echo:
+    """The prompts to echo, run by run (``n`` runs per prompt, prompt by prompt): each as
+    sent, or its token ids decoded."""
+    n = body.n or 1
+    prompts = intake.prompts(body)
+    decode = intake.door.tokenizer.decode
+    texts = []
+    for i, run in enumerate(runs):
+        prompt = prompts[i // n]
+        texts.append(prompt if isinstance(prompt, str) else decode(run.request.prompt_token_ids))
+    return Echo(texts, runs, alone=body.max_tokens == 0)
 
 
 def _completion_choice(index: int, text: str, finish: str | None, logprobs: Any) -> Any:

@@ -335,6 +335,12 @@ class HttpReplicaConnection:
             return flight
         body = completion_body(req, self.model)
         reader = self._reader(req)
+        if req.sampling.prompt_logprobs is not None:  # vLLM refuses them in a stream
+            why = "`echo` with `logprobs` is not available from a fronted vllm serve"
+            delta = reader._delta([], "", "error", error=why)
+            delta.failure = "invalid"
+            flight.put(delta)
+            return flight
         if body is None:  # a resume that already made max_tokens: it ends here
             flight.put(reader._delta([], "", "length"))
             return flight

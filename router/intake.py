@@ -123,6 +123,13 @@ class Intake:
                 param,
                 "unsupported_parameter",
             )
+        if not body.chat and body.max_tokens == 0 and not body.echo:  # type: ignore[union-attr]
+            raise APIError(
+                400,
+                "`max_tokens` must be at least 1, or 0 with `echo: true` (the prompt alone).",
+                "invalid_request_error",
+                "max_tokens",
+            )
         if body.chat:
             if body.top_logprobs and not body.logprobs:
                 raise APIError(
@@ -249,8 +256,13 @@ class Intake:
         max_len = self.door.fleet.max_model_len
         room = max_len - n_prompt
         max_tokens = body.max_tokens
+        prompt_logprobs = None
         if body.chat:
             max_tokens = body.max_completion_tokens or max_tokens  # type: ignore[union-attr]
+        elif body.echo:  # type: ignore[union-attr]
+            prompt_logprobs = body.logprobs  # type: ignore[union-attr]
+            if max_tokens == 0:  # the prompt alone: one token is made and dropped (vLLM's way)
+                max_tokens = 1
         if room < 1 or (max_tokens is not None and max_tokens > room):
             raise APIError(
                 400,
@@ -273,6 +285,7 @@ class Intake:
                 ignore_eos=bool(body.ignore_eos),
                 min_tokens=body.min_tokens or 0,
                 logprobs=body.num_logprobs(),
+                prompt_logprobs=prompt_logprobs,
                 presence_penalty=body.presence_penalty or 0.0,
                 frequency_penalty=body.frequency_penalty or 0.0,
                 repetition_penalty=(

@@ -58,7 +58,6 @@ MAX_CHOICES = 64
 # nothing (and so are accepted): anything else is a 400 naming the parameter.
 UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "best_of": (None, 1),
-    "echo": (None, False),
     "suffix": (None, ""),
     "tools": (None, []),
     "tool_choice": (None, "none"),
@@ -69,6 +68,7 @@ UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "modalities": (None, ["text"]),
     "prediction": (None,),
     "web_search_options": (None,),
+    "prompt_logprobs": (None,),  # vLLM's; ``echo`` with ``logprobs`` gives the prompt's
 }
 
 
@@ -192,6 +192,7 @@ class _Request(_Strict, RequestMethods):
     modalities: Any = None
     prediction: Any = None
     web_search_options: Any = None
+    prompt_logprobs: Any = None
 
 
 class CompletionRequest(_Request, CompletionMethods):
@@ -203,8 +204,9 @@ class CompletionRequest(_Request, CompletionMethods):
         | Annotated[list[Text], Field(min_length=1)]
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)]
     )
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's default for completions
-    echo: bool | None = None
+    # OpenAI's default for completions; 0 only with ``echo`` (the prompt alone, as vLLM)
+    max_tokens: int | None = Field(default=16, ge=0)
+    echo: bool | None = None  # the prompt ahead of the completion, its logprobs too
     suffix: Text | None = None
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
 
@@ -252,11 +254,12 @@ def make_usage(prompt: int, completion: int, cached: int) -> Usage:
 
 
 class CompletionLogprobs(BaseModel):
-    """The legacy completions shape: parallel lists, one entry per generated token."""
+    """The legacy completions shape: parallel lists, one entry per token (with ``echo``, the
+    prompt's first, whose first token has null entries: nothing precedes it)."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 

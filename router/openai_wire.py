@@ -96,11 +96,12 @@ class _Request(msgspec.Struct, kw_only=True):
     modalities: Any = None
     prediction: Any = None
     web_search_options: Any = None
+    prompt_logprobs: Any = None
 
 
 class CompletionBody(CompletionMethods, _Request, kw_only=True):
     prompt: str | Annotated[list[TokenId], Meta(min_length=1)]
-    max_tokens: PositiveInt | None = 16
+    max_tokens: Annotated[int, Meta(ge=0)] | None = 16
     echo: bool | None = None
     suffix: str | None = None
     logprobs: Annotated[int, Meta(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None

@@ -104,6 +104,9 @@ class RequestView:
     block_size: int
     token_ids: Sequence[int] | None = None  # for text-tree baselines
     max_tokens: int | None = None  # the request's output cap, if it set one
+    # False: it computes every prompt token whatever is cached (it asked for the prompt's
+    # logprobs), so no replica's cache saves it anything; its blocks are still stored.
+    reads_cache: bool = True
 
 
 # The share of a replica's current decode load a new request feels (module docstring).
@@ -268,7 +271,7 @@ class KVPolicy(Policy):
     def _match(self, req: RequestView, now: float) -> dict[str, int]:
         """Leading blocks held per replica, over the blocks a hit may cover (prompt - 1)."""
         cap = max(req.num_prompt_tokens - 1, 0) // req.block_size
-        if not cap:
+        if not cap or not req.reads_cache:
             return {}
         hashes = req.block_hashes
         return self.index.match(hashes[:cap] if len(hashes) > cap else hashes, now)

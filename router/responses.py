@@ -90,11 +90,16 @@ class Logprobs:
         return name
 
     def _entries(
-        self, ids: list[int], entries: list[dict[int, float]] | None
-    ) -> list[tuple[int, float, list[tuple[int, float]]]]:
-        out = []
+        self, ids: list[int], entries: list[dict[int, float] | None] | None
+    ) -> list[tuple[int, float | None, list[tuple[int, float]] | None]]:
+        """Per token: its id, logprob and top alternatives; an entry of None (an echoed
+        prompt's first token) gives None for both."""
+        out: list[tuple[int, float | None, list[tuple[int, float]] | None]] = []
         for i, tid in enumerate(ids):
             entry = entries[i] if entries is not None and i < len(entries) else {}
+            if entry is None:
+                out.append((tid, None, None))
+                continue
             best = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[: self.top]
             # The engine always reports the sampled token; -9999 (OpenAI's "very unlikely")
             # only if an entry was lost, never a NaN that JSON cannot carry.
@@ -102,16 +107,16 @@ class Logprobs:
         return out
 
     def completion(
-        self, ids: list[int], entries: list[dict[int, float]] | None
+        self, ids: list[int], entries: list[dict[int, float] | None] | None
     ) -> CompletionLogprobs:
         lp = CompletionLogprobs()
         for tid, logprob, best in self._entries(ids, entries):
             name = self._name(tid)
             lp.tokens.append(name)
             lp.token_logprobs.append(logprob)
-            top: dict[str, float] = {}
-            for t, v in best:  # likeliest first: a name two tokens share keeps the higher
-                top.setdefault(self._name(t), v)
+            top: dict[str, float] | None = None if best is None else {}
+            for t, v in best or ():  # likeliest first: a name two tokens share keeps the higher
+                top.setdefault(self._name(t), v)  # type: ignore[union-attr]
             lp.top_logprobs.append(top)
             lp.text_offset.append(self.offset)
             self.offset += len(name)
@@ -119,10 +124,10 @@ class Logprobs:
 
     def chat(self, ids: list[int], entries: list[dict[int, float]] | None) -> ChatLogprobs:
         content = []
-        for tid, logprob, best in self._entries(ids, entries):
+        for tid, logprob, best in self._entries(ids, entries):  # never None: no echo in chat
             name = self._name(tid)
             top = [TopLogprob(token=self._name(t), logprob=v, bytes=_bytes(self._name(t)))
-                   for t, v in best]  # fmt: skip
+                   for t, v in best or ()]  # fmt: skip
             content.append(
                 ChatTokenLogprob(token=name, logprob=logprob, bytes=_bytes(name), top_logprobs=top)
             )
@@ -139,7 +144,7 @@ class Collected:
     def __init__(self) -> None:
         self.parts: list[str] = []
         self.ids: list[int] = []
-        self.entries: list[dict[int, float]] = []
+        self.entries: list[dict[int, float] | None] = []
         self.last: Any = None
 
     def text(self) -> str:

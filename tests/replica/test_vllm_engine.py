@@ -270,3 +270,20 @@ def test_a_killed_engine_core_restarts_its_replica(served: Served) -> None:
     for _ in range(4):  # both replicas serve again
         complete(served, "After the restart. " * 2)
     wait_for(lambda: index_matches_engines(served), 20, "the index equals vLLM's caches")
+
+
+def test_echoed_prompt_logprobs_equal_kvroutes_engine(served: Served, kvroute_tiny: Any) -> None:
+    """``echo`` with ``logprobs`` through the front door: vLLM's prompt logprobs (asked of
+    it as ``prompt_logprobs``) are kvroute's engine's, entry for entry."""
+    from kvroute.replica import SamplingParams as KvSampling
+
+    ids = list(kvroute_tiny.tokenizer(PROMPTS[1]).input_ids)
+    want = kvroute_tiny.generate([ids], KvSampling(max_tokens=1, prompt_logprobs=2))[0]
+    body = {"max_tokens": 0, "echo": True, "logprobs": 2}
+    got = complete(served, PROMPTS[1], **body).json()["choices"][0]
+    assert got["text"] == PROMPTS[1]
+    lp = got["logprobs"]
+    assert len(lp["token_logprobs"]) == len(ids) and lp["token_logprobs"][0] is None
+    for i in range(1, len(ids)):
+        assert lp["token_logprobs"][i] == pytest.approx(want.prompt_logprobs[i][ids[i]], abs=1e-3)
+        assert len(lp["top_logprobs"][i]) >= 1

@@ -221,6 +221,18 @@ def test_a_repeated_prefix_goes_to_the_backend_holding_it(fleet: Fleet) -> None:
         assert cached(body) >= 32  # at least one whole block served from vLLM's cache
 
 
+def test_echo_gives_the_prompt_back_and_refuses_prompt_logprobs(fleet: Fleet) -> None:
+    """``echo`` is the front door's; the prompt's logprobs would be vLLM's, which it streams
+    none of: a 400 that says so, not a body of null logprobs."""
+    text = prompt(200, words=8)
+    _, plain = complete(fleet, text)
+    _, echoed = complete(fleet, text, echo=True)
+    assert echoed["choices"][0]["text"] == text + plain["choices"][0]["text"]
+    payload = {"model": "tiny", "prompt": text, "max_tokens": 0, "echo": True, "logprobs": 1}
+    r = httpx.post(f"{fleet.url}/v1/completions", json=payload, headers=auth("key-a"))
+    assert r.status_code == 400 and "fronted vllm serve" in r.json()["error"]["message"], r.text
+
+
 def test_two_tenants_with_one_prompt_share_nothing(fleet: Fleet) -> None:
     text = prompt(100)
     ra, first = complete(fleet, text, "key-a")

@@ -55,7 +55,7 @@ VALID: dict[str, st.SearchStrategy[Any]] = {
         st.sampled_from(["hi", ""]), st.lists(st.integers(0, TOKEN_ID_MAX), min_size=1)
     ),
     "messages": st.lists(MESSAGE, min_size=1, max_size=3),
-    "max_tokens": st.sampled_from([None, 1, 16, 2**40]),
+    "max_tokens": st.sampled_from([None, -1, 0, 1, 16, 2**40]),
     "max_completion_tokens": st.sampled_from([None, 1, 7]),
     "temperature": st.sampled_from([None, 0, 0.0, 0.7, 1, 2.0]),
     "top_p": st.sampled_from([None, 1, 1.0, 0.1]),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 
@@ -50,6 +51,22 @@ def test_kv_prefers_the_replica_holding_the_prefix():
     d = policy.route(view("a", prefix(4096) + [7] * 100), REPLICAS, 0.0)
     assert d.replica == "replica-2"
     assert d.hit_tokens == 4096
+
+
+def test_a_request_that_reads_no_cache_is_priced_as_a_miss_everywhere():
+    """Asking for its prompt's logprobs, a request computes every token wherever it goes:
+    the holder saves it nothing, so it is routed as a miss (and the blocks it will store
+    are still predicted on the replica chosen)."""
+    index = PrefixIndex()
+    hold(index, "replica-2", prefix(4096))
+    policy = KVPolicy(index, seed=1)
+    req = dataclasses.replace(view("a", prefix(4096) + [7] * 100), reads_cache=False)
+    costs = policy.costs(req, REPLICAS, 0.0)
+    assert len(set(costs.values())) == 1  # the holder's price is every idle replica's
+    d = policy.route(req, REPLICAS, 0.0)
+    assert d.hit_tokens == 0 and d.reason != "cache_hit"
+    follower = policy.route(view("b", prefix(4096) + [8] * 100), [d.replica], 0.0)
+    assert follower.hit_tokens == 4096  # predicted: it is stored where it went
 
 
 def test_kv_never_counts_more_than_prompt_minus_one():
