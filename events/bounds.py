@@ -26,6 +26,8 @@ MAX_PENALTY = 2.0  # OpenAI's bound on presence_penalty and frequency_penalty (e
 MAX_REPETITION_PENALTY = 10.0  # vLLM takes any value > 0; past this every seen token is gone
 MAX_LOGIT_BIAS = 100.0  # OpenAI's bound on each logit_bias value (either sign)
 MAX_LOGIT_BIAS_TOKENS = 1024  # entries per request: a bias is a scatter per row and step
+MAX_STRUCTURED_CHARS = 64 << 10  # a schema, regex or grammar: compiled on the replica
+MAX_CHOICES_STRUCTURED = 1024  # alternatives of a ``choice`` constraint
 
 
 class BoundsError(ValueError):
@@ -113,6 +115,36 @@ def check_sampling(p: Any) -> None:
         raise BoundsError(
             "repetition_penalty", f"must be a number in (0, {MAX_REPETITION_PENALTY}], got {v!r}"
         )
+    so = getattr(p, "structured_outputs", None)
+    if so is not None:
+        check_structured(so)
+
+
+def check_structured(so: Any) -> None:
+    """Exactly one constraint, of bounded size (vLLM's ``StructuredOutputsParams`` fields)."""
+    param = "structured_outputs"
+    kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(so, k) is not None]
+    if so.json_object:
+        kinds.append("json_object")
+    if len(kinds) != 1:
+        raise BoundsError(
+            param, "must set exactly one of json, json_object, regex, choice, grammar"
+        )
+    for k in ("json", "regex", "grammar"):
+        v = getattr(so, k)
+        if v is not None:
+            if not isinstance(v, str) or not 0 < len(v) <= MAX_STRUCTURED_CHARS:
+                raise BoundsError(param, f"{k} must be text of 1 to {MAX_STRUCTURED_CHARS} chars")
+            check_text(v, param)
+    if so.choice is not None:
+        c = so.choice
+        if not isinstance(c, list) or not 0 < len(c) <= MAX_CHOICES_STRUCTURED:
+            raise BoundsError(param, f"choice must list 1 to {MAX_CHOICES_STRUCTURED} strings")
+        if any(not isinstance(x, str) for x in c) or sum(map(len, c)) > MAX_STRUCTURED_CHARS:
+            limit = MAX_STRUCTURED_CHARS
+            raise BoundsError(param, f"choice must hold strings, {limit} chars in all")
+        for x in c:
+            check_text(x, param)
 
 
 def check_text(text: str, param: str) -> None:

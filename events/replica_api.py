@@ -31,12 +31,14 @@ from .bounds import (  # the shared request bounds, part of this contract
     BoundsError,
     check_prompt_token_ids,
     check_sampling,
+    check_structured,
     check_text,
 )
 from .hashing import HashConfig
 from .load import CostCoefficients
 
 __all__ = [
+    "JSON_OBJECT_SCHEMA",
     "MAX_LOGIT_BIAS",
     "MAX_LOGIT_BIAS_TOKENS",
     "MAX_LOGPROBS",
@@ -57,6 +59,7 @@ __all__ = [
     "ReplicaLostError",
     "Resume",
     "SamplingParams",
+    "StructuredOutputs",
     "check_prompt_token_ids",
     "check_sampling",
     "check_text",
@@ -162,7 +165,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     output so far; ``frequency_penalty`` subtracts itself once per time a token was output,
     ``presence_penalty`` once for any token output at all (OpenAI's definitions).
     ``logit_bias`` adds to the logits of the token ids it names, before the penalties (as
-    in vLLM).
+    in vLLM). ``structured_outputs`` constrains the tokens to a schema, regex, choice or
+    grammar (see :class:`StructuredOutputs`).
     """
 
     max_tokens: int = 16
@@ -181,6 +185,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -201,6 +206,28 @@ class SamplingParams(msgspec.Struct, kw_only=True, omit_defaults=True):
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias) or (
             self.repetition_penalty != 1.0
         )
+
+
+# ``json_object``: any JSON object (OpenAI's JSON mode), compiled as this schema
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+
+class StructuredOutputs(msgspec.Struct, kw_only=True, frozen=True, omit_defaults=True):
+    """A constraint on what a request may generate (vLLM's ``StructuredOutputsParams``, its
+    names): exactly one of a JSON schema (as text), any JSON object, a regular expression,
+    one of ``choice``, or an EBNF ``grammar``. The replica compiles it against its own
+    tokenizer and masks every step's logits with it; ``disable_any_whitespace`` keeps JSON
+    compact (a small model can otherwise emit whitespace until ``max_tokens``)."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        check_structured(self)
 
 
 class Resume(msgspec.Struct, kw_only=True, frozen=True):

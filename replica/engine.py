@@ -40,6 +40,7 @@ from .models import resolve_model
 from .outputs import EngineOutput, RequestFailure, SampledToken, request_output, step_delta
 from .request import Request, RequestStatus
 from .scheduler import Scheduler, SchedulerConfig
+from .structured import StructuredOutputCompiler
 
 log = logging.getLogger(__name__)
 _FINISHED_ERROR = RequestStatus.FINISHED_ERROR  # read per token: a class lookup costs more
@@ -163,6 +164,17 @@ class LLMEngine:
         )
         self.event_sinks: list[EventSink] = list(event_sinks)
         self.eos_token_id, self.extra_eos_token_ids = _eos_token_ids(path, self.tokenizer)
+        # Structured outputs compile against the tokenizer, for the logits' width; a cost
+        # model has no logits to mask.
+        self.structured = (
+            None
+            if sim_profile(config.model) is not None
+            else StructuredOutputCompiler(
+                self.tokenizer,
+                self.runner.logits_width,
+                [t for t in (self.eos_token_id, *self.extra_eos_token_ids) if t is not None],
+            )
+        )
         self._states: dict[str, _RequestState] = {}
         self.num_steps = 0
         self.num_request_failures = 0  # requests ended by a fault of their own
@@ -255,6 +267,10 @@ class LLMEngine:
             output_token_ids=prior,
             tenant=tenant,
         )
+        if params.structured_outputs is not None:
+            if self.structured is None:
+                raise ValueError("structured_outputs need a model; this replica is a cost model")
+            req.grammar = self.structured.matcher(params.structured_outputs, prior)
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
         detokenizes = self.config.stream_text or bool(detok.stop)
         if prior and resume is not None and detokenizes:
@@ -318,6 +334,12 @@ class LLMEngine:
             if req.status == _FINISHED_ERROR:  # its stop check failed
                 outputs.append(self._fail(req.request_id, "stop check", None))
                 continue
+            if req.grammar is not None and req.request_id in sampled:
+                try:
+                    self._advance_grammar(req, sampled[req.request_id].token_id)
+                except Exception as exc:
+                    outputs.append(self._fail(req.request_id, "structured outputs", exc))
+                    continue
             try:
                 outputs.append(self._on_update(req, sampled.get(req.request_id)))
             except Exception as exc:  # its text: detokenization and stop strings
@@ -326,6 +348,15 @@ class LLMEngine:
         self._publish_events()
         self.current_batch = frozenset()
         return outputs
+
+    def _advance_grammar(self, req: Request, token_id: int) -> None:
+        """The matcher takes the sampled token; a grammar that is complete ends the request
+        (its last token is the stop token the grammar allows there; with ``ignore_eos`` the
+        scheduler would go on)."""
+        if not req.grammar.accept_token(token_id):
+            raise ValueError(f"token {token_id} breaks the request's structured output")
+        if req.grammar.is_terminated() and not req.is_finished:
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
 
     def _fail(self, request_id: str, stage: str, exc: Exception | None) -> EngineOutput:
         """Ends one request with ``finish_reason="error"`` (its blocks freed now); the text

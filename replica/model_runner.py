@@ -176,13 +176,18 @@ class ModelRunner:
         return int(self.model.config.vocab_size)
 
     @property
+    def logits_width(self) -> int:
+        """Columns of the logits (the LM head's rows; may exceed the tokenizer's vocabulary)."""
+        return int(self.lm_head.weight.shape[0])
+
+    @property
     def medium(self) -> str:
         """Where the KV cache lives, as the block events name it."""
         return "GPU" if self.device.type == "cuda" else "CPU"
 
     def prime(self, request_id: str, params: SamplingParams, draws: int) -> None:
         """A resumed request's generator skips the ``draws`` its earlier tokens took."""
-        self.sampler.prime(request_id, params, draws, int(self.lm_head.weight.shape[0]))
+        self.sampler.prime(request_id, params, draws, self.logits_width)
 
     def forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)
@@ -258,6 +263,7 @@ class ModelRunner:
                 [r.request_id for r in sample_reqs],
                 [r.sampling_params for r in sample_reqs],
                 [(r.all_token_ids, r.output_token_ids) for r in sample_reqs],
+                [r.grammar for r in sample_reqs],
             )
             out = {r.request_id: s for r, s in zip(sample_reqs, sampled, strict=True)}
         for req, row, first, stop in prompt_rows:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from kvroute.events.replica_api import SamplingParams
 
@@ -88,6 +89,8 @@ class Request:
         self.prompt_logprobs: list[dict[int, float] | None] | None = (
             [None] if self.sampling_params.prompt_logprobs is not None else None
         )
+        # Its structured-output matcher (an xgrammar GrammarMatcher), set by the engine.
+        self.grammar: Any = None
 
     # -- tokens ------------------------------------------------------------------------
     def _init_tokens(

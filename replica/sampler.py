@@ -21,12 +21,14 @@ rows that ask for one pay for it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from kvroute.events.replica_api import SamplingParams
 
 from .outputs import RequestFailure, SampledToken
+from .structured import mask_logits
 
 __all__ = ["RequestFailure", "SampledToken", "Sampler"]
 
@@ -69,18 +71,23 @@ class Sampler:
         request_ids: list[str],
         params: list[SamplingParams],
         token_ids: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+        grammars: Sequence[Any] | None = None,
     ) -> list[SampledToken | RequestFailure]:
         """``logits``: [num_requests, vocab] for the requests in ``request_ids`` order.
         ``token_ids``: each request's (prompt and output so far, output so far), read only
-        where it asks for a bias or a penalty.
+        where it asks for a bias or a penalty. ``grammars``: each request's structured-output
+        matcher or None; a constrained row loses the tokens its grammar forbids first (as in
+        vLLM, before the logprobs are taken).
 
         Batch-wide work (argmax, log-softmax) may raise: that is shared state. Per-row work
         that raises yields a :class:`RequestFailure` for that row only."""
         logits = logits.float()
+        failed: dict[int, RequestFailure] = {}
+        if grammars is not None and any(g is not None for g in grammars):
+            failed.update(_constrain(logits, grammars))
         want_logprobs = any(p.logprobs is not None for p in params)
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        failed: dict[int, RequestFailure] = {}
-        penalized = [i for i, p in enumerate(params) if p.has_penalties]
+        penalized = [i for i, p in enumerate(params) if p.has_penalties and i not in failed]
         if penalized:
             logits = logits.clone()  # the raw logits' logprobs were taken above
             for i in penalized:
@@ -138,6 +145,23 @@ class Sampler:
         # same stream on a CPU and a GPU replica.
         race = torch.empty(probs.shape, dtype=probs.dtype).exponential_(generator=generator)
         return int((probs / race.to(probs.device)).argmax())
+
+
+def _constrain(logits: torch.Tensor, grammars: Sequence[Any]) -> dict[int, RequestFailure]:
+    """Masks the constrained rows in one call; if that fails, row by row, so a bad matcher
+    fails its own request only."""
+    rows = [i for i, g in enumerate(grammars) if g is not None]
+    try:
+        mask_logits(logits, rows, [grammars[i] for i in rows])
+        return {}
+    except Exception:
+        failed = {}
+        for i in rows:
+            try:
+                mask_logits(logits, [i], [grammars[i]])
+            except Exception as exc:
+                failed[i] = RequestFailure("structured outputs", exc)
+        return failed
 
 
 def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[dict[int, float]]:

@@ -15,7 +15,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvroute.events.load import LoadReport
-from kvroute.events.replica_api import GenerateDelta, SamplingParams
+from kvroute.events.replica_api import (
+    JSON_OBJECT_SCHEMA,
+    GenerateDelta,
+    SamplingParams,
+    StructuredOutputs,
+)
 from kvroute.events.translate import from_vllm_hash_algo
 
 if TYPE_CHECKING:
@@ -194,7 +199,25 @@ def to_vllm_sampling(params: SamplingParams, done: int) -> Any:
         frequency_penalty=params.frequency_penalty,
         repetition_penalty=params.repetition_penalty,
         logit_bias=dict(params.logit_bias) if params.logit_bias else None,
+        structured_outputs=to_vllm_structured(params.structured_outputs),
         output_kind=RequestOutputKind.DELTA,
+    )
+
+
+def to_vllm_structured(so: StructuredOutputs | None) -> Any:
+    """kvroute's structured-output constraint as vLLM's (the same fields; any JSON object
+    as the schema ``{"type": "object"}``, as kvroute's engine compiles it)."""
+    if so is None:
+        return None
+    from vllm.sampling_params import StructuredOutputsParams
+
+    json_schema = JSON_OBJECT_SCHEMA if so.json_object else so.json
+    return StructuredOutputsParams(
+        json=json_schema,
+        regex=so.regex,
+        choice=list(so.choice) if so.choice is not None else None,
+        grammar=so.grammar,
+        disable_any_whitespace=so.disable_any_whitespace,
     )
 
 

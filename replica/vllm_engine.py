@@ -306,6 +306,11 @@ class VllmEngine:
         if rid in self._live:
             self._deliver_to(sink, rid, ValueError(f"request id {rid!r} is already in use"))
             return
+        if resume is not None and resume.output_token_ids and params.structured_outputs:
+            # vLLM would start the constraint again after the earlier tokens (its prompt).
+            why = "a structured output cannot be resumed on a vLLM replica"
+            self._deliver_to(sink, rid, ValueError(why))
+            return
         if isinstance(prompt, str):
             prompt = self.tokenizer.encode(prompt)
         live = LiveRequest(rid, sink, len(prompt), logprobs=params.logprobs is not None)

@@ -44,6 +44,7 @@ from typing import Any
 import msgspec
 
 from kvroute.events.replica_api import (
+    JSON_OBJECT_SCHEMA,
     GenerateDelta,
     GenerateRequest,
     ReplicaDeadError,
@@ -287,6 +288,12 @@ def completion_body(req: GenerateRequest, model: str) -> dict[str, Any] | None:
         body["repetition_penalty"] = s.repetition_penalty
     if s.logit_bias:
         body["logit_bias"] = {str(t): b for t, b in s.logit_bias.items()}
+    so = s.structured_outputs
+    if so is not None:  # vLLM's own fields; any JSON object as kvroute's engine compiles it
+        fields = msgspec.structs.asdict(so)
+        if fields.pop("json_object"):
+            fields["json"] = JSON_OBJECT_SCHEMA
+        body["structured_outputs"] = {k: v for k, v in fields.items() if v not in (None, False)}
     if req.cache_salt:  # vLLM wants 1 to 1024 characters, or none
         body["cache_salt"] = req.cache_salt
     return body
@@ -335,8 +342,12 @@ class HttpReplicaConnection:
             return flight
         body = completion_body(req, self.model)
         reader = self._reader(req)
+        why = None
         if req.sampling.prompt_logprobs is not None:  # vLLM refuses them in a stream
             why = "`echo` with `logprobs` is not available from a fronted vllm serve"
+        elif req.sampling.structured_outputs and req.resume and req.resume.output_token_ids:
+            why = "a structured output cannot be resumed on a fronted vllm serve"
+        if why is not None:
             delta = reader._delta([], "", "error", error=why)
             delta.failure = "invalid"
             flight.put(delta)

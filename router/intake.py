@@ -28,6 +28,7 @@ from kvroute.events.replica_api import (
     BoundsError,
     InvalidRequestError,
     SamplingParams,
+    StructuredOutputs,
     check_prompt_token_ids,
 )
 
@@ -39,6 +40,7 @@ from .openai_wire import DECODERS, ChatBody, CompletionBody
 from .policy import NoReplicaError
 from .quarantine import QueryOfDeathError
 from .request_run import REPLICA_FAILURES, RequestRun
+from .response_format import structured_outputs
 from .responses import FAILED, request_failed
 from .tenants import Tenant
 
@@ -251,8 +253,11 @@ class Intake:
         self._check_ids(ids)
         return ids
 
-    def sampling(self, body: Body, n_prompt: int) -> SamplingParams:
-        """The request's sampling as the engine will check it (the shared bounds)."""
+    def sampling(
+        self, body: Body, n_prompt: int, structured: StructuredOutputs | None = None
+    ) -> SamplingParams:
+        """The request's sampling as the engine will check it (the shared bounds);
+        ``structured``: its output constraint (:func:`.response_format.structured_outputs`)."""
         max_len = self.door.fleet.max_model_len
         room = max_len - n_prompt
         max_tokens = body.max_tokens
@@ -292,6 +297,7 @@ class Intake:
                     1.0 if body.repetition_penalty is None else body.repetition_penalty
                 ),
                 logit_bias=self._logit_bias(body.logit_bias),
+                structured_outputs=structured,
             )
         except BoundsError as exc:
             raise APIError(400, str(exc), "invalid_request_error", exc.param) from None
@@ -317,8 +323,9 @@ class Intake:
                 all_ids = [await self.prompt_ids(p) for p in prompts]
             n = body.n or 1
             many = len(all_ids) * n > 1
+            structured = structured_outputs(body)
             for ids in all_ids:
-                spec = self.sampling(body, len(ids))
+                spec = self.sampling(body, len(ids), structured)
                 for sample in range(n):
                     if len(tickets) <= len(runs):
                         tickets.append(await self.admit(tenant))

@@ -63,7 +63,6 @@ UNSUPPORTED: dict[str, tuple[object, ...]] = {
     "tool_choice": (None, "none"),
     "functions": (None, []),
     "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}),
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
@@ -180,14 +179,17 @@ class _Request(_Strict, RequestMethods):
         ]
         | None
     ) = None
-    # Declared only to be refused by name when set (see UNSUPPORTED); never used.
     n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)  # choices per prompt
+    # OpenAI's and vLLM's output constraints, free-form here: router/response_format.py
+    # reads them (a 400 naming the field when malformed).
+    response_format: Any = None
+    structured_outputs: Any = None
+    # Declared only to be refused by name when set (see UNSUPPORTED); never used.
     best_of: int | None = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     audio: Any = None
     modalities: Any = None
     prediction: Any = None

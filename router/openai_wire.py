@@ -97,6 +97,7 @@ class _Request(msgspec.Struct, kw_only=True):
     prediction: Any = None
     web_search_options: Any = None
     prompt_logprobs: Any = None
+    structured_outputs: Any = None
 
 
 class CompletionBody(CompletionMethods, _Request, kw_only=True):

@@ -287,3 +287,44 @@ def test_echoed_prompt_logprobs_equal_kvroutes_engine(served: Served, kvroute_ti
     for i in range(1, len(ids)):
         assert lp["token_logprobs"][i] == pytest.approx(want.prompt_logprobs[i][ids[i]], abs=1e-3)
         assert len(lp["top_logprobs"][i]) >= 1
+
+
+def test_structured_outputs_equal_kvroutes_engine(served: Served, kvroute_tiny: Any) -> None:
+    """The same constraint, greedy, same weights, over the data plane and through the front
+    door: vLLM's tokens are kvroute's. (Not a JSON schema here: vLLM reads
+    ``disable_any_whitespace`` from its server config, not the request, and this random
+    model, free to, spaces JSON out past any ``max_tokens``.)"""
+    from kvroute.events.replica_api import StructuredOutputs
+    from kvroute.replica import SamplingParams as KvSampling
+
+    kinds = [
+        StructuredOutputs(regex=r"[a-z]{3}-[0-9]{2}"),
+        StructuredOutputs(choice=["red", "green", "blue"]),
+        StructuredOutputs(grammar='root ::= "(" [1-9] ("+" [1-9])* ")"'),
+    ]
+    ids = list(kvroute_tiny.tokenizer(PROMPTS[1]).input_ids)
+    actor = next(iter(served.actors.values()))
+
+    def kv(so: StructuredOutputs) -> Any:
+        params = KvSampling(max_tokens=40, temperature=0, structured_outputs=so)
+        return kvroute_tiny.generate([ids], params)[0].outputs[0]
+
+    async def run_all() -> list[list[Any]]:
+        reqs = [
+            GenerateRequest(
+                request_id=f"structured-{i}",
+                prompt_token_ids=ids,
+                sampling=SamplingParams(max_tokens=40, temperature=0, structured_outputs=so),
+            )
+            for i, so in enumerate(kinds)
+        ]
+        return await asyncio.gather(*(collect(actor, r) for r in reqs))
+
+    for deltas, so in zip(asyncio.run(run_all()), kinds, strict=True):
+        want = kv(so)
+        got_ids = [t for d in deltas for t in d.delta_token_ids]
+        assert want.finish_reason == "stop" and deltas[-1].finish_reason == "stop"
+        assert got_ids == list(want.token_ids), so
+    body = {"structured_outputs": {"choice": ["red", "green", "blue"]}}
+    got = complete(served, PROMPTS[1], **body).json()["choices"][0]["text"]
+    assert got == kv(kinds[1]).text

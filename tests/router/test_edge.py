@@ -118,7 +118,6 @@ def test_invalid_requests_are_clean_400s(
 UNSUPPORTED: list[tuple[str, dict[str, Any], str]] = [
     (H, chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     (H, chat(tool_choice="auto"), "tool_choice"),
-    (H, chat(response_format={"type": "json_object"}), "response_format"),
     (H, chat(n=2, stream=True), "n"),  # several choices are served whole, not streamed
     (C, completion(best_of=2), "best_of"),
     (C, completion(prompt_logprobs=1), "prompt_logprobs"),  # vLLM's; echo gives them
