@@ -81,12 +81,11 @@ def _message(exc: Exception) -> str:
 
 
 def mask_logits(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> None:
-    """Sets to -inf, in place, every token each matcher forbids next on its row."""
+    """Sets to -inf, in place, every token each matcher forbids next on its row (xgrammar's
+    kernel, on the logits' device; the bitmask has a row per logits row, as vLLM's)."""
     import xgrammar as xgr
 
-    bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[-1])
-    for i, m in enumerate(matchers):
-        m.fill_next_token_bitmask(bitmask, i)
-    sub = logits[rows]
-    xgr.apply_token_bitmask_inplace(sub, bitmask.to(logits.device))
-    logits[rows] = sub
+    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[-1])
+    for row, m in zip(rows, matchers, strict=True):
+        m.fill_next_token_bitmask(bitmask, row)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=rows)

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 from kvroute.events.replica_api import BoundsError, SamplingParams
 from kvroute.replica import LLM, tiny_model_path
 
-TOL = 1e-4
+TOL = 1e-3  # as the output logprobs' check (test_sampling): GPU kernels round differently
 
 
 @pytest.fixture(scope="module")
