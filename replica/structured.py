@@ -38,7 +38,11 @@ class StructuredOutputCompiler:
         self._compiler: Any = None
 
     def _xgr(self) -> Any:
-        import xgrammar as xgr
+        try:
+            import xgrammar as xgr
+        except ImportError:  # an optional extra: the request's 400 says what to install
+            why = "structured_outputs need xgrammar on the replicas"
+            raise ValueError(f"{why}: pip install 'kvroute[structured]'") from None
 
         if self._compiler is None:
             info = xgr.TokenizerInfo.from_huggingface(

@@ -61,7 +61,7 @@ def test_launcher_file_gpu_workers_cpu_head_and_the_start_line(launcher: dict[st
     assert workers and all(t["node_config"]["InstanceType"][0] in "gp" for t in workers)
     assert all(0 < t["min_workers"] <= t["max_workers"] <= launcher["max_workers"] for t in workers)
     setup = " ".join(launcher["setup_commands"])
-    assert "pip install -e ~/kvroute" in setup and "torch" in setup
+    assert 'pip install -e "$HOME/kvroute[structured]"' in setup and "torch" in setup
     assert launcher["file_mounts"]["~/kvroute"] == "."
     starts = [c for c in launcher["head_start_ray_commands"] if "kvroute serve" in c]
     assert len(starts) == 1
