@@ -149,6 +149,9 @@ def _served_model(
     why = None
     try:
         card = asyncio.run(fetch_card(url, key, min(args.timeout, 30.0)))
+    except httpx.ConnectError as e:  # nothing to load: --model would not help
+        why = f"no server answers at {url} ({e or type(e).__name__})"
+        raise _CannotStartError(1, why + "; is `kvroute serve` running there? (--url)") from None
     except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
         why = f"cannot list models at {url}/models ({type(e).__name__}: {e})"
         if args.model is None:
@@ -259,9 +262,9 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.plot:
         plot([result], args.plot)
     if breaker.tripped and breaker.last is not None:
-        _say(
-            f"stopped after {breaker.in_a_row} failed requests in a row "
-            f"({wall:.1f} s); the server answered {describe_failure(breaker.last)}"
+        _say(  # in a row: past --stop-after-errors when those in flight failed too
+            f"stopped after {breaker.in_a_row} failed requests in a row ({wall:.1f} s; "
+            f"--stop-after-errors {breaker.limit}); the last: {describe_failure(breaker.last)}"
         )
         return 1
     return 0

@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -151,6 +152,18 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         _say(str(exc))
         return 2
+    if not simulated and not args.address:  # a local fleet: the model is on this machine
+        from kvroute.replica.models import check_model_name
+
+        try:
+            check_model_name(args.model)
+        except ValueError as exc:
+            _say(str(exc))
+            return 2
+    busy = _port_in_use(args.host, args.port)
+    if busy:
+        _say(f"cannot listen on {args.host}:{args.port} ({busy}); is another server on it? --port")
+        return 2
     if args.time_scale <= 0 or (args.time_scale != 1.0 and not simulated):
         _say("--time-scale must be > 0 and applies to sim: models only")
         return 2
@@ -177,6 +190,9 @@ def run(args: argparse.Namespace) -> int:
     routers: list[subprocess.Popen[bytes]] = []
     try:
         return _run(args, spec, routers)
+    except StartupError as exc:
+        _say(str(exc))
+        return 2
     except KeyboardInterrupt:
         _say("interrupted")
         return 130
@@ -190,6 +206,23 @@ def run(args: argparse.Namespace) -> int:
                 proc.kill()
         if ray.is_initialized():
             ray.shutdown()
+
+
+class StartupError(RuntimeError):
+    """The fleet could not start for a reason one line can say."""
+
+
+def _port_in_use(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be listened on now (None: it can): checked before Ray and
+    the replicas start, so a busy port costs a line, not a fleet started for nothing."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
 
 
 def _json_object(text: str | None) -> dict[str, Any] | None:
@@ -306,7 +339,12 @@ def _start_replicas(args: argparse.Namespace, n: int, num_gpus: float, events_ho
         if not done:
             _say(f"... {len(infos)}/{n} replicas ready after {time.monotonic() - t0:.0f} s")
             continue
-        info = ray.get(done[0])  # raises the replica's own start-up error
+        try:
+            info = ray.get(done[0])
+        except ray.exceptions.RayError as exc:  # its traceback is in the log; its cause here
+            lines = [line for line in str(exc).splitlines() if line.strip()]
+            why = lines[-1].strip() if lines else str(exc)
+            raise StartupError(f"a replica failed to start: {why}") from exc
         infos[refs[done[0]]] = info
         _say(
             f"replica {info.replica_id} ready on {info.node_ip} ({info.num_blocks} KV blocks, "

@@ -53,6 +53,7 @@ __all__ = [
     "TINY_PAD_ID",
     "TINY_SAFETENSORS_SHA256",
     "cache_dir",
+    "check_model_name",
     "resolve_model",
     "smollm2_path",
     "tiny_model_path",
@@ -129,9 +130,18 @@ def resolve_model(name_or_path: str | os.PathLike[str]) -> Path:
         return tiny_model_path()
     if name == "smollm2-135m":
         return smollm2_path()
+    check_model_name(name)
+    return Path(name).expanduser().resolve()
+
+
+def check_model_name(name: str) -> None:
+    """Raises ValueError, saying what is accepted, unless ``name`` is a built-in model or a
+    local Hugging Face folder; builds nothing (a caller checks before starting replicas)."""
+    if name in BUILTIN_MODELS:
+        return
     path = Path(name).expanduser()
     if path.is_dir() and (path / "config.json").is_file():
-        return path.resolve()
+        return
     builtins = ", ".join(BUILTIN_MODELS)
     if path.is_dir():
         raise ValueError(

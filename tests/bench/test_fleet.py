@@ -176,4 +176,4 @@ def test_a_server_refusing_everything_stops_the_run_within_seconds(
     err = capsys.readouterr().err
     line = next(x for x in err.splitlines() if "stopped after" in x)
     assert "stopped after 10 failed requests in a row" in line
-    assert "the server answered HTTP 400: prompt: token ids must be ints in [0, 261)" in line
+    assert "the last: HTTP 400: prompt: token ids must be ints in [0, 261)" in line

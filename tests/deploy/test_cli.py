@@ -24,9 +24,21 @@ def test_serve_refuses_bad_arguments_before_starting_anything():
         (["--tenants", "a.toml", "--api-keys", "b"], "not allowed with"),
         (["--host", "0.0.0.0"], "refusing to serve anonymously on 0.0.0.0"),
         (["--runtime-env", "[1]"], "--runtime-env: not a JSON object"),
+        (["--model", "gpt2"], "neither a built-in model"),  # no hub downloads: a folder
     ):
         out = subprocess.run([*KVROUTE, "serve", *args], capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and why in out.stderr, (args, out.stderr)
+        assert "Traceback" not in out.stderr and "Ray" not in out.stderr, out.stderr
+    with socket.socket() as busy:  # another server on the port: one line, no fleet started
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        out = subprocess.run(
+            [*KVROUTE, "serve", "--model", "tiny", "--port", port],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert out.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in out.stderr, out.stderr
+    assert "starting" not in out.stderr, out.stderr
 
 
 def new_key() -> tuple[str, str]:
