@@ -2,10 +2,10 @@
 unconstrained, in one run.
 
 Each round runs the same batch twice on one engine: ``n`` requests of ``tokens`` output
-tokens each, free (``ignore_eos``), then held to a regex that allows exactly that many
-lowercase letters (the grammar's matcher fills a bitmask per row per step and takes every
-sampled token). Prints the engine process's CPU and wall time per output token, medians
-over interleaved rounds.
+tokens each, free, then held to a regex of lowercase letters longer than they can spell
+(the grammar's matcher fills a bitmask per row per step and takes every sampled token);
+both make exactly ``tokens`` tokens a request. Prints the engine process's CPU and wall
+time per output token, medians over interleaved rounds.
 
     python benchmarks/bench_structured.py            # tiny on this machine's device
     python benchmarks/bench_structured.py --streams 64 --tokens 128 --rounds 5
@@ -24,9 +24,11 @@ from kvroute.replica.engine import EngineConfig, LLMEngine
 def run_once(
     engine: LLMEngine, n: int, tokens: int, constrained: bool, tag: str
 ) -> tuple[float, float]:
-    so = StructuredOutputs(regex=f"[a-z]{{{tokens - 1}}}") if constrained else None
+    # More letters than the tokens can spell (a token is at most 16 of them here): the
+    # grammar never completes, so both runs make exactly ``tokens`` tokens a request.
+    so = StructuredOutputs(regex=f"[a-z]{{{16 * tokens}}}") if constrained else None
     params = SamplingParams(
-        max_tokens=tokens, temperature=0.0, ignore_eos=not constrained, structured_outputs=so
+        max_tokens=tokens, temperature=0.0, ignore_eos=True, structured_outputs=so
     )
     for i in range(n):
         engine.add_request(f"{tag}-{i}", f"Request {i}: spell a word.", params)

@@ -19,6 +19,7 @@ engine ends that request with ``finish_reason="error"`` and steps on.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
@@ -146,6 +147,11 @@ class AsyncLLMEngine:
         # The scheduler's load after the engine thread's latest step or intake: readable from
         # any thread at once, where a call() would wait for a step to end (a long prefill).
         self.load: LoadReport = engine.scheduler.load_report()
+        # Requests whose new structured-output constraint compiles on a worker thread first
+        # (see submit); an abort meanwhile drops them there.
+        self._compiling: dict[str, _Add] = {}
+        self._compiling_lock = threading.Lock()
+        self._compile_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._thread = threading.Thread(target=self._run, name="kvr-engine", daemon=True)
         self._thread.start()
 
@@ -228,24 +234,59 @@ class AsyncLLMEngine:
     ) -> None:
         """Queues a request from any thread; its outputs (or the error that refuses or ends
         it) go to ``sink``. Never blocks, except on a failed or stopping engine (below)."""
-        if self.error is not None or self._stopped:
-            # The engine thread may still be failing its requests and flushing their sinks,
-            # this one among them: a sink is filled and flushed by one thread at a time.
-            if threading.current_thread() is not self._thread:
-                self._thread.join(5.0)
-            why = "the engine has failed" if self.error is not None else "the engine is shut down"
-            sink.deliver(request_id, EngineDeadError(why))
-            sink.flush()
+        if self._refused_dead(request_id, sink):
             return
-        self._commands.put(
-            _Add(request_id, prompt, params, cache_salt, lora_name, resume, tenant, sink)
-        )
+        add = _Add(request_id, prompt, params, cache_salt, lora_name, resume, tenant, sink)
+        so, compiler = params.structured_outputs, self.engine.structured
+        if so is not None and compiler is not None and not compiler.is_compiled(so):
+            with self._compiling_lock:
+                self._compiling[request_id] = add
+                if self._compile_pool is None:
+                    self._compile_pool = concurrent.futures.ThreadPoolExecutor(
+                        1, thread_name_prefix="kvr-grammar"
+                    )
+            self._compile_pool.submit(self._compile_then_add, add)
+            return
+        self._commands.put(add)
+
+    def _refused_dead(self, request_id: str, sink: OutputSink) -> bool:
+        """A failed or stopping engine refuses the request at once (True)."""
+        if self.error is None and not self._stopped:
+            return False
+        # The engine thread may still be failing its requests and flushing their sinks, this
+        # one among them: a sink is filled and flushed by one thread at a time.
+        if threading.current_thread() is not self._thread:
+            self._thread.join(5.0)
+        why = "the engine has failed" if self.error is not None else "the engine is shut down"
+        sink.deliver(request_id, EngineDeadError(why))
+        sink.flush()
+        return True
+
+    def _compile_then_add(self, add: _Add) -> None:
+        """Compiles the request's constraint off the engine thread, then queues it (unless
+        it was aborted meanwhile). A constraint that does not compile is queued all the
+        same: the engine refuses it with the compiler's reason, as for any bad request."""
+        try:
+            self.engine.structured.compile(add.params.structured_outputs)  # type: ignore[union-attr]
+        except Exception:
+            pass  # add_request raises it again, on the engine thread, to this request alone
+        with self._compiling_lock:
+            if self._compiling.pop(add.request_id, None) is not add:
+                return  # aborted while it compiled: nobody waits for it
+        if not self._refused_dead(add.request_id, add.sink):  # the engine may have died since
+            self._commands.put(add)
 
     def abort(self, request_id: str) -> None:
+        with self._compiling_lock:
+            if self._compiling.pop(request_id, None) is not None:
+                return  # still compiling: it never reaches the engine
         self._commands.put(_Abort(request_id))
 
     def abort_sink(self, sink: OutputSink) -> None:
         """Aborts every live request of ``sink`` (its reader is gone)."""
+        with self._compiling_lock:
+            for rid in [r for r, add in self._compiling.items() if add.sink is sink]:
+                del self._compiling[rid]
         self._commands.put(_AbortSink(sink))
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
@@ -271,6 +312,13 @@ class AsyncLLMEngine:
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stops the engine thread; live streams end with :class:`EngineDeadError`."""
         self._stopped = True
+        if self._compile_pool is not None:  # a compilation under way ends by refusing its request
+            self._compile_pool.shutdown(wait=False, cancel_futures=True)
+            with self._compiling_lock:
+                waiting, self._compiling = list(self._compiling.values()), {}
+            for add in waiting:  # those whose compilation was cancelled: refused here
+                add.sink.deliver(add.request_id, EngineDeadError("the engine is shut down"))
+                add.sink.flush()
         self._commands.put(None)
         self._thread.join(timeout)
         if not self._thread.is_alive():  # a request queued while it stopped: fail it too

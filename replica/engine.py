@@ -249,6 +249,8 @@ class LLMEngine:
         prior = list(resume.output_token_ids) if resume is not None else []
         if prior:
             check_prompt_token_ids(prior, vocab)
+            if params.prompt_logprobs is not None:  # its client has them from the first replica
+                params = msgspec.structs.replace(params, prompt_logprobs=None)
             if len(prior) >= params.max_tokens:
                 raise ValueError("a resumed request must have tokens left to generate")
         for name in ("logprobs", "prompt_logprobs"):

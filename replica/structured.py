@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from kvroute.events.replica_api import JSON_OBJECT_SCHEMA, StructuredOutputs
 
@@ -24,8 +28,18 @@ if TYPE_CHECKING:  # the engine of a cost-model replica imports no torch
 _LOG_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
 
+# Compiled grammars kept per engine (xgrammar's own cache, bounded too, holds their parts)
+CACHED_GRAMMARS = 256
+XGRAMMAR_CACHE_BYTES = 512 << 20  # vLLM's default (VLLM_XGRAMMAR_CACHE_MB)
+COMPACT_SEPARATORS = (",", ":")  # JSON with no whitespace at all (vLLM's, for the same flag)
+
+
 class StructuredOutputCompiler:
-    """Compiles a request's constraint for one tokenizer (lazily: xgrammar loads on first use)."""
+    """Compiles a request's constraint for one tokenizer (lazily: xgrammar loads on first
+    use). Thread-safe: :class:`~.async_engine.AsyncLLMEngine` compiles a new constraint on a
+    worker thread before the request reaches the engine thread, so a slow compilation (a
+    big schema on a 128k vocabulary) never stalls the other requests' steps; the engine
+    thread then finds it compiled."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]) -> None:
         """``stop_token_ids``: every token that ends a request by itself (EOS and the extra
@@ -34,8 +48,10 @@ class StructuredOutputCompiler:
         mid-output and end the request there."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width (the LM head's rows)
-        self.stop_token_ids = list(stop_token_ids)
+        self.stop_token_ids = list(stop_token_ids) or None  # None: xgrammar's own guess
         self._compiler: Any = None
+        self._compiled: OrderedDict[bytes, Any] = OrderedDict()
+        self._lock = threading.Lock()
 
     def _xgr(self) -> Any:
         try:
@@ -43,34 +59,58 @@ class StructuredOutputCompiler:
         except ImportError:  # an optional extra: the request's 400 says what to install
             why = "structured_outputs need xgrammar on the replicas"
             raise ValueError(f"{why}: pip install 'kvroute[structured]'") from None
-
-        if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(
-                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
-            )
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        with self._lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                )
+                self._compiler = xgr.GrammarCompiler(
+                    info, max_threads=1, cache_limit_bytes=XGRAMMAR_CACHE_BYTES
+                )
         return xgr
 
-    def matcher(self, so: StructuredOutputs, prior: Sequence[int] = ()) -> Any:
-        """A matcher for ``so`` past the ``prior`` tokens (a resumed request's). Raises
-        ValueError for a constraint that does not compile (the request's fault: a 4xx)."""
-        xgr = self._xgr()
+    def is_compiled(self, so: StructuredOutputs) -> bool:
+        with self._lock:
+            return msgspec.msgpack.encode(so) in self._compiled
+
+    def compile(self, so: StructuredOutputs) -> Any:
+        """``so``'s compiled grammar (cached). Raises ValueError for a constraint that does
+        not compile (the request's fault: a 4xx)."""
+        key = msgspec.msgpack.encode(so)
+        with self._lock:
+            compiled = self._compiled.get(key)
+            if compiled is not None:
+                self._compiled.move_to_end(key)
+                return compiled
+        self._xgr()
         c = self._compiler
-        whitespace = not so.disable_any_whitespace
+        compact = {"any_whitespace": False, "separators": COMPACT_SEPARATORS}
+        whitespace = compact if so.disable_any_whitespace else {}
         try:
             if so.json is not None:
-                compiled = c.compile_json_schema(so.json, any_whitespace=whitespace)
-            elif so.json_object:  # an object, as OpenAI's JSON mode (not any JSON value)
-                compiled = c.compile_json_schema(JSON_OBJECT_SCHEMA, any_whitespace=whitespace)
+                compiled = c.compile_json_schema(so.json, **whitespace)
+            elif so.json_object:  # an object, as OpenAI's JSON mode (vLLM's too)
+                compiled = c.compile_json_schema(JSON_OBJECT_SCHEMA, **whitespace)
             elif so.regex is not None:
                 compiled = c.compile_regex(so.regex)
-            elif so.choice is not None:
-                alternatives = " | ".join(json.dumps(x) for x in so.choice)
+            elif so.choice is not None:  # EBNF string literals: JSON's escapes, not ASCII's
+                alternatives = " | ".join(json.dumps(x, ensure_ascii=False) for x in so.choice)
                 compiled = c.compile_grammar(f"root ::= {alternatives}")
             else:
                 compiled = c.compile_grammar(so.grammar)
         except Exception as exc:  # xgrammar's parse errors are RuntimeErrors
             raise ValueError(f"structured_outputs: {_message(exc)}") from None
+        with self._lock:
+            self._compiled[key] = compiled
+            while len(self._compiled) > CACHED_GRAMMARS:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def matcher(self, so: StructuredOutputs, prior: Sequence[int] = ()) -> Any:
+        """A matcher for ``so`` past the ``prior`` tokens (a resumed request's). Raises
+        ValueError for a constraint that does not compile (the request's fault: a 4xx)."""
+        compiled = self.compile(so)
+        xgr = self._xgr()
         m = xgr.GrammarMatcher(compiled)
         for t in prior:
             if not m.accept_token(t):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -436,10 +437,16 @@ class Intake:
             raise _as_status(rid, exc) from None
 
 
+# A replica's refusal that names the request field at fault, as ``field: why``
+_NAMED = re.compile(r"(?:request rejected: )?(structured_outputs|prompt_logprobs|prompt):")
+
+
 def _as_status(rid: str, exc: BaseException) -> BaseException:
     """A failure before the first token as the status that says it (others unchanged)."""
     if isinstance(exc, InvalidRequestError):
-        return APIError(400, one_line(str(exc)), "invalid_request_error")
+        message = one_line(str(exc))
+        named = _NAMED.match(message)  # the replica's "field: why", e.g. a bad constraint
+        return APIError(400, message, "invalid_request_error", named and named.group(1))
     if isinstance(exc, NoReplicaError):
         return APIError(503, str(exc), "service_unavailable", headers={"retry-after": "1"})
     if isinstance(exc, REPLICA_FAILURES):

@@ -10,6 +10,7 @@ against its tokenizer): a constraint that does not is refused there, also as a 4
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import msgspec
@@ -57,6 +58,11 @@ def _from_vllm(so: Any) -> dict[str, Any] | None:
             continue
         if k == "json" and not isinstance(v, str):
             v = _schema_text(v, f"{param}.json")
+        elif k == "json":  # a schema given as text: JSON, or the replica's parser says worse
+            try:
+                json.loads(v)
+            except ValueError:
+                raise _bad(f"`{param}.json` is not valid JSON.", f"{param}.json") from None
         elif k in ("json_object", "disable_any_whitespace") and not isinstance(v, bool):
             raise _bad(f"`{param}.{k}` must be a boolean.", f"{param}.{k}")
         fields[k] = v

@@ -69,6 +69,7 @@ def end_request(
 
 
 REPLICA_HEADER = "x-kvroute-replica"
+FLOOR = -9999.0  # the least logprob a response shows (a forbidden token's is -inf)
 DISCONNECT_POLL_S = 0.5
 FAILED = "the replica serving this request failed; the request id finds it in the server log"
 
@@ -102,8 +103,11 @@ class Logprobs:
                 continue
             best = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[: self.top]
             # The engine always reports the sampled token; -9999 (OpenAI's "very unlikely")
-            # only if an entry was lost, never a NaN that JSON cannot carry.
-            out.append((tid, entry.get(tid, -9999.0), best))
+            # only if an entry was lost, and for a token a structured output forbade (-inf,
+            # which JSON cannot carry), as vLLM's server clamps it.
+            best = [(t, v if v > FLOOR else FLOOR) for t, v in best]
+            lp = entry.get(tid, FLOOR)
+            out.append((tid, lp if lp > FLOOR else FLOOR, best))
         return out
 
     def completion(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 import pytest
@@ -33,9 +34,8 @@ def llm() -> LLM:
 
 
 def run(llm: LLM, so: StructuredOutputs, temperature: float, **kw) -> list[tuple[str, str]]:
-    params = SamplingParams(
-        max_tokens=160, temperature=temperature, seed=5, structured_outputs=so, **kw
-    )
+    kw.setdefault("seed", 5)
+    params = SamplingParams(max_tokens=160, temperature=temperature, structured_outputs=so, **kw)
     outs = llm.generate(PROMPTS, params)
     return [(o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
 
@@ -60,9 +60,15 @@ def test_json_object_regex_choice_and_grammar(llm: LLM) -> None:
     assert ended and all(isinstance(json.loads(t, strict=False), dict) for t in ended)
     for text, finish in run(llm, StructuredOutputs(regex=r"[A-Z]{2}-[0-9]{3}"), 1.0):
         assert re.fullmatch(r"[A-Z]{2}-[0-9]{3}", text) and finish == "stop"
-    colours = ["red", "green", "blue"]
-    for text, _ in run(llm, StructuredOutputs(choice=colours), 1.0):
-        assert text in colours
+    colours = ["red", "green", "blue", "vert émeraude", '🟦 "bleu"\n']  # beyond ASCII, escapes
+    seen = set()
+    for seed in range(4):
+        for text, _ in run(llm, StructuredOutputs(choice=colours), 1.0, seed=seed):
+            assert text in colours
+            seen.add(text)
+    assert len(seen) > 1
+    for text, _ in run(llm, StructuredOutputs(choice=colours[-1:]), 0.0):  # the odd one, alone
+        assert text == colours[-1]
     grammar = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'
     for text, finish in run(llm, StructuredOutputs(grammar=grammar), 0.0):
         assert re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", text) and finish == "stop"
@@ -107,3 +113,49 @@ def test_a_constraint_that_does_not_compile_is_refused_with_nothing_queued() -> 
     sim = LLMEngine(EngineConfig(model="sim:h100-8b", num_blocks=64))
     with pytest.raises(ValueError, match="cost model"):
         sim.add_request("r", "x", SamplingParams(structured_outputs=StructuredOutputs(regex="a")))
+
+
+class _Sink:
+    """Takes a request's outputs and says nobody listens (the request is aborted anyway)."""
+
+    deltas = False
+
+    def deliver(self, request_id: str, item: object) -> bool:
+        return True
+
+    def flush(self) -> None:
+        pass
+
+
+def test_a_new_constraint_compiles_off_the_engine_thread_and_an_abort_meanwhile_holds() -> None:
+    """Through the threaded engine: a constrained request compiles on a worker thread, then
+    runs; one aborted at once ends up on no queue of the engine either way."""
+    import asyncio
+
+    from kvroute.replica.async_engine import AsyncLLMEngine
+
+    engine = AsyncLLMEngine(LLMEngine(EngineConfig(model="tiny", num_blocks=64)))
+    so = StructuredOutputs(regex=r"[0-9]{3}-[a-z]{2}")
+    params = SamplingParams(max_tokens=20, temperature=0.0, structured_outputs=so)
+
+    async def go() -> str:
+        text = ""
+        async for out in engine.generate("a prompt", params):
+            text = out.outputs[0].text
+        return text
+
+    try:
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", asyncio.run(go()))
+        assert engine.engine.structured.is_compiled(so)
+        other = StructuredOutputs(regex=r"[a-z]{400}")  # not compiled yet: goes to the worker
+        long = SamplingParams(max_tokens=400, temperature=0.0, structured_outputs=other)
+        engine.submit("doomed", "x", long, _Sink())
+        engine.abort("doomed")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (
+            engine._compiling or engine.engine.has_unfinished_requests()
+        ):
+            time.sleep(0.05)
+        assert not engine._compiling and not engine.engine.has_unfinished_requests()
+    finally:
+        engine.shutdown()

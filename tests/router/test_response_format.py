@@ -101,11 +101,31 @@ def test_a_bad_constraint_is_a_400_that_says_what(served: Served) -> None:
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "name"),
         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "one"),
         ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs", "structural"),
-        ({"structured_outputs": {"regex": "(ab"}}, None, "parenthesis"),  # the replica's word
-        ({"structured_outputs": {"json": {"type": "nonsense"}}}, None, "nonsense"),
+        ({"structured_outputs": {"json": "{not json"}}, "structured_outputs.json", "JSON"),
+        # Refused by the replica's compiler, in its words, the field still named:
+        ({"structured_outputs": {"regex": "(ab"}}, "structured_outputs", "parenthesis"),
+        ({"structured_outputs": {"json": {"type": "nonsense"}}}, "structured_outputs", "nonsense"),
     ):
         r = httpx.post(url, json={**base, **extra}, headers=auth)
         err = assert_clean_error(r, 400)
         assert words in err["message"] and ".cc" not in err["message"], err
-        if param is not None:
-            assert err["param"] == param, err
+        assert err["param"] == param, err
+
+
+def test_forbidden_alternatives_show_as_very_unlikely_not_null(served: Served) -> None:
+    """With one allowed token, the others a client asks logprobs for are -inf after the
+    mask: shown as -9999 (JSON has no -inf, and null breaks clients), as vLLM shows them."""
+    c = client(served)
+    got = c.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Pick."}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        extra_body={"structured_outputs": {"choice": ["yes"]}},
+    ).choices[0]
+    assert got.message.content == "yes"
+    for entry in got.logprobs.content:
+        assert all(isinstance(t.logprob, float) for t in entry.top_logprobs), entry
+        assert -9999.0 in [t.logprob for t in entry.top_logprobs]
