@@ -179,7 +179,7 @@ async def _serve(request: Request, tenant: Tenant, model: type[Any]) -> Response
         if len(runs) > 1:
             each = None  # each choice's logprobs shaped afresh: its ``text_offset`` from 0
             if n is not None:
-                each = partial(_shape_once, intake.door.tokenizer, n, chat)
+                each = partial(_shape_once, intake.door.tokenizer, n, chat, {})
             return await respond_choices(
                 intake.door,
                 request,
@@ -216,8 +216,10 @@ async def _serve(request: Request, tenant: Tenant, model: type[Any]) -> Response
         raise
 
 
-def _shape_once(tokenizer: Any, n: int, chat: bool, ids: list[int], entries: Any) -> Any:
-    shapes = Logprobs(tokenizer, n)
+def _shape_once(
+    tokenizer: Any, n: int, chat: bool, names: dict[int, str], ids: list[int], entries: Any
+) -> Any:
+    shapes = Logprobs(tokenizer, n, names)
     return shapes.chat(ids, entries) if chat else shapes.completion(ids, entries)
 
 

@@ -78,11 +78,12 @@ class Logprobs:
     """The engine's logprobs (per token: ``{token id: logprob}``, the sampled token and the
     top alternatives) in OpenAI's two shapes, for one request (it keeps the text offset)."""
 
-    def __init__(self, tokenizer: Any, top: int) -> None:
+    def __init__(self, tokenizer: Any, top: int, names: dict[int, str] | None = None) -> None:
+        """``names``: token names already decoded, shared by the choices of one request."""
         self.tokenizer = tokenizer
         self.top = top
         self.offset = 0  # characters of the completion's tokens so far (``text_offset``)
-        self._names: dict[int, str] = {}
+        self._names: dict[int, str] = {} if names is None else names
 
     def _name(self, token_id: int) -> str:
         name = self._names.get(token_id)
