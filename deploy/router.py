@@ -44,8 +44,13 @@ ADMISSION_TIMEOUT_S = 60.0
 
 def add_front_door_arguments(p: argparse.ArgumentParser) -> None:
     """What every front door takes, whether ``serve`` or ``router`` starts it."""
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default: loopback only; 0.0.0.0 for every interface "
+        "needs API keys or --allow-anonymous)",
+    )
+    p.add_argument("--port", type=int, default=8000, help="port of the OpenAI API (default 8000)")
     auth = p.add_mutually_exclusive_group()
     auth.add_argument(
         "--tenants",
@@ -65,8 +70,17 @@ def add_front_door_arguments(p: argparse.ArgumentParser) -> None:
         help="serve without API keys on a non-loopback --host (refused otherwise)",
     )
     p.add_argument("--fleet-secret", default=None, help="default: $KVROUTE_FLEET_SECRET")
-    p.add_argument("--policy", default="kv")
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument(
+        "--policy",
+        default="kv",
+        help="how requests are routed: kv (cached prefix and load, the default), "
+        "approx_text, least_loaded, round_robin or random",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's name in the API (default: --model as given)",
+    )
     p.add_argument(
         "--max-in-flight",
         type=int,

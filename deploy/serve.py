@@ -39,7 +39,8 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--model",
         default="smollm2-135m",
-        help="built-in name, HF folder, or sim:<profile> for cost-model replicas (sim:h100-8b)",
+        help="smollm2-135m (the default) or tiny, built in; a local Hugging Face folder; or "
+        "sim:<profile> for cost-model replicas (sim:h100-8b)",
     )
     serve.add_argument(
         "--engine",

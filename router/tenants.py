@@ -205,8 +205,11 @@ class Tenants:
         """``Authorization: Bearer <key>`` -> tenant; raises :class:`AuthError`."""
         if self.open:
             return self.default
-        tenant = self._by_key.get(self._bearer(authorization))
+        digest = self._bearer(authorization)
+        tenant = self._by_key.get(digest)
         if tenant is None:
+            if digest in self._admin:  # a right key on the wrong door: say so
+                raise AuthError("an admin key reads /fleet only; send a tenant's key")
             raise AuthError("incorrect API key provided")
         return tenant
 

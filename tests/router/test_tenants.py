@@ -39,8 +39,10 @@ def test_the_shipped_example_file_loads_and_its_keys_authenticate() -> None:
     for bad in (None, "Bearer nope", "Basic kvr-example-admin", "Bearer "):
         with pytest.raises(AuthError):
             tenants.is_admin(bad)
-    with pytest.raises(AuthError):  # an admin key is not a tenant
+    with pytest.raises(AuthError, match="admin key reads /fleet only"):  # not a tenant's
         tenants.authenticate("Bearer kvr-example-admin")
+    with pytest.raises(AuthError, match="incorrect API key"):
+        tenants.authenticate("Bearer nope")
     assert not tenants.open
 
 
