@@ -67,6 +67,7 @@ from .responses import REPLICA_HEADER, Logprobs, respond
 from .send_deadline import SEND_TIMEOUT_S, ClientTooSlowError, SendDeadlineMiddleware
 from .sse import RAW_SEND, ChunkEncoder
 from .tenants import AuthError, Tenant, Tenants
+from .tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
 __all__ = ["BODY_TIMEOUT_S", "MAX_BODY_BYTES", "REPLICA_HEADER", "create_app", "render_metrics"]
 
@@ -473,6 +474,21 @@ def create_app(
         chat_completions,
         methods=["POST"],
         openapi_extra=body_schema(ChatCompletionRequest),
+    )
+    authenticated = [Depends(_authenticate)]
+    app.add_api_route(
+        "/tokenize",
+        tokenize,
+        methods=["POST"],
+        dependencies=authenticated,
+        openapi_extra=body_schema(TokenizeRequest),
+    )
+    app.add_api_route(
+        "/detokenize",
+        detokenize,
+        methods=["POST"],
+        dependencies=authenticated,
+        openapi_extra=body_schema(DetokenizeRequest),
     )
 
     def openapi() -> dict[str, Any]:

@@ -102,9 +102,8 @@ class Intake:
         self._check(body)  # type: ignore[arg-type]
         return body
 
-    def _check(self, body: Body) -> None:
-        """The model (none named: the one served), then parameters this server does not
-        implement."""
+    def check_model(self, body: Any) -> None:
+        """``body.model`` is the one served (set to it when the body names none)."""
         if body.model is None:
             body.model = self.model_name
         elif body.model not in (self.model_name, self.door.fleet.model):
@@ -117,6 +116,11 @@ class Intake:
                 "model",
                 "model_not_found",
             )
+
+    def _check(self, body: Body) -> None:
+        """The model (none named: the one served), then parameters this server does not
+        implement."""
+        self.check_model(body)
         param = body.unsupported()
         if param is not None:
             raise APIError(
@@ -160,7 +164,7 @@ class Intake:
                         "unsupported_parameter",
                     )
 
-    def _check_length(self, chars: int) -> None:
+    def check_length(self, chars: int) -> None:
         """A cheap bound before tokenizing: so many characters cannot fit the context."""
         if chars > self.door.fleet.max_model_len * self.chars_per_token:
             raise APIError(
@@ -172,7 +176,7 @@ class Intake:
                 "context_length_exceeded",
             )
 
-    def _vocab(self) -> int | None:
+    def vocab(self) -> int | None:
         """The fleet's smallest vocabulary (None: no replica says)."""
         vocab = None
         for r in self.door.fleet.replicas.values():
@@ -186,7 +190,7 @@ class Intake:
         against the vocabulary here: an id past it would fail the request on its replica."""
         if not bias:
             return None
-        vocab = self._vocab()
+        vocab = self.vocab()
         out: dict[int, float] = {}
         for key, value in bias.items():
             if not (key.isascii() and key.isdigit()) or (vocab is not None and int(key) >= vocab):
@@ -200,12 +204,12 @@ class Intake:
             out[int(key)] = float(value)
         return out
 
-    def _check_ids(self, ids: list[int], validated: bool = False) -> None:
+    def check_ids(self, ids: list[int], validated: bool = False) -> None:
         """The shared bound on prompt ids (below the smallest vocabulary). ``validated``:
         ``ids`` came through the body's schema (a non-empty list of plain ints in ``[0,
         TOKEN_ID_MAX]``), so one ``max`` in C settles the usual case; anything else, or an
         id past the vocabulary, takes the full check, which names the culprit."""
-        vocab = self._vocab()
+        vocab = self.vocab()
         if validated and ids and max(ids) < (TOKEN_ID_MAX + 1 if vocab is None else vocab):
             return
         try:
@@ -216,13 +220,13 @@ class Intake:
     async def prompt_ids(self, prompt: str | list[int]) -> list[int]:
         """One prompt's token ids: text tokenized off the loop, ids checked."""
         if isinstance(prompt, str):
-            self._check_length(len(prompt))
+            self.check_length(len(prompt))
             encode = self.encode
             ids: list[int] = await self.off_loop(lambda: encode(prompt))
-            self._check_ids(ids)
+            self.check_ids(ids)
         else:
             ids = list(prompt)
-            self._check_ids(ids, validated=True)
+            self.check_ids(ids, validated=True)
         return ids
 
     @staticmethod
@@ -235,7 +239,7 @@ class Intake:
 
     async def chat_ids(self, request: Request, body: ChatCompletionRequest | ChatBody) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        self._check_length(sum(len(m["content"]) for m in messages))
+        self.check_length(sum(len(m["content"]) for m in messages))
         tokenizer = self.door.tokenizer
 
         def render() -> list[int]:
@@ -251,7 +255,7 @@ class Intake:
             raise APIError(
                 400, f"cannot render chat: {one_line(str(exc))}", "invalid_request_error"
             ) from None
-        self._check_ids(ids)
+        self.check_ids(ids)
         return ids
 
     def sampling(

@@ -1,0 +1,102 @@
+"""vLLM's ``/tokenize`` and ``/detokenize``: the served model's tokenizer over HTTP.
+
+Why a front door serves them: it already holds the tokenizer (it tokenizes every prompt, so
+the router hashes exactly what the engine will see), and clients that count or build
+prompts in tokens -- budget checks, evaluation harnesses with a remote tokenizer -- call
+these paths on vLLM. Same authentication as the completions; no replica is involved. The
+tokenizer runs on the front door's worker thread, after the same cheap bounds as a prompt.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import pydantic
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvroute.events.replica_api import BoundsError, check_prompt_token_ids
+
+from .errors import APIError, read_body, validation_error
+from .intake import Intake
+from .openai_api import ChatMessage, Text, TokenId
+
+MAX_DETOKENIZE_IDS = 1 << 20
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")  # as the completions' bodies
+
+
+class TokenizeRequest(_Strict):
+    """A text (``prompt``) or a chat (``messages``, rendered by the model's template)."""
+
+    model: Text | None = None
+    prompt: Text | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool = True  # a text's BOS and the like (vLLM's default)
+    add_generation_prompt: bool = True  # a chat's assistant turn opened
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: Text | None = None
+    tokens: Annotated[list[TokenId], Field(max_length=MAX_DETOKENIZE_IDS)]
+
+
+async def _body(request: Request, model: type[pydantic.BaseModel]) -> Any:
+    intake: Intake = request.app.state.intake
+    raw = await read_body(request, intake.max_body_bytes, intake.body_timeout_s)
+    try:
+        body = model.model_validate_json(raw)
+    except pydantic.ValidationError as exc:
+        raise validation_error(list(exc.errors(include_url=False))) from None
+    intake.check_model(body)
+    return body
+
+
+async def tokenize(request: Request) -> JSONResponse:
+    intake: Intake = request.app.state.intake
+    body: TokenizeRequest = await _body(request, TokenizeRequest)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "Send `prompt` or `messages`, not both.", "invalid_request_error")
+    tokenizer = intake.door.tokenizer
+    if body.prompt is not None:
+        text = body.prompt
+        intake.check_length(len(text))
+    else:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages or ()]
+        intake.check_length(sum(len(m["content"]) for m in messages))
+        try:
+            text = await intake.off_loop(
+                lambda: tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=body.add_generation_prompt, tokenize=False
+                )
+            )
+        except Exception as exc:  # no template, or the template refuses the roles
+            raise APIError(400, f"cannot render chat: {exc}", "invalid_request_error") from None
+    special = body.add_special_tokens and body.messages is None  # a template has its own
+    ids: list[int] = await intake.off_loop(
+        lambda: list(tokenizer(text, add_special_tokens=special).input_ids)
+    )
+    out: dict[str, Any] = {
+        "count": len(ids),
+        "max_model_len": intake.door.fleet.max_model_len,
+        "tokens": ids,
+        "token_strs": tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None,
+    }
+    return JSONResponse(out)
+
+
+async def detokenize(request: Request) -> JSONResponse:
+    intake: Intake = request.app.state.intake
+    body: DetokenizeRequest = await _body(request, DetokenizeRequest)
+    try:  # the prompts' bound: ids of this fleet's vocabulary, named as this body's field
+        check_prompt_token_ids(body.tokens or [0], intake.vocab())
+    except BoundsError as exc:
+        message = str(exc).replace("prompt: ", "tokens: ", 1)
+        raise APIError(400, message, "invalid_request_error", "tokens") from None
+    tokenizer = intake.door.tokenizer
+    text: str = await intake.off_loop(lambda: tokenizer.decode(body.tokens))
+    return JSONResponse({"prompt": text})
