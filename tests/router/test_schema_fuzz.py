@@ -52,7 +52,9 @@ def aimed(case: Any) -> Any:
     return case
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(
+    "path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
+)
 def test_fuzzed_bodies_never_get_a_5xx_or_hurt_a_replica(served: Served, path: str) -> None:
     schema = schemathesis.openapi.from_url(served.url + "/openapi.json")
     statuses: Counter[int] = Counter()
