@@ -75,6 +75,7 @@ log = logging.getLogger(__name__)
 
 LOAD_POLL_S = 0.05  # scheduler load polled this often while requests run
 IDLE_POLL_S = 0.5  # and this often while none do (engine death is noticed here too)
+LOAD_CALL_TIMEOUT_S = 5.0  # a load poll unanswered this long (a dead engine core) is skipped
 
 
 class VllmEngine:
@@ -439,8 +440,12 @@ class VllmEngine:
     async def _read_load(self) -> LoadReport:
         if self._plugin:
             try:
-                fields = await self.llm.engine_core.call_utility_async(LOAD_METHOD)
+                fields = await asyncio.wait_for(
+                    self.llm.engine_core.call_utility_async(LOAD_METHOD), LOAD_CALL_TIMEOUT_S
+                )
                 return LoadReport(**dict(zip(LoadReport.__struct_fields__, fields, strict=True)))
+            except TimeoutError:  # a killed engine core may never answer: the watcher goes
+                return self.load  # back to asking vLLM whether it has died
             except Exception as exc:
                 if self.llm.errored:
                     return self.load
