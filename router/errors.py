@@ -219,9 +219,14 @@ def validation_error(errors: list[Any]) -> APIError:
         and not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS))
         and not (isinstance(p, str) and p.startswith("constrained-"))
     ]
+    # A path may hold the client's own text (a logit_bias key): its repr if it is not a
+    # plain name, shortened, so the message stays one line of bounded length.
+    loc = [p if (p.isidentifier() or p.isdigit()) and len(p) <= 40 else repr(p)[:40] for p in loc]
     param = ".".join(loc) or None
     msg = one_line(str(first.get("msg", "invalid body")))
-    return APIError(400, f"{param}: {msg}" if param else msg, "invalid_request_error", param)
+    return APIError(
+        400, one_line(f"{param}: {msg}") if param else msg, "invalid_request_error", param
+    )
 
 
 def _too_large(limit: int) -> str:

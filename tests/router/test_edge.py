@@ -92,6 +92,14 @@ BAD: list[tuple[str, str, dict[str, Any], str | None]] = [
     ("logit-bias-word-key", C, completion(logit_bias={"the": 1}), "logit_bias"),
     ("logit-bias-past-vocab", C, completion(logit_bias={"261": 1}), "logit_bias"),
     ("logit-bias-past-100", H, chat(logit_bias={"5": 101}), "logit_bias.5"),
+    # A key of the client's own text in the path: once a message of two lines (hypothesis)
+    ("logit-bias-key-newline", H, chat(logit_bias={"\x9c\n": {}}), "logit_bias.'\\x9c\\n'"),
+    (
+        "logit-bias-key-long",
+        H,
+        chat(logit_bias={"k" * 500: "x"}),
+        "logit_bias." + repr("k" * 500)[:40],
+    ),
     ("temperature-string", C, completion(temperature="1"), "temperature"),
     ("temperature-range", C, completion(temperature=2.5), "temperature"),
     ("top-p-zero", C, completion(top_p=0), "top_p"),
