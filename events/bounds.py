@@ -156,12 +156,14 @@ def check_text(text: str, param: str) -> None:
         raise BoundsError(param, "must be valid Unicode (no lone surrogates)") from None
 
 
-def check_prompt_token_ids(token_ids: Sequence[Any], vocab_size: int | None) -> None:
-    """Raises :class:`BoundsError` unless the prompt is a non-empty list of ints in
-    ``[0, vocab_size)`` (``[0, TOKEN_ID_MAX]`` when the vocabulary is not known): one id out
-    of range would fail the model forward that every request of the step shares."""
+def check_prompt_token_ids(
+    token_ids: Sequence[Any], vocab_size: int | None, param: str = "prompt"
+) -> None:
+    """Raises :class:`BoundsError` (naming ``param``) unless the ids are a non-empty list of
+    ints in ``[0, vocab_size)`` (``[0, TOKEN_ID_MAX]`` when the vocabulary is not known): one
+    id out of range would fail the model forward that every request of the step shares."""
     if not token_ids:
-        raise BoundsError("prompt", "the prompt is empty")
+        raise BoundsError(param, f"the {param} is empty")
     limit = TOKEN_ID_MAX + 1 if vocab_size is None else min(vocab_size, TOKEN_ID_MAX + 1)
     # The usual prompt, a list of plain ints, checked in C (~5x faster for 512 ids); any
     # other element type, or an id out of range, takes the loop, which names the culprit.
@@ -169,4 +171,4 @@ def check_prompt_token_ids(token_ids: Sequence[Any], vocab_size: int | None) -> 
         return
     for t in token_ids:
         if not _is_int(t) or not 0 <= t < limit:
-            raise BoundsError("prompt", f"token ids must be ints in [0, {limit}), got {t!r}")
+            raise BoundsError(param, f"token ids must be ints in [0, {limit}), got {t!r}")

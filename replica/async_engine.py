@@ -269,7 +269,7 @@ class AsyncLLMEngine:
         try:
             self.engine.structured.compile(add.params.structured_outputs)  # type: ignore[union-attr]
         except Exception:
-            pass  # add_request raises it again, on the engine thread, to this request alone
+            pass  # kept with the grammars: add_request refuses this request alone with it
         with self._compiling_lock:
             if self._compiling.pop(add.request_id, None) is not add:
                 return  # aborted while it compiled: nobody waits for it

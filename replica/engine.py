@@ -168,7 +168,7 @@ class LLMEngine:
         # model has no logits to mask.
         self.structured = (
             None
-            if sim_profile(config.model) is not None
+            if profile is not None
             else StructuredOutputCompiler(
                 self.tokenizer,
                 self.runner.logits_width,

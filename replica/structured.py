@@ -28,7 +28,8 @@ if TYPE_CHECKING:  # the engine of a cost-model replica imports no torch
 _LOG_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")
 
 
-# Compiled grammars kept per engine (xgrammar's own cache, bounded too, holds their parts)
+# Compiled grammars (or their refusals) kept per engine (xgrammar's own cache, bounded too,
+# holds their parts)
 CACHED_GRAMMARS = 256
 XGRAMMAR_CACHE_BYTES = 512 << 20  # vLLM's default (VLLM_XGRAMMAR_CACHE_MB)
 COMPACT_SEPARATORS = (",", ":")  # JSON with no whitespace at all (vLLM's, for the same flag)
@@ -81,7 +82,10 @@ class StructuredOutputCompiler:
             compiled = self._compiled.get(key)
             if compiled is not None:
                 self._compiled.move_to_end(key)
-                return compiled
+        if isinstance(compiled, ValueError):  # refused before: not compiled again
+            raise compiled
+        if compiled is not None:
+            return compiled
         self._xgr()
         c = self._compiler
         compact = {"any_whitespace": False, "separators": COMPACT_SEPARATORS}
@@ -99,11 +103,13 @@ class StructuredOutputCompiler:
             else:
                 compiled = c.compile_grammar(so.grammar)
         except Exception as exc:  # xgrammar's parse errors are RuntimeErrors
-            raise ValueError(f"structured_outputs: {_message(exc)}") from None
-        with self._lock:
+            compiled = ValueError(f"structured_outputs: {_message(exc)}")
+        with self._lock:  # a refusal is kept too: the engine thread gets it without compiling
             self._compiled[key] = compiled
             while len(self._compiled) > CACHED_GRAMMARS:
                 self._compiled.popitem(last=False)
+        if isinstance(compiled, ValueError):
+            raise compiled
         return compiled
 
     def matcher(self, so: StructuredOutputs, prior: Sequence[int] = ()) -> Any:

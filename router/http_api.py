@@ -475,21 +475,17 @@ def create_app(
         methods=["POST"],
         openapi_extra=body_schema(ChatCompletionRequest),
     )
-    authenticated = [Depends(_authenticate)]
-    app.add_api_route(
-        "/tokenize",
-        tokenize,
-        methods=["POST"],
-        dependencies=authenticated,
-        openapi_extra=body_schema(TokenizeRequest),
-    )
-    app.add_api_route(
-        "/detokenize",
-        detokenize,
-        methods=["POST"],
-        dependencies=authenticated,
-        openapi_extra=body_schema(DetokenizeRequest),
-    )
+    for path, handler, body in (
+        ("/tokenize", tokenize, TokenizeRequest),
+        ("/detokenize", detokenize, DetokenizeRequest),
+    ):
+        app.add_api_route(
+            path,
+            handler,
+            methods=["POST"],
+            dependencies=[Depends(_authenticate)],
+            openapi_extra=body_schema(body),
+        )
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

@@ -204,7 +204,7 @@ class Intake:
             out[int(key)] = float(value)
         return out
 
-    def check_ids(self, ids: list[int], validated: bool = False) -> None:
+    def check_ids(self, ids: list[int], validated: bool = False, param: str = "prompt") -> None:
         """The shared bound on prompt ids (below the smallest vocabulary). ``validated``:
         ``ids`` came through the body's schema (a non-empty list of plain ints in ``[0,
         TOKEN_ID_MAX]``), so one ``max`` in C settles the usual case; anything else, or an
@@ -213,7 +213,7 @@ class Intake:
         if validated and ids and max(ids) < (TOKEN_ID_MAX + 1 if vocab is None else vocab):
             return
         try:
-            check_prompt_token_ids(ids, vocab)
+            check_prompt_token_ids(ids, vocab, param)
         except BoundsError as exc:
             raise APIError(400, str(exc), "invalid_request_error", exc.param) from None
 

@@ -16,9 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvroute.events.replica_api import BoundsError, check_prompt_token_ids
-
-from .errors import APIError, read_body, validation_error
+from .errors import APIError, one_line, read_body, validation_error
 from .intake import Intake
 from .openai_api import ChatMessage, Text, TokenId
 
@@ -75,7 +73,9 @@ async def tokenize(request: Request) -> JSONResponse:
                 )
             )
         except Exception as exc:  # no template, or the template refuses the roles
-            raise APIError(400, f"cannot render chat: {exc}", "invalid_request_error") from None
+            raise APIError(
+                400, f"cannot render chat: {one_line(str(exc))}", "invalid_request_error"
+            ) from None
     special = body.add_special_tokens and body.messages is None  # a template has its own
     ids: list[int] = await intake.off_loop(
         lambda: list(tokenizer(text, add_special_tokens=special).input_ids)
@@ -92,11 +92,8 @@ async def tokenize(request: Request) -> JSONResponse:
 async def detokenize(request: Request) -> JSONResponse:
     intake: Intake = request.app.state.intake
     body: DetokenizeRequest = await _body(request, DetokenizeRequest)
-    try:  # the prompts' bound: ids of this fleet's vocabulary, named as this body's field
-        check_prompt_token_ids(body.tokens or [0], intake.vocab())
-    except BoundsError as exc:
-        message = str(exc).replace("prompt: ", "tokens: ", 1)
-        raise APIError(400, message, "invalid_request_error", "tokens") from None
+    if body.tokens:  # the prompts' bound (none: an empty text)
+        intake.check_ids(body.tokens, validated=True, param="tokens")
     tokenizer = intake.door.tokenizer
     text: str = await intake.off_loop(lambda: tokenizer.decode(body.tokens))
     return JSONResponse({"prompt": text})

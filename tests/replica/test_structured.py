@@ -110,6 +110,10 @@ def test_a_constraint_that_does_not_compile_is_refused_with_nothing_queued() -> 
             engine.add_request("r", "x", SamplingParams(structured_outputs=so))
         assert ".cc" not in str(err.value) and "\n" not in str(err.value)
     assert not engine.has_unfinished_requests()
+    bad = StructuredOutputs(regex="(ab")  # its refusal is kept: asked again, not recompiled
+    assert engine.structured.is_compiled(bad)
+    with pytest.raises(ValueError, match="parenthesis"):
+        engine.add_request("again", "x", SamplingParams(structured_outputs=bad))
     sim = LLMEngine(EngineConfig(model="sim:h100-8b", num_blocks=64))
     with pytest.raises(ValueError, match="cost model"):
         sim.add_request("r", "x", SamplingParams(structured_outputs=StructuredOutputs(regex="a")))

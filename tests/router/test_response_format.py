@@ -90,7 +90,7 @@ def test_a_streamed_constrained_answer_is_whole(served: Served) -> None:
         extra_body=COMPACT,
     )
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-    Verdict.model_validate_json(text)
+    assert isinstance(Verdict.model_validate_json(text), Verdict), text  # raises if not
 
 
 def test_a_bad_constraint_is_a_400_that_says_what(served: Served) -> None:
