@@ -1,8 +1,9 @@
-"""Paged-attention and KV-store kernels: a plain-torch reference (CPU, tests) and Triton (GPU).
+"""Paged-attention and KV-store kernels: a plain-torch reference (the definition, tests),
+the CPU path (the reference with a C decode kernel) and Triton (GPU).
 
 ``store_kv`` and ``paged_attention`` dispatch on the tensors: CUDA tensors go to the Triton
-kernels when Triton imports, everything else to the torch reference. Both paths share one
-signature. ``KVROUTE_KERNELS_BACKEND=torch`` forces the reference (to bisect a GPU bug);
+kernels when Triton imports, CPU tensors to :mod:`.cpu`. All paths share one signature.
+``KVROUTE_KERNELS_BACKEND=torch`` forces the reference everywhere (to bisect a kernel bug);
 ``=triton`` makes a missing Triton an error instead of a silent fallback.
 
 Triton is imported lazily and only when CUDA is available: importing it (and its autotuner)
@@ -18,7 +19,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from kvroute.kernels import reference
+from kvroute.kernels import cpu, reference
 from kvroute.kernels.metadata import AttentionMetadata
 
 __all__ = [
@@ -55,8 +56,10 @@ def available_backends() -> list[str]:
 
 def _backend(t: Tensor) -> ModuleType:
     choice = os.environ.get(_ENV, "").strip().lower()
-    if choice == "torch" or not t.is_cuda:
+    if choice == "torch":
         return reference
+    if not t.is_cuda:
+        return cpu
     mod = _triton_module()
     if mod is None:
         if choice == "triton":
@@ -88,14 +91,17 @@ def paged_attention(
     scale: float,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    sliding_window: int | None = None,
 ) -> Tensor:
     """Bottom-right causal attention of a flattened varlen batch over the paged cache.
 
     query: [num_tokens, num_heads, head_dim]; sequence i's new tokens are
     ``query[query_start_loc[i]:query_start_loc[i+1]]`` at positions
     ``seq_lens[i] - q_len_i .. seq_lens[i] - 1``, already stored by ``store_kv``. GQA when
-    num_heads is a multiple of num_kv_heads. Returns [num_tokens, num_heads, head_dim] in
-    ``query.dtype``, accumulated in fp32 (rows past the last sequence are zero).
+    num_heads is a multiple of num_kv_heads. ``sliding_window`` W: a query at position p
+    sees keys p - W + 1 .. p (transformers' and vLLM's convention); None sees all.
+    Returns [num_tokens, num_heads, head_dim] in ``query.dtype``, accumulated in fp32 (rows
+    past the last sequence are zero).
     """
     return _backend(query).paged_attention(
         query,
@@ -107,4 +113,5 @@ def paged_attention(
         scale=scale,
         max_query_len=max_query_len,
         max_seq_len=max_seq_len,
+        sliding_window=sliding_window,
     )

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-__all__ = ["paged_attention", "store_kv"]
+__all__ = ["attend_decodes", "attend_prefills", "check_batch", "paged_attention", "store_kv"]
 
 # Bytes of gathered K (and again of V) per decode chunk: big enough to batch dozens of short
 # sequences, small enough to be recycled by malloc rather than page-faulted in every call.
@@ -283,24 +283,18 @@ def _decode_cascade(
     out.index_copy_(0, rows, o.reshape(n, num_heads, head_dim).to(out.dtype))
 
 
-def paged_attention(
+def check_batch(
     query: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    *,
     block_tables: Tensor,
     seq_lens: Tensor,
     query_start_loc: Tensor,
-    scale: float,
-    max_query_len: int | None = None,
-    max_seq_len: int | None = None,
-) -> Tensor:
-    """Causal (bottom-right) attention of a varlen batch of new tokens over the paged cache.
-
-    The maxima are accepted for parity with the Triton path (which sizes its tiles from
-    ``max_query_len``); here they are only checked, so a runner that passes maxima below the
-    real ones fails on CPU, in tests, rather than silently on a GPU.
-    """
+    max_query_len: int | None,
+    max_seq_len: int | None,
+    sliding_window: int | None,
+) -> tuple[list[int], list[int]]:
+    """Validates a batch; returns (query_start_loc, seq_lens) as host lists."""
     if query.dim() != 3 or k_cache.dim() != 4:
         raise ValueError("query must be [T, H, D] and caches [num_blocks, block_size, Hk, D]")
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
@@ -308,16 +302,14 @@ def paged_attention(
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if query.shape[2] != k_cache.shape[3] or k_cache.shape != v_cache.shape:
         raise ValueError("query, k_cache and v_cache disagree on head_dim or shape")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, not {sliding_window}")
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
     num_seqs = len(lens)
     if len(qsl) != num_seqs + 1 or qsl[0] != 0 or qsl[-1] > query.shape[0]:
         raise ValueError("query_start_loc must be [num_seqs + 1], start at 0, end <= num_tokens")
     block_size = k_cache.shape[1]
-    cdt = _compute_dtype(query.dtype)
-    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    out[qsl[-1] :].zero_()  # rows past the last sequence are padding
-
     q_lens = [qsl[i + 1] - qsl[i] for i in range(num_seqs)]
     for i, (q_len, seq_len) in enumerate(zip(q_lens, lens, strict=True)):
         if q_len < 0 or q_len > seq_len:
@@ -328,15 +320,108 @@ def paged_attention(
         raise ValueError(f"max_query_len {max_query_len} < actual {max(q_lens)}")
     if max_seq_len is not None and max_seq_len < max(lens, default=0):
         raise ValueError(f"max_seq_len {max_seq_len} < actual {max(lens)}")
+    return qsl, lens
 
+
+def _windowed(
+    out: Tensor,
+    query: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    table: Tensor,
+    start: int,
+    q_len: int,
+    seq_len: int,
+    window: int,
+    scale: float,
+    cdt: torch.dtype,
+) -> None:
+    """One sequence under a sliding window: query at position p sees keys p-window+1 .. p.
+
+    Only the blocks from the first key the first query can see are gathered; the mask is
+    explicit (both edges), so this path is slow and plain on purpose: the definition."""
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = query.shape[1] // num_kv_heads
+    lo = max(0, seq_len - q_len - window + 1)
+    first = lo // block_size
+    blocks = table[first : -(-seq_len // block_size)].long()
+    k = _gather_seq(k_cache, blocks, seq_len - first * block_size, cdt)
+    v = _gather_seq(v_cache, blocks, seq_len - first * block_size, cdt)
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    key_pos = torch.arange(first * block_size, seq_len, device=query.device)
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+    mask = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] > q_pos[:, None] - window)
+    q = query[start : start + q_len].to(cdt).transpose(0, 1)[None]
+    o = sdpa(q, k, v, attn_mask=mask, scale=scale)
+    out[start : start + q_len] = o[0].transpose(0, 1).to(out.dtype)
+
+
+def window_applies(seq_len: int, window: int | None) -> bool:
+    """Whether some query of this sequence is denied a key by the window (the last one sees
+    the most keys: all ``seq_len`` of them without a window)."""
+    return window is not None and seq_len > window
+
+
+def attend_prefills(
+    out: Tensor,
+    query: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    qsl: list[int],
+    lens: list[int],
+    scale: float,
+    sliding_window: int | None,
+    seqs: list[int] | None = None,
+) -> list[int]:
+    """Attends every sequence (of ``seqs``, default all) with more than one new token, and
+    every one the window cuts, decodes included; returns the decodes left for
+    :func:`attend_decodes`."""
+    block_size = k_cache.shape[1]
+    cdt = _compute_dtype(query.dtype)
     decodes: list[int] = []
-    for i in range(num_seqs):
-        q_len, seq_len = q_lens[i], lens[i]
-        if q_len == 1:
+    for i in range(len(lens)) if seqs is None else seqs:
+        q_len, seq_len = qsl[i + 1] - qsl[i], lens[i]
+        if window_applies(seq_len, sliding_window):
+            assert sliding_window is not None
+            table = block_tables[i]
+            _windowed(
+                out,
+                query,
+                k_cache,
+                v_cache,
+                table,
+                qsl[i],
+                q_len,
+                seq_len,
+                sliding_window,
+                scale,
+                cdt,
+            )
+        elif q_len == 1:
             decodes.append(i)
         elif q_len > 1:
             blocks = block_tables[i, : -(-seq_len // block_size)].long()
             _attend_one(out, query, k_cache, v_cache, blocks, qsl[i], q_len, seq_len, scale, cdt)
+    return decodes
+
+
+def attend_decodes(
+    out: Tensor,
+    query: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    decodes: list[int],
+    qsl: list[int],
+    lens: list[int],
+    scale: float,
+) -> None:
+    """Sequences with one new token that see their whole context: cascades over shared
+    prefixes, then padded chunks."""
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    cdt = _compute_dtype(query.dtype)
     groups, decodes = _cascade_groups(decodes, block_tables, lens, block_size)
     for members, shared in groups:
         _decode_cascade(
@@ -350,4 +435,44 @@ def paged_attention(
             _attend_one(out, query, k_cache, v_cache, blocks, qsl[i], 1, lens[i], scale, cdt)
         else:
             _decode_chunk(out, query, k_cache, v_cache, block_tables, chunk, qsl, lens, scale, cdt)
+
+
+def paged_attention(
+    query: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    *,
+    block_tables: Tensor,
+    seq_lens: Tensor,
+    query_start_loc: Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    sliding_window: int | None = None,
+) -> Tensor:
+    """Causal (bottom-right) attention of a varlen batch of new tokens over the paged cache.
+
+    ``sliding_window``: a query at position p sees keys p - sliding_window + 1 .. p only
+    (transformers' and vLLM's convention); None sees all. The maxima are accepted for
+    parity with the Triton path (which sizes its tiles from ``max_query_len``); here they
+    are only checked, so a runner that passes maxima below the real ones fails on CPU, in
+    tests, rather than silently on a GPU.
+    """
+    qsl, lens = check_batch(
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        max_query_len,
+        max_seq_len,
+        sliding_window,
+    )
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    out[qsl[-1] :].zero_()  # rows past the last sequence are padding
+    decodes = attend_prefills(
+        out, query, k_cache, v_cache, block_tables, qsl, lens, scale, sliding_window
+    )
+    attend_decodes(out, query, k_cache, v_cache, block_tables, decodes, qsl, lens, scale)
     return out

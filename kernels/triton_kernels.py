@@ -31,6 +31,8 @@ from torch import Tensor
 __all__ = ["paged_attention", "store_kv"]
 
 _LOG2E = 1.4426950408889634
+# "No window" as a window wider than any sequence: one code path, no branch in the kernel.
+_NO_WINDOW = 1 << 30
 
 
 @triton.jit
@@ -104,6 +106,7 @@ def _paged_attention_kernel(
     query_start_loc_ptr,
     scale_log2,
     num_seqs,
+    window,
     stride_qt,
     stride_qh,
     stride_qd,
@@ -160,13 +163,16 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], dtype=tl.float32)
 
-    # The tile's last valid row sees the most keys; nothing past it is loaded.
+    # The tile's last valid row sees the most keys; nothing past it is loaded. Under a
+    # sliding window (a query at p sees p - window + 1 .. p) the tile's first row sees the
+    # earliest key: the walk starts at that key's tile.
     num_keys = ctx_len + tl.minimum((local + 1) * BLOCK_Q, q_len)
+    first_key = tl.maximum(ctx_len + local * BLOCK_Q - window + 1, 0)
     offs_n = tl.arange(0, TILE_N)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     kv_off_h_k = kv_head * stride_kh
     kv_off_h_v = kv_head * stride_vh
-    for start in range(0, num_keys, TILE_N):
+    for start in range((first_key // TILE_N) * TILE_N, num_keys, TILE_N):
         pos = start + offs_n
         key_ok = pos < num_keys
         blk = tl.load(table + pos // BLOCK_SIZE, mask=key_ok, other=0).to(tl.int64)
@@ -181,6 +187,7 @@ def _paged_attention_kernel(
         s = tl.dot(q, k, input_precision="ieee") if IEEE else tl.dot(q, k)
         s = s * scale_log2
         visible = key_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        visible = visible & (pos[None, :] > q_pos[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_sub = tl.where(m_new > float("-inf"), m_new, 0.0)  # a row that saw nothing yet
@@ -270,6 +277,7 @@ def paged_attention(
     scale: float,
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
+    sliding_window: int | None = None,
 ) -> Tensor:
     """Same contract as ``kvroute.kernels.reference.paged_attention``; never syncs.
 
@@ -302,6 +310,7 @@ def paged_attention(
         query_start_loc,
         scale * _LOG2E,
         num_seqs,
+        sliding_window if sliding_window is not None else _NO_WINDOW,
         *query.stride(),
         *out.stride(),
         *k_cache.stride(),

@@ -110,8 +110,9 @@ def make_batch(
     )
 
 
-def dense_attention(batch: Batch) -> Tensor:
-    """Naive float64 attention from the contiguous per-sequence K/V, explicit causal mask."""
+def dense_attention(batch: Batch, window: int | None = None) -> Tensor:
+    """Naive float64 attention from the contiguous per-sequence K/V, explicit causal mask
+    (and, with ``window``, the sliding window's: a query at p sees p - window + 1 .. p)."""
     query = batch.query.detach().cpu().double()
     out = torch.zeros_like(query)
     start = 0
@@ -124,6 +125,8 @@ def dense_attention(batch: Batch) -> Tensor:
         scores = torch.einsum("qhd,khd->hqk", q, kk) * batch.scale
         q_pos = torch.arange(seq_len - q_len, seq_len)[:, None]
         allowed = torch.arange(seq_len)[None, :] <= q_pos
+        if window is not None:
+            allowed &= torch.arange(seq_len)[None, :] > q_pos - window
         scores = scores.masked_fill(~allowed, float("-inf"))
         out[start : start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
         start += q_len

@@ -246,7 +246,8 @@ def test_backends_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_dispatch_rules(monkeypatch: pytest.MonkeyPatch) -> None:
-    """CUDA tensors go to Triton when it is usable; the env var forces either side."""
+    """CUDA tensors go to Triton when it is usable, CPU tensors to the CPU path; the env var
+    forces either side."""
     import types
 
     import kvroute.kernels as kernels
@@ -256,9 +257,10 @@ def test_dispatch_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(kernels, "_triton_module", lambda: fake_triton)
     monkeypatch.delenv("KVROUTE_KERNELS_BACKEND", raising=False)
     assert kernels._backend(cuda_tensor) is fake_triton
-    assert kernels._backend(torch.zeros(1)) is ref
+    assert kernels._backend(torch.zeros(1)) is kernels.cpu
     monkeypatch.setenv("KVROUTE_KERNELS_BACKEND", "torch")
     assert kernels._backend(cuda_tensor) is ref
+    assert kernels._backend(torch.zeros(1)) is ref
     monkeypatch.setattr(kernels, "_triton_module", lambda: None)
     monkeypatch.delenv("KVROUTE_KERNELS_BACKEND")
     assert kernels._backend(cuda_tensor) is ref  # silent fallback by default...

@@ -1,0 +1,177 @@
+/* Paged decode attention for the CPU, reading K/V where they lie in the block cache.
+
+Why C: the torch path gathers every decoding sequence's blocks into a contiguous copy each
+layer, then runs SDPA with the GQA group (often 2-8 rows) as the query length, a shape its
+kernels are slow at. Here each sequence walks its block table once, slot by slot: every
+query head's score against the slot's K, a softmax per head, then the V rows weighted into
+the output.
+No copy, no padding, no mask; a sliding window simply starts the walk later.
+
+Contract (checked by kvroute.kernels.cpu_decode before the call): float32 everywhere;
+query/out rows are [num_heads, head_dim] contiguous with a row stride; caches are
+contiguous [num_blocks, block_size, num_kv_heads, head_dim]; block tables int32 with a row
+stride; seq_lens and query_start_loc int32. Pointers arrive as integers (data_ptr()), so
+this module needs no torch headers and builds with the plain C compiler at install time.
+
+The hot loops are compiled for AVX-512, AVX2+FMA and baseline x86-64 (target_clones), and
+the loader picks the best the CPU has: one build works on every machine of a cluster.
+*/
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define KV_CLONES __attribute__((target_clones("avx512f", "arch=haswell", "default")))
+#else
+#define KV_CLONES
+#endif
+
+typedef struct {
+    float *out;
+    const float *query;
+    const float *k_cache;
+    const float *v_cache;
+    const int32_t *block_tables;
+    const int32_t *seq_lens;
+    const int32_t *query_start_loc;
+    const int32_t *seqs;
+    Py_ssize_t num_selected;
+    Py_ssize_t num_heads, num_kv_heads, head_dim, block_size;
+    Py_ssize_t bt_stride, q_stride, out_stride;
+    float scale;
+    Py_ssize_t window; /* 0: none; else a query at p sees keys p - window + 1 .. p */
+} DecodeArgs;
+
+/* 16 floats: one AVX-512 register, two AVX2 ones, four SSE ones; GCC lowers each clone. */
+typedef float v16 __attribute__((vector_size(64)));
+
+static inline __attribute__((always_inline)) v16 load16(const float *p) {
+    v16 x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+static inline __attribute__((always_inline)) float hsum16(v16 x) {
+    float s = 0.0f;
+    for (int i = 0; i < 16; i++) s += x[i];
+    return s;
+}
+
+static inline __attribute__((always_inline)) float dot(const float *a, const float *b, Py_ssize_t n) {
+    v16 acc = {0};
+    Py_ssize_t d = 0;
+    for (; d + 16 <= n; d += 16) acc += load16(a + d) * load16(b + d);
+    float s = hsum16(acc);
+    for (; d < n; d++) s += a[d] * b[d];
+    return s;
+}
+
+static inline __attribute__((always_inline)) void axpy(float *y, float w, const float *x, Py_ssize_t n) {
+    Py_ssize_t d = 0;
+    for (; d + 16 <= n; d += 16) {
+        v16 r = load16(y + d) + w * load16(x + d);
+        memcpy(y + d, &r, sizeof r);
+    }
+    for (; d < n; d++) y[d] += w * x[d];
+}
+
+/* One sequence, every head: the walk goes slot by slot (a slot's heads are contiguous), so
+   each cached K and V row is read once, in address order within its block. */
+KV_CLONES
+static void attend_seq(const DecodeArgs *a, Py_ssize_t seq, float *scores, float *acc) {
+    const Py_ssize_t D = a->head_dim, H = a->num_heads, Hk = a->num_kv_heads, G = H / Hk;
+    const Py_ssize_t BS = a->block_size;
+    const Py_ssize_t len = a->seq_lens[seq];
+    const Py_ssize_t lo = (a->window > 0 && len > a->window) ? len - a->window : 0;
+    const Py_ssize_t n = len - lo;
+    const Py_ssize_t row = a->query_start_loc[seq];
+    const int32_t *table = a->block_tables + seq * a->bt_stride;
+    const float *q = a->query + row * a->q_stride;
+
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const Py_ssize_t p = lo + i;
+        const float *k = a->k_cache + ((Py_ssize_t)table[p / BS] * BS + p % BS) * Hk * D;
+        for (Py_ssize_t qh = 0; qh < H; qh++)
+            scores[qh * n + i] = dot(q + qh * D, k + (qh / G) * D, D) * a->scale;
+    }
+    for (Py_ssize_t qh = 0; qh < H; qh++) {
+        float *sq = scores + qh * n;
+        float m = -INFINITY;
+        for (Py_ssize_t i = 0; i < n; i++) m = sq[i] > m ? sq[i] : m;
+        float sum = 0.0f;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            sq[i] = expf(sq[i] - m);
+            sum += sq[i];
+        }
+        const float inv = 1.0f / sum;
+        for (Py_ssize_t i = 0; i < n; i++) sq[i] *= inv;
+    }
+    memset(acc, 0, sizeof(float) * H * D);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const Py_ssize_t p = lo + i;
+        const float *v = a->v_cache + ((Py_ssize_t)table[p / BS] * BS + p % BS) * Hk * D;
+        for (Py_ssize_t qh = 0; qh < H; qh++)
+            axpy(acc + qh * D, scores[qh * n + i], v + (qh / G) * D, D);
+    }
+    memcpy(a->out + row * a->out_stride, acc, sizeof(float) * H * D);
+}
+
+static int run_decode(const DecodeArgs *a) {
+    Py_ssize_t longest = 1;
+    for (Py_ssize_t j = 0; j < a->num_selected; j++) {
+        Py_ssize_t len = a->seq_lens[a->seqs[j]];
+        if (a->window > 0 && len > a->window) len = a->window;
+        longest = len > longest ? len : longest;
+    }
+    float *scores = malloc(sizeof(float) * (size_t)(a->num_heads * longest));
+    float *acc = malloc(sizeof(float) * (size_t)(a->num_heads * a->head_dim));
+    if (scores == NULL || acc == NULL) {
+        free(scores);
+        free(acc);
+        return -1;
+    }
+    for (Py_ssize_t j = 0; j < a->num_selected; j++) attend_seq(a, a->seqs[j], scores, acc);
+    free(scores);
+    free(acc);
+    return 0;
+}
+
+static PyObject *decode(PyObject *self, PyObject *args) {
+    unsigned long long out, query, k_cache, v_cache, tables, lens, starts, seqs;
+    DecodeArgs a;
+    if (!PyArg_ParseTuple(args, "KKKKKKKKnnnnnnnnfn", &out, &query, &k_cache, &v_cache, &tables,
+                          &lens, &starts, &seqs, &a.num_selected, &a.num_heads, &a.num_kv_heads,
+                          &a.head_dim, &a.block_size, &a.bt_stride, &a.q_stride, &a.out_stride,
+                          &a.scale, &a.window))
+        return NULL;
+    if (a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads != 0 || a.head_dim <= 0 ||
+        a.block_size <= 0) {
+        PyErr_SetString(PyExc_ValueError, "bad head or block shape");
+        return NULL;
+    }
+    a.out = (float *)(uintptr_t)out;
+    a.query = (const float *)(uintptr_t)query;
+    a.k_cache = (const float *)(uintptr_t)k_cache;
+    a.v_cache = (const float *)(uintptr_t)v_cache;
+    a.block_tables = (const int32_t *)(uintptr_t)tables;
+    a.seq_lens = (const int32_t *)(uintptr_t)lens;
+    a.query_start_loc = (const int32_t *)(uintptr_t)starts;
+    a.seqs = (const int32_t *)(uintptr_t)seqs;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS rc = run_decode(&a);
+    Py_END_ALLOW_THREADS if (rc != 0) return PyErr_NoMemory();
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"decode", decode, METH_VARARGS,
+     "Paged decode attention over float32 caches, in place (see kvroute.kernels.cpu_decode)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_attention", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__cpu_attention(void) { return PyModule_Create(&module); }
