@@ -1,11 +1,18 @@
-"""Runs one engine step: a flattened varlen batch through a transformers model over the paged cache.
+"""Runs one engine step: a flattened varlen batch through the model over the paged cache.
 
-Why no forked model code: transformers lets a model call a registered attention function
-(``AttentionInterface``) with each layer's Q/K/V after rotary embedding. kvroute registers
-``"kvroute_paged"``, which writes the step's K/V into the paged cache and attends over it
-with :mod:`kvroute.kernels`. Every Llama/Qwen2-style definition in transformers therefore
-runs unchanged; the step's metadata reaches the attention function through a context
-variable, as vLLM's forward context does.
+Two model implementations (``model_impl``, as vLLM's ``--model-impl``):
+
+* ``kvroute`` -- the Llama family (Llama, Mistral, Qwen2, Qwen3) through kvroute's own
+  decoder (:mod:`.decoder`): fused projections, attention on the paged cache directly.
+  The default for those families.
+* ``transformers`` -- any other decoder: transformers' own modules, which call a registered
+  attention function (``AttentionInterface``) with each layer's Q/K/V after rotary
+  embedding. kvroute registers ``"kvroute_paged"``, which writes the step's K/V into the
+  paged cache and attends over it with :mod:`kvroute.kernels`; the step's metadata reaches
+  it through a context variable, as vLLM's forward context does. A model this path cannot
+  run exactly is refused at load, by a probe forward pass: an attention argument the
+  kernels do not implement (Gemma2's ``softcap``, gpt-oss's sinks), a mask or bias of its
+  own, or layers that do not attend through the interface (linear attention, Mamba).
 
 The batch is one sequence of ``num_scheduled_tokens`` tokens (batch dimension 1): prefills,
 chunks over a cached prefix and decodes side by side, each token with its own position.
@@ -31,6 +38,8 @@ from kvroute.events.load import CostCoefficients
 from kvroute.events.replica_api import SamplingParams
 from kvroute.kernels import AttentionMetadata, paged_attention, store_kv
 
+from .decoder import PagedDecoder, unsupported
+from .linear import Linear
 from .outputs import RequestFailure, SampledToken
 from .sampler import Sampler, prompt_logprobs
 from .scheduler import SchedulerOutput
@@ -46,13 +55,60 @@ PROMPT_LOGPROBS_ROWS = 512
 ACTIVATION_MARGIN_BYTES = 2 << 30
 
 
+MODEL_IMPLS = ("auto", "kvroute", "transformers")
+
+
+class UnsupportedModelError(ValueError):
+    """The engine cannot serve this model exactly; the message names the config field."""
+
+
 @dataclass(slots=True)
 class _ForwardContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     meta: AttentionMetadata
+    calls: int = 0  # attention calls this forward (the load probe counts them)
 
 
 _FORWARD_CONTEXT: contextvars.ContextVar[_ForwardContext] = contextvars.ContextVar("kvroute_fwd")
+
+# Arguments transformers' modules pass that change nothing here: the kernels are causal,
+# see only the step's own tokens, and never drop out at inference.
+_BENIGN_ATTENTION_KWARGS = frozenset(
+    {
+        "position_ids",
+        "cu_seq_lens_q",
+        "cu_seq_lens_k",
+        "max_length_q",
+        "max_length_k",
+        "output_attentions",
+        "use_cache",
+        "cache_position",
+        "is_causal",
+        "past_key_values",
+        "position_embeddings",
+        "layer_idx",
+    }
+)
+
+
+def _refuse_unhandled(module: torch.nn.Module, mask: object, kwargs: dict[str, object]) -> None:
+    """Raises UnsupportedModelError for an attention call the paged kernels would get wrong."""
+    if mask is not None:
+        raise UnsupportedModelError(
+            f"{type(module).__name__} passes an attention mask or bias of its own "
+            "(the paged kernels compute causality themselves)"
+        )
+    for key, value in kwargs.items():
+        if key in _BENIGN_ATTENTION_KWARGS or value is None:
+            continue
+        if key == "dropout" and not value:
+            continue
+        if key == "is_causal" and value:
+            continue
+        raise UnsupportedModelError(
+            f"{type(module).__name__} passes attention argument {key}={value!r}, which "
+            "kvroute's paged kernels do not implement"
+        )
 
 
 def _paged_attention_forward(
@@ -62,10 +118,13 @@ def _paged_attention_forward(
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
+    sliding_window: int | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: Q/K/V are [1, heads, tokens, head_dim]."""
     ctx = _FORWARD_CONTEXT.get()
+    _refuse_unhandled(module, attention_mask, kwargs)
+    ctx.calls += 1
     meta = ctx.meta
     k_cache, v_cache = ctx.kv_caches[module.layer_idx]
     q = query[0].transpose(0, 1)
@@ -80,6 +139,7 @@ def _paged_attention_forward(
         scale=scaling if scaling is not None else q.shape[-1] ** -0.5,
         max_query_len=meta.max_query_len,
         max_seq_len=meta.max_seq_len,
+        sliding_window=sliding_window,
     )
     return out.unsqueeze(0), None  # [1, tokens, heads, head_dim], no weights
 
@@ -91,6 +151,26 @@ def _no_mask(*args: object, **kwargs: object) -> None:
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, _paged_attention_forward)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
+
+
+# Config fields by which a model's own forward changes the logits after the LM head; the
+# runner calls the LM head itself, so such a model would be served wrong: refused.
+_LOGIT_FIELDS = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "logits_scaling",
+    "output_multiplier_scale",
+)
+
+
+def _refuse_logit_processing(config: PretrainedConfig) -> None:
+    for name in _LOGIT_FIELDS:
+        value = getattr(config, name, None)
+        if value is not None and value != 1.0:
+            raise UnsupportedModelError(
+                f"config {name}={value!r}: the model scales its logits after the LM head, "
+                "which kvroute's engine does not do"
+            )
 
 
 def kv_layout(config: PretrainedConfig) -> tuple[int, int, int]:
@@ -121,7 +201,10 @@ class ModelRunner:
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
         seed: int = 0,
+        model_impl: str = "auto",
     ) -> None:
+        if model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)}")
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if dtype is None:
             dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
@@ -133,9 +216,17 @@ class ModelRunner:
         ).to(self.device)
         self.model.eval()
         log.info("loaded %s in %.1f s", model_path, time.perf_counter() - t0)
-        self.decoder = self.model.get_decoder()
         self.lm_head = self.model.get_output_embeddings()
+        # The logits' projection: the LM head's weight prepacked on CPU (.linear says why);
+        # a tied weight stays the embedding's too.
+        self.project_logits = (
+            Linear(self.lm_head.weight, self.lm_head.bias)
+            if isinstance(self.lm_head, torch.nn.Linear)
+            else self.lm_head
+        )
         cfg = self.model.config
+        _refuse_logit_processing(cfg)
+        self.num_params = sum(p.numel() for p in self.model.parameters())
         num_layers, kv_heads, head_dim = kv_layout(cfg)
         if num_blocks is None:
             budget = kv_cache_memory_bytes or self._default_kv_budget(gpu_memory_utilization)
@@ -151,6 +242,45 @@ class ModelRunner:
             for _ in range(num_layers)
         ]
         self.sampler = Sampler(seed)
+        why_not = unsupported(cfg)
+        if model_impl == "kvroute" and why_not is not None:
+            raise UnsupportedModelError(f"model_impl kvroute: {why_not}")
+        self.model_impl = (
+            "kvroute" if model_impl != "transformers" and why_not is None else ("transformers")
+        )
+        self.decoder = self.model.get_decoder()
+        self.paged_decoder = PagedDecoder(self.model) if self.model_impl == "kvroute" else None
+        if self.paged_decoder is None:
+            self._probe_transformers_path(num_layers)
+        log.info("model implementation: %s", self.model_impl)
+
+    def _probe_transformers_path(self, num_layers: int) -> None:
+        """One forward pass of two tokens (into block 0's slots, which hold nothing yet):
+        raises UnsupportedModelError where transformers' modules ask the paged attention for
+        what it does not do, or where some layers do not attend through it."""
+        tokens = min(2, self.block_size * self.num_blocks)
+        blocks = list(range(-(-tokens // self.block_size)))
+        meta = AttentionMetadata.build(
+            [blocks], [tokens], [tokens], self.block_size, device=self.device
+        )
+        ctx = _ForwardContext(self.kv_caches, meta)
+        token = _FORWARD_CONTEXT.set(ctx)
+        try:
+            with torch.inference_mode():
+                self.decoder(
+                    input_ids=torch.zeros((1, tokens), dtype=torch.long, device=self.device),
+                    position_ids=torch.arange(tokens, device=self.device)[None],
+                    use_cache=False,
+                )
+        finally:
+            _FORWARD_CONTEXT.reset(token)
+        if ctx.calls != num_layers:
+            types = getattr(self.model.config, "layer_types", None)
+            raise UnsupportedModelError(
+                f"{ctx.calls} of {num_layers} layers attend through kvroute's paged kernels "
+                f"(layer_types {sorted(set(types)) if types else None}): the others keep state "
+                "of their own (linear attention, state-space layers)"
+            )
 
     def _default_kv_budget(self, utilization: float) -> int:
         """CPU: 1 GiB. CUDA: as vLLM sizes it -- the card's share ``utilization`` minus
@@ -203,7 +333,7 @@ class ModelRunner:
         profile = profile_for_model(
             name=f"{name}@{gpu or 'cpu'}",
             config=self.model.config,
-            num_params=sum(p.numel() for p in self.model.parameters()),
+            num_params=self.num_params,
             dtype_bytes=torch.finfo(self.dtype).bits // 8,
             kv_tokens=self.num_blocks * self.block_size,
             max_batched_tokens=max_batched_tokens,
@@ -246,18 +376,21 @@ class ModelRunner:
             self.block_size,
             device=dev,
         )
-        token = _FORWARD_CONTEXT.set(_ForwardContext(self.kv_caches, meta))
-        try:
-            hidden = self.decoder(
-                input_ids=torch.tensor([input_ids], device=dev),
-                position_ids=torch.tensor([positions], device=dev),
-                use_cache=False,
-            ).last_hidden_state[0]
-        finally:
-            _FORWARD_CONTEXT.reset(token)
+        ids = torch.tensor(input_ids, device=dev)
+        pos = torch.tensor(positions, device=dev)
+        if self.paged_decoder is not None:
+            hidden = self.paged_decoder(ids, pos, self.kv_caches, meta)
+        else:
+            token = _FORWARD_CONTEXT.set(_ForwardContext(self.kv_caches, meta))
+            try:
+                hidden = self.decoder(
+                    input_ids=ids[None], position_ids=pos[None], use_cache=False
+                ).last_hidden_state[0]
+            finally:
+                _FORWARD_CONTEXT.reset(token)
         out: dict[str, SampledToken | RequestFailure] = {}
         if sample_rows:
-            logits = self.lm_head(hidden[torch.tensor(sample_rows, device=dev)])
+            logits = self.project_logits(hidden[torch.tensor(sample_rows, device=dev)])
             sampled = self.sampler.sample(
                 logits,
                 [r.request_id for r in sample_reqs],
@@ -281,5 +414,5 @@ class ModelRunner:
         ids = req.prompt_token_ids
         for lo in range(first, stop, PROMPT_LOGPROBS_ROWS):
             hi = min(lo + PROMPT_LOGPROBS_ROWS, stop)
-            logits = self.lm_head(hidden[row + lo - first : row + hi - first])
+            logits = self.project_logits(hidden[row + lo - first : row + hi - first])
             req.prompt_logprobs.extend(prompt_logprobs(logits, list(ids[lo + 1 : hi + 1]), k))

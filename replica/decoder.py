@@ -1,0 +1,197 @@
+"""kvroute's own decoder for the Llama family: Llama, Mistral, Qwen2 and Qwen3.
+
+Why own code: transformers' modules cost a step seven projection GEMMs per layer (q, k, v,
+o, gate, up, down), rotary embedding applied to q and k apart, RMSNorm as five ops, and a
+Python call chain per module; on a small batch that overhead is the step. Here each layer
+is two fused projections in (QKV, gate-up) and two out, rotary applied once to q and k
+side by side, and attention called on the paged cache directly (:mod:`kvroute.kernels`).
+
+transformers stays the loader and the reference: the weights are those of the loaded
+``*ForCausalLM`` (QKV and gate-up concatenated once at load, the originals then freed),
+the embedding, the final norm, the LM head and the rotary embedding module (every rope
+type it knows) are its own modules, reused as they are.
+
+Families share one layer with switches read from the config: attention and MLP biases
+(Qwen2's QKV bias, Llama's ``attention_bias``/``mlp_bias``), Qwen3's per-head q/k norms,
+and the sliding window per layer (Mistral: every layer; Qwen2/Qwen3: the layers that
+``layer_types`` marks ``sliding_attention``). Anything else is not this module's:
+:func:`unsupported` says why, and the runner uses transformers' modules instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import Tensor, nn
+
+from kvroute.kernels import AttentionMetadata, paged_attention, store_kv
+
+from .linear import Linear
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def unsupported(config: object) -> str | None:
+    """Why this module cannot run ``config`` exactly (None: it can)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAMILIES:
+        return f"model_type {model_type!r} is not one of {', '.join(FAMILIES)}"
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        return f"hidden_act {act!r} (the fused MLP is SwiGLU)"
+    types = getattr(config, "layer_types", None) or []
+    other = sorted({t for t in types} - {"full_attention", "sliding_attention"})
+    if other:
+        return f"layer_types {other}"
+    return None
+
+
+def layer_windows(config: object) -> list[int | None]:
+    """Each layer's sliding window, as transformers' attention modules read it."""
+    n = config.num_hidden_layers  # type: ignore[attr-defined]
+    window = getattr(config, "sliding_window", None)
+    if config.model_type == "mistral":  # type: ignore[attr-defined]
+        return [window] * n  # MistralAttention passes config.sliding_window on every layer
+    types = getattr(config, "layer_types", None) or ["full_attention"] * n
+    return [window if t == "sliding_attention" else None for t in types]
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """transformers' LlamaRMSNorm: normalized in fp32, cast back, then scaled."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    var = x.float().pow(2).mean(-1, keepdim=True)
+    return weight * (x.float() * torch.rsqrt(var + eps)).to(x.dtype)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """transformers' apply_rotary_pos_emb (half-split rotation) on [T, heads, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _cat_linear(layers: list[nn.Linear]) -> Linear:
+    """One projection for several that read the same input (q, k, v; gate, up)."""
+    weight = torch.cat([lin.weight.detach() for lin in layers])
+    biases = [lin.bias for lin in layers]
+    if all(b is None for b in biases):
+        return Linear(weight)
+    bias = torch.cat(
+        [
+            b.detach() if b is not None else weight.new_zeros(lin.out_features)
+            for b, lin in zip(biases, layers, strict=True)
+        ]
+    )
+    return Linear(weight, bias)
+
+
+@dataclass(slots=True)
+class _Layer:
+    input_norm: Tensor
+    post_norm: Tensor
+    qkv: Linear
+    q_norm: Tensor | None
+    k_norm: Tensor | None
+    o: Linear
+    gate_up: Linear
+    down: Linear
+    window: int | None
+
+
+class PagedDecoder:
+    """The decoder stack of a Llama-family ``*ForCausalLM``, over kvroute's paged cache.
+
+    Built from a loaded transformers model, whose decoder layers it empties (their weights
+    now live here, fused); the embedding, final norm and rotary module stay shared.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        why = unsupported(model.config)
+        if why is not None:
+            raise ValueError(f"PagedDecoder cannot run this model: {why}")
+        cfg = model.config
+        base = model.get_decoder()
+        self.embed = base.embed_tokens
+        self.final_norm = base.norm
+        self.rotary = base.rotary_emb
+        self.eps = float(cfg.rms_norm_eps)
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.scale = self.head_dim**-0.5
+        windows = layer_windows(cfg)
+        self.layers: list[_Layer] = []
+        for i, layer in enumerate(base.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            q_norm = getattr(attn, "q_norm", None)
+            k_norm = getattr(attn, "k_norm", None)
+            self.layers.append(
+                _Layer(
+                    input_norm=layer.input_layernorm.weight.detach(),
+                    post_norm=layer.post_attention_layernorm.weight.detach(),
+                    qkv=_cat_linear([attn.q_proj, attn.k_proj, attn.v_proj]),
+                    q_norm=q_norm.weight.detach() if q_norm is not None else None,
+                    k_norm=k_norm.weight.detach() if k_norm is not None else None,
+                    o=Linear(attn.o_proj.weight, attn.o_proj.bias),
+                    gate_up=_cat_linear([mlp.gate_proj, mlp.up_proj]),
+                    down=Linear(mlp.down_proj.weight, mlp.down_proj.bias),
+                    window=windows[i],
+                )
+            )
+        base.layers = nn.ModuleList()  # the unfused copies: freed, not kept twice
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        kv_caches: list[tuple[Tensor, Tensor]],
+        meta: AttentionMetadata,
+    ) -> Tensor:
+        """Hidden states [T, hidden] after the final norm, for a flattened varlen batch."""
+        hidden = self.embed(input_ids)
+        cos, sin = self.rotary(hidden, positions[None])
+        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, D]: every head alike
+        h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
+        attn_kw = meta.attention_kwargs()
+        residual: Tensor | None = None
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            residual = hidden if residual is None else residual.add_(hidden)
+            x = _rms_norm(residual, layer.input_norm, self.eps)
+            qkv = layer.qkv(x)
+            t = qkv.shape[0]
+            q = qkv[:, : h * d].view(t, h, d)
+            k = qkv[:, h * d : (h + hk) * d].view(t, hk, d)
+            v = qkv[:, (h + hk) * d :].view(t, hk, d)
+            if layer.q_norm is not None:  # Qwen3: per head, before rotary
+                q = _rms_norm(q, layer.q_norm, self.eps)
+                k = _rms_norm(k, layer.k_norm, self.eps)  # type: ignore[arg-type]
+                qk = _rotate(torch.cat((q, k), dim=1), cos, sin)
+            else:
+                qk = _rotate(qkv[:, : (h + hk) * d].view(t, h + hk, d), cos, sin)
+            q, k = qk[:, :h], qk[:, h:]
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            o = paged_attention(
+                q,
+                k_cache,
+                v_cache,
+                scale=self.scale,
+                sliding_window=layer.window,
+                **attn_kw,  # type: ignore[arg-type]
+            )
+            hidden = layer.o(o.view(t, h * d))
+            residual.add_(hidden)
+            x = _rms_norm(residual, layer.post_norm, self.eps)
+            gate_up = layer.gate_up(x)
+            inter = gate_up.shape[1] // 2
+            hidden = layer.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+        assert residual is not None
+        return self.final_norm(residual.add_(hidden))
+
+    __call__ = forward
