@@ -75,6 +75,9 @@ class EngineConfig:
     dtype: str | None = None  # "float32", "bfloat16", ... None: bf16 on CUDA, fp32 on CPU
     device: str | None = None
     seed: int = 0
+    # "kvroute": own decoder (Llama, Mistral, Qwen2, Qwen3); "transformers": transformers'
+    # modules over the paged kernels; "auto": the first where it applies (model_runner)
+    model_impl: str = "auto"
     stream_text: bool = True  # detokenize every step (streaming); False: once at the end
     # ``model="sim:<profile>"`` (a cost-model replica, see cost_model_runner): wall seconds
     # per modelled second of every step.
@@ -479,6 +482,7 @@ def _load(config: EngineConfig) -> tuple[Path, Any, Any]:
         dtype=getattr(torch, config.dtype) if config.dtype else None,
         device=config.device,
         seed=config.seed,
+        model_impl=config.model_impl,
     )
     return path, tokenizer, runner
 
