@@ -1,0 +1,163 @@
+"""Every supported architecture served exactly, and the others refused, never served wrong.
+
+Small random models of each family are written as ordinary Hugging Face folders (seeded
+weights, the built-in byte tokenizer) and loaded by path, as a user's model would be. Each
+is run cold, over a cached prefix, in chunks under a small token budget and under
+preemption, and must give transformers' own greedy tokens. Sliding windows (16) are
+shorter than the prompts, so a window that was ignored changes the tokens.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+from kvroute.replica import LLM, SamplingParams
+from kvroute.replica.model_runner import UnsupportedModelError
+from kvroute.replica.models import tiny_model_path
+
+from .hf_reference import hf_greedy
+
+NEW_TOKENS = 8
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+WINDOW = 16
+SHAPE = {
+    "vocab_size": 261,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 1024,
+    "initializer_range": 0.2,  # 0.02 makes a random model repeat one token
+    "bos_token_id": 256,
+    "eos_token_id": 257,
+    "pad_token_id": 258,
+    "tie_word_embeddings": False,
+}
+
+CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
+    "llama-biases": lambda: transformers.LlamaConfig(**SHAPE, attention_bias=True, mlp_bias=True),
+    "mistral-window": lambda: transformers.MistralConfig(**SHAPE, sliding_window=WINDOW),
+    "qwen2-window-layer1": lambda: transformers.Qwen2Config(
+        **SHAPE, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1
+    ),
+    "qwen3": lambda: transformers.Qwen3Config(**SHAPE, head_dim=32),
+    "qwen3-window": lambda: transformers.Qwen3Config(
+        **SHAPE, head_dim=32, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0
+    ),
+    "gemma3-window": lambda: transformers.Gemma3TextConfig(
+        **SHAPE,
+        head_dim=16,
+        sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+}
+
+
+def write_model(config: PretrainedConfig, out: Path) -> Path:
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    for f in tiny_model_path().iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = write_model(CONFIGS[name](), tmp_path_factory.mktemp(name))
+        return made[name]
+
+    return get
+
+
+def _prompts(seed: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Cold prompts of 1..100 tokens, and prompts over one 48-token prefix."""
+    rng = random.Random(seed)
+    cold = [[rng.randrange(3, 256) for _ in range(n)] for n in (1, 5, 17, 40, 80, 100)]
+    prefix = [rng.randrange(3, 256) for _ in range(48)]
+    shared = [prefix + [rng.randrange(3, 256) for _ in range(rng.randint(1, 50))] for _ in range(5)]
+    return cold, shared
+
+
+def _check(hf: torch.nn.Module, prompts: list[list[int]], outs) -> None:  # type: ignore[no-untyped-def]
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, NEW_TOKENS), len(prompt)
+
+
+@pytest.mark.parametrize(
+    ("name", "impl"),
+    [
+        ("llama-biases", "kvroute"),
+        ("mistral-window", "kvroute"),
+        ("mistral-window", "transformers"),
+        ("qwen2-window-layer1", "kvroute"),
+        ("qwen3", "kvroute"),
+        ("qwen3-window", "kvroute"),
+        ("gemma3-window", "transformers"),
+    ],
+)
+def test_greedy_equals_transformers(model_dir, name: str, impl: str) -> None:  # type: ignore[no-untyped-def]
+    path = model_dir(name)
+    hf = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    )
+    hf.eval()
+    cold, shared = _prompts(seed=len(name))
+    llm = LLM(str(path), num_blocks=256, model_impl=impl)
+    assert llm.llm_engine.runner.model_impl == impl
+    _check(hf, cold, llm.generate(cold, GREEDY))
+    llm.generate(shared[:1], GREEDY)
+    outs = llm.generate(shared[1:], GREEDY)
+    assert all(o.num_cached_tokens == 48 for o in outs)
+    _check(hf, shared[1:], outs)
+    chunked = LLM(str(path), num_blocks=256, max_num_batched_tokens=24, model_impl=impl)
+    _check(hf, cold + shared, chunked.generate(cold + shared, GREEDY))
+    tight = LLM(str(path), num_blocks=16, max_num_batched_tokens=512, model_impl=impl)
+    _check(hf, cold + shared, tight.generate(cold + shared, GREEDY))
+    assert tight.llm_engine.stats()["num_preemptions"] > 0
+
+
+def test_window_changes_the_output(model_dir) -> None:  # type: ignore[no-untyped-def]
+    """The same weights without the window give other tokens: the test above can fail."""
+    path = model_dir("mistral-window")
+    windowed = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    config = transformers.AutoConfig.from_pretrained(path)
+    config.sliding_window = None
+    full = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval()
+    cold, shared = _prompts(seed=3)
+    long = [p for p in cold + shared if len(p) > 2 * WINDOW]
+    assert any(hf_greedy(windowed, p, NEW_TOKENS) != hf_greedy(full, p, NEW_TOKENS) for p in long)
+
+
+def test_kvroute_impl_refuses_other_families(model_dir) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(UnsupportedModelError, match="model_type 'gemma3_text'"):
+        LLM(str(model_dir("gemma3-window")), num_blocks=16, model_impl="kvroute")
+
+
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [
+        (
+            lambda: transformers.Gemma2Config(**SHAPE, head_dim=16, final_logit_softcapping=None),
+            "softcap",
+        ),
+        (lambda: transformers.Gemma2Config(**SHAPE, head_dim=16), "final_logit_softcapping"),
+    ],
+)
+def test_unservable_models_are_refused_at_load(tmp_path: Path, config, field: str) -> None:  # type: ignore[no-untyped-def]
+    path = write_model(config(), tmp_path / "m")
+    with pytest.raises(UnsupportedModelError, match=field):
+        LLM(str(path), num_blocks=16)
