@@ -1,7 +1,12 @@
 """Where a decode step's time goes: host work against GPU work, on a real model's shape.
 
     python benchmarks/bench_decode_step.py [--model tiny|llama-8b|PATH] [--batch 16,64]
-        [--steps 60] [--profile]
+        [--steps 60] [--impl before,kvroute] [--profile]
+
+``--impl`` runs each batch size once per engine path, side by side in one run:
+``before`` is the engine as it was before kvroute's own decoder (transformers' modules,
+the torch reference's decode attention, unpacked CPU weights), ``transformers`` the same
+modules with today's kernels, ``kvroute`` kvroute's own decoder (replica/decoder.py).
 
 ``llama-8b`` is a folder written on first use under ``$TMPDIR``: Llama-3.1-8B's layer shapes
 (32 layers, hidden 4,096, 32 query / 8 KV heads of 128, MLP 14,336) with seeded random bf16
@@ -21,6 +26,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import random
 import shutil
 import statistics
@@ -78,15 +84,42 @@ def write_llama_8b(folder: Path) -> Path:
     return folder
 
 
-def measure(model: str, batch: int, steps: int, profile: bool) -> None:
-    llm = LLM(model, max_num_batched_tokens=8192)
-    engine = llm.llm_engine
+IMPLS = {  # name: (model_impl, environment while it loads and runs)
+    "before": ("transformers", {"KVROUTE_CPU_PREPACK": "0", "KVROUTE_CPU_DECODE_KERNEL": "0"}),
+    "transformers": ("transformers", {}),
+    "kvroute": ("kvroute", {}),
+}
+
+
+def measure(model: str, batches: list[int], steps: int, profile: bool, impl: str) -> None:
+    """One engine per path, loaded once; each batch size runs on it in turn."""
+    model_impl, env = IMPLS[impl]
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        llm = LLM(model, max_num_batched_tokens=8192, model_impl=model_impl)
+        for batch in batches:
+            _measure(llm.llm_engine, batch, steps, profile, impl)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    del llm
+    gc.collect()  # engines hold reference cycles: free this one's KV cache for the next
+    if CUDA:
+        torch.cuda.empty_cache()
+
+
+def _measure(engine, batch: int, steps: int, profile: bool, impl: str) -> None:  # type: ignore[no-untyped-def]
     vocab = engine.runner.model.config.vocab_size
-    rng = random.Random(0)
+    rng = random.Random(batch)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 64, ignore_eos=True)
-    for i in range(batch):
+    ids = [f"{batch}-{i}" for i in range(batch)]
+    for rid in ids:
         prompt = [rng.randrange(3, vocab - 8) for _ in range(PROMPT_TOKENS)]
-        engine.add_request(str(i), prompt, params)
+        engine.add_request(rid, prompt, params)
     while len(engine.scheduler.running) < batch or any(
         r.num_computed_tokens < PROMPT_TOKENS for r in engine.scheduler.running
     ):
@@ -94,6 +127,7 @@ def measure(model: str, batch: int, steps: int, profile: bool) -> None:
     for _ in range(3):  # warm: every sequence decoding, allocator settled
         engine.step()
     spent = {"schedule": 0.0, "execute": 0.0}
+    schedule, execute = engine.scheduler.schedule, engine.runner.execute
 
     def timed(name: str, fn):
         def call(*args, **kwargs):
@@ -105,8 +139,8 @@ def measure(model: str, batch: int, steps: int, profile: bool) -> None:
 
         return call
 
-    engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
-    engine.runner.execute = timed("execute", engine.runner.execute)
+    engine.scheduler.schedule = timed("schedule", schedule)
+    engine.runner.execute = timed("execute", execute)
     sync = torch.cuda.synchronize if CUDA else (lambda: None)
     sync()
     walls = []
@@ -117,9 +151,11 @@ def measure(model: str, batch: int, steps: int, profile: bool) -> None:
         walls.append(time.perf_counter() - t0)
     sync()
     wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    engine.scheduler.schedule, engine.runner.execute = schedule, execute
     ms = 1e3 / steps
     print(
-        f"| {batch} | {wall * ms:.2f} | {statistics.median(walls) * 1e3:.2f} | {cpu * ms:.2f} "
+        f"| {impl} | {batch} | {wall * ms:.2f} | {statistics.median(walls) * 1e3:.2f} "
+        f"| {cpu * ms:.2f} "
         f"| {spent['schedule'] * ms:.2f} | {spent['execute'] * ms:.2f} "
         f"| {wall / steps / batch * 1e6:.0f} | {batch * steps / wall:,.0f} |",
         flush=True,
@@ -137,11 +173,12 @@ def measure(model: str, batch: int, steps: int, profile: bool) -> None:
         gpu_us = sum(e.self_device_time_total for e in events if e.device_type == cuda) / 5
         launch = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
         launches = sum(e.count for e in events if e.key in launch) / 5
-        print(f"|   | GPU kernel time {gpu_us / 1e3:.2f} ms per step, {launches:.0f} launches |")
-    del llm, engine
-    gc.collect()  # engines hold reference cycles: free this one's KV cache for the next
-    if CUDA:
-        torch.cuda.empty_cache()
+        print(
+            f"| {impl} | {batch} | GPU kernel time {gpu_us / 1e3:.2f} ms per step, "
+            f"{launches:.0f} launches, wall/kernel {wall * 1e6 / steps / gpu_us:.2f}x |",
+            flush=True,
+        )
+    engine.abort_requests(ids)  # frees their blocks for the next batch size
 
 
 def main() -> None:
@@ -150,17 +187,20 @@ def main() -> None:
     ap.add_argument("--batch", default="16,64", help="comma-separated sequence counts")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--profile", action="store_true", help="kernel time and launches (CUDA)")
+    ap.add_argument("--impl", default="before,kvroute", help=f"comma-separated: {', '.join(IMPLS)}")
     args = ap.parse_args()
     model = args.model
     if model == "llama-8b":
         model = str(write_llama_8b(Path(tempfile.gettempdir()) / "kvroute-llama-8b-rand"))
     name = torch.cuda.get_device_name() if CUDA else "cpu"
     print(f"# {name}, torch {torch.__version__}, model {args.model}, {args.steps} decode steps")
-    head = "batch | wall ms/step | median | CPU ms/step | schedule | runner | wall us/token | tok/s"
+    head = "impl | batch | wall ms/step | median | CPU ms/step | schedule | runner"
+    head += " | wall us/token | tok/s"
     print(f"| {head} |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for batch in (int(b) for b in args.batch.split(",")):
-        measure(model, batch, args.steps, args.profile)
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    batches = [int(b) for b in args.batch.split(",")]
+    for impl in args.impl.split(","):
+        measure(model, batches, args.steps, args.profile, impl)
 
 
 if __name__ == "__main__":

@@ -116,16 +116,20 @@ def test_greedy_equals_transformers(model_dir, name: str, impl: str) -> None:  #
     )
     hf.eval()
     cold, shared = _prompts(seed=len(name))
-    llm = LLM(str(path), num_blocks=256, model_impl=impl)
+    llm = LLM(str(path), num_blocks=256, model_impl=impl, dtype="float32")
     assert llm.llm_engine.runner.model_impl == impl
     _check(hf, cold, llm.generate(cold, GREEDY))
     llm.generate(shared[:1], GREEDY)
     outs = llm.generate(shared[1:], GREEDY)
     assert all(o.num_cached_tokens == 48 for o in outs)
     _check(hf, shared[1:], outs)
-    chunked = LLM(str(path), num_blocks=256, max_num_batched_tokens=24, model_impl=impl)
+    chunked = LLM(
+        str(path), num_blocks=256, max_num_batched_tokens=24, model_impl=impl, dtype="float32"
+    )
     _check(hf, cold + shared, chunked.generate(cold + shared, GREEDY))
-    tight = LLM(str(path), num_blocks=16, max_num_batched_tokens=512, model_impl=impl)
+    tight = LLM(
+        str(path), num_blocks=16, max_num_batched_tokens=512, model_impl=impl, dtype="float32"
+    )
     _check(hf, cold + shared, tight.generate(cold + shared, GREEDY))
     assert tight.llm_engine.stats()["num_preemptions"] > 0
 
