@@ -47,20 +47,25 @@ typedef struct {
 
 /* 16 floats: one AVX-512 register, two AVX2 ones, four SSE ones; GCC lowers each clone. */
 typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+#define INLINE static inline __attribute__((always_inline))
+#define TILE 16 /* slots whose V rows are weighted in per pass over the accumulators */
 
-static inline __attribute__((always_inline)) v16 load16(const float *p) {
+INLINE v16 load16(const float *p) {
     v16 x;
     memcpy(&x, p, sizeof x);
     return x;
 }
 
-static inline __attribute__((always_inline)) float hsum16(v16 x) {
-    float s = 0.0f;
-    for (int i = 0; i < 16; i++) s += x[i];
-    return s;
+INLINE float hsum16(v16 x) { /* a shuffle tree, not 15 dependent scalar adds */
+    v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-static inline __attribute__((always_inline)) float dot(const float *a, const float *b, Py_ssize_t n) {
+INLINE float dot(const float *a, const float *b, Py_ssize_t n) {
     v16 acc = {0};
     Py_ssize_t d = 0;
     for (; d + 16 <= n; d += 16) acc += load16(a + d) * load16(b + d);
@@ -69,19 +74,13 @@ static inline __attribute__((always_inline)) float dot(const float *a, const flo
     return s;
 }
 
-static inline __attribute__((always_inline)) void axpy(float *y, float w, const float *x, Py_ssize_t n) {
-    Py_ssize_t d = 0;
-    for (; d + 16 <= n; d += 16) {
-        v16 r = load16(y + d) + w * load16(x + d);
-        memcpy(y + d, &r, sizeof r);
-    }
-    for (; d < n; d++) y[d] += w * x[d];
-}
-
-/* One sequence, every head: the walk goes slot by slot (a slot's heads are contiguous), so
-   each cached K and V row is read once, in address order within its block. */
+/* One sequence, every head. Scores: the walk goes slot by slot (a slot's heads are
+   contiguous), so each cached K row is read once, in address order within its block.
+   Values: TILE slots at a time; for each query head its output row is loaded once per
+   tile, the tile's V rows (a few KiB, in L1) weighted in, and stored back. */
 KV_CLONES
-static void attend_seq(const DecodeArgs *a, Py_ssize_t seq, float *scores, float *acc) {
+static void attend_seq(const DecodeArgs *a, Py_ssize_t seq, float *scores, float *acc,
+                       const float **rows) {
     const Py_ssize_t D = a->head_dim, H = a->num_heads, Hk = a->num_kv_heads, G = H / Hk;
     const Py_ssize_t BS = a->block_size;
     const Py_ssize_t len = a->seq_lens[seq];
@@ -93,7 +92,9 @@ static void attend_seq(const DecodeArgs *a, Py_ssize_t seq, float *scores, float
 
     for (Py_ssize_t i = 0; i < n; i++) {
         const Py_ssize_t p = lo + i;
-        const float *k = a->k_cache + ((Py_ssize_t)table[p / BS] * BS + p % BS) * Hk * D;
+        const Py_ssize_t slot = (Py_ssize_t)table[p / BS] * BS + p % BS;
+        const float *k = a->k_cache + slot * Hk * D;
+        rows[i] = a->v_cache + slot * Hk * D;
         for (Py_ssize_t qh = 0; qh < H; qh++)
             scores[qh * n + i] = dot(q + qh * D, k + (qh / G) * D, D) * a->scale;
     }
@@ -110,11 +111,36 @@ static void attend_seq(const DecodeArgs *a, Py_ssize_t seq, float *scores, float
         for (Py_ssize_t i = 0; i < n; i++) sq[i] *= inv;
     }
     memset(acc, 0, sizeof(float) * H * D);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        const Py_ssize_t p = lo + i;
-        const float *v = a->v_cache + ((Py_ssize_t)table[p / BS] * BS + p % BS) * Hk * D;
-        for (Py_ssize_t qh = 0; qh < H; qh++)
-            axpy(acc + qh * D, scores[qh * n + i], v + (qh / G) * D, D);
+    for (Py_ssize_t t0 = 0; t0 < n; t0 += TILE) {
+        const Py_ssize_t t1 = t0 + TILE < n ? t0 + TILE : n;
+        for (Py_ssize_t qh = 0; qh < H; qh++) {
+            const float *w = scores + qh * n;
+            const Py_ssize_t off = (qh / G) * D;
+            float *o = acc + qh * D;
+            Py_ssize_t d = 0;
+            for (; d + 64 <= D; d += 64) { /* four registers of the row at a time */
+                v16 r0 = load16(o + d), r1 = load16(o + d + 16);
+                v16 r2 = load16(o + d + 32), r3 = load16(o + d + 48);
+                for (Py_ssize_t i = t0; i < t1; i++) {
+                    const float *v = rows[i] + off + d;
+                    r0 += w[i] * load16(v);
+                    r1 += w[i] * load16(v + 16);
+                    r2 += w[i] * load16(v + 32);
+                    r3 += w[i] * load16(v + 48);
+                }
+                memcpy(o + d, &r0, sizeof r0);
+                memcpy(o + d + 16, &r1, sizeof r1);
+                memcpy(o + d + 32, &r2, sizeof r2);
+                memcpy(o + d + 48, &r3, sizeof r3);
+            }
+            for (; d + 16 <= D; d += 16) {
+                v16 r = load16(o + d);
+                for (Py_ssize_t i = t0; i < t1; i++) r += w[i] * load16(rows[i] + off + d);
+                memcpy(o + d, &r, sizeof r);
+            }
+            for (; d < D; d++)
+                for (Py_ssize_t i = t0; i < t1; i++) o[d] += w[i] * rows[i][off + d];
+        }
     }
     memcpy(a->out + row * a->out_stride, acc, sizeof(float) * H * D);
 }
@@ -128,14 +154,18 @@ static int run_decode(const DecodeArgs *a) {
     }
     float *scores = malloc(sizeof(float) * (size_t)(a->num_heads * longest));
     float *acc = malloc(sizeof(float) * (size_t)(a->num_heads * a->head_dim));
-    if (scores == NULL || acc == NULL) {
+    const float **rows = malloc(sizeof(float *) * (size_t)longest);
+    if (scores == NULL || acc == NULL || rows == NULL) {
         free(scores);
         free(acc);
+        free(rows);
         return -1;
     }
-    for (Py_ssize_t j = 0; j < a->num_selected; j++) attend_seq(a, a->seqs[j], scores, acc);
+    for (Py_ssize_t j = 0; j < a->num_selected; j++)
+        attend_seq(a, a->seqs[j], scores, acc, rows);
     free(scores);
     free(acc);
+    free(rows);
     return 0;
 }
 
