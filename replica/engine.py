@@ -78,6 +78,8 @@ class EngineConfig:
     # "kvroute": own decoder (Llama, Mistral, Qwen2, Qwen3); "transformers": transformers'
     # modules over the paged kernels; "auto": the first where it applies (model_runner)
     model_impl: str = "auto"
+    # CUDA: decode batches run eager instead of replaying captured graphs (cuda_graphs)
+    enforce_eager: bool = False
     stream_text: bool = True  # detokenize every step (streaming); False: once at the end
     # ``model="sim:<profile>"`` (a cost-model replica, see cost_model_runner): wall seconds
     # per modelled second of every step.
@@ -153,6 +155,8 @@ class LLMEngine:
         if config.max_model_len is not None:
             max_len = min(max_len, config.max_model_len)
         self.max_model_len = max_len
+        if not config.enforce_eager and profile is None:
+            self.runner.enable_decode_graphs(config.max_num_seqs, max_len)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens,

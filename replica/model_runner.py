@@ -38,6 +38,7 @@ from kvroute.events.load import CostCoefficients
 from kvroute.events.replica_api import SamplingParams
 from kvroute.kernels import AttentionMetadata, paged_attention, store_kv
 
+from .cuda_graphs import Capture, DecodeGraphs
 from .decoder import PagedDecoder, unsupported
 from .linear import Linear
 from .outputs import RequestFailure, SampledToken
@@ -250,9 +251,49 @@ class ModelRunner:
         )
         self.decoder = self.model.get_decoder()
         self.paged_decoder = PagedDecoder(self.model) if self.model_impl == "kvroute" else None
+        self.decode_graphs: DecodeGraphs | None = None
         if self.paged_decoder is None:
             self._probe_transformers_path(num_layers)
         log.info("model implementation: %s", self.model_impl)
+
+    def enable_decode_graphs(
+        self, max_num_seqs: int, max_model_len: int, *, capture: Capture | None = None
+    ) -> None:
+        """CUDA graphs for decode batches (kvroute's decoder on CUDA; ``capture`` stands in
+        for CUDA in tests). Logs what capture took; a failed capture or self-check leaves
+        the runner eager, with a warning saying why (see :mod:`.cuda_graphs`)."""
+        decoder = self.paged_decoder
+        if decoder is None or (capture is None and self.device.type != "cuda"):
+            return
+        graphs = DecodeGraphs(
+            lambda ids, pos, meta: decoder(ids, pos, self.kv_caches, meta),
+            max_num_seqs=max_num_seqs,
+            max_blocks_per_seq=-(-max_model_len // self.block_size),
+            block_size=self.block_size,
+            device=self.device,
+            capture=capture,
+        )
+        cuda = self.device.type == "cuda"
+        before = torch.cuda.memory_reserved(self.device) if cuda else 0
+        tol = 1e-4 if self.dtype == torch.float32 else 2e-2
+        try:
+            with torch.inference_mode():
+                seconds = graphs.capture_all()
+                why = graphs.self_check(self.num_blocks, atol=tol, rtol=tol)
+        except Exception as exc:  # a model whose forward cannot be captured: run eager
+            why = f"capture failed: {type(exc).__name__}: {exc}"
+        if why is not None:
+            log.warning("decode CUDA graphs off, running eager: %s", why)
+            return
+        mib = ((torch.cuda.memory_reserved(self.device) if cuda else 0) - before) / 2**20
+        log.info(
+            "captured %d decode graphs (batch 1-%d) in %.1f s, %.0f MiB",
+            len(graphs.buckets),
+            graphs.max_batch,
+            seconds,
+            mib,
+        )
+        self.decode_graphs = graphs
 
     def _probe_transformers_path(self, num_layers: int) -> None:
         """One forward pass of two tokens (into block 0's slots, which hold nothing yet):
@@ -378,16 +419,7 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, device=dev)
         pos = torch.tensor(positions, device=dev)
-        if self.paged_decoder is not None:
-            hidden = self.paged_decoder(ids, pos, self.kv_caches, meta)
-        else:
-            token = _FORWARD_CONTEXT.set(_ForwardContext(self.kv_caches, meta))
-            try:
-                hidden = self.decoder(
-                    input_ids=ids[None], position_ids=pos[None], use_cache=False
-                ).last_hidden_state[0]
-            finally:
-                _FORWARD_CONTEXT.reset(token)
+        hidden = self._forward(ids, pos, meta)
         out: dict[str, SampledToken | RequestFailure] = {}
         if sample_rows:
             logits = self.project_logits(hidden[torch.tensor(sample_rows, device=dev)])
@@ -405,6 +437,25 @@ class ModelRunner:
             except Exception as exc:  # this request's alone: the others' tokens stand
                 out[req.request_id] = RequestFailure("prompt logprobs", exc)
         return out
+
+    def _forward(
+        self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, [tokens, hidden]: a decode batch replayed
+        from its graph where one fits, else kvroute's decoder or transformers' modules."""
+        if self.decode_graphs is not None and meta.max_query_len == 1:
+            hidden = self.decode_graphs.run(ids, pos, meta)
+            if hidden is not None:
+                return hidden
+        if self.paged_decoder is not None:
+            return self.paged_decoder(ids, pos, self.kv_caches, meta)
+        token = _FORWARD_CONTEXT.set(_ForwardContext(self.kv_caches, meta))
+        try:
+            return self.decoder(
+                input_ids=ids[None], position_ids=pos[None], use_cache=False
+            ).last_hidden_state[0]
+        finally:
+            _FORWARD_CONTEXT.reset(token)
 
     def _prompt_logprobs(
         self, req: Any, hidden: torch.Tensor, row: int, first: int, stop: int
