@@ -5,8 +5,9 @@
 
 ``--impl`` runs each batch size once per engine path, side by side in one run:
 ``before`` is the engine as it was before kvroute's own decoder (transformers' modules,
-the torch reference's decode attention, unpacked CPU weights), ``transformers`` the same
-modules with today's kernels, ``kvroute`` kvroute's own decoder (replica/decoder.py).
+the torch reference's decode attention, unpacked CPU weights, no CUDA graphs),
+``transformers`` the same modules with today's kernels, ``kvroute-eager`` kvroute's own
+decoder (replica/decoder.py) without CUDA graphs, ``kvroute`` with them (on CUDA).
 
 ``llama-8b`` is a folder written on first use under ``$TMPDIR``: Llama-3.1-8B's layer shapes
 (32 layers, hidden 4,096, 32 query / 8 KV heads of 128, MLP 14,336) with seeded random bf16
@@ -84,20 +85,32 @@ def write_llama_8b(folder: Path) -> Path:
     return folder
 
 
-IMPLS = {  # name: (model_impl, environment while it loads and runs)
-    "before": ("transformers", {"KVROUTE_CPU_PREPACK": "0", "KVROUTE_CPU_DECODE_KERNEL": "0"}),
-    "transformers": ("transformers", {}),
-    "kvroute": ("kvroute", {}),
+IMPLS = {  # name: (model_impl, environment while it loads and runs, more engine settings)
+    "before": (
+        "transformers",
+        {"KVROUTE_CPU_PREPACK": "0", "KVROUTE_CPU_DECODE_KERNEL": "0"},
+        {"enforce_eager": True},
+    ),
+    "transformers": ("transformers", {}, {}),
+    "kvroute-eager": ("kvroute", {}, {"enforce_eager": True}),
+    "kvroute": ("kvroute", {}, {}),  # on CUDA: decode batches from CUDA graphs
 }
 
 
 def measure(model: str, batches: list[int], steps: int, profile: bool, impl: str) -> None:
     """One engine per path, loaded once; each batch size runs on it in turn."""
-    model_impl, env = IMPLS[impl]
+    model_impl, env, settings = IMPLS[impl]
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        llm = LLM(model, max_num_batched_tokens=8192, model_impl=model_impl)
+        t0 = time.perf_counter()
+        llm = LLM(model, max_num_batched_tokens=8192, model_impl=model_impl, **settings)
+        graphs = llm.llm_engine.runner.decode_graphs
+        print(
+            f"| {impl} | engine ready in {time.perf_counter() - t0:.1f} s"
+            f"{f', {len(graphs.buckets)} decode graphs' if graphs else ''} |",
+            flush=True,
+        )
         for batch in batches:
             _measure(llm.llm_engine, batch, steps, profile, impl)
     finally:

@@ -51,12 +51,13 @@ python -c "import kvroute.kernels, kvroute.replica; print('kvroute imports from'
 say "GPU tests"
 timeout 240 python -m pytest -q -x -p no:cacheprovider \
   tests/kernels/test_triton.py tests/kernels/test_sliding_window.py \
-  tests/replica/test_model_families.py tests/replica/test_engine_vs_transformers.py 2>&1 | tail -15
+  tests/replica/test_cuda_graphs.py tests/replica/test_model_families.py \
+  tests/replica/test_engine_vs_transformers.py 2>&1 | tail -15
 
 say "decode step, llama-8b shapes, bf16"
 steps=30
 batches=1,16,64,128
 [ "$QUICK" = "--quick" ] && steps=10 && batches=1,64
 timeout 300 python benchmarks/bench_decode_step.py --model llama-8b --batch "$batches" \
-  --steps "$steps" --profile --impl transformers,kvroute 2>&1 | grep -E '^(\||#)|Error|error'
+  --steps "$steps" --profile --impl transformers,kvroute-eager,kvroute 2>&1 | grep -E '^(\||#)|Error|error'
 say "done"
