@@ -14,6 +14,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -54,6 +55,19 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--max-model-len", type=int, default=None, help="longest prompt + output per request"
+    )
+    serve.add_argument(
+        "--model-impl",
+        choices=("auto", "kvroute", "transformers"),
+        default="auto",
+        help="kvroute's engine: its own decoder for Llama/Mistral/Qwen2/Qwen3 ('kvroute', "
+        "the default for those) or transformers' modules ('transformers', any other "
+        "architecture); see docs/models.md",
+    )
+    serve.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="kvroute's engine on CUDA: run decode steps eager, not from captured CUDA graphs",
     )
     serve.add_argument(
         "--vllm-args",
@@ -213,6 +227,52 @@ class StartupError(RuntimeError):
     """The fleet could not start for a reason one line can say."""
 
 
+_CAUSED = "The above exception was the direct cause of the following exception:"
+_CHAIN = re.compile(
+    rf"^({re.escape(_CAUSED)}|During handling of the above exception, another exception "
+    r"occurred:)$",
+    re.M,
+)
+_EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(: |:?$)")  # "pkg.mod.SomeError: message"
+_COLOUR = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its "ray::Actor.method()" headers
+_PYDANTIC_LINK = "For further information visit "
+_PYDANTIC_INPUT = re.compile(r"\s*\[type=\w+, input_value=.*, input_type=[\w.]+\]$")
+CAUSE_CHARS = 400  # a root cause's line is cut here
+
+
+def root_cause(text: str) -> str:
+    """The root exception of a Python traceback's text (Ray's error for a task or an actor
+    whose creation failed carries only that text), on one line: ``Type: message``.
+
+    The root is the raised exception's innermost explicit cause (``raise ... from``; an
+    exception merely being handled when it was raised is not its cause). Its message's
+    lines are joined; pydantic's link and input echo are dropped. Text with no exception
+    in it gives its last line."""
+    parts = _CHAIN.split(_COLOUR.sub("", text))  # blocks, a chained one after its separator
+    i = len(parts) - 1
+    while i >= 2 and parts[i - 1] == _CAUSED:
+        i -= 2
+    lines = parts[i].strip("\n").splitlines()
+    # The exception's line comes after the frames, unindented (a message may quote a
+    # traceback of its own: vLLM's "Error raised in subprocess: ..."). Ray gives a cause
+    # no frames: there it is the first line that reads as one, after Ray's header.
+    frame = next((n for n, line in enumerate(lines) if line.startswith("  File ")), None)
+    if frame is not None:
+        start = next((n for n in range(frame, len(lines)) if lines[n][:1].strip()), None)
+    else:
+        start = next((n for n, line in enumerate(lines) if _EXCEPTION_LINE.match(line)), None)
+    if start is None:
+        return next((line.strip() for line in reversed(lines) if line.strip()), text.strip())
+    kind, _, first = lines[start].partition(": ")
+    message = first.strip()
+    for more in lines[start + 1 :]:
+        more = _PYDANTIC_INPUT.sub("", more.strip())
+        if more and not more.startswith(_PYDANTIC_LINK):
+            message += more if not message else (" " if message.endswith(":") else "; ") + more
+    line = kind.rstrip(":").rsplit(".", 1)[-1] + (f": {message}" if message else "")
+    return line if len(line) <= CAUSE_CHARS else line[: CAUSE_CHARS - 3] + "..."
+
+
 def _port_in_use(host: str, port: int) -> str | None:
     """Why ``host:port`` cannot be listened on now (None: it can): checked before Ray and
     the replicas start, so a busy port costs a line, not a fleet started for nothing."""
@@ -302,6 +362,10 @@ def _start_replicas(args: argparse.Namespace, n: int, num_gpus: float, events_ho
             config["time_scale"] = args.time_scale
         if args.num_blocks:
             config["num_blocks"] = args.num_blocks
+        if args.model_impl != "auto":
+            config["model_impl"] = args.model_impl
+        if args.enforce_eager:
+            config["enforce_eager"] = True
         if args.long_prefill_token_threshold:
             config["long_prefill_token_threshold"] = args.long_prefill_token_threshold
         if args.max_num_partial_prefills:
@@ -343,9 +407,7 @@ def _start_replicas(args: argparse.Namespace, n: int, num_gpus: float, events_ho
         try:
             info = ray.get(done[0])
         except ray.exceptions.RayError as exc:  # its traceback is in the log; its cause here
-            lines = [line for line in str(exc).splitlines() if line.strip()]
-            why = lines[-1].strip() if lines else str(exc)
-            raise StartupError(f"a replica failed to start: {why}") from exc
+            raise StartupError(f"a replica failed to start: {root_cause(str(exc))}") from exc
         infos[refs[done[0]]] = info
         _say(
             f"replica {info.replica_id} ready on {info.node_ip} ({info.num_blocks} KV blocks, "
@@ -365,6 +427,8 @@ def _vllm_settings(args: argparse.Namespace) -> dict[str, Any]:
         extra.setdefault("long_prefill_token_threshold", args.long_prefill_token_threshold)
     if args.max_num_partial_prefills:
         extra.setdefault("max_num_partial_prefills", args.max_num_partial_prefills)
+    if args.enforce_eager:
+        extra.setdefault("enforce_eager", True)
     if extra:
         settings["engine_args"] = extra
     return settings

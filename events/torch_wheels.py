@@ -18,19 +18,38 @@ whose build cannot be read, is left alone.
 
 Where: importing :mod:`kvroute.events` (every kvroute package depends on it) or
 :mod:`kvroute.replica` calls :func:`hide_broken`. vLLM's engine-core process, spawned by a
-vLLM replica, gets it from its main module (:mod:`kvroute.replica.vllm_cli`). Standard
-library only: it runs before anything else of kvroute.
+vLLM replica, gets it from its main module (:mod:`kvroute.replica.vllm_cli`). Any other
+Python process that a vLLM replica or ``python -m kvroute.replica.vllm_cli`` starts gets it
+from :func:`hide_in_subprocesses` (below). Standard library only: it runs before anything
+else of kvroute.
+
+Subprocesses: vLLM also runs plain ``python -m ...`` children that import nothing of
+kvroute first -- with a cold model-info cache (``~/.cache/vllm/modelinfos``, or
+``VLLM_CACHE_ROOT``) it inspects the model class in ``python -m
+vllm.model_executor.models.registry``, which imports transformers' image code and so
+torchvision. No hook inside vLLM reaches such a child before its first import, and
+rewriting vLLM's command for it would mean patching a private name (its registry's
+``_SUBPROCESS_COMMAND``), for this one child only. The environment reaches every child:
+:func:`hide_in_subprocesses` puts :data:`SITE_DIR`, a folder holding nothing but a
+``sitecustomize`` module, first on ``PYTHONPATH``. Python's ``site`` imports
+``sitecustomize`` at start-up, before the main module, in every interpreter that inherits
+the variable (not under ``-S``, ``-I`` or ``-E``); that one calls :func:`hide_broken`,
+then runs the ``sitecustomize`` it shadows, if the interpreter has one. It is set only
+where a companion is broken, so a sound environment is left exactly as it was.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.machinery
+import os
 import re
 import sys
+from collections.abc import MutableMapping
 from pathlib import Path
 
 COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+SITE_DIR = Path(__file__).with_name("torch_wheels_site")  # its sitecustomize hides them
 _VERSION = re.compile(r"""^__version__\s*(?::[^=]*)?=\s*['"]([^'"]+)['"]""", re.M)
 _FIELD = re.compile(r"""^(cuda|hip)\s*(?::[^=]*)?=\s*['"]([^'"]+)['"]""", re.M)
 
@@ -100,3 +119,18 @@ def hide_broken() -> tuple[str, ...]:
         if name not in sys.modules:
             sys.modules[name] = None  # type: ignore[assignment]
     return tuple(name for name in broken() if sys.modules[name] is None)
+
+
+def hide_in_subprocesses(environ: MutableMapping[str, str] | None = None) -> bool:
+    """Where a companion is broken: :data:`SITE_DIR` first on ``PYTHONPATH`` in ``environ``
+    (default ``os.environ``), so every Python process started with that environment hides
+    the broken companions before its main module runs (see the module docstring). Whether
+    it is there; nothing is changed where no companion is broken. Idempotent."""
+    env = os.environ if environ is None else environ
+    if not broken():
+        return False
+    site = str(SITE_DIR)
+    path = env.get("PYTHONPATH", "")
+    if site not in path.split(os.pathsep):
+        env["PYTHONPATH"] = site + os.pathsep + path if path else site
+    return True

@@ -12,6 +12,14 @@ on a machine without a GPU can fail.
 
 from __future__ import annotations
 
+import sys
+
+if __name__ != "kvroute.kernels":
+    # Found as a top-level `kernels` (a checkout's root on sys.path: `python -m` or `-c` run
+    # from it), e.g. by transformers probing for PyPI's `kernels`: answer "not installed".
+    # None in sys.modules makes this import return None, and find_spec and import say so.
+    sys.modules[__name__] = None  # type: ignore[assignment]
+
 import functools
 import os
 from types import ModuleType

