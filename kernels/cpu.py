@@ -125,6 +125,9 @@ def paged_attention(
     out = torch.empty(query.shape, dtype=query.dtype)
     out[qsl[-1] :].zero_()
     decodes = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
+    if len(decodes) > 1:  # siblings of one cached prefix back to back: its blocks stay in cache
+        first = block_tables[:, 0].tolist()
+        decodes.sort(key=first.__getitem__)
     if len(decodes) < len(lens):  # prefills and chunks: the reference's SDPA paths
         others = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] > 1]
         reference.attend_prefills(
