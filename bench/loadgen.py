@@ -294,11 +294,6 @@ async def fetch_card(url: str, api_key: str | None, timeout: float = 30.0) -> di
     return card
 
 
-async def fetch_model(url: str, api_key: str | None, timeout: float = 30.0) -> str:
-    """The first model ``GET /v1/models`` lists."""
-    return str((await fetch_card(url, api_key, timeout))["id"])
-
-
 async def run_load(
     url: str,
     requests: Sequence[Planned],

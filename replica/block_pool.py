@@ -115,10 +115,6 @@ class FreeKVCacheBlockQueue:
         self.fake_tail.prev_free_block = block
         self.num_free_blocks += 1
 
-    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
-        for b in blocks:
-            self.append(b)
-
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """Head to tail. O(n): for tests and debugging."""
         out: list[KVCacheBlock] = []

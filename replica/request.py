@@ -30,11 +30,6 @@ class RequestStatus(enum.IntEnum):
     def is_finished(status: RequestStatus) -> bool:
         return status > _PREEMPTED
 
-    @staticmethod
-    def get_finished_reason(status: RequestStatus) -> str | None:
-        """OpenAI-style ``finish_reason``; None while unfinished."""
-        return _FINISH_REASONS.get(status)
-
 
 _PREEMPTED = RequestStatus.PREEMPTED  # read per request per step: a class lookup costs more
 _FINISH_REASONS = {

@@ -77,10 +77,6 @@ _Kids = Hash | dict[Hash, None] | None  # compact child set, see module docstrin
 _CHUNK = 256  # blocks applied per lock hold
 _INTERN_MAX = 65536  # interned masks kept before the cache starts over
 PREDICTION_SAMPLE_TOKENS = 128  # tokens between two predicted blocks (see the docstring)
-# Approximate bytes per node / stored entry / prediction (measured on CPython 3.11, 16-byte
-# digests): node object + its slots in _masks and _nodes + the key; a stored entry's slots
-# in blocks and order + its stamp; a prediction's dict slot + its expiry.
-_NODE_BYTES, _ENTRY_BYTES, _PRED_BYTES = 190, 140, 65
 
 
 class _Node(msgspec.Struct, gc=False):
@@ -552,13 +548,6 @@ class PrefixIndex:
         """(hash, copies) of a replica's stored entries, least recently touched first."""
         order, copies = rep.order, rep.copies
         return [(h, copies.get(h, 1)) for h in map(order.__getitem__, sorted(order))]
-
-    def memory_bytes(self) -> int:
-        """Approximate heap bytes, for metrics (calibrated constants, not a measurement)."""
-        with self._lock:
-            entries = sum(len(r.blocks) for r in self._replicas.values())
-            preds = sum(len(r.predicted) for r in self._replicas.values())
-            return len(self._nodes) * _NODE_BYTES + entries * _ENTRY_BYTES + preds * _PRED_BYTES
 
     def export(self, replica_id: str) -> dict[str, Any]:
         """The replica's tree as JSON-ready data: bytes hashes as hex, int hashes as ints."""
