@@ -93,7 +93,7 @@ class Admission:
             raise
         return Ticket(tid)
 
-    def most(self, tenant: Tenant) -> int | None:
+    def concurrency_cap(self, tenant: Tenant) -> int | None:
         """The most requests ``tenant`` can ever hold at once (None: no bound): a request
         needing more (several choices) could never be admitted, whatever it waits."""
         caps = [c for c in (self.shares.cap_for(tenant.limits), self.max_in_flight) if c]

@@ -377,12 +377,12 @@ class Intake:
                 "invalid_request_error",
                 param,
             )
-        most = self.door.admission.most(tenant) if num_prompts * n > 1 else None
-        if most is not None and num_prompts * n > most:
+        cap = self.door.admission.concurrency_cap(tenant) if num_prompts * n > 1 else None
+        if cap is not None and num_prompts * n > cap:
             raise APIError(
                 400,
                 f"{num_prompts} prompt(s) x n={n} choices run as {num_prompts * n} requests; "
-                f"this tenant may run at most {most} at once.",
+                f"this tenant may run at most {cap} at once.",
                 "invalid_request_error",
                 param,
             )

@@ -87,8 +87,8 @@ async def test_a_tenant_in_token_debt_is_refused_at_the_door() -> None:
 
 def test_the_most_a_tenant_can_ever_hold_is_its_cap_or_the_budget() -> None:
     """What a request of several choices is checked against before any ticket is taken."""
-    assert Admission().most(tenant("a")) is None
-    assert Admission(max_in_flight=8).most(tenant("a")) == 8
-    assert Admission(max_in_flight=8).most(tenant("a", max_concurrent=3)) == 3
-    assert Admission(max_in_flight=8, max_in_flight_per_tenant=4).most(tenant("a")) == 4
-    assert Admission(max_in_flight=2).most(tenant("a", max_concurrent=5)) == 2
+    assert Admission().concurrency_cap(tenant("a")) is None
+    assert Admission(max_in_flight=8).concurrency_cap(tenant("a")) == 8
+    assert Admission(max_in_flight=8).concurrency_cap(tenant("a", max_concurrent=3)) == 3
+    assert Admission(max_in_flight=8, max_in_flight_per_tenant=4).concurrency_cap(tenant("a")) == 4
+    assert Admission(max_in_flight=2).concurrency_cap(tenant("a", max_concurrent=5)) == 2
