@@ -168,7 +168,7 @@ class RequestRun:
                 self._flight = None
                 self.door.errors["invalid_request"] += 1
                 raise
-            self._took(delta)
+            self._record_delta(delta)
             return delta
 
     def stream_to(self, writer: Callable[[GenerateDelta], bool]) -> None:
@@ -191,10 +191,10 @@ class RequestRun:
             log.exception("request %s: a delta failed on the direct path", self.request_id)
             self._writer = None
             return False
-        self._took(delta)
+        self._record_delta(delta)
         return True
 
-    def _took(self, delta: GenerateDelta) -> None:
+    def _record_delta(self, delta: GenerateDelta) -> None:
         """Bookkeeping per delta: what a failover resumes from, the policy's first-token
         time, inter-token latency for /metrics."""
         ids = delta.delta_token_ids
