@@ -428,8 +428,8 @@ def create_app(
             tenant = door.metrics.tenant(scope.get("state", {}).get("tenant"))
             door.metrics.http.labels(tenant, str(status)).inc()
 
-    def ours(inner: ASGIApp) -> ASGIApp:
-        """Our middleware around ``inner`` (the send deadline inside the request id's: a
+    def with_middleware(inner: ASGIApp) -> ASGIApp:
+        """kvroute's middleware around ``inner`` (the send deadline inside the request id's: a
         dropped client is no internal error); the same on both lanes."""
         deadline = SendDeadlineMiddleware(
             inner, send_timeout_s, on_drop=lambda: door.errors.update(["slow_client"])
@@ -440,7 +440,7 @@ def create_app(
             on_response=count_response,
         )
 
-    app.add_middleware(ours)  # type: ignore[arg-type]
+    app.add_middleware(with_middleware)  # type: ignore[arg-type]
     app.hot = {
         "/v1/completions": _HotLane(completions, app.state, send_timeout_s, count_response),
         "/v1/chat/completions": _HotLane(
