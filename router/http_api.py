@@ -173,7 +173,7 @@ async def _serve(request: Request, tenant: Tenant, model: type[Any]) -> Response
         n = body.num_logprobs()
 
         def ready(run: RequestRun) -> Awaitable[None]:
-            return intake.first(request, run)
+            return intake.await_first_delta(request, run)
 
         if not chat and body.echo:
             ready = _echo(intake, body, runs).first(ready)

@@ -427,7 +427,7 @@ class Intake:
             raise _as_status(rid, exc) from None
         return run
 
-    async def first(self, request: Request, run: RequestRun) -> None:
+    async def await_first_delta(self, request: Request, run: RequestRun) -> None:
         """Waits for the run's first delta, so that everything that can go wrong before it
         (a bad request, a dead replica) is settled while an HTTP status can still say so;
         every failure a status, the run closed."""
