@@ -205,9 +205,9 @@ class ReplicaConnection:
     def check_silence(self, now: float) -> None:
         """Lost when nothing (not even a heartbeat) came for ``SILENCE_TIMEOUT_S``."""
         if self.lost is None and now - self.last_heard > dp.SILENCE_TIMEOUT_S:
-            self.lose(f"silent for {now - self.last_heard:.1f} s")
+            self.mark_lost(f"silent for {now - self.last_heard:.1f} s")
 
-    def lose(self, why: str, notify: bool = True) -> None:
+    def mark_lost(self, why: str, notify: bool = True) -> None:
         """The replica is gone: every flight fails (one marked as the possible cause);
         ``notify``: call ``on_lost`` (not when the front door itself drops the replica)."""
         if self.lost is not None:
@@ -234,7 +234,7 @@ class ReplicaConnection:
             # Copied: pyzmq's zero-copy send costs more below tens of kB.
             self._sock.send_multipart((kind, payload), zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # its queue is full: the replica stopped reading
-            self.lose(f"cannot send ({exc})")
+            self.mark_lost(f"cannot send ({exc})")
             return
         # A send may consume the socket's edge-triggered read signal: if input is waiting,
         # read it on the next turn of the loop (asking costs less than a callback per send).
@@ -278,7 +278,7 @@ class ReplicaConnection:
                 elif kind == dp.HEARTBEAT:
                     beat = dp.decode_heartbeat(payload)
                     if beat.incarnation != self.incarnation:
-                        self.lose(f"a new process ({beat.incarnation[:8]}) answers")
+                        self.mark_lost(f"a new process ({beat.incarnation[:8]}) answers")
                         return
                 else:
                     self.malformed += 1
@@ -307,5 +307,5 @@ class ReplicaConnection:
                 return
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 self._on_readable()  # what arrived before the drop (an engine's last word)
-                self.lose("its connection dropped")
+                self.mark_lost("its connection dropped")
                 return

@@ -263,7 +263,7 @@ class Fleet:
             self.subscriber.remove_publisher(rid)
         rep = self.replicas.get(rid)
         if rep is not None and rep.conn is not None:  # its requests fail over now
-            rep.conn.lose("dropped by the front door", notify=False)
+            rep.conn.mark_lost("dropped by the front door", notify=False)
         self.index.drop_replica(rid)
         tr = self.translators.get(rid)
         if tr is not None:  # a later subscription to it starts from an empty map

@@ -2,7 +2,7 @@
 vLLM's own OpenAI HTTP API instead of kvroute's ZeroMQ one.
 
 :class:`HttpReplicaConnection` has :class:`~.dataplane.ReplicaConnection`'s interface
-(``submit`` → :class:`~.dataplane.Flight`, ``abort``, ``lose``, ``check_silence``,
+(``submit`` → :class:`~.dataplane.Flight`, ``abort``, ``mark_lost``, ``check_silence``,
 ``close``, ``lost``, ``loads``, ``flights``), so admission, routing, :class:`RequestRun`'s
 failover and resume, SSE and metrics run unchanged in front of vLLM.
 
@@ -393,16 +393,16 @@ class HttpReplicaConnection:
                 # Never reached it: not this request's doing; the backend is gone.
                 why = f"replica {self.replica_id}: unreachable ({exc})"
                 self._end(flight, ReplicaLostError(why))
-                self.lose("unreachable (ConnectError)")
+                self.mark_lost("unreachable (ConnectError)")
                 return
             if status != 200:
                 self._refused(flight, status, refused)
             elif not stream.ended and not reader.finished:
                 # The response ended without [DONE]: the backend cut it short.
-                self.lose("its response ended early")
+                self.mark_lost("its response ended early")
         except StreamBrokenError as exc:  # its connection broke mid-response: it died
             if not stream.ended:
-                self.lose(f"its stream broke ({exc})")
+                self.mark_lost(f"its stream broke ({exc})")
         finally:
             if self._tasks.get(rid) is asyncio.current_task():
                 del self._tasks[rid]
@@ -437,9 +437,9 @@ class HttpReplicaConnection:
         """Nothing to check: an HTTP stream has no heartbeat, and a request waiting in
         vLLM's queue streams nothing. A hung backend is the monitor's (its /metrics)."""
 
-    def lose(self, why: str, notify: bool = True) -> None:
+    def mark_lost(self, why: str, notify: bool = True) -> None:
         """The backend is gone: every flight fails (the youngest marked as the possible
-        cause, as :meth:`ReplicaConnection.lose`), every stream is closed."""
+        cause, as :meth:`ReplicaConnection.mark_lost`), every stream is closed."""
         if self.lost is not None:
             return
         self.lost = why
