@@ -4,8 +4,8 @@ per replica, requests out, each step's deltas in, failures noticed.
 Why the shape:
 - The sockets are plain (not ``zmq.asyncio``) DEALERs read from the event loop's own reader
   callback: one wake-up drains every message that arrived and hands each delta to its
-  request's :class:`Flight`, with no future, task or coroutine per message.
-- A :class:`Flight` is one request's single slot: deltas that arrive while its reader is
+  request's :class:`InFlightRequest`, with no future, task or coroutine per message.
+- An :class:`InFlightRequest` is one request's single slot: deltas that arrive while its reader is
   busy are merged into the one waiting, so a slow client costs a bounded buffer (its
   text so far), never a queue per token (vLLM's ``RequestOutputCollector`` does the same).
 - A replica is lost when its connection drops (a socket monitor: a killed process closes
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 
-class Flight:
+class InFlightRequest:
     """One request in flight on one connection: its pending delta (merged while unread) or
     the error that ended it."""
 
@@ -105,7 +105,7 @@ class Flight:
         return delta
 
 
-def fail_flights(flights: dict[str, Flight], replica_id: str, why: str) -> int:
+def fail_flights(flights: dict[str, InFlightRequest], replica_id: str, why: str) -> int:
     """Fails (and forgets) every flight of a lost replica, the youngest marked as the
     possible cause (the last request sent is the likeliest to have killed it); how many."""
     lost = list(flights.values())
@@ -146,7 +146,7 @@ class ReplicaConnection:
         self.on_load = on_load
         self.loads = 0  # load reports received: the replica pushes its load (version >= 2)
         self.lost: str | None = None  # why, once lost
-        self.flights: dict[str, Flight] = {}
+        self.flights: dict[str, InFlightRequest] = {}
         self.malformed = 0  # messages that did not decode, skipped
         self.callback_errors = 0  # messages a callback failed on (logged), skipped
         self._seq = itertools.count()
@@ -167,9 +167,9 @@ class ReplicaConnection:
         self._send(dp.HELLO, dp.encoder.encode(dp.Hello(client_id)))
 
     # -- requests ----------------------------------------------------------------------------
-    def submit(self, req: GenerateRequest) -> Flight:
+    def submit(self, req: GenerateRequest) -> InFlightRequest:
         """Sends the request; its deltas arrive in the returned flight."""
-        flight = Flight(req.request_id, next(self._seq), self._loop)
+        flight = InFlightRequest(req.request_id, next(self._seq), self._loop)
         if self.lost is not None:
             flight.fail(ReplicaLostError(f"replica {self.replica_id}: {self.lost}"))
             return flight
@@ -291,7 +291,7 @@ class ReplicaConnection:
                 self.callback_errors += 1
                 log.exception("replica %s: a data-plane message failed", self.replica_id)
 
-    def _fail_flight(self, request_id: str, flight: Flight, exc: Exception) -> None:
+    def _fail_flight(self, request_id: str, flight: InFlightRequest, exc: Exception) -> None:
         """A delta its flight could not take fails that request alone; the replica forgets it."""
         log.error("request %s: its delta failed on arrival", request_id, exc_info=exc)
         if self.flights.pop(request_id, None) is not None:

@@ -2,7 +2,7 @@
 vLLM's own OpenAI HTTP API instead of kvroute's ZeroMQ one.
 
 :class:`HttpReplicaConnection` has :class:`~.dataplane.ReplicaConnection`'s interface
-(``submit`` → :class:`~.dataplane.Flight`, ``abort``, ``mark_lost``, ``check_silence``,
+(``submit`` → :class:`~.dataplane.InFlightRequest`, ``abort``, ``mark_lost``, ``check_silence``,
 ``close``, ``lost``, ``loads``, ``flights``), so admission, routing, :class:`RequestRun`'s
 failover and resume, SSE and metrics run unchanged in front of vLLM.
 
@@ -51,7 +51,7 @@ from kvroute.events.replica_api import (
     ReplicaLostError,
 )
 
-from .dataplane import Flight, fail_flights
+from .dataplane import InFlightRequest, fail_flights
 from .http_wire import BackendPool, ConnectFailedError, StreamBrokenError
 
 log = logging.getLogger(__name__)
@@ -324,7 +324,7 @@ class HttpReplicaConnection:
         self.decode = decode
         self.loads = 0  # nothing pushes load over HTTP: the fleet polls /metrics instead
         self.lost: str | None = None
-        self.flights: dict[str, Flight] = {}
+        self.flights: dict[str, InFlightRequest] = {}
         self.malformed = 0
         self.last_heard = time.monotonic()
         self._seq = itertools.count()
@@ -334,9 +334,9 @@ class HttpReplicaConnection:
         self.id = next(_conn_ids)
 
     # -- requests ----------------------------------------------------------------------------
-    def submit(self, req: GenerateRequest) -> Flight:
+    def submit(self, req: GenerateRequest) -> InFlightRequest:
         """Starts the request's stream; its deltas arrive in the returned flight."""
-        flight = Flight(req.request_id, next(self._seq))
+        flight = InFlightRequest(req.request_id, next(self._seq))
         if self.lost is not None:
             flight.fail(ReplicaLostError(f"replica {self.replica_id}: {self.lost}"))
             return flight
@@ -379,7 +379,9 @@ class HttpReplicaConnection:
         if task is not None:
             task.cancel()
 
-    async def _run(self, body: dict[str, Any], reader: ChunkReader, flight: Flight) -> None:
+    async def _run(
+        self, body: dict[str, Any], reader: ChunkReader, flight: InFlightRequest
+    ) -> None:
         rid = flight.request_id
         raw = _encode(body)
         data = self.pool.head("POST", "/v1/completions", len(raw)) + raw
@@ -407,7 +409,7 @@ class HttpReplicaConnection:
             if self._tasks.get(rid) is asyncio.current_task():
                 del self._tasks[rid]
 
-    def _refused(self, flight: Flight, status: int, raw: bytes) -> None:
+    def _refused(self, flight: InFlightRequest, status: int, raw: bytes) -> None:
         """A non-200 answer: a 4xx is the request's fault (vLLM's message), a 5xx the
         backend's (it failed this request; the monitor decides whether it is gone)."""
         try:
@@ -428,7 +430,7 @@ class HttpReplicaConnection:
         else:
             self._end(flight, ReplicaDeadError(f"replica {self.replica_id}: HTTP {status} {msg}"))
 
-    def _end(self, flight: Flight, exc: BaseException) -> None:
+    def _end(self, flight: InFlightRequest, exc: BaseException) -> None:
         self.flights.pop(flight.request_id, None)
         flight.fail(exc)
 
@@ -471,7 +473,9 @@ class _Stream:
 
     __slots__ = ("conn", "ended", "first", "flight", "reader", "sent")
 
-    def __init__(self, conn: HttpReplicaConnection, reader: ChunkReader, flight: Flight) -> None:
+    def __init__(
+        self, conn: HttpReplicaConnection, reader: ChunkReader, flight: InFlightRequest
+    ) -> None:
         self.conn = conn
         self.reader = reader
         self.flight = flight

@@ -9,7 +9,7 @@ interrupt it halfway.
 
 Why no generator chain: per streamed token the front door does little, so the layers
 around it are the cost. :meth:`RequestRun.next` awaits the replica connection's
-:class:`~.dataplane.Flight` directly (deltas that arrived while the caller was busy come
+:class:`~.dataplane.InFlightRequest` directly (deltas that arrived while the caller was busy come
 merged), and the HTTP layer awaits it directly: one wake-up per delta, no async generator
 in between. Once a stream is under way even that wake-up goes: :meth:`RequestRun.stream_to`
 hands each delta that arrives while the stream waits straight to its socket, from the
@@ -47,7 +47,7 @@ from .quarantine import fingerprint, not_caused_by
 
 if TYPE_CHECKING:
     from .admission import Ticket
-    from .dataplane import Flight, ReplicaConnection
+    from .dataplane import InFlightRequest, ReplicaConnection
     from .frontdoor import FrontDoor
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class RequestRun:
         self._tried: set[str] = set()
         self._resends = 0
         self._conn: ReplicaConnection | None = None
-        self._flight: Flight | None = None
+        self._flight: InFlightRequest | None = None
         self._output_ids: list[int] = []  # streamed so far: what a failover resumes from
         self._sent_chars = 0
         self._awaiting_first = True  # of the current replica (the policy times it)

@@ -1,11 +1,12 @@
-"""A flight's direct path keeps a stream's deltas in order and hands the end to its reader."""
+"""An in-flight request's direct path keeps a stream's deltas in order and hands the end to
+its reader."""
 
 from __future__ import annotations
 
 import asyncio
 
 from kvroute.events.replica_api import GenerateDelta
-from kvroute.router.dataplane import Flight
+from kvroute.router.dataplane import InFlightRequest
 
 
 def delta(*ids: int, finished: bool = False) -> GenerateDelta:
@@ -20,7 +21,7 @@ def delta(*ids: int, finished: bool = False) -> GenerateDelta:
 
 def test_deltas_go_direct_only_while_the_reader_waits_with_nothing_unread():
     async def main() -> None:
-        flight = Flight("r", 0)
+        flight = InFlightRequest("r", 0)
         pushed: list[list[int]] = []
         accept = True
 
@@ -57,7 +58,7 @@ def test_deltas_go_direct_only_while_the_reader_waits_with_nothing_unread():
 
 def test_an_error_after_direct_deltas_reaches_the_reader():
     async def main() -> None:
-        flight = Flight("r", 0)
+        flight = InFlightRequest("r", 0)
         flight.push = lambda d: True
         reader = asyncio.ensure_future(flight.next())
         await asyncio.sleep(0)
