@@ -6,8 +6,9 @@ Times what a request pays in the front door's event loop outside routing and the
 plane, each piece many times on one loop (uvloop where installed), so that the figures hold
 on a busy machine where a whole-server benchmark cannot resolve tens of microseconds:
 
-- ``lane``: the endpoint's ASGI lane (``app.hot[...]``: request id, status counter, send
-  deadline, authentication, error mapping) around a handler that reads a 512-id body
+- ``lane``: the endpoint's direct ASGI app (``app.direct_endpoints[...]``, ``app.hot`` in
+  older trees: request id, status counter, send deadline, authentication, error mapping)
+  around a handler that reads a 512-id body
   (``read_body``) and answers with a one-chunk SSE response (its head through the lane,
   the chunk on the raw send); no sockets (``send`` and ``receive`` are stubs);
 - ``ids``: the two random ids a request gets (request id, response id);
@@ -71,7 +72,8 @@ def lane_us(n: int) -> float:
         app = http_api.create_app(door, Tenants(None, "secret"))  # type: ignore[arg-type]
     finally:
         http_api.completions = saved
-    lane = app.hot["/v1/completions"]
+    direct = getattr(app, "direct_endpoints", None) or app.hot  # its name in older trees
+    lane = direct["/v1/completions"]
     body = msgspec.json.encode({"model": "m", "prompt": list(range(1000, 1512)), "max_tokens": 4})
     headers = [
         (b"host", b"127.0.0.1:8000"),

@@ -289,26 +289,26 @@ class _App(FastAPI):
     """FastAPI that keeps the server's own ``send`` in the scope, outside every middleware
     (Starlette's error middleware included): SSE chunks go on it (:mod:`.sse`).
 
-    The two completion endpoints take a lane of their own past FastAPI's stack (its error,
-    telemetry and body-limit middleware, the router, dependency solving) and past our
-    middleware objects: :class:`_HotLane` does what they do, in one layer. They need
+    The two completion endpoints go straight past FastAPI's stack (its error, telemetry and
+    body-limit middleware, the router, dependency solving) and past kvroute's middleware
+    objects: :class:`_DirectEndpoint` does what they do, in one layer. They need
     nothing else of it: they read their own body, and their only exception is
     :class:`APIError`. Every other path is FastAPI's, through the middleware."""
 
-    hot: dict[str, ASGIApp]
+    direct_endpoints: dict[str, ASGIApp]  # path -> its _DirectEndpoint (POST only)
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             scope[RAW_SEND] = send
-            lane = self.hot.get(scope["path"]) if scope["method"] == "POST" else None
-            if lane is not None:
+            direct = self.direct_endpoints.get(scope["path"]) if scope["method"] == "POST" else None
+            if direct is not None:
                 scope["app"] = self
-                await lane(scope, receive, send)
+                await direct(scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
 
 
-class _HotLane:
+class _DirectEndpoint:
     """One completion endpoint as one bare ASGI app: what the middleware stack does for
     every other path -- a request id (``x-request-id``, ``request.state.request_id``), the
     status counter, a deadline on each send through it (:mod:`.send_deadline`), an
@@ -430,7 +430,7 @@ def create_app(
 
     def with_middleware(inner: ASGIApp) -> ASGIApp:
         """kvroute's middleware around ``inner`` (the send deadline inside the request id's: a
-        dropped client is no internal error); the same on both lanes."""
+        dropped client is no internal error); the same on both paths (FastAPI's, direct)."""
         deadline = SendDeadlineMiddleware(
             inner, send_timeout_s, on_drop=lambda: door.errors.update(["slow_client"])
         )
@@ -441,9 +441,9 @@ def create_app(
         )
 
     app.add_middleware(with_middleware)  # type: ignore[arg-type]
-    app.hot = {
-        "/v1/completions": _HotLane(completions, app.state, send_timeout_s, count_response),
-        "/v1/chat/completions": _HotLane(
+    app.direct_endpoints = {
+        "/v1/completions": _DirectEndpoint(completions, app.state, send_timeout_s, count_response),
+        "/v1/chat/completions": _DirectEndpoint(
             chat_completions, app.state, send_timeout_s, count_response
         ),
     }
