@@ -47,11 +47,11 @@ from kvroute.events.subscriber import ReplicaBatch
 from kvroute.events.translate import TOKEN_INDEX_ALGO, EventTranslator, reproducible
 from kvroute.events.wire import BlockStored
 
-from .dataplane import ReplicaConnection
 from .http_backend import HttpReplicaConnection
 from .http_control import HttpBackend
 from .index import PrefixIndex, prediction_stride
 from .load import LoadTracker
+from .replica_connection import ReplicaConnection
 
 log = logging.getLogger(__name__)
 

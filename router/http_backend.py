@@ -1,10 +1,11 @@
 """A front door's connection to a ``vllm serve`` it did not start: the data plane over
 vLLM's own OpenAI HTTP API instead of kvroute's ZeroMQ one.
 
-:class:`HttpReplicaConnection` has :class:`~.dataplane.ReplicaConnection`'s interface
-(``submit`` → :class:`~.dataplane.InFlightRequest`, ``abort``, ``mark_lost``, ``check_silence``,
-``close``, ``lost``, ``loads``, ``flights``), so admission, routing, :class:`RequestRun`'s
-failover and resume, SSE and metrics run unchanged in front of vLLM.
+:class:`HttpReplicaConnection` has :class:`~.replica_connection.ReplicaConnection`'s
+interface (``submit`` → :class:`~.replica_connection.InFlightRequest`, ``abort``,
+``mark_lost``, ``check_silence``, ``close``, ``lost``, ``loads``, ``flights``), so admission,
+routing, :class:`RequestRun`'s failover and resume, SSE and metrics run unchanged in front
+of vLLM.
 
 Why the shape:
 - Each :class:`GenerateRequest` is one streamed ``POST /v1/completions`` whose prompt is
@@ -51,8 +52,8 @@ from kvroute.events.replica_api import (
     ReplicaLostError,
 )
 
-from .dataplane import InFlightRequest, fail_flights
 from .http_wire import BackendPool, ConnectFailedError, StreamBrokenError
+from .replica_connection import InFlightRequest, fail_flights
 
 log = logging.getLogger(__name__)
 

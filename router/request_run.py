@@ -9,11 +9,11 @@ interrupt it halfway.
 
 Why no generator chain: per streamed token the front door does little, so the layers
 around it are the cost. :meth:`RequestRun.next` awaits the replica connection's
-:class:`~.dataplane.InFlightRequest` directly (deltas that arrived while the caller was busy come
-merged), and the HTTP layer awaits it directly: one wake-up per delta, no async generator
-in between. Once a stream is under way even that wake-up goes: :meth:`RequestRun.stream_to`
-hands each delta that arrives while the stream waits straight to its socket, from the
-connection's callback, as long as the client keeps up.
+:class:`~.replica_connection.InFlightRequest` directly (deltas that arrived while the caller
+was busy come merged), and the HTTP layer awaits it directly: one wake-up per delta, no
+async generator in between. Once a stream is under way even that wake-up goes:
+:meth:`RequestRun.stream_to` hands each delta that arrives while the stream waits straight
+to its socket, from the connection's callback, as long as the client keeps up.
 
 Failures: a replica that fails is dropped from routing (:meth:`Fleet.fail`). The request
 goes on once on another replica -- from scratch before its first token, from the tokens
@@ -47,8 +47,8 @@ from .quarantine import fingerprint, not_caused_by
 
 if TYPE_CHECKING:
     from .admission import Ticket
-    from .dataplane import InFlightRequest, ReplicaConnection
     from .frontdoor import FrontDoor
+    from .replica_connection import InFlightRequest, ReplicaConnection
 
 log = logging.getLogger(__name__)
 

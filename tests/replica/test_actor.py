@@ -236,7 +236,7 @@ async def test_the_replica_pushes_its_load_to_front_doors_that_read_it(replica: 
     with no Ray call); while idle, one at least every heartbeat interval (a router holds a
     report for a second); none to a front door of protocol version 1."""
     from kvroute.events.load import LoadReport
-    from kvroute.router.dataplane import ReplicaConnection
+    from kvroute.router.replica_connection import ReplicaConnection
 
     info = await replica.info.remote()
     reports: list[tuple[float, LoadReport]] = []

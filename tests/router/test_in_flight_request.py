@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from kvroute.events.replica_api import GenerateDelta
-from kvroute.router.dataplane import InFlightRequest
+from kvroute.router.replica_connection import InFlightRequest
 
 
 def delta(*ids: int, finished: bool = False) -> GenerateDelta:

@@ -14,7 +14,7 @@ import zmq
 from kvroute.events import dataplane as dp
 from kvroute.events.load import LoadReport
 from kvroute.events.replica_api import GenerateDelta, GenerateRequest, SamplingParams
-from kvroute.router.dataplane import ReplicaConnection
+from kvroute.router.replica_connection import ReplicaConnection
 
 
 def request(rid: str) -> GenerateRequest:
