@@ -2,9 +2,9 @@
 
 Why not the ``openai`` client, nor httpx: the load generator shares the machine with the
 fleet it measures, and what the client spends between a chunk's arrival and its timestamp
-lands in every latency it reports. httpx costs ~2.5-3.4 ms of CPU per streamed request here
-(httpcore's state machine, h11, anyio's cancel scopes and a decoder per chunk) and added
-~1.3 ms to each TTFT at 50 req/s (BENCHMARKS.md, "Serving path"); the front door's own
+lands in every latency it reports. httpx spends milliseconds of CPU per streamed request
+(httpcore's state machine, h11, anyio's cancel scopes and a decoder per chunk), which showed
+up in every TTFT (BENCHMARKS.md, "Serving path"); the front door's own
 client for ``vllm serve`` (:mod:`kvroute.router.http_wire`) hands each body line to a
 callback inside the protocol, so a chunk is timed when it arrives. Every failure (HTTP
 status, timeout, refused connection, an ``error`` event in the stream) becomes a record

@@ -40,8 +40,9 @@ digest, i.e. its last 8 bytes read big-endian as an unsigned integer.
 
 Speed: the ``xxh3_128`` chain loop runs in an optional C extension, ``kvroute.events._chain``
 (built by ``pip install`` when a C compiler exists), which calls the very ``XXH3_128bits`` of
-the installed ``xxhash`` wheel; same bytes, ~10x less time on a 32k-token prompt. Without it,
-or with ``KVROUTE_PURE_PYTHON_HASH=1`` in the environment, the pure-Python loop below runs.
+the installed ``xxhash`` wheel; same bytes, without a Python call per block (long prompts hash
+many times faster: ``benchmarks/bench_hashing.py``, BENCHMARKS.md). Without it, or with
+``KVROUTE_PURE_PYTHON_HASH=1`` in the environment, the pure-Python loop below runs.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ the stop string's match would then cut. So only text that can no longer change i
 
 Why ``tokenizers``' ``DecodeStream`` where it applies (a fast tokenizer whose Python wrapper
 adds nothing to the Rust decode): it keeps the context window and the incomplete bytes on
-the Rust side, one call per token, ~1 us against ~4.6 us for two decodes of a window per
-token (the fallback, which any tokenizer takes, and which also decodes a finished
+the Rust side, one call per token, against two decodes of a window per token crossing
+from Python each time (the fallback, which any tokenizer takes, and which also decodes a finished
 request's incomplete tail, which the stream holds back for good, and the rest of a request
 whose bytes the stream refuses: a byte-fallback tokenizer's bytes that never form UTF-8).
 This runs on the replica's engine thread, per token of every sequence, between GPU steps.

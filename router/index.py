@@ -49,7 +49,8 @@ Invariants (all guarded by ``_lock``):
 - Garbage-collector silence: every per-block container is a plain dict of atomic keys and
   values (bytes or int hashes, int masks and stamps, float expiries, None) or a ``gc=False``
   struct, none of which CPython tracks. A full collection therefore never walks the index
-  (an OrderedDict LRU, always tracked, made one walk ~1.25 M entries: ~120 ms).
+  (an OrderedDict LRU, always tracked, made one walk every entry: a pause that grew with
+  the index).
 
 Thread-safety: one non-reentrant :class:`threading.Lock`. ``apply`` (the subscriber's
 thread, or a front door's loop once the subscriber moved there) takes it per event, and per

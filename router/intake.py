@@ -91,7 +91,7 @@ class Intake:
         def decode() -> Any:  # ``model``, or its twin (which behaves the same)
             try:
                 raw.decode()  # msgspec skips unknown fields unread: UTF-8 checked whole here
-                return fast(raw)  # the msgspec twin (openai_wire): ~5x cheaper
+                return fast(raw)  # the msgspec twin (openai_wire says why)
             except (ValueError, RecursionError):  # msgspec's errors, bad UTF-8, deep nesting
                 return model.model_validate_json(raw)  # accepts, or says why not
 
@@ -466,8 +466,8 @@ def _as_status(rid: str, exc: BaseException) -> BaseException:
 def fast_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
     """A prompt's ids as ``tokenizer(text).input_ids`` gives them, from a fast tokenizer's
     Rust backend called directly when it gives the same ids (checked on probes here, once):
-    no offsets computed, no ``BatchEncoding`` built -- ~20% less CPU for a 550-token prompt
-    (BENCHMARKS.md, "Fronting vllm serve"). Otherwise the tokenizer itself."""
+    no offsets computed, no ``BatchEncoding`` built, which is CPU the front door spends per
+    request (BENCHMARKS.md, "Fronting vllm serve"). Otherwise the tokenizer itself."""
 
     def slow(text: str) -> list[int]:
         return list(tokenizer(text).input_ids)

@@ -1,8 +1,9 @@
 """The request bodies as msgspec Structs: the hot path's decoder.
 
-Why twins of :mod:`.openai_api`'s pydantic models: pydantic's strict JSON validation was
-~100 us of the front door's ~1 ms of CPU per request; msgspec decodes the same body in a
-fifth of that. The pydantic models stay the schema (OpenAPI, the hostile-input tests) and
+Why twins of :mod:`.openai_api`'s pydantic models: pydantic's strict JSON validation was a
+large share of the front door's CPU per request, and msgspec decodes the same body for a
+fraction of it (``benchmarks/bench_hot_lane.py``; BENCHMARKS.md). The pydantic models stay
+the schema (OpenAPI, the hostile-input tests) and
 the voice of every 400: a body these Structs refuse is handed to pydantic, which then
 accepts it (an edge where msgspec is the stricter) or raises its usual error. So these
 Structs may refuse more than the models, never less, and must decode what they accept to
