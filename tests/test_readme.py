@@ -1,8 +1,9 @@
 """The README's examples, run as written against a real ``kvroute serve``.
 
-Every fenced block of README.md is read and each one is either run or checked; a block or a
-command that none of the rules below recognises fails the test, so a new example cannot go
-unchecked.
+Every fenced block of README.md, and of docs/getting-started.md (which continues it: the
+README's commands explained, and the examples that left the README to keep it short), is
+read and each one is either run or checked; a block or a command that none of the rules
+below recognises fails the test, so a new example cannot go unchecked.
 
 - ``bash`` blocks are split into commands (backslash continuations joined, ``&&`` chains
   split, comments dropped):
@@ -28,7 +29,8 @@ then starts ``kvroute serve --model tiny --replicas 1`` on a free port and, befo
 a block, replaces those two literal strings in its text by the test server's address and
 ``tiny``. Nothing else in a block is changed.
 
-Beside the examples: every link in the README leads to a file of the repository; the figure
+Beside the examples: every link in those two pages leads to a file of the repository; the
+README's serve and test commands are in the README itself; the figure
 is one BENCHMARKS.md shows and the command beside it is the one BENCHMARKS.md says made it;
 every flag of ``kvroute serve``, ``router``, ``stop`` and ``key`` is named in docs/serving.md;
 every series family on the test server's ``/metrics`` is named in docs/operating.md.
@@ -57,6 +59,9 @@ from .serve_process import kvroute_serve
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+# Pages whose examples are run or checked, README first: docs/getting-started.md holds what
+# moved out of the README (structured outputs, vLLM engines, the cost of a streamed token).
+EXAMPLE_PAGES = (README, ROOT / "docs" / "getting-started.md")
 KVROUTE = [sys.executable, "-m", "kvroute.deploy.cli"]
 DEFAULT_BASE = "http://127.0.0.1:8000"  # what the examples say
 DEFAULT_MODEL = "smollm2-135m"
@@ -114,6 +119,15 @@ def ci_commands() -> list[list[str]]:
 
 def readme() -> str:
     return README.read_text()
+
+
+def example_blocks() -> list[tuple[Path, str, str]]:
+    """(page, language, body) of every fenced block of every example page."""
+    return [
+        (page, lang, body)
+        for page in EXAMPLE_PAGES
+        for lang, body in fenced_blocks(page.read_text())
+    ]
 
 
 # ---------------------------------------------------------------------------- checks
@@ -222,33 +236,40 @@ def test_examples_say_the_defaults_of_kvroute_serve():
 
 
 def test_shell_commands_are_recognised_and_consistent():
-    seen = {"serve": False, "test": False}
-    for lang, body in fenced_blocks(readme()):
+    seen = {"serve": False, "test": False}  # in the README itself
+    for page, lang, body in example_blocks():
         if lang not in ("bash", "sh", "shell", "console"):
             continue
         for line in logical_lines(body):
             chain = commands(line)
             if chain[-1][:3] == ["python", "-m", "pytest"]:  # the test command
-                assert chain == ci_commands(), f"README: {chain}\n.ci/run: {ci_commands()}"
-                seen["test"] = True
+                assert chain == ci_commands(), f"{page.name}: {chain}\n.ci/run: {ci_commands()}"
+                seen["test"] |= page == README
             for cmd in chain:
                 if cmd[:2] == ["pip", "install"]:
                     check_pip_install(cmd)
                 elif cmd[0] == "kvroute":
                     args = check_kvroute(cmd)
                     if args.command == "serve" and len(cmd) == 2:
-                        seen["serve"] = True
+                        seen["serve"] |= page == README
                 elif cmd[0] == "python" and cmd[1].startswith("benchmarks/"):
                     check_benchmark(cmd)
                 elif cmd[0] in ("curl", "ruff") or cmd[:3] == ["python", "-m", "pytest"]:
                     pass  # curl: run by test_curl_examples; the others: the chain above
                 else:
-                    raise AssertionError(f"a README command no rule covers: {shlex.join(cmd)}")
+                    raise AssertionError(f"a {page.name} command no rule covers: {shlex.join(cmd)}")
     assert seen == {"serve": True, "test": True}, seen
 
 
 def test_curl_examples_answer_as_shown(server: str):
-    blocks = fenced_blocks(readme())
+    ran = 0
+    for page in EXAMPLE_PAGES:
+        ran += _run_curl_blocks(fenced_blocks(page.read_text()), server)
+    assert ran, "the README has no curl example"
+
+
+def _run_curl_blocks(blocks: list[tuple[str, str]], server: str) -> int:
+    """Runs one page's curl blocks; a json block right after one is its response's shape."""
     ran = 0
     for i, (lang, body) in enumerate(blocks):
         if lang != "bash" or not any(
@@ -269,14 +290,15 @@ def test_curl_examples_answer_as_shown(server: str):
             for key in ("object", "model"):
                 if key in shown:
                     assert real[key] == shown[key], (key, real[key], shown[key])
-    assert ran, "the README has no curl example"
+    return ran
 
 
 def test_python_examples_run(server: str, tmp_path: Path):
-    ran = 0
-    for lang, body in fenced_blocks(readme()):
+    ran, in_readme = 0, 0
+    for page, lang, body in example_blocks():
         if lang != "python":
             continue
+        in_readme += page == README
         script = tmp_path / f"example_{ran}.py"
         script.write_text(pointed(body, server))
         out = subprocess.run(
@@ -285,18 +307,21 @@ def test_python_examples_run(server: str, tmp_path: Path):
         assert out.returncode == 0, f"{body}\n--- stderr:\n{out.stderr}"
         assert out.stdout, "the example printed nothing"
         ran += 1
-    assert ran, "the README has no Python example"
+    assert in_readme, "the README has no Python example"
 
 
 def test_links_lead_to_files_and_the_figure_to_its_command():
+    for page in EXAMPLE_PAGES:
+        page_text = page.read_text()
+        links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page_text)
+        local = [x for x in links if "://" not in x]
+        assert local, f"no links in {page.name}"
+        for link in local:
+            target = (page.parent / link).resolve()
+            assert target.exists(), f"{page.name} links to {link}, which is not in the repo"
+            assert target.is_relative_to(ROOT), f"{page.name} links outside the repository: {link}"
+        assert "DESIGN.md" not in page_text and "shared" not in page_text.lower().split("/")
     text = readme()
-    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
-    local = [x for x in links if "://" not in x]
-    assert local, "no links"
-    for link in local:
-        assert (ROOT / link).exists(), f"README links to {link}, which is not in the repo"
-        assert not link.startswith(".."), f"README links outside the repository: {link}"
-    assert "DESIGN.md" not in text and "shared" not in text.lower().split("/")
     benchmarks = (ROOT / "BENCHMARKS.md").read_text()
     flat = " ".join(benchmarks.split())
     figures = re.findall(r"!\[[^\]]*\]\((benchmarks/figures/[^)]+\.png)\)", text)
