@@ -122,7 +122,8 @@ class PagedDecoder:
         self.scale = self.head_dim**-0.5
         windows = layer_windows(cfg)
         self.layers: list[_Layer] = []
-        for i, layer in enumerate(base.layers):
+        for i in range(len(base.layers)):
+            layer = base.layers[i]
             attn, mlp = layer.self_attn, layer.mlp
             q_norm = getattr(attn, "q_norm", None)
             k_norm = getattr(attn, "k_norm", None)
@@ -139,7 +140,11 @@ class PagedDecoder:
                     window=windows[i],
                 )
             )
-        base.layers = nn.ModuleList()  # the unfused copies: freed, not kept twice
+            # This layer's unfused copies go now, not after the last layer: the fused
+            # weights never cost more than one layer's worth of extra memory.
+            base.layers[i] = nn.Identity()
+            del layer, attn, mlp
+        base.layers = nn.ModuleList()
 
     @property
     def num_layers(self) -> int:

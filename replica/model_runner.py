@@ -229,6 +229,18 @@ class ModelRunner:
         _refuse_logit_processing(cfg)
         self.num_params = sum(p.numel() for p in self.model.parameters())
         num_layers, kv_heads, head_dim = kv_layout(cfg)
+        # The decoder first: fusing its weights must not compete with the KV cache for
+        # the memory the cache is sized from.
+        why_not = unsupported(cfg)
+        if model_impl == "kvroute" and why_not is not None:
+            raise UnsupportedModelError(f"model_impl kvroute: {why_not}")
+        use_own = model_impl != "transformers" and why_not is None
+        self.model_impl = "kvroute" if use_own else "transformers"
+        self.decoder = self.model.get_decoder()
+        self.paged_decoder = PagedDecoder(self.model) if use_own else None
+        self.decode_graphs: DecodeGraphs | None = None
+        if use_own and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the unfused weights' blocks back to the driver
         if num_blocks is None:
             budget = kv_cache_memory_bytes or self._default_kv_budget(gpu_memory_utilization)
             per_block = kv_bytes_per_token(cfg, dtype) * block_size
@@ -243,15 +255,6 @@ class ModelRunner:
             for _ in range(num_layers)
         ]
         self.sampler = Sampler(seed)
-        why_not = unsupported(cfg)
-        if model_impl == "kvroute" and why_not is not None:
-            raise UnsupportedModelError(f"model_impl kvroute: {why_not}")
-        self.model_impl = (
-            "kvroute" if model_impl != "transformers" and why_not is None else ("transformers")
-        )
-        self.decoder = self.model.get_decoder()
-        self.paged_decoder = PagedDecoder(self.model) if self.model_impl == "kvroute" else None
-        self.decode_graphs: DecodeGraphs | None = None
         if self.paged_decoder is None:
             self._probe_transformers_path(num_layers)
         log.info("model implementation: %s", self.model_impl)
