@@ -18,7 +18,7 @@ import numpy as np
 from kvroute.events import BlockHasher
 
 from .bounds import bounds, least_work_s
-from .simulator import Fleet, SimConfig, SimRequest
+from .simulator import SimConfig, SimRequest, SimRun
 from .workloads import RequestSpec, TokenSource
 
 Progress = Callable[[str, int, int], None]
@@ -46,7 +46,7 @@ def _dist(xs: np.ndarray) -> dict[str, float]:
     return {"mean": mean, "p50": _pct(xs, 50), "p90": _pct(xs, 90), "p99": _pct(xs, 99)}
 
 
-def summarize(fleet: Fleet, wall_s: float) -> dict[str, Any]:
+def summarize(fleet: SimRun, wall_s: float) -> dict[str, Any]:
     done = [r for r in fleet.reqs if r is not None and r.done_s is not None]
     ttft = np.array([r.first_s - r.spec.arrival_s for r in done])  # type: ignore[operator]
     e2e = np.array([r.done_s - r.spec.arrival_s for r in done])  # type: ignore[operator]
@@ -111,7 +111,7 @@ def summarize(fleet: Fleet, wall_s: float) -> dict[str, Any]:
     }
 
 
-def _by_profile(fleet: Fleet, shares: np.ndarray) -> dict[str, dict[str, float]]:
+def _by_profile(fleet: SimRun, shares: np.ndarray) -> dict[str, dict[str, float]]:
     """Per profile: its replicas, and the mean share of the fleet's work and requests one of
     them took. On a mixed fleet the faster profile's replicas should take more."""
     out: dict[str, dict[str, float]] = {}
@@ -166,7 +166,7 @@ def simulate(
     for name in policies:
         tick = None if progress is None else (lambda d, t, n=name: progress(n, d, t))
         start = time.perf_counter()
-        fleet = Fleet(specs, name, cfg, tokens, hashes, tick).run()
+        fleet = SimRun(specs, name, cfg, tokens, hashes, tick).run()
         result["policies"][name] = summarize(fleet, time.perf_counter() - start)
     return result
 

@@ -38,7 +38,7 @@ from kvroute.router.policy import Policy, RequestView, make_policy
 from .replica import SimReplica, SimRequest
 from .workloads import RequestSpec, TokenSource
 
-__all__ = ["Fault", "Fleet", "SimConfig", "SimReplica", "SimRequest"]
+__all__ = ["Fault", "SimConfig", "SimReplica", "SimRequest", "SimRun"]
 
 _ARRIVE, _STEP, _DELIVER, _FAULT, _RUN_STEP = 0, 1, 2, 3, 4
 
@@ -102,8 +102,9 @@ class SimConfig:
         )
 
 
-class Fleet:
-    """One policy's run over one workload; :meth:`run` returns the raw per-request results."""
+class SimRun:
+    """One policy's run over one workload (the simulated fleet); :meth:`run` returns it
+    with the raw per-request results."""
 
     def __init__(
         self,
@@ -161,7 +162,7 @@ class Fleet:
         heapq.heappush(self._heap, (t, self._seq, kind, payload))
 
     # -- main loop -------------------------------------------------------------------------
-    def run(self) -> Fleet:
+    def run(self) -> SimRun:
         for i, spec in enumerate(self.specs):
             self._push(spec.arrival_s, _ARRIVE, i)
         for f in self.cfg.faults:

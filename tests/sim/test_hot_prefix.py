@@ -8,7 +8,7 @@ import pytest
 
 from kvroute.sim.bounds import bounds
 from kvroute.sim.report import router_hashes, summarize
-from kvroute.sim.simulator import Fleet, SimConfig
+from kvroute.sim.simulator import SimConfig, SimRun
 from kvroute.sim.workloads import RequestSpec, TokenSource
 
 HOT = (1, 4096)  # (segment id, tokens): the prefix half of the traffic shares
@@ -26,16 +26,16 @@ def hot_workload(n: int, rate: float, seed: int = 0) -> list[RequestSpec]:
     return out
 
 
-def run(rate: float, n: int) -> tuple[Fleet, dict, dict]:
+def run(rate: float, n: int) -> tuple[SimRun, dict, dict]:
     specs = hot_workload(n, rate)
     cfg = SimConfig(replicas=4, block_size=64, blocks_per_replica=4000)
     src = TokenSource()
     hashes = router_hashes(specs, cfg, src)
-    fleet = Fleet(specs, "kv", cfg, src, hashes).run()
+    fleet = SimRun(specs, "kv", cfg, src, hashes).run()
     return fleet, summarize(fleet, 0.0), bounds(specs, hashes, cfg, src)
 
 
-def holders(fleet: Fleet) -> set[int]:
+def holders(fleet: SimRun) -> set[int]:
     return {r.replica for r in fleet.reqs if r is not None and r.spec.segments[0] == HOT}
 
 

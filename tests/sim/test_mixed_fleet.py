@@ -9,16 +9,16 @@ import sys
 
 from kvroute.replica.cost_model import A100_8B, H100_8B, CostModel
 from kvroute.sim.report import router_hashes, summarize
-from kvroute.sim.simulator import Fleet, SimConfig
+from kvroute.sim.simulator import SimConfig, SimRun
 from kvroute.sim.workloads import TokenSource, make_workload
 
 MIXED = SimConfig(replicas=4, block_size=64, profiles=(H100_8B, A100_8B))
 
 
-def run(policy: str, workload: str = "chat", speed: float = 8.0, n: int = 400) -> Fleet:
+def run(policy: str, workload: str = "chat", speed: float = 8.0, n: int = 400) -> SimRun:
     specs = make_workload(workload, n, seed=5, speed=speed)
     src = TokenSource()
-    return Fleet(specs, policy, MIXED, src, router_hashes(specs, MIXED, src)).run()
+    return SimRun(specs, policy, MIXED, src, router_hashes(specs, MIXED, src)).run()
 
 
 def test_replicas_alternate_profiles_and_register_their_own_coefficients():

@@ -16,7 +16,7 @@ from kvroute.replica.kv_cache_manager import KVCacheManager
 from kvroute.replica.scheduler import Scheduler, SchedulerOutput
 from kvroute.sim.replica import SimRequest
 from kvroute.sim.report import router_hashes
-from kvroute.sim.simulator import Fleet, SimConfig
+from kvroute.sim.simulator import SimConfig, SimRun
 from kvroute.sim.workloads import RequestSpec, TokenSource, make_workload
 
 Step = tuple[float, list[tuple[str, int, int]], list[str]]  # start, (id, p0, n), preempted
@@ -62,10 +62,10 @@ def engine_loop(specs: list[RequestSpec], cfg: SimConfig) -> tuple[list[Step], d
     return steps, times
 
 
-def simulate_one(specs: list[RequestSpec], cfg: SimConfig) -> tuple[Fleet, list[Step]]:
+def simulate_one(specs: list[RequestSpec], cfg: SimConfig) -> tuple[SimRun, list[Step]]:
     """One replica; every step the simulator's scheduler makes, recorded."""
     src = TokenSource()
-    fleet = Fleet(specs, "round_robin", cfg, src, router_hashes(specs, cfg, src))
+    fleet = SimRun(specs, "round_robin", cfg, src, router_hashes(specs, cfg, src))
     steps: list[Step] = []
     rep = fleet.reps[0]
     schedule = rep.scheduler.schedule
@@ -128,7 +128,7 @@ def flood(light_arrivals: list[float]) -> list[RequestSpec]:
     return sorted(heavy + light, key=lambda s: s.arrival_s)
 
 
-def ttfts(fleet: Fleet, tenant: str) -> np.ndarray:
+def ttfts(fleet: SimRun, tenant: str) -> np.ndarray:
     return np.array([
         r.first_s - r.spec.arrival_s for r in fleet.reqs
         if r is not None and r.spec.cache_salt == tenant and r.first_s is not None
@@ -141,7 +141,7 @@ def test_a_light_tenant_gets_its_share_while_another_floods() -> None:
     specs = flood([1.0 + 0.5 * i for i in range(8)])
     src = TokenSource()
     cfg = SimConfig(replicas=1, block_size=64)
-    fleet = Fleet(specs, "round_robin", cfg, src, router_hashes(specs, cfg, src)).run()
+    fleet = SimRun(specs, "round_robin", cfg, src, router_hashes(specs, cfg, src)).run()
     light, heavy = ttfts(fleet, "light"), ttfts(fleet, "flood")
     assert len(light) == 8 and len(heavy) == 150
     assert np.median(heavy) > 10.0  # the replica is swamped
@@ -172,7 +172,7 @@ def test_the_scheduler_reads_no_clock(monkeypatch: pytest.MonkeyPatch) -> None:
     virtual time only (time enters as each request's arrival_time)."""
     specs, cfg = contended()
     src = TokenSource()
-    fleet = Fleet(specs[:30], "kv", cfg, src, router_hashes(specs[:30], cfg, src))
+    fleet = SimRun(specs[:30], "kv", cfg, src, router_hashes(specs[:30], cfg, src))
 
     def no_clock() -> float:
         raise AssertionError("wall clock read")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvroute.sim.report import router_hashes, simulate, to_json
-from kvroute.sim.simulator import Fault, Fleet, SimConfig
+from kvroute.sim.simulator import Fault, SimConfig, SimRun
 from kvroute.sim.traces import (
     load_mooncake,
     prompt_tokens,
@@ -22,9 +22,9 @@ from kvroute.sim.workloads import TokenSource, make_workload
 TRACES = Path(__file__).resolve().parents[2] / "traces"
 
 
-def fleet(specs, policy: str, cfg: SimConfig) -> Fleet:
+def fleet(specs, policy: str, cfg: SimConfig) -> SimRun:
     src = TokenSource()
-    return Fleet(specs, policy, cfg, src, router_hashes(specs, cfg, src)).run()
+    return SimRun(specs, policy, cfg, src, router_hashes(specs, cfg, src)).run()
 
 
 def strip_wall(result: dict) -> dict:
@@ -69,7 +69,7 @@ def test_lost_batches_without_recovery_would_be_caught():
     index disagrees with the engines."""
     specs = make_workload("chat", 150, seed=1, speed=4.0)
     cfg = SimConfig(replicas=2, blocks_per_replica=300, block_size=64)
-    f = Fleet(specs, "kv", cfg, (src := TokenSource()), router_hashes(specs, cfg, src))
+    f = SimRun(specs, "kv", cfg, (src := TokenSource()), router_hashes(specs, cfg, src))
     publish = f._publish
     dropped = []
     last_arrival = specs[-1].arrival_s
@@ -165,7 +165,7 @@ def test_simulated_replicas_report_load_through_the_routers_load_tracker():
     specs = make_workload("rag", 120, seed=3, speed=4.0)
     cfg = SimConfig(replicas=3, block_size=64, blocks_per_replica=3000)
     src = TokenSource()
-    f = Fleet(specs, "kv", cfg, src, router_hashes(specs, cfg, src))
+    f = SimRun(specs, "kv", cfg, src, router_hashes(specs, cfg, src))
     seen: list[tuple[str, LoadReport]] = []
     report = f.policy.load.report
     f.policy.load.report = lambda r, rep, now: (seen.append((r, rep)), report(r, rep, now))[1]
