@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 
-from kvroute.kernels import AttentionMetadata, paged_attention, store_kv
+from kvroute.kernels import AttentionMetadata, cpu_ops, paged_attention, store_kv
 
 from .linear import Linear
 
@@ -121,6 +121,9 @@ class PagedDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.scale = self.head_dim**-0.5
         windows = layer_windows(cfg)
+        weight = self.embed.weight
+        # On a CPU in fp32: norms, rotary and SiLU-times-up in C (kernels/cpu_ops.py).
+        self.c_ops = cpu_ops.usable(weight.device, weight.dtype)
         self.layers: list[_Layer] = []
         for i in range(len(base.layers)):
             layer = base.layers[i]
@@ -160,24 +163,24 @@ class PagedDecoder:
         """Hidden states [T, hidden] after the final norm, for a flattened varlen batch."""
         hidden = self.embed(input_ids)
         cos, sin = self.rotary(hidden, positions[None])
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [T, 1, D]: every head alike
+        cos, sin = cos[0], sin[0]  # [T, D]
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         attn_kw = meta.attention_kwargs()
-        residual: Tensor | None = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            residual = hidden if residual is None else residual.add_(hidden)
-            x = _rms_norm(residual, layer.input_norm, self.eps)
+        residual = hidden
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            x = self._add_norm(residual, hidden if i else None, layer.input_norm)
             qkv = layer.qkv(x)
             t = qkv.shape[0]
-            q = qkv[:, : h * d].view(t, h, d)
-            k = qkv[:, h * d : (h + hk) * d].view(t, hk, d)
             v = qkv[:, (h + hk) * d :].view(t, hk, d)
             if layer.q_norm is not None:  # Qwen3: per head, before rotary
-                q = _rms_norm(q, layer.q_norm, self.eps)
-                k = _rms_norm(k, layer.k_norm, self.eps)  # type: ignore[arg-type]
-                qk = _rotate(torch.cat((q, k), dim=1), cos, sin)
+                q = _rms_norm(qkv[:, : h * d].view(t, h, d), layer.q_norm, self.eps)
+                k = _rms_norm(qkv[:, h * d : (h + hk) * d].view(t, hk, d), layer.k_norm, self.eps)  # type: ignore[arg-type]
+                qk = _rotate(torch.cat((q, k), dim=1), cos[:, None], sin[:, None])
+            elif self.c_ops:  # in place, q and k side by side in the QKV rows
+                cpu_ops.rotary_(qkv, cos, sin, h + hk, d)
+                qk = qkv[:, : (h + hk) * d].view(t, h + hk, d)
             else:
-                qk = _rotate(qkv[:, : (h + hk) * d].view(t, h + hk, d), cos, sin)
+                qk = _rotate(qkv[:, : (h + hk) * d].view(t, h + hk, d), cos[:, None], sin[:, None])
             q, k = qk[:, :h], qk[:, h:]
             store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
             o = paged_attention(
@@ -189,12 +192,23 @@ class PagedDecoder:
                 **attn_kw,  # type: ignore[arg-type]
             )
             hidden = layer.o(o.view(t, h * d))
-            residual.add_(hidden)
-            x = _rms_norm(residual, layer.post_norm, self.eps)
+            x = self._add_norm(residual, hidden, layer.post_norm)
             gate_up = layer.gate_up(x)
-            inter = gate_up.shape[1] // 2
-            hidden = layer.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
-        assert residual is not None
-        return self.final_norm(residual.add_(hidden))
+            if self.c_ops:
+                act = cpu_ops.silu_mul(gate_up)
+            else:
+                inter = gate_up.shape[1] // 2
+                act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            hidden = layer.down(act)
+        return self._add_norm(residual, hidden, self.final_norm.weight)
+
+    def _add_norm(self, residual: Tensor, added: Tensor | None, weight: Tensor) -> Tensor:
+        """``residual += added`` in place, then RMSNorm of it (transformers' layers add the
+        residual and normalize in this order)."""
+        if self.c_ops:
+            return cpu_ops.add_rms_norm(residual, added, weight, self.eps)
+        if added is not None:
+            residual.add_(added)
+        return _rms_norm(residual, weight, self.eps)
 
     __call__ = forward

@@ -1,0 +1,78 @@
+"""The CPU layer ops in C against the torch ops they replace (transformers' math, fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from kvroute.kernels import cpu_ops
+
+pytestmark = pytest.mark.skipif(
+    not cpu_ops.usable(torch.device("cpu"), torch.float32), reason="C layer ops not built"
+)
+
+
+def _hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    var = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(var + eps))
+
+
+@pytest.mark.parametrize("cols", [576, 64, 37])  # 37: the scalar tail alone past 32
+@pytest.mark.parametrize("add", [True, False])
+def test_add_rms_norm(cols: int, add: bool) -> None:
+    g = torch.Generator().manual_seed(cols)
+    residual = torch.randn(9, cols, generator=g) * 3
+    x = torch.randn(9, cols, generator=g) if add else None
+    weight = torch.randn(cols, generator=g)
+    want_res = residual + x if x is not None else residual.clone()
+    want = _hf_rms_norm(want_res, weight, 1e-6)
+    got = cpu_ops.add_rms_norm(residual, x, weight, 1e-6)
+    torch.testing.assert_close(residual, want_res, atol=0, rtol=0)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_add_rms_norm_on_strided_rows() -> None:
+    base = torch.randn(4, 100)
+    residual = base[:, :64]  # rows of 64 with a stride of 100
+    x = torch.randn(4, 64)
+    weight = torch.randn(64)
+    want = _hf_rms_norm(residual + x, weight, 1e-5)
+    got = cpu_ops.add_rms_norm(residual, x, weight, 1e-5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(base[:, 64:], base[:, 64:])  # untouched columns stay
+
+
+@pytest.mark.parametrize("inter", [1536, 24, 19])
+def test_silu_mul(inter: int) -> None:
+    g = torch.Generator().manual_seed(inter)
+    gate_up = torch.randn(5, 2 * inter, generator=g) * 8
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, -90.0, 90.0])  # past exp's float range
+    want = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    got = cpu_ops.silu_mul(gate_up)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 40])  # 40: a half of 20, the scalar tail
+def test_rotary_in_place_matches_transformers(head_dim: int) -> None:
+    g = torch.Generator().manual_seed(head_dim)
+    tokens, heads, extra = 6, 5, 3  # the last 3 heads of each row are left alone (V)
+    qkv = torch.randn(tokens, (heads + extra) * head_dim, generator=g)
+    freqs = torch.randn(tokens, head_dim // 2, generator=g)
+    emb = torch.cat((freqs, freqs), dim=-1)  # transformers' layout: cos/sin repeat per half
+    cos, sin = emb.cos(), emb.sin()
+    x = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    half = head_dim // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    want = qkv.clone()
+    want[:, : heads * head_dim] = (x * cos[:, None] + rotated * sin[:, None]).reshape(tokens, -1)
+    cpu_ops.rotary_(qkv, cos, sin, heads, head_dim)
+    torch.testing.assert_close(qkv, want, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_shapes_are_refused() -> None:
+    with pytest.raises(ValueError):
+        cpu_ops.add_rms_norm(torch.zeros(2, 8), torch.zeros(2, 9), torch.ones(8), 1e-6)
+    with pytest.raises(ValueError):
+        cpu_ops.rotary_(torch.zeros(2, 64), torch.zeros(2, 32), torch.zeros(2, 32), 1, 64)
