@@ -20,7 +20,8 @@ hide_broken()
 
 _EXPORTS = {
     "AsyncLLMEngine": ".async_engine",
-    "EngineDeadError": ".async_engine",
+    "EngineDeadError": ".replica_engine",
+    "ReplicaEngine": ".replica_engine",
     "EngineConfig": ".engine",
     "LLMEngine": ".engine",
     "LLM": ".llm",
@@ -40,6 +41,7 @@ __all__ = [
     "EngineConfig",
     "EngineDeadError",
     "LLMEngine",
+    "ReplicaEngine",
     "RequestOutput",
     "SamplingParams",
     "resolve_model",
@@ -49,11 +51,12 @@ __all__ = [
 if TYPE_CHECKING:
     from kvroute.events.replica_api import SamplingParams
 
-    from .async_engine import AsyncLLMEngine, EngineDeadError
+    from .async_engine import AsyncLLMEngine
     from .engine import EngineConfig, LLMEngine
     from .llm import LLM
     from .models import BUILTIN_MODELS, resolve_model, tiny_model_path
     from .outputs import CompletionOutput, RequestOutput
+    from .replica_engine import EngineDeadError, ReplicaEngine
 
 
 def __getattr__(name: str) -> Any:

@@ -1,7 +1,9 @@
 """ReplicaActor: one engine, its data plane and its KV-event publisher inside a Ray actor.
 
 Why the shape:
-- The engine runs on its own thread (:class:`AsyncLLMEngine`). Requests and tokens travel on
+- The actor holds one engine, a :class:`~.replica_engine.ReplicaEngine` (kvroute's, which
+  also runs ``sim:`` cost models, or vLLM's), and calls it without asking which; the engine
+  runs on its own thread. Requests and tokens travel on
   the data plane (:class:`~.dataplane.DataPlaneServer`, ZeroMQ, one message per front door
   per step), never through Ray: Ray places, starts, restarts and finds the actor, and
   carries its :class:`ReplicaInfo` (the sockets' addresses), load reports and control calls.
@@ -28,7 +30,8 @@ import threading
 import time
 import uuid
 import warnings
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import ray
 
@@ -36,6 +39,7 @@ from kvroute.events.load import LoadReport
 from kvroute.events.replica_api import ReplicaDeadError, ReplicaInfo
 
 from .cost_model import sim_profile
+from .replica_engine import EngineDeadError, ReplicaEngine
 
 if TYPE_CHECKING:  # the engine pulls in torch; a router creating actors need not
     from .engine import EngineConfig
@@ -43,6 +47,7 @@ if TYPE_CHECKING:  # the engine pulls in torch; a router creating actors need no
 __all__ = ["ReplicaActor", "ReplicaServer", "start_replica"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 EXIT_GRACE_S = 5.0  # at most this long for in-flight streams to end before the exit
 _WILDCARD_HOSTS = ("", "*", "0.0.0.0")
@@ -64,71 +69,51 @@ class ReplicaServer:
         torch_threads: int | None = None,
     ) -> None:
         quiet_progress_bars()
+        from .dataplane import DataPlaneServer
         from .vllm_adapt import is_vllm_config
 
         self.replica_id = replica_id
-        self._vllm: Any = None  # the VllmEngine when this replica runs vLLM
-        if is_vllm_config(engine_config):
-            self._init_vllm(engine_config, events_host, torch_threads)
-            return
-        from kvroute.events import ZmqEventPublisher
-
-        from .async_engine import AsyncLLMEngine
-        from .dataplane import DataPlaneServer
-        from .engine import EngineConfig
-
-        config = (
-            engine_config
-            if isinstance(engine_config, EngineConfig)
-            else EngineConfig(**engine_config)
-        )
-        if torch_threads is not None and sim_profile(config.model) is None:
-            import torch  # a cost-model replica never imports it (~1 GB less)
-
-            torch.set_num_threads(torch_threads)
         node_ip = ray.util.get_node_ip_address()
         bind = "*" if events_host in _WILDCARD_HOSTS else events_host
         advertised = node_ip if bind == "*" else events_host
-        self.publisher: Any = ZmqEventPublisher(
-            f"tcp://{bind}:*", f"tcp://{bind}:*", topic=replica_id
-        )
-        try:
-            self.engine = AsyncLLMEngine.from_config(config, [self.publisher.publish])
-        except BaseException:
-            self.publisher.close()
-            raise
+        start = _start_vllm if is_vllm_config(engine_config) else _start_kvroute
+        started = start(engine_config, replica_id, bind, advertised, torch_threads)
+        self.engine: ReplicaEngine = started.engine
+        self.publisher: Any = started.publisher  # kvroute's own; None: the engine publishes
         incarnation = uuid.uuid4().hex
         try:
             self.dataplane = DataPlaneServer(self.engine, f"tcp://{bind}:*", incarnation)
         except BaseException:
-            self.engine.shutdown()
-            self.publisher.close()
+            self._close_engine()
             raise
-        eng = self.engine.engine
-        hc = eng.hash_config
-        replay = self.publisher.replay_endpoint
+        try:
+            facts = self.engine.describe()
+        except BaseException:
+            self.dataplane.close()
+            self._close_engine()
+            raise
         actor_id = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
         self._in_actor = actor_id is not None
         self._info = ReplicaInfo(
             replica_id=replica_id,
-            model=config.model,
-            model_path=str(eng.model_path),
-            hash_algo=hc.algo,
-            hash_seed=hc.seed,
-            hash_form=config.hash_form,
-            block_size=hc.block_size,
-            num_blocks=eng.runner.num_blocks,
-            max_model_len=eng.max_model_len,
+            model=started.model,
+            model_path=str(facts.model_path),
+            hash_algo=facts.hash_algo,
+            hash_seed=facts.hash_seed,
+            hash_form=facts.hash_form,
+            block_size=facts.block_size,
+            num_blocks=facts.num_blocks,
+            max_model_len=facts.max_model_len,
             data_endpoint=_advertise(self.dataplane.endpoint, advertised),
-            events_endpoint=_advertise(self.publisher.endpoint, advertised),
-            replay_endpoint=_advertise(replay, advertised) if replay else None,
+            events_endpoint=started.events_endpoint,
+            replay_endpoint=started.replay_endpoint,
             topic=replica_id,
             node_ip=node_ip,
             pid=os.getpid(),
             incarnation=incarnation,
             restarted=self._in_actor and _was_reconstructed(),
-            vocab_size=eng.vocab_size,
-            cost=eng.cost_coefficients(),
+            vocab_size=facts.vocab_size,
+            cost=facts.cost,
             node_id=ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
         )
         threading.Thread(target=self._watch, name="kvroute-replica-watchdog", daemon=True).start()
@@ -137,60 +122,6 @@ class ReplicaServer:
         # it all, 195 ms on this CPU in which no engine step ran; frozen, ~0.1 ms.
         gc.collect()
         gc.freeze()
-
-    def _init_vllm(self, engine_config: Any, events_host: str, torch_threads: int | None) -> None:
-        """The same actor around vLLM's AsyncLLM (see :mod:`.vllm_engine`): vLLM publishes
-        its own KV events, so there is no kvroute publisher."""
-        from .dataplane import DataPlaneServer
-        from .vllm_engine import VllmEngine, VllmEngineConfig
-
-        config = (
-            engine_config
-            if isinstance(engine_config, VllmEngineConfig)
-            else VllmEngineConfig.from_dict(engine_config)
-        )
-        if torch_threads is not None and config.device == "cpu":
-            # vLLM's engine core (a child process) sizes its OpenMP pool from this.
-            os.environ["OMP_NUM_THREADS"] = str(torch_threads)
-        node_ip = ray.util.get_node_ip_address()
-        bind = "*" if events_host in _WILDCARD_HOSTS else events_host
-        advertised = node_ip if bind == "*" else events_host
-        self.publisher = None
-        eng = self.engine = self._vllm = VllmEngine(
-            config, events_host=advertised, topic=self.replica_id
-        )
-        incarnation = uuid.uuid4().hex
-        try:
-            self.dataplane = DataPlaneServer(eng, f"tcp://{bind}:*", incarnation)  # type: ignore[arg-type]
-            cost = eng.cost_coefficients()
-        except BaseException:
-            eng.shutdown()
-            raise
-        actor_id = ray.get_runtime_context().get_actor_id() if ray.is_initialized() else None
-        self._in_actor = actor_id is not None
-        self._info = ReplicaInfo(
-            replica_id=self.replica_id,
-            model=config.model,
-            model_path=str(eng.model_path),
-            hash_algo=eng.hash_algo,
-            hash_seed=eng.hash_seed,
-            hash_form=eng.hash_form,
-            block_size=eng.block_size,
-            num_blocks=eng.num_blocks,
-            max_model_len=eng.max_model_len,
-            data_endpoint=_advertise(self.dataplane.endpoint, advertised),
-            events_endpoint=eng.events_endpoint,
-            replay_endpoint=eng.replay_endpoint,
-            topic=self.replica_id,
-            node_ip=node_ip,
-            pid=os.getpid(),
-            incarnation=incarnation,
-            restarted=self._in_actor and _was_reconstructed(),
-            vocab_size=eng.vocab_size,
-            cost=cost,
-            node_id=ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
-        )
-        threading.Thread(target=self._watch, name="kvroute-replica-watchdog", daemon=True).start()
 
     def __repr__(self) -> str:  # Ray prefixes the actor's log lines and errors with it
         return f"ReplicaServer({self.replica_id})"
@@ -205,41 +136,27 @@ class ReplicaServer:
 
     async def stats(self) -> dict[str, Any]:
         """Engine load and cache counters (read between steps) plus the publisher's."""
-        if self._vllm is not None:
-            s = await self._on_vllm(self._vllm.stats())
-            s.update(
-                replica_id=self.replica_id,
-                dataplane_requests=self.dataplane.requests,
-                dataplane_messages_sent=self.dataplane.messages_sent,
-                dataplane_malformed=self.dataplane.malformed,
-            )
-            return s
-
-        def read(e: Any) -> dict[str, Any]:
-            # On the engine thread: the thread whose torch pool does the work.
-            torch = sys.modules.get("torch")
-            return {**e.stats(), **({"torch_threads": torch.get_num_threads()} if torch else {})}
-
-        s = await self._on_engine(read)
-        pub = self.publisher
+        s = await self._ask(self.engine.stats())
         s.update(
             replica_id=self.replica_id,
             dataplane_requests=self.dataplane.requests,
             dataplane_messages_sent=self.dataplane.messages_sent,
             dataplane_malformed=self.dataplane.malformed,
-            events_published=pub.published,
-            events_sent=pub.sent,
-            events_dropped=pub.dropped,
-            events_last_seq=pub.last_seq,
         )
+        pub = self.publisher
+        if pub is not None:  # a vLLM replica's publisher lives in vLLM's engine core
+            s.update(
+                events_published=pub.published,
+                events_sent=pub.sent,
+                events_dropped=pub.dropped,
+                events_last_seq=pub.last_seq,
+            )
         return s
 
     async def cached_blocks(self) -> dict[Any, int]:
         """External block hash -> cached copies, read between steps: what a router's index
         of this replica must equal once its event stream is applied (audits, chaos tests)."""
-        if self._vllm is not None:
-            return await self._on_vllm(self._vllm.cached_blocks())
-        return await self._on_engine(lambda e: e.kv_cache_manager.block_pool.cached_hash_counts())
+        return await self._ask(self.engine.cached_blocks())
 
     def load(self) -> LoadReport:
         """The scheduler's load as of its latest step (routers poll it every few hundred
@@ -249,9 +166,7 @@ class ReplicaServer:
 
     async def reset_prefix_cache(self) -> bool:
         """False when blocks are in use (nothing is reset then); True after AllBlocksCleared."""
-        if self._vllm is not None:
-            return await self._on_vllm(self._vllm.reset_prefix_cache())
-        return await self._on_engine(lambda e: e.reset_prefix_cache())
+        return await self._ask(self.engine.reset_prefix_cache())
 
     def health(self) -> bool:
         """True, or :class:`ReplicaDeadError` in the moment before a dead replica exits."""
@@ -264,14 +179,7 @@ class ReplicaServer:
     def inject_engine_failure(self, message: str = "injected engine failure") -> None:
         """Fault injection (tests, drills): the engine's next step raises ``message``
         (a vLLM replica's engine-core process is killed instead: its steps run there)."""
-        if self._vllm is not None:
-            self._vllm.kill_engine_core()
-            return
-
-        def fail() -> None:
-            raise RuntimeError(message)
-
-        self.engine.engine.step = fail  # type: ignore[method-assign]
+        self.engine.inject_failure(message)
 
     def shutdown(self) -> None:
         """For in-process use: stop the engine (live requests fail) and close the sockets."""
@@ -280,19 +188,16 @@ class ReplicaServer:
         if self.publisher is not None:
             self.publisher.close()
 
-    async def _on_vllm(self, pending: Any) -> Any:
-        from .async_engine import EngineDeadError
+    def _close_engine(self) -> None:
+        """A start-up that failed after the engine started: stop it, close its publisher."""
+        self.engine.shutdown()
+        if self.publisher is not None:
+            self.publisher.close()
 
+    async def _ask(self, pending: Awaitable[T]) -> T:
+        """Awaits an engine call; a dead engine's error becomes the replica's."""
         try:
             return await pending
-        except EngineDeadError as exc:
-            raise ReplicaDeadError(f"replica {self.replica_id}: {exc}") from None
-
-    async def _on_engine(self, fn: Any) -> Any:
-        from .async_engine import EngineDeadError
-
-        try:
-            return await self.engine.call(fn)
         except EngineDeadError as exc:
             raise ReplicaDeadError(f"replica {self.replica_id}: {exc}") from None
 
@@ -372,3 +277,68 @@ def _advertise(endpoint: str, host: str) -> str:
     """``tcp://0.0.0.0:5557`` as bound -> ``tcp://<host>:5557`` as others reach it."""
     port = endpoint.rsplit(":", 1)[1]
     return f"tcp://{host}:{port}"
+
+
+class _Started(NamedTuple):
+    """A replica's engine as started, with what the replica reports beside it."""
+
+    engine: ReplicaEngine
+    publisher: Any  # kvroute's ZmqEventPublisher, or None where the engine publishes
+    model: str
+    events_endpoint: str
+    replay_endpoint: str | None
+
+
+def _start_kvroute(
+    engine_config: EngineConfig | dict[str, Any],
+    replica_id: str,
+    bind: str,
+    advertised: str,
+    torch_threads: int | None,
+) -> _Started:
+    """kvroute's engine on its thread (a ``sim:`` model too), and its event publisher."""
+    from kvroute.events import ZmqEventPublisher
+
+    from .async_engine import AsyncLLMEngine
+    from .engine import EngineConfig
+
+    config = (
+        engine_config if isinstance(engine_config, EngineConfig) else EngineConfig(**engine_config)
+    )
+    if torch_threads is not None and sim_profile(config.model) is None:
+        import torch  # a cost-model replica never imports it
+
+        torch.set_num_threads(torch_threads)
+    publisher = ZmqEventPublisher(f"tcp://{bind}:*", f"tcp://{bind}:*", topic=replica_id)
+    try:
+        engine = AsyncLLMEngine.from_config(config, [publisher.publish])
+    except BaseException:
+        publisher.close()
+        raise
+    replay = publisher.replay_endpoint
+    return _Started(
+        engine,
+        publisher,
+        config.model,
+        _advertise(publisher.endpoint, advertised),
+        _advertise(replay, advertised) if replay else None,
+    )
+
+
+def _start_vllm(
+    engine_config: Any, replica_id: str, bind: str, advertised: str, torch_threads: int | None
+) -> _Started:
+    """vLLM's AsyncLLM (see :mod:`.vllm_engine`): vLLM publishes its own KV events, so
+    there is no kvroute publisher."""
+    from .vllm_engine import VllmEngine, VllmEngineConfig
+
+    config = (
+        engine_config
+        if isinstance(engine_config, VllmEngineConfig)
+        else VllmEngineConfig.from_dict(engine_config)
+    )
+    if torch_threads is not None and config.device == "cpu":
+        # vLLM's engine core (a child process) sizes its OpenMP pool from this.
+        os.environ["OMP_NUM_THREADS"] = str(torch_threads)
+    engine = VllmEngine(config, events_host=advertised, topic=replica_id)
+    return _Started(engine, None, config.model, engine.events_endpoint, engine.replay_endpoint)

@@ -24,11 +24,12 @@ import dataclasses
 import itertools
 import logging
 import queue
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from kvroute.events.framing import name_native_thread
 from kvroute.events.load import LoadReport
@@ -36,41 +37,15 @@ from kvroute.events.replica_api import Resume, SamplingParams
 
 from .engine import EngineConfig, EventSink, LLMEngine
 from .outputs import EngineOutput, RequestOutput
+from .replica_engine import EngineDeadError, EngineFacts, OutputSink
+
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "OutputSink"]
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 LOAD_REFRESH_S = 0.02  # the engine's load report is at most this stale between commands
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread failed; the replica should be restarted.
-
-    ``suspect``: the request was in the step that failed (or that step's batch is unknown),
-    so it may have caused the failure and must not be replayed elsewhere blindly. False for
-    a request that was only queued or waiting, or that arrived after the engine died."""
-
-    def __init__(self, message: str, *, suspect: bool = False) -> None:
-        super().__init__(message)
-        self.suspect = suspect
-
-
-class OutputSink(Protocol):
-    """Where a request's outputs go; called on the engine thread only."""
-
-    # True: the sink takes each step's increment as the data plane's GenerateDelta, built
-    # straight from the request; False: a RequestOutput (cumulative text and tokens too).
-    deltas: bool
-
-    def deliver(self, request_id: str, item: EngineOutput | BaseException) -> bool:
-        """Takes one output (or the error that ends the request); False when nobody listens
-        any more (the engine then aborts the request)."""
-        ...
-
-    def flush(self) -> None:
-        """The step is over: send what this step delivered."""
-        ...
 
 
 class _QueueSink:
@@ -125,10 +100,11 @@ class _Call:
 
 
 class AsyncLLMEngine:
-    """Thread-hosted :class:`LLMEngine` with an async streaming ``generate``."""
+    """Thread-hosted :class:`LLMEngine` with an async streaming ``generate``; a replica's
+    :class:`~.replica_engine.ReplicaEngine` (``llm_engine`` is the engine it hosts)."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+        self.llm_engine = engine
         self._commands: queue.SimpleQueue[_Add | _Abort | _AbortSink | _Call | None] = (
             queue.SimpleQueue()
         )
@@ -144,6 +120,7 @@ class AsyncLLMEngine:
         self.error: BaseException | None = None
         self._failed = threading.Event()  # set once a failure has reached every request
         self._stopped = False
+        self._injected_failure: str | None = None  # see inject_failure
         # The scheduler's load after the engine thread's latest step or intake: readable from
         # any thread at once, where a call() would wait for a step to end (a long prefill).
         self.load: LoadReport = engine.scheduler.load_report()
@@ -164,6 +141,45 @@ class AsyncLLMEngine:
     @property
     def errored(self) -> bool:
         return self.error is not None
+
+    def describe(self) -> EngineFacts:
+        engine = self.llm_engine
+        hc = engine.hash_config
+        return EngineFacts(
+            model_path=engine.model_path,
+            hash_algo=hc.algo,
+            hash_seed=hc.seed,
+            hash_form=engine.config.hash_form,
+            block_size=hc.block_size,
+            num_blocks=engine.runner.num_blocks,
+            max_model_len=engine.max_model_len,
+            vocab_size=engine.vocab_size,
+            cost=engine.cost_coefficients(),
+        )
+
+    async def stats(self) -> dict[str, Any]:
+        """The engine's counters plus torch's thread count, read on the engine thread (the
+        thread whose torch pool does the work)."""
+
+        def read(engine: LLMEngine) -> dict[str, Any]:
+            torch = sys.modules.get("torch")  # a cost-model engine never imports it
+            return {
+                **engine.stats(),
+                **({"torch_threads": torch.get_num_threads()} if torch else {}),
+            }
+
+        return await self.call(read)
+
+    async def cached_blocks(self) -> dict[Any, int]:
+        return await self.call(lambda e: e.kv_cache_manager.block_pool.cached_hash_counts())
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.call(lambda e: e.reset_prefix_cache())
+
+    def inject_failure(self, message: str) -> None:
+        """The engine's next step raises ``RuntimeError(message)`` before it schedules, so
+        no request is in the failed step's batch (see :class:`EngineDeadError`)."""
+        self._injected_failure = message
 
     async def generate(
         self,
@@ -237,7 +253,7 @@ class AsyncLLMEngine:
         if self._refused_dead(request_id, sink):
             return
         add = _Add(request_id, prompt, params, cache_salt, lora_name, resume, tenant, sink)
-        so, compiler = params.structured_outputs, self.engine.structured
+        so, compiler = params.structured_outputs, self.llm_engine.structured
         if so is not None and compiler is not None and not compiler.is_compiled(so):
             with self._compiling_lock:
                 self._compiling[request_id] = add
@@ -267,7 +283,7 @@ class AsyncLLMEngine:
         it was aborted meanwhile). A constraint that does not compile is queued all the
         same: the engine refuses it with the compiler's reason, as for any bad request."""
         try:
-            self.engine.structured.compile(add.params.structured_outputs)  # type: ignore[union-attr]
+            self.llm_engine.structured.compile(add.params.structured_outputs)  # type: ignore[union-attr]
         except Exception:
             pass  # kept with the grammars: add_request refuses this request alone with it
         with self._compiling_lock:
@@ -327,7 +343,7 @@ class AsyncLLMEngine:
     # -- the engine thread ---------------------------------------------------------------
     def _run(self) -> None:
         name_native_thread()
-        engine = self.engine
+        engine = self.llm_engine
         scheduler = engine.scheduler
         load_at = time.monotonic()
         try:
@@ -346,6 +362,8 @@ class AsyncLLMEngine:
                     self.load, load_at = scheduler.load_report(), time.monotonic()
                 ended = False
                 if scheduler.has_unfinished_requests():
+                    if self._injected_failure is not None:
+                        raise RuntimeError(self._injected_failure)
                     for out in engine.step():
                         ended |= out.finished
                         self._deliver(out.request_id, out, last=out.finished)
@@ -386,7 +404,7 @@ class AsyncLLMEngine:
     def _fail_all(self, err: EngineDeadError) -> None:
         """On shutdown: free every live request's blocks and end its stream with ``err``."""
         live = list(self._sinks)
-        self.engine.abort_requests(live)
+        self.llm_engine.abort_requests(live)
         for rid in live:
             self._deliver(rid, err, last=True)
         self._fail_queued(err)
@@ -419,18 +437,18 @@ class AsyncLLMEngine:
             if cmd is None:
                 return None
             if isinstance(cmd, _Abort):
-                for out in self.engine.abort_requests([cmd.request_id]):
+                for out in self.llm_engine.abort_requests([cmd.request_id]):
                     self._deliver(out.request_id, out, last=True)
                 continue
             if isinstance(cmd, _AbortSink):
                 mine = [rid for rid, sink in self._sinks.items() if sink is cmd.sink]
                 for rid in mine:  # nobody reads them: no outputs, just free the blocks
                     del self._sinks[rid]
-                self.engine.abort_requests(mine)
+                self.llm_engine.abort_requests(mine)
                 continue
             if isinstance(cmd, _Call):
                 try:
-                    result = cmd.fn(self.engine)
+                    result = cmd.fn(self.llm_engine)
                 except Exception as exc:
                     _resolve(cmd, exc)
                 else:
@@ -444,7 +462,7 @@ class AsyncLLMEngine:
                 continue
             self._sinks[cmd.request_id] = cmd.sink
             try:
-                self.engine.add_request(
+                self.llm_engine.add_request(
                     cmd.request_id,
                     cmd.prompt,
                     cmd.params,

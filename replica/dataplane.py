@@ -41,7 +41,7 @@ from kvroute.events.load import LoadReport
 from kvroute.events.replica_api import GenerateDelta
 
 if TYPE_CHECKING:
-    from .async_engine import AsyncLLMEngine
+    from .replica_engine import ReplicaEngine
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class DataPlaneServer:
 
     def __init__(
         self,
-        engine: AsyncLLMEngine,
+        engine: ReplicaEngine,
         endpoint: str,
         incarnation: str,
         *,
@@ -300,7 +300,7 @@ class DataPlaneServer:
 def _failure_delta(request_id: str, exc: BaseException) -> GenerateDelta:
     """The last delta of a request refused (ValueError: it can never run here) or ended by
     the engine's failure (``EngineDeadError``, suspect or not)."""
-    from .async_engine import EngineDeadError
+    from .replica_engine import EngineDeadError
 
     if isinstance(exc, EngineDeadError):
         failure = "suspect" if exc.suspect else "dead"

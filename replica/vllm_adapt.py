@@ -26,7 +26,7 @@ from kvroute.events.translate import from_vllm_hash_algo
 if TYPE_CHECKING:
     import asyncio
 
-    from .async_engine import OutputSink
+    from .replica_engine import OutputSink
 
 HASH_ALGO = "sha256_cbor_tagged"  # vLLM 0.32's sha256_cbor, salt tagged (events/hashing.py)
 VLLM_DEFAULT_SEED = "vllm-none-hash"  # vLLM's NONE_HASH seed for sha256* without PYTHONHASHSEED

@@ -1,10 +1,10 @@
-"""VllmEngine: vLLM's ``AsyncLLM`` behind the surface a kvroute replica uses from its engine.
+"""VllmEngine: vLLM's ``AsyncLLM`` behind :class:`~.replica_engine.ReplicaEngine`, the surface
+a kvroute replica uses of its engine.
 
 Why an adapter and not a second replica: the actor's lifecycle (detached, named,
 restartable), the data plane (one message per front door per step, load frames, heartbeats)
 and :class:`~kvroute.events.replica_api.ReplicaInfo` stay the ones every front door knows.
-Only the engine changes: :class:`~.dataplane.DataPlaneServer` calls ``submit``, ``abort``
-and ``abort_sink`` and reads ``load``, the actor watches ``errored``, exactly as with
+Only the engine changes: the actor and the data plane call it exactly as they call
 :class:`~.async_engine.AsyncLLMEngine`.
 
 How it maps:
@@ -42,12 +42,13 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvroute.events.framing import name_native_thread
 from kvroute.events.load import CostCoefficients, LoadReport
 from kvroute.events.replica_api import GenerateDelta, Resume, SamplingParams
 
+from .replica_engine import EngineDeadError, EngineFacts, OutputSink
 from .vllm_adapt import (
     HASH_ALGO,
     VLLM_DEFAULT_SEED,
@@ -66,9 +67,6 @@ from .vllm_adapt import (
 from .vllm_cli import spawn_main
 from .vllm_plugin import CACHED_BLOCKS_METHOD, LOAD_METHOD
 
-if TYPE_CHECKING:
-    from .async_engine import OutputSink
-
 __all__ = ["HASH_ALGO", "VllmEngine", "VllmEngineConfig"]
 
 log = logging.getLogger(__name__)
@@ -79,7 +77,8 @@ LOAD_CALL_TIMEOUT_S = 5.0  # a load poll unanswered this long (a dead engine cor
 
 
 class VllmEngine:
-    """``AsyncLLM`` on a loop of its own thread, with kvroute's engine surface."""
+    """``AsyncLLM`` on a loop of its own thread: a replica's
+    :class:`~.replica_engine.ReplicaEngine`."""
 
     def __init__(
         self, config: VllmEngineConfig, *, events_host: str = "127.0.0.1", topic: str = "kv"
@@ -124,8 +123,6 @@ class VllmEngine:
     ) -> None:
         """Queues a request; its deltas (or the error that ends it) go to ``sink``.
         ``tenant`` is not used: vLLM's scheduler has no per-tenant turns."""
-        from .async_engine import EngineDeadError
-
         if self.error is not None or self._stopped:
             # The loop may still be failing its requests and flushing their sinks, this one
             # among them: a sink is filled and flushed by one thread at a time.
@@ -156,8 +153,6 @@ class VllmEngine:
 
     async def call(self, fn: Callable[[VllmEngine], Any]) -> Any:
         """As :meth:`run`, awaited from another event loop (the actor's)."""
-        from .async_engine import EngineDeadError
-
         if self.error is not None:
             raise EngineDeadError("the engine has failed") from self.error
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(fn(self), self._loop))
@@ -175,8 +170,26 @@ class VllmEngine:
         ``AllBlocksCleared``)."""
         return bool(await self.call(lambda e: e.llm.reset_prefix_cache()))
 
+    def describe(self) -> EngineFacts:
+        return EngineFacts(
+            model_path=self.model_path,
+            hash_algo=self.hash_algo,
+            hash_seed=self.hash_seed,
+            hash_form=self.hash_form,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            cost=self.cost_coefficients(),
+        )
+
+    def inject_failure(self, message: str) -> None:
+        """Fault injection: vLLM's steps run in its engine-core process, so that process is
+        killed (``message`` is not used: the failure is vLLM's own report of the death)."""
+        self.kill_engine_core()
+
     def kill_engine_core(self) -> None:
-        """Fault injection: SIGKILL vLLM's engine-core process, as a crash would."""
+        """SIGKILL vLLM's engine-core process, as a crash would."""
         for pid in self.engine_core_pids:
             os.kill(pid, signal.SIGKILL)
 
@@ -299,8 +312,6 @@ class VllmEngine:
         cache_salt: str | None,
         resume: Resume | None,
     ) -> None:
-        from .async_engine import EngineDeadError
-
         if self.error is not None or self._stopped:
             self._deliver_to(sink, rid, EngineDeadError("the engine has failed"))
             return
@@ -410,8 +421,6 @@ class VllmEngine:
     def _died(self, exc: BaseException, *, shutdown: bool = False) -> None:
         """vLLM's engine core is gone (or being shut down): fail every live request;
         ``error`` set (not on shutdown) makes the actor exit so Ray restarts it."""
-        from .async_engine import EngineDeadError
-
         if self.error is None and not shutdown:
             log.error("vLLM engine died: %r", exc)
             self.error = exc

@@ -401,7 +401,7 @@ def test_a_started_replica_keeps_its_loaded_heap_out_of_the_collectors_walk() ->
     server = ReplicaServer("frozen", CONFIG, torch_threads=1)
     try:
         walked = {id(o) for o in gc.get_objects()}
-        for obj in (server, server.engine, server.engine.engine, server.dataplane):
+        for obj in (server, server.engine, server.engine.llm_engine, server.dataplane):
             assert id(obj) not in walked, type(obj).__name__
         assert gc.get_freeze_count() > 0
     finally:

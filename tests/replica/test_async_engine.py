@@ -46,13 +46,13 @@ async def wait_until(cond: Callable[[], bool], timeout: float = 20.0) -> None:
 
 
 def all_blocks_free(engine: AsyncLLMEngine) -> Callable[[], bool]:
-    kv = engine.engine.kv_cache_manager
+    kv = engine.llm_engine.kv_cache_manager
     return lambda: kv.get_num_free_blocks() == NUM_BLOCKS
 
 
 def assert_ended_early(engine: AsyncLLMEngine) -> None:
     """The LONG request needs >= 150 steps to end by itself: fewer means it was aborted."""
-    assert engine.engine.num_steps < 100
+    assert engine.llm_engine.num_steps < 100
 
 
 async def collect(engine: AsyncLLMEngine, prompt: str | list[int], params=GREEDY, **kw):
@@ -88,7 +88,7 @@ async def test_a_slow_consumer_gets_merged_deltas_that_add_up(engine: AsyncLLMEn
     outs = []
     async for out in engine.generate(PROMPTS[2], params):
         outs.append(out)
-        while engine.engine.num_steps < 12 and not out.finished:  # let steps pile up
+        while engine.llm_engine.num_steps < 12 and not out.finished:  # let steps pile up
             await asyncio.sleep(0.01)
     final = assert_stream(outs)
     assert len(outs) < 40 and max(len(o.delta_token_ids) for o in outs) > 1
@@ -104,7 +104,7 @@ async def test_load_is_readable_in_the_middle_of_a_step() -> None:
         assert eng.load.num_waiting == 0 and eng.load.num_running == 0
         stream = eng.generate(list(range(9000)), SamplingParams(max_tokens=2))
         first = asyncio.ensure_future(stream.__anext__())
-        await wait_until(lambda: eng.engine.current_batch not in (None, frozenset()))
+        await wait_until(lambda: eng.llm_engine.current_batch not in (None, frozenset()))
         assert eng.load.num_waiting + eng.load.num_running == 1
         assert eng.load.queued_prefill_tokens > 0
         assert not first.done()  # the step is still running
@@ -132,16 +132,16 @@ def test_a_steps_events_leave_right_after_its_outputs() -> None:
         [lambda events: log.append("events")],
     )
     try:
-        steps = eng.engine.step
+        steps = eng.llm_engine.step
 
         def step() -> list:
             log.append("step")
             return steps()
 
-        eng.engine.step = step  # type: ignore[method-assign]
+        eng.llm_engine.step = step  # type: ignore[method-assign]
         eng.submit("r", list(range(3, 3 + 40)), GREEDY, Sink())  # 2 full blocks, then decode
         deadline = time.monotonic() + 30
-        while "events" not in log or eng.engine.scheduler.has_unfinished_requests():
+        while "events" not in log or eng.llm_engine.scheduler.has_unfinished_requests():
             assert time.monotonic() < deadline
             time.sleep(0.01)
     finally:
@@ -162,7 +162,7 @@ async def test_breaking_out_of_the_stream_aborts_and_frees_blocks(engine: AsyncL
         if seen == 3:
             break
     assert_stream(await other)  # the request beside it is not disturbed
-    await wait_until(lambda: not engine.engine.has_unfinished_requests())
+    await wait_until(lambda: not engine.llm_engine.has_unfinished_requests())
     await wait_until(all_blocks_free(engine))
     assert_ended_early(engine)
 
@@ -189,11 +189,11 @@ async def test_cancelling_the_consumer_task_aborts_and_frees_blocks(
 
     task = asyncio.create_task(consume())
     await asyncio.wait_for(started.wait(), 20)
-    assert engine.engine.kv_cache_manager.get_num_free_blocks() < NUM_BLOCKS
+    assert engine.llm_engine.kv_cache_manager.get_num_free_blocks() < NUM_BLOCKS
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await wait_until(lambda: not engine.engine.has_unfinished_requests())
+    await wait_until(lambda: not engine.llm_engine.has_unfinished_requests())
     await wait_until(all_blocks_free(engine))
     assert_ended_early(engine)
 

@@ -279,7 +279,7 @@ async def test_a_shared_failure_names_the_requests_of_its_step(
 ) -> None:
     """With one sequence at a time, the running request is in the failing step and the
     queued one is not: only the first may have caused it (a router replays the second)."""
-    runner = async_engine.engine.runner
+    runner = async_engine.llm_engine.runner
     execute, steps = runner.execute, itertools.count()
     assert not async_engine.wait_failed(0)  # nothing has failed yet
 

@@ -150,16 +150,16 @@ def test_a_new_constraint_compiles_off_the_engine_thread_and_an_abort_meanwhile_
 
     try:
         assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", asyncio.run(go()))
-        assert engine.engine.structured.is_compiled(so)
+        assert engine.llm_engine.structured.is_compiled(so)
         other = StructuredOutputs(regex=r"[a-z]{400}")  # not compiled yet: goes to the worker
         long = SamplingParams(max_tokens=400, temperature=0.0, structured_outputs=other)
         engine.submit("doomed", "x", long, _Sink())
         engine.abort("doomed")
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and (
-            engine._compiling or engine.engine.has_unfinished_requests()
+            engine._compiling or engine.llm_engine.has_unfinished_requests()
         ):
             time.sleep(0.05)
-        assert not engine._compiling and not engine.engine.has_unfinished_requests()
+        assert not engine._compiling and not engine.llm_engine.has_unfinished_requests()
     finally:
         engine.shutdown()

@@ -43,7 +43,7 @@ class RiggedReplica(ReplicaServer):
     def rig(self, where: str, after: int = 0) -> None:
         """``where``: "process", "forward" or "sampler"; the sampler fails from a request's draw
         ``after`` on (0: its first token)."""
-        engine = self.engine.engine
+        engine = self.engine.llm_engine
         draws: dict[str, int] = {}
         if where == "process":  # the process dies with no word (a segfault, the OOM killer)
             execute = engine.runner.execute
