@@ -117,9 +117,9 @@ class ReplicaServer:
             node_id=ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
         )
         threading.Thread(target=self._watch, name="kvroute-replica-watchdog", daemon=True).start()
-        # The model is loaded: what lives now (torch, transformers, the weights' modules:
-        # ~430k objects for `tiny`) leaves the collector's reach. A full collection walked
-        # it all, 195 ms on this CPU in which no engine step ran; frozen, ~0.1 ms.
+        # The model is loaded: what lives now (torch, transformers, the weights' modules)
+        # leaves the collector's reach. A full collection would walk all of it, a pause in
+        # which no engine step runs; frozen, a collection skips it.
         gc.collect()
         gc.freeze()
 

@@ -4,8 +4,9 @@ Why the shape:
 - One ROUTER socket, shared under a lock by two threads: the I/O thread receives requests
   and sends heartbeats and load reports; the engine thread sends each step's outputs itself,
   at the end of the step. A hand-off to the I/O thread instead costs a thread wake-up per
-  step (~70 us of CPU on a 2-vCPU VM, more than encoding and sending the message), which
-  is most of a replica's per-step cost outside the model at low concurrency. The send
+  step, more CPU than encoding and sending the message and most of a replica's per-step
+  cost outside the model at low concurrency (``benchmarks/bench_output_handoff.py``
+  compares both ways; BENCHMARKS.md). The send
   is non-blocking, and the lock is held for socket work (a batch of receives, a round of
   heartbeats or load reports, a send and what a failed one sets off), never while a
   request is decoded or submitted.

@@ -51,7 +51,7 @@ class VllmEngineConfig:
     num_blocks: int | None = None  # vLLM's num_gpu_blocks_override
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
-    enforce_eager: bool | None = None  # None: True on CPU (torch.compile costs ~35 s a start)
+    enforce_eager: bool | None = None  # None: True on CPU (torch.compile slows every start)
     device: str | None = None  # "cpu" (set by start_replica without GPUs) or None
     engine_args: dict[str, Any] = field(default_factory=dict)
     engine: str = "vllm"  # the key that tells a replica which engine a config dict is for

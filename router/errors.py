@@ -39,8 +39,8 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 
 # Request and response ids: 128 random bits, as uuid4's hex, from a generator seeded by the
 # OS once (and again in a forked child) instead of an ``os.urandom`` system call per id --
-# two per request, and a system call costs more than the generator (``benchmarks/
-# bench_hot_lane.py``, ``ids``). Ids name requests; they are no secret and no key.
+# two per request, and a system call costs more than the generator (``ids`` in
+# benchmarks/bench_hot_lane.py). Ids name requests; they are no secret and no key.
 _ids = random.Random()
 os.register_at_fork(after_in_child=_ids.seed)
 
