@@ -73,7 +73,7 @@ def measure(streams: int, tokens: int, time_scale: float, first_id: int, tree: s
     """CPU microseconds per output token in the replica process, first arrival to last send."""
     from kvroute.events.publisher import ZmqEventPublisher
     from kvroute.replica.async_engine import AsyncLLMEngine
-    from kvroute.replica.dataplane import DataPlaneServer
+    from kvroute.replica.dataplane_server import DataPlaneServer
     from kvroute.replica.engine import EngineConfig, LLMEngine
 
     publisher = ZmqEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic="bench")

@@ -64,7 +64,7 @@ def measure(streams: int, tokens: int, time_scale: float, first_id: int) -> floa
     from kvroute.events import dataplane as dp
     from kvroute.events.replica_api import SamplingParams
     from kvroute.replica.async_engine import AsyncLLMEngine
-    from kvroute.replica.dataplane import _FrontDoorSink
+    from kvroute.replica.dataplane_server import _FrontDoorSink
     from kvroute.replica.engine import EngineConfig, LLMEngine
 
     class EncodingServer:

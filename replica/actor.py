@@ -4,7 +4,7 @@ Why the shape:
 - The actor holds one engine, a :class:`~.replica_engine.ReplicaEngine` (kvroute's, which
   also runs ``sim:`` cost models, or vLLM's), and calls it without asking which; the engine
   runs on its own thread. Requests and tokens travel on
-  the data plane (:class:`~.dataplane.DataPlaneServer`, ZeroMQ, one message per front door
+  the data plane (:class:`~.dataplane_server.DataPlaneServer`, ZeroMQ, one message per front door
   per step), never through Ray: Ray places, starts, restarts and finds the actor, and
   carries its :class:`ReplicaInfo` (the sockets' addresses), load reports and control calls.
 - A dead engine thread must not leave a live but useless actor (Ray would never restart it):
@@ -69,7 +69,7 @@ class ReplicaServer:
         torch_threads: int | None = None,
     ) -> None:
         quiet_progress_bars()
-        from .dataplane import DataPlaneServer
+        from .dataplane_server import DataPlaneServer
         from .vllm_adapt import is_vllm_config
 
         self.replica_id = replica_id

@@ -1,6 +1,6 @@
 """ReplicaEngine: the one surface a replica uses of whichever engine it runs.
 
-A replica (:class:`~.actor.ReplicaServer`, its :class:`~.dataplane.DataPlaneServer`) holds
+A replica (:class:`~.actor.ReplicaServer`, its :class:`~.dataplane_server.DataPlaneServer`) holds
 one engine and calls it without asking which kind it is, as vLLM's front end holds one
 ``EngineCoreClient``. What differs between engines (a thread or an event loop, kvroute's
 publisher or vLLM's, how a failure is injected) stays behind this surface.
