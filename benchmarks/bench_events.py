@@ -24,16 +24,9 @@ import time
 
 import zmq
 
-from kvroute.events import (
-    BlockStored,
-    EventBatch,
-    ReplicaBatch,
-    ZmqEventPublisher,
-    ZmqEventSubscriber,
-    decode_batch,
-    encode_batch,
-)
+from kvroute.events import BlockStored, EventBatch, decode_batch, encode_batch
 from kvroute.events.framing import pack_seq
+from kvroute.events.transport import ReplicaBatch, ZmqEventPublisher, ZmqEventSubscriber
 
 BS = 16
 

@@ -71,7 +71,7 @@ def client(endpoint: str, streams: int, tokens: int, first_id: int) -> None:
 
 def measure(streams: int, tokens: int, time_scale: float, first_id: int, tree: str | None) -> float:
     """CPU microseconds per output token in the replica process, first arrival to last send."""
-    from kvroute.events.publisher import ZmqEventPublisher
+    from kvroute.events.transport import ZmqEventPublisher
     from kvroute.replica.async_engine import AsyncLLMEngine
     from kvroute.replica.dataplane_server import DataPlaneServer
     from kvroute.replica.engine import EngineConfig, LLMEngine

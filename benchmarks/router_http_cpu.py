@@ -14,7 +14,7 @@ What runs, all on this machine:
   the first chunk with ``prompt_token_ids``, one chunk per token with its ``token_ids``,
   the finish chunk, the usage chunk with ``cached_tokens``, ``[DONE]``), after
   ``--ttft-ms`` then one chunk every ``--itl-ms``. Each also publishes vLLM-format KV
-  events on a ZeroMQ PUB + replay ROUTER (:class:`kvroute.events.publisher.ZmqEventPublisher`):
+  events on a ZeroMQ PUB + replay ROUTER (:class:`kvroute.events.transport.ZmqEventPublisher`):
   a ``BlockStored`` of the prompt's new blocks per request, hashed as vLLM's
   ``sha256_cbor`` does, so the router indexes them and routes repeated prefixes back.
 - ``kvroute router --backend URL=EVENTS,REPLAY ...`` over the fakes (``--pythonpath``: the
@@ -129,7 +129,7 @@ class FakeVllm:
 
     def __init__(self, port: int, events: int, replay: int, root: str, a: argparse.Namespace):
         from kvroute.events.hashing import BlockHasher
-        from kvroute.events.publisher import ZmqEventPublisher
+        from kvroute.events.transport import ZmqEventPublisher
 
         self.port = port
         self.root = root

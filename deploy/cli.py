@@ -455,13 +455,8 @@ def _hash(args: argparse.Namespace) -> int:
 
 
 def _events(args: argparse.Namespace) -> int:
-    from kvroute.events import (
-        AllBlocksCleared,
-        BlockRemoved,
-        BlockStored,
-        ReplicaBatch,
-        ZmqEventSubscriber,
-    )
+    from kvroute.events import AllBlocksCleared, BlockRemoved, BlockStored
+    from kvroute.events.transport import ReplicaBatch, ZmqEventSubscriber
 
     done = threading.Event()
     seen = 0

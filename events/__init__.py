@@ -1,16 +1,34 @@
-"""The contract between replicas and routers: block hashing, KV events, and their transport.
+"""The contract between replicas and routers, and (in :mod:`.transport`) what carries it.
 
-Everything a router needs to know about a replica's cache crosses this package: the chained
-block hashes both sides compute (:mod:`.hashing`), the events in vLLM's wire format
-(:mod:`.wire`), and the ZeroMQ publisher and subscriber that carry them without silent loss
-(:mod:`.publisher`, :mod:`.subscriber`).
+Contract -- pure data and functions: no sockets, no threads, nothing started at import.
+Both sides must agree on these, byte for byte:
+
+- :mod:`.hashing` -- chained block hashes (``_chain``: its optional C loop)
+- :mod:`.wire` -- KV-event structs and vLLM's msgpack wire format
+- :mod:`.framing` -- the ZeroMQ frames around a batch: seq, replay, snapshot, end marker
+- :mod:`.blockset` -- the block set an event stream implies
+- :mod:`.translate` -- an engine's events re-hashed with the fleet's hash (token-id indexing)
+- :mod:`.load` -- load reports and cost coefficients
+- :mod:`.bounds` -- request bounds, checked by the front door and the engine alike
+- :mod:`.replica_api` -- requests, deltas, sampling parameters, replica info, errors
+- :mod:`.dataplane` -- the data plane's frame kinds, messages and intervals; its
+  ``configure_socket`` (ZeroMQ socket options) is transport, kept there for now
+
+Transport -- :mod:`.transport`: the ZeroMQ publisher and subscriber of the event stream
+and their threading aids.
+
+Process setup -- :mod:`.torch_wheels`: hides torch companion wheels that cannot load
+(standard library only). It is neither contract nor transport, and importing this package
+does not call it: the entry points do (``kvroute.replica``, ``kvroute.router``, the
+``kvroute`` command, vLLM's engine-core main), before anything reads a model's config.
+
+The rule: the contract imports nothing of the transport (tests/events/test_layering.py
+checks that importing it loads no ZeroMQ); the transport imports the contract; routers
+and replicas import both. Importing this package has no side effect.
 """
 
 from .blockset import BlockSet, StoredBlock, snapshot_events
 from .hashing import ALGOS, DEFAULT_SEED, BlockHasher, HashConfig, to_external
-from .publisher import ZmqEventPublisher
-from .subscriber import ReplicaBatch, ReplicaStats, ZmqEventSubscriber
-from .torch_wheels import hide_broken as _hide_broken
 from .wire import (
     MEDIUM_CPU,
     MEDIUM_GPU,
@@ -25,9 +43,6 @@ from .wire import (
     decode_batch,
     encode_batch,
 )
-
-# Before any caller reads a model's config: torchvision & co. that cannot load look absent.
-_hide_broken()
 
 __all__ = [
     "ALGOS",
@@ -45,11 +60,7 @@ __all__ = [
     "HashConfig",
     "KVCacheEvent",
     "MalformedBatchError",
-    "ReplicaBatch",
-    "ReplicaStats",
     "StoredBlock",
-    "ZmqEventPublisher",
-    "ZmqEventSubscriber",
     "decode_batch",
     "encode_batch",
     "snapshot_events",

@@ -16,12 +16,16 @@ for an optional package -- then says it is not installed, and ``import`` raises
 ModuleNotFoundError, which both handle. A companion of the same build as torch, or one
 whose build cannot be read, is left alone.
 
-Where: importing :mod:`kvroute.events` (every kvroute package depends on it) or
-:mod:`kvroute.replica` calls :func:`hide_broken`. vLLM's engine-core process, spawned by a
-vLLM replica, gets it from its main module (:mod:`kvroute.replica.vllm_cli`). Any other
-Python process that a vLLM replica or ``python -m kvroute.replica.vllm_cli`` starts gets it
-from :func:`hide_in_subprocesses` (below). Standard library only: it runs before anything
-else of kvroute.
+Where: the packages whose processes read a model's config or tokenizer call
+:func:`hide_broken` when imported -- :mod:`kvroute.replica` (engines, the replica actor's
+process) and :mod:`kvroute.router` (the front door's tokenizer) -- and so does the
+``kvroute`` command's ``main`` before it parses anything. The contract, :mod:`kvroute.events`,
+does not: importing it changes no process state (a library that only hashes blocks or
+decodes events has no business editing ``sys.modules``). vLLM's engine-core process,
+spawned by a vLLM replica, gets it from its main module (:mod:`kvroute.replica.vllm_cli`).
+Any other Python process that a vLLM replica or ``python -m kvroute.replica.vllm_cli``
+starts gets it from :func:`hide_in_subprocesses` (below). Standard library only: it runs
+before anything else of kvroute.
 
 Subprocesses: vLLM also runs plain ``python -m ...`` children that import nothing of
 kvroute first -- with a cold model-info cache (``~/.cache/vllm/modelinfos``, or

@@ -297,7 +297,7 @@ def _start_kvroute(
     torch_threads: int | None,
 ) -> _Started:
     """kvroute's engine on its thread (a ``sim:`` model too), and its event publisher."""
-    from kvroute.events import ZmqEventPublisher
+    from kvroute.events.transport import ZmqEventPublisher
 
     from .async_engine import AsyncLLMEngine
     from .engine import EngineConfig

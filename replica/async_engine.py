@@ -31,9 +31,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from kvroute.events.framing import name_native_thread
 from kvroute.events.load import LoadReport
 from kvroute.events.replica_api import Resume, SamplingParams
+from kvroute.events.transport.threads import name_native_thread
 
 from .engine import EngineConfig, EventSink, LLMEngine
 from .outputs import EngineOutput, RequestOutput

@@ -37,9 +37,9 @@ import zmq
 
 from kvroute.events import dataplane as dp
 from kvroute.events.bounds import check_sampling
-from kvroute.events.framing import Waker, name_native_thread
 from kvroute.events.load import LoadReport
 from kvroute.events.replica_api import GenerateDelta
+from kvroute.events.transport.threads import Waker, name_native_thread
 
 if TYPE_CHECKING:
     from .replica_engine import ReplicaEngine
@@ -86,7 +86,7 @@ class DataPlaneServer:
         *,
         context: zmq.Context | None = None,
     ) -> None:
-        from kvroute.events.publisher import _bind
+        from kvroute.events.transport.publisher import _bind
 
         self.engine = engine
         self.incarnation = incarnation

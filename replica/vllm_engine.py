@@ -44,9 +44,9 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvroute.events.framing import name_native_thread
 from kvroute.events.load import CostCoefficients, LoadReport
 from kvroute.events.replica_api import GenerateDelta, Resume, SamplingParams
+from kvroute.events.transport.threads import name_native_thread
 
 from .replica_engine import EngineDeadError, EngineFacts, OutputSink
 from .vllm_adapt import (

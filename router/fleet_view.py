@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from kvroute.events import ReplicaStats
+from kvroute.events.transport import ReplicaStats
 
 from .frontdoor import FrontDoor
 

@@ -71,8 +71,9 @@ from typing import Any
 
 import msgspec
 
-from kvroute.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch, ReplicaBatch
+from kvroute.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvroute.events import ExternalBlockHash as Hash
+from kvroute.events.transport import ReplicaBatch
 
 _Kids = Hash | dict[Hash, None] | None  # compact child set, see module docstring
 _CHUNK = 256  # blocks applied per lock hold

@@ -37,7 +37,7 @@ from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
-    from kvroute.events import ReplicaStats
+    from kvroute.events.transport import ReplicaStats
 
     from .frontdoor import FrontDoor
 

@@ -32,9 +32,10 @@ from typing import Literal
 
 import zmq
 
-from .blockset import BlockSet, snapshot_events
-from .framing import END_MARKER, SNAPSHOT_REQUEST, Waker, name_native_thread, pack_seq, unpack_seq
-from .wire import AllBlocksCleared, BatchEncoder, EventBatch, KVCacheEvent
+from ..blockset import BlockSet, snapshot_events
+from ..framing import END_MARKER, SNAPSHOT_REQUEST, pack_seq, unpack_seq
+from ..wire import AllBlocksCleared, BatchEncoder, EventBatch, KVCacheEvent
+from .threads import Waker, name_native_thread
 
 log = logging.getLogger(__name__)
 

@@ -55,8 +55,9 @@ from typing import Literal
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .framing import SNAPSHOT_REQUEST, Waker, name_native_thread, pack_seq, unpack_seq
-from .wire import AllBlocksCleared, EventBatch, MalformedBatchError, decode_batch
+from ..framing import SNAPSHOT_REQUEST, pack_seq, unpack_seq
+from ..wire import AllBlocksCleared, EventBatch, MalformedBatchError, decode_batch
+from .threads import Waker, name_native_thread
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,8 @@ import time
 
 import httpx
 
-from kvroute.events import BlockHasher, BlockStored, ZmqEventPublisher
+from kvroute.events import BlockHasher, BlockStored
+from kvroute.events.transport import ZmqEventPublisher
 
 KVROUTE = [sys.executable, "-m", "kvroute.deploy.cli"]
 

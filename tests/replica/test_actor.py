@@ -24,14 +24,7 @@ import pytest
 import ray
 import zmq
 
-from kvroute.events import (
-    DEFAULT_SEED,
-    BlockHasher,
-    BlockSet,
-    HashConfig,
-    ReplicaBatch,
-    ZmqEventSubscriber,
-)
+from kvroute.events import DEFAULT_SEED, BlockHasher, BlockSet, HashConfig
 from kvroute.events import dataplane as dp
 from kvroute.events.framing import END_SEQ, pack_seq, unpack_seq
 from kvroute.events.replica_api import (
@@ -43,6 +36,7 @@ from kvroute.events.replica_api import (
     SamplingParams,
     delta_error,
 )
+from kvroute.events.transport import ReplicaBatch, ZmqEventSubscriber
 from kvroute.replica import LLM, EngineConfig
 from kvroute.replica.actor import ReplicaServer, start_replica
 

@@ -15,16 +15,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kvroute.events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockSet,
-    BlockStored,
-    KVCacheEvent,
-    ReplicaBatch,
-    ZmqEventPublisher,
-    ZmqEventSubscriber,
-)
+from kvroute.events import AllBlocksCleared, BlockRemoved, BlockSet, BlockStored, KVCacheEvent
+from kvroute.events.transport import ReplicaBatch, ZmqEventPublisher, ZmqEventSubscriber
 from kvroute.replica import EngineConfig, LLMEngine, SamplingParams
 
 from ..waiting import poll

@@ -27,8 +27,9 @@ pytest.importorskip("vllm")
 import httpx
 import ray
 
-from kvroute.events import BlockHasher, BlockSet, ZmqEventSubscriber, to_external
+from kvroute.events import BlockHasher, BlockSet, to_external
 from kvroute.events.replica_api import GenerateRequest, ReplicaInfo, SamplingParams
+from kvroute.events.transport import ZmqEventSubscriber
 
 from ..dataplane_client import collect
 from ..router.fleet import Served, serve_model

@@ -20,14 +20,12 @@ from kvroute.events import (
     BlockStored,
     EventBatch,
     KVCacheEvent,
-    ReplicaBatch,
-    ZmqEventPublisher,
-    ZmqEventSubscriber,
     to_external,
 )
+from kvroute.events.transport import ReplicaBatch, ZmqEventPublisher, ZmqEventSubscriber
 from kvroute.router.index import PrefixIndex
 
-from ..events.streams import BS, Churn
+from ..events.transport.streams import BS, Churn
 from ..waiting import poll
 
 LOCAL = "tcp://127.0.0.1:*"

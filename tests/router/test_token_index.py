@@ -17,14 +17,15 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
-from kvroute.events import BlockHasher, BlockSet, EventBatch, ZmqEventPublisher
+from kvroute.events import BlockHasher, BlockSet, EventBatch
 from kvroute.events.replica_api import ReplicaInfo, SamplingParams
+from kvroute.events.transport import ZmqEventPublisher
 from kvroute.router.admission import Ticket
 from kvroute.router.fleet import Fleet, FleetMismatchError
 from kvroute.router.frontdoor import FrontDoor
 from kvroute.router.tenants import Tenants, tenants_from_api_keys
 
-from ..events.streams import VllmLikePublisher
+from ..events.transport.streams import VllmLikePublisher
 from ..events.twin import TwinCache, reachable, vllm_sha256_hashes
 from ..waiting import poll, wait_for
 

@@ -13,19 +13,11 @@ from collections.abc import Callable, Iterator
 import msgspec
 import zmq
 
-from kvroute.events import (
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockSet,
-    BlockStored,
-    KVCacheEvent,
-    ReplicaBatch,
-    ZmqEventPublisher,
-    ZmqEventSubscriber,
-)
+from kvroute.events import AllBlocksCleared, BlockRemoved, BlockSet, BlockStored, KVCacheEvent
 from kvroute.events.framing import pack_seq
+from kvroute.events.transport import ReplicaBatch, ZmqEventPublisher, ZmqEventSubscriber
 
-from ..waiting import poll
+from ...waiting import poll
 
 BS = 4
 LOCAL = "tcp://127.0.0.1:*"

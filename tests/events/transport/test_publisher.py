@@ -7,7 +7,7 @@ import threading
 
 from kvroute.events import EventBatch
 
-from ..waiting import poll
+from ...waiting import poll
 from .streams import Churn, assert_in_order, joined, publisher, wait_until_synced
 
 

@@ -12,16 +12,11 @@ import msgspec
 import pytest
 import zmq
 
-from kvroute.events import (
-    BlockStored,
-    EventBatch,
-    ZmqEventPublisher,
-    ZmqEventSubscriber,
-    encode_batch,
-)
+from kvroute.events import BlockStored, EventBatch, encode_batch
 from kvroute.events.framing import pack_seq, unpack_seq
+from kvroute.events.transport import ZmqEventPublisher, ZmqEventSubscriber
 
-from ..waiting import poll
+from ...waiting import poll
 from .streams import (
     BS,
     LOCAL,

@@ -1,4 +1,4 @@
-"""The framing module's threading aids."""
+"""The transport's threading aids (events/transport/threads.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.events import framing
-from kvroute.events.framing import Waker, name_native_thread
-from kvroute.events.publisher import ZmqEventPublisher
+from kvroute.events.transport import ZmqEventPublisher, threads
+from kvroute.events.transport.threads import Waker, name_native_thread
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl and /proc")
 
@@ -67,7 +66,7 @@ def test_a_wake_that_lands_while_the_waker_drains_is_never_lost(monkeypatch, whe
             waker.wake()
             return data
 
-        monkeypatch.setattr(framing.os, "read", racing_read)
+        monkeypatch.setattr(threads.os, "read", racing_read)
         waker.drain()
         monkeypatch.undo()
         waker.wake()  # the reader goes back to sleep on the pipe: this must wake it
