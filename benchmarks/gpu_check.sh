@@ -7,7 +7,9 @@
 # 1. the GPU tests: the kernels (Triton against the reference, sliding windows included),
 #    the engine against transformers (every family, fp32) on CUDA;
 # 2. bench_decode_step on Llama-3.1-8B's layer shapes (bf16): transformers' modules against
-#    kvroute's decoder, batch 1/16/64/128, with GPU kernel time and launches per step.
+#    kvroute's decoder with CUDA graphs, batch 1/16/64/128, with GPU kernel time and
+#    launches per step (GPU_CHECK_IMPLS=transformers,kvroute-eager,kvroute adds the decoder
+#    without graphs, one more model load).
 # Everything is printed; paste it into BENCHMARKS.md ("Engine speed") with the card's name.
 #
 # The device machine reaches no package registry. It has a CUDA torch and transformers;
@@ -57,7 +59,8 @@ timeout 240 python -m pytest -q -x -p no:cacheprovider \
 say "decode step, llama-8b shapes, bf16"
 steps=30
 batches=1,16,64,128
+impls=${GPU_CHECK_IMPLS:-transformers,kvroute}  # each loads the 8B model once (~30-60 s)
 [ "$QUICK" = "--quick" ] && steps=10 && batches=1,64
 timeout 300 python benchmarks/bench_decode_step.py --model llama-8b --batch "$batches" \
-  --steps "$steps" --profile --impl transformers,kvroute-eager,kvroute 2>&1 | grep -E '^(\||#)|Error|error'
+  --steps "$steps" --profile --impl "$impls" 2>&1 | grep -E '^(\||#)|Error|error'
 say "done"
