@@ -38,7 +38,7 @@ from pathlib import Path
 
 import zmq
 
-from kvroute.events import dataplane as dp
+from kvroute.events import dataplane_wire as dp
 from kvroute.events.replica_api import GenerateDelta
 from kvroute.replica import LLM, SamplingParams
 

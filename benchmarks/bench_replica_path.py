@@ -40,7 +40,7 @@ def client(endpoint: str, streams: int, tokens: int, first_id: int) -> None:
     """The front door's side: HELLO, ``streams`` requests, every delta until all finished."""
     import zmq
 
-    from kvroute.events import dataplane as dp
+    from kvroute.events import dataplane_wire as dp
     from kvroute.events.replica_api import GenerateRequest, SamplingParams
 
     sock = zmq.Context.instance().socket(zmq.DEALER)

@@ -61,7 +61,7 @@ def _use_tree(root: Path) -> None:
 
 def measure(streams: int, tokens: int, time_scale: float, first_id: int) -> float:
     """CPU microseconds per output token of ``streams`` concurrent requests, start to end."""
-    from kvroute.events import dataplane as dp
+    from kvroute.events import dataplane_wire as dp
     from kvroute.events.replica_api import SamplingParams
     from kvroute.replica.async_engine import AsyncLLMEngine
     from kvroute.replica.dataplane_server import _FrontDoorSink

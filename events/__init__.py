@@ -11,7 +11,7 @@ Both sides must agree on these, byte for byte:
 - :mod:`.load` -- load reports and cost coefficients
 - :mod:`.bounds` -- request bounds, checked by the front door and the engine alike
 - :mod:`.replica_api` -- requests, deltas, sampling parameters, replica info, errors
-- :mod:`.dataplane` -- the data plane's frame kinds, messages and intervals; its
+- :mod:`.dataplane_wire` -- the data plane's frame kinds, messages and intervals; its
   ``configure_socket`` (ZeroMQ socket options) is transport, kept there for now
 
 Transport -- :mod:`.transport`: the ZeroMQ publisher and subscriber of the event stream

@@ -3,7 +3,7 @@ request can end with.
 
 Why here (``events``) and not in ``replica``: like the KV events, these are the contract
 between the two sides, and ``router`` never imports ``replica``. How they travel is
-:mod:`.dataplane` (ZeroMQ); Ray carries only :class:`ReplicaInfo` (discovery) and control.
+:mod:`.dataplane_wire` (ZeroMQ); Ray carries only :class:`ReplicaInfo` (discovery) and control.
 
 Why Structs and not dataclasses: they encode to msgpack (the data plane) or JSON (logs)
 with one schema, pickle (Ray) too, and they are cheap to build per token. This module

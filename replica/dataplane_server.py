@@ -1,4 +1,4 @@
-"""DataPlaneServer: a replica's end of the data plane (:mod:`kvroute.events.dataplane`).
+"""DataPlaneServer: a replica's end of the data plane (:mod:`kvroute.events.dataplane_wire`).
 
 Why the shape:
 - One ROUTER socket, shared under a lock by two threads: the I/O thread receives requests
@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import msgspec
 import zmq
 
-from kvroute.events import dataplane as dp
+from kvroute.events import dataplane_wire as dp
 from kvroute.events.bounds import check_sampling
 from kvroute.events.load import LoadReport
 from kvroute.events.replica_api import GenerateDelta

@@ -1,4 +1,4 @@
-"""A front door's end of the data plane (:mod:`kvroute.events.dataplane`): one connection
+"""A front door's end of the data plane (:mod:`kvroute.events.dataplane_wire`): one connection
 per replica, requests out, each step's deltas in, failures noticed.
 
 Why the shape:
@@ -28,7 +28,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
-from kvroute.events import dataplane as dp
+from kvroute.events import dataplane_wire as dp
 from kvroute.events.load import LoadReport
 from kvroute.events.replica_api import (
     GenerateDelta,

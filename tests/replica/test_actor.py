@@ -25,7 +25,7 @@ import ray
 import zmq
 
 from kvroute.events import DEFAULT_SEED, BlockHasher, BlockSet, HashConfig
-from kvroute.events import dataplane as dp
+from kvroute.events import dataplane_wire as dp
 from kvroute.events.framing import END_SEQ, pack_seq, unpack_seq
 from kvroute.events.replica_api import (
     GenerateDelta,

@@ -1,7 +1,7 @@
 """A front door's connection to a replica keeps reading whatever one message or one request
 does: a callback that raises fails its own request, never the connection.
 
-The replica is a bare ROUTER socket speaking the data plane's frames (events/dataplane.py),
+The replica is a bare ROUTER socket speaking the data plane's frames (events/dataplane_wire.py),
 so the test says exactly what arrives and in which order.
 """
 
@@ -11,7 +11,7 @@ import asyncio
 
 import zmq
 
-from kvroute.events import dataplane as dp
+from kvroute.events import dataplane_wire as dp
 from kvroute.events.load import LoadReport
 from kvroute.events.replica_api import GenerateDelta, GenerateRequest, SamplingParams
 from kvroute.router.replica_connection import ReplicaConnection
