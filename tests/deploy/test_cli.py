@@ -129,6 +129,8 @@ def test_events_follows_a_live_publisher():
             stdout=subprocess.PIPE,
             text=True,
         )
+        # The subprocess's SUB socket must be subscribed before the live batches, or ZeroMQ
+        # drops them; nothing outside that process can tell when it is, so it is given time.
         time.sleep(0.5)
         for i in range(3, 5):
             pub.publish([BlockStored([bytes([i + 1]) * 16], None, [0] * 4, 4, None, "GPU", None)])

@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import httpx
@@ -49,6 +49,14 @@ def metrics(url: str) -> dict[str, float]:
 
 def up(url: str, rid: str) -> bool:
     return metrics(url).get(f'kvroute:replica_up{{replica="{rid}"}}') == 1.0
+
+
+def running_everywhere(url: str, replicas: Iterable[str], in_flight: int) -> bool:
+    """The front door holds ``in_flight`` requests and every replica runs one at least."""
+    m = metrics(url)
+    if m.get("kvroute:num_requests_in_flight", 0.0) < in_flight:
+        return False
+    return all(m.get(f'kvroute:num_requests_running{{replica="{r}"}}', 0.0) >= 1 for r in replicas)
 
 
 def complete(url: str, prompt: list[int], max_tokens: int = 4) -> httpx.Response:
@@ -143,7 +151,7 @@ def test_replicas_on_their_own_nodes_then_node_loss_and_rejoin(
     survivor = next(rid for rid in nodes if rid != victim_rid)
     pool = concurrent.futures.ThreadPoolExecutor(8)
     inflight = [pool.submit(complete, url, [9, i, *range(30)], 300) for i in range(8)]
-    time.sleep(2.0)  # their first tokens are out
+    assert poll(lambda: running_everywhere(url, nodes, 8), 60, 0.2), "streams in flight on both"
     t_kill = time.monotonic()
     c.remove_node(workers[0], allow_graceful=False)
     assert poll(lambda: not up(url, victim_rid), 60), "the lost replica stayed routable"

@@ -42,7 +42,7 @@ from kvroute.replica.actor import ReplicaServer, start_replica
 
 from ..dataplane_client import collect, connect
 from ..ray_session import local_ray
-from ..waiting import wait_for
+from ..waiting import wait_for, wait_until
 
 BLOCK = 4
 NUM_BLOCKS = 64
@@ -246,13 +246,16 @@ async def test_the_replica_pushes_its_load_to_front_doors_that_read_it(replica: 
         stream = conn.stream(req("load-1", PROMPTS[4], LONG))
         for _ in range(20):
             await anext(stream)
-        await asyncio.sleep(0.3)
-        assert any(r.num_running >= 1 and r.decode_context_tokens > 0 for _, r in reports)
+        await wait_until(
+            lambda: any(r.num_running >= 1 and r.decode_context_tokens > 0 for _, r in reports),
+            5,
+            "a load report that sees the request",
+        )
         await stream.aclose()  # aborts it
         await asyncio.to_thread(wait_for, all_blocks_free(replica), 20.0, "blocks freed")
-        await asyncio.sleep(0.3)
+        await wait_until(lambda: reports[-1][1].num_running == 0, 5, "an idle load report")
         idle_from = time.monotonic()
-        await asyncio.sleep(1.6)
+        await asyncio.sleep(1.6)  # what is under test: the reports of an idle replica
         idle = [t for t, r in reports if t >= idle_from and r.num_running == 0]
         assert len(idle) >= 2 and all(b - a < 1.0 for a, b in itertools.pairwise(idle))
         kinds = set()
@@ -424,6 +427,8 @@ async def test_in_process_server_reports_death_without_exiting(actors: dict[str,
             server.health()
         with pytest.raises(ReplicaDeadError):
             await server.stats()
-        await asyncio.sleep(0.3)  # the watchdog has seen it by now, and we are still here
+        # That the watchdog leaves the process alone has no event to wait for: it looks
+        # every 0.1 s, so this gives it three looks, and we are still here.
+        await asyncio.sleep(0.3)
     finally:
         server.shutdown()

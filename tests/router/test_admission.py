@@ -11,6 +11,8 @@ from kvroute.router.admission import Admission, OverloadedError
 from kvroute.router.limits import Limits
 from kvroute.router.tenants import Tenant
 
+from ..waiting import wait_until
+
 
 def tenant(name: str, **limits: int) -> Tenant:
     return Tenant(name, f"salt-{name}", Limits(**limits))
@@ -53,8 +55,7 @@ async def test_past_the_budget_the_oldest_waiter_gets_the_freed_slot() -> None:
         adm.release(ticket)
 
     waiters = [asyncio.create_task(wait("w1")), asyncio.create_task(wait("w2"))]
-    await asyncio.sleep(0.01)
-    assert adm.waiting == 2
+    await wait_until(lambda: adm.waiting == 2, 5, "both waiters queued")
     with pytest.raises(OverloadedError, match="waiting"):  # the queue is full: refused
         await adm.admit(a)
     adm.release(first)

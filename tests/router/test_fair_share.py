@@ -26,15 +26,18 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import ray
 
 from ..serve_process import kvroute_serve
+from ..waiting import wait_for
 from .fleet import Served, serve_sim
 
 MULTI_TENANT = {"long_prefill_token_threshold": 256, "max_num_partial_prefills": 1}
@@ -107,7 +110,7 @@ async def probes(http: httpx.AsyncClient, url: str, first: int) -> list[float]:
     out = []
     for i in range(first, first + PROBES):
         out.append(await ttft(http, url, OTHER, probe_body(i)))
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # the other tenant's pace: a request now and then, no burst
     return out
 
 
@@ -141,12 +144,20 @@ asyncio.run(main())
 def run(url: str, flood: bool) -> tuple[list[float], int, int]:
     """The other tenant's TTFTs; the flooder's served and refused requests. The flood
     runs in a process of its own, as a real client would: its CPU is not the server's."""
-    proc = None
+    proc, reader, lines = None, None, []
     if flood:
         args = [sys.executable, "-c", FLOOD_SCRIPT, url, str(FLOODERS), "key-a", str(VOCAB)]
         proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
-        time.sleep(4)  # the flood is on before the first probe
+
+        def read(out: Any) -> None:
+            for line in out:  # "served" or "refused", one per flood request
+                lines.append(line)
+
+        reader = threading.Thread(target=read, args=(proc.stdout,), daemon=True)
+        reader.start()
     try:
+        if flood:  # the flood is on before the first probe: the flooder holds its whole share
+            wait_for(lambda: "refused\n" in lines, 60, "the flooder refused past its share")
 
         async def probe_all() -> list[float]:
             async with httpx.AsyncClient(timeout=120) as http:
@@ -154,11 +165,11 @@ def run(url: str, flood: bool) -> tuple[list[float], int, int]:
 
         result = asyncio.run(probe_all())
     finally:
-        out = ""
         if proc is not None:
             proc.kill()
-            out = proc.communicate()[0]
-    return result, out.count("served"), out.count("refused")
+            proc.wait()
+            reader.join(10)  # type: ignore[union-attr]
+    return result, lines.count("served\n"), lines.count("refused\n")
 
 
 def p90(xs: list[float]) -> float:

@@ -16,6 +16,8 @@ from kvroute.router.limits import (
     TokenBucket,
 )
 
+from ..waiting import wait_until
+
 
 class Clock:
     def __init__(self) -> None:
@@ -112,19 +114,19 @@ def test_the_queue_serves_waiters_first_come_first_served_and_holds_their_slots(
             order.append(i)
 
         tasks = [asyncio.create_task(request(i)) for i in range(3)]
-        await asyncio.sleep(0.01)
-        assert q.waiting == 3 and order == []
+        await wait_until(lambda: q.waiting == 3, 5, "three queued")
+        assert order == []
         with pytest.raises(OverloadedError, match="3 waiting"):  # the queue is full
             await q.wait(room, budget)
         running["n"] -= 1  # one ends: its slot goes to the oldest waiter, held for it
         q.wake(room)
         assert q.reserved == 1 and q.waiting == 2
         late = asyncio.create_task(request(99))  # a newcomer queues behind the others
-        await asyncio.sleep(0.01)
-        assert order == [0] and q.reserved == 0 and q.waiting == 3
+        await wait_until(lambda: order == [0] and q.waiting == 3, 5, "the oldest let in")
+        assert q.reserved == 0
         running["n"] -= 2
         q.wake(room)
-        await asyncio.sleep(0.01)
+        await wait_until(lambda: len(order) == 3, 5, "two more let in")
         assert order == [0, 1, 2]
         running["n"] -= 1
         q.wake(room)

@@ -39,7 +39,7 @@ def test_two_strikes_refuse_until_the_time_is_up() -> None:
     with pytest.raises(QueryOfDeathError):
         q.check("b")
     assert q.refused() == 2 and errors["suspect_request"] == 3 and errors["quarantined"] == 2
-    time.sleep(0.35)
+    time.sleep(0.35)  # what is under test: the quarantine's time runs out
     q.check("a")  # expired: served again, and forgotten
     assert q.refused() == 0 and len(q) == 1
     q.strike("b", "req-4", "r0", strikes=1)  # strikes past their refusal start over

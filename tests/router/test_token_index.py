@@ -52,6 +52,18 @@ def publish(pub: VllmLikePublisher | ZmqEventPublisher, events: list) -> None:
         pub.publish([msgspec.to_builtins(e) for e in events])
 
 
+def settle(subscriber, replica_id: str, pub: VllmLikePublisher) -> None:
+    """Waits until the subscriber's SUB connection is live: a PUB socket drops what it sends
+    before the subscription reaches it, so empty batches go out until one is read live."""
+    before = subscriber.stats()[replica_id].received
+
+    def heard() -> bool:
+        publish(pub, [])
+        return subscriber.stats()[replica_id].received > before
+
+    wait_for(heard, 10, "the SUB connection live")
+
+
 @pytest.fixture
 def vllm_pub() -> Iterator[VllmLikePublisher]:
     pub = VllmLikePublisher()
@@ -82,7 +94,7 @@ def test_a_tenants_repeated_prefix_goes_to_the_engine_that_cached_it(vllm_pub):
                   "token_ids": prompt[: 5 * BS], "block_size": BS, "lora_id": None,
                   "medium": "GPU", "lora_name": None, "extra_keys": extra}  # fmt: skip
         wait_for(lambda: door.fleet.subscriber.in_sync("b"), 10, "b's stream in sync")
-        time.sleep(0.2)  # the SUB connection settles before the live batch
+        settle(door.fleet.subscriber, "b", vllm_pub)  # before the live batch
         vllm_pub.publish([stored])
         repeat = door.run(Ticket("alpha"), alpha, [*prompt, 5, 6], sampling, "conversation-1")
         wait_for(
@@ -119,7 +131,7 @@ def test_a_late_front_door_rebuilds_by_replay_then_follows_restart_and_removal(v
         churn(twin, 200, vllm_pub, kv)
         fleet.subscriber.add_publisher("r", vllm_pub.endpoint, vllm_pub.replay_endpoint)
         wait_for(lambda: fleet.index.counts("r") == kv.counts(), 10, "index rebuilt by replay")
-        time.sleep(0.2)  # the SUB connection settles before live batches
+        settle(fleet.subscriber, "r", vllm_pub)  # before live batches
         churn(twin, 200, vllm_pub, kv)
         wait_for(lambda: fleet.index.counts("r") == kv.counts(), 10, "index follows live")
         assert len(fleet.translators["r"]) == len(twin.held)
@@ -130,7 +142,7 @@ def test_a_late_front_door_rebuilds_by_replay_then_follows_restart_and_removal(v
             wait_for(lambda: fleet.index.counts("r") == {}, 10, "old state dropped")
             twin2, kv2 = TwinCache(fleet.hasher, "bytes", seed=3), BlockSet()
             wait_for(lambda: fleet.subscriber.in_sync("r"), 10, "new stream in sync")
-            time.sleep(0.2)
+            settle(fleet.subscriber, "r", fresh)
             churn(twin2, 100, fresh, kv2)
             wait_for(lambda: fleet.index.counts("r") == kv2.counts(), 10, "new engine indexed")
             # Removal: the index and the map forget it whole.
@@ -180,7 +192,7 @@ def test_a_mixed_fleet_hashes_as_its_reproducible_replica(vllm_pub):
         assert set(fleet.translators) == {"tok"}
         twin, kv = TwinCache(fleet.hasher, "int", seed=9), BlockSet()
         wait_for(lambda: fleet.subscriber.in_sync("tok"), 10, "in sync")
-        time.sleep(0.2)
+        settle(fleet.subscriber, "tok", vllm_pub)
         churn(twin, 150, vllm_pub, kv)
         wait_for(lambda: fleet.index.counts("tok") == kv.counts(), 10, "translated to int form")
     finally:

@@ -109,7 +109,7 @@ def test_gap_older_than_replay_buffer_falls_back_to_snapshot():
         for _ in range(40):
             pub.publish(churn.step())
         pub.flush()
-        time.sleep(0.2)
+        assert poll(lambda: proxy.dropped >= 40, timeout=10), "the burst was not all dropped"
         state["drop"] = False
         for _ in range(20):
             pub.publish(churn.step())
@@ -256,7 +256,9 @@ def test_async_stream_delivers_in_order():
     async def main():
         it = sub.stream()
         first = asyncio.ensure_future(it.__anext__())
-        await asyncio.sleep(0.05)
+        # One turn of the loop runs the stream up to its first wait: its sink is queued to
+        # the subscriber's thread ahead of the publisher added next (commands run in order).
+        await asyncio.sleep(0)
         sub.add_publisher("r0", pub.endpoint, pub.replay_endpoint, "r0")
         got = [await asyncio.wait_for(first, 10)]
         for i in range(20):
@@ -346,7 +348,7 @@ def test_reads_a_vllm_style_stream_with_int_hashes_and_recovers_a_gap():
         sub.add_publisher("vllm-0", vllm.endpoint, vllm.replay_endpoint)
         # The snapshot request is answered with just the end marker: no snapshots in vLLM.
         assert poll(lambda: sub.in_sync("vllm-0"), timeout=10)
-        time.sleep(0.2)  # SUB connection settles
+        settle(sub, "vllm-0", vllm)
         truth = {}
         for i in range(30):
             h = 1000 + i
@@ -362,6 +364,18 @@ def test_reads_a_vllm_style_stream_with_int_hashes_and_recovers_a_gap():
     finally:
         sub.close()
         vllm.close()
+
+
+def settle(sub: ZmqEventSubscriber, replica_id: str, pub: VllmLikePublisher) -> None:
+    """Waits until the subscriber's SUB connection is live: a PUB socket drops what it sends
+    before the subscription reaches it, so empty batches go out until one is read live."""
+    before = sub.stats()[replica_id].received
+
+    def heard() -> bool:
+        pub.publish([])
+        return sub.stats()[replica_id].received > before
+
+    assert poll(heard, timeout=10), "the SUB connection never went live"
 
 
 def stored(h: int, parent: int | None) -> list:
@@ -400,7 +414,9 @@ def test_a_rolled_vllm_style_buffer_restarts_the_view_at_its_start():
         sub.add_publisher("vllm-0", vllm.endpoint, vllm.replay_endpoint)
         in_buffer = {3000 + i: 1 for i in range(7, 12)}
         assert poll(lambda: views.counts("vllm-0") == in_buffer, timeout=10), sub.stats()
-        time.sleep(0.2)  # SUB connection settles
+        # The SUB connection must be live before the next batches; a probe batch (the way
+        # settle() waits) would change the seq and replay counts this test asserts.
+        time.sleep(0.2)
         for i in range(12, 15):
             vllm.publish(stored(3000 + i, 2999 + i))
         want = {**in_buffer, **{3000 + i: 1 for i in range(12, 15)}}
