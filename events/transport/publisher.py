@@ -5,12 +5,12 @@ Why the shape:
   batch into the publisher's :class:`BlockSet` and, when nothing is queued or being sent
   (the usual case), encodes and sends it there and then (``inline``, the default): waking
   the publisher's thread for it cost more CPU than the encoding and the send (a thread
-  wake-up per step that stores a block, ~50-90 us on a 2-vCPU VM), as it did for the data
-  plane's outputs. A batch that finds the thread sending waits in a bounded queue behind
-  what it sends, so batches leave in seq order; with ``inline=False`` every batch goes
-  through the queue (encoding off the caller's thread). When the queue is full the batch
-  is dropped and counted -- its seq is still consumed, so every subscriber sees the gap and
-  recovers by snapshot (the replay buffer never held it).
+  wake-up per step that stores a block; ``benchmarks/bench_replica_path.py``), as it did
+  for the data plane's outputs. A batch that finds the thread sending waits in a bounded
+  queue behind what it sends, so batches leave in seq order; with ``inline=False`` every
+  batch goes through the queue (encoding off the caller's thread). When the queue is full
+  the batch is dropped and counted -- its seq is still consumed, so every subscriber sees
+  the gap and recovers by snapshot (the replay buffer never held it).
 - The PUB socket is used by one thread at a time: the caller, under ``_lock`` and only
   while the thread is not sending, or the thread, while ``_sending`` (set under the lock).
   The lock's acquire and release are the memory barriers ZeroMQ asks of a socket that

@@ -30,7 +30,7 @@ moved them, on an asyncio event loop; deliveries go to ``on_batch`` there and, i
 an asyncio queue. A front door attaches its loop: every engine step sends it the step's
 outputs on the data plane and the step's events here, and a second thread would be a second
 wake-up (and a GIL hand-off) per step of every replica. The price: a snapshot is applied in
-one piece on the loop (tens of ms for a replica of ~30k blocks, once per join or restart).
+one piece on the loop (a pause that grows with the replica's cache, once per join or restart).
 
 The thread waits on the sockets' ``ZMQ_FD`` descriptors with the platform's selector
 (epoll, kqueue), not ``zmq.Poller`` (two system calls and a scan of every socket per
