@@ -42,9 +42,10 @@ def client(endpoint: str, streams: int, tokens: int, first_id: int) -> None:
 
     from kvroute.events import dataplane_wire as dp
     from kvroute.events.replica_api import GenerateRequest, SamplingParams
+    from kvroute.events.transport.sockets import configure_socket
 
     sock = zmq.Context.instance().socket(zmq.DEALER)
-    dp.configure_socket(sock)
+    configure_socket(sock)
     sock.connect(endpoint)
     sock.send_multipart((dp.HELLO, dp.encoder.encode(dp.Hello("bench"))))
     params = SamplingParams(max_tokens=tokens, ignore_eos=True)

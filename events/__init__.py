@@ -11,11 +11,12 @@ Both sides must agree on these, byte for byte:
 - :mod:`.load` -- load reports and cost coefficients
 - :mod:`.bounds` -- request bounds, checked by the front door and the engine alike
 - :mod:`.replica_api` -- requests, deltas, sampling parameters, replica info, errors
-- :mod:`.dataplane_wire` -- the data plane's frame kinds, messages and intervals; its
-  ``configure_socket`` (ZeroMQ socket options) is transport, kept there for now
+- :mod:`.dataplane_wire` -- the data plane's frame kinds, messages and intervals
 
-Transport -- :mod:`.transport`: the ZeroMQ publisher and subscriber of the event stream
-and their threading aids.
+Transport -- :mod:`.transport`: the ZeroMQ publisher and subscriber of the event stream,
+the data plane's socket options, and their threading aids. The data plane's two ends (a
+replica's ``DataPlaneServer``, a front door's ``ReplicaConnection``) live in ``replica/``
+and ``router/``, beside the engine and the front door they serve.
 
 Process setup -- :mod:`.torch_wheels`: hides torch companion wheels that cannot load
 (standard library only). It is neither contract nor transport, and importing this package

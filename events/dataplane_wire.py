@@ -30,12 +30,14 @@ from the replica's I/O thread, not its step loop, so a long step is no silence) 
 connection drop treats the replica as lost and fails its requests over. Load reports ride
 here too, pushed: a front door polling each replica over Ray would pay an RPC per replica
 per interval, hundreds a second on a large fleet.
+
+This module is the contract (frames, messages, intervals): it opens no socket. The socket
+options both ends set are :func:`kvroute.events.transport.sockets.configure_socket`.
 """
 
 from __future__ import annotations
 
 import msgspec
-import zmq
 
 from .load import LoadReport
 from .replica_api import GenerateDelta, GenerateRequest
@@ -54,7 +56,6 @@ __all__ = [
     "Heartbeat",
     "Hello",
     "StepOutputs",
-    "configure_socket",
 ]
 
 PROTOCOL_VERSION = 2  # 2: LOAD
@@ -63,9 +64,6 @@ OUTPUTS, HEARTBEAT, LOAD = b"O", b"H", b"L"
 HEARTBEAT_INTERVAL_S = 0.5
 LOAD_INTERVAL_S = 0.1
 SILENCE_TIMEOUT_S = 5.0  # ten heartbeats missed: the replica is gone (or hung)
-# Messages queued per peer before ZeroMQ refuses more: a front door that stopped reading
-# for this many steps is stuck, and its requests are aborted rather than buffered forever.
-HWM = 100_000
 
 
 class Hello(msgspec.Struct, array_like=True):
@@ -86,18 +84,6 @@ class StepOutputs(msgspec.Struct, array_like=True):
     """Every delta one engine step made for one front door's requests."""
 
     deltas: list[GenerateDelta]
-
-
-def configure_socket(sock: zmq.Socket) -> None:
-    """Options both ends share: no lingering on close, ZMTP heartbeats (a peer whose host
-    vanished without a FIN is noticed in seconds), a high water mark that is never hit by a
-    peer that reads."""
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, HWM)
-    sock.setsockopt(zmq.RCVHWM, HWM)
-    sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
-    sock.setsockopt(zmq.HEARTBEAT_TTL, 6000)
 
 
 # Encoders and decoders are reused: building one per message would cost more than the

@@ -39,6 +39,7 @@ from kvroute.events import dataplane_wire as dp
 from kvroute.events.bounds import check_sampling
 from kvroute.events.load import LoadReport
 from kvroute.events.replica_api import GenerateDelta
+from kvroute.events.transport.sockets import configure_socket
 from kvroute.events.transport.threads import Waker, name_native_thread
 
 if TYPE_CHECKING:
@@ -107,7 +108,7 @@ class DataPlaneServer:
         self._heartbeat = dp.encoder.encode(dp.Heartbeat(incarnation))
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
-        dp.configure_socket(self._sock)
+        configure_socket(self._sock)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         _bind(self._sock, endpoint)

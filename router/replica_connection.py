@@ -37,6 +37,7 @@ from kvroute.events.replica_api import (
     delta_error,
     merge_deltas,
 )
+from kvroute.events.transport.sockets import configure_socket
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ class ReplicaConnection:
         self._loop = asyncio.get_running_loop()
         ctx = context or zmq.Context.instance()
         self._sock = ctx.socket(zmq.DEALER)
-        dp.configure_socket(self._sock)
+        configure_socket(self._sock)
         # A fresh routing id per connection: a replica never mistakes a reconnected front
         # door for the old connection, whose requests it aborts once a send to it fails.
         routing_id = f"{client_id}-{next(_connection_ids)}"
