@@ -23,11 +23,7 @@ the loader picks the best the CPU has: one build works on every machine of a clu
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define KV_CLONES __attribute__((target_clones("avx512f", "arch=haswell", "default")))
-#else
-#define KV_CLONES
-#endif
+#include "cpu_simd.h"
 
 typedef struct {
     float *out;
@@ -45,52 +41,7 @@ typedef struct {
     Py_ssize_t window; /* 0: none; else a query at p sees keys p - window + 1 .. p */
 } DecodeArgs;
 
-/* 16 floats: one AVX-512 register, two AVX2 ones, four SSE ones; GCC lowers each clone. */
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-#define INLINE static inline __attribute__((always_inline))
 #define TILE 16 /* slots whose V rows are weighted in per pass over the accumulators */
-
-INLINE v16 load16(const float *p) {
-    v16 x;
-    memcpy(&x, p, sizeof x);
-    return x;
-}
-
-INLINE float hsum16(v16 x) { /* a shuffle tree, not 15 dependent scalar adds */
-    v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
-           __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-    v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-typedef int32_t v16i __attribute__((vector_size(64)));
-
-/* e^x for 16 lanes (x <= 0 here: scores minus their maximum). Cephes' expf scheme: x =
-   n ln2 + r with |r| <= ln2/2 (ln2 split in two for exactness), a degree-7 polynomial
-   for e^r, 2^n built in the exponent bits; within 2 ulp of expf. Lanes below -87.3
-   (e^x under FLT_MIN) give 0. One call per 16 scores instead of 16 libm calls. */
-INLINE v16 exp16(v16 x) {
-    v16i under = x < -87.3f;
-    v16 xc = (v16)(((v16i)x & ~under) | ((v16i)((v16){0} - 87.3f) & under));
-    v16 fx = xc * 1.44269504088896341f + 0.5f;
-    v16i n = __builtin_convertvector(fx, v16i);
-    v16 nf = __builtin_convertvector(n, v16);
-    v16i over = nf > fx; /* truncation rounded a negative up: floor it */
-    n = n + over;        /* comparisons give -1 where true */
-    nf = __builtin_convertvector(n, v16);
-    v16 r = xc - nf * 0.693359375f - nf * -2.12194440e-4f;
-    v16 p = 1.9875691500e-4f * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    v16i bits = (n + 127) << 23;
-    v16 out = p * (v16)bits;
-    return (v16)((v16i)out & ~under);
-}
 
 /* The first 16 scores, or fewer repeated from the first (n >= 1): a start for the max. */
 INLINE v16 load16_or(const float *p, Py_ssize_t n) {
