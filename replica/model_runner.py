@@ -84,7 +84,6 @@ _BENIGN_ATTENTION_KWARGS = frozenset(
         "output_attentions",
         "use_cache",
         "cache_position",
-        "is_causal",
         "past_key_values",
         "position_embeddings",
         "layer_idx",
