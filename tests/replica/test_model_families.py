@@ -19,6 +19,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from kvroute.kernels import cpu_linear
 from kvroute.replica import LLM, SamplingParams
 from kvroute.replica.model_runner import UnsupportedModelError
 from kvroute.replica.models import tiny_model_path
@@ -97,19 +98,33 @@ def _check(hf: torch.nn.Module, prompts: list[list[int]], outs) -> None:  # type
         assert out.outputs[0].token_ids == hf_greedy(hf, prompt, NEW_TOKENS), len(prompt)
 
 
+@pytest.fixture
+def one_thread():  # type: ignore[no-untyped-def]
+    """The engine as a CPU replica runs it: one torch thread, so its projections go
+    through the tiled C linear kernel (replica/linear.py) instead of oneDNN."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize(
-    ("name", "impl"),
+    ("name", "impl", "threads"),
     [
-        ("llama-biases", "kvroute"),
-        ("mistral-window", "kvroute"),
-        ("mistral-window", "transformers"),
-        ("qwen2-window-layer1", "kvroute"),
-        ("qwen3", "kvroute"),
-        ("qwen3-window", "kvroute"),
-        ("gemma3-window", "transformers"),
+        ("llama-biases", "kvroute", None),
+        ("llama-biases", "kvroute", 1),
+        ("mistral-window", "kvroute", None),
+        ("mistral-window", "transformers", None),
+        ("qwen2-window-layer1", "kvroute", None),
+        ("qwen2-window-layer1", "kvroute", 1),
+        ("qwen3", "kvroute", None),
+        ("qwen3-window", "kvroute", None),
+        ("gemma3-window", "transformers", None),
     ],
 )
-def test_greedy_equals_transformers(model_dir, name: str, impl: str) -> None:  # type: ignore[no-untyped-def]
+def test_greedy_equals_transformers(model_dir, request, name: str, impl: str, threads) -> None:  # type: ignore[no-untyped-def]
+    if threads == 1:
+        request.getfixturevalue("one_thread")
     path = model_dir(name)
     hf = AutoModelForCausalLM.from_pretrained(
         path, dtype=torch.float32, attn_implementation="eager"
@@ -118,6 +133,8 @@ def test_greedy_equals_transformers(model_dir, name: str, impl: str) -> None:  #
     cold, shared = _prompts(seed=len(name))
     llm = LLM(str(path), num_blocks=256, model_impl=impl, dtype="float32")
     assert llm.llm_engine.runner.model_impl == impl
+    if threads == 1 and cpu_linear.isa() is not None:
+        assert llm.llm_engine.runner.paged_decoder.layers[0].qkv.form == "tiled"
     _check(hf, cold, llm.generate(cold, GREEDY))
     llm.generate(shared[:1], GREEDY)
     outs = llm.generate(shared[1:], GREEDY)
