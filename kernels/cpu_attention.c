@@ -42,6 +42,7 @@ typedef struct {
 } DecodeArgs;
 
 #define TILE 16 /* slots whose V rows are weighted in per pass over the accumulators */
+#define PREFETCH 8 /* slots ahead whose K and V rows are fetched while this one is scored */
 
 /* The first 16 scores, or fewer repeated from the first (n >= 1): a start for the max. */
 INLINE v16 load16_or(const float *p, Py_ssize_t n) {
@@ -76,11 +77,22 @@ static void attend_seq(const DecodeArgs *a, Py_ssize_t seq, float *scores, float
     const int32_t *table = a->block_tables + seq * a->bt_stride;
     const float *q = a->query + row * a->q_stride;
 
+    const Py_ssize_t row_floats = Hk * D;
     for (Py_ssize_t i = 0; i < n; i++) {
         const Py_ssize_t p = lo + i;
         const Py_ssize_t slot = (Py_ssize_t)table[p / BS] * BS + p % BS;
-        const float *k = a->k_cache + slot * Hk * D;
-        rows[i] = a->v_cache + slot * Hk * D;
+        const float *k = a->k_cache + slot * row_floats;
+        rows[i] = a->v_cache + slot * row_floats;
+        if (i + PREFETCH < n) {
+            const Py_ssize_t pp = p + PREFETCH;
+            const Py_ssize_t ahead = (Py_ssize_t)table[pp / BS] * BS + pp % BS;
+            const char *kn = (const char *)(a->k_cache + ahead * row_floats);
+            const char *vn = (const char *)(a->v_cache + ahead * row_floats);
+            for (Py_ssize_t b = 0; b < row_floats * 4; b += 64) {
+                __builtin_prefetch(kn + b, 0, 3);
+                __builtin_prefetch(vn + b, 0, 2);
+            }
+        }
         for (Py_ssize_t qh = 0; qh < H; qh++)
             scores[qh * n + i] = dot(q + qh * D, k + (qh / G) * D, D) * a->scale;
     }
