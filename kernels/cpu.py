@@ -9,6 +9,8 @@ caches, contiguous rows -- and falls back to the reference for anything else.
 from __future__ import annotations
 
 import os
+import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -45,33 +47,119 @@ def _fits(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor)
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """What every layer of one step needs from the batch's index tensors, worked out once:
+    the host lists, which sequences decode (ordered so siblings of one cached prefix run
+    back to back and its blocks stay in cache) and which prefill, and int32 copies for C."""
+
+    qsl: list[int]
+    lens: list[int]
+    decodes: Tensor  # int32 sequence indices for the C kernel
+    prefills: list[int]
+    seq_lens: Tensor  # int32, contiguous
+    query_start_loc: Tensor  # int32, contiguous
+
+
+class _StepPlans:
+    """The last batch's plan, reused while the same index tensors come back unchanged.
+
+    A step hands one set of tensors to all its layers; they are recognised by identity
+    through weak references (a freed tensor never matches, so a new step whose tensors
+    reuse the old addresses cannot see a stale plan) and by their in-place version counter.
+    """
+
+    def __init__(self) -> None:
+        # (weak references to the tensors, their key, the plan): replaced as one tuple, so
+        # engines stepping on two threads of one process never pair one's plan with
+        # another's tensors
+        self._last: tuple[tuple[weakref.ref[Tensor], ...], tuple[int, ...], _Plan] | None = None
+
+    def get(
+        self,
+        query: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
+        block_tables: Tensor,
+        seq_lens: Tensor,
+        query_start_loc: Tensor,
+        max_query_len: int | None,
+        max_seq_len: int | None,
+        sliding_window: int | None,
+    ) -> _Plan:
+        tensors = (block_tables, seq_lens, query_start_loc)
+        key = (
+            *(t._version for t in tensors),
+            query.shape[0],
+            query.shape[1],
+            query.shape[2],
+            *k_cache.shape[1:],
+            max_query_len or -1,
+            max_seq_len or -1,
+        )
+        last = self._last
+        if (
+            last is not None
+            and key == last[1]
+            and all(r() is t for r, t in zip(last[0], tensors, strict=True))
+        ):
+            if sliding_window is not None and sliding_window < 1:
+                raise ValueError(f"sliding_window must be >= 1 or None, not {sliding_window}")
+            if k_cache.shape != v_cache.shape:
+                raise ValueError("query, k_cache and v_cache disagree on head_dim or shape")
+            return last[2]
+        qsl, lens = reference.check_batch(
+            query,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            max_query_len,
+            max_seq_len,
+            sliding_window,
+        )
+        decodes = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
+        if len(decodes) > 1:
+            first = block_tables[:, 0].tolist()
+            decodes.sort(key=first.__getitem__)
+        plan = _Plan(
+            qsl=qsl,
+            lens=lens,
+            decodes=torch.tensor(decodes, dtype=torch.int32),
+            prefills=[i for i in range(len(lens)) if qsl[i + 1] - qsl[i] > 1],
+            seq_lens=seq_lens.to(torch.int32).contiguous(),
+            query_start_loc=query_start_loc.to(torch.int32).contiguous(),
+        )
+        self._last = (tuple(weakref.ref(t) for t in tensors), key, plan)
+        return plan
+
+
+_plans = _StepPlans()
+
+
 def decode(
     out: Tensor,
     query: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
     block_tables: Tensor,
-    seq_lens: Tensor,
-    query_start_loc: Tensor,
-    seqs: list[int],
+    plan: _Plan,
     scale: float,
     sliding_window: int | None,
 ) -> None:
-    """Sequences ``seqs`` (one new token each) through the C kernel, into ``out``."""
+    """The plan's decoding sequences (one new token each) through the C kernel, into ``out``."""
     assert _cpu_attention is not None
-    selected = torch.tensor(seqs, dtype=torch.int32)
-    lens = seq_lens.to(torch.int32).contiguous()
-    starts = query_start_loc.to(torch.int32).contiguous()
     _cpu_attention.decode(
         out.data_ptr(),
         query.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         block_tables.data_ptr(),
-        lens.data_ptr(),
-        starts.data_ptr(),
-        selected.data_ptr(),
-        len(seqs),
+        plan.seq_lens.data_ptr(),
+        plan.query_start_loc.data_ptr(),
+        plan.decodes.data_ptr(),
+        len(plan.decodes),
         query.shape[1],
         k_cache.shape[2],
         query.shape[2],
@@ -111,7 +199,7 @@ def paged_attention(
             max_seq_len=max_seq_len,
             sliding_window=sliding_window,
         )
-    qsl, lens = reference.check_batch(
+    plan = _plans.get(
         query,
         k_cache,
         v_cache,
@@ -123,27 +211,20 @@ def paged_attention(
         sliding_window,
     )
     out = torch.empty(query.shape, dtype=query.dtype)
-    out[qsl[-1] :].zero_()
-    decodes = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
-    if len(decodes) > 1:  # siblings of one cached prefix back to back: its blocks stay in cache
-        first = block_tables[:, 0].tolist()
-        decodes.sort(key=first.__getitem__)
-    if len(decodes) < len(lens):  # prefills and chunks: the reference's SDPA paths
-        others = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] > 1]
+    out[plan.qsl[-1] :].zero_()
+    if plan.prefills:  # prefills and chunks: the reference's SDPA paths
         reference.attend_prefills(
-            out, query, k_cache, v_cache, block_tables, qsl, lens, scale, sliding_window, others
-        )
-    if decodes:  # windowed or not: the kernel starts each walk at the window's edge
-        decode(
             out,
             query,
             k_cache,
             v_cache,
             block_tables,
-            seq_lens,
-            query_start_loc,
-            decodes,
+            plan.qsl,
+            plan.lens,
             scale,
             sliding_window,
+            plan.prefills,
         )
+    if len(plan.decodes):  # windowed or not: the kernel starts each walk at the window's edge
+        decode(out, query, k_cache, v_cache, block_tables, plan, scale, sliding_window)
     return out
