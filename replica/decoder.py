@@ -21,6 +21,7 @@ and the sliding window per layer (Mistral: every layer; Qwen2/Qwen3: the layers 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -29,6 +30,10 @@ from torch import Tensor, nn
 from kvroute.kernels import AttentionMetadata, cpu_ops, paged_attention, store_kv
 
 from .linear import Linear
+from .lora import ProjectionGroup
+
+if TYPE_CHECKING:
+    from .lora_store import LoRAStep
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -125,6 +130,7 @@ class PagedDecoder:
         # On a CPU in fp32: norms, rotary and SiLU-times-up in C (kernels/cpu_ops.py).
         self.c_ops = cpu_ops.usable(weight.device, weight.dtype)
         self.layers: list[_Layer] = []
+        self.intermediate_size = base.layers[0].mlp.gate_proj.out_features if base.layers else 0
         for i in range(len(base.layers)):
             layer = base.layers[i]
             attn, mlp = layer.self_attn, layer.mlp
@@ -153,14 +159,29 @@ class PagedDecoder:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    def projection_groups(self) -> list[ProjectionGroup]:
+        """Each layer's projections as :meth:`forward` computes them (fused QKV, o, fused
+        gate-up, down), in that order: what a :class:`LoRAStep` adds to."""
+        hidden = int(self.embed.weight.shape[1])
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        inter = self.intermediate_size
+        return [
+            ProjectionGroup(hidden, (("q_proj", q), ("k_proj", kv), ("v_proj", kv))),
+            ProjectionGroup(q, (("o_proj", hidden),)),
+            ProjectionGroup(hidden, (("gate_proj", inter), ("up_proj", inter))),
+            ProjectionGroup(inter, (("down_proj", hidden),)),
+        ]
+
     def forward(
         self,
         input_ids: Tensor,
         positions: Tensor,
         kv_caches: list[tuple[Tensor, Tensor]],
         meta: AttentionMetadata,
+        lora: LoRAStep | None = None,
     ) -> Tensor:
-        """Hidden states [T, hidden] after the final norm, for a flattened varlen batch."""
+        """Hidden states [T, hidden] after the final norm, for a flattened varlen batch.
+        ``lora``: the step's adapters, added to each projection's output (None: none)."""
         hidden = self.embed(input_ids)
         cos, sin = self.rotary(hidden, positions[None])
         cos, sin = cos[0], sin[0]  # [T, D]
@@ -170,6 +191,8 @@ class PagedDecoder:
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = self._add_norm(residual, hidden if i else None, layer.input_norm)
             qkv = layer.qkv(x)
+            if lora is not None:  # before q/k norms and rotary, as PEFT's q/k/v_proj
+                lora.add(i, 0, x, qkv)
             t = qkv.shape[0]
             v = qkv[:, (h + hk) * d :].view(t, hk, d)
             if layer.q_norm is not None:  # Qwen3: per head, before rotary
@@ -191,15 +214,22 @@ class PagedDecoder:
                 sliding_window=layer.window,
                 **attn_kw,  # type: ignore[arg-type]
             )
-            hidden = layer.o(o.view(t, h * d))
+            o = o.view(t, h * d)
+            hidden = layer.o(o)
+            if lora is not None:
+                lora.add(i, 1, o, hidden)
             x = self._add_norm(residual, hidden, layer.post_norm)
             gate_up = layer.gate_up(x)
+            if lora is not None:
+                lora.add(i, 2, x, gate_up)
             if self.c_ops:
                 act = cpu_ops.silu_mul(gate_up)
             else:
                 inter = gate_up.shape[1] // 2
                 act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
             hidden = layer.down(act)
+            if lora is not None:
+                lora.add(i, 3, act, hidden)
         return self._add_norm(residual, hidden, self.final_norm.weight)
 
     def _add_norm(self, residual: Tensor, added: Tensor | None, weight: Tensor) -> Tensor:

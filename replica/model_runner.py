@@ -41,6 +41,7 @@ from kvroute.kernels import AttentionMetadata, paged_attention, store_kv
 from .cuda_graphs import Capture, DecodeGraphs
 from .decoder import PagedDecoder, unsupported
 from .linear import Linear
+from .lora_store import LoRAStep, LoRAStore
 from .outputs import RequestFailure, SampledToken
 from .sampler import Sampler, prompt_logprobs
 from .scheduler import SchedulerOutput
@@ -254,6 +255,7 @@ class ModelRunner:
             for _ in range(num_layers)
         ]
         self.sampler = Sampler(seed)
+        self.lora: LoRAStore | None = None  # see enable_lora
         if self.paged_decoder is None:
             self._probe_transformers_path(num_layers)
         log.info("model implementation: %s", self.model_impl)
@@ -296,6 +298,28 @@ class ModelRunner:
             mib,
         )
         self.decode_graphs = graphs
+
+    def enable_lora(
+        self, *, max_loras: int, max_cpu_loras: int | None, max_lora_rank: int
+    ) -> LoRAStore:
+        """Device slots for LoRA adapters (:mod:`.lora_store`). kvroute's decoder only:
+        transformers' modules have no place for the grouped products."""
+        decoder = self.paged_decoder
+        if decoder is None:
+            raise UnsupportedModelError(
+                "LoRA adapters need model_impl 'kvroute' (Llama, Mistral, Qwen2, Qwen3); "
+                f"this model runs on model_impl {self.model_impl!r}"
+            )
+        self.lora = LoRAStore(
+            decoder.projection_groups(),
+            decoder.num_layers,
+            max_loras=max_loras,
+            max_cpu_loras=max_cpu_loras,
+            max_lora_rank=max_lora_rank,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        return self.lora
 
     def _probe_transformers_path(self, num_layers: int) -> None:
         """One forward pass of two tokens (into block 0's slots, which hold nothing yet):
@@ -421,7 +445,11 @@ class ModelRunner:
         )
         ids = torch.tensor(input_ids, device=dev)
         pos = torch.tensor(positions, device=dev)
-        hidden = self._forward(ids, pos, meta)
+        lora = None
+        if self.lora is not None:
+            spans = [(_lora_key(s.request), s.num_new_tokens) for s in sched.scheduled]
+            lora = self.lora.step(spans)
+        hidden = self._forward(ids, pos, meta, lora)
         out: dict[str, SampledToken | RequestFailure] = {}
         if sample_rows:
             logits = self.project_logits(hidden[torch.tensor(sample_rows, device=dev)])
@@ -441,16 +469,21 @@ class ModelRunner:
         return out
 
     def _forward(
-        self, ids: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata
+        self,
+        ids: torch.Tensor,
+        pos: torch.Tensor,
+        meta: AttentionMetadata,
+        lora: LoRAStep | None = None,
     ) -> torch.Tensor:
         """Hidden states after the final norm, [tokens, hidden]: a decode batch replayed
-        from its graph where one fits, else kvroute's decoder or transformers' modules."""
-        if self.decode_graphs is not None and meta.max_query_len == 1:
+        from its graph where one fits (and no adapter is in it), else kvroute's decoder or
+        transformers' modules."""
+        if self.decode_graphs is not None and meta.max_query_len == 1 and lora is None:
             hidden = self.decode_graphs.run(ids, pos, meta)
             if hidden is not None:
                 return hidden
         if self.paged_decoder is not None:
-            return self.paged_decoder(ids, pos, self.kv_caches, meta)
+            return self.paged_decoder(ids, pos, self.kv_caches, meta, lora)
         token = _FORWARD_CONTEXT.set(_ForwardContext(self.kv_caches, meta))
         try:
             return self.decoder(
@@ -469,3 +502,8 @@ class ModelRunner:
             hi = min(lo + PROMPT_LOGPROBS_ROWS, stop)
             logits = self.project_logits(hidden[row + lo - first : row + hi - first])
             req.prompt_logprobs.extend(prompt_logprobs(logits, list(ids[lo + 1 : hi + 1]), k))
+
+
+def _lora_key(req: Any) -> tuple[str, str] | None:
+    """A request's adapter as the LoRA store names it; None for the base model."""
+    return (req.lora_name, req.lora_path) if req.lora_name else None

@@ -1,0 +1,111 @@
+"""Grouped LoRA products for one batch that mixes several adapters and the base model.
+
+What: ``y[t] += (x[t] @ A[s]) @ B[s]`` for every row ``t`` of the batch whose request uses
+the adapter in slot ``s``; rows of the base model are left alone. "Shrink" (``x @ A``,
+width ``in`` to the rank) then "expand" (back to ``out``), as punica's SGMV/BGMV and
+S-LoRA do.
+
+Why grouped: a batch mixes many requests, each under its own adapter or none. Splitting it
+into per-adapter sub-batches costs a Python round of ops per adapter per projection per
+layer; instead, the rows that use an adapter are gathered once, sorted by slot
+(:class:`LoRAMapping`, built once per step and shared by every layer), and each shrink and
+each expand is ONE call over all of them: torch's ``grouped_mm`` (one GEMM per slot, run
+inside one op), then one ``index_add_`` puts the products back on their rows. The two
+alternatives tried on CPU were slower: gathering each row's adapter weights for a batched
+matrix-vector product (BGMV as such; it copies every row's weights) and a Python loop over
+slots. ``benchmarks/bench_lora_step.py`` measures this path against ``dense`` (below).
+
+Layout (one layer's projection group, e.g. the fused QKV; see ``replica/lora_store.py``):
+``a`` is ``[slots, in, targets * rank]`` -- each target's ``A.T`` side by side, so the
+group's targets share one shrink -- and ``bs`` holds per target ``[slots, rank, out_t]``
+(``B.T`` times the adapter's scaling); the expand outputs of the group's targets are its
+columns in order, as the fused projection's. Ranks smaller than ``rank`` are zero-padded.
+
+``dense`` (every device; the CPU takes ``grouped``): each gathered row multiplies every
+slot's weights in one batched product and keeps its own slot's result. The same numbers,
+no data-dependent group sizes, but slots times the work. A Triton kernel for CUDA is not
+written yet; there ``dense`` serves.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import Tensor
+
+__all__ = ["LoRAMapping", "add_lora", "kernel_for"]
+
+_ENV = "KVROUTE_LORA_KERNEL"
+KERNELS = ("grouped", "dense")
+
+
+def kernel_for(device: torch.device) -> str:
+    """``grouped`` on CPU (torch's grouped_mm takes any float dtype there), ``dense``
+    elsewhere; ``KVROUTE_LORA_KERNEL`` picks one explicitly (benchmarks, bisecting)."""
+    choice = os.environ.get(_ENV, "").strip().lower()
+    if choice:
+        if choice not in KERNELS:
+            raise ValueError(f"{_ENV} must be one of {', '.join(KERNELS)}, got {choice!r}")
+        return choice
+    return "grouped" if device.type == "cpu" else "dense"
+
+
+@dataclass(slots=True)
+class LoRAMapping:
+    """Which batch rows use which slot, for one step: built once, read by every layer."""
+
+    rows: Tensor  # [n] int64: the rows that use an adapter, grouped by slot (ascending)
+    offs: Tensor  # [slots] int32: where each slot's group ends in ``rows`` (grouped_mm's)
+    row_slots: Tensor  # [n] int64: the slot of each of those rows (the dense kernel's)
+    kernel: str  # "grouped" or "dense"
+
+    @classmethod
+    def build(
+        cls,
+        spans: Sequence[tuple[int, int, int]],
+        num_slots: int,
+        device: torch.device,
+        kernel: str = "grouped",
+    ) -> LoRAMapping | None:
+        """``spans``: (slot, first row, row count) of each request that uses an adapter;
+        None when there is none."""
+        by_slot: list[list[int]] = [[] for _ in range(num_slots)]
+        for slot, start, count in spans:
+            by_slot[slot].extend(range(start, start + count))
+        rows: list[int] = []
+        ends: list[int] = []
+        slots: list[int] = []
+        for s, group in enumerate(by_slot):
+            rows.extend(group)
+            slots.extend([s] * len(group))
+            ends.append(len(rows))
+        if not rows:
+            return None
+        return cls(
+            rows=torch.tensor(rows, dtype=torch.int64, device=device),
+            offs=torch.tensor(ends, dtype=torch.int32, device=device),
+            row_slots=torch.tensor(slots, dtype=torch.int64, device=device),
+            kernel=kernel,
+        )
+
+
+def add_lora(y: Tensor, x: Tensor, a: Tensor, bs: Sequence[Tensor], m: LoRAMapping) -> None:
+    """``y[rows] += [x @ A_t @ B_t for each target t, side by side]`` per row's slot, in
+    place. ``x``: [tokens, in]; ``y``: [tokens, sum of out_t] (the fused projection's output)."""
+    xs = x.index_select(0, m.rows)
+    rank = bs[0].shape[1]
+    if m.kernel == "grouped":
+        u = F.grouped_mm(xs, a, offs=m.offs)
+        parts = [
+            F.grouped_mm(u[:, i * rank : (i + 1) * rank], b, offs=m.offs) for i, b in enumerate(bs)
+        ]
+    else:
+        n = xs.shape[0]
+        pick = (m.row_slots, torch.arange(n, device=xs.device))
+        u = torch.matmul(xs, a)[pick]  # [slots, n, R] -> each row's own slot: [n, R]
+        parts = [torch.matmul(u[:, i * rank : (i + 1) * rank], b)[pick] for i, b in enumerate(bs)]
+    y.index_add_(0, m.rows, parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))

@@ -1,0 +1,337 @@
+"""Where an engine's LoRA adapters live: registered, in host memory, in device slots.
+
+Three tiers, as vLLM's (``--max-loras``, ``--max-cpu-loras``):
+
+- registered: name -> folder, checked when registered (:func:`~.lora.inspect_adapter`:
+  config and tensor shapes; a bad adapter is refused then, not when a request needs it);
+- host memory: up to ``max_cpu_loras`` adapters read into memory, least recently used
+  out first (never one that sits in a slot);
+- device slots: ``max_loras`` rows of stacked weight tensors per layer and projection,
+  which the grouped kernels (:mod:`kvroute.kernels.lora`) index by slot. One step mixes at
+  most ``max_loras`` adapters (the scheduler's rule); a step that needs an adapter not in
+  a slot copies it from host memory into the least recently used slot it does not need.
+
+Why reads run on a thread of their own: reading an adapter from disk takes as long as its
+file is large, and the engine's step must not wait for it while other requests are ready.
+:meth:`LoRAStore.ready` answers the scheduler at once (and starts the read); the request
+waits in the queue, not the step. A slot copy is a memory copy of one adapter, done on the
+step that first needs it.
+
+Slot tensors are sized for the adapters they have held: the largest rank so far, and per
+layer and projection the span of targets any of them had (an adapter of q and v also
+computes a zero k, so that the fused QKV output is added to in one piece). They grow,
+copying the slotted adapters over, when an adapter needs more; they never shrink.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from kvroute.kernels.lora import LoRAMapping, add_lora, kernel_for
+
+from .lora import (
+    AdapterSpec,
+    LoRAAdapter,
+    LoRAError,
+    ProjectionGroup,
+    inspect_adapter,
+    load_adapter,
+)
+
+log = logging.getLogger(__name__)
+
+LoRAKey = tuple[str, str]  # (name, path): a name re-registered elsewhere is another adapter
+
+
+@dataclass(slots=True)
+class _GroupSlots:
+    """One layer's projection group in every slot: targets ``lo .. hi - 1`` of the group,
+    whose outputs are columns ``col_lo .. col_hi - 1`` of the fused projection."""
+
+    a: Tensor  # [slots, in, targets * rank]
+    bs: list[Tensor]  # per target [slots, rank, out_t]
+    targets: tuple[str, ...]
+    col_lo: int
+    col_hi: int
+    full: bool  # the span is the whole fused output
+
+
+@dataclass(slots=True)
+class LoRAStep:
+    """One step's adapters: the slots' weights and which rows use which slot."""
+
+    layers: list[list[_GroupSlots | None]]
+    mapping: LoRAMapping
+
+    def add(self, layer: int, group: int, x: Tensor, y: Tensor) -> None:
+        """Adds the LoRA products of projection ``group`` of ``layer`` (input ``x``) to its
+        output ``y`` in place, on the rows that use an adapter."""
+        g = self.layers[layer][group]
+        if g is not None:
+            out = y if g.full else y[:, g.col_lo : g.col_hi]
+            add_lora(out, x, g.a, g.bs, self.mapping)
+
+
+@dataclass
+class LoRAStats:
+    loads: int = 0  # adapters read from disk
+    slot_loads: int = 0  # adapters copied into a slot
+    host_evictions: int = 0
+    resizes: int = 0  # slot tensors grown
+    load_seconds: list[float] = field(default_factory=list)
+
+
+class LoRAStore:
+    """An engine's adapters: registry, host LRU, device slots (the module docstring)."""
+
+    def __init__(
+        self,
+        groups: Sequence[ProjectionGroup],
+        num_layers: int,
+        *,
+        max_loras: int,
+        max_cpu_loras: int | None,
+        max_lora_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {max_loras}")
+        max_cpu = max_loras if max_cpu_loras is None else max_cpu_loras
+        if max_cpu < max_loras:
+            raise ValueError(f"max_cpu_loras ({max_cpu}) must be >= max_loras ({max_loras})")
+        if not 1 <= max_lora_rank <= 512:
+            raise ValueError(f"max_lora_rank must be in 1..512, got {max_lora_rank}")
+        self.groups = list(groups)
+        self.num_layers = num_layers
+        self.max_loras = max_loras
+        self.max_cpu_loras = max_cpu
+        self.max_lora_rank = max_lora_rank
+        self.dtype = dtype
+        self.device = device
+        self.kernel = kernel_for(device)
+        self._shapes: dict[str, tuple[int, int]] = {}
+        for g in self.groups:
+            self._shapes.update(g.shapes())
+        self._registry: dict[str, AdapterSpec] = {}
+        self._host: OrderedDict[LoRAKey, LoRAAdapter] = OrderedDict()  # oldest use first
+        self._loading: dict[LoRAKey, cf.Future[LoRAAdapter]] = {}
+        self._failed: dict[LoRAKey, Exception] = {}
+        # A few readers: one large or slow adapter must not hold up the reads of others.
+        self._pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvroute-lora")
+        self._slots: list[LoRAKey | None] = [None] * max_loras
+        self._slot_use: OrderedDict[int, None] = OrderedDict((s, None) for s in range(max_loras))
+        self._rank = 0
+        self._keys: set[tuple[int, str]] = set()  # (layer, target) the slot tensors cover
+        self._layers: list[list[_GroupSlots | None]] = [
+            [None] * len(self.groups) for _ in range(num_layers)
+        ]
+        self._pinned: set[LoRAKey] = set()  # adapters of running requests
+        self.stats = LoRAStats()
+
+    # -- registry ----------------------------------------------------------------------
+    def register(self, name: str, path: str) -> AdapterSpec:
+        """Checks the adapter and names it; LoRAError says what it cannot serve."""
+        if not name:
+            raise LoRAError("lora_name must not be empty")
+        old = self._registry.get(name)
+        if old is not None and old.path != str(path):
+            raise LoRAError(f"LoRA adapter {name!r} is already registered from {old.path}")
+        spec = inspect_adapter(path, self._shapes, self.num_layers, self.max_lora_rank)
+        self._registry[name] = spec
+        return spec
+
+    def unregister(self, name: str) -> bool:
+        """Forgets a name: new requests cannot use it; requests already queued or running
+        keep their adapter (their key holds its path) until they end."""
+        spec = self._registry.pop(name, None)
+        if spec is None:
+            return False
+        key = (name, spec.path)
+        if key not in self._slots:
+            self._host.pop(key, None)
+        return True
+
+    def path_of(self, name: str) -> str:
+        """The registered folder of an adapter; ValueError for a name not registered."""
+        spec = self._registry.get(name)
+        if spec is None:
+            raise ValueError(f"unknown LoRA adapter {name!r} (lora_name)")
+        return spec.path
+
+    def registered(self) -> dict[str, str]:
+        return {name: spec.path for name, spec in self._registry.items()}
+
+    def resident(self) -> list[str]:
+        """Names of the adapters in device slots now."""
+        return [k[0] for k in self._slots if k is not None]
+
+    # -- host memory -------------------------------------------------------------------
+    def ready(self, name: str, path: str) -> bool:
+        """True when the adapter is in memory (a step can use it now); else starts reading
+        it on the loader thread, if not under way, and says False. Never waits."""
+        key = (name, path)
+        if key in self._host:
+            self._host.move_to_end(key)
+            return True
+        fut = self._loading.get(key)
+        if fut is None:
+            if key in self._failed:
+                return False  # the engine takes the failure first (take_failures)
+            spec = self._registry.get(name)
+            if spec is None or spec.path != path:
+                spec = None  # unregistered since: inspect it again on the thread
+            self._loading[key] = self._pool.submit(self._read, name, path, spec)
+            return False
+        if not fut.done():
+            return False
+        del self._loading[key]
+        try:
+            adapter = fut.result()
+        except Exception as exc:
+            log.warning("LoRA adapter %r from %s failed to load: %s", name, path, exc)
+            self._failed[key] = exc
+            return False
+        self._host[key] = adapter
+        self._trim_host()
+        return True
+
+    def _read(self, name: str, path: str, spec: AdapterSpec | None) -> LoRAAdapter:
+        t0 = time.perf_counter()
+        if spec is None:
+            spec = inspect_adapter(path, self._shapes, self.num_layers, self.max_lora_rank)
+        adapter = load_adapter(name, spec, self.dtype)
+        self.stats.loads += 1
+        self.stats.load_seconds.append(time.perf_counter() - t0)
+        return adapter
+
+    def take_failures(self) -> dict[LoRAKey, Exception]:
+        """Adapters whose read failed since the last call (their requests cannot run)."""
+        failed, self._failed = self._failed, {}
+        return failed
+
+    def loading(self) -> bool:
+        return bool(self._loading)
+
+    def wait(self, timeout: float) -> None:
+        """Blocks until a read under way ends, ``timeout`` at most (an idle engine's wait)."""
+        if self._loading:
+            cf.wait(list(self._loading.values()), timeout, cf.FIRST_COMPLETED)
+
+    def _trim_host(self) -> None:
+        keep = self._pinned.union(self._slots)
+        for key in list(self._host):
+            if len(self._host) <= self.max_cpu_loras:
+                return
+            if key not in keep:
+                del self._host[key]
+                self.stats.host_evictions += 1
+
+    def pin(self, keys: set[LoRAKey]) -> None:
+        """The adapters of the running requests (the engine's, each step): kept in host
+        memory, and their slots given up last, so a running request that sits out a step
+        never finds its adapter gone."""
+        self._pinned = keys
+
+    # -- device slots ------------------------------------------------------------------
+    def step(self, requests: Sequence[tuple[LoRAKey | None, int]]) -> LoRAStep | None:
+        """The step's mapping, its adapters copied into slots as needed. ``requests``: each
+        scheduled request's adapter key (None: the base model) and token count, in batch
+        order. None when no request uses an adapter."""
+        needed = {key for key, _ in requests if key is not None}
+        if not needed:
+            return None
+        if len(needed) > self.max_loras:
+            raise RuntimeError(
+                f"{len(needed)} LoRA adapters in one step, max_loras is {self.max_loras}"
+            )
+        slot_of = {key: s for s, key in enumerate(self._slots) if key in needed}
+        for key in needed - slot_of.keys():
+            slot_of[key] = self._activate(key, needed)
+        for s in slot_of.values():
+            self._slot_use.move_to_end(s)
+        spans: list[tuple[int, int, int]] = []
+        row = 0
+        for key, count in requests:
+            if key is not None:
+                spans.append((slot_of[key], row, count))
+            row += count
+        mapping = LoRAMapping.build(spans, self.max_loras, self.device, self.kernel)
+        return None if mapping is None else LoRAStep(self._layers, mapping)
+
+    def _activate(self, key: LoRAKey, needed: set[LoRAKey]) -> int:
+        adapter = self._host.get(key)
+        if adapter is None:
+            # The scheduler admits requests whose adapter is in memory, and running ones'
+            # stay pinned there; read it here (on the step) rather than fail the step.
+            log.warning("LoRA adapter %r read on the step path", key[0])
+            adapter = self._host[key] = self._read(key[0], key[1], None)
+        slots, pinned = self._slots, self._pinned
+        free = [s for s in self._slot_use if slots[s] is None]
+        idle = [s for s in self._slot_use if slots[s] not in needed and slots[s] not in pinned]
+        slot = (free or idle or [s for s in self._slot_use if slots[s] not in needed])[0]
+        slots[slot] = None
+        keys = self._keys | set(adapter.weights)
+        if adapter.rank > self._rank or keys != self._keys:
+            self._resize(max(self._rank, adapter.rank), keys)
+        self._copy_into(slot, adapter)
+        self._slots[slot] = key
+        self.stats.slot_loads += 1
+        self._trim_host()  # the adapter it replaced may leave host memory now
+        return slot
+
+    def _resize(self, rank: int, keys: set[tuple[int, str]]) -> None:
+        """New slot tensors for ``rank`` and the (layer, target) pairs ``keys``; the
+        slotted adapters are copied over."""
+        self._rank, self._keys = rank, keys
+        s, dev, dt = self.max_loras, self.device, self.dtype
+        layers: list[list[_GroupSlots | None]] = []
+        for layer in range(self.num_layers):
+            row: list[_GroupSlots | None] = []
+            for g in self.groups:
+                names = [t for t, _ in g.targets]
+                have = [i for i, t in enumerate(names) if (layer, t) in keys]
+                if not have:
+                    row.append(None)
+                    continue
+                lo, hi = have[0], have[-1] + 1
+                outs = [out for _, out in g.targets]
+                row.append(
+                    _GroupSlots(
+                        a=torch.zeros((s, g.in_features, (hi - lo) * rank), dtype=dt, device=dev),
+                        bs=[torch.zeros((s, rank, o), dtype=dt, device=dev) for o in outs[lo:hi]],
+                        targets=tuple(names[lo:hi]),
+                        col_lo=sum(outs[:lo]),
+                        col_hi=sum(outs[:hi]),
+                        full=lo == 0 and hi == len(names),
+                    )
+                )
+            layers.append(row)
+        self._layers = layers
+        self.stats.resizes += 1
+        for slot, key in enumerate(self._slots):
+            if key is not None:
+                self._copy_into(slot, self._host[key])
+
+    def _copy_into(self, slot: int, adapter: LoRAAdapter) -> None:
+        rank, r = self._rank, adapter.rank
+        for layer, row in enumerate(self._layers):
+            for g in row:
+                if g is None:
+                    continue
+                g.a[slot].zero_()
+                for i, target in enumerate(g.targets):
+                    b = g.bs[i][slot]
+                    b.zero_()
+                    w = adapter.weights.get((layer, target))
+                    if w is not None:
+                        g.a[slot, :, i * rank : i * rank + r].copy_(w[0])
+                        b[:r].copy_(w[1])
