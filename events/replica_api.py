@@ -249,6 +249,7 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     cache_salt: str | None = None
     resume: Resume | None = None  # a failover: continue from these outputs
     tenant: str | None = None  # whose request: the engine's queue takes tenants in turn
+    lora_name: str | None = None  # the replica's LoRA adapter to serve it with (None: base)
 
 
 class GenerateDelta(msgspec.Struct, kw_only=True, array_like=True):

@@ -237,6 +237,7 @@ class DataPlaneServer:
             req.sampling,
             sink,
             cache_salt=req.cache_salt,
+            lora_name=req.lora_name,
             resume=req.resume,
             tenant=req.tenant,
         )

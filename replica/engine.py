@@ -21,9 +21,9 @@ import dataclasses
 import logging
 import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -41,6 +41,9 @@ from .outputs import EngineOutput, RequestFailure, SampledToken, request_output,
 from .request import Request, RequestStatus
 from .scheduler import Scheduler, SchedulerConfig
 from .structured import StructuredOutputCompiler
+
+if TYPE_CHECKING:  # torch: a cost-model replica never imports it
+    from .lora_store import LoRAStore
 
 log = logging.getLogger(__name__)
 _FINISHED_ERROR = RequestStatus.FINISHED_ERROR  # read per token: a class lookup costs more
@@ -84,6 +87,17 @@ class EngineConfig:
     # ``model="sim:<profile>"`` (a cost-model replica, see cost_model_runner): wall seconds
     # per modelled second of every step.
     time_scale: float = 1.0
+    # LoRA adapters (vLLM's --enable-lora and friends; replica/lora_store.py). On with
+    # enable_lora or any lora_modules; a request names its adapter (lora_name).
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters in device slots: one step mixes at most this many
+    max_cpu_loras: int | None = None  # adapters kept in host memory; None: max_loras
+    max_lora_rank: int = 16  # the largest adapter rank accepted
+    lora_modules: dict[str, str] = field(default_factory=dict)  # name -> PEFT folder, at start
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
 
 
 class _RequestState:
@@ -155,6 +169,17 @@ class LLMEngine:
         if config.max_model_len is not None:
             max_len = min(max_len, config.max_model_len)
         self.max_model_len = max_len
+        self.lora: LoRAStore | None = None
+        if config.lora_enabled:
+            if profile is not None:
+                raise ValueError("LoRA adapters need a model; this replica is a cost model")
+            self.lora = self.runner.enable_lora(
+                max_loras=config.max_loras,
+                max_cpu_loras=config.max_cpu_loras,
+                max_lora_rank=config.max_lora_rank,
+            )
+            for name, lora_path in config.lora_modules.items():
+                self.lora.register(name, lora_path)
         if not config.enforce_eager and profile is None:
             self.runner.enable_decode_graphs(config.max_num_seqs, max_len)
         self.scheduler = Scheduler(
@@ -166,8 +191,10 @@ class LLMEngine:
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 max_num_partial_prefills=config.max_num_partial_prefills,
                 attention_weight=attention_weight(self.cost_coefficients()),
+                max_loras=config.max_loras if self.lora is not None else 0,
             ),
             self.kv_cache_manager,
+            lora_ready=self._lora_ready if self.lora is not None else None,
         )
         self.event_sinks: list[EventSink] = list(event_sinks)
         self.eos_token_id, self.extra_eos_token_ids = _eos_token_ids(path, self.tokenizer)
@@ -253,6 +280,7 @@ class LLMEngine:
         else:
             token_ids = [t if isinstance(t, bool) else operator.index(t) for t in prompt]
         check_prompt_token_ids(token_ids, vocab)
+        lora_path = self._lora_path(lora_name) if lora_name is not None else None
         prior = list(resume.output_token_ids) if resume is not None else []
         if prior:
             check_prompt_token_ids(prior, vocab)
@@ -272,6 +300,7 @@ class LLMEngine:
             eos_token_id=self.eos_token_id,
             cache_salt=cache_salt,
             lora_name=lora_name,
+            lora_path=lora_path,
             arrival_time=arrival_time,
             output_token_ids=prior,
             tenant=tenant,
@@ -288,12 +317,66 @@ class LLMEngine:
             except Exception as exc:
                 raise ValueError(f"the resumed outputs cannot be decoded ({exc!r})") from exc
         self.scheduler.add_request(req)
+        if self.lora is not None and lora_name is not None and lora_path is not None:
+            self.lora.ready(lora_name, lora_path)  # starts reading it now, if need be
         state = _RequestState(req, text, detok, detokenizes, deltas)
         self._states[request_id] = state
         if prior and resume is not None:
             state.resumed_chars = resume.sent_chars
             self.runner.prime(request_id, params, len(prior))
         return req
+
+    # -- LoRA adapters -------------------------------------------------------------------
+    def add_lora(self, name: str, path: str) -> None:
+        """Registers a PEFT adapter folder under ``name`` (checked now; read into memory
+        when a request first needs it). LoRAError (a ValueError) names what is refused."""
+        if self.lora is None:
+            raise ValueError("this engine serves no LoRA adapters (enable_lora is off)")
+        self.lora.register(name, str(path))
+
+    def remove_lora(self, name: str) -> bool:
+        """Unregisters an adapter: new requests cannot name it; those already queued or
+        running finish with it. False when the name is not registered."""
+        return self.lora.unregister(name) if self.lora is not None else False
+
+    def list_loras(self) -> dict[str, str]:
+        """Registered adapters: name -> folder."""
+        return self.lora.registered() if self.lora is not None else {}
+
+    def _lora_path(self, name: str) -> str:
+        if self.lora is None:
+            raise ValueError(
+                f"lora_name {name!r}: this engine serves no LoRA adapters (enable_lora is off)"
+            )
+        return self.lora.path_of(name)
+
+    def _lora_ready(self, req: Request) -> bool:
+        name, path = req.lora_name, req.lora_path
+        return (
+            self.lora is not None
+            and name is not None
+            and path is not None
+            and (self.lora.ready(name, path))
+        )
+
+    def _lora_failures(self) -> list[EngineOutput]:
+        """Ends the waiting requests whose adapter could not be read (each alone, an
+        error output); pins the running requests' adapters in memory for this step."""
+        assert self.lora is not None
+        outputs: list[EngineOutput] = []
+        for (name, path), exc in self.lora.take_failures().items():
+            for rid, state in list(self._states.items()):
+                req = state.request
+                if req.lora_name == name and req.lora_path == path and not req.is_finished:
+                    outputs.append(self._fail(rid, "LoRA adapter load", exc))
+        self.lora.pin(
+            {
+                (r.lora_name, r.lora_path)
+                for r in self.scheduler.running
+                if r.lora_name is not None and r.lora_path is not None
+            }
+        )
+        return outputs
 
     def abort_requests(self, request_ids: Sequence[str]) -> list[EngineOutput]:
         """Frees the requests' blocks now; returns their final (aborted) outputs."""
@@ -324,13 +407,15 @@ class LLMEngine:
         A request whose own stage fails (see the module docstring) comes back finished with
         ``finish_reason="error"``; the step goes on for the others."""
         self.current_batch = None
+        outputs: list[EngineOutput] = self._lora_failures() if self.lora is not None else []
         sched = self.scheduler.schedule()
         self.current_batch = frozenset(item.request.request_id for item in sched.scheduled)
         for rid in sched.finished_request_ids:
             self.runner.forget(rid)
+        if not sched.scheduled and self.lora is not None:
+            self.lora.wait(0.01)  # nothing to run but adapters being read: do not spin
         results = self.runner.execute(sched) if sched.scheduled else {}
         sampled: dict[str, SampledToken] = {}
-        outputs: list[EngineOutput] = []
         for rid, result in results.items():
             if isinstance(result, RequestFailure):
                 outputs.append(self._fail(rid, result.stage, result.error))

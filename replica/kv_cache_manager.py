@@ -56,6 +56,8 @@ class CacheRequest(Protocol):
     @property
     def lora_name(self) -> str | None: ...
     @property
+    def lora_path(self) -> str | None: ...  # sha256_cbor_tagged hashes it beside the name
+    @property
     def skip_reading_prefix_cache(self) -> bool: ...  # computes every token (prompt logprobs)
 
 
@@ -110,6 +112,7 @@ class KVCacheManager:
                     lora_name=request.lora_name,
                     parent=hashes[-1] if hashes else None,
                     start_block=start,
+                    lora_path=request.lora_path,
                 )
             )
         return hashes

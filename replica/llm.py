@@ -12,7 +12,8 @@ from kvroute.events.replica_api import SamplingParams
 from .engine import EngineConfig, LLMEngine
 from .outputs import RequestOutput
 
-# One prompt: text, token ids, or a dict {"prompt" | "prompt_token_ids": ..., "cache_salt": ...}
+# One prompt: text, token ids, or a dict {"prompt" | "prompt_token_ids": ..., "cache_salt": ...,
+# "lora_name": ...} (lora_name: a registered LoRA adapter, see EngineConfig.lora_modules)
 PromptType = str | Sequence[int] | dict[str, Any]
 
 
@@ -52,7 +53,13 @@ class LLM:
                     body = prompt.get("prompt_token_ids", prompt.get("prompt"))
                     if body is None:
                         raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
-                    engine.add_request(rid, body, p, cache_salt=prompt.get("cache_salt"))
+                    engine.add_request(
+                        rid,
+                        body,
+                        p,
+                        cache_salt=prompt.get("cache_salt"),
+                        lora_name=prompt.get("lora_name"),
+                    )
                 else:
                     engine.add_request(rid, prompt, p)
                 order[rid] = i

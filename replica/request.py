@@ -56,12 +56,14 @@ class Request:
         *,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        lora_path: str | None = None,
         arrival_time: float | None = None,
         output_token_ids: Sequence[int] = (),
         tenant: str | None = None,
     ) -> None:
         """``output_token_ids``: tokens generated elsewhere before (a failover's resume).
-        ``tenant``: whose request it is; the scheduler takes tenants in turn."""
+        ``tenant``: whose request it is; the scheduler takes tenants in turn. ``lora_name``:
+        its LoRA adapter (None: the base model), from the folder ``lora_path``."""
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt")
         self.request_id = request_id
@@ -70,6 +72,7 @@ class Request:
         self.cache_salt = cache_salt
         self.tenant = tenant
         self.lora_name = lora_name
+        self.lora_path = lora_path
         self.arrival_time = time.time() if arrival_time is None else arrival_time
 
         self._init_tokens(prompt_token_ids, output_token_ids)

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +77,10 @@ class SchedulerConfig:
     # shorter, and a step of it lasts no longer than ``threshold`` tokens at a prompt's
     # start. 0: plain tokens (vLLM's meaning).
     attention_weight: float = 0.0
+    # >0: LoRA adapters are served, at most this many distinct ones among the running
+    # requests (the engine's device slots; vLLM's max_loras). A waiting request whose
+    # adapter would exceed it, or is not in memory yet, is passed over, not waited for.
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -90,6 +94,8 @@ class SchedulerConfig:
             raise ValueError("max_num_partial_prefills must be >= 0")
         if self.attention_weight < 0:
             raise ValueError("attention_weight must be >= 0")
+        if self.max_loras < 0:
+            raise ValueError("max_loras must be >= 0")
 
     def chunk_limit(self, num_computed: int) -> int:
         """The most prompt tokens one request may compute in a step from position
@@ -155,8 +161,16 @@ class SchedulerOutput:
 class Scheduler(DecodeRuns):
     """Decides, each step, which requests run and how many tokens each feeds."""
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        lora_ready: Callable[[Request], bool] | None = None,
+    ) -> None:
+        """``lora_ready(request)``: whether its adapter is in memory, so a step can use it
+        (it may start reading it; it never waits). None: every adapter is."""
         self.config = config
+        self.lora_ready = lora_ready
         self.kv_cache_manager = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
         capacity = kv_cache_manager.block_pool.num_blocks * self.block_size
@@ -295,10 +309,15 @@ class Scheduler(DecodeRuns):
         # 2. Waiting requests, tenants in turn, unless this step already had to preempt.
         if not preempted:
             skipped = 0  # tenants passed over in a row (their share of this step is spent)
+            loras = self._running_loras() if cfg.max_loras else None
+            held: list[Request] = []  # passed over for their adapter; back in front after
             while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
                 if kv.get_num_free_blocks() == 0 and self.running:
                     break  # admission always needs a new block (a hit stops before the end)
                 req = self.waiting.peek()
+                if loras is not None and not self._lora_admits(req, loras):
+                    held.append(self.waiting.popleft())
+                    continue
                 hit_blocks, num_hit, num_new = self._first_chunk(req, budget)
                 if not num_new:
                     break  # the whole prompt must fit one step, and it does not
@@ -321,6 +340,8 @@ class Scheduler(DecodeRuns):
                     break
                 kv.count_lookup(req, num_hit)
                 self.waiting.popleft()
+                if loras is not None and req.lora_name is not None:
+                    loras.add(req.lora_name)
                 self.running.append(req)
                 req.status = RequestStatus.RUNNING
                 if req.num_cached_tokens < 0:
@@ -332,7 +353,24 @@ class Scheduler(DecodeRuns):
                 if starts_partial:
                     partial[req.tenant] = partial.get(req.tenant, 0) + 1
                 _charge_share(shares, req, num_new)
+            for req in reversed(held):
+                self.waiting.appendleft(req)
         return scheduled, preempted
+
+    def _running_loras(self) -> set[str]:
+        """The distinct adapters of the running requests: each holds a device slot."""
+        return {r.lora_name for r in self.running if r.lora_name is not None}
+
+    def _lora_admits(self, req: Request, loras: set[str]) -> bool:
+        """Whether admitting ``req`` keeps the running requests' adapters within
+        ``max_loras`` and its adapter is in memory (vLLM's rule, plus the second part:
+        an adapter still being read keeps its requests waiting, not the step)."""
+        name = req.lora_name
+        if name is None:
+            return True
+        if name not in loras and len(loras) >= self.config.max_loras:
+            return False
+        return self.lora_ready is None or self.lora_ready(req)
 
     def _first_chunk(self, req: Request, budget: int) -> tuple[list[KVCacheBlock], int, int]:
         """A waiting request's cached prefix (blocks, tokens) and the tokens its first step
@@ -394,6 +432,8 @@ class Scheduler(DecodeRuns):
         this step (its first chunk's blocks are not free, or its tenant has enough prompts
         part-way): a share reserved for it would only hold the others back."""
         kv, cfg = self.kv_cache_manager, self.config
+        if cfg.max_loras and not self._lora_admits(req, self._running_loras()):
+            return 0
         num_hit = kv.peek_cached_tokens(req)
         need = req.num_tokens - num_hit
         chunk = min(need, cfg.chunk_limit(num_hit) or need, cfg.max_num_batched_tokens)
