@@ -61,19 +61,24 @@ class _Plan:
     query_start_loc: Tensor  # int32, contiguous
 
 
+_Entry = tuple[tuple["weakref.ref[Tensor]", ...], tuple[int, ...], tuple[Tensor | None, ...], _Plan]
+
+
 class _StepPlans:
     """The last batch's plan, reused while the same index tensors come back unchanged.
 
     A step hands one set of tensors to all its layers; they are recognised by identity
     through weak references (a freed tensor never matches, so a new step whose tensors
     reuse the old addresses cannot see a stale plan) and by their in-place version counter.
+    Inference tensors (``torch.inference_mode``) keep no version counter: for those a copy
+    of the contents, a few hundred integers, is compared instead.
     """
 
     def __init__(self) -> None:
-        # (weak references to the tensors, their key, the plan): replaced as one tuple, so
-        # engines stepping on two threads of one process never pair one's plan with
-        # another's tensors
-        self._last: tuple[tuple[weakref.ref[Tensor], ...], tuple[int, ...], _Plan] | None = None
+        # (weak references to the tensors, their key, copies of the unversioned ones, the
+        # plan): replaced as one tuple, so engines stepping on two threads of one process
+        # never pair one's plan with another's tensors
+        self._last: _Entry | None = None
 
     def get(
         self,
@@ -89,7 +94,7 @@ class _StepPlans:
     ) -> _Plan:
         tensors = (block_tables, seq_lens, query_start_loc)
         key = (
-            *(t._version for t in tensors),
+            *(-1 if t.is_inference() else t._version for t in tensors),
             query.shape[0],
             query.shape[1],
             query.shape[2],
@@ -102,12 +107,13 @@ class _StepPlans:
             last is not None
             and key == last[1]
             and all(r() is t for r, t in zip(last[0], tensors, strict=True))
+            and all(c is None or torch.equal(c, t) for c, t in zip(last[2], tensors, strict=True))
         ):
             if sliding_window is not None and sliding_window < 1:
                 raise ValueError(f"sliding_window must be >= 1 or None, not {sliding_window}")
             if k_cache.shape != v_cache.shape:
                 raise ValueError("query, k_cache and v_cache disagree on head_dim or shape")
-            return last[2]
+            return last[3]
         qsl, lens = reference.check_batch(
             query,
             k_cache,
@@ -131,7 +137,9 @@ class _StepPlans:
             seq_lens=seq_lens.to(torch.int32).contiguous(),
             query_start_loc=query_start_loc.to(torch.int32).contiguous(),
         )
-        self._last = (tuple(weakref.ref(t) for t in tensors), key, plan)
+        refs = tuple(weakref.ref(t) for t in tensors)
+        copies = tuple(t.clone() if t.is_inference() else None for t in tensors)
+        self._last = (refs, key, copies, plan)
         return plan
 
 

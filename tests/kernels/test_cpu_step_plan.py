@@ -50,9 +50,16 @@ def test_new_tensors_at_old_addresses_get_a_new_plan() -> None:
         gc.collect()
 
 
-def test_a_change_in_place_is_seen() -> None:
+@pytest.mark.parametrize("inference", [False, True])
+def test_a_change_in_place_is_seen(inference: bool) -> None:
     """A runner that refills its index buffers in place (as CUDA graphs do) bumps their
-    version counters; the plan made from their old contents must not be reused."""
+    version counters, or, for inference tensors, which have none, changes their contents;
+    the plan made from their old contents must not be reused."""
+    with torch.inference_mode(inference):
+        _change_in_place()
+
+
+def _change_in_place() -> None:
     a = make_batch(SPECS, num_heads=6, num_kv_heads=2, seed=3)
     # Same sequence count, token count and table width as SPECS; other lengths.
     b = make_batch([(20, 1), (40, 1), (3, 12), (9, 1)], num_heads=6, num_kv_heads=2, seed=4)
