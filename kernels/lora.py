@@ -61,7 +61,13 @@ class LoRAMapping:
     rows: Tensor  # [n] int64: the rows that use an adapter, grouped by slot (ascending)
     offs: Tensor  # [slots] int32: where each slot's group ends in ``rows`` (grouped_mm's)
     row_slots: Tensor  # [n] int64: the slot of each of those rows (the dense kernel's)
-    kernel: str  # "grouped" or "dense"
+    kernel: str  # "grouped", "padded" or "dense"
+    # "padded": slots lo..hi-1 as a batch of ``width`` rows each (a slot's rows, then row
+    # 0 as padding, its products zeroed by ``pad_valid``)
+    slot_lo: int = 0
+    slot_hi: int = 0
+    pad_rows: Tensor | None = None  # [(hi - lo) * width] int64
+    pad_valid: Tensor | None = None  # [hi - lo, width, 1], 1 for a real row, 0 for padding
 
     @classmethod
     def build(
@@ -70,9 +76,13 @@ class LoRAMapping:
         num_slots: int,
         device: torch.device,
         kernel: str = "grouped",
+        dtype: torch.dtype = torch.float32,
     ) -> LoRAMapping | None:
         """``spans``: (slot, first row, row count) of each request that uses an adapter;
-        None when there is none."""
+        None when there is none. ``grouped`` becomes ``padded`` where the slots in use hold
+        about as many rows each (a decode batch spread over its adapters): one batched GEMM
+        over slots of equal height costs less than grouped_mm's GEMM per slot, and the
+        padding it computes is bounded here."""
         by_slot: list[list[int]] = [[] for _ in range(num_slots)]
         for slot, start, count in spans:
             by_slot[slot].extend(range(start, start + count))
@@ -85,19 +95,41 @@ class LoRAMapping:
             ends.append(len(rows))
         if not rows:
             return None
-        return cls(
+        m = cls(
             rows=torch.tensor(rows, dtype=torch.int64, device=device),
             offs=torch.tensor(ends, dtype=torch.int32, device=device),
             row_slots=torch.tensor(slots, dtype=torch.int64, device=device),
             kernel=kernel,
         )
+        used = [s for s, group in enumerate(by_slot) if group]
+        lo, hi = used[0], used[-1] + 1
+        width = max(len(g) for g in by_slot)
+        if kernel == "grouped" and (hi - lo) * width * 2 <= len(rows) * 3:  # <= 1.5x
+            pad, valid = [], []
+            for group in by_slot[lo:hi]:
+                pad.extend(group + [0] * (width - len(group)))
+                valid.extend([1.0] * len(group) + [0.0] * (width - len(group)))
+            m.kernel, m.slot_lo, m.slot_hi = "padded", lo, hi
+            m.pad_rows = torch.tensor(pad, dtype=torch.int64, device=device)
+            m.pad_valid = torch.tensor(valid, dtype=dtype, device=device).view(hi - lo, width, 1)
+        return m
 
 
 def add_lora(y: Tensor, x: Tensor, a: Tensor, bs: Sequence[Tensor], m: LoRAMapping) -> None:
     """``y[rows] += [x @ A_t @ B_t for each target t, side by side]`` per row's slot, in
     place. ``x``: [tokens, in]; ``y``: [tokens, sum of out_t] (the fused projection's output)."""
-    xs = x.index_select(0, m.rows)
     rank = bs[0].shape[1]
+    if m.kernel == "padded":
+        assert m.pad_rows is not None and m.pad_valid is not None
+        lo, hi = m.slot_lo, m.slot_hi
+        xs = x.index_select(0, m.pad_rows).view(hi - lo, -1, x.shape[1])
+        u = torch.bmm(xs, a[lo:hi])
+        u.mul_(m.pad_valid)  # padding rows add zeros (to row 0)
+        parts = [torch.bmm(u[..., i * rank : (i + 1) * rank], b[lo:hi]) for i, b in enumerate(bs)]
+        d = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+        y.index_add_(0, m.pad_rows, d.view(m.pad_rows.shape[0], -1))
+        return
+    xs = x.index_select(0, m.rows)
     if m.kernel == "grouped":
         u = F.grouped_mm(xs, a, offs=m.offs)
         parts = [

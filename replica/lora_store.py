@@ -264,7 +264,7 @@ class LoRAStore:
             if key is not None:
                 spans.append((slot_of[key], row, count))
             row += count
-        mapping = LoRAMapping.build(spans, self.max_loras, self.device, self.kernel)
+        mapping = LoRAMapping.build(spans, self.max_loras, self.device, self.kernel, self.dtype)
         return None if mapping is None else LoRAStep(self._layers, mapping)
 
     def _activate(self, key: LoRAKey, needed: set[LoRAKey]) -> int:
