@@ -21,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvroute.events import BlockHasher
+from kvroute.events.wire import BlockStored
 from kvroute.kernels.lora import LoRAMapping, add_lora
 from kvroute.replica import LLM, SamplingParams
 from kvroute.replica import lora_store as lora_store_module
@@ -216,6 +217,8 @@ def test_adapters_never_share_blocks(adapters, algo: str) -> None:  # type: igno
     prompt = list(range(3, 3 + 64))
     llm = _llm(adapters, hash_algo=algo)
     engine = llm.llm_engine
+    events: list[object] = []
+    engine.event_sinks.append(events.extend)
 
     def cached(adapter: str | None) -> int:
         [out] = llm.generate([{"prompt_token_ids": prompt, "lora_name": adapter}], GREEDY)
@@ -229,6 +232,8 @@ def test_adapters_never_share_blocks(adapters, algo: str) -> None:  # type: igno
         for name in ("qv8", "all16", None)
     ]
     assert not set(chains[0]) & set(chains[1]) and not set(chains[0]) & set(chains[2])
+    stored = [e for e in events if isinstance(e, BlockStored)]
+    assert [e.lora_name for e in stored] == ["qv8", "all16", None] * 2  # the events name it
 
 
 def test_a_slow_adapter_read_does_not_stall_others(adapters, reference, monkeypatch) -> None:  # type: ignore[no-untyped-def]
