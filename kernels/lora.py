@@ -21,10 +21,14 @@ group's targets share one shrink -- and ``bs`` holds per target ``[slots, rank, 
 (``B.T`` times the adapter's scaling); the expand outputs of the group's targets are its
 columns in order, as the fused projection's. Ranks smaller than ``rank`` are zero-padded.
 
-``dense`` (every device; the CPU takes ``grouped``): each gathered row multiplies every
-slot's weights in one batched product and keeps its own slot's result. The same numbers,
-no data-dependent group sizes, but slots times the work. A Triton kernel for CUDA is not
-written yet; there ``dense`` serves.
+Kernels, chosen per device (:func:`kernel_for`) and, on CPU, per step
+(:meth:`LoRAMapping.build`): ``padded`` when the slots in use hold about as many rows each
+(a decode batch spread over its adapters): one batched GEMM (``bmm``) over those slots,
+each padded to the fullest; ``grouped`` otherwise: torch's ``grouped_mm``, which runs one
+GEMM per slot and pays a host round for each. ``dense`` (devices other than the CPU): each
+gathered row multiplies every slot's weights in one batched product and keeps its own
+slot's result: the same numbers for slots times the work, in ops every device has. A
+Triton kernel for CUDA is not written yet; there ``dense`` serves.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -86,7 +86,7 @@ class LoRAStats:
     slot_loads: int = 0  # adapters copied into a slot
     host_evictions: int = 0
     resizes: int = 0  # slot tensors grown
-    load_seconds: list[float] = field(default_factory=list)
+    load_seconds: float = 0.0  # reading adapters from disk, in total (on the loader threads)
 
 
 class LoRAStore:
@@ -156,7 +156,7 @@ class LoRAStore:
         if spec is None:
             return False
         key = (name, spec.path)
-        if key not in self._slots:
+        if key not in self._slots and key not in self._pinned:
             self._host.pop(key, None)
         return True
 
@@ -210,7 +210,7 @@ class LoRAStore:
             spec = inspect_adapter(path, self._shapes, self.num_layers, self.max_lora_rank)
         adapter = load_adapter(name, spec, self.dtype)
         self.stats.loads += 1
-        self.stats.load_seconds.append(time.perf_counter() - t0)
+        self.stats.load_seconds += time.perf_counter() - t0
         return adapter
 
     def take_failures(self) -> dict[LoRAKey, Exception]:
