@@ -46,7 +46,6 @@ class Admission:
         max_in_flight_per_tenant: int | None = None,
         queue: int | None = None,
         timeout_s: float = 2.0,
-        errors: Counter[str] | None = None,
     ) -> None:
         """``max_in_flight``: requests admitted at once (None: no limit); more wait in a
         queue of ``queue`` (default: ``max_in_flight``) for up to ``timeout_s``, and past
@@ -56,7 +55,7 @@ class Admission:
         self.shares = TenantShares(max_in_flight_per_tenant)
         self.rates = RateLimits()
         self.queue = AdmissionQueue(queue if queue is not None else (max_in_flight or 0), timeout_s)
-        self.errors: Counter[str] = errors if errors is not None else Counter()
+        self.errors: Counter[str] = Counter()  # its refusals (the front door sums the parts')
         self.in_flight = 0
 
     def _has_room(self) -> bool:

@@ -7,6 +7,9 @@ engine steps. The answer is one JSON body once all have finished (streaming seve
 is refused at intake); any choice that fails fails the request, and every run is closed.
 Metrics and the request log count each choice as a request; ``x-kvroute-replica`` lists
 the replicas that answered, in choice order, each once.
+
+On a request's path (see :mod:`.http_api`) this is the last stop, in place of
+:func:`.responses.respond`, with the same parts (:class:`~.responses.ResponseContext`).
 """
 
 from __future__ import annotations
@@ -14,47 +17,51 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from .errors import APIError, one_line, request_id
-from .frontdoor import FrontDoor
-from .openai_api import make_usage
+from .errors import FAILED, APIError, one_line, request_failed
+from .openai_api import make_choice, make_response, make_usage
 from .request_run import REPLICA_FAILURES, RequestRun
 from .responses import (
     DISCONNECT_POLL_S,
-    FAILED,
     REPLICA_HEADER,
     Collected,
+    Logprobs,
+    ResponseContext,
+    await_first_delta,
     end_request,
     log,
-    request_failed,
+    response_id,
 )
+
+if TYPE_CHECKING:
+    from .echo import Echo
 
 
 async def respond_choices(
-    door: FrontDoor,
+    ctx: ResponseContext,
     request: Request,
+    rid: str,
+    body: Any,
     runs: list[RequestRun],
-    n: int,
-    first: Callable[[RequestRun], Awaitable[None]],
-    choice: Callable[[int, str, str | None, Any], Any],
-    body: Callable[[list[Any], Any], dict[str, Any]],
-    logprobs: Callable[[list[int], list[dict[int, float]] | None], Any] | None = None,
     arrival: float | None = None,
+    echo: Echo | None = None,
 ) -> Response:
-    """Every run's answer as one body: ``choice(index, text, finish, logprobs)`` per run,
-    in order, and ``body(choices, usage)``. ``first`` waits for a run's first delta (the
-    status of a failure before it); usage counts each prompt once (runs ``n`` apart share
-    one) and every choice's output."""
-    rid = request_id(request)
+    """Every run's answer as one body, a choice per run in order. Each run's first delta
+    is awaited here (:func:`~.responses.await_first_delta`: the status of a failure before
+    it); usage counts each prompt once (runs ``n`` apart share one) and every choice's
+    output. ``body``: the request's, checked; ``echo``: the prompts to put ahead."""
+    chat, n, model = body.chat, body.n or 1, body.model
+    resp_id = response_id(chat)
+    top = body.num_logprobs()
+    names: dict[int, str] = {}  # token names, decoded once for all the choices
     got = [Collected() for _ in runs]
 
     async def answer(c: Collected, run: RequestRun) -> None:
-        await first(run)
+        await await_first_delta(run, rid, echo)
         await c.collect(run)
 
     tasks = [asyncio.ensure_future(answer(c, run)) for c, run in zip(got, runs, strict=True)]
@@ -67,12 +74,12 @@ async def respond_choices(
             for t in done:
                 t.result()  # the first failure, as its status (a run's own, or a replica's)
             if pending and not done and await request.is_disconnected():
-                door.errors["client_gone"] += 1
+                ctx.errors["client_gone"] += 1
                 return Response(status_code=499)
     except REPLICA_FAILURES as exc:
         log.warning("request %s: replica failed mid-request: %s", rid, one_line(str(exc)))
         for c, run in zip(got, runs, strict=True):
-            end_request(rid, run, c.last, None, "503 replica_failed", arrival)
+            end_request(ctx.metrics, rid, run, c.last, None, "503 replica_failed", arrival)
         raise APIError(503, FAILED, "service_unavailable", code="replica_failed") from None
     finally:
         for t in tasks:
@@ -85,7 +92,7 @@ async def respond_choices(
     ttft_s = None if arrival is None else time.perf_counter() - arrival
     for c, run in zip(got, runs, strict=True):
         if c.last is None or c.last.finish_reason == "error":
-            end_request(rid, run, c.last, ttft_s, "500 request_failed", arrival)
+            end_request(ctx.metrics, rid, run, c.last, ttft_s, "500 request_failed", arrival)
             raise request_failed(rid, c.last)
     prompt = cached = output = 0
     choices = []
@@ -95,9 +102,13 @@ async def respond_choices(
             prompt += last.num_prompt_tokens
             cached += last.num_cached_tokens
         output += last.num_output_tokens
-        end_request(rid, run, last, ttft_s, f"200 {last.finish_reason}", arrival)
-        shaped = logprobs(c.ids, c.entries) if logprobs is not None else None
-        choices.append(choice(i, c.text(), last.finish_reason, shaped))
+        end_request(ctx.metrics, rid, run, last, ttft_s, f"200 {last.finish_reason}", arrival)
+        shaped = None
+        if top is not None:  # each choice's shaped afresh: its ``text_offset`` from 0
+            shapes = Logprobs(ctx.tokenizer, top, names)
+            shaped = (shapes.chat if chat else shapes.completion)(c.ids, c.entries)
+        choices.append(make_choice(chat, i, c.text(), last.finish_reason, shaped))
     replicas = ",".join(dict.fromkeys(str(run.replica) for run in runs))
     usage = make_usage(prompt, output, cached)
-    return JSONResponse(body(choices, usage), headers={REPLICA_HEADER: replicas})
+    body_out = make_response(chat, resp_id, model, choices, usage)
+    return JSONResponse(body_out, headers={REPLICA_HEADER: replicas})

@@ -13,7 +13,8 @@ here, and the usage counts no completion tokens (vLLM makes and drops the token 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import msgspec
 
@@ -30,19 +31,31 @@ class Echo:
         self._texts = {id(run): text for run, text in zip(runs, texts, strict=True)}
         self.alone = alone
 
-    def first(
-        self, ready: Callable[[RequestRun], Awaitable[None]]
-    ) -> Callable[[RequestRun], Awaitable[None]]:
-        """``ready`` (waits for a run's first delta), then the prompt put ahead of it."""
+    @classmethod
+    def of(
+        cls,
+        prompts: Sequence[Any],
+        runs: Sequence[RequestRun],
+        n: int,
+        decode: Callable[[list[int]], str],
+        *,
+        alone: bool,
+    ) -> Echo:
+        """The prompts to echo, run by run (``n`` runs per prompt, prompt by prompt): each
+        as sent, or its token ids decoded."""
+        texts = []
+        for i, run in enumerate(runs):
+            prompt = prompts[i // n]
+            ids = run.request.prompt_token_ids
+            texts.append(prompt if isinstance(prompt, str) else decode(ids))
+        return cls(texts, runs, alone=alone)
 
-        async def first(run: RequestRun) -> None:
-            await ready(run)
-            assert run.first is not None
-            run.first = echoed(
-                run.first, run.request.prompt_token_ids, self._texts[id(run)], self.alone
-            )
-
-        return first
+    def put_ahead(self, run: RequestRun) -> None:
+        """The run's prompt put ahead of its first delta (which must be in)."""
+        assert run.first is not None
+        run.first = echoed(
+            run.first, run.request.prompt_token_ids, self._texts[id(run)], self.alone
+        )
 
 
 def echoed(first: GenerateDelta, prompt_ids: list[int], text: str, alone: bool) -> GenerateDelta:

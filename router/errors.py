@@ -9,6 +9,11 @@ The request id is set by a plain ASGI middleware rather than Starlette's
 ``BaseHTTPMiddleware``, which wraps ``receive`` and would hide a client's disconnect from the
 handlers (they cancel abandoned requests on the replica). The same middleware turns an
 unhandled exception into a 500 that still carries the id.
+
+On a request's path this module is no stop of its own: it is the vocabulary every stop
+raises in (:class:`APIError`) and the one place a router failure becomes the status a
+client sees (:func:`status_of`, :func:`request_failed`), so no stop calls another back to
+ask.
 """
 
 from __future__ import annotations
@@ -27,7 +32,11 @@ from starlette.datastructures import MutableHeaders
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvroute.events.replica_api import InvalidRequestError
+
 from .openai_api import dumps, error_body
+from .policy import NoReplicaError
+from .request_run import REPLICA_FAILURES
 
 log = logging.getLogger(__name__)
 
@@ -227,6 +236,40 @@ def validation_error(errors: list[Any]) -> APIError:
     msg = one_line(str(first.get("msg", "invalid body")))
     return APIError(
         400, one_line(f"{param}: {msg}") if param else msg, "invalid_request_error", param
+    )
+
+
+FAILED = "the replica serving this request failed; the request id finds it in the server log"
+# A replica's refusal that names the request field at fault, as ``field: why``
+_NAMED = re.compile(r"(?:request rejected: )?(structured_outputs|prompt_logprobs|prompt):")
+
+
+def status_of(rid: str, exc: BaseException) -> BaseException:
+    """A failure before a request's first token as the status that says it (others
+    unchanged): a replica's refusal is the client's 400, no replica a 503, a failed
+    replica a 503 that says whether it was retried."""
+    if isinstance(exc, InvalidRequestError):
+        message = one_line(str(exc))
+        named = _NAMED.match(message)  # the replica's "field: why", e.g. a bad constraint
+        return APIError(400, message, "invalid_request_error", named and named.group(1))
+    if isinstance(exc, NoReplicaError):
+        return APIError(503, str(exc), "service_unavailable", headers={"retry-after": "1"})
+    if isinstance(exc, REPLICA_FAILURES):
+        log.warning("request %s: replica failed: %s", rid, one_line(str(exc)))
+        suspect = getattr(exc, "suspect", False)
+        msg = FAILED + (
+            "; it was not retried elsewhere, as it may have caused the failure" if suspect else ""
+        )
+        return APIError(503, msg, "service_unavailable", code="replica_failed")
+    return exc
+
+
+def request_failed(rid: str, last: Any) -> APIError:
+    """A request whose own stage failed on the replica (the others there ran on)."""
+    why = one_line(getattr(last, "error", None) or "unknown")
+    log.warning("request %s failed on its replica: %s", rid, why)
+    return APIError(
+        500, f"The request failed on its replica ({why}).", "server_error", code="request_failed"
     )
 
 

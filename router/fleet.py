@@ -84,7 +84,6 @@ class Fleet:
         self,
         replicas: Sequence[tuple[Any, ReplicaInfo]],
         *,
-        errors: Counter[str] | None = None,
         monitor_interval_s: float = 2.0,
         load_interval_s: float = 0.2,
     ) -> None:
@@ -119,7 +118,8 @@ class Fleet:
         # Token ids to text (the front door's tokenizer): a resumed request's text held
         # back from the client, for HTTP backends (kvroute's replicas decode it themselves).
         self.decode: Callable[[list[int]], str] | None = None
-        self.errors: Counter[str] = errors if errors is not None else Counter()
+        # This part's own error counts (the front door sums every part's for /metrics).
+        self.errors: Counter[str] = Counter()
         # Event-stream counters of subscriptions already closed (replica restarts, losses).
         self.retired_event_stats: dict[str, Counter[str]] = {}
         self.monitor_interval_s = monitor_interval_s
@@ -281,6 +281,19 @@ class Fleet:
         self.errors["replica_failure"] += 1
         self._forget(rid)
         log.warning("replica %s failed; not routing to it until it is back", rid)
+
+    def mark_routed(self, rid: str) -> None:
+        """A request routed to ``rid`` got its first delta there (``routed`` in /metrics
+        and /fleet counts those, kept across the replica's restarts)."""
+        rep = self.replicas.get(rid)
+        if rep is not None:
+            rep.routed += 1
+
+    def vocab_size(self) -> int | None:
+        """The fleet's smallest vocabulary (None: no replica says): a token id past it
+        would fail on some replica."""
+        sizes = [r.info.vocab_size for r in self.replicas.values() if r.info.vocab_size]
+        return min(sizes, default=None)
 
     def alive(self) -> list[str]:
         return [rid for rid, r in self.replicas.items() if r.alive]

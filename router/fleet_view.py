@@ -16,15 +16,19 @@ import msgspec
 
 from kvroute.events.transport import ReplicaStats
 
-from .frontdoor import FrontDoor
+from .admission import Admission
+from .fleet import Fleet
 
 
-def fleet_view(door: FrontDoor, events: dict[str, ReplicaStats]) -> dict[str, Any]:
-    """One JSON object: the front door's settings and one entry per replica."""
+def fleet_view(
+    fleet: Fleet, policy: str, admission: Admission, events: dict[str, ReplicaStats]
+) -> dict[str, Any]:
+    """One JSON object: the front door's settings (``policy``: its name; ``admission``: its
+    budget) and one entry per replica (``events``: the subscriber's stats)."""
     now = time.monotonic()
     replicas = []
-    for rid, rep in sorted(door.fleet.replicas.items()):
-        info, report, st = rep.info, door.fleet.load.last_report(rid), events.get(rid)
+    for rid, rep in sorted(fleet.replicas.items()):
+        info, report, st = rep.info, fleet.load.last_report(rid), events.get(rid)
         replicas.append(
             {
                 "replica_id": rid,
@@ -33,7 +37,7 @@ def fleet_view(door: FrontDoor, events: dict[str, ReplicaStats]) -> dict[str, An
                 "pid": info.pid,
                 "incarnation": info.incarnation,
                 "healthy": rep.alive,
-                "cordoned": rid in door.fleet.cordoned,
+                "cordoned": rid in fleet.cordoned,
                 "model": info.model,
                 "max_model_len": info.max_model_len,
                 "hash": {
@@ -44,12 +48,12 @@ def fleet_view(door: FrontDoor, events: dict[str, ReplicaStats]) -> dict[str, An
                 },
                 # Indexed by token ids (its engine's hash is not reproducible): what the
                 # translation kept and dropped, in blocks (events/translate.py).
-                "token_index": _token_index(door, rid),
+                "token_index": _token_index(fleet, rid),
                 "data_endpoint": info.data_endpoint,
                 "kv_blocks_total": info.num_blocks,
-                "cached_blocks_indexed": door.fleet.index.num_blocks(rid),
+                "cached_blocks_indexed": fleet.index.num_blocks(rid),
                 "load": msgspec.to_builtins(report) if report is not None else None,
-                "in_flight_here": door.fleet.load.in_flight_at(rid),
+                "in_flight_here": fleet.load.in_flight_at(rid),
                 "routed": rep.routed,
                 "restarts": rep.restarts,
                 "failures": rep.failures,
@@ -69,22 +73,22 @@ def fleet_view(door: FrontDoor, events: dict[str, ReplicaStats]) -> dict[str, An
             }
         )
     return {
-        "model": door.fleet.model,
-        "policy": door.policy.name,
+        "model": fleet.model,
+        "policy": policy,
         "hash": {
-            "algo": door.fleet.hash_config.algo,
-            "seed": door.fleet.hash_config.seed,
-            "block_size": door.fleet.hasher.block_size,
-            "form": door.fleet.hash_form,
+            "algo": fleet.hash_config.algo,
+            "seed": fleet.hash_config.seed,
+            "block_size": fleet.hasher.block_size,
+            "form": fleet.hash_form,
         },
-        "max_in_flight": door.admission.max_in_flight,
-        "in_flight": door.admission.in_flight,
+        "max_in_flight": admission.max_in_flight,
+        "in_flight": admission.in_flight,
         "replicas": replicas,
     }
 
 
-def _token_index(door: FrontDoor, rid: str) -> dict[str, int] | None:
-    tr = door.fleet.translators.get(rid)
+def _token_index(fleet: Fleet, rid: str) -> dict[str, int] | None:
+    tr = fleet.translators.get(rid)
     if tr is None:
         return None
     return {"engine_hashes": len(tr), **dataclasses.asdict(tr.stats)}

@@ -7,19 +7,31 @@ what changes together in its own parts and only wires them:
 - :class:`~.fleet.Fleet`: replicas, discovery, data-plane connections, health, and the
   feeds routing reads (KV events into the prefix index, load reports into the load view).
 - :class:`~.admission.Admission`: tenant limits, fair share, the in-flight budget and its
-  waiters. The HTTP layer admits a request before it reads its body.
+  waiters. Intake admits a request before it reads its body.
 - the :class:`~.policy.Policy`, which picks a replica for each request from the fleet's
   index and load view;
 - :class:`~.quarantine.Quarantine`: requests that may have killed a replica, refused.
 - :class:`~.request_run.RequestRun`: one request from routing to its end (failover
   included), made by :meth:`FrontDoor.run`.
+
+Why the parts are handed out, not the front door: each user gets what it needs and no
+more -- a run its :class:`~.request_run.RunServices`, the intake the admission and the
+fleet's facts, /metrics a :class:`~.metrics.FleetCollector` -- so what a part can reach is
+read in its constructor. Each part keeps its own error counts; :attr:`FrontDoor.errors`
+sums them (with those of the request path and of the HTTP layer, added by
+:meth:`add_error_counts`) for /metrics and tests.
+
+On a request's path (see :mod:`.http_api`) the front door is one stop: :mod:`.intake`
+calls :meth:`FrontDoor.run` and goes on with the run it returns.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import Counter, deque
-from collections.abc import Sequence
+import dataclasses
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any
 
 from kvroute.events.replica_api import GenerateRequest, ReplicaInfo, SamplingParams
@@ -30,12 +42,10 @@ from .fleet import Fleet, FleetMismatchError
 from .metrics import FleetCollector, Metrics
 from .policy import Policy, RequestView, make_policy
 from .quarantine import Quarantine, fingerprint
-from .request_run import RequestRun
+from .request_run import RequestRun, RunServices
 from .tenants import Tenant
 
 __all__ = ["FleetMismatchError", "FrontDoor"]
-
-ADDED_LATENCY_WINDOW = 4096  # the latest requests whose added latency /metrics summarizes
 
 
 class FrontDoor:
@@ -55,30 +65,39 @@ class FrontDoor:
         admission_timeout_s: float = 2.0,
     ) -> None:
         """Admission's limits: see :class:`Admission`; the intervals: see :class:`Fleet`."""
-        self.counters: Counter[str] = Counter()
-        self.errors: Counter[str] = Counter()
-        self.fleet = Fleet(
-            replicas,
-            errors=self.errors,
-            monitor_interval_s=monitor_interval_s,
-            load_interval_s=load_interval_s,
+        self.counters: Counter[str] = Counter()  # requests, retries, failovers
+        self.run_errors: Counter[str] = Counter()  # the runs' own (no replica, invalid)
+        self.fleet = fleet = Fleet(
+            replicas, monitor_interval_s=monitor_interval_s, load_interval_s=load_interval_s
         )
         self.admission = Admission(
-            max_in_flight,
-            max_in_flight_per_tenant,
-            admission_queue,
-            admission_timeout_s,
-            self.errors,
+            max_in_flight, max_in_flight_per_tenant, admission_queue, admission_timeout_s
         )
-        fleet = self.fleet
-        self.policy: Policy = make_policy(
-            policy, index=fleet.index, block_size=fleet.hasher.block_size, load=fleet.load
+        self.quarantine = Quarantine()
+        self.metrics = Metrics()
+        self._error_counts: list[Counter[str]] = [
+            fleet.errors, self.admission.errors, self.quarantine.errors, self.run_errors
+        ]  # fmt: skip
+        self._services = RunServices(
+            replicas=fleet,
+            policy=make_policy(
+                policy, index=fleet.index, block_size=fleet.hasher.block_size, load=fleet.load
+            ),
+            quarantine=self.quarantine,
+            release=self.admission.release,
+            metrics=self.metrics,
+            counters=self.counters,
+            errors=self.run_errors,
         )
         fleet.on_removed.append(lambda rid: self.policy.on_replica_removed(rid))
-        self.quarantine = Quarantine(self.errors)
-        self.added_latency: deque[float] = deque(maxlen=ADDED_LATENCY_WINDOW)
-        self.metrics = Metrics()
-        self.fleet_collector = FleetCollector(self)
+        self.fleet_collector = FleetCollector(
+            fleet,
+            self.metrics,
+            self.counters,
+            errors=lambda: self.errors,
+            quarantined=self.quarantine.refused,
+            in_flight=lambda: self.admission.in_flight,
+        )
         self.metrics.registry.register(self.fleet_collector)
         if tokenizer is None:
             from transformers import AutoTokenizer
@@ -100,6 +119,30 @@ class FrontDoor:
 
     async def close(self) -> None:
         await self.fleet.close()
+
+    # -- parts ---------------------------------------------------------------------------------
+    @property
+    def policy(self) -> Policy:
+        return self._services.policy
+
+    @policy.setter
+    def policy(self, policy: Policy) -> None:
+        """Requests routed from now on use ``policy`` (runs under way keep theirs)."""
+        self._services = dataclasses.replace(self._services, policy=policy)
+
+    @property
+    def errors(self) -> Mapping[str, int]:
+        """Every part's error counts by kind, summed (a read-only snapshot): what /metrics
+        shows as ``kvroute:errors``. Each part counts in its own."""
+        total: Counter[str] = Counter()
+        for counts in self._error_counts:
+            total.update(counts)
+        return MappingProxyType(total)
+
+    def add_error_counts(self, counts: Counter[str]) -> None:
+        """Another part's error counts (the HTTP layer's), summed into :attr:`errors`."""
+        if all(c is not counts for c in self._error_counts):
+            self._error_counts.append(counts)
 
     # -- requests ----------------------------------------------------------------------------
     def run(
@@ -136,21 +179,8 @@ class FrontDoor:
             cache_salt=salt,
             tenant=tenant.tenant_id,
         )
-        return RequestRun(self, ticket, view, request, fp)
+        return RequestRun(self._services, ticket, view, request, fp)
 
     def route(self, view: RequestView, candidates: list[str], now: float) -> str:
-        """The policy's choice, counted in /metrics with its reason."""
-        decision = self.policy.route(view, candidates, now)
-        self.metrics.routing.labels(decision.replica, decision.reason).inc()
-        return decision.replica
-
-    def time_first_delta(self, router_ttft_s: float, replica_ttft_s: float) -> dict[str, float]:
-        """One streamed request's TTFT at the front door and at its replica; their
-        difference (what routing, the data plane and HTTP added) goes to /metrics."""
-        added = router_ttft_s - replica_ttft_s
-        self.added_latency.append(added)
-        self.metrics.added.observe(max(added, 0.0))
-        return {
-            "replica_ttft_s": round(replica_ttft_s, 6),
-            "router_ttft_s": round(router_ttft_s, 6),
-        }
+        """The policy's choice, counted in /metrics with its reason (as a run routes)."""
+        return self._services.route(view, candidates, now)

@@ -3,14 +3,32 @@
 Why the shape:
 - Chat templates are rendered and prompts tokenized here, router-side (docs/architecture.md,
   "The request path"): the router must hash exactly the tokens the engine will see. How a
-  body becomes a routed request is :mod:`.intake`; how its stream becomes a response,
-  :mod:`.responses`; what an error looks like, :mod:`.errors`. This module wires them: one
-  module-level handler per endpoint, the per-app state on ``app.state``.
+  body becomes a routed request is :mod:`.intake`; how its runs become a response,
+  :mod:`.responses`; what an error looks like, :mod:`.errors`. This module does what is
+  HTTP's -- the request id, authentication, reading the body under its cap and deadline --
+  and wires the rest: one module-level handler per endpoint, the per-app state on
+  ``app.state``, each part handed what it needs in :func:`create_app`.
 - Authentication is a dependency and the handlers read their body themselves, after it: a
   missing or bad key is a 401 whatever the body (FastAPI would parse a declared body first).
 - A request is routed and its first token awaited before the response starts, so errors
   before it get a real status (400, 500, 503) and the ``x-kvroute-replica`` header can name
   the replica; a failure after it ends the SSE stream with an ``error`` event, ``[DONE]``.
+
+The path of one completion request, each module crossed once, downwards:
+
+1. here, :class:`_DirectEndpoint`: the request id, the tenant (:func:`authenticate`);
+   :func:`_serve` hands :mod:`.intake` the tenant, the id and a reader of the body
+   (:func:`~.errors.read_body`: the size cap, the deadline);
+2. :mod:`.intake` (:meth:`~.intake.Intake.begin`): admit (:mod:`.admission`), read, parse,
+   check, tokenize, build the sampling; one run per choice from the front door
+   (:meth:`~.frontdoor.FrontDoor.run`), routed and sent (:mod:`.request_run`, which asks
+   the policy and the fleet); back here with the runs (:class:`~.intake.Admitted`);
+3. :mod:`.responses` (or :mod:`.choices` for several): the first delta awaited (a failure
+   before it a status, :func:`~.errors.status_of`), the echoed prompt put ahead
+   (:mod:`.echo`), the body or the SSE stream (:mod:`.sse`), the request's end recorded
+   (:mod:`.metrics`).
+
+An :class:`~.errors.APIError` raised anywhere on the way comes back here as its response.
 """
 
 from __future__ import annotations
@@ -20,6 +38,7 @@ import contextlib
 import gc
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from typing import Annotated, Any
@@ -43,35 +62,28 @@ from .errors import (
     internal_error_response,
     new_id,
     one_line,
+    read_body,
     request_id,
     validation_error,
 )
 from .fleet_view import fleet_view
 from .frontdoor import FrontDoor
-from .intake import BODY_TIMEOUT_S, MAX_BODY_BYTES, Intake
+from .intake import Intake
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import render_metrics
-from .openai_api import (
-    ChatChoice,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatDelta,
-    CompletionChoice,
-    CompletionRequest,
-    CompletionResponse,
-    ModelCard,
-    ModelList,
-)
-from .request_run import RequestRun
-from .responses import REPLICA_HEADER, Logprobs, respond
+from .openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from .responses import REPLICA_HEADER, ResponseContext, respond
 from .send_deadline import SEND_TIMEOUT_S, ClientTooSlowError, SendDeadlineMiddleware
-from .sse import RAW_SEND, ChunkEncoder
+from .sse import RAW_SEND
 from .tenants import AuthError, Tenant, Tenants
 from .tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 
 __all__ = ["BODY_TIMEOUT_S", "MAX_BODY_BYTES", "REPLICA_HEADER", "create_app", "render_metrics"]
 
 log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 4 << 20  # default cap on a request body, checked before it is parsed
+BODY_TIMEOUT_S = 30.0  # default time for a body to arrive whole (a 408 past it)
 
 
 async def _authenticate(request: Request) -> Tenant:
@@ -89,7 +101,7 @@ def authenticate(scope: Scope, state: Any) -> Tenant:
     try:
         tenant: Tenant = state.tenants.authenticate(header(scope, b"authorization"))
     except AuthError as exc:
-        state.door.errors["auth"] += 1
+        state.errors["auth"] += 1
         raise APIError(401, str(exc), "invalid_request_error", code="invalid_api_key") from None
     scope.setdefault("state", {})["tenant"] = tenant.tenant_id
     return tenant
@@ -98,12 +110,8 @@ def authenticate(scope: Scope, state: Any) -> Tenant:
 TenantDep = Annotated[Tenant, Depends(_authenticate)]
 
 
-def _intake(request: Request) -> Intake:
-    return request.app.state.intake  # type: ignore[no-any-return]
-
-
 async def health(request: Request) -> JSONResponse:
-    alive = request.app.state.door.fleet.alive()
+    alive = request.app.state.fleet.alive()
     status = 200 if alive else 503
     return JSONResponse({"status": "ok" if alive else "no replica", "replicas": alive}, status)
 
@@ -123,34 +131,27 @@ async def fleet(request: Request) -> JSONResponse:
     try:
         admin = state.tenants.is_admin(request.headers.get("authorization"))
     except AuthError as exc:
-        state.door.errors["auth"] += 1
+        state.errors["auth"] += 1
         raise APIError(401, str(exc), "invalid_request_error", code="invalid_api_key") from None
     if not admin:
         raise APIError(403, "/fleet needs an admin key", "permission_error", code="not_admin")
-    door: FrontDoor = state.door
-    events = door.fleet.subscriber.stats()
-    return JSONResponse(fleet_view(door, events))
+    return JSONResponse(state.fleet_view())
 
 
 async def models(request: Request, _: TenantDep) -> ModelList:
-    intake = _intake(request)
-    fleet = intake.door.fleet
-    vocab = min(
-        (r.info.vocab_size for r in fleet.replicas.values() if r.info.vocab_size), default=None
-    )
+    state = request.app.state
+    fleet = state.fleet
     card = ModelCard(
-        id=intake.model_name,
+        id=state.intake.model_name,
         root=fleet.model_path,
         max_model_len=fleet.max_model_len,
-        vocab_size=vocab,
+        vocab_size=fleet.vocab_size(),
     )
     return ModelList(data=[card])
 
 
 async def metrics(request: Request) -> Response:
-    door: FrontDoor = request.app.state.door
-    events = door.fleet.subscriber.stats()  # on this loop, where the subscriber runs
-    return Response(render_metrics(door, events), media_type=METRICS_CONTENT_TYPE)
+    return Response(request.app.state.metrics_text(), media_type=METRICS_CONTENT_TYPE)
 
 
 async def completions(request: Request, tenant: TenantDep) -> Response:
@@ -162,108 +163,31 @@ async def chat_completions(request: Request, tenant: TenantDep) -> Response:
 
 
 async def _serve(request: Request, tenant: Tenant, model: type[Any]) -> Response:
-    """Both completion endpoints: the request's runs (one per choice) are sent by
-    ``begin``; until the response owns them (``respond``), any failure here closes them."""
+    """Both completion endpoints (the path in the module's docstring): the request's runs
+    (one per choice) are sent by intake; until the response owns them, any failure here
+    closes them."""
     arrival = time.perf_counter()
-    intake = _intake(request)
-    body, runs = await intake.begin(request, tenant, model)
+    state = request.app.state
+    rid = request_id(request)
+    intake: Intake = state.intake
+    # Read by intake once admitted: a refused request is never read.
+    read = partial(read_body, request, state.max_body_bytes, state.body_timeout_s)
+    admitted = await intake.begin(tenant, model, read, rid)
+    body, runs = admitted.body, admitted.runs
     try:
-        chat = body.chat
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{new_id()}"
-        n = body.num_logprobs()
-
-        def ready(run: RequestRun) -> Awaitable[None]:
-            return intake.await_first_delta(request, run)
-
-        if not chat and body.echo:
-            ready = _echo(intake, body, runs).first(ready)
+        echo = None
+        if admitted.prompts is not None and body.echo:
+            decode = intake.tokenizer.decode
+            n = body.n or 1
+            echo = Echo.of(admitted.prompts, runs, n, decode, alone=body.max_tokens == 0)
+        ctx: ResponseContext = state.responses
         if len(runs) > 1:
-            each = None  # each choice's logprobs shaped afresh: its ``text_offset`` from 0
-            if n is not None:
-                each = partial(_shape_once, intake.door.tokenizer, n, chat, {})
-            return await respond_choices(
-                intake.door,
-                request,
-                runs,
-                body.n or 1,
-                ready,
-                _chat_choice if chat else _completion_choice,
-                partial(_chat_response if chat else _completion_response, rid, body.model),
-                logprobs=each,
-                arrival=arrival,
-            )
-        run = runs[0]
-        shape = None  # one shaper for the whole stream: ``text_offset`` runs on
-        if n is not None:
-            shapes = Logprobs(intake.door.tokenizer, n)
-            shape = shapes.chat if chat else shapes.completion
-        encoder = ChunkEncoder(chat, rid, int(time.time()), body.model)
-        final = partial(_chat_body if chat else _completion_body, rid, body.model)
-        return await respond(
-            intake.door,
-            request,
-            body,
-            run,
-            encoder,
-            final,
-            ready=lambda: ready(run),
-            role_first=chat,
-            logprobs=shape,
-            arrival=arrival,
-        )
+            return await respond_choices(ctx, request, rid, body, runs, arrival, echo)
+        return await respond(ctx, request, rid, body, runs[0], arrival, echo)
     except BaseException:
         for run in runs:
             run.close()
         raise
-
-
-def _shape_once(
-    tokenizer: Any, n: int, chat: bool, names: dict[int, str], ids: list[int], entries: Any
-) -> Any:
-    shapes = Logprobs(tokenizer, n, names)
-    return shapes.chat(ids, entries) if chat else shapes.completion(ids, entries)
-
-
-def _echo(intake: Intake, body: Any, runs: list[RequestRun]) -> Echo:
-    """The prompts to echo, run by run (``n`` runs per prompt, prompt by prompt): each as
-    sent, or its token ids decoded."""
-    n = body.n or 1
-    prompts = intake.prompts(body)
-    decode = intake.door.tokenizer.decode
-    texts = []
-    for i, run in enumerate(runs):
-        prompt = prompts[i // n]
-        texts.append(prompt if isinstance(prompt, str) else decode(run.request.prompt_token_ids))
-    return Echo(texts, runs, alone=body.max_tokens == 0)
-
-
-def _completion_choice(index: int, text: str, finish: str | None, logprobs: Any) -> Any:
-    return CompletionChoice(index=index, text=text, finish_reason=finish, logprobs=logprobs)
-
-
-def _chat_choice(index: int, text: str, finish: str | None, logprobs: Any) -> Any:
-    msg = ChatDelta(role="assistant", content=text)
-    return ChatChoice(index=index, message=msg, finish_reason=finish, logprobs=logprobs)
-
-
-def _completion_response(rid: str, model: str, choices: list[Any], usage: Any) -> dict[str, Any]:
-    return CompletionResponse(id=rid, model=model, choices=choices, usage=usage).model_dump()
-
-
-def _chat_response(rid: str, model: str, choices: list[Any], usage: Any) -> dict[str, Any]:
-    return ChatCompletionResponse(id=rid, model=model, choices=choices, usage=usage).model_dump()
-
-
-def _completion_body(
-    rid: str, model: str, text: str, finish: str | None, usage: Any, logprobs: Any
-) -> dict[str, Any]:
-    return _completion_response(rid, model, [_completion_choice(0, text, finish, logprobs)], usage)
-
-
-def _chat_body(
-    rid: str, model: str, text: str, finish: str | None, usage: Any, logprobs: Any
-) -> dict[str, Any]:
-    return _chat_response(rid, model, [_chat_choice(0, text, finish, logprobs)], usage)
 
 
 async def _on_validation_error(request: Request, exc: Exception) -> Response:
@@ -352,7 +276,7 @@ class _DirectEndpoint:
             except TimeoutError:
                 raise ClientTooSlowError from None
 
-        door = self.state.door
+        errors = self.state.errors
         try:
             request = Request(scope, receive)
             try:
@@ -364,10 +288,10 @@ class _DirectEndpoint:
                 await api_error_response(request, exc)(scope, receive, send_with_id)
         except ClientTooSlowError:
             log.warning("request %s: the client took nothing for %g s; dropped", rid, timeout)
-            door.errors["slow_client"] += 1
+            errors["slow_client"] += 1
         except Exception:
             log.exception("request %s failed (%s %s)", rid, scope.get("method"), scope.get("path"))
-            door.errors["internal"] += 1
+            errors["internal"] += 1
             if started:  # the status is out: the body simply ends
                 return
 
@@ -406,7 +330,13 @@ def create_app(
     ``send_timeout_s``: a client that takes no piece of its response for this long is
     dropped (:mod:`.send_deadline`); ``public``: the server listens beyond loopback (a
     server without keys then keeps ``/fleet`` to itself)."""
-    intake = Intake(door, served_model or door.fleet.model, max_body_bytes, body_timeout_s)
+    # (Not ``fleet`` and ``metrics``: the handlers of those names are registered below.)
+    replicas, series = door.fleet, door.metrics
+    intake = Intake(
+        door.admission, replicas, door.tokenizer, door.run, served_model or replicas.model
+    )
+    errors: Counter[str] = Counter()  # the HTTP layer's own (auth, slow clients, ...)
+    door.add_error_counts(errors)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -419,24 +349,36 @@ def create_app(
             intake.close()
 
     app = _App(title="kvroute", docs_url=None, redoc_url=None, lifespan=lifespan)
-    app.state.door, app.state.tenants, app.state.intake = door, tenants, intake
-    app.state.send_timeout_s = send_timeout_s  # streams keep their own deadline (sse.py)
+    app.state.tenants, app.state.intake, app.state.fleet = tenants, intake, replicas
+    app.state.errors = errors
+    # Streams keep their own send deadline (sse.py).
+    app.state.responses = ResponseContext(door.tokenizer, series, errors, send_timeout_s)
+    app.state.max_body_bytes, app.state.body_timeout_s = max_body_bytes, body_timeout_s
     app.state.public = public
+
+    def fleet_json() -> dict[str, Any]:  # /fleet
+        stats = replicas.subscriber.stats()
+        return fleet_view(replicas, door.policy.name, door.admission, stats)
+
+    def metrics_text() -> bytes:  # /metrics; the subscriber's stats read on this loop
+        return render_metrics(series, door.fleet_collector, replicas.subscriber.stats())
+
+    app.state.fleet_view, app.state.metrics_text = fleet_json, metrics_text
 
     def count_response(scope: Any, status: int) -> None:
         if str(scope.get("path", "")).startswith("/v1/"):
-            tenant = door.metrics.tenant(scope.get("state", {}).get("tenant"))
-            door.metrics.http.labels(tenant, str(status)).inc()
+            tenant = series.tenant(scope.get("state", {}).get("tenant"))
+            series.http.labels(tenant, str(status)).inc()
 
     def with_middleware(inner: ASGIApp) -> ASGIApp:
         """kvroute's middleware around ``inner`` (the send deadline inside the request id's: a
         dropped client is no internal error); the same on both paths (FastAPI's, direct)."""
         deadline = SendDeadlineMiddleware(
-            inner, send_timeout_s, on_drop=lambda: door.errors.update(["slow_client"])
+            inner, send_timeout_s, on_drop=lambda: errors.update(["slow_client"])
         )
         return RequestIdMiddleware(
             deadline,
-            on_internal_error=lambda: door.errors.update(["internal"]),
+            on_internal_error=lambda: errors.update(["internal"]),
             on_response=count_response,
         )
 

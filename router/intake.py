@@ -1,112 +1,151 @@
-"""From an HTTP request to a started :class:`RequestRun`: admit, read, validate, tokenize,
-bound, route.
+"""From a request's body to its started runs: admit, parse, validate, tokenize, bound,
+route -- with no HTTP in sight.
 
 Why a class of its own: every step here is an edge check that must happen in order and
 before any replica is touched -- admission before the body is even read (a refused
-request costs a header lookup), the body cap before parsing, the model and unsupported
-parameters before tokenizing, a cheap length bound before the tokenizer, the shared bounds
-before routing -- and the heavy steps (parsing big bodies, chat templates, tokenization)
-run on a worker thread, so one large request never stalls the event loop that serves
-/health and every other tenant.
+request costs a header lookup), the model and unsupported parameters before tokenizing, a
+cheap length bound before the tokenizer, the shared bounds before routing -- and the
+heavy steps (parsing big bodies, chat templates, tokenization) run on a worker thread, so
+one large request never stalls the event loop that serves /health and every other tenant.
+
+Why no FastAPI ``Request``: what HTTP adds (the body read under its size cap and deadline,
+the request id from the scope) is :mod:`.http_api`'s. :meth:`Intake.begin` takes the body
+(bytes, or a coroutine that reads them once the request is admitted), the tenant and the
+request id, so a request can go through intake -- in a test, a benchmark, another server
+-- without an HTTP server. Its parts are handed in: admission, the fleet's facts
+(:class:`Served`), the tokenizer, and the front door's :meth:`~.frontdoor.FrontDoor.run`.
+
+The request path (one request, one direction; see :mod:`.http_api` for the whole):
+:meth:`Intake.begin` admits (:mod:`.admission`), reads the body, decodes it
+(:mod:`.openai_wire`, pydantic's :mod:`.openai_api` for the error), checks it, tokenizes,
+builds the sampling (:mod:`.response_format` for a constraint), and launches one run per
+choice through the front door (:mod:`.frontdoor` -> :mod:`.request_run`), which routes and
+sends it. It returns :class:`Admitted`; waiting for the first delta is :mod:`.responses`'.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 import pydantic
-from fastapi import Request
 
 from kvroute.events.replica_api import (
     SEED_MIN,
     TOKEN_ID_MAX,
     BoundsError,
-    InvalidRequestError,
     SamplingParams,
     StructuredOutputs,
     check_prompt_token_ids,
 )
 
-from .admission import OverloadedError, Ticket
-from .errors import APIError, one_line, read_body, request_id, validation_error
-from .frontdoor import FrontDoor
+from .admission import Admission, OverloadedError, Ticket
+from .errors import APIError, one_line, status_of
 from .openai_api import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
-from .openai_wire import DECODERS, ChatBody, CompletionBody
-from .policy import NoReplicaError
+from .openai_wire import ChatBody, CompletionBody, decode_body
 from .quarantine import QueryOfDeathError
-from .request_run import REPLICA_FAILURES, RequestRun
+from .request_run import RequestRun
 from .response_format import structured_outputs
-from .responses import FAILED, request_failed
 from .tenants import Tenant
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 4 << 20  # default cap on a request body, checked before it is parsed
-BODY_TIMEOUT_S = 30.0  # default time for a body to arrive whole (a 408 past it)
 # A token covers at most this many characters in the cheap bound applied before tokenizing
 # (the tokenizer's longest vocabulary entry, when it can be read, replaces it).
 DEFAULT_CHARS_PER_TOKEN = 32
 OFF_LOOP_BODY_BYTES = 64 << 10  # bodies past this are parsed on the worker thread
 M = TypeVar("M", bound=pydantic.BaseModel)
 Body = CompletionRequest | ChatCompletionRequest | CompletionBody | ChatBody
+ReadBody = Callable[[], Awaitable[bytes]]  # the body, read once the request is admitted
+
+
+class Served(Protocol):
+    """What intake needs to know of the fleet (:class:`~.fleet.Fleet` is one)."""
+
+    model: str
+    max_model_len: int
+
+    def vocab_size(self) -> int | None: ...
+
+
+class StartRun(Protocol):
+    """The front door's :meth:`~.frontdoor.FrontDoor.run`: a routed request, not yet sent."""
+
+    def __call__(
+        self,
+        ticket: Ticket,
+        tenant: Tenant,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        request_salt: str | None = None,
+        request_id: str | None = None,
+    ) -> RequestRun: ...
+
+
+@dataclass(slots=True)
+class Admitted:
+    """A request through intake: its body, one run per choice (each sent, no first delta
+    in yet: :mod:`.responses` waits for it), and the prompts as the body gave them (one
+    per ``n`` runs; None for a chat)."""
+
+    body: Body
+    runs: list[RequestRun]
+    prompts: list[Any] | None
 
 
 class Intake:
-    """One per app: the front door, the served model's name and the worker thread."""
+    """One per app: admission, the fleet's facts, the tokenizer and its worker thread."""
 
     def __init__(
         self,
-        door: FrontDoor,
+        admission: Admission,
+        served: Served,
+        tokenizer: Any,
+        start_run: StartRun,
         model_name: str,
-        max_body_bytes: int,
-        body_timeout_s: float | None = BODY_TIMEOUT_S,
     ) -> None:
-        self.door = door
+        """``model_name``: what clients call the served model (the fleet's own name is
+        accepted too)."""
+        self.admission = admission
+        self.served = served
+        self.tokenizer = tokenizer
+        self.start_run = start_run
         self.model_name = model_name
-        self.max_body_bytes = max_body_bytes
-        self.body_timeout_s = body_timeout_s
         # One thread: a tokenizer is not safe to share between threads.
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="kvroute-tokenize")
-        self.chars_per_token = _chars_per_token(door.tokenizer)
-        self.encode = fast_encoder(door.tokenizer)
+        self.chars_per_token = _chars_per_token(tokenizer)
+        self.encode = fast_encoder(tokenizer)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
+    @property
+    def max_model_len(self) -> int:
+        return self.served.max_model_len
+
     async def off_loop(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
 
-    async def parse(self, request: Request, model: type[M]) -> Any:
-        """The body as ``model`` (or its msgspec twin, which behaves the same): read under
-        the size cap, validated strictly, checked."""
-        raw = await read_body(request, self.max_body_bytes, self.body_timeout_s)
-        fast = DECODERS[model]
-
-        def decode() -> Any:  # ``model``, or its twin (which behaves the same)
-            try:
-                raw.decode()  # msgspec skips unknown fields unread: UTF-8 checked whole here
-                return fast(raw)  # the msgspec twin (openai_wire says why)
-            except (ValueError, RecursionError):  # msgspec's errors, bad UTF-8, deep nesting
-                return model.model_validate_json(raw)  # accepts, or says why not
-
-        try:
-            body = await self.off_loop(decode) if len(raw) > OFF_LOOP_BODY_BYTES else decode()
-        except pydantic.ValidationError as exc:
-            raise validation_error(list(exc.errors(include_url=False))) from None
-        self._check(body)  # type: ignore[arg-type]
+    async def parse(self, raw: bytes, model: type[M]) -> Any:
+        """The body as ``model`` (:func:`~.openai_wire.decode_body`; a large one on the
+        worker thread), checked."""
+        if len(raw) > OFF_LOOP_BODY_BYTES:
+            body = await self.off_loop(lambda: decode_body(raw, model))
+        else:
+            body = decode_body(raw, model)
+        self._check(body)
         return body
 
     def check_model(self, body: Any) -> None:
         """``body.model`` is the one served (set to it when the body names none)."""
         if body.model is None:
             body.model = self.model_name
-        elif body.model not in (self.model_name, self.door.fleet.model):
+        elif body.model not in (self.model_name, self.served.model):
             # 400 (vLLM answers 404): the body names what is served.
             raise APIError(
                 400,
@@ -166,31 +205,22 @@ class Intake:
 
     def check_length(self, chars: int) -> None:
         """A cheap bound before tokenizing: so many characters cannot fit the context."""
-        if chars > self.door.fleet.max_model_len * self.chars_per_token:
+        if chars > self.served.max_model_len * self.chars_per_token:
             raise APIError(
                 400,
                 f"The prompt is longer than this model's context of "
-                f"{self.door.fleet.max_model_len} tokens can hold.",
+                f"{self.served.max_model_len} tokens can hold.",
                 "invalid_request_error",
                 "prompt",
                 "context_length_exceeded",
             )
-
-    def vocab(self) -> int | None:
-        """The fleet's smallest vocabulary (None: no replica says)."""
-        vocab = None
-        for r in self.door.fleet.replicas.values():
-            v = r.info.vocab_size
-            if v and (vocab is None or v < vocab):
-                vocab = v
-        return vocab
 
     def _logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
         """OpenAI's ``logit_bias`` (token ids as strings) as the engine's, every id checked
         against the vocabulary here: an id past it would fail the request on its replica."""
         if not bias:
             return None
-        vocab = self.vocab()
+        vocab = self.served.vocab_size()
         out: dict[int, float] = {}
         for key, value in bias.items():
             if not (key.isascii() and key.isdigit()) or (vocab is not None and int(key) >= vocab):
@@ -209,7 +239,7 @@ class Intake:
         ``ids`` came through the body's schema (a non-empty list of plain ints in ``[0,
         TOKEN_ID_MAX]``), so one ``max`` in C settles the usual case; anything else, or an
         id past the vocabulary, takes the full check, which names the culprit."""
-        vocab = self.vocab()
+        vocab = self.served.vocab_size()
         if validated and ids and max(ids) < (TOKEN_ID_MAX + 1 if vocab is None else vocab):
             return
         try:
@@ -237,10 +267,11 @@ class Intake:
             return list(prompt)
         return [prompt]
 
-    async def chat_ids(self, request: Request, body: ChatCompletionRequest | ChatBody) -> list[int]:
+    async def chat_ids(self, body: ChatCompletionRequest | ChatBody, rid: str) -> list[int]:
+        """The chat's messages through the model's template, tokenized off the loop."""
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         self.check_length(sum(len(m["content"]) for m in messages))
-        tokenizer = self.door.tokenizer
+        tokenizer = self.tokenizer
 
         def render() -> list[int]:
             text = tokenizer.apply_chat_template(
@@ -251,7 +282,7 @@ class Intake:
         try:
             ids: list[int] = await self.off_loop(render)
         except Exception as exc:  # no template, or the template rejects the roles
-            log.warning("request %s: chat template failed", request_id(request), exc_info=True)
+            log.warning("request %s: chat template failed", rid, exc_info=True)
             raise APIError(
                 400, f"cannot render chat: {one_line(str(exc))}", "invalid_request_error"
             ) from None
@@ -263,7 +294,7 @@ class Intake:
     ) -> SamplingParams:
         """The request's sampling as the engine will check it (the shared bounds);
         ``structured``: its output constraint (:func:`.response_format.structured_outputs`)."""
-        max_len = self.door.fleet.max_model_len
+        max_len = self.served.max_model_len
         room = max_len - n_prompt
         max_tokens = body.max_tokens
         prompt_logprobs = None
@@ -308,29 +339,29 @@ class Intake:
             raise APIError(400, str(exc), "invalid_request_error", exc.param) from None
 
     async def begin(
-        self, request: Request, tenant: Tenant, model: type[Body]
-    ) -> tuple[Body, list[RequestRun]]:
-        """Admits, reads and tokenizes the request, then routes and sends one run per
-        choice (``n`` per prompt, prompt by prompt); every failure a status. Each run holds
-        one admission ticket, taken before it is launched; on any failure the tickets no
-        run holds are given back and the runs already sent are closed. No run's first delta
-        is in yet: :meth:`first` waits for it (the caller gets its response ready
-        meanwhile)."""
+        self, tenant: Tenant, model: type[Body], body: bytes | ReadBody, rid: str
+    ) -> Admitted:
+        """Admits the request, then reads (``body``), parses and tokenizes it, then routes
+        and sends one run per choice (``n`` per prompt, prompt by prompt); every failure an
+        :class:`APIError`. ``rid``: the request's id (its runs' ids, its log lines). Each run
+        holds one admission ticket, taken before it is launched; on any failure the tickets
+        no run holds are given back and the runs already sent are closed."""
         tickets = [await self.admit(tenant)]
         runs: list[RequestRun] = []
         try:
-            body = await self.parse(request, model)
-            prompts = None if body.chat else self.prompts(body)  # type: ignore[arg-type]
-            self._check_choices(body, 1 if prompts is None else len(prompts), tenant)
+            raw = body if isinstance(body, bytes) else await body()
+            parsed = await self.parse(raw, model)
+            prompts = None if parsed.chat else self.prompts(parsed)
+            self._check_choices(parsed, 1 if prompts is None else len(prompts), tenant)
             if prompts is None:
-                all_ids = [await self.chat_ids(request, body)]  # type: ignore[arg-type]
+                all_ids = [await self.chat_ids(parsed, rid)]
             else:
                 all_ids = [await self.prompt_ids(p) for p in prompts]
-            n = body.n or 1
+            n = parsed.n or 1
             many = len(all_ids) * n > 1
-            structured = structured_outputs(body)
+            structured = structured_outputs(parsed)
             for ids in all_ids:
-                spec = self.sampling(body, len(ids), structured)
+                spec = self.sampling(parsed, len(ids), structured)
                 for sample in range(n):
                     if len(tickets) <= len(runs):
                         tickets.append(await self.admit(tenant))
@@ -341,15 +372,15 @@ class Intake:
                         choice_spec = msgspec.structs.replace(spec, seed=seed)
                     else:
                         choice_spec = spec
-                    index = len(runs) if many else None
+                    choice_id = f"{rid}-{len(runs)}" if many else rid
                     runs.append(
-                        self.launch(request, tenant, tickets[len(runs)], ids, body.cache_salt,
-                                    choice_spec, index)
+                        self.launch(tenant, tickets[len(runs)], ids, parsed.cache_salt,
+                                    choice_spec, choice_id)
                     )  # fmt: skip
-            return body, runs
+            return Admitted(parsed, runs, prompts)
         except BaseException:
             for ticket in tickets[len(runs) :]:
-                self.door.admission.release(ticket)
+                self.admission.release(ticket)
             for run in runs:
                 run.close()
             raise
@@ -377,7 +408,7 @@ class Intake:
                 "invalid_request_error",
                 param,
             )
-        cap = self.door.admission.concurrency_cap(tenant) if num_prompts * n > 1 else None
+        cap = self.admission.concurrency_cap(tenant) if num_prompts * n > 1 else None
         if cap is not None and num_prompts * n > cap:
             raise APIError(
                 400,
@@ -390,7 +421,7 @@ class Intake:
     async def admit(self, tenant: Tenant) -> Ticket:
         """The tenant's and the router's budgets: a ticket, or a 429 with Retry-After."""
         try:
-            return await self.door.admission.admit(tenant)
+            return await self.admission.admit(tenant)
         except OverloadedError as exc:
             raise APIError(
                 429, str(exc), "rate_limit_exceeded", code="rate_limit_exceeded",
@@ -399,23 +430,17 @@ class Intake:
 
     def launch(
         self,
-        request: Request,
         tenant: Tenant,
         ticket: Ticket,
         ids: list[int],
         salt: str | None,
         spec: SamplingParams,
-        index: int | None = None,
+        rid: str,
     ) -> RequestRun:
-        """Routes one choice and sends it; every failure a status. ``index``: the choice's
-        place among several (its request id takes it as a suffix)."""
-        rid = request_id(request)
-        if index is not None:
-            rid = f"{rid}-{index}"
-        door = self.door
-        door.admission.charge(ticket, len(ids))
+        """Routes one choice (request id ``rid``) and sends it; every failure a status."""
+        self.admission.charge(ticket, len(ids))
         try:
-            run = door.run(ticket, tenant, ids, spec, salt, request_id=rid)
+            run = self.start_run(ticket, tenant, ids, spec, salt, request_id=rid)
         except QueryOfDeathError as exc:
             raise APIError(
                 400, str(exc), "invalid_request_error", code="request_quarantined"
@@ -424,43 +449,8 @@ class Intake:
             run.submit()
         except BaseException as exc:
             run.close()
-            raise _as_status(rid, exc) from None
+            raise status_of(rid, exc) from None
         return run
-
-    async def await_first_delta(self, request: Request, run: RequestRun) -> None:
-        """Waits for the run's first delta, so that everything that can go wrong before it
-        (a bad request, a dead replica) is settled while an HTTP status can still say so;
-        every failure a status, the run closed."""
-        rid = request_id(request)
-        try:
-            first = await run.first_delta()
-            if first.finish_reason == "error":  # failed before its first token: a status
-                raise request_failed(rid, first)
-        except BaseException as exc:
-            run.close()
-            raise _as_status(rid, exc) from None
-
-
-# A replica's refusal that names the request field at fault, as ``field: why``
-_NAMED = re.compile(r"(?:request rejected: )?(structured_outputs|prompt_logprobs|prompt):")
-
-
-def _as_status(rid: str, exc: BaseException) -> BaseException:
-    """A failure before the first token as the status that says it (others unchanged)."""
-    if isinstance(exc, InvalidRequestError):
-        message = one_line(str(exc))
-        named = _NAMED.match(message)  # the replica's "field: why", e.g. a bad constraint
-        return APIError(400, message, "invalid_request_error", named and named.group(1))
-    if isinstance(exc, NoReplicaError):
-        return APIError(503, str(exc), "service_unavailable", headers={"retry-after": "1"})
-    if isinstance(exc, REPLICA_FAILURES):
-        log.warning("request %s: replica failed: %s", rid, one_line(str(exc)))
-        suspect = getattr(exc, "suspect", False)
-        msg = FAILED + (
-            "; it was not retried elsewhere, as it may have caused the failure" if suspect else ""
-        )
-        return APIError(503, msg, "service_unavailable", code="replica_failed")
-    return exc
 
 
 def fast_encoder(tokenizer: Any) -> Callable[[str], list[int]]:

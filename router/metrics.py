@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Mapping
 from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
@@ -39,12 +40,13 @@ from prometheus_client.utils import floatToGoString
 if TYPE_CHECKING:
     from kvroute.events.transport import ReplicaStats
 
-    from .frontdoor import FrontDoor
+    from .fleet import Fleet
 
 PREFIX = "kvroute:"
 MAX_TENANT_LABELS = 100
 OTHER_TENANT = "other"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+ADDED_LATENCY_WINDOW = 4096  # the latest requests whose added latency /metrics summarizes
 
 # vLLM's buckets for the same histograms (vllm/v1/metrics/loggers.py), cut at 160 s.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -187,6 +189,8 @@ class Metrics(Collector):
                                "replica holds the longest cached prefix), load (another "
                                "held more, but this one was cheaper), spread (none held "
                                "any: load alone decided).", ["replica", "reason"])  # fmt: skip
+        # The latest streamed requests' added latency, for the recent quantiles' gauge.
+        self.added_recent: deque[float] = deque(maxlen=ADDED_LATENCY_WINDOW)
         self.registry.register(self)
 
     def collect(self) -> Iterator[Metric]:
@@ -202,6 +206,17 @@ class Metrics(Collector):
             self._tenants.add(tid)
             return tid
         return OTHER_TENANT
+
+    def time_first_delta(self, router_ttft_s: float, replica_ttft_s: float) -> dict[str, float]:
+        """One streamed request's TTFT at the front door and at its replica; their
+        difference (what routing, the data plane and HTTP added) is recorded."""
+        added = router_ttft_s - replica_ttft_s
+        self.added_recent.append(added)
+        self.added.observe(max(added, 0.0))
+        return {
+            "replica_ttft_s": round(replica_ttft_s, 6),
+            "router_ttft_s": round(router_ttft_s, 6),
+        }
 
     def finished(
         self,
@@ -227,15 +242,33 @@ class Metrics(Collector):
 
 
 class FleetCollector(Collector):
-    """Series read from the front door when scraped: nothing to keep in step."""
+    """Series read from the front door's parts when scraped: nothing to keep in step.
 
-    def __init__(self, door: FrontDoor) -> None:
-        self.door = door
+    Why callables for some: the counts they read (every part's errors summed, the
+    quarantine's refusals, admission's in-flight count) are computed when scraped, from
+    parts this module need not know."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        metrics: Metrics,
+        counters: Counter[str],
+        errors: Callable[[], Mapping[str, int]],
+        quarantined: Callable[[], int],
+        in_flight: Callable[[], int],
+    ) -> None:
+        """``counters``: requests, retries, failovers; ``errors``: error counts by kind."""
+        self.fleet = fleet
+        self.metrics = metrics
+        self.counters = counters
+        self.errors = errors
+        self.quarantined = quarantined
+        self.in_flight = in_flight
         self.events: dict[str, ReplicaStats] = {}  # set before each scrape (another thread's)
 
     def collect(self) -> Iterator[Metric]:
-        door, c = self.door, self.door.counters
-        reps = sorted(door.fleet.replicas.items())
+        fleet, c = self.fleet, self.counters
+        reps = sorted(fleet.replicas.items())
 
         def gauge(name: str, doc: str, samples: list[tuple[str, float]]) -> Metric:
             g = GaugeMetricFamily(PREFIX + name, doc, labels=["replica"])
@@ -253,16 +286,16 @@ class FleetCollector(Collector):
         yield count("failovers", "Streams continued on another replica mid-stream.",
                     c["failovers"])  # fmt: skip
         errors = CounterMetricFamily(PREFIX + "errors", "Errors by kind.", labels=["kind"])
-        for kind, n in sorted(door.errors.items()):
+        for kind, n in sorted(self.errors().items()):
             errors.add_metric([kind], n)
         yield errors
         yield GaugeMetricFamily(PREFIX + "quarantined_requests",
                                 "Request fingerprints refused as possible queries of death.",
-                                value=door.quarantine.refused())  # fmt: skip
+                                value=self.quarantined())  # fmt: skip
         yield GaugeMetricFamily(PREFIX + "num_requests_in_flight",
                                 "Requests this front door has admitted and not finished.",
-                                value=door.admission.in_flight)  # fmt: skip
-        added = sorted(door.added_latency)
+                                value=self.in_flight())  # fmt: skip
+        added = sorted(self.metrics.added_recent)
         recent = GaugeMetricFamily(PREFIX + "router_added_latency_recent_seconds",
                                    f"Quantiles of the added latency over the latest "
                                    f"{len(added)} streamed requests.",
@@ -279,11 +312,11 @@ class FleetCollector(Collector):
             routed.add_metric([r], x.routed)
         yield routed
         yield gauge("index_blocks", "Blocks the prefix index holds per replica.",
-                    [(r, float(door.fleet.index.num_blocks(r))) for r, _ in reps])  # fmt: skip
+                    [(r, float(fleet.index.num_blocks(r))) for r, _ in reps])  # fmt: skip
         yield gauge("replica_num_requests_in_flight", "This front door's requests in flight "
                     "per replica.",
-                    [(r, float(door.fleet.load.in_flight_at(r))) for r, _ in reps])  # fmt: skip
-        reports = [(r, rep) for r, _ in reps if (rep := door.fleet.load.last_report(r)) is not None]
+                    [(r, float(fleet.load.in_flight_at(r))) for r, _ in reps])  # fmt: skip
+        reports = [(r, rep) for r, _ in reps if (rep := fleet.load.last_report(r)) is not None]
         yield gauge("kv_cache_blocks_total", "KV cache blocks per replica.",
                     [(r, float(x.info.num_blocks)) for r, x in reps])  # fmt: skip
         yield gauge("kv_cache_blocks_free", "Free KV blocks per replica (cached blocks no "
@@ -302,14 +335,14 @@ class FleetCollector(Collector):
         yield from self._event_streams()
 
     def _event_streams(self) -> Iterator[Metric]:
-        door, live, retired = self.door, self.events, self.door.fleet.retired_event_stats
+        fleet, live, retired = self.fleet, self.events, self.fleet.retired_event_stats
         names = sorted(set(live) | set(retired))
 
         def total(rid: str, field: str) -> float:
             st = live.get(rid)
             extra = 0
-            if field == "restarts" and rid in door.fleet.replicas:
-                extra = door.fleet.replicas[rid].restarts
+            if field == "restarts" and rid in fleet.replicas:
+                extra = fleet.replicas[rid].restarts
             return (getattr(st, field) if st else 0) + retired.get(rid, {}).get(field, 0) + extra
 
         for field, doc in (
@@ -330,7 +363,10 @@ class FleetCollector(Collector):
         yield lag
 
 
-def render_metrics(door: FrontDoor, events: dict[str, ReplicaStats] | None = None) -> bytes:
-    """The exposition text (``events``: the subscriber's stats, taken off the loop)."""
-    door.fleet_collector.events = events or {}
-    return generate_latest(door.metrics.registry)
+def render_metrics(
+    metrics: Metrics, fleet: FleetCollector, events: dict[str, ReplicaStats] | None = None
+) -> bytes:
+    """The exposition text of ``metrics``' registry, ``fleet`` registered in it
+    (``events``: the subscriber's stats, taken on the loop)."""
+    fleet.events = events or {}
+    return generate_latest(metrics.registry)

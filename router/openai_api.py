@@ -316,6 +316,22 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
+def make_choice(chat: bool, index: int, text: str, finish: str | None, logprobs: Any) -> Any:
+    """One choice of a whole (not streamed) answer, in the endpoint's shape."""
+    if chat:
+        msg = ChatDelta(role="assistant", content=text)
+        return ChatChoice(index=index, message=msg, finish_reason=finish, logprobs=logprobs)
+    return CompletionChoice(index=index, text=text, finish_reason=finish, logprobs=logprobs)
+
+
+def make_response(
+    chat: bool, response_id: str, model: str, choices: list[Any], usage: Any
+) -> dict[str, Any]:
+    """A whole answer's body, in the endpoint's shape."""
+    shape = ChatCompletionResponse if chat else CompletionResponse
+    return shape(id=response_id, model=model, choices=choices, usage=usage).model_dump()
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"

@@ -12,19 +12,20 @@ that each model's fields are declared here.
 
 Text needs no validator here: msgspec refuses a lone surrogate, escaped or raw, in every
 field it decodes, where the models' ``_utf8`` check refuses it after parsing. Fields it does
-not declare it skips unread, so the caller (:meth:`~.intake.Intake.parse`) checks the whole
-body's UTF-8 first, and falls back to pydantic on a ``RecursionError`` (nesting msgspec
-cannot follow). Two differences remain, both in values nothing reads: msgspec accepts
-nesting between pydantic's limit (~200) and its own (~990), and integers of over ~4,300
-digits, in unknown fields and in the ``Any`` fields declared only to be refused by name.
+not declare it skips unread, so :func:`decode_body` checks the whole body's UTF-8 first,
+and falls back to pydantic on a ``RecursionError`` (nesting msgspec cannot follow). Two
+differences remain, both in values nothing reads: msgspec accepts nesting between
+pydantic's limit (~200) and its own (~990), and integers of over ~4,300 digits, in unknown
+fields and in the ``Any`` fields declared only to be refused by name.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
+import pydantic
 from msgspec import Meta
 
 from kvroute.events.replica_api import (
@@ -41,6 +42,7 @@ from kvroute.events.replica_api import (
     TOKEN_ID_MAX,
 )
 
+from .errors import validation_error
 from .openai_api import (
     MAX_CHOICES,
     MAX_COMPLETION_LOGPROBS,
@@ -54,6 +56,7 @@ from .openai_api import (
 StopString = Annotated[str, Meta(min_length=1, max_length=MAX_STOP_CHARS)]
 TokenId = Annotated[int, Meta(ge=0, le=TOKEN_ID_MAX)]
 PositiveInt = Annotated[int, Meta(ge=1)]
+M = TypeVar("M", bound=pydantic.BaseModel)
 
 
 class StreamOptions(msgspec.Struct):
@@ -136,3 +139,17 @@ TWINS: dict[type, type[msgspec.Struct]] = {
 DECODERS: dict[type, Callable[[bytes], Any]] = {
     model: msgspec.json.Decoder(twin).decode for model, twin in TWINS.items()
 }
+
+
+def decode_body(raw: bytes, model: type[M]) -> Any:
+    """``raw`` as ``model``'s twin (which behaves the same), or as ``model`` where the twin
+    refuses it; a body ``model`` refuses too is a 400 naming the field
+    (:class:`~.errors.APIError`)."""
+    try:
+        try:
+            raw.decode()  # msgspec skips unknown fields unread: UTF-8 checked whole here
+            return DECODERS[model](raw)
+        except (ValueError, RecursionError):  # msgspec's errors, bad UTF-8, deep nesting
+            return model.model_validate_json(raw)  # accepts, or says why not
+    except pydantic.ValidationError as exc:
+        raise validation_error(list(exc.errors(include_url=False))) from None

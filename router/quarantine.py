@@ -58,13 +58,9 @@ def not_caused_by(exc: BaseException) -> bool | None:
 class Quarantine:
     """Fingerprint -> (strikes, refused until); oldest first, bounded."""
 
-    def __init__(
-        self,
-        errors: Counter[str] | None = None,
-        ttl_s: float = QUARANTINE_S,
-        max_entries: int = MAX_QUARANTINED,
-    ) -> None:
-        self.errors: Counter[str] = errors if errors is not None else Counter()
+    def __init__(self, ttl_s: float = QUARANTINE_S, max_entries: int = MAX_QUARANTINED) -> None:
+        # Its strikes and refusals (the front door sums every part's counts for /metrics).
+        self.errors: Counter[str] = Counter()
         self.ttl_s = ttl_s
         self.max_entries = max_entries
         self._entries: OrderedDict[str, tuple[int, float]] = OrderedDict()

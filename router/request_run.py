@@ -21,14 +21,24 @@ already streamed after it (:class:`Resume`; greedy and seeded requests continue 
 -- but only when the failure cannot have been its own doing (:func:`not_caused_by`).
 Otherwise it may be a query of death: it is struck in :mod:`.quarantine` and the failure
 raised. So exactly one request per process death fails, and none is replayed blindly.
+
+Why :class:`RunServices` and not the front door: a run needs a few of the front door's
+parts -- some of the fleet's methods (:class:`Replicas`), the policy, the quarantine,
+admission's release, the counters -- and is handed exactly those, once per front door, so
+what a run can touch is read here and a run can be built without a front door.
+
+Where a request goes next: :mod:`.responses` reads its deltas (``first_delta``, ``next``,
+``stream_to``) and ends it (``close``); nothing here calls back up.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections import Counter
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
@@ -42,12 +52,13 @@ from kvroute.events.replica_api import (
     delta_error,
 )
 
-from .policy import NoReplicaError, RequestView
-from .quarantine import fingerprint, not_caused_by
+from .policy import NoReplicaError, Policy, RequestView
+from .quarantine import Quarantine, fingerprint, not_caused_by
 
 if TYPE_CHECKING:
     from .admission import Ticket
-    from .frontdoor import FrontDoor
+    from .http_backend import HttpReplicaConnection
+    from .metrics import Metrics
     from .replica_connection import InFlightRequest, ReplicaConnection
 
 log = logging.getLogger(__name__)
@@ -57,20 +68,51 @@ REPLICA_FAILURES: tuple[type[BaseException], ...] = (ReplicaDeadError, ReplicaLo
 MAX_RESENDS = 1  # another replica gets a request at most this often
 
 
+class Replicas(Protocol):
+    """What a run needs of the fleet (:class:`~.fleet.Fleet` is one)."""
+
+    def routable(self, exclude: Collection[str] = ()) -> list[str]: ...
+
+    def connection(self, rid: str) -> ReplicaConnection | HttpReplicaConnection: ...
+
+    def fail(self, rid: str) -> None: ...
+
+    def mark_routed(self, rid: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RunServices:
+    """What every run of one front door shares, made once by the front door."""
+
+    replicas: Replicas
+    policy: Policy
+    quarantine: Quarantine
+    release: Callable[[Ticket, int], None]  # admission's: the run's ticket back, once
+    metrics: Metrics  # routing decisions, inter-token latency
+    counters: Counter[str]  # requests, retries, failovers
+    errors: Counter[str]  # no_replica, invalid_request
+
+    def route(self, view: RequestView, candidates: list[str], now: float) -> str:
+        """The policy's choice, counted in /metrics with its reason."""
+        decision = self.policy.route(view, candidates, now)
+        self.metrics.routing.labels(decision.replica, decision.reason).inc()
+        return decision.replica
+
+
 class RequestRun:
     """One routed request. ``start`` once, then ``next`` until a finished delta, then (or
     whenever it must end) ``close``."""
 
     def __init__(
         self,
-        door: FrontDoor,
+        services: RunServices,
         ticket: Ticket,
         view: RequestView,
         request: GenerateRequest,
         fingerprint: str | None = None,
     ) -> None:
         """``fingerprint``: the request's, when already computed (else made on demand)."""
-        self.door = door
+        self.services = services
         self.ticket = ticket
         self.view = view
         self.request = request
@@ -103,12 +145,12 @@ class RequestRun:
     # -- routing -------------------------------------------------------------------------------
     def _send(self) -> None:
         """Routes the request among the replicas it has not tried and sends it there."""
-        door = self.door
-        candidates = door.fleet.routable(self._tried)
+        s = self.services
+        candidates = s.replicas.routable(self._tried)
         if not candidates:
-            door.errors["no_replica"] += 1
+            s.errors["no_replica"] += 1
             raise NoReplicaError("no replica is available")
-        rid = door.route(self.view, candidates, time.monotonic())
+        rid = s.route(self.view, candidates, time.monotonic())
         self._tried.add(rid)
         req = self.request
         if self._resends:  # a fresh id: the old replica may still know the old one
@@ -122,7 +164,7 @@ class RequestRun:
             )
         self.replica = rid
         self._awaiting_first = True
-        self._conn = door.fleet.connection(rid)
+        self._conn = s.replicas.connection(rid)
         self._flight = self._conn.submit(req)
         if self._writer is not None:
             self._flight.push = self._push
@@ -138,7 +180,7 @@ class RequestRun:
     def submit(self) -> None:
         """The first half of :meth:`start`: routed and sent (raises
         :class:`NoReplicaError`), so the caller can get ready while the replica computes."""
-        self.door.counters["requests"] += 1
+        self.services.counters["requests"] += 1
         self._send()
 
     async def first_delta(self) -> GenerateDelta:
@@ -166,7 +208,7 @@ class RequestRun:
                 continue
             except InvalidRequestError:
                 self._flight = None
-                self.door.errors["invalid_request"] += 1
+                self.services.errors["invalid_request"] += 1
                 raise
             self._record_delta(delta)
             return delta
@@ -206,11 +248,11 @@ class RequestRun:
         now = time.perf_counter()
         if self._awaiting_first:
             self._awaiting_first = False
-            self.door.policy.on_first_token(self.request_id, time.monotonic())
-            self.door.fleet.replicas[self.replica].routed += 1
+            self.services.policy.on_first_token(self.request_id, time.monotonic())
+            self.services.replicas.mark_routed(self.replica)
         elif ids:
             if self._itl is None:
-                m = self.door.metrics
+                m = self.services.metrics
                 self._itl = m.itl.labels(m.tenant(self.tenant), self.replica)
             self._itl.observe((now - self._last_at) / len(ids))
         if ids:
@@ -220,27 +262,27 @@ class RequestRun:
         """The replica failed under this request: drop it, and resend the request when the
         failure cannot have been its doing and it has a resend left (True). Else strike it
         when it may have been (False: the caller raises)."""
-        door = self.door
+        s = self.services
         failed = self.replica
-        door.fleet.fail(failed)
+        s.replicas.fail(failed)
         innocent = not_caused_by(exc)
         if innocent is not True:
             strikes = 2 if innocent is None or getattr(exc, "alone", False) else 1
-            door.quarantine.strike(self.fingerprint, self.request_id, failed, strikes)
+            s.quarantine.strike(self.fingerprint, self.request_id, failed, strikes)
             return False
-        if self._resends >= MAX_RESENDS or not door.fleet.routable(self._tried):
+        if self._resends >= MAX_RESENDS or not s.replicas.routable(self._tried):
             return False
-        door.policy.on_finished(self.request_id, time.monotonic())
+        s.policy.on_finished(self.request_id, time.monotonic())
         self._resends += 1
         self._send()
         if self._output_ids or self.first is not None:
-            door.counters["failovers"] += 1
+            s.counters["failovers"] += 1
             log.warning(
                 "request %s: replica %s failed after %d tokens; continuing on %s",
                 self.request_id, failed, len(self._output_ids), self.replica,
             )  # fmt: skip
         else:
-            door.counters["retries"] += 1
+            s.counters["retries"] += 1
             log.warning("request %s: replica %s failed, retrying on %s",
                         self.request_id, failed, self.replica)  # fmt: skip
         return True
@@ -256,6 +298,6 @@ class RequestRun:
         if self._flight is not None and self._conn is not None:
             self._conn.abort(self._flight.request_id)
             self._flight = None
-        door = self.door
-        door.policy.on_finished(self.request_id, time.monotonic(), self.num_output_tokens)
-        door.admission.release(self.ticket, self.num_output_tokens)
+        s = self.services
+        s.policy.on_finished(self.request_id, time.monotonic(), self.num_output_tokens)
+        s.release(self.ticket, self.num_output_tokens)

@@ -1,10 +1,18 @@
-"""From a routed request's stream to the HTTP response: one JSON body, or SSE.
+"""From a routed request's runs to the HTTP response: one JSON body, or SSE.
 
-Why the shape: a request is routed and its first token awaited before the response starts
-(:mod:`.intake`), so errors before it get a real status; a failure after it ends the SSE
-stream with an ``error`` event, then ``[DONE]`` -- never a silently cut stream. When the
-client goes away, the SSE writer is cancelled (streaming) or the handler notices
+Why the shape: a request is routed before the response starts (:mod:`.intake`) and its
+first token awaited here before the status goes out, so errors before it get a real status
+(:func:`~.errors.status_of`); a failure after it ends the SSE stream with an ``error``
+event, then ``[DONE]`` -- never a silently cut stream. A stream's response is made before
+its first token and its head sent after, so making it is off the time to first token. When
+the client goes away, the SSE writer is cancelled (streaming) or the handler notices
 (non-streaming); closing the :class:`RequestRun` cancels the request on the replica.
+
+Where it sits on a request's path (see :mod:`.http_api`): last. :mod:`.http_api` hands it
+the runs :mod:`.intake` started, with a :class:`ResponseContext` (the tokenizer, /metrics'
+series, the HTTP layer's error counts, the send deadline); it reads each run
+(:mod:`.request_run`), puts an echoed prompt ahead (:mod:`.echo`), writes (:mod:`.sse`),
+and records the request's end. Several choices are :mod:`.choices`' (same parts).
 """
 
 from __future__ import annotations
@@ -13,27 +21,33 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from kvroute.events.replica_api import GenerateDelta
 
-from .errors import INTERNAL_ERROR, APIError, one_line, request_id
-from .frontdoor import FrontDoor
+from .errors import FAILED, INTERNAL_ERROR, APIError, new_id, one_line, request_failed, status_of
 from .openai_api import (
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,
-    RequestMethods,
     TopLogprob,
     error_body,
+    make_choice,
+    make_response,
     make_usage,
 )
 from .request_run import REPLICA_FAILURES, RequestRun
 from .sse import DONE, ChunkEncoder, Emit, SSEResponse, data_line, encode_json
+
+if TYPE_CHECKING:
+    from .echo import Echo
+    from .metrics import Metrics
 
 log = logging.getLogger(__name__)
 # One line per finished request (INFO): tenant, replica, tokens, TTFT, status. Off unless
@@ -41,7 +55,19 @@ log = logging.getLogger(__name__)
 request_log = logging.getLogger("kvroute.requests")
 
 
+@dataclass(frozen=True, slots=True)
+class ResponseContext:
+    """What answering needs of the app, made once: the tokenizer (logprobs' token names),
+    /metrics' per-request series, the HTTP layer's error counts, the send deadline."""
+
+    tokenizer: Any
+    metrics: Metrics
+    errors: Counter[str]
+    send_timeout_s: float | None = None
+
+
 def end_request(
+    metrics: Metrics,
     rid: str,
     run: RequestRun,
     last: Any,
@@ -52,7 +78,7 @@ def end_request(
     """A request's end: its metrics (when it ran to its end) and its log line."""
     if status.startswith("200") and last is not None and last.finished:
         e2e = None if arrival is None else time.perf_counter() - arrival
-        run.door.metrics.finished(run.tenant, run.replica, ttft_s, e2e, last)
+        metrics.finished(run.tenant, run.replica, ttft_s, e2e, last)
     if not request_log.isEnabledFor(logging.INFO):
         return
     request_log.info(
@@ -71,7 +97,6 @@ def end_request(
 REPLICA_HEADER = "x-kvroute-replica"
 FLOOR = -9999.0  # the least logprob a response shows (a forbidden token's is -inf)
 DISCONNECT_POLL_S = 0.5
-FAILED = "the replica serving this request failed; the request id finds it in the server log"
 
 
 class Logprobs:
@@ -166,62 +191,71 @@ class Collected:
             d = None if d.finished else await run.next()
 
 
-def request_failed(rid: str, last: Any) -> APIError:
-    """A request whose own stage failed on the replica (the others there ran on)."""
-    why = one_line(getattr(last, "error", None) or "unknown")
-    log.warning("request %s failed on its replica: %s", rid, why)
-    return APIError(
-        500, f"The request failed on its replica ({why}).", "server_error", code="request_failed"
-    )
+def response_id(chat: bool) -> str:
+    """The id of a request's answer (its chunks' and its body's ``id``)."""
+    return f"{'chatcmpl' if chat else 'cmpl'}-{new_id()}"
+
+
+async def await_first_delta(run: RequestRun, rid: str, echo: Echo | None = None) -> None:
+    """Waits for the run's first delta, so that everything that can go wrong before it (a
+    bad request, a dead replica) is settled while an HTTP status can still say so; every
+    failure a status, the run closed. ``echo``: the prompt put ahead of it."""
+    try:
+        first = await run.first_delta()
+        if first.finish_reason == "error":  # failed before its first token: a status
+            raise request_failed(rid, first)
+    except BaseException as exc:
+        run.close()
+        raise status_of(rid, exc) from None
+    if echo is not None:
+        echo.put_ahead(run)
 
 
 async def respond(
-    door: FrontDoor,
+    ctx: ResponseContext,
     request: Request,
-    body: RequestMethods,
+    rid: str,
+    body: Any,
     run: RequestRun,
-    encoder: ChunkEncoder,
-    final: Callable[..., dict[str, Any]],
-    role_first: bool = False,
-    logprobs: Callable[[list[int], list[dict[int, float]] | None], Any] | None = None,
     arrival: float | None = None,
-    ready: Callable[[], Awaitable[None]] | None = None,
+    echo: Echo | None = None,
 ) -> Response:
-    """The whole answer as one body (``final``), or an SSE stream of ``encoder``'s chunks.
-    ``run`` has been sent; ``ready`` waits for its first delta (None: it is in), raising
-    the status a failure before it gets. A stream's response is made before that and its
-    head sent after, so the work of getting it ready is off the time to first token.
-    ``logprobs`` shapes a run of tokens' logprobs (``Logprobs.completion`` or ``.chat``);
-    None: none asked for. ``arrival``: ``perf_counter()`` when the handler began, for the
-    added-latency figure."""
-    rid = request_id(request)
+    """One run's answer: one body, or an SSE stream of its chunks. ``run`` has been sent;
+    its first delta is awaited here (:func:`await_first_delta`), before the status goes
+    out. ``rid``: the request's id; ``arrival``: ``perf_counter()`` when the handler
+    began, for the added-latency figure; ``echo``: the prompt to put ahead. ``body``: the
+    request's, checked (:mod:`.openai_api`'s or its :mod:`.openai_wire` twin)."""
+    chat = body.chat
+    resp_id = response_id(chat)
+    model: str = body.model
+    n = body.num_logprobs()
+    logprobs = None  # one shaper for the whole stream: ``text_offset`` runs on
+    if n is not None:
+        shapes = Logprobs(ctx.tokenizer, n)
+        logprobs = shapes.chat if chat else shapes.completion
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        encoder = ChunkEncoder(chat, resp_id, int(time.time()), model)
 
         async def write(emit: Emit) -> None:
-            await _write_sse(
-                door, run, rid, encoder, include_usage, role_first, logprobs, arrival, emit
-            )
+            await _write_sse(ctx, run, rid, encoder, include_usage, chat, logprobs, arrival, emit)
 
         async def first() -> None:
             try:
-                if ready is not None:
-                    await ready()
+                await await_first_delta(run, rid, echo)
             except asyncio.CancelledError:  # the client left before its first token
-                door.errors["client_gone"] += 1
-                end_request(rid, run, None, None, "499 client_gone", arrival)
+                ctx.errors["client_gone"] += 1
+                end_request(ctx.metrics, rid, run, None, None, "499 client_gone", arrival)
                 raise
 
-        send_timeout_s = getattr(request.app.state, "send_timeout_s", None)
         return SSEResponse(
             write,
             lambda: {REPLICA_HEADER: run.replica},  # where the first delta came from
-            send_timeout_s,
+            ctx.send_timeout_s,
             on_close=run.close,
             ready=first,
         )
-    if ready is not None:
-        await ready()
+    await await_first_delta(run, rid, echo)
     headers = {REPLICA_HEADER: run.replica}
     ttft_s = None if arrival is None else time.perf_counter() - arrival  # first delta is in
     got = Collected()
@@ -232,12 +266,12 @@ async def respond(
         # abandoned request stops using the replica.
         while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
             if await request.is_disconnected():
-                door.errors["client_gone"] += 1
+                ctx.errors["client_gone"] += 1
                 return Response(status_code=499)  # nobody reads it
         await task
     except REPLICA_FAILURES as exc:
         log.warning("request %s: replica failed mid-request: %s", rid, one_line(str(exc)))
-        end_request(rid, run, got.last, ttft_s, "503 replica_failed", arrival)
+        end_request(ctx.metrics, rid, run, got.last, ttft_s, "503 replica_failed", arrival)
         raise APIError(503, FAILED, "service_unavailable", code="replica_failed") from None
     finally:
         if not task.done():
@@ -248,12 +282,13 @@ async def respond(
     last = got.last
     finish = None if last is None else last.finish_reason
     if finish == "error":
-        end_request(rid, run, last, ttft_s, "500 request_failed", arrival)
+        end_request(ctx.metrics, rid, run, last, ttft_s, "500 request_failed", arrival)
         raise request_failed(rid, last)
     usage = _usage(last)
-    end_request(rid, run, last, ttft_s, f"200 {finish}", arrival)
+    end_request(ctx.metrics, rid, run, last, ttft_s, f"200 {finish}", arrival)
     shaped = logprobs(got.ids, got.entries) if logprobs is not None else None
-    return JSONResponse(final(got.text(), finish, usage, shaped), headers=headers)
+    choice = make_choice(chat, 0, got.text(), finish, shaped)
+    return JSONResponse(make_response(chat, resp_id, model, [choice], usage), headers=headers)
 
 
 def _usage(last: Any) -> Any:
@@ -263,7 +298,7 @@ def _usage(last: Any) -> Any:
 
 
 async def _write_sse(
-    door: FrontDoor,
+    ctx: ResponseContext,
     run: RequestRun,
     rid: str,
     encoder: ChunkEncoder,
@@ -300,7 +335,7 @@ async def _write_sse(
             await emit(encoder.chunk("", None, role=True))
         d = run.first
         if d is not None and arrival is not None and d.replica_ttft_s is not None:
-            timing = door.time_first_delta(time.perf_counter() - arrival, d.replica_ttft_s)
+            timing = ctx.metrics.time_first_delta(time.perf_counter() - arrival, d.replica_ttft_s)
         run.stream_to(push)
         while d is not None:
             last = d
@@ -324,14 +359,14 @@ async def _write_sse(
                 tail.append(encoder.usage(usage.model_dump()))
     except REPLICA_FAILURES as exc:
         status = "503 replica_failed (in stream)"
-        door.errors["stream_failure"] += 1
+        ctx.errors["stream_failure"] += 1
         log.warning("request %s: replica failed mid-stream: %s", rid, one_line(str(exc)))
         body = error_body(FAILED, "service_unavailable", 503, code="replica_failed", request_id=rid)
         await emit(data_line(body))
     except Exception:  # never a silently cut stream: say so, then [DONE]
         log.exception("request %s: stream failed", rid)
         status = "500 internal_error (in stream)"
-        door.errors["internal"] += 1
+        ctx.errors["internal"] += 1
         body = error_body(
             INTERNAL_ERROR, "server_error", 500, code="internal_error", request_id=rid
         )
@@ -341,7 +376,7 @@ async def _write_sse(
         ttft = None if timing is None else timing["router_ttft_s"]
         if status == "200":  # no [DONE] reached the client: it went away mid-stream
             status = f"200 {last.finish_reason}" if last and last.finished else "499 client_gone"
-        end_request(rid, run, last, ttft, status, arrival)
+        end_request(ctx.metrics, rid, run, last, ttft, status, arrival)
     if timing is not None:
         tail.append(b": kvroute-timing " + encode_json(timing) + b"\n\n")
     tail.append(DONE)

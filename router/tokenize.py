@@ -44,8 +44,9 @@ class DetokenizeRequest(_Strict):
 
 
 async def _body(request: Request, model: type[pydantic.BaseModel]) -> Any:
-    intake: Intake = request.app.state.intake
-    raw = await read_body(request, intake.max_body_bytes, intake.body_timeout_s)
+    state = request.app.state
+    intake: Intake = state.intake
+    raw = await read_body(request, state.max_body_bytes, state.body_timeout_s)
     try:
         body = model.model_validate_json(raw)
     except pydantic.ValidationError as exc:
@@ -59,7 +60,7 @@ async def tokenize(request: Request) -> JSONResponse:
     body: TokenizeRequest = await _body(request, TokenizeRequest)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "Send `prompt` or `messages`, not both.", "invalid_request_error")
-    tokenizer = intake.door.tokenizer
+    tokenizer = intake.tokenizer
     if body.prompt is not None:
         text = body.prompt
         intake.check_length(len(text))
@@ -82,7 +83,7 @@ async def tokenize(request: Request) -> JSONResponse:
     )
     out: dict[str, Any] = {
         "count": len(ids),
-        "max_model_len": intake.door.fleet.max_model_len,
+        "max_model_len": intake.max_model_len,
         "tokens": ids,
         "token_strs": tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None,
     }
@@ -94,6 +95,6 @@ async def detokenize(request: Request) -> JSONResponse:
     body: DetokenizeRequest = await _body(request, DetokenizeRequest)
     if body.tokens:  # the prompts' bound (none: an empty text)
         intake.check_ids(body.tokens, validated=True, param="tokens")
-    tokenizer = intake.door.tokenizer
+    tokenizer = intake.tokenizer
     text: str = await intake.off_loop(lambda: tokenizer.decode(body.tokens))
     return JSONResponse({"prompt": text})

@@ -361,12 +361,12 @@ def test_a_failure_between_routing_and_the_response_gives_the_request_back(
 ) -> None:
     """The request is already on its replica when the handler builds its response: a bug
     there is a 500, and the run is closed (aborted, its slot and ticket given back)."""
-    import kvroute.router.http_api as http_api
+    import kvroute.router.responses as responses
 
     def broken(*args: Any) -> Any:
         raise RuntimeError("a bug while shaping logprobs")
 
-    monkeypatch.setattr(http_api, "Logprobs", broken)
+    monkeypatch.setattr(responses, "Logprobs", broken)
     door = fleet["door"]
     for stream in (False, True):
         body = {**ENDLESS, "prompt": "x", "logprobs": 1, "stream": stream}

@@ -7,7 +7,6 @@ accept to the same values, and must declare every field its model has.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -16,13 +15,11 @@ import pydantic
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from starlette.requests import Request
 
 from kvroute.events.replica_api import MAX_STOP_CHARS, SEED_MAX, TOKEN_ID_MAX
 from kvroute.router.errors import APIError
-from kvroute.router.intake import Intake
 from kvroute.router.openai_api import ChatCompletionRequest, CompletionRequest
-from kvroute.router.openai_wire import DECODERS, TWINS
+from kvroute.router.openai_wire import DECODERS, TWINS, decode_body
 
 MODELS = (CompletionRequest, ChatCompletionRequest)
 
@@ -203,16 +200,9 @@ DEEP = b"[" * 1000 + b"]" * 1000
 )
 def test_the_front_door_refuses_what_pydantic_refuses_in_fields_it_ignores(raw: bytes) -> None:
     """msgspec skips unknown fields without validating them (UTF-8, depth): the front
-    door's decode (Intake.parse) checks UTF-8 first and falls back on deep nesting."""
-    intake = Intake.__new__(Intake)  # parse needs no front door for a body it refuses
-    intake.max_body_bytes, intake.body_timeout_s = 1 << 20, None
-
-    async def receive() -> dict[str, Any]:
-        return {"type": "http.request", "body": raw, "more_body": False}
-
-    request = Request({"type": "http", "method": "POST", "headers": []}, receive)
+    door's decode (openai_wire.decode_body) checks UTF-8 first and falls back on deep nesting."""
     with pytest.raises(pydantic.ValidationError):
         CompletionRequest.model_validate_json(raw)
     with pytest.raises(APIError) as info:
-        asyncio.run(intake.parse(request, CompletionRequest))
+        decode_body(raw, CompletionRequest)
     assert info.value.status == 400

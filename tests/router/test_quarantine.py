@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pickle
 import time
-from collections import Counter
 
 import pytest
 
@@ -28,8 +27,7 @@ def test_fingerprint_is_the_content_not_the_sender() -> None:
 
 
 def test_two_strikes_refuse_until_the_time_is_up() -> None:
-    errors: Counter[str] = Counter()
-    q = Quarantine(errors, ttl_s=0.3)
+    q = Quarantine(ttl_s=0.3)
     q.strike("a", "req-1", "r0", strikes=1)  # a process death: one strike, still served
     q.check("a")
     q.strike("a", "req-2", "r1", strikes=1)  # a second one: refused
@@ -38,7 +36,7 @@ def test_two_strikes_refuse_until_the_time_is_up() -> None:
     q.strike("b", "req-3", "r0", strikes=2)  # the engine named it: refused at once
     with pytest.raises(QueryOfDeathError):
         q.check("b")
-    assert q.refused() == 2 and errors["suspect_request"] == 3 and errors["quarantined"] == 2
+    assert q.refused() == 2 and q.errors["suspect_request"] == 3 and q.errors["quarantined"] == 2
     time.sleep(0.35)  # what is under test: the quarantine's time runs out
     q.check("a")  # expired: served again, and forgotten
     assert q.refused() == 0 and len(q) == 1
