@@ -60,11 +60,15 @@ def lane_us(n: int) -> float:
 
         return SSEResponse(write, {"x-kvroute-replica": "r0"}, 60.0, on_close=lambda: None)
 
-    door = SimpleNamespace(
+    door = SimpleNamespace(  # what create_app reads of a front door (older trees: less)
         fleet=SimpleNamespace(model="m", replicas={}),
         tokenizer=None,
         metrics=Metrics(),
         errors=Counter(),
+        admission=None,
+        run=None,
+        fleet_collector=None,
+        add_error_counts=lambda counts: None,
     )
     saved = http_api.completions
     http_api.completions = handler  # the lane wraps what the module names at create_app
@@ -145,17 +149,20 @@ def check_ids_us(n: int) -> float:
 
     info = SimpleNamespace(vocab_size=128_256)
     replicas = {f"r{i}": SimpleNamespace(info=info) for i in range(2)}
-    intake = Intake.__new__(Intake)
-    intake.door = SimpleNamespace(fleet=SimpleNamespace(replicas=replicas))  # type: ignore[assignment]
+    fleet = SimpleNamespace(replicas=replicas, vocab_size=lambda: info.vocab_size)
+    intake: Any = Intake.__new__(Intake)
+    intake.door = SimpleNamespace(fleet=fleet)  # older trees read the fleet through it
+    intake.served = fleet
+    check = getattr(intake, "check_ids", None) or intake._check_ids  # its older name
     ids = list(range(1000, 1512))
-    validated = "validated" in inspect.signature(intake._check_ids).parameters
+    validated = "validated" in inspect.signature(check).parameters
 
     def run(k: int) -> None:
         for _ in range(k):
             if validated:
-                intake._check_ids(ids, validated=True)  # type: ignore[call-arg]
+                check(ids, validated=True)
             else:
-                intake._check_ids(ids)
+                check(ids)
 
     return best_of(run, n)
 
