@@ -132,6 +132,17 @@ class AsyncLLMEngine:
         self._thread = threading.Thread(target=self._run, name="kvr-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def thread_alive(self) -> bool:
+        """Whether the engine thread still runs (it ends at shutdown or on a failure)."""
+        return self._thread.is_alive()
+
+    @property
+    def num_compiling(self) -> int:
+        """Requests whose structured-output constraint is still compiling, not yet added."""
+        with self._compiling_lock:
+            return len(self._compiling)
+
     @classmethod
     def from_config(
         cls, config: EngineConfig, event_sinks: Sequence[EventSink] = ()

@@ -64,6 +64,12 @@ class IncrementalDetokenizer:
             self._stream = _DecodeStream(skip_special_tokens=skip_special_tokens)
             self._stream_step = functools.partial(self._stream.step, tokenizer._tokenizer)
 
+    @property
+    def incremental(self) -> bool:
+        """Whether text comes from the tokenizer's incremental decode stream (a fast
+        tokenizer with it) rather than re-decoding a window of tokens per update."""
+        return self._stream is not None
+
     def update(self, new_token_ids: Sequence[int], finished: bool = False) -> str:
         """Adds tokens; returns the text that became final. Sets ``stop_string`` on a match."""
         if self.stop_string is not None:

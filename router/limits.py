@@ -164,6 +164,15 @@ class RateLimits:
         if tok is not None:
             tok.level -= prompt_tokens
 
+    def levels(self, tenant_id: str) -> tuple[float | None, float | None]:
+        """What is left in the tenant's request and token buckets as last charged (None:
+        no such limit, or no request yet): what /metrics and tests can read."""
+        req, tok = self._requests.get(tenant_id), self._tokens.get(tenant_id)
+        return (
+            req.level if req is not None else None,
+            tok.level if tok is not None else None,
+        )
+
     def charge(self, tenant_id: str, tokens: int) -> None:
         """Output tokens of a finished request (the bucket may go into debt)."""
         tok = self._tokens.get(tenant_id)

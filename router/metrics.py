@@ -142,7 +142,7 @@ class Metrics(Collector):
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)  # collect() runs at scrapes only
         self._tenants: set[str] = set()
-        self._families: list[_Family] = []
+        self._families: list[_Family] = []  # every series, in the order /metrics lists them
 
         def hist(name: str, doc: str, labels: list[str], buckets: tuple[float, ...]) -> _Family:
             self._families.append(_Family(PREFIX + name, doc, labels, buckets))
@@ -192,6 +192,11 @@ class Metrics(Collector):
         # The latest streamed requests' added latency, for the recent quantiles' gauge.
         self.added_recent: deque[float] = deque(maxlen=ADDED_LATENCY_WINDOW)
         self.registry.register(self)
+
+    @property
+    def families(self) -> tuple[_Family, ...]:
+        """The front door's own series (what ``collect`` yields, one per family)."""
+        return tuple(self._families)
 
     def collect(self) -> Iterator[Metric]:
         for family in self._families:

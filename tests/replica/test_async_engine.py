@@ -261,7 +261,7 @@ async def test_shutdown_fails_live_streams_and_refuses_new_work() -> None:
     first = await asyncio.wait_for(anext(stream), 20)
     assert not first.finished
     await asyncio.to_thread(engine.shutdown)
-    assert not engine._thread.is_alive()
+    assert not engine.thread_alive
 
     async def drain() -> None:
         async for _ in stream:

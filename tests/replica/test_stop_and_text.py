@@ -253,7 +253,7 @@ def test_detokenizer_text_is_the_whole_decode_even_of_broken_utf8(tokenizer, str
         ids = [rng.randrange(3, 256) for _ in range(rng.randrange(1, 80))]
         chunk = rng.choice([1, 1, 2, 3])
         detok = IncrementalDetokenizer(tokenizer, stream=stream)
-        assert (detok._stream is not None) == stream  # the path under test is the one taken
+        assert detok.incremental == stream  # the path under test is the one taken
         deltas = [detok.update(ids[k : k + chunk]) for k in range(0, len(ids), chunk)]
         deltas.append(detok.update([], finished=True))
         assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True) == detok.text
@@ -306,7 +306,7 @@ def test_byte_fallback_bytes_that_never_form_utf8_do_not_fail_the_request(
     for ids in cases:
         whole = tok.decode(ids, skip_special_tokens=True)
         detok = IncrementalDetokenizer(tok, stream=stream)
-        assert (detok._stream is not None) == stream
+        assert detok.incremental == stream
         deltas = [detok.update([t]) for t in ids] + [detok.update([], finished=True)]
         assert "".join(deltas) == detok.text, ids
         again = IncrementalDetokenizer(tok, stream=stream)

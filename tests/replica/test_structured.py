@@ -157,9 +157,9 @@ def test_a_new_constraint_compiles_off_the_engine_thread_and_an_abort_meanwhile_
         engine.abort("doomed")
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and (
-            engine._compiling or engine.llm_engine.has_unfinished_requests()
+            engine.num_compiling or engine.llm_engine.has_unfinished_requests()
         ):
             time.sleep(0.05)
-        assert not engine._compiling and not engine.llm_engine.has_unfinished_requests()
+        assert not engine.num_compiling and not engine.llm_engine.has_unfinished_requests()
     finally:
         engine.shutdown()

@@ -76,8 +76,9 @@ def test_a_refused_request_takes_nothing() -> None:
             rates.admit("t", both, 1)
     clock.t += 2  # tokens back to +1; requests refilled to the cap (the refusals took none)
     rates.admit("t", both, 0)
-    assert rates._requests["t"].level == pytest.approx(59.0)  # 54 had they taken requests
-    assert rates._tokens["t"].level == pytest.approx(1.0)
+    requests_left, tokens_left = rates.levels("t")
+    assert requests_left == pytest.approx(59.0)  # 54 had they taken requests
+    assert tokens_left == pytest.approx(1.0)
 
 
 def test_bucket_never_banks_more_than_a_minute() -> None:

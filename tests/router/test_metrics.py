@@ -25,7 +25,7 @@ def _without_created(text: bytes) -> str:
 def _reference(ours: Metrics) -> CollectorRegistry:
     """prometheus-client's types with our families' names, docs, labels and buckets."""
     registry = CollectorRegistry(auto_describe=False)
-    for fam in ours._families:
+    for fam in ours.families:
         name = fam.name.removeprefix(PREFIX)
         kind = Counter if fam.buckets is None else Histogram
         kw = {} if fam.buckets is None else {"buckets": fam.buckets}

@@ -70,7 +70,7 @@ class RiggedReplica(ReplicaServer):
 
             def generator_or_fail(rid: str, params: Any) -> Any:
                 draws[rid] = draws.get(rid, 0) + 1
-                poisoned = _contains(engine._states[rid].request.prompt_token_ids, MARKER)
+                poisoned = _contains(engine.scheduler.requests[rid].prompt_token_ids, MARKER)
                 if poisoned and draws[rid] > after:
                     raise ValueError("rigged seed failure")
                 return generator(rid, params)
