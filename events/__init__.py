@@ -31,8 +31,10 @@ and replicas import both. Importing this package has no side effect.
 from .blockset import BlockSet, StoredBlock, snapshot_events
 from .hashing import ALGOS, DEFAULT_SEED, BlockHasher, HashConfig, to_external
 from .wire import (
+    LOWER_MEDIA,
     MEDIUM_CPU,
     MEDIUM_GPU,
+    MEDIUM_STORAGE,
     AllBlocksCleared,
     BatchEncoder,
     BlockRemoved,
@@ -43,13 +45,16 @@ from .wire import (
     MalformedBatchError,
     decode_batch,
     encode_batch,
+    tier_name,
 )
 
 __all__ = [
     "ALGOS",
     "DEFAULT_SEED",
+    "LOWER_MEDIA",
     "MEDIUM_CPU",
     "MEDIUM_GPU",
+    "MEDIUM_STORAGE",
     "AllBlocksCleared",
     "BatchEncoder",
     "BlockHasher",
@@ -65,5 +70,6 @@ __all__ = [
     "decode_batch",
     "encode_batch",
     "snapshot_events",
+    "tier_name",
     "to_external",
 ]

@@ -3,10 +3,17 @@
 The publisher keeps one (its snapshots are drawn from it, so a snapshot is exactly the
 integral of the stream up to its ``seq``); tests and simple consumers keep one per replica.
 
+Tiers: copies are kept per tier (:func:`~.wire.tier_name` of the event's ``medium``): the
+device's in the main map, each lower tier's (host memory, disk) in its own. A block evicted
+from the device while its host copy lives on is a remove in one tier and nothing in the
+other, so a snapshot, drawn tier by tier, gives a subscriber every tier back.
+
 Invariants:
-- ``count(h)`` is stores minus removes of ``h`` since the last clear, never below 0: an
-  engine may hold two physical copies of one hash, and removing one must not hide the other.
-- a hash with count 0 is absent (not kept with a zero count).
+- ``count(h, tier)`` is stores minus removes of ``h`` in that tier since the last clear,
+  never below 0: an engine may hold two physical copies of one hash, and removing one must
+  not hide the other; a remove in one tier never touches another's copies.
+- a hash with count 0 is absent (not kept with a zero count); a tier with none is absent.
+- ``AllBlocksCleared`` empties every tier.
 """
 
 from __future__ import annotations
@@ -15,12 +22,14 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 from .wire import (
+    MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EventBatch,
     ExternalBlockHash,
     KVCacheEvent,
+    tier_name,
 )
 
 
@@ -40,11 +49,14 @@ class StoredBlock(NamedTuple):
 
 
 class BlockSet:
-    """Hash -> :class:`StoredBlock`, maintained by applying events in stream order."""
+    """Hash -> :class:`StoredBlock` per tier, maintained by applying events in stream order.
+    Sizes, membership and iteration are the device tier's; ``tier`` arguments and
+    :meth:`tier_records` reach the others."""
 
     def __init__(self) -> None:
-        self._blocks: dict[ExternalBlockHash, StoredBlock] = {}
-        self.unknown_removals = 0  # removes of hashes we never saw stored
+        self._blocks: dict[ExternalBlockHash, StoredBlock] = {}  # the device tier
+        self._tiers: dict[str, dict[ExternalBlockHash, StoredBlock]] = {}  # lower tiers
+        self.unknown_removals = 0  # removes of hashes we never saw stored (in that tier)
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -55,26 +67,47 @@ class BlockSet:
     def __iter__(self) -> Iterator[ExternalBlockHash]:
         return iter(self._blocks)
 
-    def count(self, h: ExternalBlockHash) -> int:
-        rec = self._blocks.get(h)
+    def _tier(self, tier: str) -> dict[ExternalBlockHash, StoredBlock]:
+        return self._blocks if tier == MEDIUM_GPU else self._tiers.get(tier, {})
+
+    def count(self, h: ExternalBlockHash, tier: str = MEDIUM_GPU) -> int:
+        rec = self._tier(tier).get(h)
         return rec.count if rec else 0
 
-    def counts(self) -> dict[ExternalBlockHash, int]:
-        return {h: r.count for h, r in self._blocks.items()}
+    def counts(self, tier: str = MEDIUM_GPU) -> dict[ExternalBlockHash, int]:
+        """Hash -> copies in ``tier`` (a :func:`~.wire.tier_name`; the device by default)."""
+        return {h: r.count for h, r in self._tier(tier).items()}
+
+    def tiers(self) -> list[str]:
+        """The lower tiers that hold something."""
+        return list(self._tiers)
 
     def records(self) -> dict[ExternalBlockHash, StoredBlock]:
-        """A shallow copy: O(n) in C, safe to read while the set keeps changing."""
+        """The device tier, a shallow copy: O(n) in C, safe to read while the set changes."""
         return self._blocks.copy()
+
+    def tier_records(self) -> dict[str, dict[ExternalBlockHash, StoredBlock]]:
+        """Each lower tier's records, shallow copies (as :meth:`records`)."""
+        return {t: recs.copy() for t, recs in self._tiers.items()}
 
     def clear(self) -> None:
         self._blocks.clear()
+        self._tiers.clear()
 
     def apply_batch(self, batch: EventBatch) -> None:
         for ev in batch.events:
             self.apply(ev)
 
     def apply(self, ev: KVCacheEvent) -> None:
-        blocks = self._blocks
+        if isinstance(ev, (BlockStored, BlockRemoved)):
+            medium, locality = ev.medium, ev.locality
+            if (medium is None or medium == MEDIUM_GPU) and locality is None:
+                blocks = self._blocks  # the usual event: no tier lookup
+            else:
+                tier = tier_name(medium, locality)
+                blocks = self._blocks if tier == MEDIUM_GPU else self._tiers.get(tier)
+                if blocks is None:
+                    blocks = self._tiers[tier] = {}
         if isinstance(ev, BlockStored):
             parent = ev.parent_block_hash
             get = blocks.get
@@ -91,14 +124,19 @@ class BlockSet:
                     del blocks[h]
                 else:
                     blocks[h] = rec._replace(count=rec.count - 1)
+            if not blocks and blocks is not self._blocks:
+                self._tiers.pop(tier_name(ev.medium, ev.locality), None)
         elif isinstance(ev, AllBlocksCleared):
-            blocks.clear()
+            self.clear()
         else:  # pragma: no cover - decode_batch only yields the three kinds
             raise TypeError(f"not a KV cache event: {type(ev).__name__}")
 
 
-def snapshot_events(records: dict[ExternalBlockHash, StoredBlock]) -> list[BlockStored]:
-    """One BlockStored per stored copy, so replaying them from empty reproduces the counts.
+def snapshot_events(*tiers: dict[ExternalBlockHash, StoredBlock]) -> list[BlockStored]:
+    """One BlockStored per stored copy, so replaying them from empty reproduces the counts,
+    for each tier's records given (:meth:`BlockSet.records`, then the values of
+    :meth:`BlockSet.tier_records`): each event keeps the medium and locality of the event
+    that stored its copy, so every tier comes back as it was.
 
     Each event holds a single block with its own parent: the snapshot need not be ordered
     parent-first for a consumer that links children to parents by hash.
@@ -106,13 +144,14 @@ def snapshot_events(records: dict[ExternalBlockHash, StoredBlock]) -> list[Block
     indexes by token ids hashes them (:mod:`.translate`).
     """
     out: list[BlockStored] = []
-    for h, r in records.items():
-        src = r.stored_by
-        keys = src.extra_keys
-        extra = [keys[r.index]] if keys and r.index < len(keys) else None
-        ev = BlockStored(
-            [h], r.parent, r.token_ids, src.block_size, src.lora_id, src.medium, src.lora_name,
-            extra, src.group_idx,
-        )  # fmt: skip
-        out.extend([ev] * r.count)
+    for records in tiers:
+        for h, r in records.items():
+            src = r.stored_by
+            keys = src.extra_keys
+            extra = [keys[r.index]] if keys and r.index < len(keys) else None
+            ev = BlockStored(
+                [h], r.parent, r.token_ids, src.block_size, src.lora_id, src.medium,
+                src.lora_name, extra, src.group_idx, src.locality,
+            )  # fmt: skip
+            out.extend([ev] * r.count)
     return out

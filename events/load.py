@@ -13,11 +13,29 @@ batch of prefill chunks and decode tokens together and takes ::
 
 so a long prefill is compute-bound (and quadratic through attention pairs), and a decode
 step is memory-bound: its time grows with the total context of the batch it reads.
+
+Lower KV tiers: a block a replica holds in host memory (``"CPU"``) or on local disk
+(``"STORAGE"``) is not recomputed but loaded, which takes its bytes over the tier's
+bandwidth into device memory: ``kv_bytes_per_token / tier_bytes_per_s[tier]`` seconds per
+token (:meth:`CostCoefficients.tier_load_s_per_token`). A replica reports both, measured at
+start, beside its other coefficients. Where it does not (vLLM, an older kvroute), a known
+tier's token is priced at a conservative share of the replica's own prefill token
+(:data:`DEFAULT_TIER_LOAD_SHARE`): never free, never a miss, whatever the model and device.
 """
 
 from __future__ import annotations
 
 import msgspec
+
+from .wire import MEDIUM_CPU, MEDIUM_STORAGE
+
+# A known tier's load per token, as a share of one dense prefill token, for a replica that
+# reports no bandwidth for it (or no KV size). Conservative against what the hardware does
+# and what peers assume: Llama-3.1-8B on an H100 loads a host token in 0.08 of its prefill
+# at 48 GB/s (0.36 at 10 GB/s); Dynamo credits a host block 0.75 of a device one (a load
+# share of 0.25), llm-d 0.8 (0.2); for disk 0.25 (0.75) and 0.4 (0.6). Below 1, so a copy
+# there is never priced as a miss; above 0, never as a device hit.
+DEFAULT_TIER_LOAD_SHARE: dict[str, float] = {MEDIUM_CPU: 0.5, MEDIUM_STORAGE: 0.85}
 
 
 class CostCoefficients(msgspec.Struct, frozen=True, kw_only=True):
@@ -32,6 +50,10 @@ class CostCoefficients(msgspec.Struct, frozen=True, kw_only=True):
     max_batched_tokens: int  # token budget per step (chunked prefill)
     max_num_seqs: int
     source: str = "profile"  # "profile:<name>" or "measured"
+    # Lower tiers (module docstring); absent from older replicas' info: 0 / {} = unknown.
+    kv_bytes_per_token: int = 0  # one token's K and V, all layers, as a tier copies them
+    tier_bytes_per_s: dict[str, float] = msgspec.field(default_factory=dict)  # tier -> load
+    # bandwidth into device memory, bytes/s, for the tiers this replica has
 
     def prefill_s(self, num_new: int, num_cached: int = 0) -> float:
         """Seconds to prefill ``num_new`` tokens on top of ``num_cached`` cached ones."""
@@ -44,6 +66,17 @@ class CostCoefficients(msgspec.Struct, frozen=True, kw_only=True):
             + num_new * self.prefill_s_per_token
             + pairs * self.attention_s_per_pair
         )
+
+    def tier_load_s_per_token(self, tier: str) -> float | None:
+        """Seconds to load one token's KV from ``tier`` (a
+        :func:`~kvroute.events.wire.tier_name`) into device memory; None where a copy there
+        earns no credit: a tier of unknown cost this replica reports no bandwidth for
+        (``kvroute.router.index_tiers`` says why)."""
+        bw = self.tier_bytes_per_s.get(tier)
+        if bw is not None and bw > 0 and self.kv_bytes_per_token > 0:
+            return self.kv_bytes_per_token / bw
+        share = DEFAULT_TIER_LOAD_SHARE.get(tier)
+        return None if share is None else share * self.prefill_s_per_token
 
     def decode_step_s(self, num_seqs: int, context_tokens: float) -> float:
         """One decode step of ``num_seqs`` sequences holding ``context_tokens`` KV tokens."""
@@ -83,4 +116,5 @@ REFERENCE_COEFFICIENTS = CostCoefficients(
     max_batched_tokens=8192,
     max_num_seqs=256,
     source="reference:h100-8b",
+    kv_bytes_per_token=131_072,
 )

@@ -40,6 +40,12 @@ Invariants (one :class:`EventTranslator` per replica, all state under its lock):
   forgets it too and stays an under-approximation of the engine's cache.
 - ``AllBlocksCleared`` (an engine reset, a restart, a snapshot's start) empties the map and
   passes through; so does :meth:`clear` (the front door dropped the replica).
+- Tiers: ``_copies`` counts copies in every tier; ``_lower[(tier, e)]`` those in each lower
+  tier (:func:`~.wire.tier_name`), so the device's are the difference. A remove is translated
+  only against a copy of its own tier: a lower-tier placeholder (vLLM's offloading events
+  without tokens, dropped as untranslatable) whose remove names a hash the device holds
+  must not take the device's copy away, or the device's own remove would later find nothing
+  and the index would keep a block the engine dropped.
 - Events whose ``block_size`` is not the fleet's are dropped and counted (``untranslatable``):
   the router never hashes such blocks (vLLM's optional partial-block events).
 
@@ -58,12 +64,14 @@ import msgspec
 
 from .hashing import ALGOS, BlockHasher, HashForm, to_external
 from .wire import (
+    MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EventBatch,
     ExternalBlockHash,
     KVCacheEvent,
+    tier_name,
 )
 
 VLLM_REPRODUCED = {"sha256_cbor": "sha256_cbor_tagged"}  # vLLM 0.32's name -> kvroute's
@@ -111,6 +119,8 @@ class EventTranslator:
         self._lock = threading.Lock()
         self._map: dict[ExternalBlockHash, bytes] = {}
         self._copies: dict[ExternalBlockHash, int] = {}
+        self._lower: dict[tuple[str, ExternalBlockHash], int] = {}  # (tier, e) -> copies
+        self._lower_tiers: dict[str, None] = {}  # lower tiers seen since the last reset
         self._orphans: dict[ExternalBlockHash, list[BlockStored]] = {}
         self._orphan_blocks = 0
 
@@ -150,6 +160,8 @@ class EventTranslator:
     def _reset(self) -> None:
         self._map.clear()
         self._copies.clear()
+        self._lower.clear()
+        self._lower_tiers.clear()
         self._drop_orphans()
 
     def _drop_orphans(self) -> None:
@@ -192,6 +204,12 @@ class EventTranslator:
         """Maps each engine hash of ``ev`` (one more copy) and emits its translation, then
         what the bound forgets (after it: the bound may forget blocks of ``ev`` itself)."""
         mapping, copies, form = self._map, self._copies, self.form
+        tier = _tier_of(ev)
+        if tier != MEDIUM_GPU:
+            lower = self._lower
+            self._lower_tiers[tier] = None
+            for e in ev.block_hashes:
+                lower[tier, e] = lower.get((tier, e), 0) + 1
         hashes: list[ExternalBlockHash] = []
         for e, d in zip(ev.block_hashes, digests, strict=True):
             old = mapping.pop(e, None)  # re-inserted: the entry becomes the most recent
@@ -214,6 +232,7 @@ class EventTranslator:
             ev.lora_name,
             ev.extra_keys,
             ev.group_idx,
+            ev.locality,
         )
         out.append(stored)
         if len(mapping) > self.max_entries:
@@ -221,20 +240,29 @@ class EventTranslator:
 
     def _forget(self, k: int, out: list[KVCacheEvent]) -> None:
         """Drops the ``k`` least recently stored entries; the index is told to drop them."""
-        mapping, copies, form = self._map, self._copies, self.form
-        gone: list[ExternalBlockHash] = []
+        mapping, copies, form, lower = self._map, self._copies, self.form, self._lower
+        gone: dict[str, list[ExternalBlockHash]] = {MEDIUM_GPU: []}  # tier -> removes
         for _ in range(k):
             e = next(iter(mapping))
-            d = mapping.pop(e)
-            gone.extend([to_external(d, form)] * copies.pop(e, 1))
+            f = to_external(mapping.pop(e), form)
+            left = copies.pop(e, 1)
+            for tier in self._lower_tiers if lower else ():
+                n = lower.pop((tier, e), 0)
+                if n:
+                    gone.setdefault(tier, []).extend([f] * n)
+                    left -= n
+            gone[MEDIUM_GPU].extend([f] * left)
         self.stats.forgotten += k
-        out.append(BlockRemoved(gone, None))
+        out.extend(BlockRemoved(hs, tier) for tier, hs in gone.items() if hs)
 
     def _remove(self, ev: BlockRemoved, out: list[KVCacheEvent]) -> None:
-        mapping, copies, form = self._map, self._copies, self.form
+        mapping, copies, form, lower = self._map, self._copies, self.form, self._lower
+        tier = _tier_of(ev)
         hashes: list[ExternalBlockHash] = []
         for e in ev.block_hashes:
             d = mapping.get(e)
+            if d is not None and (lower or tier != MEDIUM_GPU) and not self._take(tier, e):
+                d = None  # no copy of its own tier: see the module docstring
             if d is None:
                 self.stats.unknown_removals += 1
                 continue
@@ -246,7 +274,20 @@ class EventTranslator:
             hashes.append(to_external(d, form))
         if hashes:
             self.stats.removed += len(hashes)
-            out.append(BlockRemoved(hashes, ev.medium, ev.group_idx))
+            out.append(BlockRemoved(hashes, ev.medium, ev.group_idx, ev.locality))
+
+    def _take(self, tier: str, e: ExternalBlockHash) -> bool:
+        """Whether a copy of ``e`` in ``tier`` is mapped; counts a lower tier's one out."""
+        lower = self._lower
+        if tier != MEDIUM_GPU:
+            n = lower.get((tier, e), 0)
+            if n > 1:
+                lower[tier, e] = n - 1
+            elif n:
+                del lower[tier, e]
+            return n > 0
+        held = sum(lower.get((t, e), 0) for t in self._lower_tiers)
+        return self._copies.get(e, 1) > held
 
     def _hash(self, ev: BlockStored, parent: bytes | None) -> list[bytes]:
         """The fleet digests of ``ev``'s blocks (module docstring: how extra keys map)."""
@@ -281,6 +322,13 @@ class EventTranslator:
             )
             out.append(h)
         return out
+
+
+def _tier_of(ev: BlockStored | BlockRemoved) -> str:
+    medium = ev.medium
+    if (medium is None or medium == MEDIUM_GPU) and ev.locality is None:
+        return MEDIUM_GPU
+    return tier_name(medium, ev.locality)
 
 
 def _unmodelled(keys: Sequence[Any] | None, lora: str | None) -> list[Any]:

@@ -31,8 +31,29 @@ ExternalBlockHash = (
     | Annotated[int, msgspec.Meta(ge=0)]  # msgpack ints stop at uint64
 )
 
-MEDIUM_GPU = "GPU"
-MEDIUM_CPU = "CPU"
+# Where a copy lives, as events name it (vLLM's ``vllm.distributed.kv_events`` names).
+MEDIUM_GPU = "GPU"  # the device cache: the only tier a request reads without a load
+MEDIUM_CPU = "CPU"  # host memory (vLLM's OffloadingConnector, a kvroute host pool)
+MEDIUM_STORAGE = "STORAGE"  # local disk (vLLM's file-system offloading tier)
+LOWER_MEDIA = (MEDIUM_CPU, MEDIUM_STORAGE)  # the lower tiers routers price, fastest first
+_KNOWN_MEDIA = frozenset((MEDIUM_GPU, *LOWER_MEDIA))
+REMOTE = "REMOTE"  # vLLM's ``locality`` of a copy held away from the engine
+
+
+def tier_name(medium: str | None, locality: str | None = None) -> str:
+    """The tier a copy lives in, as routers key it. ``None`` (engines of one tier, which
+    omit it) is the device; a known name in any case is its canonical name ("cpu", as
+    LMCache spells it, is "CPU"); a copy vLLM marks ``locality="REMOTE"`` is
+    ``"<medium>@REMOTE"``, its own tier; anything else is kept as given, a tier of unknown
+    cost. Only ``"GPU"`` is the device: an unknown name never is."""
+    if medium is None or medium == MEDIUM_GPU:
+        name = MEDIUM_GPU
+    else:
+        up = medium.upper()
+        name = up if up in _KNOWN_MEDIA else medium
+    if locality is not None and locality.upper() == REMOTE:
+        return f"{name}@{REMOTE}"
+    return name
 
 
 class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
@@ -40,7 +61,10 @@ class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
 
     ``parent_block_hash`` is the hash of the block before ``block_hashes[0]`` (nil when the
     chain starts at block 0); each later hash's parent is the hash before it in the list.
-    ``token_ids`` are the tokens of all stored blocks, concatenated.
+    ``token_ids`` are the tokens of all stored blocks, concatenated. ``medium`` (and
+    vLLM's ``locality``) name the tier that holds the copies (:func:`tier_name`). vLLM's
+    offloading connector sends placeholders for lower-tier copies it has no metadata for:
+    one hash, no parent, no tokens, ``block_size`` 0; they are valid events.
     """
 
     block_hashes: list[ExternalBlockHash]
@@ -52,18 +76,23 @@ class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     lora_name: str | None
     extra_keys: list[list[Any] | None] | None = None
     group_idx: int | None = None
+    locality: str | None = None  # vLLM: "LOCAL" or "REMOTE"; None: the engine's own
 
 
 class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    """Blocks that stopped being findable by hash (evicted, or their slot reused)."""
+    """Blocks that stopped being findable by hash (evicted, or their slot reused), in the
+    tier ``medium`` (and ``locality``) names: one copy each, that tier's alone."""
 
     block_hashes: list[ExternalBlockHash]
     medium: str | None
     group_idx: int | None = None
+    locality: str | None = None
 
 
 class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
-    """The engine forgot every cached block (prefix-cache reset)."""
+    """The engine forgot every cached block, in every tier (a prefix-cache reset, a
+    restart). An engine that keeps a lower tier across a device reset stores its blocks
+    again after this event."""
 
 
 KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
@@ -174,6 +203,11 @@ _FIELDS: dict[str, tuple[type, tuple[str, ...]]] = {
     "BlockRemoved": (BlockRemoved, ("block_hashes", "medium", "group_idx")),
     "AllBlocksCleared": (AllBlocksCleared, ()),
 }
+# Fields that only maps carry (newer than every tagged-array layout): read by name.
+_MAP_ONLY: dict[str, tuple[str, ...]] = {
+    "BlockStored": ("locality",),
+    "BlockRemoved": ("locality",),
+}
 _REQUIRED = {"BlockStored": 4, "BlockRemoved": 1, "AllBlocksCleared": 0}
 
 
@@ -184,7 +218,7 @@ def _event(raw: Any) -> KVCacheEvent:
         if spec is None:
             raise MalformedBatchError(f"unknown event type {tag!r}")
         names = spec[1]
-        values = {k: raw[k] for k in names if k in raw}
+        values = {k: raw[k] for k in (*names, *_MAP_ONLY.get(tag, ())) if k in raw}
         if any(k not in values for k in names[: _REQUIRED[tag]]):
             raise MalformedBatchError(f"{tag} lacks a required field")
     elif isinstance(raw, list) and raw and isinstance(raw[0], str):
@@ -214,7 +248,8 @@ def _check(batch: EventBatch) -> None:
     """Semantic checks msgspec's types cannot express."""
     for ev in batch.events:
         if isinstance(ev, BlockStored):
-            if ev.block_size <= 0:
+            if ev.block_size < 0 or (ev.block_size == 0 and ev.token_ids):
+                # 0 only for a placeholder without tokens (vLLM's offloading connector)
                 raise MalformedBatchError("BlockStored.block_size must be positive")
             if not ev.block_hashes:
                 raise MalformedBatchError("BlockStored without block hashes")

@@ -34,6 +34,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
+from kvroute.events import MEDIUM_GPU
 from kvroute.events.load import CostCoefficients
 from kvroute.events.replica_api import SamplingParams
 from kvroute.kernels import AttentionMetadata, paged_attention, store_kv
@@ -379,8 +380,10 @@ class ModelRunner:
 
     @property
     def medium(self) -> str:
-        """Where the KV cache lives, as the block events name it."""
-        return "GPU" if self.device.type == "cuda" else "CPU"
+        """The block events' name for this cache: "GPU", the engine's primary (device) tier,
+        whatever the hardware, as vLLM names it on CPUs too; "CPU" names a host-memory tier
+        beneath it, whose copies cost a load (issue 38), so a CPU engine must not use it."""
+        return MEDIUM_GPU
 
     def prime(self, request_id: str, params: SamplingParams, draws: int) -> None:
         """A resumed request's generator skips the ``draws`` its earlier tokens took."""

@@ -3,7 +3,16 @@
 A chained block hash names its whole prefix, so the index needs no tokens: one entry per
 hash, shared by the replicas that hold it (a replica's tree is the entries with its bit set
 in their mask). Matching a request is one dict lookup and one integer test per block of its
-hash chain. Copies on any medium (GPU, CPU offload) count alike, as they do in BlockSet.
+hash chain.
+
+Tiers: only device copies (``medium`` ``"GPU"``, or none) are device hits. Copies in a lower
+tier (host memory ``"CPU"``, local disk ``"STORAGE"``, any other name) are kept apart, one
+sub-index per tier (``_tiers``, a :class:`PrefixIndex` each, fed and read under this
+index's lock, its replicas under the same bits), and :meth:`PrefixIndex.match_tiers` adds,
+beyond each replica's device hit, the run of blocks its lower tiers hold
+(:mod:`.index_tiers`: why, and what an unknown medium is credited). A remove names its tier
+and takes that tier's copy alone; ``AllBlocksCleared`` and :meth:`drop_replica` clear every
+tier. :meth:`match` stays the device's alone.
 
 Invariants (all guarded by ``_lock``):
 
@@ -46,6 +55,11 @@ Invariants (all guarded by ``_lock``):
   the replica's next stamp; ``rep.order`` maps each live stamp back to its hash (a
   bijection with ``rep.blocks``) and no live stamp is below ``rep.low``, so the oldest entry
   is found by counting up from ``rep.low``.
+- Tiers: ``_tiers`` maps a lower tier's name (:func:`~kvroute.events.tier_name`, never
+  ``"GPU"``) to a sub-index holding that tier's copies, under these invariants itself
+  (predictions excepted: it has none). Its replicas are a subset of this index's, each with
+  the same bit. At most ``MAX_TIERS`` tiers; blocks of further media are counted
+  (``unindexed_tier_blocks``) and dropped.
 - Garbage-collector silence: every per-block container is a plain dict of atomic keys and
   values (bytes or int hashes, int masks and stamps, float expiries, None) or a ``gc=False``
   struct, none of which CPython tracks. A full collection therefore never walks the index
@@ -65,30 +79,38 @@ import heapq
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from operator import length_hint
 from typing import Any
 
-import msgspec
-
-from kvroute.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvroute.events import (
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    tier_name,
+)
 from kvroute.events import ExternalBlockHash as Hash
 from kvroute.events.transport import ReplicaBatch
 
-_Kids = Hash | dict[Hash, None] | None  # compact child set, see module docstring
+from .index_tiers import MAX_TIERS, LowerTiers, TierMatch, tier_rank
+from .index_tree import (
+    Kids,
+    Node,
+    add_kid,
+    check_tree,
+    discard_kid,
+    export_node,
+    fix_depths,
+    link,
+)
+
+__all__ = ["PREDICTION_SAMPLE_TOKENS", "PrefixIndex", "TierMatch", "prediction_stride"]
+
 _CHUNK = 256  # blocks applied per lock hold
 _INTERN_MAX = 65536  # interned masks kept before the cache starts over
 PREDICTION_SAMPLE_TOKENS = 128  # tokens between two predicted blocks (see the docstring)
-
-
-class _Node(msgspec.Struct, gc=False):
-    """Tree links of one hash. Untracked by the garbage collector (it holds no cycles), so
-    a million of them add nothing to the collector's pauses."""
-
-    parent: Hash | None
-    tokens: int  # tokens in this block
-    children: _Kids = None
-    depth: int | None = None
 
 
 class _Holdings:
@@ -118,34 +140,12 @@ class _Holdings:
         self.unknown_removals = 0  # removes of hashes the index did not hold
 
 
-def _add(kids: _Kids, h: Hash) -> _Kids:
-    if type(kids) is dict:
-        kids[h] = None
-        return kids
-    return h if kids is None or kids == h else {kids: None, h: None}
-
-
-def _discard(kids: _Kids, h: Hash) -> _Kids:
-    if type(kids) is dict:
-        kids.pop(h, None)
-        return kids if len(kids) > 1 else next(iter(kids), None)
-    return None if kids == h else kids
-
-
-def _members(kids: _Kids) -> Iterable[Hash]:
-    return () if kids is None else kids if type(kids) is dict else (kids,)
-
-
-def _external(h: Hash | None) -> str | int | None:
-    return h.hex() if isinstance(h, bytes) else h
-
-
 def prediction_stride(block_size: int) -> int:
     """Blocks between two predicted blocks, for blocks of ``block_size`` tokens."""
     return max(1, PREDICTION_SAMPLE_TOKENS // max(block_size, 1))
 
 
-class PrefixIndex:
+class PrefixIndex(LowerTiers):
     """Per replica, the blocks it holds; per request, how many leading blocks each holds."""
 
     def __init__(
@@ -153,9 +153,15 @@ class PrefixIndex:
         max_blocks_per_replica: int = 1_000_000,
         clock: Callable[[], float] = time.monotonic,
         prediction_stride: int = 1,
+        max_lower_blocks_per_replica: int | None = None,
     ) -> None:
         if max_blocks_per_replica < 1:
             raise ValueError("max_blocks_per_replica must be >= 1")
+        # A lower tier is larger than the device's (a host tier of several times it): its
+        # bound, per tier, defaults to 4x the device's.
+        self.max_lower_blocks_per_replica = max_lower_blocks_per_replica or (
+            4 * max_blocks_per_replica
+        )
         if prediction_stride < 1:
             raise ValueError("prediction_stride must be >= 1")
         self.max_blocks_per_replica = max_blocks_per_replica
@@ -164,14 +170,17 @@ class PrefixIndex:
         self._clock = clock
         self._lock = threading.Lock()
         self._masks: dict[Hash, int] = {}  # the hot path's map: hash -> bits of its holders
-        self._nodes: dict[Hash, _Node] = {}  # same keys: the tree, for inspection
+        self._nodes: dict[Hash, Node] = {}  # same keys: the tree, for inspection
         self._pmasks: dict[Hash, int] = {}  # hash -> bits of replicas predicted to hold it
-        self._orphans: dict[Hash, _Kids] = {}
+        self._orphans: dict[Hash, Kids] = {}
         self._replicas: dict[str, _Holdings] = {}
         self._names: list[str | None] = []  # bit index -> replica id (None: free)
         self._expiries: list[tuple[float, int, str, tuple[Hash, ...]]] = []  # heap
         self._seq = itertools.count()
         self._interned: dict[int, int] = {}
+        self._tiers: dict[str, PrefixIndex] = {}  # lower tier -> its copies (docstring)
+        self._tier_list: list[tuple[str, PrefixIndex]] = []  # the same, fastest first
+        self.unindexed_tier_blocks = 0  # blocks of tiers beyond MAX_TIERS, dropped
 
     # -- events (where the subscriber runs) -------------------------------------------------
     def on_batch(self, item: ReplicaBatch) -> None:
@@ -188,7 +197,15 @@ class PrefixIndex:
                     raise TypeError(f"not a KV cache event: {type(ev).__name__}")
                 with lock:
                     self._reset(self._replica(replica_id))
+                    if self._tiers:
+                        self._reset_tiers(replica_id)
                 continue
+            medium = ev.medium
+            if (medium is not None and medium != MEDIUM_GPU) or ev.locality is not None:
+                tier = tier_name(medium, ev.locality)
+                if tier != MEDIUM_GPU:
+                    self._apply_lower(replica_id, tier, ev, stored)
+                    continue
             hashes = ev.block_hashes
             if len(hashes) <= _CHUNK:  # the engine's usual event: one lock hold
                 with lock:
@@ -206,6 +223,16 @@ class PrefixIndex:
                         self._store(rep, hashes[i : i + _CHUNK], parent, ev.block_size)
                     else:
                         self._remove(rep, hashes[i : i + _CHUNK])
+
+    def _replica_at(self, rid: str, bit: int) -> _Holdings:
+        """The replica's holdings under ``bit`` (a tier's sub-index: the parent's bit)."""
+        rep = self._replicas.get(rid)
+        if rep is None:
+            idx = bit.bit_length() - 1
+            self._names.extend([None] * (idx + 1 - len(self._names)))
+            self._names[idx] = rid
+            rep = self._replicas[rid] = _Holdings(bit)
+        return rep
 
     def _replica(self, rid: str) -> _Holdings:
         rep = self._replicas.get(rid)
@@ -244,19 +271,19 @@ class PrefixIndex:
             if m is None:
                 if pnode is not None:  # pnode exists, h does not: so parent != h
                     d = pnode.depth
-                    node = _Node(parent, bs, None, None if d is None else d + 1)
+                    node = Node(parent, bs, None, None if d is None else d + 1)
                     kids = pnode.children
-                    pnode.children = h if kids is None else _add(kids, h)
+                    pnode.children = h if kids is None else add_kid(kids, h)
                 elif parent is None or parent == h:
-                    node = _Node(None, bs, None, 0)
+                    node = Node(None, bs, None, 0)
                 else:  # the parent is not known (yet): wait among the orphans
-                    node = _Node(parent, bs)
-                    orphans[parent] = _add(orphans.get(parent), h)
+                    node = Node(parent, bs)
+                    orphans[parent] = add_kid(orphans.get(parent), h)
                 masks[h] = solo
                 nodes[h] = node
                 if orphans and (kids := orphans.pop(h, None)) is not None:
                     node.children = kids  # adopt the blocks that arrived before h
-                    self._fix_depths(node)
+                    fix_depths(self._nodes, node)
                 blocks[h] = st
                 order[st] = h
             else:
@@ -326,42 +353,12 @@ class PrefixIndex:
         rep.predicted.clear()
         rep.low = rep.tick
 
-    # -- tree upkeep -----------------------------------------------------------------------
-    def _link(self, h: Hash, node: _Node) -> None:
-        """Hang ``node`` under its parent (or among the orphans) and fix depths below it."""
-        parent = node.parent
-        if parent is None:
-            node.depth = 0
-        elif (p := self._nodes.get(parent)) is not None:
-            p.children = _add(p.children, h)
-            node.depth = None if p.depth is None else p.depth + 1
-        else:
-            self._orphans[parent] = _add(self._orphans.get(parent), h)
-        if node.children is not None:
-            self._fix_depths(node)
-
-    def _fix_depths(self, node: _Node) -> None:
-        """Give ``node``'s subtree the depths that ``node.depth`` implies."""
-        nodes = self._nodes
-        stack, seen = [(node, node.depth)], set()  # seen: bogus events may close a cycle
-        while stack:
-            n, d = stack.pop()
-            if id(n) in seen:
-                continue
-            seen.add(id(n))
-            n.depth = d
-            cd = None if d is None else d + 1
-            for c in _members(n.children):
-                child = nodes[c]
-                if child.depth != cd:
-                    stack.append((child, cd))
-
-    def _reparent(self, h: Hash, node: _Node, parent: Hash) -> None:
+    def _reparent(self, h: Hash, node: Node, parent: Hash) -> None:
         if node.parent is not None or parent == h:
             self.parent_conflicts += 1
             return
         node.parent, node.depth = parent, None  # a root only for want of knowing better
-        self._link(h, node)
+        link(self._nodes, self._orphans, h, node)
 
     def _clear_pbit(self, h: Hash, bit: int) -> None:
         pmasks = self._pmasks
@@ -382,8 +379,8 @@ class PrefixIndex:
         parent = node.parent
         if parent is not None:
             if (p := self._nodes.get(parent)) is not None:
-                p.children = _discard(p.children, h)
-            elif (rest := _discard(self._orphans.get(parent), h)) is None:
+                p.children = discard_kid(p.children, h)
+            elif (rest := discard_kid(self._orphans.get(parent), h)) is None:
                 self._orphans.pop(parent, None)
             else:
                 self._orphans[parent] = rest
@@ -396,44 +393,48 @@ class PrefixIndex:
         holds (stored or predicted). One walk; stops when no replica is left."""
         if type(hashes) is not list and type(hashes) is not tuple:
             hashes = list(hashes)
-        total, out = len(hashes), {}
-        if not total:
-            return out
+        if not hashes:
+            return {}
         with self._lock:
-            if self._expiries:
-                self._expire(self._clock() if now is None else now)
-            # Lookups run in C (map); the block number is only needed when a replica drops
-            # out, and is read off the list iterator then: this loop is the routing hot path.
-            # Its cost is memory, not bytecode: one cache miss per block in a dict of ~1 M.
-            # Predictions are consulted only where the stored masks would drop a replica.
-            pmasks, interned, k, last = (
-                self._pmasks,
-                self._interned,
-                self.prediction_stride,
-                total - 1,
-            )
-            rest = iter(hashes)
-            masks = map(self._masks.get, rest, itertools.repeat(0))
-            alive = next(masks, 0)
-            if pmasks:
-                alive |= pmasks.get(hashes[min(k - 1, last)], 0)
-                alive = interned.get(alive, alive)
-            if not alive:
-                return out
-            for m in masks:
-                if m is alive:  # interned: the same holders as the block before
-                    continue
-                if (m & alive) != alive:  # some replicas miss this block (all, if m is 0)
-                    i = total - length_hint(rest) - 1
-                    if pmasks:  # the sampled block at or after i (see the docstring)
-                        m |= pmasks.get(hashes[min(i + k - 1 - i % k, last)], 0)
-                        if (m & alive) == alive:
-                            continue
-                    _credit(self._names, alive & ~m, i, out)
-                    alive = interned.get(alive & m, alive & m)
-                    if not alive:
-                        return out
-            _credit(self._names, alive, total, out)
+            return self._match(hashes, now)
+
+    def _match(self, hashes: Sequence[Hash], now: float | None = None) -> dict[str, int]:
+        """:meth:`match`'s walk, under the lock, over a non-empty list or tuple."""
+        total, out = len(hashes), {}
+        if self._expiries:
+            self._expire(self._clock() if now is None else now)
+        # Lookups run in C (map); the block number is only needed when a replica drops
+        # out, and is read off the list iterator then: this loop is the routing hot path.
+        # Its cost is memory, not bytecode: one cache miss per block in a dict of ~1 M.
+        # Predictions are consulted only where the stored masks would drop a replica.
+        pmasks, interned, k, last = (
+            self._pmasks,
+            self._interned,
+            self.prediction_stride,
+            total - 1,
+        )
+        rest = iter(hashes)
+        masks = map(self._masks.get, rest, itertools.repeat(0))
+        alive = next(masks, 0)
+        if pmasks:
+            alive |= pmasks.get(hashes[min(k - 1, last)], 0)
+            alive = interned.get(alive, alive)
+        if not alive:
+            return out
+        for m in masks:
+            if m is alive:  # interned: the same holders as the block before
+                continue
+            if (m & alive) != alive:  # some replicas miss this block (all, if m is 0)
+                i = total - length_hint(rest) - 1
+                if pmasks:  # the sampled block at or after i (see the docstring)
+                    m |= pmasks.get(hashes[min(i + k - 1 - i % k, last)], 0)
+                    if (m & alive) == alive:
+                        continue
+                _credit(self._names, alive & ~m, i, out)
+                alive = interned.get(alive & m, alive & m)
+                if not alive:
+                    return out
+        _credit(self._names, alive, total, out)
         return out
 
     def predict(
@@ -513,12 +514,17 @@ class PrefixIndex:
         """Forget a replica that went away, in O(its blocks). False if it was unknown.
         Events that arrive for it later bring it back: stop its subscription first."""
         with self._lock:
-            rep = self._replicas.pop(replica_id, None)
-            if rep is None:
-                return False
-            self._reset(rep)
-            self._names[rep.bit.bit_length() - 1] = None
-            return True
+            return self._drop(replica_id)
+
+    def _drop(self, replica_id: str) -> bool:
+        rep = self._replicas.pop(replica_id, None)
+        if rep is None:
+            return False
+        self._reset(rep)
+        self._names[rep.bit.bit_length() - 1] = None
+        for sub in self._tiers.values():  # no stale lower-tier copy outlives it
+            sub._drop(replica_id)
+        return True
 
     def __len__(self) -> int:
         """Distinct hashes indexed (predicted ones included)."""
@@ -529,9 +535,11 @@ class PrefixIndex:
         with self._lock:
             return sorted(self._replicas)
 
-    def num_blocks(self, replica_id: str) -> int:
-        """Distinct hashes the replica holds per its events (predictions excluded)."""
-        rep = self._replicas.get(replica_id)
+    def num_blocks(self, replica_id: str, tier: str = MEDIUM_GPU) -> int:
+        """Distinct hashes the replica holds per its events (predictions excluded), in
+        ``tier`` (a :func:`~kvroute.events.tier_name`; the device's by default)."""
+        index = self if tier == MEDIUM_GPU else self._tiers.get(tier)
+        rep = index._replicas.get(replica_id) if index is not None else None
         return len(rep.blocks) if rep else 0
 
     def num_predicted(self, replica_id: str, now: float | None = None) -> int:
@@ -540,11 +548,13 @@ class PrefixIndex:
             rep = self._replicas.get(replica_id)
             return len(rep.predicted) if rep else 0
 
-    def counts(self, replica_id: str) -> dict[Hash, int]:
-        """Hash -> copies held by the replica, least recently touched first (a copy)."""
+    def counts(self, replica_id: str, tier: str = MEDIUM_GPU) -> dict[Hash, int]:
+        """Hash -> copies held by the replica in ``tier`` (the device's by default), least
+        recently touched first (a copy)."""
         with self._lock:
-            rep = self._replicas.get(replica_id)
-            return dict(self._lru(rep)) if rep else {}
+            index = self if tier == MEDIUM_GPU else self._tiers.get(tier)
+            rep = index._replicas.get(replica_id) if index is not None else None
+            return dict(index._lru(rep)) if rep and index else {}
 
     def _lru(self, rep: _Holdings) -> list[tuple[Hash, int]]:
         """(hash, copies) of a replica's stored entries, least recently touched first."""
@@ -559,28 +569,29 @@ class PrefixIndex:
             if rep is None:
                 raise KeyError(replica_id)
             held = [*self._lru(rep), *((h, 0) for h in rep.predicted)]  # 0: predicted
-            nodes = [self._export_node(h, copies) for h, copies in held]
+            nodes = [export_node(self._nodes, h, copies) for h, copies in held]
             out: dict[str, Any] = {
                 "replica_id": replica_id,
                 "num_blocks": len(rep.blocks),
                 "num_predicted": len(rep.predicted),
                 "num_tokens": sum(d["tokens"] for d in nodes if d["copies"]),
                 "evicted": rep.evicted,
-                "unknown_removals": rep.unknown_removals,
+                "unknown_removals": rep.unknown_removals  # every tier's
+                + sum(
+                    srep.unknown_removals
+                    for _, sub in self._tier_list
+                    if (srep := sub._replicas.get(replica_id)) is not None
+                ),
+                # blocks per lower tier: a load away, never device hits
+                "tiers": {
+                    t: len(srep.blocks)
+                    for t, sub in self._tier_list
+                    if (srep := sub._replicas.get(replica_id)) is not None
+                },
             }
         nodes.sort(key=lambda d: (d["depth"] is None, d["depth"] or 0))
         out["nodes"] = nodes
         return out
-
-    def _export_node(self, h: Hash, copies: int) -> dict[str, Any]:
-        n = self._nodes.get(h)
-        if n is None:  # only predicted anywhere: no tree node, so no parent known
-            out = dict(hash=_external(h), parent=None, depth=None, tokens=0)
-        else:
-            out = dict(
-                hash=_external(h), parent=_external(n.parent), depth=n.depth, tokens=n.tokens
-            )
-        return out | {"copies": copies, "predicted": not copies}
 
     def check_invariants(self) -> None:
         """Asserts the module docstring's invariants, in O(size): for tests and debugging."""
@@ -602,21 +613,15 @@ class PrefixIndex:
                     pwant[h] = pwant.get(h, 0) | rep.bit
             assert self._masks == want and self._nodes.keys() == want.keys(), "masks disagree"
             assert self._pmasks == pwant, "prediction masks disagree"
-            for h, node in self._nodes.items():
-                p = self._nodes.get(node.parent) if node.parent is not None else None
-                if node.parent is None:
-                    assert node.depth == 0, f"root {h!r} at depth {node.depth}"
-                elif p is None:
-                    assert h in _members(self._orphans.get(node.parent)), f"{h!r} lost"
-                else:
-                    assert h in _members(p.children), f"{h!r} not among its parent's children"
-                    assert node.depth == (None if p.depth is None else p.depth + 1), "depth"
-                for c in _members(node.children):
-                    assert self._nodes[c].parent == h, "child names another parent"
-            for parent, kids in self._orphans.items():
-                assert parent not in self._nodes, "orphan of a present parent"
-                for c in _members(kids):
-                    assert self._nodes[c].parent == parent, "orphan names another parent"
+            check_tree(self._nodes, self._orphans)
+            assert len(self._tiers) <= MAX_TIERS and MEDIUM_GPU not in self._tiers
+            assert [t for t, _ in self._tier_list] == sorted(self._tiers, key=tier_rank)
+            for sub in self._tiers.values():
+                assert not sub._pmasks and not sub._tiers, "a tier with predictions or tiers"
+                for rid, srep in sub._replicas.items():
+                    assert srep.bit == self._replicas[rid].bit, "a tier's bit differs"
+        for sub in self._tiers.values():
+            sub.check_invariants()
 
 
 def _credit(names: list[str | None], bits: int, n: int, out: dict[str, int]) -> None:

@@ -26,6 +26,24 @@ requests holding ``C`` KV tokens, ``F`` free blocks of ``T``)::
                                                       running request: its tokens are
                                                       recomputed, and it waits meanwhile
 
+Lower KV tiers (host memory, local disk): the index reports, beyond a replica's device hit
+of ``h`` tokens, ``l_t`` more tokens it holds in tier ``t``
+(:meth:`~kvroute.router.index.PrefixIndex.match_tiers`). They are neither device hits nor
+misses: the engine loads them instead of computing them, so::
+
+    prefill  = prefill_s(n - h - l, cached=h + l) + load     l = sum of l_t over credited tiers
+    load     = sum over t of l_t * tier_load_s_per_token(t)  bytes over the tier's bandwidth
+
+a lower-tier hit is worth its recompute less its load. Loaded tokens still take new device
+blocks, so ``evict`` and ``capacity`` count them as uncached. ``evict`` still prices the
+``R`` future refetches as recomputes, though a replica with a host tier keeps what it
+evicts there: priced as loads, the term lost the pressure signal it also carries (on
+``agents`` with 2,000-block devices and a 4x host tier, 1.5x the preemptions and a lower hit
+rate, 2026-12), so it was not kept. A tier the replica's
+coefficients give no load cost for (an unknown medium) is credited nothing: its tokens
+are priced as uncached. ``kv_tier_blind`` is kv as it was before tiers were told apart:
+every lower-tier copy counted as a device hit (the baseline the peers' users warn about).
+
 Why ``R = U / (T - U)`` (:func:`evicted_reuse`), with ``T`` the replica's KV blocks and
 ``U = T - F + (new blocks of this request)`` those committed to live work (held by its
 running requests, placed there by this router since its report, and this one): lazy LRU
@@ -86,8 +104,10 @@ from kvroute.events import BlockHasher, BlockStored, EventBatch
 from kvroute.events import ExternalBlockHash as Hash
 from kvroute.events.load import REFERENCE_COEFFICIENTS, CostCoefficients
 
-from .index import PrefixIndex
+from .index import PrefixIndex, TierMatch
 from .load import LoadTracker, LoadView
+
+Lower = tuple[tuple[str, int], ...]  # (tier, blocks) beyond the device hit: TierMatch.lower
 
 
 class NoReplicaError(RuntimeError):
@@ -140,20 +160,42 @@ class CostParts(NamedTuple):
     evict: float
     decode: float
     capacity: float
+    load: float = 0.0  # loading its lower-tier blocks into the device
 
     @property
     def total(self) -> float:
-        return self.wait + self.prefill + self.evict + self.decode + self.capacity
+        return self.wait + self.prefill + self.evict + self.decode + self.capacity + self.load
+
+
+def lower_credit(c: CostCoefficients, lower: Lower, block_size: int) -> tuple[int, float]:
+    """(tokens, seconds): the lower-tier tokens a replica with coefficients ``c`` loads
+    instead of computing, and the load's time; tiers it gives no load cost for are left
+    out (their tokens are computed)."""
+    tokens, seconds = 0, 0.0
+    for tier, blocks in lower:
+        per = c.tier_load_s_per_token(tier)
+        if per is not None:
+            tokens += blocks * block_size
+            seconds += blocks * block_size * per
+    return tokens, seconds
 
 
 def price(
-    c: CostCoefficients, view: LoadView, n: int, hit: int, out: float, block_size: int
+    c: CostCoefficients,
+    view: LoadView,
+    n: int,
+    hit: int,
+    out: float,
+    block_size: int,
+    lower: Lower = (),
 ) -> CostParts:
-    """The seconds a request of ``n`` prompt tokens (``hit`` cached there, ``out`` expected
-    output tokens) costs on a replica with coefficients ``c`` and load ``view``; the formula
-    and why each term is there are in the module docstring. The reference for
-    :meth:`KVPolicy.choose`, which computes the same sums inline."""
+    """The seconds a request of ``n`` prompt tokens (``hit`` in the device cache there,
+    ``lower`` blocks beyond it in lower tiers, ``out`` expected output tokens) costs on a
+    replica with coefficients ``c`` and load ``view``; the formula and why each term is
+    there are in the module docstring. The reference for :meth:`KVPolicy.choose`, which
+    computes the same sums inline."""
     queued, context, decoding, _, free, total = view
+    loaded, load_s = lower_credit(c, lower, block_size) if lower else (0, 0.0)
     f = DECODE_OVERLAP
     decode = out * c.decode_step_s(f * decoding + 1, f * context + n + 0.5 * out)
     new_blocks = -(-(n + int(out)) // block_size) - hit // block_size
@@ -161,10 +203,11 @@ def price(
     reuse = evicted_reuse(free, total, new_blocks)
     return CostParts(
         wait=queued * c.prefill_s_per_token,
-        prefill=c.prefill_s(n - hit, hit),
+        prefill=c.prefill_s(n - hit - loaded, hit + loaded),
         evict=(n - hit) * c.prefill_s_per_token * reuse,
         decode=decode,
         capacity=2.0 * c.prefill_s(short * block_size) if short > 0 else 0.0,
+        load=load_s,
     )
 
 
@@ -176,6 +219,7 @@ class Decision:
     # held more, or load alone decided; spread -- no cache or load figure was used, or no
     # replica held any of the prefix.
     reason: str = "spread"
+    loaded_tokens: int = 0  # beyond hit_tokens: tokens it expects loaded from lower tiers
 
 
 class Policy(ABC):
@@ -200,8 +244,9 @@ class Policy(ABC):
     def on_routed(self, req: RequestView, decision: Decision, now: float) -> None:
         n, bs, hit = req.num_prompt_tokens, req.block_size, decision.hit_tokens
         out = int(self.load.expected_output_tokens(req.max_tokens))
-        blocks = -(-(n + out) // bs) - hit // bs
-        self.load.on_routed(req.request_id, decision.replica, n - hit, n, blocks)
+        blocks = -(-(n + out) // bs) - hit // bs  # loaded tokens take new blocks too
+        prefill = n - hit - decision.loaded_tokens
+        self.load.on_routed(req.request_id, decision.replica, prefill, n, blocks)
 
     def on_first_token(self, request_id: str, now: float) -> None:
         self.load.on_first_token(request_id)
@@ -268,24 +313,40 @@ class KVPolicy(Policy):
         self.prediction_ttl_s = prediction_ttl_s
         self.default_coefficients = default_coefficients
 
-    def _match(self, req: RequestView, now: float) -> dict[str, int]:
-        """Leading blocks held per replica, over the blocks a hit may cover (prompt - 1)."""
+    def _match(self, req: RequestView, now: float) -> tuple[dict[str, int], dict[str, Lower]]:
+        """Leading blocks held per replica, over the blocks a hit may cover (prompt - 1): in
+        its device cache, and beyond them in its lower tiers (empty while no replica has
+        stored to one: the device walk alone)."""
         cap = max(req.num_prompt_tokens - 1, 0) // req.block_size
         if not cap or not req.reads_cache:
-            return {}
+            return {}, {}
         hashes = req.block_hashes
-        return self.index.match(hashes[:cap] if len(hashes) > cap else hashes, now)
+        hashes = hashes[:cap] if len(hashes) > cap else hashes
+        if not self.index.has_lower_tiers:
+            return self.index.match(hashes, now), {}
+        return self._split(self.index.match_tiers(hashes, now))
+
+    def _split(self, matched: dict[str, TierMatch]) -> tuple[dict[str, int], dict[str, Lower]]:
+        """Device hits, and the lower-tier extensions where there are any."""
+        return (
+            {r: m.device for r, m in matched.items() if m.device},
+            {r: m.lower for r, m in matched.items() if m.lower},
+        )
 
     def breakdown(
         self, req: RequestView, replicas: Sequence[str], now: float
     ) -> dict[str, CostParts]:
         """Per replica, the predicted seconds by part (for inspection, tests and logs)."""
-        matched, o = self._match(req, now), self.load.expected_output_tokens(req.max_tokens)
+        (matched, lower), o = (
+            self._match(req, now),
+            self.load.expected_output_tokens(req.max_tokens),
+        )
         out = {}
+        n, bs = req.num_prompt_tokens, req.block_size
         for r in replicas:
             c = self.load.coefficients(r) or self.default_coefficients
-            hit = matched.get(r, 0) * req.block_size
-            out[r] = price(c, self.load.get(r, now), req.num_prompt_tokens, hit, o, req.block_size)
+            hit = matched.get(r, 0) * bs
+            out[r] = price(c, self.load.get(r, now), n, hit, o, bs, lower.get(r, ()))
         return out
 
     def costs(self, req: RequestView, replicas: Sequence[str], now: float) -> dict[str, float]:
@@ -295,26 +356,34 @@ class KVPolicy(Policy):
         """Lowest (seconds, requests in flight), then a seeded coin among the tied.
 
         :func:`price`'s sums, inline: this loop and the index walk are the routing hot path.
-        What depends only on the replica's coefficients and hit (its prefill and the tokens
-        an eviction would cost to recompute) is computed once per distinct pair, so a fleet
-        of one hardware kind pays it once for all the replicas that miss."""
-        matched, n, bs = self._match(req, now), req.num_prompt_tokens, req.block_size
+        What depends only on the replica's coefficients and hit (its prefill, lower-tier
+        loads included, and the tokens an eviction would cost to recompute) is computed once
+        per distinct pair, so a fleet of one hardware kind pays it once for all the replicas
+        that miss."""
+        (matched, lower), n, bs = self._match(req, now), req.num_prompt_tokens, req.block_size
         out = self.load.expected_output_tokens(req.max_tokens)
         load, coef, default = self.load.get, self.load.coefficients, self.default_coefficients
         f, own_ctx = DECODE_OVERLAP, n + 0.5 * out
         need = -(-(n + int(out)) // bs)
-        fixed: dict[tuple[int, int], tuple[float, float]] = {}
+        fixed: dict[tuple[int, int, Lower], tuple[float, float, int]] = {}
         best, fewest, tied = float("inf"), 0, []
         for r in replicas:
             queued, context, decoding, count, free, total = load(r, now)
             c = coef(r) or default
             blocks = matched.get(r, 0)
-            key = (id(c), blocks)
-            pair = fixed.get(key)
-            if pair is None:  # prefill, and one recompute of what it evicts: uncached tokens
+            ext = lower.get(r, ()) if lower else ()
+            key = (id(c), blocks, ext)
+            triple = fixed.get(key)
+            if triple is None:  # prefill (and loads), one recompute of what it evicts
                 hit = blocks * bs
-                pair = fixed[key] = (c.prefill_s(n - hit, hit), (n - hit) * c.prefill_s_per_token)
-            base, recompute = pair
+                loaded, load_s = lower_credit(c, ext, bs) if ext else (0, 0.0)
+                cached = hit + loaded
+                triple = fixed[key] = (
+                    c.prefill_s(n - cached, cached) + load_s,
+                    (n - hit) * c.prefill_s_per_token,
+                    loaded,
+                )
+            base, recompute, _ = triple
             left = free - need + blocks  # blocks left once its own are placed; < 0: short
             if total > 0:  # evicted_reuse, inline
                 if left < total:
@@ -337,9 +406,16 @@ class KVPolicy(Policy):
             elif cost == best and count == fewest:
                 tied.append(r)
         r = tied[0] if len(tied) == 1 else self.rng.choice(tied)
-        held, most = matched.get(r, 0), max(matched.values(), default=0)
-        reason = "spread" if not most else "cache_hit" if held == most else "load"
-        return Decision(r, held * bs, reason)
+        held = matched.get(r, 0)
+        if lower:
+            c = coef(r) or default
+            loaded = fixed[(id(c), held, lower.get(r, ()))][2]
+            span = {x: matched.get(x, 0) + sum(b for _, b in lower.get(x, ())) for x in replicas}
+            mine, most = span[r], max(span.values(), default=0)
+        else:
+            loaded, mine, most = 0, held, max(matched.values(), default=0)
+        reason = "spread" if not most else "cache_hit" if mine == most else "load"
+        return Decision(r, held * bs, reason, loaded)
 
     def on_routed(self, req: RequestView, decision: Decision, now: float) -> None:
         super().on_routed(req, decision, now)
@@ -352,6 +428,17 @@ class KVPolicy(Policy):
     def on_replica_removed(self, replica: str) -> list[str]:
         self.index.drop_replica(replica)
         return super().on_replica_removed(replica)
+
+
+class KVTierBlind(KVPolicy):
+    """kv with every lower-tier copy counted as a device hit, as the index counted them
+    before it told tiers apart (and as peers' routers still do): a baseline to measure
+    tier-aware pricing against, not a policy to run."""
+
+    name = "kv_tier_blind"
+
+    def _split(self, matched: dict[str, TierMatch]) -> tuple[dict[str, int], dict[str, Lower]]:
+        return {r: m.blocks for r, m in matched.items()}, {}
 
 
 class ApproxText(Policy):
@@ -428,7 +515,7 @@ class ApproxText(Policy):
         return super().on_replica_removed(replica)
 
 
-POLICIES = ("kv", "round_robin", "random", "least_loaded", "approx_text")
+POLICIES = ("kv", "round_robin", "random", "least_loaded", "approx_text", "kv_tier_blind")
 
 
 def make_policy(
@@ -442,10 +529,11 @@ def make_policy(
 ) -> Policy:
     """A policy by name. ``kv`` needs the event-fed ``index``; ``approx_text`` chunks by
     ``block_size``; ``kv_params`` (prediction_ttl_s) tune kv."""
-    if name == "kv":
+    if name in ("kv", "kv_tier_blind"):
         if index is None:
-            raise ValueError("the kv policy needs a PrefixIndex fed by the replicas' events")
-        return KVPolicy(index, load, seed, **kv_params)
+            raise ValueError(f"the {name} policy needs a PrefixIndex fed by the replicas' events")
+        cls = KVPolicy if name == "kv" else KVTierBlind
+        return cls(index, load, seed, **kv_params)
     if name == "approx_text":
         return ApproxText(block_size, load, seed)
     simple: dict[str, type[Policy]] = {

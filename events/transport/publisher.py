@@ -275,9 +275,9 @@ class ZmqEventPublisher:
 
     def _serve_snapshot(self, ident: bytes) -> None:
         with self._lock:
-            records = self.state.records()
+            records, lower = self.state.records(), self.state.tier_records()
             seq = self._next_seq - 1
-        events = snapshot_events(records)
+        events = snapshot_events(records, *lower.values())  # every tier, device first
         send = self._replay.send_multipart  # type: ignore[union-attr]
         seq_raw = pack_seq(seq)
         first: list = [AllBlocksCleared()]
