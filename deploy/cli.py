@@ -136,7 +136,9 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     sim.add_argument(
         "--policy",
         default="kv,round_robin,random,least_loaded,approx_text",
-        help="comma-separated: kv, round_robin, random, least_loaded, approx_text",
+        help="comma-separated: kv, round_robin, random, least_loaded, approx_text, "
+        "kv_tier_blind (kv counting host copies as device hits); a name ending in :nohost "
+        "runs on the fleet without its host tier (kv:nohost: device-only kv)",
     )
     sim.add_argument(
         "--profile",
@@ -150,6 +152,27 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     sim.add_argument("--event-delay-ms", type=float, default=5.0)
     sim.add_argument("--event-loss", type=float, default=0.0, help="fraction of batches lost")
     sim.add_argument("--kv-ttl", type=float, default=None, help="prediction TTL (s)")
+    host = sim.add_mutually_exclusive_group()
+    host.add_argument(
+        "--host-kv-blocks",
+        type=int,
+        default=None,
+        help="a host KV tier per replica of N blocks: device evictions are copied there, "
+        "and a prefix found there is loaded, not recomputed (default: no host tier)",
+    )
+    host.add_argument(
+        "--host-kv-multiple",
+        type=float,
+        default=None,
+        metavar="X",
+        help="a host KV tier per replica of X times its device blocks",
+    )
+    sim.add_argument(
+        "--host-bandwidth-gbps",
+        type=float,
+        default=None,
+        help="host link GB/s each way (default: the profile's, h100-8b 48, a100-8b 24)",
+    )
     sim.add_argument("--no-bounds", action="store_true", help="skip ceiling and pooled bound")
     sim.add_argument(
         "--long-prefill-token-threshold",
@@ -348,17 +371,25 @@ def _sweep(args: argparse.Namespace, policies: list[str], cfg: Any, progress: An
 
 
 def _simulate(args: argparse.Namespace) -> int:
+    import dataclasses
     import json
 
     from kvroute.replica.cost_model import PROFILES
     from kvroute.router.policy import POLICIES
     from kvroute.sim.report import format_table, simulate, stderr_progress, to_json
-    from kvroute.sim.simulator import SimConfig
+    from kvroute.sim.simulator import SimConfig, split_policy
     from kvroute.sim.traces import load_mooncake, specs_from_trace
     from kvroute.sim.workloads import make_workload
 
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
-    bad = [p for p in policies if p not in POLICIES]
+
+    def known(name: str) -> bool:
+        try:
+            return split_policy(name)[0] in POLICIES
+        except ValueError:
+            return False
+
+    bad = [p for p in policies if not known(p)]
     if bad or not policies:
         print(f"kvroute simulate: unknown policy {bad}; choose from {POLICIES}", file=sys.stderr)
         return 2
@@ -366,6 +397,12 @@ def _simulate(args: argparse.Namespace) -> int:
     unknown = [p for p in profiles if p not in PROFILES]
     if unknown or not profiles:
         print(f"kvroute simulate: unknown profile {unknown}; choose from {list(PROFILES)}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if any(v is not None and v < 0 for v in (args.host_kv_blocks, args.host_kv_multiple)) or (
+        args.host_bandwidth_gbps is not None and args.host_bandwidth_gbps <= 0
+    ):
+        print("kvroute simulate: host tier sizes must be >= 0 and its bandwidth > 0",
               file=sys.stderr)  # fmt: skip
         return 2
     if args.plot:
@@ -388,13 +425,20 @@ def _simulate(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         blocks_per_replica=args.blocks_per_replica,
         block_size=args.block_size or (512 if args.trace else 64),
-        profiles=tuple(PROFILES[p] for p in profiles),
+        profiles=tuple(
+            PROFILES[p]
+            if args.host_bandwidth_gbps is None
+            else dataclasses.replace(PROFILES[p], host_bandwidth=args.host_bandwidth_gbps * 1e9)
+            for p in profiles
+        ),
         event_delay_s=args.event_delay_ms / 1000.0,
         event_loss=args.event_loss,
         seed=args.seed,
         kv_params=kv_params,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_partial_prefills=args.max_num_partial_prefills,
+        host_blocks_per_replica=args.host_kv_blocks,
+        host_kv_multiple=args.host_kv_multiple,
     )
     show = args.progress if args.progress is not None else sys.stderr.isatty()
     if args.sweep_speed:

@@ -29,12 +29,20 @@ Profile ``h100-8b``: Llama-3.1-8B in bf16 on one H100 SXM 80 GB.
   tokens (``kv_tokens``); vLLM reports KV capacities of this order for 8B models on H100.
 - Batching: ``max_num_batched_tokens`` 8192 and ``max_num_seqs`` 256, vLLM V1's defaults for
   its OpenAI server.
+- Lower KV tiers: the host link is PCIe 5.0 x16 (64 GB/s a direction, datasheet), 75% of it
+  effective for pinned block copies = 48 GB/s each way (``host_bandwidth``); a local NVMe
+  4.0 drive reads 7 GB/s, 75% effective = 5.25 GB/s (``disk_bandwidth``). A block loaded
+  from a tier takes ``kv_bytes_per_token`` per token over that bandwidth; a block evicted
+  to the host tier takes as long the other way (the link is full duplex). Copies run beside
+  the step's compute on their own stream; a step that moves more than its compute takes
+  lasts as long as its copies (:meth:`CostModel.step_time`'s ``transfer_s``).
 
 Profile ``a100-8b``: the same model on one A100 SXM 80 GB, the generation before (NVIDIA A100
 datasheet: 312 TFLOPS dense bf16, 2,039 GB/s HBM2e), with the same efficiencies, overhead,
 KV capacity (same 80 GB) and batching: prefill ~3.2x and decode ~1.6x slower than
-``h100-8b``. Half of each is a mixed fleet (``kvroute simulate --profile h100-8b,a100-8b``),
-where a router must send the faster replicas proportionally more.
+``h100-8b``; its host link is PCIe 4.0 x16 (24 GB/s effective). Half of each is a mixed
+fleet (``kvroute simulate --profile h100-8b,a100-8b``), where a router must send the faster
+replicas proportionally more.
 
 These are a model, not a measurement: the simulator compares policies on equal terms; its
 absolute latencies are only as right as this profile.
@@ -43,8 +51,10 @@ absolute latencies are only as right as this profile.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvroute.events import MEDIUM_CPU, MEDIUM_STORAGE
 from kvroute.events.load import CostCoefficients
 
 
@@ -65,6 +75,16 @@ class Profile:
     max_num_seqs: int = 256
     vocab_size: int = 128_256  # Llama 3's; a cost-model replica accepts prompt ids below it
     max_position_embeddings: int = 131_072
+    host_bandwidth: float = 48e9  # bytes/s between host memory and the device, each way
+    disk_bandwidth: float = 5.25e9  # bytes/s read from local disk into the device
+
+    def tier_bandwidth(self, tier: str) -> float:
+        """Bytes/s of a lower tier ("CPU" or "STORAGE") to and from the device."""
+        if tier == MEDIUM_CPU:
+            return self.host_bandwidth
+        if tier == MEDIUM_STORAGE:
+            return self.disk_bandwidth
+        raise ValueError(f"no bandwidth modelled for tier {tier!r}")
 
     @property
     def attn_flops(self) -> float:
@@ -87,7 +107,11 @@ H100_8B = Profile(
 )
 
 A100_8B = dataclasses.replace(
-    H100_8B, name="a100-8b", peak_flops=0.45 * 312e12, mem_bw=0.75 * 2.039e12
+    H100_8B,
+    name="a100-8b",
+    peak_flops=0.45 * 312e12,
+    mem_bw=0.75 * 2.039e12,
+    host_bandwidth=0.75 * 32e9,
 )
 
 PROFILES: dict[str, Profile] = {p.name: p for p in (H100_8B, A100_8B)}
@@ -115,8 +139,9 @@ class CostModel:
         self._attn = profile.attn_flops
         self._kvb = float(profile.kv_bytes_per_token)
 
-    def coefficients(self) -> CostCoefficients:
-        """The profile as a replica reports it: the same roofline, term by term."""
+    def coefficients(self, tiers: Sequence[str] = ()) -> CostCoefficients:
+        """The profile as a replica reports it: the same roofline, term by term, and the
+        bandwidth of each lower tier it has (``tiers``: "CPU", "STORAGE")."""
         p = self.p
         return CostCoefficients(
             prefill_s_per_token=self._dense / p.peak_flops,
@@ -128,14 +153,26 @@ class CostModel:
             max_batched_tokens=p.max_batched_tokens,
             max_num_seqs=p.max_num_seqs,
             source=f"profile:{p.name}",
+            kv_bytes_per_token=p.kv_bytes_per_token,
+            tier_bytes_per_s={t: p.tier_bandwidth(t) for t in tiers},
         )
 
-    def step_time(self, tokens: int, pair_sum: float, ctx_sum: int) -> float:
-        """``tokens`` = sum n, ``pair_sum`` = sum (n*p0 + n*(n-1)/2), ``ctx_sum`` = sum (p0+n)."""
+    def step_time(
+        self, tokens: int, pair_sum: float, ctx_sum: int, transfer_s: float = 0.0
+    ) -> float:
+        """``tokens`` = sum n, ``pair_sum`` = sum (n*p0 + n*(n-1)/2), ``ctx_sum`` = sum (p0+n);
+        ``transfer_s``: the step's block copies to and from lower tiers (:meth:`transfer_s`),
+        which overlap its compute and bound it from below."""
         p = self.p
         flops = tokens * self._dense + self._attn * pair_sum
         nbytes = p.weight_bytes + self._kvb * ctx_sum
-        return p.overhead_s + max(flops / p.peak_flops, nbytes / p.mem_bw)
+        return p.overhead_s + max(flops / p.peak_flops, nbytes / p.mem_bw, transfer_s)
+
+    def transfer_s(self, tier: str, load_tokens: int, store_tokens: int = 0) -> float:
+        """Seconds the copies of one step take: ``load_tokens`` from ``tier`` into the
+        device and ``store_tokens`` out to it, each way at the tier's bandwidth, the two
+        directions at once (full duplex)."""
+        return self._kvb * max(load_tokens, store_tokens) / self.p.tier_bandwidth(tier)
 
     def decode_run(self, batch: int, pos_sum: int, steps: int, start: float = 0.0) -> list[float]:
         """End times, after ``start``, of ``steps`` pure decode steps of ``batch`` requests

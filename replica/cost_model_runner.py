@@ -25,6 +25,7 @@ from __future__ import annotations
 import time
 import zlib
 from array import array
+from collections.abc import Sequence
 from typing import Any
 
 from kvroute.events.load import CostCoefficients
@@ -92,10 +93,11 @@ class CostModelRunner:
         self._keys.pop(request_id, None)
 
     def coefficients(
-        self, name: str, max_batched_tokens: int, max_num_seqs: int
+        self, name: str, max_batched_tokens: int, max_num_seqs: int, tiers: Sequence[str] = ()
     ) -> CostCoefficients:
-        """The profile's coefficients in wall-clock seconds: scaled like the steps are."""
-        c = self.cost.coefficients()
+        """The profile's coefficients in wall-clock seconds: scaled like the steps are (a
+        tier's bandwidth too), with the bandwidths of the lower tiers the engine keeps."""
+        c = self.cost.coefficients(tiers)
         s = self.time_scale
         return CostCoefficients(
             prefill_s_per_token=c.prefill_s_per_token * s,
@@ -107,6 +109,8 @@ class CostModelRunner:
             max_batched_tokens=max_batched_tokens,
             max_num_seqs=max_num_seqs,
             source=f"profile:{self.profile.name}" + (f" x{s:g}" if s != 1.0 else ""),
+            kv_bytes_per_token=c.kv_bytes_per_token,
+            tier_bytes_per_s={t: bw / s for t, bw in c.tier_bytes_per_s.items()},
         )
 
     def execute(self, sched: SchedulerOutput) -> dict[str, SampledToken]:

@@ -4,7 +4,9 @@
   earlier request had (at most ``prompt - 1`` tokens, block-granular, as the engine hits);
 - ``pooled`` hit rate: one real :class:`KVCacheManager` of the whole fleet's blocks serving
   the requests one at a time in arrival order (lazy LRU, no concurrency, no output blocks):
-  a perfect router over perfectly shared memory;
+  a perfect router over perfectly shared memory; with a host tier, ``pooled_tiered`` is the
+  same over the fleet's device and host blocks together (one LRU of both: a perfect router
+  over perfectly shared memory of both tiers' size);
 - the **throughput ceiling** (:func:`work_ceiling`): the highest arrival rate at which the
   fleet can do even the least work the workload needs. Why: a goodput goal stated as a
   multiple of another policy's ("1.5x the best other") is only reachable if the ceiling is
@@ -66,12 +68,18 @@ def ceiling_hit_rate(
     return sum(ceiling_hits(specs, hashes, block_size)) / total if total else 0.0
 
 
-def pooled_hit_rate(specs: Sequence[RequestSpec], cfg: SimConfig, tokens: TokenSource) -> float:
-    """One real KVCacheManager of the fleet's blocks, serving requests one at a time."""
+def pooled_hit_rate(
+    specs: Sequence[RequestSpec],
+    cfg: SimConfig,
+    tokens: TokenSource,
+    num_blocks: int | None = None,
+) -> float:
+    """One real KVCacheManager of the fleet's blocks (or ``num_blocks``), serving requests
+    one at a time."""
     from .simulator import SimRequest  # the simulator imports this module's callers
 
     total = hit_tokens = 0
-    kv = KVCacheManager(cfg.total_blocks, BlockHasher(block_size=cfg.block_size))
+    kv = KVCacheManager(num_blocks or cfg.total_blocks, BlockHasher(block_size=cfg.block_size))
     for i, spec in enumerate(specs):
         n = spec.input_length
         total += n
@@ -155,9 +163,13 @@ def bounds(
 ) -> dict[str, Any]:
     """The hit-rate bounds and the throughput ceiling of one workload on one fleet."""
     ceiling = work_ceiling(specs, hashes, cfg)
-    return {
+    out = {
         "prompt_tokens": sum(s.input_length for s in specs),
         "ceiling_hit_rate": ceiling["hit_rate"],
         "pooled_hit_rate": pooled_hit_rate(specs, cfg, tokens),
         "throughput_ceiling": ceiling,
     }
+    if cfg.has_host_tier:
+        host = sum(cfg.host_blocks(i) for i in range(cfg.replicas))
+        out["pooled_tiered_hit_rate"] = pooled_hit_rate(specs, cfg, tokens, cfg.total_blocks + host)
+    return out

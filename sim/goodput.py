@@ -36,6 +36,7 @@ def _sweep_row(
     utilization = m["least_work_max_s"] / span
     return {
         "policy": policy, "speed": speed, "rate_rps": rate, "hit_rate": m["hit_rate"],
+        "hit_rate_by_tier": m["hit_rate_by_tier"],
         "ttft_p90_s": m["ttft_s"]["p90"], "e2e_p90_s": m["e2e_s"]["p90"],
         "itl_p90_s": m["itl_s"]["p90"], "preemptions": m["preemptions"],
         "imbalance": m["imbalance"],

@@ -13,7 +13,10 @@ What the engine's model runner would do is done here without a model:
   zeros, unique by the hash chain, as before); a request has no EOS and ``max_tokens``
   equal to its output length, so the scheduler ends it exactly where the workload says;
 - requests that arrive during a step wait in an inbox and are added between steps, as the
-  engine thread drains its command queue between steps.
+  engine thread drains its command queue between steps;
+- a host KV tier, when the fleet has one (``host_blocks``): :mod:`.host_tier`'s manager in
+  place of the engine's, and the step lasts at least as long as the block copies it made
+  to and from host memory (``CostModel.transfer_s``).
 
 The scheduler reads no clock: time enters only as a request's ``arrival_time``, which the
 fleet stamps with its own. A step that starts a run of pure decode steps
@@ -33,7 +36,7 @@ from itertools import chain
 
 import msgspec
 
-from kvroute.events import BlockHasher, KVCacheEvent
+from kvroute.events import MEDIUM_CPU, BlockHasher, KVCacheEvent
 from kvroute.events.load import LoadReport
 from kvroute.events.replica_api import SamplingParams
 from kvroute.replica.cost_model import CostModel
@@ -41,6 +44,7 @@ from kvroute.replica.kv_cache_manager import KVCacheManager
 from kvroute.replica.request import Request
 from kvroute.replica.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, load_report
 
+from .host_tier import TieredKVCacheManager
 from .workloads import RequestSpec
 
 OUTPUT_TOKEN = 0  # what every simulated step samples
@@ -74,6 +78,7 @@ class SimRequest(Request):
             tenant=spec.cache_salt,  # a workload's salt is its tenant (kvroute bench: a key each)
         )
         self.idx, self.spec = idx, spec
+        self.host_hit = 0  # of its hit (at first admission), the tokens loaded from the host
         self.first_s: float | None = None
         self.done_s: float | None = None
         self.replica = -1
@@ -132,10 +137,12 @@ class SimReplica:
         "epoch",
         "fast_decode",
         "hasher",
+        "host_blocks",
         "id",
         "inbox",
         "last_deliver",
         "last_report",
+        "loaded_tokens",
         "num_blocks",
         "num_runs",
         "preemptions",
@@ -145,6 +152,8 @@ class SimReplica:
         "sched_config",
         "scheduler",
         "step",
+        "stored_tokens",
+        "transfer_s",
         "version",
     )  # fmt: skip
 
@@ -156,9 +165,13 @@ class SimReplica:
         hasher: BlockHasher,
         cost: CostModel,
         fast_decode: bool = True,
+        host_blocks: int = 0,
     ) -> None:
         self.id = f"replica-{i}"
         self.sched_config, self.num_blocks, self.hasher = sched_config, num_blocks, hasher
+        self.host_blocks = host_blocks  # 0: no host tier
+        self.loaded_tokens = self.stored_tokens = 0  # host tier copies, in and out
+        self.transfer_s = 0.0  # their time on the host link
         self.cost, self.fast_decode = cost, fast_decode
         self.scheduler = self._new_scheduler()
         self.inbox: list[SimRequest] = []
@@ -170,6 +183,9 @@ class SimReplica:
         self.alive = True
 
     def _new_scheduler(self) -> Scheduler:
+        if self.host_blocks:
+            kv = TieredKVCacheManager(self.num_blocks, self.hasher, self.host_blocks)
+            return Scheduler(self.sched_config, kv)
         return Scheduler(self.sched_config, KVCacheManager(self.num_blocks, self.hasher))
 
     @property
@@ -233,16 +249,31 @@ class SimReplica:
         self.prefill_tokens += prefill
         self.decode_tokens += decode
         self.version += 1
-        more = sched.decode_run_after(out) if self.fast_decode else 0
+        transfer = self._transfers() if self.host_blocks else 0.0
+        more = sched.decode_run_after(out) if self.fast_decode and not transfer else 0
         if more:  # this step and ``more`` like it: one event
             self.num_runs += 1
             ends = self.cost.decode_run(len(out.scheduled), pos, more + 1, now)
             self.run = DecodeRun(self.num_runs, now, ends, out, self.kv.take_events())
             return ends[-1] - now
-        dt = self.cost.step_time(tokens, pairs, ctx)
+        dt = self.cost.step_time(tokens, pairs, ctx, transfer)
         self.busy_s += dt
         self.step = out
         return dt
+
+    def _transfers(self) -> float:
+        """The host link's seconds for the step just scheduled: its loads and copies out."""
+        kv = self.kv
+        assert isinstance(kv, TieredKVCacheManager)
+        loaded, stored = kv.take_copies()
+        if not loaded and not stored:
+            return 0.0
+        bs = self.hasher.block_size
+        self.loaded_tokens += loaded * bs
+        self.stored_tokens += stored * bs
+        t = self.cost.transfer_s(MEDIUM_CPU, loaded * bs, stored * bs)
+        self.transfer_s += t
+        return t
 
     def cut_run(self, now: float) -> float | None:
         """A request arrived during a run of decode steps: the run ends with the step in

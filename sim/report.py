@@ -56,6 +56,7 @@ def summarize(fleet: SimRun, wall_s: float) -> dict[str, Any]:
     )
     prompt = sum(r.prompt_len for r in done)
     hit = sum(r.hit or 0 for r in done)
+    host_hit = sum(r.host_hit for r in done)  # of ``hit``: loaded from a host tier
     out_tokens = sum(r.output_len for r in done)
     t0 = min((r.spec.arrival_s for r in done), default=0.0)
     t1 = max((r.done_s for r in done), default=0.0)  # type: ignore[type-var]
@@ -78,7 +79,17 @@ def summarize(fleet: SimRun, wall_s: float) -> dict[str, Any]:
         "rejected": fleet.rejected,
         "prompt_tokens": prompt,
         "hit_tokens": hit,
-        "hit_rate": hit / prompt if prompt else 0.0,
+        "hit_rate": hit / prompt if prompt else 0.0,  # every tier's
+        "hit_tokens_by_tier": {"GPU": hit - host_hit, "CPU": host_hit},
+        "hit_rate_by_tier": {
+            "GPU": (hit - host_hit) / prompt if prompt else 0.0,
+            "CPU": host_hit / prompt if prompt else 0.0,
+        },
+        # host tier copies (tokens): loads (preempted requests' reloads included) and
+        # evicted blocks copied out; the host link's busy seconds, summed over replicas
+        "host_loaded_tokens": sum(rep.loaded_tokens for rep in fleet.reps),
+        "host_stored_tokens": sum(rep.stored_tokens for rep in fleet.reps),
+        "host_transfer_s": sum(rep.transfer_s for rep in fleet.reps),
         "prefill_tokens": sum(rep.prefill_tokens for rep in fleet.reps),
         "decode_tokens": fleet.decode_tokens,
         "output_tokens": out_tokens,
@@ -152,6 +163,8 @@ def simulate(
             "kv_params": dict(cfg.kv_params),
             "long_prefill_token_threshold": cfg.long_prefill_token_threshold,
             "max_num_partial_prefills": cfg.max_num_partial_prefills,
+            "host_blocks_per_replica": cfg.host_blocks(0),
+            "host_bandwidth_bytes_s": sorted({p.host_bandwidth for p in cfg.profiles}),
         },
         "workload": {
             "requests": len(specs),
@@ -190,10 +203,12 @@ def format_table(result: dict[str, Any]) -> str:
     ]
     if "bounds" in result:
         b = result["bounds"]
+        tiered = b.get("pooled_tiered_hit_rate")
         lines.append(
             f"bounds: infinite-cache ceiling {b['ceiling_hit_rate']:.3f}, "
             f"pooled ({cfg['replicas']}x{cfg['blocks_per_replica']} blocks, LRU) "
             f"{b['pooled_hit_rate']:.3f}"
+            + ("" if tiered is None else f", pooled with the host tiers {tiered:.3f}")
         )
         c = b["throughput_ceiling"]
         lines.append(
@@ -213,6 +228,18 @@ def format_table(result: dict[str, Any]) -> str:
             f"{e['mean']:>9.2f}{e['p90']:>7.2f}{m['itl_s']['p90'] * 1e3:>6.0f}ms"
             f"{m['throughput_tok_s']:>7.0f}{m['imbalance']:>6.2f}{m['preemptions']:>8}"
         )
+    if cfg.get("host_blocks_per_replica"):
+        lines.append(
+            f"hits by tier (host tier {cfg['host_blocks_per_replica']} blocks per replica; "
+            "loaded: every load, reloads after preemption included):"
+        )
+        for name, m in result["policies"].items():
+            t = m["hit_rate_by_tier"]
+            lines.append(
+                f"  {name:<13}device {t['GPU']:.3f}  host {t['CPU']:.3f}  "
+                f"loaded {m['host_loaded_tokens']:,} tokens, copied out "
+                f"{m['host_stored_tokens']:,}, link {m['host_transfer_s']:.1f}s"
+            )
     lines.append("work share per replica (prefill + decode tokens computed):")
     for name, m in result["policies"].items():
         shares = " ".join(f"{r['work_share']:.3f}" for r in m["replicas"])
@@ -252,12 +279,22 @@ def plot(result: dict[str, Any], path: str, title: str = "") -> None:
     ax1.legend()
     names = list(result["policies"])
     rates = [result["policies"][n]["hit_rate"] for n in names]
+    host = [result["policies"][n].get("hit_rate_by_tier", {}).get("CPU", 0.0) for n in names]
     if "bounds" in result:
+        b = result["bounds"]
         names += ["pooled", "ceiling"]
-        rates += [result["bounds"]["pooled_hit_rate"], result["bounds"]["ceiling_hit_rate"]]
-    ax2.bar(names, rates, color=[f"C{i}" for i in range(len(names))])
+        rates += [b["pooled_hit_rate"], b["ceiling_hit_rate"]]
+        if "pooled_tiered_hit_rate" in b:
+            names.insert(-1, "pooled+host")
+            rates.insert(-1, b["pooled_tiered_hit_rate"])
+        host += [0.0] * (len(names) - len(host))
+    colors = [f"C{i}" for i in range(len(names))]
+    ax2.bar(names, rates, color=colors)
+    if any(host):  # the host tier's share of each bar, hatched
+        ax2.bar(names, host, color=colors, hatch="//", edgecolor="white", label="from host")
+        ax2.legend()
     ax2.set_ylabel("prompt tokens served from cache")
-    ax2.set_title("hit rate")
+    ax2.set_title("hit rate (hatched: loaded from the host tier)" if any(host) else "hit rate")
     ax2.tick_params(axis="x", rotation=30)
     fig.suptitle(title)
     fig.tight_layout()

@@ -17,6 +17,13 @@ and a run of pure decode steps that leaves the pool and the queues as they are
 whose step times are summed in numpy, cut short if a request arrives meanwhile; the block
 events and load reports its steps would publish go out at those steps' ends. Results are
 per-step exact (up to float rounding of the summed times).
+
+A host KV tier (``host_blocks_per_replica`` or ``host_kv_multiple``): each replica keeps the
+blocks its device evicts in a host LRU of that size and loads a prefix found there instead of
+recomputing it (:mod:`.host_tier`); its events (``medium="CPU"``) feed the index's lower
+tier, and its coefficients report the host link's bandwidth, as a tiered replica's would. A
+policy named ``<policy>:nohost`` runs on the same fleet without the tier, so one run sets
+tiered and device-only fleets side by side.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvroute.events import AllBlocksCleared, BlockHasher, EventBatch
+from kvroute.events import MEDIUM_CPU, AllBlocksCleared, BlockHasher, EventBatch
 from kvroute.replica.cost_model import H100_8B, CostModel, Profile, attention_weight
 from kvroute.replica.scheduler import SchedulerConfig
 from kvroute.router.index import PrefixIndex, prediction_stride
@@ -38,7 +45,18 @@ from kvroute.router.policy import Policy, RequestView, make_policy
 from .replica import SimReplica, SimRequest
 from .workloads import RequestSpec, TokenSource
 
-__all__ = ["Fault", "SimConfig", "SimReplica", "SimRequest", "SimRun"]
+__all__ = ["Fault", "SimConfig", "SimReplica", "SimRequest", "SimRun", "split_policy"]
+
+NO_HOST = "nohost"  # a policy name's suffix: run it on the fleet without its host tier
+
+
+def split_policy(name: str) -> tuple[str, bool]:
+    """(policy, with the fleet's host tier) of a run's name: ``kv`` or ``kv:nohost``."""
+    policy, _, variant = name.partition(":")
+    if variant not in ("", NO_HOST):
+        raise ValueError(f"unknown fleet variant {variant!r} in {name!r} (only {NO_HOST!r})")
+    return policy, not variant
+
 
 _ARRIVE, _STEP, _DELIVER, _FAULT, _RUN_STEP = 0, 1, 2, 3, 4
 
@@ -69,6 +87,22 @@ class SimConfig:
     # The engines' scheduler knobs (EngineConfig's, `kvroute serve`'s flags); 0: off.
     long_prefill_token_threshold: int = 0
     max_num_partial_prefills: int = 0
+    # A host KV tier per replica (module docstring): blocks, or a multiple of the device's;
+    # neither: none. Its bandwidth is the profile's ``host_bandwidth``.
+    host_blocks_per_replica: int | None = None
+    host_kv_multiple: float | None = None
+
+    def host_blocks(self, i: int = 0) -> int:
+        """Replica ``i``'s host-tier blocks (0: no host tier)."""
+        if self.host_blocks_per_replica is not None:
+            return max(self.host_blocks_per_replica, 0)
+        if self.host_kv_multiple is not None:
+            return max(round(self.host_kv_multiple * self.blocks(i)), 0)
+        return 0
+
+    @property
+    def has_host_tier(self) -> bool:
+        return any(self.host_blocks(i) for i in range(self.replicas))
 
     def profile(self, i: int = 0) -> Profile:
         """Replica ``i``'s profile."""
@@ -118,13 +152,16 @@ class SimRun:
         self.specs, self.cfg, self.src, self.hashes = specs, cfg, tokens, hashes
         self.progress = progress
         self.hasher = BlockHasher(block_size=cfg.block_size)
+        policy, tiered = split_policy(policy_name)
+        hosts = [cfg.host_blocks(i) if tiered else 0 for i in range(cfg.replicas)]
         most_blocks = max(cfg.blocks(i) for i in range(cfg.replicas))
         self.index = PrefixIndex(
             max_blocks_per_replica=max(4 * most_blocks, 1024),
             prediction_stride=prediction_stride(cfg.block_size),  # as a front door's
+            max_lower_blocks_per_replica=max(2 * max(hosts), 1024),
         )
         self.policy: Policy = make_policy(
-            policy_name, index=self.index, block_size=cfg.block_size, seed=cfg.seed,
+            policy, index=self.index, block_size=cfg.block_size, seed=cfg.seed,
             **cfg.kv_params,
         )  # fmt: skip
         self.rng = random.Random(f"loss:{cfg.seed}")
@@ -132,14 +169,14 @@ class SimRun:
         self.reps = [
             SimReplica(
                 i, cfg.scheduler_config(i), cfg.blocks(i), self.hasher,
-                models[i % len(models)], cfg.fast_decode,
+                models[i % len(models)], cfg.fast_decode, hosts[i],
             )
             for i in range(cfg.replicas)
         ]  # fmt: skip
         # the engines' own limit (the smallest, where profiles differ)
         self.max_model_len = min(rep.scheduler.max_model_len for rep in self.reps)
         for i, rep in enumerate(self.reps):  # what each replica's info carries
-            coefficients = models[i % len(models)].coefficients()
+            coefficients = models[i % len(models)].coefficients((MEDIUM_CPU,) if hosts[i] else ())
             self.policy.load.register(rep.id, coefficients, cfg.blocks(i))
         self._by_id = {rep.id: rep for rep in self.reps}
         self._index_of = {rep.id: i for i, rep in enumerate(self.reps)}
