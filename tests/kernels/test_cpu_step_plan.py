@@ -56,10 +56,12 @@ def test_a_change_in_place_is_seen(inference: bool) -> None:
     version counters, or, for inference tensors, which have none, changes their contents;
     the plan made from their old contents must not be reused."""
     with torch.inference_mode(inference):
-        _change_in_place()
+        got, want = _change_in_place()
+    torch.testing.assert_close(got, want, **tolerance(torch.float32))
 
 
-def _change_in_place() -> None:
+def _change_in_place() -> tuple[torch.Tensor, torch.Tensor]:
+    """(the CPU path's output, the oracle's) for batch b read through a's refilled tensors."""
     a = make_batch(SPECS, num_heads=6, num_kv_heads=2, seed=3)
     # Same sequence count, token count and table width as SPECS; other lengths.
     b = make_batch([(20, 1), (40, 1), (3, 12), (9, 1)], num_heads=6, num_kv_heads=2, seed=4)
@@ -78,4 +80,4 @@ def _change_in_place() -> None:
         query_start_loc=a.query_start_loc,
         scale=b.scale,
     )
-    torch.testing.assert_close(got, dense_attention(b).float(), **tolerance(torch.float32))
+    return got, dense_attention(b).float()
