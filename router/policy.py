@@ -127,6 +127,7 @@ class RequestView:
     # False: it computes every prompt token whatever is cached (it asked for the prompt's
     # logprobs), so no replica's cache saves it anything; its blocks are still stored.
     reads_cache: bool = True
+    lora_name: str | None = None  # the LoRA adapter it names (None: the base model)
 
 
 # The share of a replica's current decode load a new request feels (module docstring).
