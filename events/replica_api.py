@@ -280,6 +280,10 @@ class GenerateDelta(msgspec.Struct, kw_only=True, array_like=True):
     # prompt token's logprob and the top alternatives. Last, so that a shorter array (from
     # a replica one version older) still decodes.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Of ``num_cached_tokens``, those loaded from a lower KV tier, by medium ("CPU": host
+    # memory, "STORAGE": local disk); the rest were device hits. None: none were. Last, for
+    # the same reason as the field above.
+    num_tier_cached_tokens: dict[str, int] | None = None
 
 
 def merge_deltas(first: GenerateDelta, then: GenerateDelta) -> GenerateDelta:

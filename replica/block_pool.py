@@ -27,6 +27,7 @@ Invariants (checked by :meth:`BlockPool.check_invariants`):
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from kvroute.events import (
     MEDIUM_GPU,
@@ -38,6 +39,9 @@ from kvroute.events import (
     to_external,
 )
 from kvroute.events.hashing import HashForm
+
+if TYPE_CHECKING:
+    from .kv_tiers import KVTiers
 
 BlockHash = bytes  # the internal form: the full digest from kvroute.events.BlockHasher
 
@@ -149,6 +153,9 @@ class BlockPool:
         # hash -> {block_id: block}: one hash may live in several physical copies.
         self.cached_block_hash_to_block: dict[BlockHash, dict[int, KVCacheBlock]] = {}
         self._events: list[KVCacheEvent] = []
+        # Lower KV tiers (host, disk) that evicted blocks are copied down to: set by
+        # KVTiers.attach; None (no tier) costs the hot path one test per call.
+        self.tiers: KVTiers | None = None
 
     # -- lookup ------------------------------------------------------------------------
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
@@ -171,15 +178,22 @@ class BlockPool:
             )
         ret = self.free_block_queue.popleft_n(num_blocks)
         evicted: list[ExternalBlockHash] = []
+        tiers = self.tiers
+        down: list[tuple[int, BlockHash]] = []  # for the lower tiers: (block id, hash)
         for block in ret:
             if block.ref_cnt != 0:  # pragma: no cover - guarded by the queue invariant
                 raise AssertionError(f"{block!r} in the free queue with ref_cnt != 0")
             h = self._maybe_evict_cached_block(block)
             if h is not None:
                 evicted.append(to_external(h, self.hash_form))
+                if tiers is not None:
+                    down.append((block.block_id, h))
             block.ref_cnt = 1
         if evicted and self.enable_kv_cache_events:
             self._events.append(BlockRemoved(evicted, self.medium))
+        if down:  # before the caller writes the blocks: their bytes are still the old ones
+            assert tiers is not None
+            tiers.offload(down)
         return ret
 
     def _maybe_evict_cached_block(self, block: KVCacheBlock) -> BlockHash | None:
@@ -243,10 +257,18 @@ class BlockPool:
         for block, h in zip(new_blocks, new_hashes, strict=True):
             block.block_hash = h
             self.cached_block_hash_to_block.setdefault(h, {})[block.block_id] = block
+        parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
+        if self.tiers is not None:
+            self.tiers.on_cached(
+                new_hashes,
+                parent,
+                token_ids[num_cached_blocks * block_size : num_full_blocks * block_size],
+                block_size,
+                lora_name,
+            )
         if not self.enable_kv_cache_events:
             return
         form = self.hash_form
-        parent = block_hashes[num_cached_blocks - 1] if num_cached_blocks > 0 else None
         self._events.append(
             BlockStored(
                 block_hashes=[to_external(h, form) for h in new_hashes],
@@ -273,7 +295,14 @@ class BlockPool:
             block.block_hash = None
         if self.enable_kv_cache_events:
             self._events.append(AllBlocksCleared())
+        if self.tiers is not None:
+            self.tiers.clear()  # the event clears every tier of this replica
         return True
+
+    def emit(self, event: KVCacheEvent) -> None:
+        """An event of a lower tier, in order with the pool's own (see kv_tiers)."""
+        if self.enable_kv_cache_events:
+            self._events.append(event)
 
     # -- observation -------------------------------------------------------------------
     def take_events(self) -> list[KVCacheEvent]:

@@ -43,6 +43,7 @@ from .scheduler import Scheduler, SchedulerConfig
 from .structured import StructuredOutputCompiler
 
 if TYPE_CHECKING:  # torch: a cost-model replica never imports it
+    from .kv_tiers import KVTiers
     from .lora_store import LoRAStore
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,12 @@ class EngineConfig:
     max_cpu_loras: int | None = None  # adapters kept in host memory; None: max_loras
     max_lora_rank: int = 16  # the largest adapter rank accepted
     lora_modules: dict[str, str] = field(default_factory=dict)  # name -> PEFT folder, at start
+    # Lower KV tiers (replica/kv_tiers.py): blocks the device cache evicts live on in host
+    # memory (this many bytes; 0: none) and past it on local disk (a folder, wiped at start,
+    # and its bytes; None/0: none), and are loaded back instead of recomputed.
+    kv_host_bytes: int = 0
+    kv_disk_path: str | None = None
+    kv_disk_bytes: int = 0
 
     @property
     def lora_enabled(self) -> bool:
@@ -163,6 +170,7 @@ class LLMEngine:
             hash_form=config.hash_form,
             medium=self.runner.medium,
         )
+        self.kv_tiers = _kv_tiers(config, self.runner, self.kv_cache_manager)
         max_len = min(
             self.runner.max_position_embeddings, self.runner.num_blocks * config.block_size
         )
@@ -180,6 +188,11 @@ class LLMEngine:
             )
             for name, lora_path in config.lora_modules.items():
                 self.lora.register(name, lora_path)
+            # One load timed at start, for routers to price a load here (0: none served).
+            self.lora_load_s = self.lora_read_s = 0.0
+            if config.lora_modules:
+                first = next(iter(config.lora_modules))
+                self.lora_load_s, self.lora_read_s = self.lora.measure_load(first)
         if not config.enforce_eager and profile is None:
             self.runner.enable_decode_graphs(config.max_num_seqs, max_len)
         self.scheduler = Scheduler(
@@ -195,7 +208,9 @@ class LLMEngine:
             ),
             self.kv_cache_manager,
             lora_ready=self._lora_ready if self.lora is not None else None,
+            lora_residency=self.lora.residency if self.lora is not None else None,
         )
+        self.scheduler.kv_tiers = self.kv_tiers
         self.event_sinks: list[EventSink] = list(event_sinks)
         self.eos_token_id, self.extra_eos_token_ids = _eos_token_ids(path, self.tokenizer)
         # Structured outputs compile against the tokenizer, for the logits' width; a cost
@@ -228,7 +243,20 @@ class LLMEngine:
     def cost_coefficients(self) -> CostCoefficients:
         """The step-time model this engine reports to routers (see cost_model)."""
         c = self.config
-        return self.runner.coefficients(c.model, c.max_num_batched_tokens, c.max_num_seqs)
+        coef = self.runner.coefficients(c.model, c.max_num_batched_tokens, c.max_num_seqs)
+        if self.lora is not None and self.lora_load_s > 0:  # the load timed at start
+            coef = msgspec.structs.replace(
+                coef, lora_load_s=self.lora_load_s, lora_read_s=self.lora_read_s
+            )
+        if self.kv_tiers is not None:  # the load bandwidths measured at start
+            tiers = dict(self.kv_tiers.bytes_per_s)
+            block_tokens = c.block_size
+            coef = msgspec.structs.replace(
+                coef,
+                kv_bytes_per_token=self.kv_tiers.block_bytes // block_tokens,
+                tier_bytes_per_s=tiers,
+            )
+        return coef
 
     def tokenize(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt).input_ids)
@@ -414,6 +442,8 @@ class LLMEngine:
             self.runner.forget(rid)
         if not sched.scheduled and self.lora is not None:
             self.lora.wait(0.01)  # nothing to run but adapters being read: do not spin
+        if not sched.scheduled and self.scheduler.loading:
+            self.kv_tiers.wait(0.01)  # type: ignore[union-attr]  # nothing but KV loads
         results = self.runner.execute(sched) if sched.scheduled else {}
         sampled: dict[str, SampledToken] = {}
         for rid, result in results.items():
@@ -535,7 +565,38 @@ class LLMEngine:
         runner_stats = getattr(self.runner, "stats", None)
         if runner_stats is not None:
             s.update(runner_stats())
+        if self.kv_tiers is not None:
+            t = self.kv_tiers
+            s.update({f"kv_tier_{k}": v for k, v in t.stats.items()})
+            s["kv_host_blocks"] = len(t.host)
+            s["kv_disk_blocks"] = len(t.disk_meta)
         return s
+
+    def close(self) -> None:
+        """Stops the KV tiers' loader thread (the engine is not used after)."""
+        if self.kv_tiers is not None:
+            self.kv_tiers.close()
+
+
+def _kv_tiers(config: EngineConfig, runner: Any, kv: KVCacheManager) -> KVTiers | None:
+    """The host/disk tiers under the device pool, when asked for and there is a KV cache
+    to copy (a cost-model replica has none)."""
+    if not (config.kv_host_bytes or config.kv_disk_path):
+        return None
+    if not hasattr(runner, "kv_caches"):
+        raise ValueError("kv_host_bytes / kv_disk_path need a model; this replica is a cost model")
+    if not config.enable_prefix_caching:
+        raise ValueError("kv_host_bytes / kv_disk_path need prefix caching")
+    from .kv_tiers import KVTiers
+
+    tiers = KVTiers(
+        runner.kv_caches,
+        host_bytes=config.kv_host_bytes,
+        disk_path=config.kv_disk_path,
+        disk_bytes=config.kv_disk_bytes,
+    )
+    tiers.attach(kv.block_pool)
+    return tiers
 
 
 def _load(config: EngineConfig) -> tuple[Path, Any, Any]:

@@ -38,6 +38,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    # Of those, the ones loaded from a lower KV tier, by medium ("CPU", "STORAGE")
+    num_tier_cached_tokens: dict[str, int] = field(default_factory=dict)
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     # When asked: entry i is prompt token i's ``{token id: logprob}`` given the tokens
@@ -77,6 +79,7 @@ def request_output(
         outputs=[completion],
         finished=req.is_finished,
         num_cached_tokens=max(req.num_cached_tokens, 0),
+        num_tier_cached_tokens=dict(req.tier_cached_tokens),
         delta_text=delta,
         delta_token_ids=list(new_ids),
         prompt_logprobs=req.prompt_logprobs,
@@ -107,6 +110,7 @@ def step_delta(
         num_output_tokens=n_out,
         logprobs=None if logprobs is None else logprobs[n_out - len(new_ids) : n_out],
         prompt_logprobs=req.prompt_logprobs if new_ids and n_out == len(new_ids) else None,
+        num_tier_cached_tokens=dict(req.tier_cached_tokens) if req.tier_cached_tokens else None,
     )
 
 

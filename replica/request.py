@@ -78,6 +78,10 @@ class Request:
         self._init_tokens(prompt_token_ids, output_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-hit tokens at first scheduling
+        # Of those, the tokens a load brought from a lower tier, by medium ("CPU",
+        # "STORAGE"); the rest were device hits. kv_load_tried: a load was started (once).
+        self.tier_cached_tokens: dict[str, int] = {}
+        self.kv_load_tried = False
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None  # the stop token id or stop string

@@ -39,7 +39,9 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from kvroute.events.load import LoadReport
 
@@ -48,6 +50,9 @@ from .decode_run import DecodeRuns
 from .fair_queue import FairQueue, TenantUsage
 from .kv_cache_manager import KVCacheManager
 from .request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from .kv_tiers import KVTiers
 
 log = logging.getLogger(__name__)
 _RUNNING = RequestStatus.RUNNING  # an enum member read from its class costs a lookup per use
@@ -166,11 +171,16 @@ class Scheduler(DecodeRuns):
         config: SchedulerConfig,
         kv_cache_manager: KVCacheManager,
         lora_ready: Callable[[Request], bool] | None = None,
+        lora_residency: Callable[[set[str]], dict[str, Any]] | None = None,
     ) -> None:
         """``lora_ready(request)``: whether its adapter is in memory, so a step can use it
-        (it may start reading it; it never waits). None: every adapter is."""
+        (it may start reading it; it never waits). None: every adapter is.
+        ``lora_residency(running)``: the ``LoadReport`` fields saying where adapters are
+        (``LoRAStore.residency``; ``running``: the running requests' adapters), added to
+        each load report; None: no adapters."""
         self.config = config
         self.lora_ready = lora_ready
+        self.lora_residency = lora_residency
         self.kv_cache_manager = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
         capacity = kv_cache_manager.block_pool.num_blocks * self.block_size
@@ -187,6 +197,10 @@ class Scheduler(DecodeRuns):
         self.finished_req_ids: set[str] = set()  # since the last schedule()
         self.num_preemptions = 0  # total, over the scheduler's life
         self.usage = TenantUsage()  # who is served first when tenants compete
+        # Lower KV tiers (kv_tiers): a waiting request whose prefix goes on there has it
+        # loaded first, out of the queue and holding its blocks, until the load lands.
+        self.kv_tiers: KVTiers | None = None
+        self.loading: dict[str, tuple[Request, list[KVCacheBlock]]] = {}
 
     # -- requests in and out -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -226,7 +240,7 @@ class Scheduler(DecodeRuns):
                 continue
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
-            else:
+            elif rid not in self.loading:  # a load in flight lands, then is dropped
                 self.waiting.remove(req)
             self._finish(req, status)
 
@@ -244,6 +258,8 @@ class Scheduler(DecodeRuns):
 
     # -- one step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.loading:
+            self._land_loads()
         partial = self._partial_prefills()
         shares = self._prefill_shares(partial)
         scheduled, preempted = self._schedule(shares, partial)
@@ -319,6 +335,8 @@ class Scheduler(DecodeRuns):
                     held.append(self.waiting.popleft())
                     continue
                 hit_blocks, num_hit, num_new = self._first_chunk(req, budget)
+                if self.kv_tiers is not None and self._start_load(req, hit_blocks):
+                    continue
                 if not num_new:
                     break  # the whole prompt must fit one step, and it does not
                 num_new = _within_share(shares, req, num_new)
@@ -346,6 +364,8 @@ class Scheduler(DecodeRuns):
                 req.status = RequestStatus.RUNNING
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_hit
+                    if req.tier_cached_tokens:  # what its load brought, within its hit
+                        _clamp_tiers(req.tier_cached_tokens, num_hit)
                 req.num_computed_tokens = num_hit
                 scheduled.append(self._scheduled(req, num_new))
                 budget -= num_new
@@ -356,6 +376,61 @@ class Scheduler(DecodeRuns):
             for req in reversed(held):
                 self.waiting.appendleft(req)
         return scheduled, preempted
+
+    def _start_load(self, req: Request, hit: list[KVCacheBlock]) -> bool:
+        """Starts loading the lower-tier run of blocks after ``req``'s device hit, when
+        there is one and room for it; the request leaves the queue until it lands (once per
+        request: after a failed load it recomputes)."""
+        tiers, kv = self.kv_tiers, self.kv_cache_manager
+        if tiers is None or req.kv_load_tried or req.skip_reading_prefix_cache:
+            return False
+        if not kv.enable_caching:
+            return False
+        hashes = kv.block_hashes(req)
+        max_blocks = max(req.num_tokens - 1, 0) // self.block_size
+        media = tiers.lookup(hashes, len(hit), max_blocks)
+        if not media:
+            return False
+        pool = kv.block_pool
+        evictable = sum(1 for b in hit if b.ref_cnt == 0)
+        if len(media) + 1 > pool.get_num_free_blocks() - evictable:
+            return False  # no room now: it computes them (never waits on a load)
+        req.kv_load_tried = True
+        job = tiers.prepare(req.request_id, hashes[len(hit) : len(hit) + len(media)])
+        pool.touch(hit)  # the device prefix stays while the rest loads
+        new = pool.get_new_blocks(len(media))
+        self.waiting.popleft()
+        self.loading[req.request_id] = (req, [*hit, *new])
+        tiers.start(job, [b.block_id for b in new])
+        return True
+
+    def _land_loads(self) -> None:
+        """Caches the blocks of each landed load that arrived intact, releases its hold,
+        and puts its request back at the front of the queue: its lookup now hits them."""
+        assert self.kv_tiers is not None
+        kv = self.kv_cache_manager
+        pool = kv.block_pool
+        for job in self.kv_tiers.take_done():
+            req, blocks = self.loading.pop(job.request_id)
+            n_hit = len(blocks) - len(job.block_ids)
+            if job.num_ok:
+                pool.cache_full_blocks(
+                    blocks,
+                    kv.block_hashes(req),
+                    n_hit,
+                    n_hit + job.num_ok,
+                    self.block_size,
+                    req.all_token_ids,
+                    lora_name=req.lora_name,
+                )
+                tiers = req.tier_cached_tokens
+                for medium in job.media[: job.num_ok]:
+                    tiers[medium] = tiers.get(medium, 0) + self.block_size
+            pool.free_blocks(reversed(blocks))
+            if req.request_id in self.requests and not req.is_finished:
+                self.waiting.appendleft(req)
+            else:  # finished while loading: its hashes were kept for the caching above
+                kv.req_to_block_hashes.pop(req.request_id, None)
 
     def _running_loras(self) -> set[str]:
         """The distinct adapters of the running requests: each holds a device slot."""
@@ -516,7 +591,7 @@ class Scheduler(DecodeRuns):
 
     # -- observation -------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     @property
     def num_waiting(self) -> int:
@@ -527,7 +602,11 @@ class Scheduler(DecodeRuns):
         return len(self.running)
 
     def load_report(self) -> LoadReport:
-        return load_report(self.waiting, self.running, self.kv_cache_manager)
+        report = load_report(self.waiting, self.running, self.kv_cache_manager)
+        if self.lora_residency is not None:
+            lora = self.lora_residency(self._running_loras())
+            report = msgspec.structs.replace(report, **lora)
+        return report
 
     def stats(self) -> dict[str, int | float]:
         """The load report's figures (one definition of load) plus the cache counters."""
@@ -556,6 +635,15 @@ def _within_share(shares: dict[str | None, int] | None, req: Request, num_new: i
 def _charge_share(shares: dict[str | None, int] | None, req: Request, num_new: int) -> None:
     if shares is not None and num_new > 1:
         shares[req.tenant] = shares.get(req.tenant, num_new) - num_new
+
+
+def _clamp_tiers(tiers: dict[str, int], num_hit: int) -> None:
+    """Loaded blocks evicted again before admission were recomputed: a tier counts only
+    what the hit still held."""
+    left = num_hit
+    for medium in list(tiers):
+        tiers[medium] = min(tiers[medium], left)
+        left -= tiers[medium]
 
 
 def _tenant_of(req: Request) -> str | None:

@@ -184,6 +184,15 @@ class Metrics(Collector):
         self.cache_hits = counter("prefix_cache_hits",
                                   "Prompt tokens served from a replica's prefix cache.",
                                   ["tenant"])  # fmt: skip
+        self.cache_hits_by_tier = counter("prefix_cache_hits_by_tier",
+                                          "Prompt tokens served from a replica's prefix "
+                                          "cache, by the KV tier they came from (GPU: the "
+                                          "device cache; CPU: host memory; STORAGE: disk).",
+                                          ["tenant", "tier"])  # fmt: skip
+        self.lora_requests = counter("lora_requests",
+                                     "Requests routed under each LoRA adapter (the base "
+                                     "model's are not counted here).",
+                                     ["adapter"])  # fmt: skip
         self.routing = counter("routing_decisions",
                                "Routing decisions by replica and reason: cache_hit (the "
                                "replica holds the longest cached prefix), load (another "
@@ -244,6 +253,13 @@ class Metrics(Collector):
         self.generation_tokens.labels(t).inc(last.num_output_tokens)
         self.cache_queries.labels(t).inc(last.num_prompt_tokens)
         self.cache_hits.labels(t).inc(last.num_cached_tokens)
+        lower = getattr(last, "num_tier_cached_tokens", None) or {}
+        device = last.num_cached_tokens - sum(lower.values())
+        if device > 0:
+            self.cache_hits_by_tier.labels(t, "GPU").inc(device)
+        for tier, n in lower.items():
+            if n > 0:
+                self.cache_hits_by_tier.labels(t, tier).inc(n)
 
 
 class FleetCollector(Collector):

@@ -1,0 +1,395 @@
+"""The KV cache's lower tiers: host memory and local disk beneath the device pool.
+
+A block the device pool evicts (:meth:`BlockPool.get_new_blocks`, its hash about to be torn
+down) is copied out here before anything can overwrite it, into the host tier (an LRU of
+``kv_host_bytes``); what the host tier pushes out goes on to the disk tier
+(:mod:`.kv_disk`), which may also be used alone. A waiting request whose cached prefix goes
+on in a lower tier has those blocks loaded back into fresh device blocks by a loader thread
+(:meth:`KVTiers.submit`); the scheduler keeps it out of the batch until they land, then it
+hits them as ordinary device blocks. Each copy carries an xxh3-64 of its bytes, checked on
+load: a block that fails -- corrupt, truncated, missing, or an exception -- ends the load
+there, is dropped from its tier, and the request recomputes from that point.
+
+Why copy out synchronously at eviction: an evicted block is handed to a new owner at once
+and written in the same step, so its bytes must be read now or the block held back. A block
+is small (tiny: 8 KiB; an 8B model: 2 MiB), one copy of it costs less than the bookkeeping a
+deferred copy needs (BENCHMARKS: issue 38). On CUDA the copy is a device-to-host transfer
+that the eviction waits for; loads go the other way on a side stream, off the step.
+
+Events: the tiers speak through the pool's event list (:meth:`BlockPool.emit`), in the order
+things happen: ``BlockStored``/``BlockRemoved`` with ``medium`` "CPU" (host) or "STORAGE"
+(disk), each block with its own parent hash and tokens, as the device's events give them.
+A reset (``AllBlocksCleared``) empties every tier.
+
+Invariants:
+- ``device_meta`` holds an entry for each hash cached in the device pool (parent, tokens,
+  adapter: what a lower tier's events need), nothing else;
+- ``host`` holds at most ``host_capacity`` blocks, ``disk`` at most ``kv_disk_bytes``;
+  ``host`` and ``disk_meta`` are LRU in iteration order; ``disk_meta``'s keys are ``disk``'s;
+- a hash is in at most one lower tier at a time, and every lower-tier entry was published
+  with a ``BlockStored`` of its medium and not yet with a ``BlockRemoved``;
+- the loader thread reads lower-tier copies and writes only the device blocks of its job,
+  which the scheduler holds (refcount > 0, no hash) until the job lands.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvroute.events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored, to_external
+
+from .kv_disk import DiskStore, checksum
+
+if TYPE_CHECKING:
+    from .block_pool import BlockPool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, frozen=True)
+class BlockMeta:
+    """What a block's ``BlockStored`` says beside its hash."""
+
+    parent: bytes | None
+    token_ids: tuple[int, ...]
+    lora_name: str | None
+
+
+@dataclass(slots=True)
+class HostEntry:
+    data: torch.Tensor  # uint8, the block's K and V of every layer, on the host
+    digest: int  # xxh3-64 of data
+    meta: BlockMeta
+
+
+@dataclass
+class LoadJob:
+    """Blocks to bring back for one request, in chain order; filled in by the loader."""
+
+    request_id: str
+    block_ids: list[int]
+    media: list[str]
+    hashes: list[bytes]
+    host_entries: list[HostEntry | None]
+    num_ok: int = 0  # leading blocks copied and verified
+    failed: bytes | None = None  # the hash that stopped the load, if one did
+    seconds: float = 0.0
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class KVTiers:
+    """The host and disk tiers of one engine, and the thread that loads from them."""
+
+    def __init__(
+        self,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        *,
+        host_bytes: int = 0,
+        disk_path: str | None = None,
+        disk_bytes: int = 0,
+        measure: bool = True,
+    ) -> None:
+        if host_bytes < 0 or disk_bytes < 0:
+            raise ValueError("kv_host_bytes and kv_disk_bytes must be >= 0")
+        if (disk_path is None) != (disk_bytes == 0):
+            raise ValueError("kv_disk_path and kv_disk_bytes go together")
+        self.tensors = [t for kv in kv_caches for t in kv]
+        self.device = self.tensors[0].device
+        self.cuda = self.device.type == "cuda"
+        self.sizes = [t[0].numel() * t.element_size() for t in self.tensors]
+        self.block_bytes = sum(self.sizes)
+        self.host_capacity = host_bytes // self.block_bytes
+        if host_bytes and not self.host_capacity:
+            raise ValueError(f"kv_host_bytes {host_bytes} holds no block of {self.block_bytes}")
+        self.host: OrderedDict[bytes, HostEntry] = OrderedDict()
+        self.disk = DiskStore(disk_path, disk_bytes) if disk_path is not None else None
+        self.disk_meta: OrderedDict[bytes, BlockMeta] = OrderedDict()
+        self.device_meta: dict[bytes, BlockMeta] = {}
+        self.pool: BlockPool | None = None  # set by attach
+        self.stats = {"offloaded": 0, "spilled": 0, "loaded": 0, "load_failures": 0}
+        self.offload_seconds = 0.0
+        self.bytes_per_s: dict[str, float] = self._measure() if measure else {}
+        self._jobs: queue.SimpleQueue[LoadJob | None] = queue.SimpleQueue()
+        self._done: list[LoadJob] = []
+        self._done_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._thread = threading.Thread(target=self._run, name="kv-tier-loader", daemon=True)
+        self._thread.start()
+
+    def attach(self, pool: BlockPool) -> None:
+        """Hooks into the device pool: its caching, evictions and resets reach the tiers."""
+        self.pool = pool
+        pool.tiers = self
+
+    # -- the device pool's hooks (engine thread) ----------------------------------------
+    def on_cached(
+        self,
+        hashes: Sequence[bytes],
+        parent: bytes | None,
+        token_ids: Sequence[int],
+        block_size: int,
+        lora_name: str | None,
+    ) -> None:
+        """Blocks just cached on the device: remembers what their events would say."""
+        meta = self.device_meta
+        for i, h in enumerate(hashes):
+            toks = tuple(int(t) for t in token_ids[i * block_size : (i + 1) * block_size])
+            meta[h] = BlockMeta(parent if i == 0 else hashes[i - 1], toks, lora_name)
+
+    def offload(self, evicted: Sequence[tuple[int, bytes]]) -> None:
+        """Copies each evicted block (id, hash) down a tier before its new owner writes it.
+        A hash another device copy still holds stays; one a lower tier has is touched."""
+        pool = self.pool
+        assert pool is not None
+        t0 = time.perf_counter()
+        for block_id, h in evicted:
+            if pool.get_cached_block(h) is not None:
+                continue  # another physical copy still serves it
+            meta = self.device_meta.pop(h, None)
+            if meta is None:
+                continue
+            if h in self.host:
+                self.host.move_to_end(h)
+                continue
+            if h in self.disk_meta and not self.host_capacity:
+                self.disk_meta.move_to_end(h)
+                self.disk.touch(h)  # type: ignore[union-attr]
+                continue
+            if not self.host_capacity and self.disk is None:
+                continue
+            data = self._copy_out(block_id)
+            digest = checksum(data.numpy())
+            self.stats["offloaded"] += 1
+            if self.host_capacity:
+                self._host_put(h, HostEntry(data, digest, meta))
+            else:
+                self._disk_put(h, data, digest, meta)
+        self.offload_seconds += time.perf_counter() - t0
+
+    def clear(self) -> None:
+        """After the pool's ``AllBlocksCleared``: every tier forgets (the event says so)."""
+        self.host.clear()
+        self.disk_meta.clear()
+        self.device_meta.clear()
+        if self.disk is not None:
+            self.disk.clear()
+
+    # -- lookups and loads (engine thread) ----------------------------------------------
+    def lookup(self, hashes: Sequence[bytes], start: int, stop: int) -> list[str]:
+        """The media of the run of blocks ``hashes[start:stop]`` the lower tiers hold,
+        stopping at the first they lack."""
+        out: list[str] = []
+        for h in hashes[start:stop]:
+            if h in self.host:
+                out.append(MEDIUM_CPU)
+            elif h in self.disk_meta:
+                out.append(MEDIUM_STORAGE)
+            else:
+                break
+        return out
+
+    def prepare(self, request_id: str, hashes: Sequence[bytes]) -> LoadJob:
+        """A load of ``hashes`` (all found by :meth:`lookup`), their host copies taken now:
+        the device blocks it needs are allocated next, and the evictions that makes may
+        push these very blocks down a tier. Each is touched (most recently used)."""
+        media, entries = [], []
+        for h in hashes:
+            entry = self.host.get(h)
+            if entry is not None:
+                self.host.move_to_end(h)
+                media.append(MEDIUM_CPU)
+            else:
+                self.disk_meta.move_to_end(h)
+                self.disk.touch(h)  # type: ignore[union-attr]
+                media.append(MEDIUM_STORAGE)
+            entries.append(entry)
+        return LoadJob(request_id, [], media, list(hashes), entries)
+
+    def start(self, job: LoadJob, block_ids: Sequence[int]) -> None:
+        """Hands a prepared job to the loader thread, into these (held) device blocks."""
+        job.block_ids = list(block_ids)
+        self._jobs.put(job)
+
+    def take_done(self) -> list[LoadJob]:
+        """Loads that landed since the last call, each exactly once."""
+        if not self._wake.is_set():
+            return []
+        with self._done_lock:
+            done, self._done = self._done, []
+            self._wake.clear()
+        for job in done:
+            self.stats["loaded"] += job.num_ok
+            if job.failed is not None:
+                self.stats["load_failures"] += 1
+                self.discard(job.failed)
+        return done
+
+    def wait(self, timeout: float) -> None:
+        """Blocks until a load lands or ``timeout`` passes (an engine with nothing else)."""
+        self._wake.wait(timeout)
+
+    def discard(self, h: bytes) -> None:
+        """Drops a copy that failed to load, from whichever tier has it."""
+        if self.host.pop(h, None) is not None:
+            self._emit(BlockRemoved([self._ext(h)], MEDIUM_CPU))
+        elif self.disk_meta.pop(h, None) is not None:
+            self.disk.discard(h)  # type: ignore[union-attr]
+            self._emit(BlockRemoved([self._ext(h)], MEDIUM_STORAGE))
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+    # -- tiers ------------------------------------------------------------------------
+    def _host_put(self, h: bytes, entry: HostEntry) -> None:
+        while len(self.host) >= self.host_capacity:
+            old, e = self.host.popitem(last=False)
+            self._emit(BlockRemoved([self._ext(old)], MEDIUM_CPU))
+            if self.disk is not None and old not in self.disk_meta:
+                self.stats["spilled"] += 1
+                self._disk_put(old, e.data, e.digest, e.meta)
+        self.host[h] = entry
+        self._emit(self._stored(h, entry.meta, MEDIUM_CPU))
+
+    def _disk_put(self, h: bytes, data: torch.Tensor, digest: int, meta: BlockMeta) -> None:
+        assert self.disk is not None
+        evicted = self.disk.put(h, memoryview(data.numpy()), digest)
+        if evicted is None:
+            return  # not written (the disk refused): the block is lost, not wrong
+        for old in evicted:
+            self.disk_meta.pop(old, None)
+        if evicted:
+            self._emit(BlockRemoved([self._ext(o) for o in evicted], MEDIUM_STORAGE))
+        if h in self.disk_meta:
+            self.disk_meta.move_to_end(h)
+            return
+        self.disk_meta[h] = meta
+        self._emit(self._stored(h, meta, MEDIUM_STORAGE))
+
+    def _stored(self, h: bytes, meta: BlockMeta, medium: str) -> BlockStored:
+        return BlockStored(
+            block_hashes=[self._ext(h)],
+            parent_block_hash=self._ext(meta.parent) if meta.parent is not None else None,
+            token_ids=list(meta.token_ids),
+            block_size=len(meta.token_ids),
+            lora_id=None,
+            medium=medium,
+            lora_name=meta.lora_name,
+        )
+
+    def _ext(self, h: bytes) -> object:
+        assert self.pool is not None
+        return to_external(h, self.pool.hash_form)
+
+    def _emit(self, event: BlockStored | BlockRemoved) -> None:
+        assert self.pool is not None
+        self.pool.emit(event)
+
+    # -- copies -----------------------------------------------------------------------
+    def _copy_out(self, block_id: int) -> torch.Tensor:
+        """The block's bytes in every layer, as one host tensor (waits for a GPU copy)."""
+        parts = [t[block_id].reshape(-1).view(torch.uint8) for t in self.tensors]
+        out = torch.cat(parts)
+        return out.to("cpu") if self.cuda else out
+
+    def _copy_in(self, block_id: int, data: torch.Tensor) -> None:
+        off = 0
+        for t, n in zip(self.tensors, self.sizes, strict=True):
+            dst = t[block_id].reshape(-1).view(torch.uint8)
+            dst.copy_(data[off : off + n], non_blocking=self.cuda)
+            off += n
+
+    def _run(self) -> None:
+        """The loader thread: one job at a time, blocks in chain order, stopping at the
+        first that fails its checks."""
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            t0 = time.perf_counter()
+            try:
+                self._load(job)
+            except Exception:  # never the engine's death: the rest is recomputed
+                log.warning("KV tier load for %s failed", job.request_id, exc_info=True)
+                if job.failed is None and job.num_ok < len(job.hashes):
+                    job.failed = job.hashes[job.num_ok]
+            job.seconds = time.perf_counter() - t0
+            job.done.set()
+            with self._done_lock:
+                self._done.append(job)
+                self._wake.set()
+
+    def _load(self, job: LoadJob) -> None:
+        stream = self._stream
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with ctx:
+            for i, (h, entry) in enumerate(zip(job.hashes, job.host_entries, strict=True)):
+                data = self._fetch(h, entry)
+                if data is None:
+                    job.failed = h
+                    break
+                self._copy_in(job.block_ids[i], data)
+                job.num_ok = i + 1
+        if stream is not None:
+            stream.synchronize()  # the blocks are in before the job says so
+
+    def _fetch(self, h: bytes, entry: HostEntry | None) -> torch.Tensor | None:
+        """A block's verified bytes from the host or the disk; None if they fail a check."""
+        if entry is not None:
+            data = entry.data
+            if data.numel() != self.block_bytes or checksum(data.numpy()) != entry.digest:
+                return None
+            if self.cuda and not data.is_pinned():
+                data = data.pin_memory()
+            return data
+        if self.disk is None:
+            return None
+        raw = self.disk.read(h, self.block_bytes)
+        if raw is None:
+            return None
+        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        return data.pin_memory() if self.cuda else data
+
+    # -- costs ------------------------------------------------------------------------
+    def _measure(self) -> dict[str, float]:
+        """Load bandwidth (bytes/s) into the device cache from each configured tier, from
+        one quick copy of 4 MiB (a few ms): what the replica reports to routers."""
+        n = 4 << 20
+        src = torch.randint(0, 255, (n,), dtype=torch.uint8)
+        dst = torch.empty(n, dtype=torch.uint8, device=self.device)
+        out: dict[str, float] = {}
+        if self.cuda:
+            src = src.pin_memory()
+        dst.copy_(src)  # warm
+        if self.host_capacity:
+            t0 = time.perf_counter()
+            digest = checksum(src.numpy())
+            dst.copy_(src, non_blocking=self.cuda)
+            if self.cuda:
+                torch.cuda.synchronize(self.device)
+            out[MEDIUM_CPU] = n / max(time.perf_counter() - t0, 1e-9)
+            del digest
+        if self.disk is not None:
+            with tempfile.NamedTemporaryFile(dir=self.disk.path, suffix=".probe") as f:
+                f.write(src.numpy().tobytes())
+                f.flush()
+                t0 = time.perf_counter()
+                raw = Path(f.name).read_bytes()
+                checksum(raw)
+                dst.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+                if self.cuda:
+                    torch.cuda.synchronize(self.device)
+                out[MEDIUM_STORAGE] = n / max(time.perf_counter() - t0, 1e-9)
+        return out
