@@ -284,6 +284,8 @@ def build_app(
         request_log.propagate = False
     door = FrontDoor(
         replicas,
+        lora_adapters=_fleet_adapters(replicas),
+        served_model=args.served_model_name,
         policy=args.policy,
         tokenizer=tokenizer,
         max_in_flight=max_in_flight,
@@ -303,6 +305,22 @@ def build_app(
         send_timeout_s=args.send_timeout,
         public=not is_loopback(args.host),
     )
+
+
+def _fleet_adapters(replicas: list[tuple[Any, Any]]) -> dict[str, str]:
+    """The LoRA adapters the replicas hold, every replica made to hold all of them
+    (:func:`kvroute.router.lora.prepare_fleet`); replicas without LoRA calls (``vllm
+    serve`` backends) are left out. Raises FleetMismatchError on a name held twice."""
+    import asyncio
+
+    from kvroute.router.frontdoor import FleetMismatchError
+    from kvroute.router.lora import AdapterConflictError, prepare_fleet
+
+    actors = {info.replica_id: a for a, info in replicas if hasattr(a, "list_loras")}
+    try:
+        return asyncio.run(prepare_fleet(actors))
+    except AdapterConflictError as exc:
+        raise FleetMismatchError(str(exc)) from None
 
 
 # On Ctrl-C, requests in flight get this long to finish; then their streams are cut.

@@ -22,6 +22,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from .lora_args import LoRAFlagError, add_lora_arguments, lora_settings
 from .router import (
     RAY_NAMESPACE,
     REPLICA_ACTOR_PREFIX,
@@ -142,6 +143,7 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
         "--max-in-flight on its own (default: 1)",
     )
     add_front_door_arguments(serve)
+    add_lora_arguments(serve)
 
 
 def _say(msg: str) -> None:
@@ -187,6 +189,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.vllm_args and args.engine != "vllm":
         _say("--vllm-args applies to --engine vllm only")
+        return 2
+    try:
+        args.lora = lora_settings(args)
+    except LoRAFlagError as exc:
+        _say(str(exc))
+        return 2
+    if args.lora and simulated:
+        _say("--enable-lora: sim: models are cost models, with no weights to adapt")
         return 2
     if args.block_size is None:
         args.block_size = 32 if args.engine == "vllm" else 16
@@ -370,6 +380,7 @@ def _start_replicas(args: argparse.Namespace, n: int, num_gpus: float, events_ho
             config["long_prefill_token_threshold"] = args.long_prefill_token_threshold
         if args.max_num_partial_prefills:
             config["max_num_partial_prefills"] = args.max_num_partial_prefills
+        config.update(getattr(args, "lora", None) or {})
     where = f"{num_gpus:g} GPU" if num_gpus else f"{args.num_cpus_per_replica:g} CPU"
     _say(f"starting {n} replica(s) of {args.model} ({where} each); loading the model...")
     t0 = time.monotonic()

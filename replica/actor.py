@@ -168,6 +168,25 @@ class ReplicaServer:
         """False when blocks are in use (nothing is reset then); True after AllBlocksCleared."""
         return await self._ask(self.engine.reset_prefix_cache())
 
+    # -- LoRA adapters (the router's registry keeps every replica's the same) ----------------
+    async def add_lora(self, name: str, path: str) -> str:
+        """Registers a PEFT adapter folder under ``name``; returns the folder as registered
+        (the router hashes adapter blocks with it). ValueError says what is refused."""
+        add = getattr(self.engine, "add_lora", None)
+        if add is None:
+            raise ValueError("LoRA adapters are not served by this replica's engine (vllm)")
+        return str(await self._ask(add(name, path)))
+
+    async def remove_lora(self, name: str) -> bool:
+        """Unregisters an adapter; requests already running on it finish. False: unknown."""
+        remove = getattr(self.engine, "remove_lora", None)
+        return bool(await self._ask(remove(name))) if remove is not None else False
+
+    async def list_loras(self) -> dict[str, str]:
+        """Registered adapters: name -> folder."""
+        listed = getattr(self.engine, "list_loras", None)
+        return dict(await self._ask(listed())) if listed is not None else {}
+
     def health(self) -> bool:
         """True, or :class:`ReplicaDeadError` in the moment before a dead replica exits."""
         if self.engine.errored:

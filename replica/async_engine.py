@@ -187,6 +187,23 @@ class AsyncLLMEngine:
     async def reset_prefix_cache(self) -> bool:
         return await self.call(lambda e: e.reset_prefix_cache())
 
+    async def add_lora(self, name: str, path: str) -> str:
+        """Registers an adapter between steps; returns its folder as registered (what its
+        blocks are hashed with). A refusal is a ValueError naming the field."""
+
+        def add(engine: LLMEngine) -> str:
+            engine.add_lora(name, path)
+            return engine.list_loras()[name]
+
+        return await self.call(add)
+
+    async def remove_lora(self, name: str) -> bool:
+        """Unregisters an adapter (requests already queued or running finish with it)."""
+        return await self.call(lambda e: e.remove_lora(name))
+
+    async def list_loras(self) -> dict[str, str]:
+        return await self.call(lambda e: e.list_loras())
+
     def inject_failure(self, message: str) -> None:
         """The engine's next step raises ``RuntimeError(message)`` before it schedules, so
         no request is in the failed step's batch (see :class:`EngineDeadError`)."""

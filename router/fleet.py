@@ -36,7 +36,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,6 +126,9 @@ class Fleet:
         self.load_interval_s = load_interval_s
         # Called with a replica's id when what it held is dropped (the policy's own state).
         self.on_removed: list[Callable[[str], object]] = []
+        # Awaited before a replica that joins or restarts is routed to (its LoRA adapters
+        # put in place: router/lora.py); a failure there is logged, not fatal.
+        self.prepare: Callable[[Any, ReplicaInfo], Awaitable[None]] | None = None
         self._monitor: asyncio.Task[None] | None = None
         for actor, info in replicas:
             self.add(actor, info)
@@ -180,6 +183,26 @@ class Fleet:
             )
         self.subscriber.add_publisher(rid, info.events_endpoint, info.replay_endpoint, info.topic)
         log.info("replica %s (incarnation %s) added", rid, info.incarnation[:8])
+
+    async def join(self, actor: Any, info: ReplicaInfo | None = None) -> str:
+        """A replica that joins a running fleet (scale-up): prepared (:attr:`prepare`),
+        then added and routable. Returns its id."""
+        if info is None:
+            info = await actor.info.remote()
+        self.check(info)
+        await self._prepare(actor, info)
+        self.add(actor, info)
+        self.connection(info.replica_id)
+        return info.replica_id
+
+    async def _prepare(self, actor: Any, info: ReplicaInfo) -> None:
+        if self.prepare is None:
+            return
+        try:
+            await self.prepare(actor, info)
+        except Exception:
+            self.errors["prepare_failed"] += 1
+            log.exception("replica %s: preparing it failed", info.replica_id)
 
     def connection(self, rid: str) -> ReplicaConnection | HttpReplicaConnection:
         """The replica's data-plane connection, made at first use (on the running loop)."""
@@ -313,10 +336,23 @@ class Fleet:
             raise KeyError(rid)
         (self.cordoned.add if cordoned else self.cordoned.discard)(rid)
 
-    def block_hashes(self, prompt_token_ids: Sequence[int], salt: str) -> list[Any]:
-        """The prompt's block hashes as the replicas publish them."""
+    def block_hashes(
+        self,
+        prompt_token_ids: Sequence[int],
+        salt: str,
+        lora_name: str | None = None,
+        lora_path: str | None = None,
+    ) -> list[Any]:
+        """The prompt's block hashes as the replicas publish them; ``lora_name`` and its
+        ``lora_path`` (as the replicas registered it): the adapter it runs under, which is
+        in every block's hash."""
         form = self.hash_form
-        hashes = self.hasher.hash_blocks(prompt_token_ids, cache_salt=salt)
+        if lora_name is None:
+            hashes = self.hasher.hash_blocks(prompt_token_ids, cache_salt=salt)
+        else:
+            hashes = self.hasher.hash_blocks(
+                prompt_token_ids, cache_salt=salt, lora_name=lora_name, lora_path=lora_path
+            )
         if form == "bytes":  # events carry the digests themselves
             return hashes
         return [to_external(h, form) for h in hashes]  # type: ignore[arg-type]
@@ -391,6 +427,8 @@ class Fleet:
             return
         if info.incarnation != rep.info.incarnation:
             log.warning("replica %s restarted: following its new endpoints", rid)
+            rep.alive = False  # not routed to while it is prepared
+            await self._prepare(rep.actor, info)
             try:
                 self.add(rep.actor, info)
             except FleetMismatchError as exc:

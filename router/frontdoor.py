@@ -39,6 +39,7 @@ from kvroute.events.replica_api import GenerateRequest, ReplicaInfo, SamplingPar
 from .admission import Admission, Ticket
 from .errors import new_id
 from .fleet import Fleet, FleetMismatchError
+from .lora import Adapter, LoRARegistry
 from .metrics import FleetCollector, Metrics
 from .policy import Policy, RequestView, make_policy
 from .quarantine import Quarantine, fingerprint
@@ -46,6 +47,9 @@ from .request_run import RequestRun, RunServices
 from .tenants import Tenant
 
 __all__ = ["FleetMismatchError", "FrontDoor"]
+
+MAX_ADAPTER_LABELS = 256  # past this many adapters in /metrics, the rest share "other"
+OTHER_ADAPTER = "other"
 
 
 class FrontDoor:
@@ -63,8 +67,13 @@ class FrontDoor:
         max_in_flight_per_tenant: int | None = None,
         admission_queue: int | None = None,
         admission_timeout_s: float = 2.0,
+        lora_adapters: Mapping[str, str] | None = None,
+        served_model: str | None = None,
     ) -> None:
-        """Admission's limits: see :class:`Admission`; the intervals: see :class:`Fleet`."""
+        """Admission's limits: see :class:`Admission`; the intervals: see :class:`Fleet`.
+        ``lora_adapters``: the fleet's adapters at start (name -> folder, as the replicas
+        registered them); ``served_model``: the name clients call the base model by (the
+        fleet's own is accepted too); neither may name an adapter."""
         self.counters: Counter[str] = Counter()  # requests, retries, failovers
         self.run_errors: Counter[str] = Counter()  # the runs' own (no replica, invalid)
         self.fleet = fleet = Fleet(
@@ -99,6 +108,9 @@ class FrontDoor:
             in_flight=lambda: self.admission.in_flight,
         )
         self.metrics.registry.register(self.fleet_collector)
+        self.loras = LoRARegistry({fleet.model, served_model or fleet.model}, lora_adapters or {})
+        self._error_counts.append(self.loras.errors)
+        fleet.prepare = self._prepare_replica
         if tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -153,9 +165,11 @@ class FrontDoor:
         sampling: SamplingParams,
         request_salt: str | None = None,
         request_id: str | None = None,
+        lora: Adapter | None = None,
     ) -> RequestRun:
         """A request ready to :meth:`RequestRun.start`; it owns ``ticket`` from here on.
-        Raises :class:`~.quarantine.QueryOfDeathError` for a quarantined request."""
+        ``lora``: the adapter it runs under (None: the base model). Raises
+        :class:`~.quarantine.QueryOfDeathError` for a quarantined request."""
         fp = None
         if self.quarantine:  # nothing to check against (the usual case): no hashing
             fp = fingerprint(prompt_token_ids, sampling)
@@ -163,14 +177,21 @@ class FrontDoor:
         request_id = request_id or new_id()
         salt = tenant.salt_for(request_salt)
         fleet = self.fleet
+        lora_name = lora.name if lora is not None else None
+        hashes = (
+            fleet.block_hashes(prompt_token_ids, salt)
+            if lora is None
+            else fleet.block_hashes(prompt_token_ids, salt, lora.name, lora.path)
+        )
         view = RequestView(
             request_id=request_id,
             num_prompt_tokens=len(prompt_token_ids),
-            block_hashes=fleet.block_hashes(prompt_token_ids, salt),
+            block_hashes=hashes,
             block_size=fleet.hasher.block_size,
             token_ids=prompt_token_ids,
             max_tokens=sampling.max_tokens,
             reads_cache=sampling.prompt_logprobs is None,
+            lora_name=lora_name,
         )
         request = GenerateRequest(
             request_id=request_id,
@@ -178,8 +199,50 @@ class FrontDoor:
             sampling=sampling,
             cache_salt=salt,
             tenant=tenant.tenant_id,
+            lora_name=lora_name,
         )
-        return RequestRun(self._services, ticket, view, request, fp)
+        if lora_name is None:
+            return RequestRun(self._services, ticket, view, request, fp)
+        # Counted until the run ends (its ticket given back): an unload waits for it.
+        loras = self.loras
+        loras.started(lora_name)
+        series = self.metrics.lora_requests  # labels bounded: adapters churn over days
+        label = lora_name if len(series.children) < MAX_ADAPTER_LABELS else OTHER_ADAPTER
+        series.labels(lora_name if (lora_name,) in series.children else label).inc()
+        release = self._services.release
+
+        def release_lora(t: Ticket, n: int) -> None:
+            release(t, n)
+            loras.finished(lora_name)
+
+        services = dataclasses.replace(self._services, release=release_lora)
+        return RequestRun(services, ticket, view, request, fp)
+
+    # -- LoRA adapters -----------------------------------------------------------------------
+    async def _prepare_replica(self, actor: Any, info: ReplicaInfo) -> None:
+        """Before a replica that joins or restarts is routed to: the registered adapters on
+        it (:meth:`LoRARegistry.sync`). Replicas without LoRA calls (``vllm serve``
+        backends) and fleets without adapters need nothing."""
+        if len(self.loras) and hasattr(actor, "list_loras"):
+            await self.loras.sync(actor, info.replica_id)
+
+    def _live_actors(self) -> dict[str, Any]:
+        fleet = self.fleet
+        return {rid: fleet.replicas[rid].actor for rid in fleet.alive()}
+
+    async def load_lora(self, name: str, path: str) -> Adapter:
+        """``POST /v1/load_lora_adapter``: on every live replica, then routable by name."""
+        return await self.loras.load(name, path, self._live_actors())
+
+    async def unload_lora(self, name: str) -> None:
+        """``POST /v1/unload_lora_adapter``: no new request may name it; this front door's
+        requests on it end first; then every replica drops it."""
+        await self.loras.unload(name, self._live_actors())
+
+    async def add_replica(self, actor: Any) -> str:
+        """A replica that joins the running fleet (scale-up): it holds every registered
+        adapter before it is routed to. Returns its id."""
+        return await self.fleet.join(actor)
 
     def route(self, view: RequestView, candidates: list[str], now: float) -> str:
         """The policy's choice, counted in /metrics with its reason (as a run routes)."""

@@ -68,6 +68,13 @@ from .errors import (
 )
 from .fleet_view import fleet_view
 from .frontdoor import FrontDoor
+from .http_lora import (
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+    load_lora_adapter,
+    require_admin,
+    unload_lora_adapter,
+)
 from .intake import Intake
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import render_metrics
@@ -119,35 +126,34 @@ async def health(request: Request) -> JSONResponse:
 async def fleet(request: Request) -> JSONResponse:
     """Admin keys only: 401 without a known key, 403 for a tenant's key. A server without
     keys answers anyone only while it listens on loopback: the view names hosts and pids."""
-    state = request.app.state
-    if state.tenants.open and state.public:
-        raise APIError(
-            403,
-            "/fleet needs an admin key, and this server has none: give it a tenants file "
-            "with admin_keys",
-            "permission_error",
-            code="not_admin",
-        )
-    try:
-        admin = state.tenants.is_admin(request.headers.get("authorization"))
-    except AuthError as exc:
-        state.errors["auth"] += 1
-        raise APIError(401, str(exc), "invalid_request_error", code="invalid_api_key") from None
-    if not admin:
-        raise APIError(403, "/fleet needs an admin key", "permission_error", code="not_admin")
-    return JSONResponse(state.fleet_view())
+    require_admin(request, "/fleet")
+    return JSONResponse(request.app.state.fleet_view())
 
 
-async def models(request: Request, _: TenantDep) -> ModelList:
+async def models(request: Request, tenant: TenantDep) -> ModelList:
+    """The base model, then the LoRA adapters ``tenant`` may use (as vLLM lists them:
+    ``parent`` the base model's id, ``root`` the adapter's folder)."""
     state = request.app.state
     fleet = state.fleet
+    base = state.intake.model_name
     card = ModelCard(
-        id=state.intake.model_name,
+        id=base,
         root=fleet.model_path,
         max_model_len=fleet.max_model_len,
         vocab_size=fleet.vocab_size(),
     )
-    return ModelList(data=[card])
+    adapters = [
+        ModelCard(
+            id=a.name,
+            created=a.created,
+            root=a.path,
+            parent=base,
+            max_model_len=fleet.max_model_len,
+            vocab_size=card.vocab_size,
+        )
+        for a in state.door.loras.visible(tenant)
+    ]
+    return ModelList(data=[card, *adapters])
 
 
 async def metrics(request: Request) -> Response:
@@ -333,7 +339,12 @@ def create_app(
     # (Not ``fleet`` and ``metrics``: the handlers of those names are registered below.)
     replicas, series = door.fleet, door.metrics
     intake = Intake(
-        door.admission, replicas, door.tokenizer, door.run, served_model or replicas.model
+        door.admission,
+        replicas,
+        door.tokenizer,
+        door.run,
+        served_model or replicas.model,
+        door.loras,
     )
     errors: Counter[str] = Counter()  # the HTTP layer's own (auth, slow clients, ...)
     door.add_error_counts(errors)
@@ -350,6 +361,7 @@ def create_app(
 
     app = _App(title="kvroute", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.tenants, app.state.intake, app.state.fleet = tenants, intake, replicas
+    app.state.door = door
     app.state.errors = errors
     # Streams keep their own send deadline (sse.py).
     app.state.responses = ResponseContext(door.tokenizer, series, errors, send_timeout_s)
@@ -417,6 +429,11 @@ def create_app(
         methods=["POST"],
         openapi_extra=body_schema(ChatCompletionRequest),
     )
+    for path, handler, body in (
+        ("/v1/load_lora_adapter", load_lora_adapter, LoadLoRAAdapterRequest),
+        ("/v1/unload_lora_adapter", unload_lora_adapter, UnloadLoRAAdapterRequest),
+    ):  # admin keys, checked by the handlers
+        app.add_api_route(path, handler, methods=["POST"], openapi_extra=body_schema(body))
     for path, handler, body in (
         ("/tokenize", tokenize, TokenizeRequest),
         ("/detokenize", detokenize, DetokenizeRequest),

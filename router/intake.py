@@ -46,6 +46,7 @@ from kvroute.events.replica_api import (
 
 from .admission import Admission, OverloadedError, Ticket
 from .errors import APIError, one_line, status_of
+from .lora import Adapter, not_found
 from .openai_api import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
 from .openai_wire import ChatBody, CompletionBody, decode_body
 from .quarantine import QueryOfDeathError
@@ -84,7 +85,14 @@ class StartRun(Protocol):
         sampling: SamplingParams,
         request_salt: str | None = None,
         request_id: str | None = None,
+        lora: Adapter | None = None,
     ) -> RequestRun: ...
+
+
+class Adapters(Protocol):
+    """The fleet's LoRA adapters as intake asks about them (:class:`~.lora.LoRARegistry`)."""
+
+    def resolve(self, model: str, tenant: Tenant) -> Adapter | None: ...
 
 
 @dataclass(slots=True)
@@ -108,9 +116,11 @@ class Intake:
         tokenizer: Any,
         start_run: StartRun,
         model_name: str,
+        adapters: Adapters | None = None,
     ) -> None:
         """``model_name``: what clients call the served model (the fleet's own name is
-        accepted too)."""
+        accepted too); ``adapters``: the LoRA adapters ``model`` may name instead."""
+        self.adapters = adapters
         self.admission = admission
         self.served = served
         self.tokenizer = tokenizer
@@ -131,35 +141,42 @@ class Intake:
     async def off_loop(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
 
-    async def parse(self, raw: bytes, model: type[M]) -> Any:
+    async def parse(self, raw: bytes, model: type[M], tenant: Tenant | None = None) -> Any:
         """The body as ``model`` (:func:`~.openai_wire.decode_body`; a large one on the
-        worker thread), checked."""
+        worker thread), checked (``tenant``: whose adapters ``model`` may name)."""
+        body, _ = await self.parse_with_adapter(raw, model, tenant)
+        return body
+
+    async def parse_with_adapter(
+        self, raw: bytes, model: type[M], tenant: Tenant | None
+    ) -> tuple[Any, Adapter | None]:
+        """:meth:`parse`, and the adapter the body's ``model`` names (None: the base)."""
         if len(raw) > OFF_LOOP_BODY_BYTES:
             body = await self.off_loop(lambda: decode_body(raw, model))
         else:
             body = decode_body(raw, model)
-        self._check(body)
-        return body
+        return body, self._check(body, tenant)
 
-    def check_model(self, body: Any) -> None:
-        """``body.model`` is the one served (set to it when the body names none)."""
+    def check_model(self, body: Any, tenant: Tenant | None = None) -> Adapter | None:
+        """``body.model`` is the base model (set to it when the body names none; None
+        returned) or an adapter ``tenant`` may use (returned). Anything else is vLLM's 404,
+        the same whether the adapter does not exist or the tenant may not use it."""
         if body.model is None:
             body.model = self.model_name
-        elif body.model not in (self.model_name, self.served.model):
-            # 400 (vLLM answers 404): the body names what is served.
-            raise APIError(
-                400,
-                f"The model `{body.model[:100]}` does not exist; this server serves "
-                f"`{self.model_name}`.",
-                "invalid_request_error",
-                "model",
-                "model_not_found",
-            )
+            return None
+        if body.model in (self.model_name, self.served.model):
+            return None
+        adapter = None
+        if tenant is not None and self.adapters is not None:
+            adapter = self.adapters.resolve(body.model, tenant)
+        if adapter is None:
+            raise not_found(body.model)
+        return adapter
 
-    def _check(self, body: Body) -> None:
-        """The model (none named: the one served), then parameters this server does not
-        implement."""
-        self.check_model(body)
+    def _check(self, body: Body, tenant: Tenant | None) -> Adapter | None:
+        """The model (none named: the one served; else maybe an adapter, returned), then
+        parameters this server does not implement."""
+        adapter = self.check_model(body, tenant)
         param = body.unsupported()
         if param is not None:
             raise APIError(
@@ -202,6 +219,7 @@ class Intake:
                         f"messages.{i}.content.{bad[0]}",
                         "unsupported_parameter",
                     )
+        return adapter
 
     def check_length(self, chars: int) -> None:
         """A cheap bound before tokenizing: so many characters cannot fit the context."""
@@ -350,7 +368,7 @@ class Intake:
         runs: list[RequestRun] = []
         try:
             raw = body if isinstance(body, bytes) else await body()
-            parsed = await self.parse(raw, model)
+            parsed, adapter = await self.parse_with_adapter(raw, model, tenant)
             prompts = None if parsed.chat else self.prompts(parsed)
             self._check_choices(parsed, 1 if prompts is None else len(prompts), tenant)
             if prompts is None:
@@ -375,7 +393,7 @@ class Intake:
                     choice_id = f"{rid}-{len(runs)}" if many else rid
                     runs.append(
                         self.launch(tenant, tickets[len(runs)], ids, parsed.cache_salt,
-                                    choice_spec, choice_id)
+                                    choice_spec, choice_id, adapter)
                     )  # fmt: skip
             return Admitted(parsed, runs, prompts)
         except BaseException:
@@ -436,11 +454,16 @@ class Intake:
         salt: str | None,
         spec: SamplingParams,
         rid: str,
+        adapter: Adapter | None = None,
     ) -> RequestRun:
-        """Routes one choice (request id ``rid``) and sends it; every failure a status."""
+        """Routes one choice (request id ``rid``; ``adapter``: its LoRA adapter, None for
+        the base model) and sends it; every failure a status."""
         self.admission.charge(ticket, len(ids))
         try:
-            run = self.start_run(ticket, tenant, ids, spec, salt, request_id=rid)
+            if adapter is None:
+                run = self.start_run(ticket, tenant, ids, spec, salt, request_id=rid)
+            else:
+                run = self.start_run(ticket, tenant, ids, spec, salt, request_id=rid, lora=adapter)
         except QueryOfDeathError as exc:
             raise APIError(
                 400, str(exc), "invalid_request_error", code="request_quarantined"

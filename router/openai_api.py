@@ -342,6 +342,8 @@ class ModelCard(BaseModel):
     root: str | None = None
     max_model_len: int | None = None  # the context: prompt + max_tokens must fit in it
     vocab_size: int | None = None  # prompt token ids must be below it (None: not known)
+    # vLLM's field for a LoRA adapter: the base model it applies to (None: a base model).
+    parent: str | None = None
 
 
 class ModelList(BaseModel):

@@ -41,10 +41,20 @@ class AuthError(Exception):
     """The request names no tenant this router knows (HTTP 401)."""
 
 
+ALL_ADAPTERS = "*"  # in a tenant's ``adapters``: every adapter the fleet serves
+
+
 class Tenant(msgspec.Struct, frozen=True):
     tenant_id: str
     cache_salt: str  # hex HMAC-SHA256(fleet secret, tenant id)
     limits: Limits = Limits()
+    # The LoRA adapters it may name in ``model``; None: every one (the anonymous tenant of
+    # a server without keys, a tenant granted "*"). Others are, to it, models that do not
+    # exist (router/lora.py).
+    adapters: frozenset[str] | None = frozenset()
+
+    def may_use(self, adapter: str) -> bool:
+        return self.adapters is None or adapter in self.adapters
 
     def salt_for(self, request_salt: str | None) -> str:
         """The salt a request's blocks are hashed with: the tenant's, then the request's."""
@@ -98,10 +108,17 @@ class TenantConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     requests_per_minute: int | None = None
     tokens_per_minute: int | None = None
     max_concurrent: int | None = None
+    # LoRA adapters it may use by name; ["*"]: all. Absent: none (the base model only).
+    adapters: list[str] = []
 
     @property
     def limits(self) -> Limits:
         return Limits(self.requests_per_minute, self.tokens_per_minute, self.max_concurrent)
+
+    @property
+    def adapter_grant(self) -> frozenset[str] | None:
+        """``adapters`` as :attr:`Tenant.adapters` holds it (None: all)."""
+        return None if ALL_ADAPTERS in self.adapters else frozenset(self.adapters)
 
 
 class TenantsFile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -131,6 +148,8 @@ def load_tenants(path: str | os.PathLike[str]) -> TenantsFile:
             t.limits  # noqa: B018 -- builds (and so checks) the limits: each >= 1
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
+        if any(not a for a in t.adapters):
+            raise ValueError(f"{where}: adapters: an adapter name must be non-empty")
         for k in t.keys:
             if _check_hash(k, where) in seen_keys:
                 raise ValueError(f"{where}: a key appears twice in the file")
@@ -166,11 +185,14 @@ def load_api_keys(path: str | os.PathLike[str]) -> dict[str, str]:
 
 
 def tenants_from_api_keys(api_keys: Mapping[str, str]) -> TenantsFile:
-    """A flat key file as a tenants file (keys hashed, no limits)."""
+    """A flat key file as a tenants file (keys hashed, no limits, every adapter: a
+    development file has no place to say which)."""
     by_tenant: dict[str, list[str]] = {}
     for key, tenant_id in api_keys.items():
         by_tenant.setdefault(tenant_id, []).append(hash_key(key))
-    return TenantsFile([TenantConfig(t, ks) for t, ks in by_tenant.items()])
+    return TenantsFile(
+        [TenantConfig(t, ks, adapters=[ALL_ADAPTERS]) for t, ks in by_tenant.items()]
+    )
 
 
 class Tenants:
@@ -183,9 +205,13 @@ class Tenants:
         self._admin = frozenset(k.lower() for k in (spec.admin_keys if spec else ()))
         self.tenants: dict[str, Tenant] = {}
         for t in spec.tenants if spec else ():
-            tenant = self.tenants[t.id] = Tenant(t.id, tenant_salt(fleet_secret, t.id), t.limits)
+            salt = tenant_salt(fleet_secret, t.id)
+            tenant = self.tenants[t.id] = Tenant(t.id, salt, t.limits, t.adapter_grant)
             self._by_key.update((k.lower(), tenant) for k in t.keys)
-        self.default = Tenant(DEFAULT_TENANT, tenant_salt(fleet_secret, DEFAULT_TENANT))
+        # The anonymous tenant of a server without keys may use every adapter.
+        self.default = Tenant(
+            DEFAULT_TENANT, tenant_salt(fleet_secret, DEFAULT_TENANT), adapters=None
+        )
         if not self.tenants:
             self.tenants[DEFAULT_TENANT] = self.default
 

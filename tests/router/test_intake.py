@@ -123,7 +123,6 @@ async def test_choices_are_runs_named_after_the_request_and_read_once_admitted(
 @pytest.mark.parametrize(
     ("fields", "param", "code"),
     [
-        ({"model": "other", "prompt": "x"}, "model", "model_not_found"),
         ({"prompt": "x", "max_tokens": 5000}, "max_tokens", "context_length_exceeded"),
         ({"prompt": "x", "n": 2, "stream": True}, "n", "unsupported_parameter"),
         ({"prompt": "x", "logit_bias": {"999999": 1.0}}, "logit_bias", None),
