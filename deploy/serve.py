@@ -114,6 +114,22 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument("--num-blocks", type=int, default=None, help="KV blocks per replica")
     serve.add_argument(
+        "--kv-host-bytes",
+        type=int,
+        default=0,
+        help="host memory per replica for KV blocks its device cache evicts (0: none); a "
+        "prefix found there is loaded back instead of recomputed (docs/kv-tiers.md)",
+    )
+    serve.add_argument(
+        "--kv-disk-path",
+        default=None,
+        help="a local folder for KV blocks evicted past the host tier (or from the device, "
+        "without one); each replica uses <path>/<replica id>, wiped when it starts",
+    )
+    serve.add_argument(
+        "--kv-disk-bytes", type=int, default=0, help="disk bytes per replica for KV blocks"
+    )
+    serve.add_argument(
         "--long-prefill-token-threshold",
         type=int,
         default=0,
@@ -380,6 +396,12 @@ def _start_replicas(args: argparse.Namespace, n: int, num_gpus: float, events_ho
             config["long_prefill_token_threshold"] = args.long_prefill_token_threshold
         if args.max_num_partial_prefills:
             config["max_num_partial_prefills"] = args.max_num_partial_prefills
+        if args.kv_host_bytes:
+            config["kv_host_bytes"] = args.kv_host_bytes
+        if args.kv_disk_path or args.kv_disk_bytes:
+            if not (args.kv_disk_path and args.kv_disk_bytes):
+                raise StartupError("--kv-disk-path and --kv-disk-bytes go together")
+            config["kv_disk_bytes"] = args.kv_disk_bytes
         config.update(getattr(args, "lora", None) or {})
     where = f"{num_gpus:g} GPU" if num_gpus else f"{args.num_cpus_per_replica:g} CPU"
     _say(f"starting {n} replica(s) of {args.model} ({where} each); loading the model...")
@@ -396,10 +418,13 @@ def _start_replicas(args: argparse.Namespace, n: int, num_gpus: float, events_ho
             extra["resources"] = args.resources_per_replica
         if args.runtime_env:
             extra["runtime_env"] = args.runtime_env
+        own = dict(config)
+        if args.engine != "vllm" and args.kv_disk_path:  # a folder each: wiped at its start
+            own["kv_disk_path"] = os.path.join(args.kv_disk_path, f"r{i}")
         actors.append(
             start_replica(
                 f"r{i}",
-                config,
+                own,
                 num_cpus=args.num_cpus_per_replica,
                 num_gpus=num_gpus,
                 events_host=events_host,
