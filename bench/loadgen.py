@@ -46,6 +46,8 @@ class Record(msgspec.Struct, kw_only=True):
     itl_s: list[float] = msgspec.field(default_factory=list)  # gaps between content chunks
     prompt_tokens: int | None = None
     cached_tokens: int | None = None
+    # of those, tokens a replica loaded from a lower KV tier ("CPU": host, "STORAGE": disk)
+    cached_tokens_by_tier: dict[str, int] = msgspec.field(default_factory=dict)
     output_tokens: int | None = None
     cache_salt: str | None = None
     # kvroute's own figures, from its ``: kvroute-timing`` SSE comment (None elsewhere)
@@ -163,6 +165,7 @@ async def send_one(
             rec.output_tokens = usage.get("completion_tokens")
             details = usage.get("prompt_tokens_details") or {}
             rec.cached_tokens = details.get("cached_tokens") or 0
+            rec.cached_tokens_by_tier = dict(details.get("cached_tokens_by_tier") or {})
 
     sse = SSEReader(on_event, lambda c: _timing(rec, c))
     conns: list[Connection] = []  # the one it went out on last (its headers name the replica)

@@ -56,6 +56,17 @@ def meets_slo(rec: Record, slo_ttft: float | None, slo_itl: float | None, stat: 
     return slo_itl is None or request_itl(rec, stat) <= slo_itl
 
 
+def hits_by_tier(records: Sequence[Record]) -> dict[str, int]:
+    """Prompt tokens served from cache, by KV tier: "GPU" the device hits, "CPU" / "STORAGE"
+    what replicas loaded from host memory / disk (kvroute's usage extension)."""
+    out: Counter[str] = Counter()
+    for r in records:
+        lower = r.cached_tokens_by_tier or {}
+        out["GPU"] += (r.cached_tokens or 0) - sum(lower.values())
+        out.update(lower)
+    return {k: v for k, v in out.items() if v}
+
+
 def summarize(
     records: Sequence[Record],
     wall_s: float,
@@ -71,6 +82,7 @@ def summarize(
     with_usage = [r for r in records if r.prompt_tokens is not None]
     prompt = sum(r.prompt_tokens or 0 for r in with_usage)
     cached = sum(r.cached_tokens or 0 for r in with_usage)
+    by_tier = hits_by_tier(with_usage)
     out_tokens = sum(r.output_tokens or 0 for r in ok)
     met = sum(meets_slo(r, slo_ttft, slo_itl, itl_stat) for r in records)
     replicas = Counter(r.replica for r in records if r.replica is not None)
@@ -86,6 +98,7 @@ def summarize(
         "output_tokens": out_tokens,
         "prompt_tokens": prompt,
         "cached_tokens": cached,
+        "cached_tokens_by_tier": by_tier,
         "hit_rate": cached / prompt if prompt else math.nan,
         "ttft_s": dist([r.ttft_s for r in ok if r.ttft_s is not None]),
         "itl_s": dist([g for r in ok for g in r.itl_s]),
@@ -144,7 +157,9 @@ def _ms(x: float | None) -> str:
     return "-" if _missing(x) else f"{x * 1000:.1f}"
 
 
-def _rows(s: dict[str, Any], replicas: list[str], outside: bool) -> list[tuple[str, str]]:
+def _rows(
+    s: dict[str, Any], replicas: list[str], outside: bool, tiered: bool = False
+) -> list[tuple[str, str]]:
     g = s["goodput"]
     slo = [f"TTFT <= {g['slo_ttft_s']} s"] if g["slo_ttft_s"] is not None else []
     if g["slo_itl_s"] is not None:
@@ -161,6 +176,10 @@ def _rows(s: dict[str, Any], replicas: list[str], outside: bool) -> list[tuple[s
         ("hit rate (cached/prompt tokens)", "-" if _missing(hit) else f"{hit:.1%}"),
         ("prompt tokens (cached)", f"{s['prompt_tokens']:,} ({s['cached_tokens']:,})"),
     ]
+    if tiered:  # some run's replicas loaded from a lower KV tier
+        tiers = s.get("cached_tokens_by_tier") or {}
+        shown = ", ".join(f"{k} {v:,}" for k, v in tiers.items()) or "0"
+        rows.append(("prefix hits by tier (tokens)", shown))
     for name, key in (
         ("TTFT", "ttft_s"),
         ("ITL", "itl_s"),
@@ -183,7 +202,10 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
     """One column per run (its label), one row per figure; a markdown table."""
     replicas = sorted({rid for r in results for rid in r["summary"]["per_replica"]}, key=_natural)
     outside = any((r["summary"].get("ttft_outside_replica_s") or {}).get("n") for r in results)
-    columns = [_rows(r["summary"], replicas, outside) for r in results]
+    tiered = any(
+        k != "GPU" for r in results for k in r["summary"].get("cached_tokens_by_tier") or {}
+    )
+    columns = [_rows(r["summary"], replicas, outside, tiered) for r in results]
     labels = [str(r.get("label") or f"run {i}") for i, r in enumerate(results)]
     lines = ["| metric | " + " | ".join(labels) + " |", "| --- |" + " ---: |" * len(labels)]
     for i, (name, _) in enumerate(columns[0]):

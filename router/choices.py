@@ -95,12 +95,15 @@ async def respond_choices(
             end_request(ctx.metrics, rid, run, c.last, ttft_s, "500 request_failed", arrival)
             raise request_failed(rid, c.last)
     prompt = cached = output = 0
+    by_tier: dict[str, int] = {}
     choices = []
     for i, (c, run) in enumerate(zip(got, runs, strict=True)):
         last = c.last
         if i % n == 0:
             prompt += last.num_prompt_tokens
             cached += last.num_cached_tokens
+            for tier, k in (getattr(last, "num_tier_cached_tokens", None) or {}).items():
+                by_tier[tier] = by_tier.get(tier, 0) + k
         output += last.num_output_tokens
         end_request(ctx.metrics, rid, run, last, ttft_s, f"200 {last.finish_reason}", arrival)
         shaped = None
@@ -109,6 +112,6 @@ async def respond_choices(
             shaped = (shapes.chat if chat else shapes.completion)(c.ids, c.entries)
         choices.append(make_choice(chat, i, c.text(), last.finish_reason, shaped))
     replicas = ",".join(dict.fromkeys(str(run.replica) for run in runs))
-    usage = make_usage(prompt, output, cached)
+    usage = make_usage(prompt, output, cached, by_tier)
     body_out = make_response(chat, resp_id, model, choices, usage)
     return JSONResponse(body_out, headers={REPLICA_HEADER: replicas})

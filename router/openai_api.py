@@ -236,6 +236,11 @@ class ChatCompletionRequest(_Request, ChatMethods):
 
 
 class PromptTokensDetails(BaseModel):
+    """``cached_tokens`` is OpenAI's; kvroute adds ``cached_tokens_by_tier`` (tokens loaded
+    from a replica's host "CPU" or disk "STORAGE" KV tier; the rest of ``cached_tokens``
+    were device hits) only when a lower tier served some, so the usual body is OpenAI's."""
+
+    model_config = ConfigDict(extra="allow")
     cached_tokens: int = 0
 
 
@@ -246,12 +251,19 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
-def make_usage(prompt: int, completion: int, cached: int) -> Usage:
+def make_usage(
+    prompt: int, completion: int, cached: int, by_tier: dict[str, int] | None = None
+) -> Usage:
+    details = (
+        PromptTokensDetails(cached_tokens=cached, cached_tokens_by_tier=by_tier)
+        if by_tier
+        else PromptTokensDetails(cached_tokens=cached)
+    )
     return Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,
         total_tokens=prompt + completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        prompt_tokens_details=details,
     )
 
 

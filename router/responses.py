@@ -294,7 +294,12 @@ async def respond(
 def _usage(last: Any) -> Any:
     if last is None:
         return None
-    return make_usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
+    return make_usage(
+        last.num_prompt_tokens,
+        last.num_output_tokens,
+        last.num_cached_tokens,
+        getattr(last, "num_tier_cached_tokens", None),
+    )
 
 
 async def _write_sse(

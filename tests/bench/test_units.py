@@ -98,6 +98,25 @@ def test_summary_latencies_hit_rate_replicas() -> None:
     assert math.isnan(empty["hit_rate"]) and math.isnan(empty["ttft_s"]["p99"])
 
 
+def test_hits_by_tier_in_the_summary_and_the_table() -> None:
+    records = [
+        rec(0, 0.1, [0.02], prompt_tokens=100, cached_tokens=64, output_tokens=2,
+            cached_tokens_by_tier={"CPU": 48}),
+        rec(1, 0.1, [0.02], prompt_tokens=100, cached_tokens=32, output_tokens=2,
+            cached_tokens_by_tier={"STORAGE": 32}),
+        rec(2, 0.1, [0.02], prompt_tokens=100, cached_tokens=16, output_tokens=2),
+    ]  # fmt: skip
+    s = summarize(records, wall_s=1.0)
+    assert s["cached_tokens_by_tier"] == {"GPU": 32, "CPU": 48, "STORAGE": 32}
+    device_only = summarize(records[2:], wall_s=1.0)
+    table = format_table(
+        [{"label": "tiers", "summary": s}, {"label": "dev", "summary": device_only}]
+    )
+    assert "| prefix hits by tier (tokens) | GPU 32, CPU 48, STORAGE 32 | GPU 16 |" in table
+    alone = format_table([{"label": "dev", "summary": device_only}])
+    assert "prefix hits by tier" not in alone
+
+
 def test_json_round_trip_and_side_by_side_table(tmp_path: Path) -> None:
     records = [rec(0, 0.1, [0.02], replica="r0", prompt_tokens=10, cached_tokens=5)]
     paths = []

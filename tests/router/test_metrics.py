@@ -77,3 +77,24 @@ def test_a_family_never_observed_exposes_no_samples_as_prometheus_client() -> No
 def test_wrong_label_count_is_refused() -> None:
     with pytest.raises(ValueError, match="labels"):
         Metrics().ttft.labels("only-a-tenant")
+
+
+def test_prefix_hits_are_counted_by_kv_tier() -> None:
+    """Device hits are what the cached tokens hold beyond a lower tier's load (issue 38)."""
+    from kvroute.events.replica_api import GenerateDelta
+
+    m = Metrics()
+    done = GenerateDelta(request_id="a", delta_token_ids=[], finished=True,
+                         finish_reason="stop", num_prompt_tokens=100, num_cached_tokens=64,
+                         num_output_tokens=2,
+                         num_tier_cached_tokens={"CPU": 32, "STORAGE": 16})  # fmt: skip
+    plain = GenerateDelta(request_id="b", delta_token_ids=[], finished=True,
+                          finish_reason="stop", num_prompt_tokens=50, num_cached_tokens=16,
+                          num_output_tokens=2)  # fmt: skip
+    m.finished(None, "r0", 0.1, 0.2, done)
+    m.finished(None, "r0", 0.1, 0.2, plain)
+    text = generate_latest(m.registry).decode()
+    got = dict(
+        re.findall(r'prefix_cache_hits_by_tier_total\{tenant="[^"]*",tier="(\w+)"\} (\S+)', text)
+    )
+    assert got == {"GPU": "32.0", "CPU": "32.0", "STORAGE": "16.0"}

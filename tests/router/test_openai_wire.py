@@ -206,3 +206,17 @@ def test_the_front_door_refuses_what_pydantic_refuses_in_fields_it_ignores(raw: 
     with pytest.raises(APIError) as info:
         decode_body(raw, CompletionRequest)
     assert info.value.status == 400
+
+
+def test_usage_names_lower_tier_hits_only_when_there_are_some() -> None:
+    """kvroute's extension of ``prompt_tokens_details`` (issue 38): absent for device hits
+    alone, so the body stays OpenAI's."""
+    from kvroute.router.openai_api import make_usage
+
+    plain = make_usage(100, 5, 64).model_dump()
+    assert plain["prompt_tokens_details"] == {"cached_tokens": 64}
+    tiered = make_usage(100, 5, 64, {"CPU": 48}).model_dump()
+    assert tiered["prompt_tokens_details"] == {
+        "cached_tokens": 64,
+        "cached_tokens_by_tier": {"CPU": 48},
+    }
