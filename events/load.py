@@ -21,6 +21,14 @@ token (:meth:`CostCoefficients.tier_load_s_per_token`). A replica reports both, 
 start, beside its other coefficients. Where it does not (vLLM, an older kvroute), a known
 tier's token is priced at a conservative share of the replica's own prefill token
 (:data:`DEFAULT_TIER_LOAD_SHARE`): never free, never a miss, whatever the model and device.
+
+LoRA adapters: a replica serving adapters reports which ones sit in its device slots, how
+many slots are free, which adapters its running requests hold (their slots cannot be given
+up) and which it keeps in host memory (:class:`LoadReport`'s ``lora_*`` fields: residency,
+what the replica holds, never a label of recent activity), and beside its coefficients what
+one adapter load costs it, measured (``lora_load_s``: host memory to a device slot;
+``lora_read_s``: disk to host memory). A replica that reports none (vLLM, an older kvroute)
+is priced with :data:`DEFAULT_LORA_LOAD_S` / :data:`DEFAULT_LORA_READ_S`.
 """
 
 from __future__ import annotations
@@ -54,6 +62,15 @@ class CostCoefficients(msgspec.Struct, frozen=True, kw_only=True):
     kv_bytes_per_token: int = 0  # one token's K and V, all layers, as a tier copies them
     tier_bytes_per_s: dict[str, float] = msgspec.field(default_factory=dict)  # tier -> load
     # bandwidth into device memory, bytes/s, for the tiers this replica has
+    # LoRA adapters (module docstring); 0: not reported (the DEFAULT_LORA_* figures apply).
+    lora_load_s: float = 0.0  # one adapter, host memory -> a device slot
+    lora_read_s: float = 0.0  # one adapter, disk -> host memory
+
+    def adapter_load_s(self, in_host: bool) -> float:
+        """Seconds to bring one adapter into a device slot: from host memory, or (not
+        there) read from disk first."""
+        load = self.lora_load_s or DEFAULT_LORA_LOAD_S
+        return load if in_host else load + (self.lora_read_s or DEFAULT_LORA_READ_S)
 
     def prefill_s(self, num_new: int, num_cached: int = 0) -> float:
         """Seconds to prefill ``num_new`` tokens on top of ``num_cached`` cached ones."""
@@ -101,7 +118,22 @@ class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
     decode_context_tokens: int
     free_blocks: int
     total_blocks: int
+    # LoRA residency (module docstring); defaults: a replica that serves no adapters, or
+    # does not say (a vLLM engine, an older kvroute), so old reports still decode.
+    lora_slots: int = 0  # device slots (max_loras); 0: no adapters, or not reported
+    lora_free_slots: int = 0  # slots holding no adapter
+    lora_resident: tuple[str, ...] = ()  # adapters in device slots now
+    lora_running: tuple[str, ...] = ()  # of those, the ones running requests hold
+    lora_host: tuple[str, ...] = ()  # adapters in host memory (a slot load away)
 
+
+# One adapter's load for a replica that reports none: Llama-3.1-8B, rank 16 on all seven
+# projections, bf16 (2 bytes x 16 x sum(d_in + d_out) = 81,920 x 32 layers: 84 MB), over a
+# PCIe 4 x16 link at 25 GB/s effective (host -> slot), and read from a local NVMe disk at
+# 2 GB/s with safetensors' parse (disk -> host). Conservative beside the cost model's
+# h100-8b link (48 GB/s), which the simulator's replicas report instead.
+DEFAULT_LORA_LOAD_S = 84e6 / 25e9
+DEFAULT_LORA_READ_S = 84e6 / 2e9
 
 # For a replica that reports no coefficients (an older kvroute, a vLLM engine): an 8B model
 # in bf16 on one H100 SXM, the figures of kvroute.replica.cost_model's ``h100-8b`` profile

@@ -29,8 +29,9 @@ import concurrent.futures as cf
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -173,6 +174,46 @@ class LoRAStore:
     def resident(self) -> list[str]:
         """Names of the adapters in device slots now."""
         return [k[0] for k in self._slots if k is not None]
+
+    def residency(self, running: Collection[str] = ()) -> dict[str, Any]:
+        """What routers are told (``LoadReport``'s ``lora_*`` fields): the adapters in
+        slots and in host memory, the free slots, and ``running`` (the running requests'
+        adapters: their slots cannot be given up). Residency, not recent use: a name is
+        listed while its weights are there, whether or not a request used it lately."""
+        slotted = [k for k in self._slots if k is not None]
+        return {
+            "lora_slots": self.max_loras,
+            "lora_free_slots": self.max_loras - len(slotted),
+            "lora_resident": tuple(k[0] for k in slotted),
+            "lora_running": tuple(sorted(running)),
+            "lora_host": tuple(k[0] for k in self._host),
+        }
+
+    def measure_load(self, name: str) -> tuple[float, float]:
+        """(host -> slot, disk -> host) seconds of one load of the registered adapter
+        ``name``, timed now (at start, so routers can price a load on this replica): read
+        from disk into host memory, then copied into a slot (the copy timed alone, after
+        the slot tensors are sized for it). Then both are given up again: what a request
+        later uses is read when it needs it, from the file as it is then."""
+        key = (name, self.path_of(name))
+        if key in self._host or key in self._slots or self._pinned:
+            raise RuntimeError("measure_load is for an engine that served nothing yet")
+        t0 = time.perf_counter()
+        adapter = self._read(name, key[1], self._registry[name])
+        read_s = time.perf_counter() - t0
+        self.stats.loads -= 1  # a measurement, not a load a request needed
+        self._host[key] = adapter
+        slot = self._activate(key, {key})
+        self.stats.slot_loads -= 1
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
+        t1 = time.perf_counter()
+        self._copy_into(slot, adapter)
+        sync()
+        load_s = time.perf_counter() - t1
+        self._slots[slot] = None
+        del self._host[key]
+        return load_s, read_s
 
     # -- host memory -------------------------------------------------------------------
     def ready(self, name: str, path: str) -> bool:

@@ -452,7 +452,7 @@ class VllmEngine:
                 fields = await asyncio.wait_for(
                     self.llm.engine_core.call_utility_async(LOAD_METHOD), LOAD_CALL_TIMEOUT_S
                 )
-                return LoadReport(**dict(zip(LoadReport.__struct_fields__, fields, strict=True)))
+                return LoadReport(**dict(zip(LoadReport.__struct_fields__, fields, strict=False)))
             except TimeoutError:  # a killed engine core may never answer: the watcher goes
                 return self.load  # back to asking vLLM whether it has died
             except Exception as exc:
