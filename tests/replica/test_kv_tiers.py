@@ -173,3 +173,26 @@ def test_coefficients_report_the_measured_tiers(tmp_path: Path) -> None:
     assert all(bw > 0 for bw in coef.tier_bytes_per_s.values())
     plain = engine()
     assert plain.kv_tiers is None and plain.kv_cache_manager.block_pool.tiers is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_host_load_on_cuda_runs_on_the_side_stream_and_matches() -> None:
+    """On a GPU the loads go device-ward on a side stream with pinned copies."""
+    eng = LLMEngine(
+        EngineConfig(
+            model="tiny",
+            block_size=BLOCK,
+            num_blocks=NUM_BLOCKS,
+            device="cuda",
+            dtype="float32",
+            kv_host_bytes=64 * BLOCK_BYTES,
+        )
+    )
+    assert eng.kv_tiers._stream is not None
+    ps = prompts()
+    for i, p in enumerate(ps):
+        run(eng, f"a{i}", p)
+    again = run(eng, "again", ps[0])
+    assert again.num_tier_cached_tokens == {"CPU": HIT}
+    ref = LLMEngine(EngineConfig(model="tiny", block_size=BLOCK, device="cuda", dtype="float32"))
+    assert again.outputs[0].token_ids == run(ref, "ref", ps[0]).outputs[0].token_ids

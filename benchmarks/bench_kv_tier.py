@@ -1,0 +1,254 @@
+"""A conversation's return served from a lower KV tier against its recompute (issue 38).
+
+    python benchmarks/bench_kv_tier.py --out benchmarks/live/kv_tier
+
+Three fleets in turn, each ``kvroute serve --model tiny --replicas 2`` with a device pool of
+``--num-blocks`` per replica (about one conversation and a quarter each: two replicas hold
+about two): without a lower tier (the recompute baseline), with a host tier, and with a disk
+tier alone. In each, per round: four multi-turn conversations (``--turns`` turns of
+``--turn-tokens`` new tokens each, a reply of 16 tokens), one after the other, then the
+first one returns with a short new turn. Its prefix has left the device by then; the router
+sends it to the replica whose lower tier holds it, which loads it instead of recomputing.
+The return's TTFT (streamed, wall clock, median over rounds), its prompt tokens by the tier
+that served them (the usage extension), and its text (greedy) go side by side: the text
+must equal the no-tier fleet's, whose return is an uncached computation. /metrics' prefix
+hits by tier close each fleet. Progress to stderr, the table to stdout, JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ALPHABET = "abcdefghijklmnopqrstuvwxyz "
+
+
+def say(msg: str) -> None:
+    print(f"bench_kv_tier: {msg}", file=sys.stderr, flush=True)
+
+
+def start_fleet(args: argparse.Namespace, tier: list[str], log: Path) -> subprocess.Popen[bytes]:
+    cmd = [
+        "kvroute", "serve", "--model", "tiny", "--replicas", "2",
+        "--num-blocks", str(args.num_blocks), "--port", str(args.port), *tier,
+    ]  # fmt: skip
+    say(" ".join(cmd))
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 600
+    while "ready: model" not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"kvroute serve did not start; see {log}")
+        time.sleep(1)
+    return proc
+
+
+def stop_fleet(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def complete(url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """One streamed greedy completion: TTFT (wall), text, usage."""
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+    )
+    t0 = time.perf_counter()
+    ttft, text, usage = None, [], {}
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices") or ():
+                if choice.get("text"):
+                    if ttft is None:
+                        ttft = time.perf_counter() - t0
+                    text.append(choice["text"])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+    return {"ttft_s": ttft, "text": "".join(text), "usage": usage}
+
+
+def metrics(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("kvroute:prefix_cache_hits_by_tier_total"):
+            k, v = line.rsplit(" ", 1)
+            tier = k.split('tier="')[1].split('"')[0]
+            out[tier] = out.get(tier, 0.0) + float(v)
+    return out
+
+
+def words(rng: random.Random, n: int) -> str:
+    return "".join(rng.choice(ALPHABET) for _ in range(n))
+
+
+def run_fleet(args: argparse.Namespace, name: str, tier: list[str], out: Path) -> dict[str, Any]:
+    url = f"http://127.0.0.1:{args.port}"
+    proc = start_fleet(args, tier, out / f"serve_{name}.log")
+    returns = []
+    try:
+        for rnd in range(args.rounds):
+            rng = random.Random(1000 + rnd)  # the same conversations in every fleet
+            histories = []
+            for c in range(4):
+                history = ""
+                for _ in range(args.turns):
+                    history += f"\nuser {c}: " + words(rng, args.turn_tokens) + "\nbot:"
+                    history += complete(url, history, 16)["text"]
+                histories.append(history)
+            back = histories[0] + "\nuser 0: " + words(rng, 24) + "\nbot:"
+            got = complete(url, back, args.return_tokens)
+            usage = got["usage"]
+            details = usage.get("prompt_tokens_details") or {}
+            returns.append(
+                {
+                    "round": rnd,
+                    "prompt_tokens": usage.get("prompt_tokens"),
+                    "cached_tokens": details.get("cached_tokens", 0),
+                    "by_tier": details.get("cached_tokens_by_tier") or {},
+                    "ttft_s": got["ttft_s"],
+                    "text": got["text"],
+                }
+            )
+            shown = {k: v for k, v in returns[-1].items() if k != "text"}
+            say(f"{name} round {rnd}: {json.dumps(shown)}")
+        hits = metrics(url)
+    finally:
+        stop_fleet(proc)
+    return {"name": name, "returns": returns, "metrics_hits_by_tier": hits}
+
+
+def copy_cost(blocks: int = 64) -> None:
+    """What a synchronous copy-out at eviction costs per block (copy, xxh3, host LRU insert)
+    and what a host load costs (verify, copy in), beside a bare clone of the same bytes: CPU
+    time of this process, tiny's block and an 8B model's (32 layers, 8 KV heads of 128, bf16)."""
+    import torch
+
+    from kvroute.events import BlockStored
+    from kvroute.replica.block_pool import BlockPool
+    from kvroute.replica.kv_tiers import KVTiers
+
+    print("| shape | block bytes | copy-out+xxh3 us/block | host load us/block | clone us/block |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name, layers, heads, dim, dtype in (
+        ("tiny fp32", 4, 4, 32, torch.float32),
+        ("8B bf16", 32, 8, 128, torch.bfloat16),
+    ):
+        shape = (blocks * 2, 16, heads, dim)
+        kv = [(torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(layers)]
+        tiers = KVTiers(kv, host_bytes=1 << 40, measure=False)
+        pool = BlockPool(blocks * 2)
+        tiers.attach(pool)
+        hashes = [i.to_bytes(16, "big") for i in range(blocks)]
+        for hsh in hashes:
+            tiers.on_cached([hsh], None, list(range(16)), 16, None)
+        pool.take_events()
+        t0 = time.process_time()
+        tiers.offload(list(enumerate(hashes)))
+        out_us = (time.process_time() - t0) / blocks * 1e6
+        assert isinstance(pool.take_events()[0], BlockStored)
+        job = tiers.prepare("x", hashes)
+        t0 = time.process_time()
+        tiers.start(job, range(blocks, 2 * blocks))
+        job.done.wait()
+        load_us = job.seconds / blocks * 1e6
+        t0 = time.process_time()
+        for i in range(blocks):
+            torch.cat([t[i].reshape(-1).view(torch.uint8) for pair in kv for t in pair])
+        clone_us = (time.process_time() - t0) / blocks * 1e6
+        assert job.num_ok == blocks
+        print(f"| {name} | {tiers.block_bytes:,} | {out_us:.0f} | {load_us:.0f} | {clone_us:.0f} |")
+        tiers.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="benchmarks/live/kv_tier")
+    ap.add_argument("--port", type=int, default=8131)
+    ap.add_argument("--turns", type=int, default=3)
+    ap.add_argument("--turn-tokens", type=int, default=1300, help="new tokens per turn")
+    ap.add_argument("--return-tokens", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument(
+        "--num-blocks", type=int, default=320, help="device blocks per replica (of 16 tokens)"
+    )
+    ap.add_argument("--tier-bytes", type=int, default=256 << 20)
+    ap.add_argument("--only", default="", help="comma-separated fleets: none,host,disk")
+    ap.add_argument("--disk-path", default="/tmp/kvroute_bench_kv_disk")
+    ap.add_argument("--copy-cost", action="store_true", help="only the per-block copy costs")
+    args = ap.parse_args()
+    if args.copy_cost:
+        copy_cost()
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    disk = Path(args.disk_path)
+    fleets = {
+        "none": [],
+        "host": ["--kv-host-bytes", str(args.tier_bytes)],
+        "disk": ["--kv-disk-path", str(disk), "--kv-disk-bytes", str(args.tier_bytes)],
+    }
+    chosen = [f for f in (args.only.split(",") if args.only else fleets) if f]
+    load0 = os.getloadavg()
+    results = {name: run_fleet(args, name, fleets[name], out) for name in chosen}
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    base = results.get("none")
+    print(f"\nload average at start {load0[0]:.1f}, at end {os.getloadavg()[0]:.1f} (2 cores)")
+    print("| fleet | return TTFT median ms (rounds) | prompt tokens | cached by tier | "
+          "vs recompute | text = recompute's | /metrics hits by tier |")  # fmt: skip
+    print("| --- | --- | ---: | --- | ---: | --- | --- |")
+    med_base = statistics.median(r["ttft_s"] for r in base["returns"]) if base else None
+    for name, res in results.items():
+        rs = res["returns"]
+        med = statistics.median(r["ttft_s"] for r in rs)
+        each = ", ".join(f"{r['ttft_s'] * 1000:.0f}" for r in rs)
+        tiers = "; ".join(
+            f"dev {r['cached_tokens'] - sum(r['by_tier'].values())}"
+            + "".join(f" {k} {v}" for k, v in r["by_tier"].items())
+            for r in rs[:1]
+        )
+        ratio = f"{med / med_base:.2f}x" if med_base else "-"
+        same = (
+            all(r["text"] == b["text"] for r, b in zip(rs, base["returns"], strict=True))
+            if base
+            else "-"
+        )
+        hits = ", ".join(f"{k} {v:.0f}" for k, v in sorted(res["metrics_hits_by_tier"].items()))
+        print(
+            f"| {name} | {med * 1000:.0f} ({each}) | {rs[0]['prompt_tokens']} | {tiers} | "
+            f"{ratio} | {same} | {hits} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
