@@ -196,3 +196,26 @@ def test_a_host_load_on_cuda_runs_on_the_side_stream_and_matches() -> None:
     assert again.num_tier_cached_tokens == {"CPU": HIT}
     ref = LLMEngine(EngineConfig(model="tiny", block_size=BLOCK, device="cuda", dtype="float32"))
     assert again.outputs[0].token_ids == run(ref, "ref", ps[0]).outputs[0].token_ids
+
+
+def test_a_request_aborted_while_its_blocks_load_releases_them(
+    uncached: list[list[int]],
+) -> None:
+    eng = engine(kv_host_bytes=64 * BLOCK_BYTES)
+    ps = prompts()
+    for i, p in enumerate(ps):
+        run(eng, f"a{i}", p)
+    eng.add_request("gone", ps[0], GREEDY)
+    eng.step()  # its load starts; the request waits out of the queue
+    assert "gone" in eng.scheduler.loading
+    outs = eng.abort_requests(["gone"])
+    assert outs[0].finished and outs[0].outputs[0].finish_reason == "abort"
+    while eng.has_unfinished_requests():
+        eng.step()
+    pool = eng.kv_cache_manager.block_pool
+    pool.check_invariants()
+    assert pool.get_num_free_blocks() == NUM_BLOCKS  # nothing held by the landed load
+    # what it loaded is cached: the next ask hits it on the device, same output
+    again = run(eng, "again", ps[0])
+    assert again.outputs[0].token_ids == uncached[0]
+    assert again.num_cached_tokens == HIT and not again.num_tier_cached_tokens
