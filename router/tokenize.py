@@ -51,7 +51,10 @@ async def _body(request: Request, model: type[pydantic.BaseModel]) -> Any:
         body = model.model_validate_json(raw)
     except pydantic.ValidationError as exc:
         raise validation_error(list(exc.errors(include_url=False))) from None
-    intake.check_model(body)
+    # An adapter's name is served the base model's tokenizer, to a tenant that may use it
+    # (authenticated already: its id is in the scope's state).
+    tenant_id = request.scope.get("state", {}).get("tenant")
+    intake.check_model(body, state.tenants.tenants.get(tenant_id))
     return body
 
 

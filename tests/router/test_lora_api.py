@@ -122,6 +122,12 @@ def test_an_adapter_without_a_grant_is_the_same_404_as_none(fleet: dict[str, Any
         }
     )
     assert set(ungranted.headers) == set(missing.headers)
+    # /tokenize answers the same way: the base model's tokenizer for a granted adapter.
+    assert post(fleet, "/tokenize", "key-a", {"model": "ad0", "prompt": "hi"}).status_code == 200
+    tok_ungranted = post(fleet, "/tokenize", "key-a", {"model": "ad1", "prompt": "hi"})
+    tok_missing = post(fleet, "/tokenize", "key-a", {"model": "zz9", "prompt": "hi"})
+    assert tok_ungranted.status_code == tok_missing.status_code == 404
+    assert error_of(tok_ungranted, "ad1") == error_of(tok_missing, "zz9")
     assert complete(fleet, "key-b", "ad0").status_code == 404  # beta: the base model only
     assert complete(fleet, "key-b", "tiny").status_code == 200
     assert complete(fleet, "key-g", "ad1").status_code == 200  # gamma: every adapter

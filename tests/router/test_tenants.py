@@ -91,3 +91,23 @@ def test_a_bad_tenants_file_says_what_is_wrong(tmp_path: Path, text: str, why: s
     with pytest.raises(ValueError, match=r"tenants\.toml") as info:
         load_tenants(path)
     assert why in str(info.value)
+
+
+def test_a_tenants_file_grants_adapters_by_name_or_all(tmp_path: Path) -> None:
+    """``adapters = [...]`` grants those, ``["*"]`` every one, none listed: the base only;
+    the anonymous tenant of a server without keys, and flat key files, may use all."""
+    path = tmp_path / "t.toml"
+    path.write_text(
+        f'[[tenants]]\nid = "a"\nkeys = ["{hash_key("ka")}"]\nadapters = ["x", "y"]\n'
+        f'[[tenants]]\nid = "b"\nkeys = ["{hash_key("kb")}"]\n'
+        f'[[tenants]]\nid = "c"\nkeys = ["{hash_key("kc")}"]\nadapters = ["*"]\n'
+    )
+    tenants = Tenants(load_tenants(path), "s")
+    a, b, c = (tenants.authenticate(f"Bearer {k}") for k in ("ka", "kb", "kc"))
+    assert [a.may_use(n) for n in ("x", "y", "z")] == [True, True, False]
+    assert not b.may_use("x") and c.may_use("x") and c.may_use("anything")
+    assert Tenants(None, "s").authenticate(None).may_use("x")
+    assert Tenants(tenants_from_api_keys({"k": "t"}), "s").authenticate("Bearer k").may_use("x")
+    path.write_text(f'[[tenants]]\nid = "a"\nkeys = ["{hash_key("ka")}"]\nadapters = [""]\n')
+    with pytest.raises(ValueError, match="adapters"):
+        load_tenants(path)

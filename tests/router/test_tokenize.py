@@ -48,7 +48,7 @@ def test_bad_bodies_and_keys_are_refused_cleanly(served: Served) -> None:
     for path, body, status, param in (
         ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400, None),
         ("/tokenize", {"prompt": 5}, 400, "prompt"),
-        ("/tokenize", {"model": "other", "prompt": "a"}, 400, "model"),
+        ("/tokenize", {"model": "other", "prompt": "a"}, 404, "model"),  # as vLLM
         ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
         ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
     ):
