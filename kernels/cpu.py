@@ -1,5 +1,6 @@
-"""The CPU path: the torch reference, with decodes through a C kernel that reads the paged
-cache in place (``kernels/cpu_attention.c``) where it is built and the tensors fit it.
+"""The CPU path: the torch reference, with decodes and prefills through C kernels that read
+the paged cache in place (``kernels/cpu_attention.c``, ``kernels/cpu_prefill.c``) where
+they are built and the tensors fit them.
 
 Why a separate module: the reference stays the definition (any dtype, any strides, fp64 in
 tests), while the serving path on a CPU takes the fast kernel for the common case -- fp32
@@ -17,7 +18,12 @@ from torch import Tensor
 
 from kvroute.kernels import reference
 
-__all__ = ["decode_kernel_available", "paged_attention", "store_kv"]
+__all__ = [
+    "decode_kernel_available",
+    "paged_attention",
+    "prefill_kernel_available",
+    "store_kv",
+]
 
 store_kv = reference.store_kv
 
@@ -26,12 +32,23 @@ try:  # optional, like kvroute.events._chain: built at install time where a C co
 except ImportError:  # pragma: no cover - a build without a compiler
     _cpu_attention = None
 
+try:
+    from kvroute.kernels import _cpu_prefill
+except ImportError:  # pragma: no cover - a build without a compiler
+    _cpu_prefill = None
+
 _DISABLE_ENV = "KVROUTE_CPU_DECODE_KERNEL"  # "0": decodes through the torch reference
+_DISABLE_PREFILL_ENV = "KVROUTE_CPU_PREFILL_KERNEL"  # "0": prefills through torch's SDPA
 
 
 def decode_kernel_available() -> bool:
     """Whether decodes may go through the C kernel in this process."""
     return _cpu_attention is not None and os.environ.get(_DISABLE_ENV, "1") != "0"
+
+
+def prefill_kernel_available() -> bool:
+    """Whether prefills (and chunks) may go through the C kernel in this process."""
+    return _cpu_prefill is not None and os.environ.get(_DISABLE_PREFILL_ENV, "1") != "0"
 
 
 def _fits(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor) -> bool:
@@ -56,7 +73,9 @@ class _Plan:
     qsl: list[int]
     lens: list[int]
     decodes: Tensor  # int32 sequence indices for the C kernel
-    prefills: list[int]
+    prefills: list[int]  # more than one new token, no window cutting them
+    prefill_seqs: Tensor  # the same, int32, for the C kernel
+    windowed: list[int]  # more than one new token, some denied keys by the window
     seq_lens: Tensor  # int32, contiguous
     query_start_loc: Tensor  # int32, contiguous
 
@@ -123,6 +142,7 @@ class _StepPlans:
             sliding_window,
         )
         decodes = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
+        prefills = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] > 1]
         if len(decodes) > 1:
             first = block_tables[:, 0].tolist()
             decodes.sort(key=first.__getitem__)
@@ -130,7 +150,12 @@ class _StepPlans:
             qsl=qsl,
             lens=lens,
             decodes=torch.tensor(decodes, dtype=torch.int32),
-            prefills=[i for i in range(len(lens)) if qsl[i + 1] - qsl[i] > 1],
+            prefills=[i for i in prefills if not reference.window_applies(lens[i], sliding_window)],
+            prefill_seqs=torch.tensor(
+                [i for i in prefills if not reference.window_applies(lens[i], sliding_window)],
+                dtype=torch.int32,
+            ),
+            windowed=[i for i in prefills if reference.window_applies(lens[i], sliding_window)],
             seq_lens=seq_lens.to(torch.int32).contiguous(),
             query_start_loc=query_start_loc.to(torch.int32).contiguous(),
         )
@@ -177,6 +202,38 @@ def decode(
     )
 
 
+def prefill(
+    out: Tensor,
+    query: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    plan: _Plan,
+    scale: float,
+) -> None:
+    """The plan's unwindowed prefills and chunks through the C kernel, into ``out``."""
+    assert _cpu_prefill is not None
+    _cpu_prefill.prefill(
+        out.data_ptr(),
+        query.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        plan.seq_lens.data_ptr(),
+        plan.query_start_loc.data_ptr(),
+        plan.prefill_seqs.data_ptr(),
+        len(plan.prefill_seqs),
+        query.shape[1],
+        k_cache.shape[2],
+        query.shape[2],
+        k_cache.shape[1],
+        block_tables.stride(0),
+        query.stride(0),
+        out.stride(0),
+        scale,
+    )
+
+
 def paged_attention(
     query: Tensor,
     k_cache: Tensor,
@@ -217,7 +274,12 @@ def paged_attention(
     )
     out = torch.empty(query.shape, dtype=query.dtype)
     out[plan.qsl[-1] :].zero_()
-    if plan.prefills:  # prefills and chunks: the reference's SDPA paths
+    torch_prefills = plan.windowed
+    if plan.prefills and prefill_kernel_available() and query.shape[2] % 16 == 0:
+        prefill(out, query, k_cache, v_cache, block_tables, plan, scale)
+    else:
+        torch_prefills = plan.prefills + plan.windowed
+    if torch_prefills:  # the reference's SDPA paths
         reference.attend_prefills(
             out,
             query,
@@ -228,7 +290,7 @@ def paged_attention(
             plan.lens,
             scale,
             sliding_window,
-            plan.prefills,
+            torch_prefills,
         )
     if len(plan.decodes):  # windowed or not: the kernel starts each walk at the window's edge
         decode(out, query, k_cache, v_cache, block_tables, plan, scale, sliding_window)

@@ -1,6 +1,6 @@
 /* The vector helpers both CPU kernels share: 16-float vectors in GCC's vector extensions
    (lowered per target_clones clone to AVX-512, AVX2 or SSE), loads and stores that allow
-   any alignment, a shuffle-tree horizontal sum, a lane select and a vector e^x. */
+   any alignment, a shuffle-tree horizontal sum and max, a lane select and a vector e^x. */
 #ifndef KVROUTE_CPU_SIMD_H
 #define KVROUTE_CPU_SIMD_H
 
@@ -32,6 +32,20 @@ INLINE float hsum16(v16 x) {
            __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
     v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
     return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+INLINE float hmax16(v16 x) {
+    typedef int32_t v8i __attribute__((vector_size(32)));
+    typedef int32_t v4i __attribute__((vector_size(16)));
+    v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7);
+    v8 b = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    v8i ga = a > b;
+    a = (v8)(((v8i)a & ga) | ((v8i)b & ~ga));
+    v4 c = __builtin_shufflevector(a, a, 0, 1, 2, 3), e = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    v4i gc = c > e;
+    c = (v4)(((v4i)c & gc) | ((v4i)e & ~gc));
+    const float m0 = c[0] > c[1] ? c[0] : c[1], m1 = c[2] > c[3] ? c[2] : c[3];
+    return m0 > m1 ? m0 : m1;
 }
 
 INLINE v16 select16(v16i mask, v16 a, v16 b) {

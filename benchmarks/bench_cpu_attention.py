@@ -1,0 +1,120 @@
+"""CPU paged attention, the C kernels beside the torch path, side by side in one run.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_cpu_attention.py [--layers 30] [--repeat 3]
+
+SmolLM2-135M's attention shapes (9 heads, 3 KV heads, head_dim 64), 32-token blocks
+shuffled over a cache twice the needed size, one distinct cache per layer (so a step reads
+K/V from memory, as a model's step does), fp32. Each case times every layer's attention
+for one step of the batch, in CPU time of this process:
+
+* prefill: sequences of n new tokens (causal), and chunks of 64 new tokens over a cached
+  prefix; ``torch`` is SDPA on a gathered copy (kvroute's path before the C prefill
+  kernel, ``KVROUTE_CPU_PREFILL_KERNEL=0``), ``C`` the kernel reading the cache in place;
+* decode: one new token per sequence; ``torch`` is the reference's gathered, padded SDPA
+  (``KVROUTE_CPU_DECODE_KERNEL=0``), ``C`` the decode kernel.
+
+Useful GFLOP/s counts the score and value products the causal mask leaves (4 x heads x
+head_dim per query-key pair seen).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+
+import torch
+
+from kvroute.kernels import cpu
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 32
+
+
+def _case(layers: int, specs: list[tuple[int, int]], seed: int = 0):  # type: ignore[no-untyped-def]
+    """(query, caches per layer, index kwargs, query-key pairs seen) for (cached, new) specs."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [c + n for c, n in specs]
+    per = [-(-s // BLOCK) for s in lens]
+    num_blocks = 2 * sum(per)
+    caches = [
+        (
+            torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=g),
+            torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=g),
+        )
+        for _ in range(layers)
+    ]
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = torch.zeros(len(specs), max(per), dtype=torch.int32)
+    at = 0
+    for i, p in enumerate(per):
+        tables[i, :p] = perm[at : at + p].to(torch.int32)
+        at += p
+    new = [n for _, n in specs]
+    qsl = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    query = torch.randn(sum(new), HEADS, HEAD_DIM, generator=g)
+    kwargs = {
+        "block_tables": tables,
+        "seq_lens": torch.tensor(lens, dtype=torch.int32),
+        "query_start_loc": qsl,
+        "scale": HEAD_DIM**-0.5,
+        "max_query_len": max(new),
+        "max_seq_len": max(lens),
+    }
+    pairs = sum(sum(c + i + 1 for i in range(n)) for c, n in specs)
+    return query, caches, kwargs, pairs
+
+
+def _time(query, caches, kwargs, repeat: int) -> tuple[float, torch.Tensor]:  # type: ignore[no-untyped-def]
+    out = None
+    for k, v in caches:  # warm-up: plans, allocator
+        out = cpu.paged_attention(query, k, v, **kwargs)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.process_time()
+        for k, v in caches:
+            out = cpu.paged_attention(query, k, v, **kwargs)
+        best = min(best, time.process_time() - t0)
+    assert out is not None
+    return best, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--repeat", type=int, default=3)
+    args = ap.parse_args()
+    if not (cpu.decode_kernel_available() and cpu.prefill_kernel_available()):
+        raise SystemExit("the C kernels are not built in this install")
+    cases = [
+        ("prefill", "8 x 128 new", [(0, 128)] * 8),
+        ("prefill", "8 x 320 new", [(0, 320)] * 8),
+        ("prefill", "2 x 1024 new", [(0, 1024)] * 2),
+        ("prefill", "8 x (256 cached + 64 new)", [(256, 64)] * 8),
+        ("decode", "8 x 370", [(369, 1)] * 8),
+        ("decode", "32 x 512", [(511, 1)] * 32),
+    ]
+    print(
+        f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} thread(s), {args.layers} layers, "
+        f"heads {HEADS}/{KV_HEADS}/{HEAD_DIM}, block {BLOCK}, fp32, CPU time, best of {args.repeat}"
+    )
+    print("| kind | batch | torch ms | C ms | C vs torch | C useful GFLOP/s | max abs diff |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for kind, name, specs in cases:
+        query, caches, kwargs, pairs = _case(args.layers, specs)
+        env = "KVROUTE_CPU_PREFILL_KERNEL" if kind == "prefill" else "KVROUTE_CPU_DECODE_KERNEL"
+        os.environ[env] = "0"
+        slow, want = _time(query, caches, kwargs, args.repeat)
+        os.environ[env] = "1"
+        fast, got = _time(query, caches, kwargs, args.repeat)
+        flops = 4 * HEADS * HEAD_DIM * pairs * args.layers
+        diff = (got - want).abs().max().item()
+        print(
+            f"| {kind} | {name} | {slow * 1e3:,.1f} | {fast * 1e3:,.1f} | {slow / fast:.2f}x "
+            f"| {flops / fast / 1e9:.1f} | {diff:.1e} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
