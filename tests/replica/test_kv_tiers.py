@@ -219,3 +219,55 @@ def test_a_request_aborted_while_its_blocks_load_releases_them(
     again = run(eng, "again", ps[0])
     assert again.outputs[0].token_ids == uncached[0]
     assert again.num_cached_tokens == HIT and not again.num_tier_cached_tokens
+
+
+def test_a_slow_load_holds_up_neither_the_step_nor_the_other_requests(
+    uncached: list[list[int]], tmp_path: Path
+) -> None:
+    """The block's file is a FIFO with no writer yet: the loader thread's read blocks (a
+    disk that does not answer). Meanwhile the step loop runs another request to its end;
+    only then does the FIFO get its (wrong) bytes, the load fails its check, and the
+    waiting request recomputes, with the uncached output."""
+    import os
+    import threading
+
+    folder = tmp_path / "kv"
+    eng = engine(kv_disk_path=str(folder), kv_disk_bytes=64 * BLOCK_BYTES)
+    ps = prompts()
+    for i, p in enumerate(ps):
+        run(eng, f"a{i}", p)
+    hashes = eng.hasher.hash_blocks(ps[0])
+    stuck = eng.kv_tiers.disk.file_of(hashes[0])
+    stuck.unlink()
+    os.mkfifo(stuck)
+    order: list[str] = []
+    released = threading.Event()
+
+    def release() -> None:  # a watchdog: if the other request never finishes, unblock anyway
+        released.wait(60)
+        order.append("released")
+        with open(stuck, "wb") as f:  # opening for writing unblocks the reader
+            f.write(b"not a block")
+
+    writer = threading.Thread(target=release, daemon=True)
+    writer.start()
+    eng.add_request("slow", ps[0], GREEDY)
+    eng.step()
+    assert "slow" in eng.scheduler.loading  # its load is under way, it is out of the queue
+    eng.add_request("other", ps[3], GREEDY)  # runs while "slow" still waits for its blocks
+    other = None
+    while other is None:
+        other = next((o for o in eng.step() if o.request_id == "other" and o.finished), None)
+    order.append("other done")
+    assert "slow" in eng.scheduler.loading
+    released.set()
+    final = None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.request_id == "slow" and out.finished:
+                final = out
+    writer.join(10)
+    assert order == ["other done", "released"]
+    assert other.outputs[0].token_ids == uncached[3]
+    assert final is not None and final.outputs[0].token_ids == uncached[0]
+    assert final.num_tier_cached_tokens == {} and eng.stats()["kv_tier_load_failures"] == 1
