@@ -122,7 +122,7 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
     )
     src = sim.add_mutually_exclusive_group(required=True)
     src.add_argument("--trace", help="Mooncake jsonl trace (timestamp, hash_ids, ...)")
-    src.add_argument("--workload", choices=("tenants", "chat", "rag", "agents"))
+    src.add_argument("--workload", choices=("tenants", "chat", "rag", "agents", "lora"))
     sim.add_argument("--replicas", type=int, default=8)
     sim.add_argument(
         "--blocks-per-replica", type=int, default=None, help="KV blocks (default: profile's)"
@@ -137,8 +137,10 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         "--policy",
         default="kv,round_robin,random,least_loaded,approx_text",
         help="comma-separated: kv, round_robin, random, least_loaded, approx_text, "
-        "kv_tier_blind (kv counting host copies as device hits); a name ending in :nohost "
-        "runs on the fleet without its host tier (kv:nohost: device-only kv)",
+        "kv_tier_blind (kv counting host copies as device hits), lora_affinity (most "
+        "resident adapter wins, as llm-d), kv:lora_blind (kv ignoring adapters in its "
+        "price); a name ending in :nohost runs on the fleet without its host tier "
+        "(kv:nohost: device-only kv)",
     )
     sim.add_argument(
         "--profile",
@@ -173,6 +175,21 @@ def _add_simulate(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="host link GB/s each way (default: the profile's, h100-8b 48, a100-8b 24)",
     )
+    sim.add_argument(
+        "--adapters",
+        type=int,
+        default=None,
+        metavar="N",
+        help="LoRA adapters: N of them, one per tenant (its salt, else its conversation or "
+        "task), Zipf-popular (--adapter-zipf); the lora workload's own count (default 64)",
+    )
+    sim.add_argument("--adapter-zipf", type=float, default=1.0, metavar="S",
+                     help="adapters' Zipf popularity exponent (default 1.0)")  # fmt: skip
+    sim.add_argument("--max-loras", type=int, default=4, help="adapter slots per replica")
+    sim.add_argument("--max-cpu-loras", type=int, default=16,
+                     help="adapters in host memory per replica (default 16)")  # fmt: skip
+    sim.add_argument("--lora-rank", type=int, default=16,
+                     help="adapters' rank, on all 7 projections (their load's bytes)")  # fmt: skip
     sim.add_argument("--no-bounds", action="store_true", help="skip ceiling and pooled bound")
     sim.add_argument(
         "--long-prefill-token-threshold",
@@ -352,8 +369,10 @@ def _sweep(args: argparse.Namespace, policies: list[str], cfg: Any, progress: An
 
     def specs(speed: float) -> list[Any]:
         if trace is not None:
-            return specs_from_trace(trace, speed)
-        return make_workload(args.workload, args.limit or 4000, args.seed, speed)
+            return _with_adapters(args, specs_from_trace(trace, speed))
+        return make_workload(
+            args.workload, args.limit or 4000, args.seed, speed, args.adapters, args.adapter_zipf
+        )
 
     if auto:
         result = find_limits(
@@ -370,12 +389,22 @@ def _sweep(args: argparse.Namespace, policies: list[str], cfg: Any, progress: An
     return 0
 
 
+def _with_adapters(args: argparse.Namespace, specs: list[Any]) -> list[Any]:
+    """A trace's requests with --adapters assigned per tenant (none asked: as they are)."""
+    from kvroute.sim.workloads import assign_adapters
+
+    if not args.adapters:
+        return specs
+    return assign_adapters(specs, args.adapters, args.adapter_zipf, args.seed)
+
+
 def _simulate(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
     from kvroute.replica.cost_model import PROFILES
     from kvroute.router.policy import POLICIES
+    from kvroute.sim.lora import LoRAConfig
     from kvroute.sim.report import format_table, simulate, stderr_progress, to_json
     from kvroute.sim.simulator import SimConfig, split_policy
     from kvroute.sim.traces import load_mooncake, specs_from_trace
@@ -413,10 +442,19 @@ def _simulate(args: argparse.Namespace) -> int:
                   file=sys.stderr)  # fmt: skip
             return 2
     try:
+        if args.adapters is not None and args.adapters < 1:
+            raise ValueError("--adapters must be >= 1")
+        if args.max_loras < 1 or args.max_cpu_loras < args.max_loras or args.lora_rank < 1:
+            raise ValueError("--max-loras must be >= 1, --max-cpu-loras >= --max-loras, "
+                             "--lora-rank >= 1")  # fmt: skip
         if args.trace:
-            specs = specs_from_trace(load_mooncake(args.trace, args.limit), args.speed)
+            trace_specs = specs_from_trace(load_mooncake(args.trace, args.limit), args.speed)
+            specs = _with_adapters(args, trace_specs)
         else:
-            specs = make_workload(args.workload, args.limit or 4000, args.seed, args.speed)
+            specs = make_workload(
+                args.workload, args.limit or 4000, args.seed, args.speed,
+                args.adapters, args.adapter_zipf,
+            )  # fmt: skip
     except (OSError, ValueError) as e:
         print(f"kvroute simulate: {e}", file=sys.stderr)
         return 2
@@ -439,6 +477,9 @@ def _simulate(args: argparse.Namespace) -> int:
         max_num_partial_prefills=args.max_num_partial_prefills,
         host_blocks_per_replica=args.host_kv_blocks,
         host_kv_multiple=args.host_kv_multiple,
+        lora=LoRAConfig(args.max_loras, args.max_cpu_loras, args.lora_rank)
+        if args.adapters or args.workload == "lora"
+        else None,
     )
     show = args.progress if args.progress is not None else sys.stderr.isatty()
     if args.sweep_speed:

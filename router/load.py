@@ -179,6 +179,13 @@ class LoadTracker:
         load = self._loads.get(replica)
         return load.count if load is not None else 0
 
+    def report_of(self, replica: str) -> tuple[LoadReport | None, float]:
+        """The replica's latest report, however old, and when it arrived (-inf: none)."""
+        load = self._loads.get(replica)
+        if load is None or load.report is None:
+            return None, float("-inf")
+        return load.report, load.report_expiry - self.report_ttl_s
+
     def last_report(self, replica: str) -> LoadReport | None:
         """The replica's latest report, however old (for /metrics; routing uses get())."""
         load = self._loads.get(replica)

@@ -106,6 +106,7 @@ from kvroute.events.load import REFERENCE_COEFFICIENTS, CostCoefficients
 
 from .index import PrefixIndex, TierMatch
 from .load import LoadTracker, LoadView
+from .lora_price import AdapterTracker
 
 Lower = tuple[tuple[str, int], ...]  # (tier, blocks) beyond the device hit: TierMatch.lower
 
@@ -162,10 +163,14 @@ class CostParts(NamedTuple):
     decode: float
     capacity: float
     load: float = 0.0  # loading its lower-tier blocks into the device
+    adapter: float = 0.0  # its LoRA adapter's load, slot wait and eviction (lora_price)
 
     @property
     def total(self) -> float:
-        return self.wait + self.prefill + self.evict + self.decode + self.capacity + self.load
+        return (
+            self.wait + self.prefill + self.evict + self.decode + self.capacity + self.load
+            + self.adapter
+        )  # fmt: skip
 
 
 def lower_credit(c: CostCoefficients, lower: Lower, block_size: int) -> tuple[int, float]:
@@ -300,6 +305,7 @@ class KVPolicy(Policy):
     """Event-driven prefix index + load, priced in seconds: see the module docstring."""
 
     name = "kv"
+    price_adapters = True  # LoRA adapters priced (:mod:`.lora_price`); kv:lora_blind: not
 
     def __init__(
         self,
@@ -313,6 +319,14 @@ class KVPolicy(Policy):
         self.index = index
         self.prediction_ttl_s = prediction_ttl_s
         self.default_coefficients = default_coefficients
+        self.adapters = AdapterTracker(prediction_ttl_s)
+
+    def _adapter_s(
+        self, c: CostCoefficients, r: str, adapter: str, drain_s: float, batch: int, now: float
+    ) -> float:
+        """The adapter's load, slot wait and eviction there (:mod:`.lora_price`)."""
+        report, at = self.load.report_of(r)
+        return sum(self.adapters.price(c, r, adapter, report, at, drain_s, batch, now))
 
     def _match(self, req: RequestView, now: float) -> tuple[dict[str, int], dict[str, Lower]]:
         """Leading blocks held per replica, over the blocks a hit may cover (prompt - 1): in
@@ -344,10 +358,16 @@ class KVPolicy(Policy):
         )
         out = {}
         n, bs = req.num_prompt_tokens, req.block_size
+        adapter = req.lora_name if self.price_adapters else None
         for r in replicas:
             c = self.load.coefficients(r) or self.default_coefficients
             hit = matched.get(r, 0) * bs
-            out[r] = price(c, self.load.get(r, now), n, hit, o, bs, lower.get(r, ()))
+            view = self.load.get(r, now)
+            parts = price(c, view, n, hit, o, bs, lower.get(r, ()))
+            if adapter is not None:
+                s = self._adapter_s(c, r, adapter, parts.decode, view[2], now)
+                parts = parts._replace(adapter=s)
+            out[r] = parts
         return out
 
     def costs(self, req: RequestView, replicas: Sequence[str], now: float) -> dict[str, float]:
@@ -368,6 +388,7 @@ class KVPolicy(Policy):
         need = -(-(n + int(out)) // bs)
         fixed: dict[tuple[int, int, Lower], tuple[float, float, int]] = {}
         best, fewest, tied = float("inf"), 0, []
+        adapter = req.lora_name if self.price_adapters else None
         for r in replicas:
             queued, context, decoding, count, free, total = load(r, now)
             c = coef(r) or default
@@ -395,11 +416,10 @@ class KVPolicy(Policy):
             ctx = f * context + own_ctx
             compute = (f * decoding + 1) * c.prefill_s_per_token + ctx * c.attention_s_per_pair
             memory = c.weights_read_s + ctx * c.kv_read_s_per_token
-            cost = (
-                base
-                + queued * c.prefill_s_per_token
-                + out * (c.step_overhead_s + (compute if compute > memory else memory))
-            )
+            decode = out * (c.step_overhead_s + (compute if compute > memory else memory))
+            cost = base + queued * c.prefill_s_per_token + decode
+            if adapter is not None:
+                cost += self._adapter_s(c, r, adapter, decode, decoding, now)
             if left < 0:  # short of blocks: preemption
                 cost += 2.0 * c.prefill_s(-left * bs)
             if cost < best or (cost == best and count < fewest):
@@ -420,15 +440,30 @@ class KVPolicy(Policy):
 
     def on_routed(self, req: RequestView, decision: Decision, now: float) -> None:
         super().on_routed(req, decision, now)
+        if req.lora_name is not None:
+            self.adapters.routed(req.request_id, decision.replica, req.lora_name, now)
         cap = max(req.num_prompt_tokens - 1, 0) // req.block_size
         if cap:
             hashes = req.block_hashes
             hashes = hashes[:cap] if len(hashes) > cap else hashes
             self.index.predict(decision.replica, hashes, self.prediction_ttl_s, now)
 
+    def on_finished(self, request_id: str, now: float, output_tokens: int | None = None) -> None:
+        self.adapters.finished(request_id)
+        super().on_finished(request_id, now, output_tokens)
+
     def on_replica_removed(self, replica: str) -> list[str]:
         self.index.drop_replica(replica)
+        self.adapters.drop_replica(replica)
         return super().on_replica_removed(replica)
+
+
+class KVLoRABlind(KVPolicy):
+    """kv with requests' adapters left out of the price (their blocks still hash apart): a
+    baseline to measure adapter pricing against."""
+
+    name = "kv:lora_blind"
+    price_adapters = False
 
 
 class KVTierBlind(KVPolicy):
@@ -516,7 +551,10 @@ class ApproxText(Policy):
         return super().on_replica_removed(replica)
 
 
-POLICIES = ("kv", "round_robin", "random", "least_loaded", "approx_text", "kv_tier_blind")
+POLICIES = (
+    "kv", "round_robin", "random", "least_loaded", "approx_text", "kv_tier_blind",
+    "lora_affinity", "kv:lora_blind",
+)  # fmt: skip
 
 
 def make_policy(
@@ -530,11 +568,17 @@ def make_policy(
 ) -> Policy:
     """A policy by name. ``kv`` needs the event-fed ``index``; ``approx_text`` chunks by
     ``block_size``; ``kv_params`` (prediction_ttl_s) tune kv."""
-    if name in ("kv", "kv_tier_blind"):
+    kv_kinds: dict[str, type[KVPolicy]] = {
+        "kv": KVPolicy, "kv_tier_blind": KVTierBlind, "kv:lora_blind": KVLoRABlind,
+    }  # fmt: skip
+    if name in kv_kinds:
         if index is None:
             raise ValueError(f"the {name} policy needs a PrefixIndex fed by the replicas' events")
-        cls = KVPolicy if name == "kv" else KVTierBlind
-        return cls(index, load, seed, **kv_params)
+        return kv_kinds[name](index, load, seed, **kv_params)
+    if name == "lora_affinity":
+        from .lora_affinity import LoRAAffinity  # it builds on this module's Policy
+
+        return LoRAAffinity(load, seed)
     if name == "approx_text":
         return ApproxText(block_size, load, seed)
     simple: dict[str, type[Policy]] = {

@@ -85,7 +85,9 @@ def pooled_hit_rate(
         total += n
         toks = array("I")
         toks.frombytes(tokens.prompt_bytes(spec))
-        req = SimRequest(i, RequestSpec(0.0, spec.segments, 1, spec.cache_salt), toks, 0.0)
+        req = SimRequest(
+            i, RequestSpec(0.0, spec.segments, 1, spec.cache_salt, spec.lora_name), toks, 0.0
+        )
         blocks, hit = kv.get_computed_blocks(req)
         if kv.allocate_slots(req, n - hit, hit, blocks) is not None:
             hit_tokens += hit

@@ -44,6 +44,7 @@ def _sweep_row(
         "utilization": utilization, "keeps_up": utilization <= 1.0,
         # one replica's mean share of the fleet's work, per profile (a mixed fleet)
         "work_share_by_profile": {k: d["work_share"] for k, d in m["by_profile"].items()},
+        **{k: m[k] for k in ("adapter_loads_per_1k", "adapter_p99_spread") if k in m},
     }  # fmt: skip
 
 

@@ -45,6 +45,7 @@ from kvroute.replica.request import Request
 from kvroute.replica.scheduler import Scheduler, SchedulerConfig, SchedulerOutput, load_report
 
 from .host_tier import TieredKVCacheManager
+from .lora import SimLoRA
 from .workloads import RequestSpec
 
 OUTPUT_TOKEN = 0  # what every simulated step samples
@@ -74,6 +75,7 @@ class SimRequest(Request):
             tokens,
             SamplingParams(max_tokens=spec.output_length, ignore_eos=True),
             cache_salt=spec.cache_salt,
+            lora_name=spec.lora_name,
             arrival_time=arrival_s,
             tenant=spec.cache_salt,  # a workload's salt is its tenant (kvroute bench: a key each)
         )
@@ -143,6 +145,7 @@ class SimReplica:
         "last_deliver",
         "last_report",
         "loaded_tokens",
+        "lora",
         "num_blocks",
         "num_runs",
         "preemptions",
@@ -166,8 +169,10 @@ class SimReplica:
         cost: CostModel,
         fast_decode: bool = True,
         host_blocks: int = 0,
+        lora: SimLoRA | None = None,
     ) -> None:
         self.id = f"replica-{i}"
+        self.lora = lora  # its adapters' slots and host LRU (None: it serves none)
         self.sched_config, self.num_blocks, self.hasher = sched_config, num_blocks, hasher
         self.host_blocks = host_blocks  # 0: no host tier
         self.loaded_tokens = self.stored_tokens = 0  # host tier copies, in and out
@@ -185,8 +190,12 @@ class SimReplica:
     def _new_scheduler(self) -> Scheduler:
         if self.host_blocks:
             kv = TieredKVCacheManager(self.num_blocks, self.hasher, self.host_blocks)
+        else:
+            kv = KVCacheManager(self.num_blocks, self.hasher)
+        lora = self.lora
+        if lora is None:
             return Scheduler(self.sched_config, kv)
-        return Scheduler(self.sched_config, KVCacheManager(self.num_blocks, self.hasher))
+        return Scheduler(self.sched_config, kv, lora.ready)
 
     @property
     def kv(self) -> KVCacheManager:
@@ -202,6 +211,9 @@ class SimReplica:
         context per running request; nothing else in the report moves during a run)."""
         sched = self.scheduler
         report = load_report(chain(self.inbox, sched.waiting), sched.running, self.kv)
+        if self.lora is not None:  # the engine's scheduler adds them the same way
+            running = {r.lora_name for r in sched.running if r.lora_name is not None}
+            report = msgspec.structs.replace(report, **self.lora.residency(running))
         if run_steps:
             extra = run_steps * len(sched.running)
             report = msgspec.structs.replace(
@@ -214,6 +226,11 @@ class SimReplica:
         requests it held (running, waiting, in its inbox)."""
         sched = self.scheduler
         orphans: list[SimRequest] = [*sched.running, *sched.waiting, *self.inbox]  # type: ignore[list-item]
+        if self.lora is not None:  # a fresh process holds no adapter
+            lora = self.lora
+            lora.slots.clear()
+            lora.host.clear()
+            lora.reading.clear()
         self.scheduler = self._new_scheduler()
         self.inbox = []
         self.step = self.run = None
@@ -230,6 +247,8 @@ class SimReplica:
         self.inbox.clear()
         if not sched.has_unfinished_requests():
             return None  # an engine with nothing to do waits for its queue
+        if self.lora is not None:
+            self.lora.now = now
         out = sched.schedule()
         self.preemptions += len(out.preempted_request_ids)
         if out.is_empty:
@@ -250,16 +269,29 @@ class SimReplica:
         self.decode_tokens += decode
         self.version += 1
         transfer = self._transfers() if self.host_blocks else 0.0
-        more = sched.decode_run_after(out) if self.fast_decode and not transfer else 0
+        adapter_s = self._adapter_copies(out) if self.lora is not None else 0.0
+        # A run is not taken while adapters are read: a read's end may admit a request.
+        plain = not transfer and not adapter_s and not (self.lora and self.lora.reading)
+        more = sched.decode_run_after(out) if self.fast_decode and plain else 0
         if more:  # this step and ``more`` like it: one event
             self.num_runs += 1
             ends = self.cost.decode_run(len(out.scheduled), pos, more + 1, now)
             self.run = DecodeRun(self.num_runs, now, ends, out, self.kv.take_events())
             return ends[-1] - now
-        dt = self.cost.step_time(tokens, pairs, ctx, transfer)
+        dt = self.cost.step_time(tokens, pairs, ctx, transfer) + adapter_s
         self.busy_s += dt
         self.step = out
         return dt
+
+    def _adapter_copies(self, out: SchedulerOutput) -> float:
+        """Seconds the step spends copying its adapters into slots (before its forward)."""
+        lora = self.lora
+        assert lora is not None
+        needed = {sr.request.lora_name for sr in out.scheduled if sr.request.lora_name}
+        if not needed:
+            return 0.0
+        running = {r.lora_name for r in self.scheduler.running if r.lora_name is not None}
+        return lora.step(needed, running) * lora.load_s  # type: ignore[arg-type]
 
     def _transfers(self) -> float:
         """The host link's seconds for the step just scheduled: its loads and copies out."""

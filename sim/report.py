@@ -7,6 +7,7 @@ JSON field names are stable; times are seconds, rates fractions of prompt tokens
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from array import array
@@ -18,6 +19,7 @@ import numpy as np
 from kvroute.events import BlockHasher
 
 from .bounds import bounds, least_work_s
+from .lora import adapter_metrics
 from .simulator import SimConfig, SimRequest, SimRun
 from .workloads import RequestSpec, TokenSource
 
@@ -33,7 +35,7 @@ def router_hashes(
     for spec in specs:
         toks = array("I")
         toks.frombytes(tokens.prompt_bytes(spec))
-        out.append(hasher.hash_blocks(toks, cache_salt=spec.cache_salt))
+        out.append(hasher.hash_blocks(toks, cache_salt=spec.cache_salt, lora_name=spec.lora_name))
     return out
 
 
@@ -119,6 +121,11 @@ def summarize(fleet: SimRun, wall_s: float) -> dict[str, Any]:
         "lost_batches": fleet.lost_batches,
         "wall_s": wall_s,
         "ttft_samples": ttft,  # dropped from JSON; for the plot
+        **(
+            adapter_metrics(done, fleet.adapter_loads, fleet.adapter_reads)
+            if fleet.cfg.lora
+            else {}
+        ),
     }
 
 
@@ -165,6 +172,7 @@ def simulate(
             "max_num_partial_prefills": cfg.max_num_partial_prefills,
             "host_blocks_per_replica": cfg.host_blocks(0),
             "host_bandwidth_bytes_s": sorted({p.host_bandwidth for p in cfg.profiles}),
+            "lora": None if cfg.lora is None else dataclasses.asdict(cfg.lora),
         },
         "workload": {
             "requests": len(specs),
@@ -239,6 +247,19 @@ def format_table(result: dict[str, Any]) -> str:
                 f"  {name:<13}device {t['GPU']:.3f}  host {t['CPU']:.3f}  "
                 f"loaded {m['host_loaded_tokens']:,} tokens, copied out "
                 f"{m['host_stored_tokens']:,}, link {m['host_transfer_s']:.1f}s"
+            )
+    if cfg.get("lora"):
+        lo = cfg["lora"]
+        lines.append(
+            f"LoRA adapters ({lo['max_loras']} slots, {lo['max_cpu_loras']} in host memory per "
+            f"replica, rank {lo['rank']}): loads into slots and reads from disk per 1,000 "
+            "requests; TTFT p99 per adapter, the median adapter's and the worst's:"
+        )
+        for name, m in result["policies"].items():
+            lines.append(
+                f"  {name:<13}loads {m['adapter_loads_per_1k']:7.1f}  reads "
+                f"{m['adapter_reads_per_1k']:6.1f}  p99 median {m['adapter_p99_median_s']:6.2f}s"
+                f"  worst {m['adapter_p99_worst_s']:6.2f}s ({m['adapter_p99_spread']:.2f}x)"
             )
     lines.append("work share per replica (prefill + decode tokens computed):")
     for name, m in result["policies"].items():

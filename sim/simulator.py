@@ -24,6 +24,12 @@ recomputing it (:mod:`.host_tier`); its events (``medium="CPU"``) feed the index
 tier, and its coefficients report the host link's bandwidth, as a tiered replica's would. A
 policy named ``<policy>:nohost`` runs on the same fleet without the tier, so one run sets
 tiered and device-only fleets side by side.
+
+LoRA adapters (``lora``): each replica has ``max_loras`` device slots and a host LRU of
+adapters, and its scheduler applies the engine's ``max_loras`` rule (:mod:`.lora`); a
+request names its adapter, which its blocks' hashes carry; replicas report residency in
+their load reports and an adapter's load times in their coefficients. A replica idle while
+adapters are read wakes when the first read ends.
 """
 
 from __future__ import annotations
@@ -36,12 +42,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from kvroute.events import MEDIUM_CPU, AllBlocksCleared, BlockHasher, EventBatch
 from kvroute.replica.cost_model import H100_8B, CostModel, Profile, attention_weight
 from kvroute.replica.scheduler import SchedulerConfig
 from kvroute.router.index import PrefixIndex, prediction_stride
 from kvroute.router.policy import Policy, RequestView, make_policy
 
+from .lora import LoRAConfig, SimLoRA
 from .replica import SimReplica, SimRequest
 from .workloads import RequestSpec, TokenSource
 
@@ -50,15 +59,22 @@ __all__ = ["Fault", "SimConfig", "SimReplica", "SimRequest", "SimRun", "split_po
 NO_HOST = "nohost"  # a policy name's suffix: run it on the fleet without its host tier
 
 
+POLICY_VARIANTS = ("lora_blind",)  # ``kv:lora_blind`` names a policy, not a fleet variant
+
+
 def split_policy(name: str) -> tuple[str, bool]:
-    """(policy, with the fleet's host tier) of a run's name: ``kv`` or ``kv:nohost``."""
+    """(policy, with the fleet's host tier) of a run's name: ``kv`` or ``kv:nohost``
+    (``kv:lora_blind`` is a policy of its own, and ``kv:lora_blind:nohost`` it without)."""
     policy, _, variant = name.partition(":")
+    head, _, rest = variant.partition(":")
+    if head in POLICY_VARIANTS:
+        policy, variant = f"{policy}:{head}", rest
     if variant not in ("", NO_HOST):
         raise ValueError(f"unknown fleet variant {variant!r} in {name!r} (only {NO_HOST!r})")
     return policy, not variant
 
 
-_ARRIVE, _STEP, _DELIVER, _FAULT, _RUN_STEP = 0, 1, 2, 3, 4
+_ARRIVE, _STEP, _DELIVER, _FAULT, _RUN_STEP, _WAKE = 0, 1, 2, 3, 4, 5
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +107,7 @@ class SimConfig:
     # neither: none. Its bandwidth is the profile's ``host_bandwidth``.
     host_blocks_per_replica: int | None = None
     host_kv_multiple: float | None = None
+    lora: LoRAConfig | None = None  # adapter slots and host LRU per replica; None: none
 
     def host_blocks(self, i: int = 0) -> int:
         """Replica ``i``'s host-tier blocks (0: no host tier)."""
@@ -133,6 +150,7 @@ class SimConfig:
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_num_partial_prefills=self.max_num_partial_prefills,
             attention_weight=attention_weight(CostModel(p).coefficients()),
+            max_loras=self.lora.max_loras if self.lora is not None else 0,
         )
 
 
@@ -166,10 +184,13 @@ class SimRun:
         )  # fmt: skip
         self.rng = random.Random(f"loss:{cfg.seed}")
         models = [CostModel(p) for p in cfg.profiles]
+        lora = cfg.lora
+        times = [lora.times(cfg.profile(i)) if lora else (0.0, 0.0) for i in range(cfg.replicas)]
         self.reps = [
             SimReplica(
                 i, cfg.scheduler_config(i), cfg.blocks(i), self.hasher,
                 models[i % len(models)], cfg.fast_decode, hosts[i],
+                SimLoRA(lora, *times[i]) if lora else None,
             )
             for i in range(cfg.replicas)
         ]  # fmt: skip
@@ -177,6 +198,10 @@ class SimRun:
         self.max_model_len = min(rep.scheduler.max_model_len for rep in self.reps)
         for i, rep in enumerate(self.reps):  # what each replica's info carries
             coefficients = models[i % len(models)].coefficients((MEDIUM_CPU,) if hosts[i] else ())
+            if lora:  # the load times a LoRA engine measures at start
+                coefficients = msgspec.structs.replace(
+                    coefficients, lora_load_s=times[i][0], lora_read_s=times[i][1]
+                )
             self.policy.load.register(rep.id, coefficients, cfg.blocks(i))
         self._by_id = {rep.id: rep for rep in self.reps}
         self._index_of = {rep.id: i for i, rep in enumerate(self.reps)}
@@ -193,6 +218,16 @@ class SimRun:
     @property
     def decode_tokens(self) -> int:
         return sum(rep.decode_tokens for rep in self.reps)
+
+    @property
+    def adapter_loads(self) -> int:
+        """Adapters copied into device slots, fleet-wide."""
+        return sum(rep.lora.slot_loads for rep in self.reps if rep.lora is not None)
+
+    @property
+    def adapter_reads(self) -> int:
+        """Adapters read from disk into host memory, fleet-wide."""
+        return sum(rep.lora.reads for rep in self.reps if rep.lora is not None)
 
     def _push(self, t: float, kind: int, payload: Any) -> None:
         self._seq += 1
@@ -220,6 +255,10 @@ class SimRun:
                         self.policy.load.report(rep.id, report, t)
             elif kind == _RUN_STEP:
                 self._run_step(*payload)
+            elif kind == _WAKE:
+                rep, epoch = payload
+                if epoch == rep.epoch and rep.alive and not rep.busy:
+                    self._start_step(rep)
             elif kind == _ARRIVE:
                 self._arrive(payload)
                 done += 1
@@ -243,7 +282,9 @@ class SimRun:
             req.release()
             return
         alive = [r.id for r in self.reps if r.alive]
-        view = RequestView(req.request_id, spec.input_length, self.hashes[i], bs, toks)
+        view = RequestView(
+            req.request_id, spec.input_length, self.hashes[i], bs, toks, lora_name=spec.lora_name
+        )
         decision = self.policy.route(view, alive, self.now)
         rep = self._by_id[decision.replica]
         req.replica = self._index_of[decision.replica]
@@ -263,6 +304,10 @@ class SimRun:
             self._push(self.now + dt, _STEP, (rep, rep.version))
             if rep.run is not None:
                 self._next_run_step(rep, 0)
+        elif rep.lora is not None and rep.lora.reading:  # idle until an adapter is read
+            end = rep.lora.next_read_end()
+            if end is not None:
+                self._push(max(end, self.now), _WAKE, (rep, rep.epoch))
 
     def _next_run_step(self, rep: SimReplica, done: int) -> None:
         """The next step of the run in flight, after step ``done``, whose end publishes

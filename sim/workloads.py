@@ -10,7 +10,8 @@ replicas busy but not saturated under round robin; ``--speed`` scales them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,7 @@ class RequestSpec:
     segments: tuple[tuple[int, int], ...]  # (segment id, tokens)
     output_length: int
     cache_salt: str | None = None
+    lora_name: str | None = None  # its LoRA adapter (None: the base model)
 
     @property
     def input_length(self) -> int:
@@ -159,22 +161,80 @@ def agents(n: int = 4000, rate: float = 6.0, seed: int = 0) -> list[RequestSpec]
     return out[:n]
 
 
+def lora(
+    n: int = 4000, rate: float = 12.0, seed: int = 0, adapters: int = 64, zipf_s: float = 1.0
+) -> list[RequestSpec]:
+    """Per-tenant LoRA adapters: ``adapters`` tenants, each with its own adapter and its own
+    system prompt (1-4k tokens; salted per tenant), Zipf-popular (exponent ``zipf_s``);
+    each request is the tenant's system prompt, a user message and an answer, as
+    ``tenants``. The adapter workload of issue 37: slots, loads and prefixes all matter."""
+    rng, ids = np.random.default_rng(seed), _Ids()
+    systems = [(ids(), int(rng.integers(1024, 4096))) for _ in range(adapters)]
+    pick = rng.choice(adapters, size=n, p=_zipf_weights(adapters, zipf_s))
+    out = []
+    for t, k in zip(_poisson_times(rng, n, rate), pick, strict=True):
+        user = (ids(), int(rng.integers(64, 1024)))
+        out_len = int(rng.integers(32, 512))
+        out.append(RequestSpec(float(t), (systems[k], user), out_len, f"tenant-{k}", f"lora-{k}"))
+    return out
+
+
+def _owner(spec: RequestSpec) -> tuple[object, ...]:
+    """Whose request it is: its tenant (salt), else its first two segments, which name a
+    conversation (chat), a task (agents) or the first document retrieved (rag)."""
+    return (spec.cache_salt,) if spec.cache_salt else tuple(s for s, _ in spec.segments[:2])
+
+
+def assign_adapters(
+    specs: Sequence[RequestSpec], adapters: int, zipf_s: float = 1.0, seed: int = 0
+) -> list[RequestSpec]:
+    """The workload with an adapter per tenant (:func:`_owner`): each owner, in order of
+    first arrival, draws one of ``adapters`` adapters, Zipf-popular (exponent ``zipf_s``),
+    seeded; every request of an owner uses its adapter."""
+    if adapters < 1:
+        raise ValueError("adapters must be >= 1")
+    rng = np.random.default_rng([seed, 37])
+    weights = _zipf_weights(adapters, zipf_s)
+    chosen: dict[tuple[object, ...], str] = {}
+    out = []
+    for spec in specs:
+        key = _owner(spec)
+        name = chosen.get(key)
+        if name is None:
+            name = chosen[key] = f"lora-{int(rng.choice(adapters, p=weights))}"
+        out.append(dataclasses.replace(spec, lora_name=name))
+    return out
+
+
 WORKLOADS: dict[str, Callable[..., list[RequestSpec]]] = {
     "tenants": tenants,
     "chat": chat,
     "rag": rag,
     "agents": agents,
+    "lora": lora,
 }
 
 
-def make_workload(name: str, n: int, seed: int = 0, speed: float = 1.0) -> list[RequestSpec]:
+def make_workload(
+    name: str,
+    n: int,
+    seed: int = 0,
+    speed: float = 1.0,
+    adapters: int | None = None,
+    adapter_zipf: float = 1.0,
+) -> list[RequestSpec]:
+    """A built-in workload; ``adapters``: with that many LoRA adapters, Zipf-popular by
+    ``adapter_zipf`` (the ``lora`` workload's own; another's assigned per tenant)."""
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
     if speed <= 0:
         raise ValueError("speed must be > 0")
-    specs = WORKLOADS[name](n=n, seed=seed)
+    if name == "lora":
+        specs = lora(n=n, seed=seed, adapters=adapters or 64, zipf_s=adapter_zipf)
+    else:
+        specs = WORKLOADS[name](n=n, seed=seed)
+        if adapters:
+            specs = assign_adapters(specs, adapters, adapter_zipf, seed)
     if speed == 1.0:
         return specs
-    return [
-        RequestSpec(s.arrival_s / speed, s.segments, s.output_length, s.cache_salt) for s in specs
-    ]
+    return [dataclasses.replace(s, arrival_s=s.arrival_s / speed) for s in specs]
