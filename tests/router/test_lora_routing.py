@@ -106,7 +106,7 @@ def test_a_cold_adapter_is_kept_from_slots_held_by_running_adapters():
     would wait for one of them to drain there. replica-1 has a free slot."""
     full = report(lora_resident=("w", "x", "y", "z"), lora_free_slots=0,
                   lora_running=("w", "x", "y", "z"))  # fmt: skip
-    policy = fleet(replica_0=full, replica_1=report(queued=20_000))
+    policy = fleet(replica_0=full, replica_1=report(queued=5_000))
     req = view("q", tokens(300), "cold")
     parts = policy.breakdown(req, R, 0.1)
     assert parts["replica-0"].adapter > parts["replica-0"].decode / 2  # a drain's wait
