@@ -26,8 +26,9 @@ Invariants:
   adapter: what a lower tier's events need), nothing else;
 - ``host`` holds at most ``host_capacity`` blocks, ``disk`` at most ``kv_disk_bytes``;
   ``host`` and ``disk_meta`` are LRU in iteration order; ``disk_meta``'s keys are ``disk``'s;
-- a hash is in at most one lower tier at a time, and every lower-tier entry was published
-  with a ``BlockStored`` of its medium and not yet with a ``BlockRemoved``;
+- every lower-tier entry was published with a ``BlockStored`` of its medium and not yet
+  with a ``BlockRemoved``; a hash may sit in both lower tiers (a disk copy outlives the
+  block's return to the device and its next eviction to the host), each published apart;
 - the loader thread reads lower-tier copies and writes only the device blocks of its job,
   which the scheduler holds (refcount > 0, no hash) until the job lands.
 """

@@ -621,6 +621,7 @@ class Scheduler(DecodeRuns):
             "prefix_cache_queries": kv.prefix_cache_queries,
             "prefix_cache_hits": kv.prefix_cache_hits,
             "num_preemptions": self.num_preemptions,
+            "num_loading_kv": len(self.loading),  # waiting for blocks from a lower KV tier
         }
 
 
