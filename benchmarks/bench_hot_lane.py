@@ -69,6 +69,7 @@ def lane_us(n: int) -> float:
         run=None,
         fleet_collector=None,
         add_error_counts=lambda counts: None,
+        loras=None,
     )
     saved = http_api.completions
     http_api.completions = handler  # the lane wraps what the module names at create_app

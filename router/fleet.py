@@ -55,6 +55,7 @@ from .replica_connection import ReplicaConnection
 
 log = logging.getLogger(__name__)
 
+PREPARE_TIMEOUT_S = 120.0  # longest a joining replica's preparation (its adapters) may take
 # Summed into /metrics across a replica's subscriptions.
 RETIRED_EVENT_FIELDS = ("delivered", "gaps", "malformed", "restarts", "resets")
 
@@ -198,8 +199,8 @@ class Fleet:
     async def _prepare(self, actor: Any, info: ReplicaInfo) -> None:
         if self.prepare is None:
             return
-        try:
-            await self.prepare(actor, info)
+        try:  # bounded: the monitor's poll awaits it, and a replica may hang
+            await asyncio.wait_for(self.prepare(actor, info), PREPARE_TIMEOUT_S)
         except Exception:
             self.errors["prepare_failed"] += 1
             log.exception("replica %s: preparing it failed", info.replica_id)
