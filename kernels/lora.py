@@ -27,12 +27,14 @@ Kernels, chosen per device (:func:`kernel_for`) and, on CPU, per step
 each padded to the fullest; ``grouped`` otherwise: torch's ``grouped_mm``, which runs one
 GEMM per slot and pays a host round for each. ``dense`` (devices other than the CPU): each
 gathered row multiplies every slot's weights in one batched product and keeps its own
-slot's result: the same numbers for slots times the work, in ops every device has. A
-Triton kernel for CUDA is not written yet; there ``dense`` serves.
+slot's result: the same numbers for slots times the work, in ops every device has.
+``triton`` (CUDA): SGMV-style shrink and expand kernels over tiles of rows that never cross
+a slot (``kernels/lora_triton.py``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,18 +46,23 @@ from torch import Tensor
 __all__ = ["LoRAMapping", "add_lora", "kernel_for"]
 
 _ENV = "KVROUTE_LORA_KERNEL"
-KERNELS = ("grouped", "dense")
+KERNELS = ("grouped", "dense", "triton")
 
 
 def kernel_for(device: torch.device) -> str:
-    """``grouped`` on CPU (torch's grouped_mm takes any float dtype there), ``dense``
-    elsewhere; ``KVROUTE_LORA_KERNEL`` picks one explicitly (benchmarks, bisecting)."""
+    """``grouped`` on CPU (torch's grouped_mm takes any float dtype there), ``triton`` on
+    CUDA where Triton imports, ``dense`` elsewhere; ``KVROUTE_LORA_KERNEL`` picks one
+    explicitly (benchmarks, bisecting, and ``triton`` under Triton's CPU interpreter)."""
     choice = os.environ.get(_ENV, "").strip().lower()
     if choice:
         if choice not in KERNELS:
             raise ValueError(f"{_ENV} must be one of {', '.join(KERNELS)}, got {choice!r}")
         return choice
-    return "grouped" if device.type == "cpu" else "dense"
+    if device.type == "cpu":
+        return "grouped"
+    if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        return "triton"
+    return "dense"
 
 
 @dataclass(slots=True)
@@ -72,6 +79,10 @@ class LoRAMapping:
     slot_hi: int = 0
     pad_rows: Tensor | None = None  # [(hi - lo) * width] int64
     pad_valid: Tensor | None = None  # [hi - lo, width, 1], 1 for a real row, 0 for padding
+    # "triton": tiles of rows that never cross a slot (kernels/lora_triton.py), int32
+    tile_start: Tensor | None = None
+    tile_end: Tensor | None = None
+    tile_slot: Tensor | None = None
 
     @classmethod
     def build(
@@ -105,6 +116,15 @@ class LoRAMapping:
             row_slots=torch.tensor(slots, dtype=torch.int64, device=device),
             kernel=kernel,
         )
+        if kernel == "triton":
+            from kvroute.kernels.lora_triton import tiles
+
+            groups = [(s, ends[s] - len(g), len(g)) for s, g in enumerate(by_slot) if g]
+            starts, stops, owners = tiles(groups)
+            m.tile_start, m.tile_end, m.tile_slot = (
+                torch.tensor(v, dtype=torch.int32, device=device) for v in (starts, stops, owners)
+            )
+            return m
         used = [s for s, group in enumerate(by_slot) if group]
         lo, hi = used[0], used[-1] + 1
         width = max(len(g) for g in by_slot)
@@ -122,6 +142,12 @@ class LoRAMapping:
 def add_lora(y: Tensor, x: Tensor, a: Tensor, bs: Sequence[Tensor], m: LoRAMapping) -> None:
     """``y[rows] += [x @ A_t @ B_t for each target t, side by side]`` per row's slot, in
     place. ``x``: [tokens, in]; ``y``: [tokens, sum of out_t] (the fused projection's output)."""
+    if m.kernel == "triton":
+        from kvroute.kernels import lora_triton
+
+        assert m.tile_start is not None and m.tile_end is not None and m.tile_slot is not None
+        lora_triton.add_lora(y, x, a, bs, m.rows, m.tile_start, m.tile_end, m.tile_slot)
+        return
     rank = bs[0].shape[1]
     if m.kernel == "padded":
         assert m.pad_rows is not None and m.pad_valid is not None
