@@ -4,7 +4,7 @@
 #   run(command="bash benchmarks/gpu_check.sh", timeout_s=540)          # the device tool
 #   bash benchmarks/gpu_check.sh [--quick]                              # any CUDA machine
 #
-# 1. the GPU tests: the kernels (Triton against the reference, sliding windows included),
+# 1. the GPU tests: the kernels (Triton against the reference, sliding windows and LoRA included),
 #    the engine against transformers (every family, fp32) on CUDA;
 # 2. bench_decode_step on Llama-3.1-8B's layer shapes (bf16): transformers' modules against
 #    kvroute's decoder with CUDA graphs, batch 1/16/64/128, with GPU kernel time and
@@ -52,7 +52,7 @@ python -c "import kvroute.kernels, kvroute.replica; print('kvroute imports from'
 
 say "GPU tests"
 timeout 240 python -m pytest -q -x -p no:cacheprovider \
-  tests/kernels/test_triton.py tests/kernels/test_sliding_window.py \
+  tests/kernels/test_triton.py tests/kernels/test_sliding_window.py tests/kernels/test_lora_triton.py \
   tests/replica/test_cuda_graphs.py tests/replica/test_model_families.py \
   tests/replica/test_engine_vs_transformers.py 2>&1 | tail -15
 
