@@ -90,8 +90,9 @@ def parse_lora_module(text: str, base_models: Collection[str] = ()) -> tuple[str
 
 
 def lora_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine-config keys of kvroute's engine (replica/engine.py's EngineConfig) that
-    the flags set; empty when LoRA is off. Raises :class:`LoRAFlagError`."""
+    """The engine-config keys the flags set: kvroute's EngineConfig fields, or for
+    ``--engine vllm`` the adapters and vLLM's own engine arguments (its CPU build serves
+    LoRA too); empty when LoRA is off. Raises :class:`LoRAFlagError`."""
     items = args.lora_modules or []
     tuning = {
         "max_loras": args.max_loras,
@@ -104,11 +105,6 @@ def lora_settings(args: argparse.Namespace) -> dict[str, Any]:
             flag = "--" + given[0].replace("_", "-")
             raise LoRAFlagError(f"{flag} needs --enable-lora or --lora-modules")
         return {}
-    if getattr(args, "engine", "kvroute") == "vllm":
-        raise LoRAFlagError(
-            "--enable-lora: kvroute's vLLM replicas do not pass adapters to vLLM; serve "
-            "adapters with --engine kvroute"
-        )
     modules: dict[str, str] = {}
     for text in items:
         bases = [b for b in (args.model, getattr(args, "served_model_name", None)) if b]
@@ -124,6 +120,7 @@ def lora_settings(args: argparse.Namespace) -> dict[str, Any]:
         raise LoRAFlagError(
             f"--max-cpu-loras ({tuning['max_cpu_loras']}) must be >= --max-loras ({max_loras})"
         )
-    settings: dict[str, Any] = {"enable_lora": True, "lora_modules": modules}
-    settings.update({k: v for k, v in tuning.items() if v is not None})
-    return settings
+    given = {k: v for k, v in tuning.items() if v is not None}
+    if getattr(args, "engine", "kvroute") == "vllm":  # vLLM's own engine arguments
+        return {"lora_modules": modules, "engine_args": {"enable_lora": True, **given}}
+    return {"enable_lora": True, "lora_modules": modules, **given}

@@ -383,6 +383,10 @@ def _start_replicas(args: argparse.Namespace, n: int, num_gpus: float, events_ho
         config["max_model_len"] = args.max_model_len
     if args.engine == "vllm":
         config.update(_vllm_settings(args))
+        lora = dict(getattr(args, "lora", None) or {})
+        if lora:  # vLLM's LoRA arguments beside --vllm-args (which win)
+            config["engine_args"] = {**lora.pop("engine_args"), **config.get("engine_args", {})}
+            config.update(lora)
     else:
         if args.time_scale != 1.0:
             config["time_scale"] = args.time_scale

@@ -54,6 +54,9 @@ class VllmEngineConfig:
     enforce_eager: bool | None = None  # None: True on CPU (torch.compile slows every start)
     device: str | None = None  # "cpu" (set by start_replica without GPUs) or None
     engine_args: dict[str, Any] = field(default_factory=dict)
+    # LoRA adapters registered at start (name -> PEFT folder); vLLM's enable_lora, max_loras,
+    # max_cpu_loras and max_lora_rank go in engine_args (enable_lora implied by these).
+    lora_modules: dict[str, str] = field(default_factory=dict)
     engine: str = "vllm"  # the key that tells a replica which engine a config dict is for
 
     @classmethod
@@ -99,6 +102,8 @@ def engine_args(config: VllmEngineConfig, model_path: Path, cpu: bool, topic: st
         # left behind when Ray kills the actor). engine_args may ask for "mp" or "ray".
         "distributed_executor_backend": "uni",
     }
+    if c.lora_modules:
+        args["enable_lora"] = True
     for key, value in (
         ("max_model_len", c.max_model_len),
         ("kv_cache_memory_bytes", c.kv_cache_memory_bytes or (CPU_KV_CACHE_BYTES if cpu else None)),

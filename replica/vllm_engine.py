@@ -42,6 +42,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from kvroute.events.load import CostCoefficients, LoadReport
@@ -94,6 +95,8 @@ class VllmEngine:
         self._touched: set[OutputSink] = set()
         self._flush_scheduled = False
         self._plugin = True  # the scheduler's load comes by utility call until one fails
+        self._loras: dict[str, Any] = {}  # name -> vLLM's LoRARequest
+        self._lora_ids = 0
         self.load = idle_load(0)
         prepare_environment(config, events_host)
         self._loop = asyncio.new_event_loop()
@@ -132,11 +135,7 @@ class VllmEngine:
             sink.deliver(request_id, EngineDeadError(why))
             sink.flush()
             return
-        if lora_name is not None:  # refused on the loop, which may be delivering to this sink
-            why = ValueError("LoRA adapters are not served by this replica")
-            self._loop.call_soon_threadsafe(self._deliver_to, sink, request_id, why)
-            return
-        args = (request_id, prompt, params, sink, cache_salt, resume)
+        args = (request_id, prompt, params, sink, cache_salt, resume, lora_name)
         self._loop.call_soon_threadsafe(self._start_request, *args)
 
     def abort(self, request_id: str) -> None:
@@ -169,6 +168,52 @@ class VllmEngine:
         """False when blocks are in use; True after vLLM cleared its cache (and published
         ``AllBlocksCleared``)."""
         return bool(await self.call(lambda e: e.llm.reset_prefix_cache()))
+
+    # -- LoRA adapters: vLLM's LoRARequests, by name (vLLM hashes name and path) ----------
+    async def add_lora(self, name: str, path: str) -> str:
+        """Registers a PEFT folder under ``name`` in vLLM (read and checked there); returns
+        the path vLLM hashes with. A refusal is a ValueError naming the field."""
+        return str(await self.call(lambda e: e._add_lora(name, path)))
+
+    async def remove_lora(self, name: str) -> bool:
+        return bool(await self.call(lambda e: e._remove_lora(name)))
+
+    async def list_loras(self) -> dict[str, str]:
+        return {name: req.lora_path for name, req in self._loras.items()}
+
+    async def _add_lora(self, name: str, path: str) -> str:
+        from vllm.lora.request import LoRARequest
+
+        if not name:
+            raise ValueError("lora_name must not be empty")
+        old = self._loras.get(name)
+        if old is not None:
+            if old.lora_path != str(path):
+                raise ValueError(
+                    f"LoRA adapter {name!r} is already registered from {old.lora_path}"
+                )
+            return str(old.lora_path)
+        if not self.config.lora_modules and not self.config.engine_args.get("enable_lora"):
+            raise ValueError("this replica serves no LoRA adapters (start it with --enable-lora)")
+        if not (Path(path) / "adapter_config.json").is_file():
+            raise ValueError(
+                f"lora_path {path}: no adapter_config.json (not a PEFT adapter folder)"
+            )
+        self._lora_ids += 1
+        request = LoRARequest(name, self._lora_ids, str(path))
+        try:
+            await self.llm.add_lora(request)
+        except Exception as exc:  # vLLM's own check (rank, targets): the folder's fault
+            raise ValueError(f"lora_path {path}: {exc}") from None
+        self._loras[name] = request
+        return str(request.lora_path)
+
+    async def _remove_lora(self, name: str) -> bool:
+        request = self._loras.pop(name, None)
+        if request is None:
+            return False
+        await self.llm.remove_lora(request.lora_int_id)
+        return True
 
     def describe(self) -> EngineFacts:
         return EngineFacts(
@@ -241,6 +286,8 @@ class VllmEngine:
             self.llm = AsyncLLM.from_engine_args(args)
         try:
             self._describe()
+            for name, path in self.config.lora_modules.items():
+                await self._add_lora(name, path)
         except BaseException:
             self.llm.shutdown()
             raise
@@ -311,10 +358,18 @@ class VllmEngine:
         sink: OutputSink,
         cache_salt: str | None,
         resume: Resume | None,
+        lora_name: str | None = None,
     ) -> None:
         if self.error is not None or self._stopped:
             self._deliver_to(sink, rid, EngineDeadError("the engine has failed"))
             return
+        lora = None
+        if lora_name is not None:  # refused here, on the loop that delivers to this sink
+            lora = self._loras.get(lora_name)
+            if lora is None:
+                why = ValueError(f"unknown LoRA adapter {lora_name[:100]!r} (lora_name)")
+                self._deliver_to(sink, rid, why)
+                return
         if rid in self._live:
             self._deliver_to(sink, rid, ValueError(f"request id {rid!r} is already in use"))
             return
@@ -336,10 +391,15 @@ class VllmEngine:
             live.pending_text = self.tokenizer.decode(done)[resume.sent_chars :] if done else ""
             tokens += done
         self._live[rid] = live
-        live.task = self._loop.create_task(self._serve(live, tokens, params, cache_salt))
+        live.task = self._loop.create_task(self._serve(live, tokens, params, cache_salt, lora))
 
     async def _serve(
-        self, live: LiveRequest, tokens: list[int], params: SamplingParams, salt: str | None
+        self,
+        live: LiveRequest,
+        tokens: list[int],
+        params: SamplingParams,
+        salt: str | None,
+        lora: Any = None,
     ) -> None:
         from vllm.v1.engine.exceptions import EngineDeadError as VllmDeadError
 
@@ -352,7 +412,7 @@ class VllmEngine:
             prompt: dict[str, Any] = {"prompt_token_ids": tokens}
             if salt:
                 prompt["cache_salt"] = salt
-            async for out in self.llm.generate(prompt, sampling, rid):
+            async for out in self.llm.generate(prompt, sampling, rid, lora_request=lora):
                 if self._live.get(rid) is not live:
                     return  # its front door is gone (abort_sink)
                 delta = from_vllm_output(live, out)

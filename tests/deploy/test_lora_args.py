@@ -46,7 +46,6 @@ def test_both_forms_of_lora_modules_reach_the_engine_config() -> None:
         (["--max-loras", "2"], "--max-loras"),  # without --enable-lora
         (["--enable-lora", "--max-loras", "0"], "--max-loras"),
         (["--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2"], "--max-cpu-loras"),
-        (["--enable-lora", "--engine", "vllm"], "--enable-lora"),
     ],
 )  # fmt: skip
 def test_a_bad_flag_is_refused_naming_it(argv: list[str], flag: str) -> None:
@@ -54,6 +53,14 @@ def test_a_bad_flag_is_refused_naming_it(argv: list[str], flag: str) -> None:
         settings(*argv)
     assert str(info.value).startswith(flag), str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_vllm_replicas_get_vllm_s_own_engine_arguments() -> None:
+    got = settings("--engine", "vllm", "--lora-modules", "a=/x/a", "--max-loras", "3")
+    assert got == {
+        "lora_modules": {"a": "/x/a"},
+        "engine_args": {"enable_lora": True, "max_loras": 3},
+    }
 
 
 def test_a_json_module_may_name_the_served_name() -> None:
