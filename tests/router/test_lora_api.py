@@ -220,3 +220,35 @@ async def test_a_replica_that_joins_or_restarts_holds_every_adapter(
             assert await late.list_loras.remote() == want
         finally:
             await door.close()
+
+
+def test_an_unload_waits_for_the_requests_running_on_the_adapter(
+    fleet: dict[str, Any], adapters: dict[str, str]
+) -> None:
+    """A stream on the adapter is running when the unload comes: it finishes whole, and
+    the unload answers only after it has ended (then the name is gone everywhere)."""
+    load = {"lora_name": "ad2", "lora_path": adapters["ad2"]}
+    assert post(fleet, "/v1/load_lora_adapter", "key-admin", load).status_code == 200
+    client = openai.OpenAI(base_url=fleet["url"] + "/v1", api_key="key-g", max_retries=0)
+    stream = client.completions.create(model="ad2", prompt=PROMPT, max_tokens=400,
+                                       temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    chunks = iter(stream)
+    next(chunks)  # it runs on its replica now
+    assert fleet["door"].loras.in_flight["ad2"] == 1
+    loras = fleet["door"].loras
+    seen: list[tuple[int, int]] = []  # (status, the adapter's requests running then)
+
+    def unload() -> None:
+        r = post(fleet, "/v1/unload_lora_adapter", "key-admin", {"lora_name": "ad2"})
+        seen.append((r.status_code, loras.in_flight["ad2"]))
+
+    thread = threading.Thread(target=unload)
+    thread.start()
+    reason = None
+    for chunk in chunks:
+        reason = chunk.choices[0].finish_reason or reason
+    thread.join(120)
+    assert reason == "length"  # all 400 tokens: the unload did not cut it
+    assert seen == [(200, 0)]  # it answered once no request ran on the adapter
+    assert complete(fleet, "key-g", "ad2").status_code == 404
