@@ -350,6 +350,8 @@ class Scheduler(DecodeRuns):
                     skipped += 1
                     continue
                 if kv.allocate_slots(req, num_new, num_hit, hit_blocks) is None:
+                    if self.loading:  # KV loads hold blocks: they land soon and free them
+                        break
                     if not self.running:  # unreachable given max_model_len; never hang
                         self.waiting.popleft()
                         req.stop_reason = "kv_cache_capacity"

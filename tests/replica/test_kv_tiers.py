@@ -271,3 +271,44 @@ def test_a_slow_load_holds_up_neither_the_step_nor_the_other_requests(
     assert other.outputs[0].token_ids == uncached[3]
     assert final is not None and final.outputs[0].token_ids == uncached[0]
     assert final.num_tier_cached_tokens == {} and eng.stats()["kv_tier_load_failures"] == 1
+
+
+def test_concurrent_conversations_all_finish_with_the_uncached_outputs() -> None:
+    """Four requests at a time over a pool that holds few of them, multi-turn prompts that
+    return to earlier conversations: loads hold device blocks while other requests need
+    them. Every request must end (none dropped while the pool is held by loads), each with
+    the output of an engine that never evicts."""
+    rng = random.Random(3)
+    convs = [[rng.randrange(1, 250) for _ in range(rng.randrange(12, 60))] for _ in range(8)]
+    asks: list[tuple[list[int], int]] = []
+    for _ in range(40):
+        c = rng.randrange(len(convs))
+        convs[c] = (convs[c] + [rng.randrange(1, 250) for _ in range(rng.randrange(2, 20))])[-70:]
+        asks.append((list(convs[c]), rng.randrange(1, 10)))
+
+    def serve(eng: LLMEngine) -> dict[str, list[int]]:
+        done: dict[str, list[int]] = {}
+        queue = list(enumerate(asks))
+        live = 0
+        for _ in range(20_000):  # a bound: a request that never ends fails the test
+            while queue and live < 4:
+                i, (prompt, n) = queue.pop(0)
+                params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                eng.add_request(f"q{i}", prompt, params)
+                live += 1
+            for out in eng.step():
+                if out.finished:
+                    assert out.outputs[0].finish_reason == "length", out.outputs[0].error
+                    done[out.request_id] = out.outputs[0].token_ids
+                    live -= 1
+            if not queue and not live:
+                break
+        return done
+
+    tiered = engine(kv_host_bytes=256 * BLOCK_BYTES)
+    tiered.kv_cache_manager.block_pool.check_invariants()
+    got = serve(tiered)
+    ref = serve(LLMEngine(EngineConfig(model="tiny", block_size=BLOCK, num_blocks=1024)))
+    assert len(got) == len(asks) and got == ref
+    assert tiered.stats()["kv_tier_loaded"] > 0
+    tiered.kv_cache_manager.block_pool.check_invariants()
