@@ -440,6 +440,8 @@ class LLMEngine:
         self.current_batch = frozenset(item.request.request_id for item in sched.scheduled)
         for rid in sched.finished_request_ids:
             self.runner.forget(rid)
+        while self.scheduler.unfit_req_ids:  # ended in the scheduler: each gets its output
+            outputs.append(self._fail(self.scheduler.unfit_req_ids.pop(), "scheduling", None))
         if not sched.scheduled and self.lora is not None:
             self.lora.wait(0.01)  # nothing to run but adapters being read: do not spin
         if not sched.scheduled and self.scheduler.loading:

@@ -195,6 +195,8 @@ class Scheduler(DecodeRuns):
         self.waiting: FairQueue[Request] = FairQueue(_tenant_of)
         self.running: list[Request] = []  # in admission order: preemption takes the last
         self.finished_req_ids: set[str] = set()  # since the last schedule()
+        # ended by the scheduler because they can never fit; the engine owes each an output
+        self.unfit_req_ids: list[str] = []
         self.num_preemptions = 0  # total, over the scheduler's life
         self.usage = TenantUsage()  # who is served first when tenants compete
         # Lower KV tiers (kv_tiers): a waiting request whose prefix goes on there has it
@@ -352,10 +354,12 @@ class Scheduler(DecodeRuns):
                 if kv.allocate_slots(req, num_new, num_hit, hit_blocks) is None:
                     if self.loading:  # KV loads hold blocks: they land soon and free them
                         break
-                    if not self.running:  # unreachable given max_model_len; never hang
+                    if not self.running:  # should not happen given max_model_len; if it
+                        # does, the request fails alone, with an output (never a hang)
                         self.waiting.popleft()
-                        req.stop_reason = "kv_cache_capacity"
-                        self._finish(req, RequestStatus.FINISHED_ABORTED)
+                        req.error = "kv cache capacity: its blocks do not fit an empty cache"
+                        self._finish(req, RequestStatus.FINISHED_ERROR)
+                        self.unfit_req_ids.append(req.request_id)
                         continue
                     break
                 kv.count_lookup(req, num_hit)

@@ -181,6 +181,27 @@ def test_a_faulty_request_fails_alone(engine: LLMEngine, baseline: list[Result],
     assert engine.num_request_failures == failures + 1
 
 
+def test_a_request_the_cache_can_never_hold_fails_alone(
+    engine: LLMEngine, baseline: list[Result], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The scheduler ends a waiting request whose blocks an empty cache still refuses (it
+    should not happen, given max_model_len); that request gets an error output, not
+    silence (its client would wait forever), and the others run as without it."""
+    manager = engine.kv_cache_manager
+    allocate = manager.allocate_slots
+
+    def refuse_the_bad_one(req: Any, *args: Any, **kwargs: Any) -> Any:
+        if req.request_id.startswith("bad-"):
+            return None
+        return allocate(req, *args, **kwargs)
+
+    monkeypatch.setattr(manager, "allocate_slots", refuse_the_bad_one)
+    outs, bad = run(engine, ("never fits", fresh(GREEDY)))
+    assert_same(outs, baseline)
+    assert bad is not None and bad.finish_reason == "error" and bad.token_ids == []
+    assert bad.error is not None and "kv cache capacity" in bad.error
+
+
 def test_sampling_failure_in_one_row(
     engine: LLMEngine, baseline: list[Result], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -255,12 +255,15 @@ def test_too_long_prompts_are_rejected_not_hung() -> None:
         h.add("ok", prompt(2, 3))
 
 
-def test_request_that_cannot_fit_an_empty_cache_is_aborted_not_retried() -> None:
+def test_request_that_cannot_fit_an_empty_cache_fails_not_retried() -> None:
+    """It ends with an error the engine turns into the request's output (the engine's
+    side: tests/replica/test_fault_isolation.py), not silently and not in a retry loop."""
     h = Harness(5)
     r = h.add("a", prompt(1, 10))
     r.all_token_ids.extend(range(15))  # behind the scheduler's back: 25 tokens > 20 slots
     h.run_all(max_steps=3)
-    assert r.status == RequestStatus.FINISHED_ABORTED and r.stop_reason == "kv_cache_capacity"
+    assert r.status == RequestStatus.FINISHED_ERROR and "kv cache capacity" in (r.error or "")
+    assert h.sched.unfit_req_ids == ["a"]
 
 
 def test_max_num_seqs() -> None:
