@@ -168,6 +168,40 @@ class _StepPlans:
 _plans = _StepPlans()
 
 
+def _paged_args(
+    out: Tensor,
+    query: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    block_tables: Tensor,
+    plan: _Plan,
+    seqs: Tensor,
+    scale: float,
+    sliding_window: int | None,
+) -> tuple[int | float, ...]:
+    """The C kernels' shared arguments (``kernels/cpu_paged.h``), for the sequences ``seqs``."""
+    return (
+        out.data_ptr(),
+        query.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        plan.seq_lens.data_ptr(),
+        plan.query_start_loc.data_ptr(),
+        seqs.data_ptr(),
+        len(seqs),
+        query.shape[1],
+        k_cache.shape[2],
+        query.shape[2],
+        k_cache.shape[1],
+        block_tables.stride(0),
+        query.stride(0),
+        out.stride(0),
+        scale,
+        sliding_window or 0,
+    )
+
+
 def decode(
     out: Tensor,
     query: Tensor,
@@ -180,26 +214,10 @@ def decode(
 ) -> None:
     """The plan's decoding sequences (one new token each) through the C kernel, into ``out``."""
     assert _cpu_attention is not None
-    _cpu_attention.decode(
-        out.data_ptr(),
-        query.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        block_tables.data_ptr(),
-        plan.seq_lens.data_ptr(),
-        plan.query_start_loc.data_ptr(),
-        plan.decodes.data_ptr(),
-        len(plan.decodes),
-        query.shape[1],
-        k_cache.shape[2],
-        query.shape[2],
-        k_cache.shape[1],
-        block_tables.stride(0),
-        query.stride(0),
-        out.stride(0),
-        scale,
-        sliding_window or 0,
+    args = _paged_args(
+        out, query, k_cache, v_cache, block_tables, plan, plan.decodes, scale, sliding_window
     )
+    _cpu_attention.decode(*args)
 
 
 def prefill(
@@ -213,25 +231,10 @@ def prefill(
 ) -> None:
     """The plan's unwindowed prefills and chunks through the C kernel, into ``out``."""
     assert _cpu_prefill is not None
-    _cpu_prefill.prefill(
-        out.data_ptr(),
-        query.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        block_tables.data_ptr(),
-        plan.seq_lens.data_ptr(),
-        plan.query_start_loc.data_ptr(),
-        plan.prefill_seqs.data_ptr(),
-        len(plan.prefill_seqs),
-        query.shape[1],
-        k_cache.shape[2],
-        query.shape[2],
-        k_cache.shape[1],
-        block_tables.stride(0),
-        query.stride(0),
-        out.stride(0),
-        scale,
+    args = _paged_args(
+        out, query, k_cache, v_cache, block_tables, plan, plan.prefill_seqs, scale, None
     )
+    _cpu_prefill.prefill(*args)
 
 
 def paged_attention(

@@ -23,23 +23,10 @@ the loader picks the best the CPU has: one build works on every machine of a clu
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_paged.h"
 #include "cpu_simd.h"
 
-typedef struct {
-    float *out;
-    const float *query;
-    const float *k_cache;
-    const float *v_cache;
-    const int32_t *block_tables;
-    const int32_t *seq_lens;
-    const int32_t *query_start_loc;
-    const int32_t *seqs;
-    Py_ssize_t num_selected;
-    Py_ssize_t num_heads, num_kv_heads, head_dim, block_size;
-    Py_ssize_t bt_stride, q_stride, out_stride;
-    float scale;
-    Py_ssize_t window; /* 0: none; else a query at p sees keys p - window + 1 .. p */
-} DecodeArgs;
+typedef PagedArgs DecodeArgs;
 
 #define TILE 16 /* slots whose V rows are weighted in per pass over the accumulators */
 #define PREFETCH 8 /* slots ahead whose K and V rows are fetched while this one is scored */
@@ -186,26 +173,8 @@ static int run_decode(const DecodeArgs *a) {
 }
 
 static PyObject *decode(PyObject *self, PyObject *args) {
-    unsigned long long out, query, k_cache, v_cache, tables, lens, starts, seqs;
     DecodeArgs a;
-    if (!PyArg_ParseTuple(args, "KKKKKKKKnnnnnnnnfn", &out, &query, &k_cache, &v_cache, &tables,
-                          &lens, &starts, &seqs, &a.num_selected, &a.num_heads, &a.num_kv_heads,
-                          &a.head_dim, &a.block_size, &a.bt_stride, &a.q_stride, &a.out_stride,
-                          &a.scale, &a.window))
-        return NULL;
-    if (a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads != 0 || a.head_dim <= 0 ||
-        a.block_size <= 0) {
-        PyErr_SetString(PyExc_ValueError, "bad head or block shape");
-        return NULL;
-    }
-    a.out = (float *)(uintptr_t)out;
-    a.query = (const float *)(uintptr_t)query;
-    a.k_cache = (const float *)(uintptr_t)k_cache;
-    a.v_cache = (const float *)(uintptr_t)v_cache;
-    a.block_tables = (const int32_t *)(uintptr_t)tables;
-    a.seq_lens = (const int32_t *)(uintptr_t)lens;
-    a.query_start_loc = (const int32_t *)(uintptr_t)starts;
-    a.seqs = (const int32_t *)(uintptr_t)seqs;
+    if (!parse_paged_args(args, &a, 1)) return NULL;
     int rc;
     Py_BEGIN_ALLOW_THREADS rc = run_decode(&a);
     Py_END_ALLOW_THREADS if (rc != 0) return PyErr_NoMemory();

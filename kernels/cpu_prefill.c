@@ -28,25 +28,13 @@ ones sits at position seq_len - q_len + i and sees keys 0 .. that position.
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_paged.h"
 #include "cpu_simd.h"
 
 #define ROWS 8  /* query rows per tile */
 #define KEYS 32 /* keys per tile: two score vectors per row */
 
-typedef struct {
-    float *out;
-    const float *query;
-    const float *k_cache;
-    const float *v_cache;
-    const int32_t *block_tables;
-    const int32_t *seq_lens;
-    const int32_t *query_start_loc;
-    const int32_t *seqs;
-    Py_ssize_t num_selected;
-    Py_ssize_t num_heads, num_kv_heads, head_dim, block_size;
-    Py_ssize_t bt_stride, q_stride, out_stride;
-    float scale;
-} PrefillArgs;
+typedef PagedArgs PrefillArgs; /* window: always 0 here */
 
 typedef struct { /* per-call scratch, sized for the longest sequence */
     float *kt;          /* [head_dim][padded keys + 16]: one KV head's keys, transposed */
@@ -202,26 +190,12 @@ static int run_prefill(const PrefillArgs *a) {
 }
 
 static PyObject *prefill(PyObject *self, PyObject *args) {
-    unsigned long long out, query, k_cache, v_cache, tables, lens, starts, seqs;
     PrefillArgs a;
-    if (!PyArg_ParseTuple(args, "KKKKKKKKnnnnnnnnf", &out, &query, &k_cache, &v_cache, &tables,
-                          &lens, &starts, &seqs, &a.num_selected, &a.num_heads, &a.num_kv_heads,
-                          &a.head_dim, &a.block_size, &a.bt_stride, &a.q_stride, &a.out_stride,
-                          &a.scale))
-        return NULL;
-    if (a.num_kv_heads <= 0 || a.num_heads % a.num_kv_heads != 0 || a.head_dim <= 0 ||
-        a.head_dim % 16 != 0 || a.block_size <= 0) {
-        PyErr_SetString(PyExc_ValueError, "bad head or block shape");
+    if (!parse_paged_args(args, &a, 16)) return NULL;
+    if (a.window != 0) {
+        PyErr_SetString(PyExc_ValueError, "windowed prefills take the torch path");
         return NULL;
     }
-    a.out = (float *)(uintptr_t)out;
-    a.query = (const float *)(uintptr_t)query;
-    a.k_cache = (const float *)(uintptr_t)k_cache;
-    a.v_cache = (const float *)(uintptr_t)v_cache;
-    a.block_tables = (const int32_t *)(uintptr_t)tables;
-    a.seq_lens = (const int32_t *)(uintptr_t)lens;
-    a.query_start_loc = (const int32_t *)(uintptr_t)starts;
-    a.seqs = (const int32_t *)(uintptr_t)seqs;
     int rc;
     Py_BEGIN_ALLOW_THREADS rc = run_prefill(&a);
     Py_END_ALLOW_THREADS if (rc != 0) return PyErr_NoMemory();
