@@ -403,7 +403,7 @@ def _simulate(args: argparse.Namespace) -> int:
     import json
 
     from kvroute.replica.cost_model import PROFILES
-    from kvroute.router.policy import POLICIES
+    from kvroute.router.policies import POLICIES
     from kvroute.sim.lora import LoRAConfig
     from kvroute.sim.report import format_table, simulate, stderr_progress, to_json
     from kvroute.sim.simulator import SimConfig, split_policy

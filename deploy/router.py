@@ -198,7 +198,7 @@ def say(msg: str) -> None:
 def front_door_tenants(args: argparse.Namespace) -> TenantsFile | None:
     """The tenants (None: anonymous) once the front-door arguments check out; a ValueError
     says what is wrong, in one line, before anything starts."""
-    from kvroute.router.policy import POLICIES
+    from kvroute.router.policies import POLICIES
     from kvroute.router.tenants import load_api_keys, load_tenants, tenants_from_api_keys
 
     if args.policy not in POLICIES:

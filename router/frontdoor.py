@@ -41,7 +41,8 @@ from .errors import new_id
 from .fleet import Fleet, FleetMismatchError
 from .lora import Adapter, LoRARegistry
 from .metrics import FleetCollector, Metrics
-from .policy import Policy, RequestView, make_policy
+from .policies import make_policy
+from .policy import Policy, RequestView
 from .quarantine import Quarantine, fingerprint
 from .request_run import RequestRun, RunServices
 from .tenants import Tenant

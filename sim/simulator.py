@@ -48,7 +48,8 @@ from kvroute.events import MEDIUM_CPU, AllBlocksCleared, BlockHasher, EventBatch
 from kvroute.replica.cost_model import H100_8B, CostModel, Profile, attention_weight
 from kvroute.replica.scheduler import SchedulerConfig
 from kvroute.router.index import PrefixIndex, prediction_stride
-from kvroute.router.policy import Policy, RequestView, make_policy
+from kvroute.router.policies import make_policy
+from kvroute.router.policy import Policy, RequestView
 
 from .lora import LoRAConfig, SimLoRA
 from .replica import SimReplica, SimRequest

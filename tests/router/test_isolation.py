@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvroute.router.policy import make_policy
+from kvroute.router.policies import make_policy
 from kvroute.router.tenants import DEV_FLEET_SECRET, tenant_salt
 
 from .fleet import Served, serve_sim

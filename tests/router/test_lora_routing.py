@@ -10,7 +10,8 @@ from kvroute.events import BlockHasher, BlockStored, EventBatch
 from kvroute.events.load import REFERENCE_COEFFICIENTS, LoadReport
 from kvroute.router.index import PrefixIndex
 from kvroute.router.load import LoadTracker
-from kvroute.router.policy import KVPolicy, RequestView, make_policy
+from kvroute.router.policies import make_policy
+from kvroute.router.policy import KVPolicy, RequestView
 
 BS = 16
 HASHER = BlockHasher(block_size=BS)

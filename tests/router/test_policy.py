@@ -13,14 +13,13 @@ from kvroute.events import BlockHasher, BlockStored, EventBatch
 from kvroute.events.load import REFERENCE_COEFFICIENTS, LoadReport
 from kvroute.router.index import PrefixIndex
 from kvroute.router.load import LoadTracker
+from kvroute.router.policies import POLICIES, make_policy
 from kvroute.router.policy import (
     DECODE_OVERLAP,
-    POLICIES,
     KVPolicy,
     NoReplicaError,
     RequestView,
     evicted_reuse,
-    make_policy,
     price,
 )
 

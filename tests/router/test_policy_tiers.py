@@ -12,14 +12,10 @@ import pytest
 
 from kvroute.events import BlockHasher, BlockStored, EventBatch
 from kvroute.events.load import DEFAULT_TIER_LOAD_SHARE, REFERENCE_COEFFICIENTS
+from kvroute.router.baselines import KVTierBlind
 from kvroute.router.index import PrefixIndex
-from kvroute.router.policy import (
-    POLICIES,
-    KVPolicy,
-    KVTierBlind,
-    RequestView,
-    make_policy,
-)
+from kvroute.router.policies import POLICIES, make_policy
+from kvroute.router.policy import KVPolicy, RequestView
 
 BS = 16
 HASHER = BlockHasher(block_size=BS)
