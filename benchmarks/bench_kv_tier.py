@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,9 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_proc import start_serve, stop_serve
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz "
 
@@ -43,22 +45,11 @@ def start_fleet(args: argparse.Namespace, tier: list[str], log: Path) -> subproc
         "--num-blocks", str(args.num_blocks), "--port", str(args.port), *tier,
     ]  # fmt: skip
     say(" ".join(cmd))
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 600
-    while "ready: model" not in log.read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"kvroute serve did not start; see {log}")
-        time.sleep(1)
-    return proc
+    return start_serve(cmd, log, 600)
 
 
 def stop_fleet(proc: subprocess.Popen[bytes]) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(90)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_serve(proc, 90)
 
 
 def complete(url: str, prompt: str, max_tokens: int) -> dict[str, Any]:

@@ -22,13 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_proc import start_serve, stop_serve
 
 POLICIES = ("kv", "round_robin", "least_loaded", "approx_text")
 
@@ -73,22 +75,11 @@ def start_fleet(args: argparse.Namespace, policy: str, log: Path) -> subprocess.
         "--policy", policy, "--port", str(args.port),
     ]  # fmt: skip
     say(" ".join(cmd))
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while "ready: model" not in log.read_text():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"kvroute serve did not start; see {log}")
-        time.sleep(1)
-    return proc
+    return start_serve(cmd, log, 300)
 
 
 def stop_fleet(proc: subprocess.Popen[bytes]) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_serve(proc, 60)
 
 
 def run_live(args: argparse.Namespace, policy: str, out: Path) -> dict[str, Any]:

@@ -142,7 +142,11 @@ class _StepPlans:
             sliding_window,
         )
         decodes = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
-        prefills = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] > 1]
+        prefills, windowed = [], []  # more than one new token: uncut / cut by the window
+        for i in range(len(lens)):
+            if qsl[i + 1] - qsl[i] > 1:
+                cut = reference.window_applies(lens[i], sliding_window)
+                (windowed if cut else prefills).append(i)
         if len(decodes) > 1:
             first = block_tables[:, 0].tolist()
             decodes.sort(key=first.__getitem__)
@@ -150,12 +154,9 @@ class _StepPlans:
             qsl=qsl,
             lens=lens,
             decodes=torch.tensor(decodes, dtype=torch.int32),
-            prefills=[i for i in prefills if not reference.window_applies(lens[i], sliding_window)],
-            prefill_seqs=torch.tensor(
-                [i for i in prefills if not reference.window_applies(lens[i], sliding_window)],
-                dtype=torch.int32,
-            ),
-            windowed=[i for i in prefills if reference.window_applies(lens[i], sliding_window)],
+            prefills=prefills,
+            prefill_seqs=torch.tensor(prefills, dtype=torch.int32),
+            windowed=windowed,
             seq_lens=seq_lens.to(torch.int32).contiguous(),
             query_start_loc=query_start_loc.to(torch.int32).contiguous(),
         )
@@ -202,41 +203,6 @@ def _paged_args(
     )
 
 
-def decode(
-    out: Tensor,
-    query: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    plan: _Plan,
-    scale: float,
-    sliding_window: int | None,
-) -> None:
-    """The plan's decoding sequences (one new token each) through the C kernel, into ``out``."""
-    assert _cpu_attention is not None
-    args = _paged_args(
-        out, query, k_cache, v_cache, block_tables, plan, plan.decodes, scale, sliding_window
-    )
-    _cpu_attention.decode(*args)
-
-
-def prefill(
-    out: Tensor,
-    query: Tensor,
-    k_cache: Tensor,
-    v_cache: Tensor,
-    block_tables: Tensor,
-    plan: _Plan,
-    scale: float,
-) -> None:
-    """The plan's unwindowed prefills and chunks through the C kernel, into ``out``."""
-    assert _cpu_prefill is not None
-    args = _paged_args(
-        out, query, k_cache, v_cache, block_tables, plan, plan.prefill_seqs, scale, None
-    )
-    _cpu_prefill.prefill(*args)
-
-
 def paged_attention(
     query: Tensor,
     k_cache: Tensor,
@@ -279,7 +245,11 @@ def paged_attention(
     out[plan.qsl[-1] :].zero_()
     torch_prefills = plan.windowed
     if plan.prefills and prefill_kernel_available() and query.shape[2] % 16 == 0:
-        prefill(out, query, k_cache, v_cache, block_tables, plan, scale)
+        assert _cpu_prefill is not None
+        seqs = plan.prefill_seqs
+        _cpu_prefill.prefill(
+            *_paged_args(out, query, k_cache, v_cache, block_tables, plan, seqs, scale, None)
+        )
     else:
         torch_prefills = plan.prefills + plan.windowed
     if torch_prefills:  # the reference's SDPA paths
@@ -296,5 +266,9 @@ def paged_attention(
             torch_prefills,
         )
     if len(plan.decodes):  # windowed or not: the kernel starts each walk at the window's edge
-        decode(out, query, k_cache, v_cache, block_tables, plan, scale, sliding_window)
+        assert _cpu_attention is not None
+        window, seqs = sliding_window, plan.decodes
+        _cpu_attention.decode(
+            *_paged_args(out, query, k_cache, v_cache, block_tables, plan, seqs, scale, window)
+        )
     return out

@@ -41,6 +41,20 @@ _BLOCK_N = 64
 
 
 @triton.jit
+def _tile(rows_ptr, tile_start_ptr, tile_end_ptr, tile_slot_ptr, BLOCK_M: tl.constexpr):
+    """This program's tile: its positions in the grouped rows, which of them are real, the
+    batch rows they stand for, and the slot whose weights they all use."""
+    tile = tl.program_id(0)
+    start = tl.load(tile_start_ptr + tile)
+    end = tl.load(tile_end_ptr + tile)
+    slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
+    offs_m = start + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < end
+    rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    return offs_m, mask_m, rows, slot
+
+
+@triton.jit
 def _shrink_kernel(
     x_ptr,
     a_ptr,
@@ -60,13 +74,9 @@ def _shrink_kernel(
     BLOCK_R: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    start = tl.load(tile_start_ptr + tile)
-    end = tl.load(tile_end_ptr + tile)
-    slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
-    offs_m = start + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < end
-    rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    offs_m, mask_m, rows, slot = _tile(
+        rows_ptr, tile_start_ptr, tile_end_ptr, tile_slot_ptr, BLOCK_M
+    )
     offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -116,13 +126,9 @@ def _expand_kernel(
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    start = tl.load(tile_start_ptr + tile)
-    end = tl.load(tile_end_ptr + tile)
-    slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
-    offs_m = start + tl.arange(0, BLOCK_M)
-    mask_m = offs_m < end
-    rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    offs_m, mask_m, rows, slot = _tile(
+        rows_ptr, tile_start_ptr, tile_end_ptr, tile_slot_ptr, BLOCK_M
+    )
     offs_r = tl.arange(0, BLOCK_RANK)
     mask_r = offs_r < rank
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
