@@ -13,6 +13,15 @@ The return's TTFT (streamed, wall clock, median over rounds), its prompt tokens 
 that served them (the usage extension), and its text (greedy) go side by side: the text
 must equal the no-tier fleet's, whose return is an uncached computation. /metrics' prefix
 hits by tier close each fleet. Progress to stderr, the table to stdout, JSON to ``--out``.
+
+    python benchmarks/bench_kv_tier.py --chat
+
+Short prompts instead: ``kvroute bench --workload chat`` (``--chat-requests`` closed-loop
+at concurrency 4) on fleets of ``--chat-blocks`` device blocks a replica: without a tier,
+with a host tier whose loads always wait a step to land (``KVROUTE_KV_INLINE_LOADS=0``),
+and with a host tier as it runs by default (replica/kv_loads.py), each repeated
+``--chat-repeats`` times in turn (the machine's load drifts): TTFT, hit rate by tier,
+errors, and the fleet's CPU seconds (from /proc) side by side.
 """
 
 from __future__ import annotations
@@ -39,13 +48,15 @@ def say(msg: str) -> None:
     print(f"bench_kv_tier: {msg}", file=sys.stderr, flush=True)
 
 
-def start_fleet(args: argparse.Namespace, tier: list[str], log: Path) -> subprocess.Popen[bytes]:
+def start_fleet(
+    args: argparse.Namespace, tier: list[str], log: Path, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     cmd = [
         "kvroute", "serve", "--model", "tiny", "--replicas", "2",
         "--num-blocks", str(args.num_blocks), "--port", str(args.port), *tier,
     ]  # fmt: skip
     say(" ".join(cmd))
-    return start_serve(cmd, log, 600)
+    return start_serve(cmd, log, 600, env)
 
 
 def stop_fleet(proc: subprocess.Popen[bytes]) -> None:
@@ -138,6 +149,74 @@ def run_fleet(args: argparse.Namespace, name: str, tier: list[str], out: Path) -
     return {"name": name, "returns": returns, "metrics_hits_by_tier": hits}
 
 
+def chat_fleet(
+    args: argparse.Namespace, name: str, tier: list[str], env: dict[str, str], out: Path
+) -> dict[str, Any]:
+    """One ``kvroute bench --workload chat`` run on a fresh fleet of small device pools."""
+    from proc_cpu import cpu_of, tree
+
+    def tree_cpu_seconds(pid: int) -> float:  # the front door, Ray and the replicas
+        return sum(cpu_of(tree(pid)).values())
+
+    url = f"http://127.0.0.1:{args.port}/v1"
+    chat = argparse.Namespace(**{**vars(args), "num_blocks": args.chat_blocks})
+    proc = start_fleet(chat, tier, out / f"serve_chat_{name}.log", env)
+    result = out / f"chat_{name}.json"
+    try:
+        cpu0 = tree_cpu_seconds(proc.pid)
+        cmd = [
+            "kvroute", "bench", "--url", url, "--workload", "chat", "--concurrency", "4",
+            "--max-requests", str(args.chat_requests), "--json", str(result), "--no-progress",
+        ]  # fmt: skip
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        cpu = tree_cpu_seconds(proc.pid) - cpu0
+    finally:
+        stop_fleet(proc)
+    s = json.loads(result.read_text())["summary"]
+    row = {
+        "name": name,
+        "ttft_p50_s": s["ttft_s"]["p50"],
+        "ttft_p90_s": s["ttft_s"]["p90"],
+        "e2e_p50_s": s["e2e_s"]["p50"],
+        "hit_rate": s["hit_rate"],
+        "by_tier": s["cached_tokens_by_tier"],
+        "errors": sum(s["errors"].values()),
+        "fleet_cpu_s": cpu,
+        "wall_s": s["wall_s"],
+    }
+    say(f"chat {name}: {json.dumps(row)}")
+    return row
+
+
+def chat_main(args: argparse.Namespace, out: Path) -> int:
+    host = ["--kv-host-bytes", str(args.chat_tier_bytes)]
+    fleets: dict[str, tuple[list[str], dict[str, str]]] = {
+        "none": ([], {}),
+        # every load waits a step to land (the engine before kv_loads' rule)
+        "host, loads off the step": (host, {"KVROUTE_KV_INLINE_LOADS": "0"}),
+        "host": (host, {}),
+    }
+    load0 = os.getloadavg()
+    rows = [
+        chat_fleet(args, name, tier, env, out)
+        for _ in range(args.chat_repeats)
+        for name, (tier, env) in fleets.items()
+    ]
+    (out / "chat_results.json").write_text(json.dumps(rows, indent=1))
+    print(f"\nload average at start {load0[0]:.1f}, at end {os.getloadavg()[0]:.1f} (2 cores)")
+    print("| fleet | TTFT p50 / p90 ms | e2e p50 ms | hit rate | cached tokens by tier | "
+          "errors | fleet CPU s | wall s |")  # fmt: skip
+    print("| --- | --- | ---: | ---: | --- | ---: | ---: | ---: |")
+    for r in rows:
+        tiers = ", ".join(f"{k} {v}" for k, v in sorted(r["by_tier"].items()))
+        print(
+            f"| {r['name']} | {r['ttft_p50_s'] * 1000:.0f} / {r['ttft_p90_s'] * 1000:.0f} | "
+            f"{r['e2e_p50_s'] * 1000:.0f} | {r['hit_rate']:.3f} | {tiers} | {r['errors']} | "
+            f"{r['fleet_cpu_s']:.1f} | {r['wall_s']:.1f} |"
+        )
+    return 0
+
+
 def copy_cost(blocks: int = 64) -> None:
     """What a synchronous copy-out at eviction costs per block (copy, xxh3, host LRU insert)
     and what a host load costs (verify, copy in), beside a bare clone of the same bytes: CPU
@@ -196,7 +275,16 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated fleets: none,host,disk")
     ap.add_argument("--disk-path", default="/tmp/kvroute_bench_kv_disk")
     ap.add_argument("--copy-cost", action="store_true", help="only the per-block copy costs")
+    ap.add_argument("--chat", action="store_true", help="short prompts: kvroute bench chat")
+    ap.add_argument("--chat-blocks", type=int, default=48)
+    ap.add_argument("--chat-requests", type=int, default=60)
+    ap.add_argument("--chat-repeats", type=int, default=2)
+    ap.add_argument("--chat-tier-bytes", type=int, default=64 << 20)
     args = ap.parse_args()
+    if args.chat:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        return chat_main(args, out)
     if args.copy_cost:
         copy_cost()
         return 0

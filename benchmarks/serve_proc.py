@@ -4,15 +4,20 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
 from pathlib import Path
 
 
-def start_serve(cmd: list[str], log: Path, timeout_s: float) -> subprocess.Popen[bytes]:
-    """Runs ``cmd`` with its output in ``log`` and waits for its ``ready: model`` line."""
-    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+def start_serve(
+    cmd: list[str], log: Path, timeout_s: float, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Runs ``cmd`` with its output in ``log`` and waits for its ``ready: model`` line;
+    ``env``: variables added to this process's (the replicas inherit them)."""
+    full_env = {**os.environ, **env} if env else None
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=full_env)
     deadline = time.monotonic() + timeout_s
     while "ready: model" not in log.read_text():
         if proc.poll() is not None or time.monotonic() > deadline:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -210,7 +211,8 @@ class LLMEngine:
             lora_ready=self._lora_ready if self.lora is not None else None,
             lora_residency=self.lora.residency if self.lora is not None else None,
         )
-        self.scheduler.kv_tiers = self.kv_tiers
+        if self.kv_tiers is not None:
+            self.scheduler.use_tiers(self.kv_tiers)
         self.event_sinks: list[EventSink] = list(event_sinks)
         self.eos_token_id, self.extra_eos_token_ids = _eos_token_ids(path, self.tokenizer)
         # Structured outputs compile against the tokenizer, for the logits' width; a cost
@@ -446,7 +448,12 @@ class LLMEngine:
             self.lora.wait(0.01)  # nothing to run but adapters being read: do not spin
         if not sched.scheduled and self.scheduler.loading:
             self.kv_tiers.wait(0.01)  # type: ignore[union-attr]  # nothing but KV loads
-        results = self.runner.execute(sched) if sched.scheduled else {}
+        results: dict[str, SampledToken | RequestFailure] = {}
+        if sched.scheduled:
+            t0 = time.perf_counter()
+            results = self.runner.execute(sched)
+            if self.scheduler.kv_loads is not None:  # how long a load may hold a step
+                self.scheduler.kv_loads.note_step(time.perf_counter() - t0)
         sampled: dict[str, SampledToken] = {}
         for rid, result in results.items():
             if isinstance(result, RequestFailure):
@@ -572,6 +579,7 @@ class LLMEngine:
             s.update({f"kv_tier_{k}": v for k, v in t.stats.items()})
             s["kv_host_blocks"] = len(t.host)
             s["kv_disk_blocks"] = len(t.disk_meta)
+            s["kv_tier_loads_inline"] = self.scheduler.kv_loads.num_inline  # type: ignore[union-attr]
         return s
 
     def close(self) -> None:

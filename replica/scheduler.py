@@ -49,6 +49,7 @@ from .block_pool import KVCacheBlock
 from .decode_run import DecodeRuns
 from .fair_queue import FairQueue, TenantUsage
 from .kv_cache_manager import KVCacheManager
+from .kv_loads import KVLoads, clamp_tiers
 from .request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -199,10 +200,15 @@ class Scheduler(DecodeRuns):
         self.unfit_req_ids: list[str] = []
         self.num_preemptions = 0  # total, over the scheduler's life
         self.usage = TenantUsage()  # who is served first when tenants compete
-        # Lower KV tiers (kv_tiers): a waiting request whose prefix goes on there has it
+        # Lower KV tiers (kv_loads): a waiting request whose prefix goes on there has it
         # loaded first, out of the queue and holding its blocks, until the load lands.
-        self.kv_tiers: KVTiers | None = None
-        self.loading: dict[str, tuple[Request, list[KVCacheBlock]]] = {}
+        self.kv_loads: KVLoads | None = None
+        self.loading: dict[str, tuple[Request, list[KVCacheBlock]]] = {}  # kv_loads'
+
+    def use_tiers(self, tiers: KVTiers) -> None:
+        """Loads prefixes found in these lower KV tiers instead of recomputing them."""
+        self.kv_loads = KVLoads(tiers, self.kv_cache_manager, self.waiting)
+        self.loading = self.kv_loads.loading
 
     # -- requests in and out -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -261,7 +267,7 @@ class Scheduler(DecodeRuns):
     # -- one step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         if self.loading:
-            self._land_loads()
+            self.kv_loads.land()  # type: ignore[union-attr]
         partial = self._partial_prefills()
         shares = self._prefill_shares(partial)
         scheduled, preempted = self._schedule(shares, partial)
@@ -337,7 +343,8 @@ class Scheduler(DecodeRuns):
                     held.append(self.waiting.popleft())
                     continue
                 hit_blocks, num_hit, num_new = self._first_chunk(req, budget)
-                if self.kv_tiers is not None and self._start_load(req, hit_blocks):
+                loads = self.kv_loads
+                if loads is not None and loads.start(req, hit_blocks, alone=not scheduled):
                     continue
                 if not num_new:
                     break  # the whole prompt must fit one step, and it does not
@@ -371,7 +378,7 @@ class Scheduler(DecodeRuns):
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_hit
                     if req.tier_cached_tokens:  # what its load brought, within its hit
-                        _clamp_tiers(req.tier_cached_tokens, num_hit)
+                        clamp_tiers(req.tier_cached_tokens, num_hit)
                 req.num_computed_tokens = num_hit
                 scheduled.append(self._scheduled(req, num_new))
                 budget -= num_new
@@ -382,61 +389,6 @@ class Scheduler(DecodeRuns):
             for req in reversed(held):
                 self.waiting.appendleft(req)
         return scheduled, preempted
-
-    def _start_load(self, req: Request, hit: list[KVCacheBlock]) -> bool:
-        """Starts loading the lower-tier run of blocks after ``req``'s device hit, when
-        there is one and room for it; the request leaves the queue until it lands (once per
-        request: after a failed load it recomputes)."""
-        tiers, kv = self.kv_tiers, self.kv_cache_manager
-        if tiers is None or req.kv_load_tried or req.skip_reading_prefix_cache:
-            return False
-        if not kv.enable_caching:
-            return False
-        hashes = kv.block_hashes(req)
-        max_blocks = max(req.num_tokens - 1, 0) // self.block_size
-        media = tiers.lookup(hashes, len(hit), max_blocks)
-        if not media:
-            return False
-        pool = kv.block_pool
-        evictable = sum(1 for b in hit if b.ref_cnt == 0)
-        if len(media) + 1 > pool.get_num_free_blocks() - evictable:
-            return False  # no room now: it computes them (never waits on a load)
-        req.kv_load_tried = True
-        job = tiers.prepare(req.request_id, hashes[len(hit) : len(hit) + len(media)])
-        pool.touch(hit)  # the device prefix stays while the rest loads
-        new = pool.get_new_blocks(len(media))
-        self.waiting.popleft()
-        self.loading[req.request_id] = (req, [*hit, *new])
-        tiers.start(job, [b.block_id for b in new])
-        return True
-
-    def _land_loads(self) -> None:
-        """Caches the blocks of each landed load that arrived intact, releases its hold,
-        and puts its request back at the front of the queue: its lookup now hits them."""
-        assert self.kv_tiers is not None
-        kv = self.kv_cache_manager
-        pool = kv.block_pool
-        for job in self.kv_tiers.take_done():
-            req, blocks = self.loading.pop(job.request_id)
-            n_hit = len(blocks) - len(job.block_ids)
-            if job.num_ok:
-                pool.cache_full_blocks(
-                    blocks,
-                    kv.block_hashes(req),
-                    n_hit,
-                    n_hit + job.num_ok,
-                    self.block_size,
-                    req.all_token_ids,
-                    lora_name=req.lora_name,
-                )
-                tiers = req.tier_cached_tokens
-                for medium in job.media[: job.num_ok]:
-                    tiers[medium] = tiers.get(medium, 0) + self.block_size
-            pool.free_blocks(reversed(blocks))
-            if req.request_id in self.requests and not req.is_finished:
-                self.waiting.appendleft(req)
-            else:  # finished while loading: its hashes were kept for the caching above
-                kv.req_to_block_hashes.pop(req.request_id, None)
 
     def _running_loras(self) -> set[str]:
         """The distinct adapters of the running requests: each holds a device slot."""
@@ -642,15 +594,6 @@ def _within_share(shares: dict[str | None, int] | None, req: Request, num_new: i
 def _charge_share(shares: dict[str | None, int] | None, req: Request, num_new: int) -> None:
     if shares is not None and num_new > 1:
         shares[req.tenant] = shares.get(req.tenant, num_new) - num_new
-
-
-def _clamp_tiers(tiers: dict[str, int], num_hit: int) -> None:
-    """Loaded blocks evicted again before admission were recomputed: a tier counts only
-    what the hit still held."""
-    left = num_hit
-    for medium in list(tiers):
-        tiers[medium] = min(tiers[medium], left)
-        left -= tiers[medium]
 
 
 def _tenant_of(req: Request) -> str | None:

@@ -5,7 +5,10 @@ answer or a failed request."""
 
 from __future__ import annotations
 
+import os
 import random
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -198,18 +201,39 @@ def test_a_host_load_on_cuda_runs_on_the_side_stream_and_matches() -> None:
     assert again.outputs[0].token_ids == run(ref, "ref", ps[0]).outputs[0].token_ids
 
 
+def stall(eng: LLMEngine, block_hash: bytes) -> Callable[[], None]:
+    """Makes the disk tier's file of ``block_hash`` a FIFO with no writer yet, so that a load
+    reaching it blocks (a disk that does not answer); the function returned gives it its
+    original bytes, from another thread."""
+    path = eng.kv_tiers.disk.file_of(block_hash)
+    raw = path.read_bytes()
+    path.unlink()
+    os.mkfifo(path)
+
+    def release() -> None:
+        def write() -> None:
+            with open(path, "wb") as f:  # opening for writing unblocks the reader
+                f.write(raw)
+
+        threading.Thread(target=write, daemon=True).start()
+
+    return release
+
+
 def test_a_request_aborted_while_its_blocks_load_releases_them(
-    uncached: list[list[int]],
+    uncached: list[list[int]], tmp_path: Path
 ) -> None:
-    eng = engine(kv_host_bytes=64 * BLOCK_BYTES)
+    eng = engine(kv_disk_path=str(tmp_path / "kv"), kv_disk_bytes=64 * BLOCK_BYTES)
     ps = prompts()
     for i, p in enumerate(ps):
         run(eng, f"a{i}", p)
+    release = stall(eng, eng.hasher.hash_blocks(ps[0])[0])
     eng.add_request("gone", ps[0], GREEDY)
-    eng.step()  # its load starts; the request waits out of the queue
+    eng.step()  # its load starts and does not land: the request waits out of the queue
     assert "gone" in eng.scheduler.loading
     outs = eng.abort_requests(["gone"])
     assert outs[0].finished and outs[0].outputs[0].finish_reason == "abort"
+    release()
     while eng.has_unfinished_requests():
         eng.step()
     pool = eng.kv_cache_manager.block_pool
@@ -228,9 +252,6 @@ def test_a_slow_load_holds_up_neither_the_step_nor_the_other_requests(
     disk that does not answer). Meanwhile the step loop runs another request to its end;
     only then does the FIFO get its (wrong) bytes, the load fails its check, and the
     waiting request recomputes, with the uncached output."""
-    import os
-    import threading
-
     folder = tmp_path / "kv"
     eng = engine(kv_disk_path=str(folder), kv_disk_bytes=64 * BLOCK_BYTES)
     ps = prompts()
