@@ -33,7 +33,7 @@ from kvroute.events.replica_api import SamplingParams
 
 from .cost_model import CostModel, Profile
 from .outputs import SampledToken
-from .scheduler import SchedulerOutput
+from .scheduler_types import SchedulerOutput
 
 _FIRST, _SPAN = 32, 95  # printable ASCII: ' ' .. '~'
 

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .fair_queue import FairQueue, TenantUsage
     from .kv_cache_manager import KVCacheManager
     from .request import Request, RequestStatus
-    from .scheduler import SchedulerConfig, SchedulerOutput
+    from .scheduler_types import SchedulerConfig, SchedulerOutput
 
 
 class DecodeRuns:

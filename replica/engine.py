@@ -40,7 +40,8 @@ from .kv_cache_manager import KVCacheManager
 from .models import resolve_model
 from .outputs import EngineOutput, RequestFailure, SampledToken, request_output, step_delta
 from .request import Request, RequestStatus
-from .scheduler import Scheduler, SchedulerConfig
+from .scheduler import Scheduler
+from .scheduler_types import SchedulerConfig
 from .structured import StructuredOutputCompiler
 
 if TYPE_CHECKING:  # torch: a cost-model replica never imports it

@@ -45,7 +45,7 @@ from .linear import Linear
 from .lora_store import LoRAStep, LoRAStore
 from .outputs import RequestFailure, SampledToken
 from .sampler import Sampler, prompt_logprobs
-from .scheduler import SchedulerOutput
+from .scheduler_types import SchedulerOutput
 
 log = logging.getLogger(__name__)
 

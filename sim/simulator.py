@@ -46,7 +46,7 @@ import msgspec
 
 from kvroute.events import MEDIUM_CPU, AllBlocksCleared, BlockHasher, EventBatch
 from kvroute.replica.cost_model import H100_8B, CostModel, Profile, attention_weight
-from kvroute.replica.scheduler import SchedulerConfig
+from kvroute.replica.scheduler_types import SchedulerConfig
 from kvroute.router.index import PrefixIndex, prediction_stride
 from kvroute.router.policies import make_policy
 from kvroute.router.policy import Policy, RequestView
