@@ -260,8 +260,10 @@ class Scheduler(DecodeRuns):
 
     # -- one step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        if self.loading:
-            self._land_loads()
+        if self.kv_tiers is not None:
+            self.kv_tiers.poll()  # failed disk writes: their events, on this thread
+            if self.loading:
+                self._land_loads()
         partial = self._partial_prefills()
         shares = self._prefill_shares(partial)
         scheduled, preempted = self._schedule(shares, partial)

@@ -116,6 +116,7 @@ def test_a_damaged_disk_file_costs_a_recompute_and_nothing_else(
     for i, p in enumerate(ps):
         run(eng, f"a{i}", p)
     hashes = eng.hasher.hash_blocks(ps[0])
+    assert eng.kv_tiers.disk.flush(10)  # the writer thread has put the files in place
     victim = eng.kv_tiers.disk.file_of(hashes[3])  # the 4th block: 3 load, the rest recompute
     assert victim.exists()
     # under a running engine: another request is part-way when the file is damaged
@@ -237,6 +238,7 @@ def test_a_slow_load_holds_up_neither_the_step_nor_the_other_requests(
     for i, p in enumerate(ps):
         run(eng, f"a{i}", p)
     hashes = eng.hasher.hash_blocks(ps[0])
+    assert eng.kv_tiers.disk.flush(10)  # written: the FIFO below replaces the file
     stuck = eng.kv_tiers.disk.file_of(hashes[0])
     stuck.unlink()
     os.mkfifo(stuck)
