@@ -581,10 +581,11 @@ class LLMEngine:
             s["kv_host_blocks"] = len(t.host)
             s["kv_disk_blocks"] = len(t.disk_meta)
             s["kv_tier_loads_inline"] = self.scheduler.kv_loads.num_inline  # type: ignore[union-attr]
+            s["kv_disk_pending"] = t.disk.num_pending if t.disk is not None else 0
         return s
 
     def close(self) -> None:
-        """Stops the KV tiers' loader thread (the engine is not used after)."""
+        """Stops the KV tiers' loader and disk writer threads (the engine is not used after)."""
         if self.kv_tiers is not None:
             self.kv_tiers.close()
 

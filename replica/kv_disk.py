@@ -12,19 +12,23 @@ publishing blocks whose provenance this process cannot vouch for, so the store r
 own ``*.kvb`` files when it opens and starts empty: a restart never leaves a stale entry.
 
 Invariants:
-- ``entries`` (hash -> payload bytes) names exactly the files this store wrote and still
-  keeps; their sizes sum to ``used_bytes <= capacity_bytes``;
+- ``entries`` (hash -> payload bytes) names exactly the blocks this store counts: each has
+  its file, or (under :class:`.kv_disk_writer.DiskWriter`) a write queued or under way that
+  will make it; their sizes sum to ``used_bytes <= capacity_bytes``, pending writes counted;
 - the LRU order is ``entries``' order: the first is evicted next;
 - a write replaces a file atomically (temporary name, then ``os.replace``), so a reader
   never sees half a file of its own making; another process's damage is caught by the
   checksum.
 
-Thread-safety: :meth:`read` may run on a loader thread while the engine's thread puts or
-drops entries; it touches only the file system (a file removed under it reads as a miss).
+Thread-safety: the bookkeeping (:meth:`reserve`, :meth:`forget`, :meth:`touch`, and
+:meth:`put`, :meth:`discard`, :meth:`clear` which use it) is one thread's, the engine's.
+:meth:`write_file`, :meth:`remove_file` and :meth:`read` touch only the file system and run
+on any thread (the writer, the loader): a file removed under a reader reads as a miss.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 from collections import OrderedDict
@@ -77,9 +81,27 @@ class DiskStore:
         return len(self.entries)
 
     def put(self, block_hash: bytes, data: bytes | memoryview, digest: int) -> list[bytes] | None:
-        """Writes a block (most recently used); returns the hashes evicted to make room, or
-        None when it could not be written (full disk, bad folder: the block is just lost)."""
-        size = len(data)
+        """Writes a block now (most recently used); returns the hashes evicted to make room,
+        or None when it could not be written (full disk, bad folder: the block is just
+        lost). The engine goes through :class:`.kv_disk_writer.DiskWriter` instead, which
+        does the same in two halves: :meth:`reserve` on its thread, :meth:`write_file` on a
+        writer thread."""
+        fresh = block_hash not in self.entries
+        evicted = self.reserve(block_hash, len(data))
+        if evicted is None:
+            return None
+        for old in evicted:
+            self.remove_file(old)
+        if fresh and not self.write_file(block_hash, data, digest):
+            self.write_errors += 1
+            self.forget(block_hash)
+            return evicted if evicted else None
+        return evicted
+
+    def reserve(self, block_hash: bytes, size: int) -> list[bytes] | None:
+        """Counts a block of ``size`` bytes in (most recently used) before its file exists,
+        evicting from the LRU end to make room; returns the evicted hashes, whose files the
+        caller removes, or None when it is larger than the whole store. Bookkeeping only."""
         if size > self.capacity_bytes:
             return None
         if block_hash in self.entries:
@@ -87,26 +109,41 @@ class DiskStore:
             return []
         evicted: list[bytes] = []
         while self.used_bytes + size > self.capacity_bytes:
-            evicted.append(self._drop_lru())
-        target = self.file_of(block_hash)
-        tmp = target.with_name(target.name + ".tmp")
-        try:
-            with open(tmp, "wb") as f:
-                f.write(_HEADER.pack(MAGIC, size, digest))
-                f.write(data)
-            os.replace(tmp, target)
-        except OSError:
-            self.write_errors += 1
-            tmp.unlink(missing_ok=True)
-            return evicted if evicted else None
+            h, _ = next(iter(self.entries.items()))
+            self.forget(h)
+            evicted.append(h)
         self.entries[block_hash] = size
         self.used_bytes += size
         return evicted
 
-    def _drop_lru(self) -> bytes:
-        h, _ = next(iter(self.entries.items()))
-        self.discard(h)
-        return h
+    def forget(self, block_hash: bytes) -> bool:
+        """Drops a block from the bookkeeping (not its file); False when it was not here."""
+        size = self.entries.pop(block_hash, None)
+        if size is None:
+            return False
+        self.used_bytes -= size
+        return True
+
+    def write_file(self, block_hash: bytes, data: bytes | memoryview, digest: int) -> bool:
+        """Writes the block's file atomically (temporary name, then ``os.replace``); False
+        on any OSError, leaving no file. Touches only the file system (any thread)."""
+        target = self.file_of(block_hash)
+        tmp = target.with_name(target.name + ".tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(_HEADER.pack(MAGIC, len(data), digest))
+                f.write(data)
+            os.replace(tmp, target)
+        except OSError:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            return False
+        return True
+
+    def remove_file(self, block_hash: bytes) -> None:
+        """Removes the block's file if there is one (any thread)."""
+        with contextlib.suppress(OSError):
+            self.file_of(block_hash).unlink()
 
     def touch(self, block_hash: bytes) -> None:
         if block_hash in self.entries:
@@ -114,14 +151,9 @@ class DiskStore:
 
     def discard(self, block_hash: bytes) -> bool:
         """Forgets a block and removes its file; False when it was not here."""
-        size = self.entries.pop(block_hash, None)
-        if size is None:
+        if not self.forget(block_hash):
             return False
-        self.used_bytes -= size
-        try:
-            self.file_of(block_hash).unlink()
-        except OSError:
-            pass
+        self.remove_file(block_hash)
         return True
 
     def read(self, block_hash: bytes, expected_size: int) -> bytes | None:

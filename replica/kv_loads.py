@@ -74,6 +74,13 @@ class KVLoads:
         s = self.step_seconds
         self.step_seconds = seconds if s == 0.0 else s + _EMA_WEIGHT * (seconds - s)
 
+    def poll(self) -> None:
+        """At the start of each step: the tiers' own news (failed disk writes), then the
+        loads that landed since the last step."""
+        self.tiers.poll()
+        if self.loading:
+            self.land()
+
     def start(self, req: Request, hit: list[KVCacheBlock], *, alone: bool) -> bool:
         """Starts loading the lower-tier run of blocks after ``req``'s device hit (``req``
         is at the front of the queue), when there is one and room for it. True: the request

@@ -3,34 +3,44 @@
 A block the device pool evicts (:meth:`BlockPool.get_new_blocks`, its hash about to be torn
 down) is copied out here before anything can overwrite it, into the host tier (an LRU of
 ``kv_host_bytes``); what the host tier pushes out goes on to the disk tier
-(:mod:`.kv_disk`), which may also be used alone. A waiting request whose cached prefix goes
-on in a lower tier has those blocks loaded back into fresh device blocks by a loader thread
-(:meth:`KVTiers.submit`); the scheduler keeps it out of the batch until they land, then it
-hits them as ordinary device blocks. Each copy carries an xxh3-64 of its bytes, checked on
-load: a block that fails -- corrupt, truncated, missing, or an exception -- ends the load
-there, is dropped from its tier, and the request recomputes from that point.
+(:mod:`.kv_disk`), which may also be used alone; its files are written by a writer thread
+(:mod:`.kv_disk_writer`), the engine thread only queues them. A waiting request whose cached
+prefix goes on in a lower tier has those blocks loaded back into fresh device blocks by a
+loader thread (:meth:`KVTiers.start`); the scheduler keeps it out of the batch until they
+land, then it hits them as ordinary device blocks. Each copy carries an xxh3-64 of its
+bytes, checked on load: a block that fails -- corrupt, truncated, missing, or an exception
+-- ends the load there, is dropped from its tier, and the request recomputes from there.
 
 Why copy out synchronously at eviction: an evicted block is handed to a new owner at once
 and written in the same step, so its bytes must be read now or the block held back. A block
 is small (tiny: 8 KiB; an 8B model: 2 MiB), one copy of it costs less than the bookkeeping a
 deferred copy needs (BENCHMARKS: issue 38). On CUDA the copy is a device-to-host transfer
-that the eviction waits for; loads go the other way on a side stream, off the step.
+that the eviction waits for; loads go the other way on a side stream, off the step. Writing
+the copy to disk is slower and needs no device: the writer thread does it, the bytes held
+in memory (and loadable from there) until the file is in place.
 
 Events: the tiers speak through the pool's event list (:meth:`BlockPool.emit`), in the order
 things happen: ``BlockStored``/``BlockRemoved`` with ``medium`` "CPU" (host) or "STORAGE"
 (disk), each block with its own parent hash and tokens, as the device's events give them.
-A reset (``AllBlocksCleared``) empties every tier.
+A reset (``AllBlocksCleared``) empties every tier. A disk block's ``BlockStored`` goes out
+when its write is queued (its bytes are held and loadable from then on); a write that fails
+later is announced by a ``BlockRemoved`` STORAGE from :meth:`KVTiers.poll`, which the
+scheduler calls on the engine thread each step -- never from the writer thread. A block
+the writer's full queue refuses is dropped unannounced (lost, recomputed if asked again).
 
 Invariants:
 - ``device_meta`` holds an entry for each hash cached in the device pool (parent, tokens,
   adapter: what a lower tier's events need), nothing else;
-- ``host`` holds at most ``host_capacity`` blocks, ``disk`` at most ``kv_disk_bytes``;
-  ``host`` and ``disk_meta`` are LRU in iteration order; ``disk_meta``'s keys are ``disk``'s;
+- ``host`` holds at most ``host_capacity`` blocks, ``disk`` at most ``kv_disk_bytes``
+  (writes still pending counted); ``host`` and ``disk_meta`` are LRU in iteration order;
+  ``disk_meta``'s keys are ``disk``'s (a failed write leaves both at the next poll);
 - every lower-tier entry was published with a ``BlockStored`` of its medium and not yet
   with a ``BlockRemoved``; a hash may sit in both lower tiers (a disk copy outlives the
   block's return to the device and its next eviction to the host), each published apart;
 - the loader thread reads lower-tier copies and writes only the device blocks of its job,
-  which the scheduler holds (refcount > 0, no hash) until the job lands.
+  which the scheduler holds (refcount > 0, no hash) until the job lands;
+- the disk writer thread touches only files and its own queue (see :mod:`.kv_disk_writer`);
+  every tier structure here, and every event, is the engine thread's.
 """
 
 from __future__ import annotations
@@ -52,6 +62,7 @@ import torch
 from kvroute.events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored, to_external
 
 from .kv_disk import DiskStore, checksum
+from .kv_disk_writer import DEFAULT_QUEUE_BYTES, DiskWriter
 
 if TYPE_CHECKING:
     from .block_pool import BlockPool
@@ -100,6 +111,7 @@ class KVTiers:
         host_bytes: int = 0,
         disk_path: str | None = None,
         disk_bytes: int = 0,
+        disk_queue_bytes: int = DEFAULT_QUEUE_BYTES,
         measure: bool = True,
     ) -> None:
         if host_bytes < 0 or disk_bytes < 0:
@@ -115,11 +127,22 @@ class KVTiers:
         if host_bytes and not self.host_capacity:
             raise ValueError(f"kv_host_bytes {host_bytes} holds no block of {self.block_bytes}")
         self.host: OrderedDict[bytes, HostEntry] = OrderedDict()
-        self.disk = DiskStore(disk_path, disk_bytes) if disk_path is not None else None
+        self.disk = (
+            DiskWriter(DiskStore(disk_path, disk_bytes), disk_queue_bytes)
+            if disk_path is not None
+            else None
+        )
         self.disk_meta: OrderedDict[bytes, BlockMeta] = OrderedDict()
         self.device_meta: dict[bytes, BlockMeta] = {}
         self.pool: BlockPool | None = None  # set by attach
-        self.stats = {"offloaded": 0, "spilled": 0, "loaded": 0, "load_failures": 0}
+        self.stats = {
+            "offloaded": 0,
+            "spilled": 0,
+            "loaded": 0,
+            "load_failures": 0,
+            "disk_dropped": 0,  # refused by the writer's full queue
+            "disk_write_failures": 0,
+        }
         self.offload_seconds = 0.0
         self.bytes_per_s: dict[str, float] = self._measure() if measure else {}
         self._jobs: queue.SimpleQueue[LoadJob | None] = queue.SimpleQueue()
@@ -224,6 +247,16 @@ class KVTiers:
         job.block_ids = list(block_ids)
         self._jobs.put(job)
 
+    def poll(self) -> None:
+        """Announces the disk writes that failed since the last call (engine thread, each
+        step): they leave the tier with a ``BlockRemoved`` STORAGE, in order with the rest."""
+        if self.disk is None:
+            return
+        failed = [h for h in self.disk.poll() if self.disk_meta.pop(h, None) is not None]
+        if failed:
+            self.stats["disk_write_failures"] += len(failed)
+            self._emit(BlockRemoved([self._ext(h) for h in failed], MEDIUM_STORAGE))
+
     def take_done(self) -> list[LoadJob]:
         """Loads that landed since the last call, each exactly once."""
         if not self._wake.is_set():
@@ -251,7 +284,10 @@ class KVTiers:
             self._emit(BlockRemoved([self._ext(h)], MEDIUM_STORAGE))
 
     def close(self) -> None:
+        """Stops the loader and the disk writer (its writes not yet started are dropped)."""
         self._jobs.put(None)
+        if self.disk is not None:
+            self.disk.close()
 
     # -- tiers ------------------------------------------------------------------------
     def _host_put(self, h: bytes, entry: HostEntry) -> None:
@@ -266,9 +302,10 @@ class KVTiers:
 
     def _disk_put(self, h: bytes, data: torch.Tensor, digest: int, meta: BlockMeta) -> None:
         assert self.disk is not None
-        evicted = self.disk.put(h, memoryview(data.numpy()), digest)
+        evicted = self.disk.put(h, memoryview(data.numpy()), digest)  # queued, not written
         if evicted is None:
-            return  # not written (the disk refused): the block is lost, not wrong
+            self.stats["disk_dropped"] += 1
+            return  # not kept (too large, or the writer's queue full): lost, not wrong
         for old in evicted:
             self.disk_meta.pop(old, None)
         if evicted:
@@ -347,7 +384,8 @@ class KVTiers:
             stream.synchronize()  # the blocks are in before the job says so
 
     def _fetch(self, h: bytes, entry: HostEntry | None) -> torch.Tensor | None:
-        """A block's verified bytes from the host or the disk; None if they fail a check."""
+        """A block's verified bytes from the host or the disk (or, while its write is
+        pending, the writer's memory); None if they fail a check."""
         if entry is not None:
             data = entry.data
             if data.numel() != self.block_bytes or checksum(data.numpy()) != entry.digest:

@@ -165,8 +165,8 @@ class Scheduler(DecodeRuns):
 
     # -- one step ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        if self.loading:
-            self.kv_loads.land()  # type: ignore[union-attr]
+        if self.kv_loads is not None:
+            self.kv_loads.poll()  # landed loads and failed disk writes, on this thread
         partial = self._partial_prefills()
         shares = self._prefill_shares(partial)
         scheduled, preempted = self._schedule(shares, partial)

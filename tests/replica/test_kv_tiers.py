@@ -119,6 +119,7 @@ def test_a_damaged_disk_file_costs_a_recompute_and_nothing_else(
     for i, p in enumerate(ps):
         run(eng, f"a{i}", p)
     hashes = eng.hasher.hash_blocks(ps[0])
+    assert eng.kv_tiers.disk.flush(10)  # the writer thread has put the files in place
     victim = eng.kv_tiers.disk.file_of(hashes[3])  # the 4th block: 3 load, the rest recompute
     assert victim.exists()
     # under a running engine: another request is part-way when the file is damaged
@@ -205,6 +206,7 @@ def stall(eng: LLMEngine, block_hash: bytes) -> Callable[[], None]:
     """Makes the disk tier's file of ``block_hash`` a FIFO with no writer yet, so that a load
     reaching it blocks (a disk that does not answer); the function returned gives it its
     original bytes, from another thread."""
+    assert eng.kv_tiers.disk.flush(10)  # the writer thread has put the file in place
     path = eng.kv_tiers.disk.file_of(block_hash)
     raw = path.read_bytes()
     path.unlink()
@@ -258,6 +260,7 @@ def test_a_slow_load_holds_up_neither_the_step_nor_the_other_requests(
     for i, p in enumerate(ps):
         run(eng, f"a{i}", p)
     hashes = eng.hasher.hash_blocks(ps[0])
+    assert eng.kv_tiers.disk.flush(10)  # written: the FIFO below replaces the file
     stuck = eng.kv_tiers.disk.file_of(hashes[0])
     stuck.unlink()
     os.mkfifo(stuck)
