@@ -114,6 +114,7 @@ class LoRARegistry:
         }
         held = holders or {}
         self._holders: dict[str, set[str]] = {n: set(held.get(n, ())) for n in self._adapters}
+        self._refused: set[tuple[str, str]] = set()  # (replica, adapter) logged as refused
         self.in_flight: Counter[str] = Counter()  # this front door's requests, by adapter
         self.errors: Counter[str] = Counter()  # sync failures (summed into /metrics)
         self._lock = asyncio.Lock()  # one load or unload at a time
@@ -153,6 +154,7 @@ class LoRARegistry:
         """``rid`` holds nothing (a new process: its sync says what it holds)."""
         for held in self._holders.values():
             held.discard(rid)
+        self._refused = {(r, n) for r, n in self._refused if r != rid}
 
     def _record(self, name: str, path: str, rid: str, held: bool) -> None:
         """What a replica answered for ``name`` at ``path``; ignored when the registry
@@ -256,6 +258,7 @@ class LoRARegistry:
                 finally:
                     self._idle.pop(name, None)
             self._holders.pop(name, None)  # only now: its requests' failovers needed them
+            self._refused = {(r, n) for r, n in self._refused if n != name}
             results = await asyncio.gather(
                 *(a.remove_lora.remote(name) for a in replicas.values()), return_exceptions=True
             )
@@ -285,11 +288,15 @@ class LoRARegistry:
                     self.errors["lora_sync_failed"] += 1
                     self._record(name, path, rid, False)
                     lacking.append(name)
-                    log.error(
+                    first = (rid, name) not in self._refused  # a pass retries it: log once
+                    self._refused.add((rid, name))
+                    log.log(
+                        logging.ERROR if first else logging.DEBUG,
                         "replica %s cannot take adapter %r (not routed there): %s",
                         rid, name, _refusal(exc) or one_line(repr(exc)),
                     )  # fmt: skip
                     continue
+            self._refused.discard((rid, name))
             self._record(name, path, rid, True)
         log.info("replica %s holds %d of the fleet's %d adapter(s)",
                  rid, len(want) - len(lacking), len(want))  # fmt: skip

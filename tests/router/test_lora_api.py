@@ -209,6 +209,7 @@ async def test_a_replica_that_joins_or_restarts_holds_every_adapter(
             assert "j1" in door.fleet.routable()
             want = {"ad0": adapters["ad0"], "ad1": adapters["ad1"]}
             assert await late.list_loras.remote() == want == door.loras.paths()
+            assert door.loras.holder_map() == {"ad0": {"j0", "j1"}, "ad1": {"j0", "j1"}}
             # A restart (Ray brings the actor back with its start-up config: no adapters).
             old = door.fleet.replicas["j1"].info.incarnation
             ray.kill(late, no_restart=False)
@@ -220,6 +221,7 @@ async def test_a_replica_that_joins_or_restarts_holds_every_adapter(
             assert door.fleet.replicas["j1"].info.incarnation != old
             assert "j1" in door.fleet.routable()
             assert await late.list_loras.remote() == want
+            assert door.loras.holder_map() == {"ad0": {"j0", "j1"}, "ad1": {"j0", "j1"}}
         finally:
             await door.close()
 
