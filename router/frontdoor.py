@@ -11,6 +11,9 @@ what changes together in its own parts and only wires them:
 - the :class:`~.policy.Policy`, which picks a replica for each request from the fleet's
   index and load view;
 - :class:`~.quarantine.Quarantine`: requests that may have killed a replica, refused.
+- :class:`~.lora.LoRARegistry`: the fleet's LoRA adapters and which replicas hold each;
+  a request under an adapter is routed among its holders only (every live replica is
+  re-synced every ``lora_resync_s``, so one that could not take an adapter is retried).
 - :class:`~.request_run.RequestRun`: one request from routing to its end (failover
   included), made by :meth:`FrontDoor.run`.
 

@@ -306,12 +306,13 @@ class LoRARegistry:
         self, replicas: Mapping[str, Any], timeout_s: float = RESYNC_TIMEOUT_S
     ) -> None:
         """:meth:`sync` on each of ``replicas`` (id -> actor): the periodic pass that retries
-        an adapter a replica could not take, and puts back one it lost. Skipped while a
-        load or unload runs (they change what sync would compare against)."""
-        if self._lock.locked() or not self._adapters:
-            return
-        async with self._lock:
-            for rid, actor in replicas.items():
+        an adapter a replica could not take, and puts back one it lost. One replica at a
+        time under the lock (a load or unload changes what sync compares against), so an
+        admin call waits one replica's sync at most; the pass stops while one runs."""
+        for rid, actor in replicas.items():
+            if self._lock.locked() or not self._adapters:
+                return
+            async with self._lock:
                 try:
                     await asyncio.wait_for(self.sync(actor, rid), timeout_s)
                 except Exception as exc:  # a dying replica: the fleet's monitor sees it
