@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from kvroute.router.lora import FleetLoRAs
     from kvroute.router.tenants import TenantsFile
 
 RAY_NAMESPACE = "kvroute"
@@ -282,9 +283,11 @@ def build_app(
         request_log.addHandler(handler)
         request_log.setLevel(logging.INFO)
         request_log.propagate = False
+    loras = _fleet_adapters(replicas)
     door = FrontDoor(
         replicas,
-        lora_adapters=_fleet_adapters(replicas),
+        lora_adapters=loras.paths,
+        lora_holders=loras.holders,
         served_model=args.served_model_name,
         policy=args.policy,
         tokenizer=tokenizer,
@@ -307,10 +310,11 @@ def build_app(
     )
 
 
-def _fleet_adapters(replicas: list[tuple[Any, Any]]) -> dict[str, str]:
-    """The LoRA adapters the replicas hold, every replica made to hold all of them
-    (:func:`kvroute.router.lora.prepare_fleet`); replicas without LoRA calls (``vllm
-    serve`` backends) are left out. Raises FleetMismatchError on a name held twice."""
+def _fleet_adapters(replicas: list[tuple[Any, Any]]) -> FleetLoRAs:
+    """The LoRA adapters the replicas hold, every replica made to hold all of them, and
+    which did (:func:`kvroute.router.lora.prepare_fleet`); replicas without LoRA calls
+    (``vllm serve`` backends) are left out. Raises FleetMismatchError on a name held
+    twice."""
     import asyncio
 
     from kvroute.router.frontdoor import FleetMismatchError

@@ -253,7 +253,8 @@ def status_of(rid: str, exc: BaseException) -> BaseException:
         named = _NAMED.match(message)  # the replica's "field: why", e.g. a bad constraint
         return APIError(400, message, "invalid_request_error", named and named.group(1))
     if isinstance(exc, NoReplicaError):
-        return APIError(503, str(exc), "service_unavailable", headers={"retry-after": "1"})
+        return APIError(503, str(exc), "service_unavailable", exc.param, exc.code,
+                        headers={"retry-after": "1"})  # fmt: skip
     if isinstance(exc, REPLICA_FAILURES):
         log.warning("request %s: replica failed: %s", rid, one_line(str(exc)))
         suspect = getattr(exc, "suspect", False)

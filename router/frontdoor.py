@@ -11,6 +11,9 @@ what changes together in its own parts and only wires them:
 - the :class:`~.policy.Policy`, which picks a replica for each request from the fleet's
   index and load view;
 - :class:`~.quarantine.Quarantine`: requests that may have killed a replica, refused.
+- :class:`~.lora.LoRARegistry`: the fleet's LoRA adapters and which replicas hold each;
+  a request under an adapter is routed among its holders only (every live replica is
+  re-synced every ``lora_resync_s``, so one that could not take an adapter is retried).
 - :class:`~.request_run.RequestRun`: one request from routing to its end (failover
   included), made by :meth:`FrontDoor.run`.
 
@@ -28,9 +31,11 @@ calls :meth:`FrontDoor.run` and goes on with the run it returns.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import logging
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -39,7 +44,7 @@ from kvroute.events.replica_api import GenerateRequest, ReplicaInfo, SamplingPar
 from .admission import Admission, Ticket
 from .errors import new_id
 from .fleet import Fleet, FleetMismatchError
-from .lora import Adapter, LoRARegistry
+from .lora import Adapter, HolderReplicas, LoRARegistry
 from .metrics import FleetCollector, Metrics
 from .policies import make_policy
 from .policy import Policy, RequestView
@@ -49,8 +54,11 @@ from .tenants import Tenant
 
 __all__ = ["FleetMismatchError", "FrontDoor"]
 
+log = logging.getLogger(__name__)
+
 MAX_ADAPTER_LABELS = 256  # past this many adapters in /metrics, the rest share "other"
 OTHER_ADAPTER = "other"
+LORA_RESYNC_S = 30.0  # how often every live replica's adapters are checked (and retried)
 
 
 class FrontDoor:
@@ -70,11 +78,16 @@ class FrontDoor:
         admission_timeout_s: float = 2.0,
         lora_adapters: Mapping[str, str] | None = None,
         served_model: str | None = None,
+        lora_holders: Mapping[str, Collection[str]] | None = None,
+        lora_resync_s: float = LORA_RESYNC_S,
     ) -> None:
         """Admission's limits: see :class:`Admission`; the intervals: see :class:`Fleet`.
         ``lora_adapters``: the fleet's adapters at start (name -> folder, as the replicas
-        registered them); ``served_model``: the name clients call the base model by (the
-        fleet's own is accepted too); neither may name an adapter."""
+        registered them); ``lora_holders``: name -> the replica ids holding it (what
+        :func:`~.lora.prepare_fleet` found; None: every replica holds every one);
+        ``lora_resync_s``: how often the adapters of every live replica are synced (0:
+        never). ``served_model``: the name clients call the base model by (the fleet's
+        own is accepted too); neither may name an adapter."""
         self.counters: Counter[str] = Counter()  # requests, retries, failovers
         self.run_errors: Counter[str] = Counter()  # the runs' own (no replica, invalid)
         self.fleet = fleet = Fleet(
@@ -100,6 +113,13 @@ class FrontDoor:
             errors=self.run_errors,
         )
         fleet.on_removed.append(lambda rid: self.policy.on_replica_removed(rid))
+        adapters = dict(lora_adapters or {})
+        if lora_holders is None:
+            lora_holders = {name: list(fleet.replicas) for name in adapters}
+        self.loras = LoRARegistry({fleet.model, served_model or fleet.model}, adapters,
+                                  lora_holders)  # fmt: skip
+        self.lora_resync_s = lora_resync_s
+        self._resync: asyncio.Task[None] | None = None
         self.fleet_collector = FleetCollector(
             fleet,
             self.metrics,
@@ -107,9 +127,9 @@ class FrontDoor:
             errors=lambda: self.errors,
             quarantined=self.quarantine.refused,
             in_flight=lambda: self.admission.in_flight,
+            lora_holders=lambda: self.loras.holder_counts(fleet.alive()),
         )
         self.metrics.registry.register(self.fleet_collector)
-        self.loras = LoRARegistry({fleet.model, served_model or fleet.model}, lora_adapters or {})
         self._error_counts.append(self.loras.errors)
         fleet.prepare = self._prepare_replica
         if tokenizer is None:
@@ -127,10 +147,17 @@ class FrontDoor:
         return cls(list(zip(actors, infos, strict=True)), **kw)
 
     def start(self) -> None:
-        """Connects to the fleet and starts its monitor on the running loop."""
+        """Connects to the fleet and starts its monitor (and the adapters' periodic sync)
+        on the running loop."""
         self.fleet.start()
+        if self.lora_resync_s > 0 and self._resync is None:
+            self._resync = asyncio.get_running_loop().create_task(self._resync_loras())
 
     async def close(self) -> None:
+        if self._resync is not None:
+            self._resync.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._resync
         await self.fleet.close()
 
     # -- parts ---------------------------------------------------------------------------------
@@ -216,20 +243,39 @@ class FrontDoor:
             release(t, n)
             loras.finished(lora_name)
 
-        services = dataclasses.replace(self._services, release=release_lora)
+        # Routed (and failed over) only among the replicas that hold the adapter.
+        holding = HolderReplicas(self.fleet, loras, lora_name)
+        services = dataclasses.replace(self._services, replicas=holding, release=release_lora)
         return RequestRun(services, ticket, view, request, fp)
 
     # -- LoRA adapters -----------------------------------------------------------------------
     async def _prepare_replica(self, actor: Any, info: ReplicaInfo) -> None:
         """Before a replica that joins or restarts is routed to: the registered adapters on
         it (:meth:`LoRARegistry.sync`). Replicas without LoRA calls (``vllm serve``
-        backends) and fleets without adapters need nothing."""
+        backends) and fleets without adapters need nothing. A new process holds nothing
+        until its sync says so."""
+        self.loras.drop_replica(info.replica_id)
         if len(self.loras) and hasattr(actor, "list_loras"):
             await self.loras.sync(actor, info.replica_id)
 
+    async def _resync_loras(self) -> None:
+        """Every ``lora_resync_s``: each live replica made to hold the registered adapters
+        again (:meth:`LoRARegistry.resync`): one it could not take is retried, one it lost
+        is put back, and it is routed for each once it holds it."""
+        while True:
+            await asyncio.sleep(self.lora_resync_s)
+            try:
+                await self.loras.resync(self._live_actors())
+            except Exception:  # never let the pass die: the next one may succeed
+                log.exception("the periodic LoRA adapter sync failed")
+
     def _live_actors(self) -> dict[str, Any]:
         fleet = self.fleet
-        return {rid: fleet.replicas[rid].actor for rid in fleet.alive()}
+        return {
+            rid: fleet.replicas[rid].actor
+            for rid in fleet.alive()
+            if hasattr(fleet.replicas[rid].actor, "list_loras")
+        }
 
     async def load_lora(self, name: str, path: str) -> Adapter:
         """``POST /v1/load_lora_adapter``: on every live replica, then routable by name."""

@@ -9,6 +9,15 @@ Why a registry in the router, and not only in each engine:
 - The router hashes an adapter request's blocks itself, and under ``sha256_cbor_tagged``
   the adapter's folder is in every block's hash: the path kept here is the one the
   replicas registered (their answer to ``add_lora``), never the one a client typed.
+- The registry knows which replicas hold each adapter (its holders), and a request naming
+  an adapter is routed only among them (:class:`HolderReplicas`, before any policy sees
+  the candidates); none live: a 503 that names the adapter, never a replica without it.
+  Holders come from what each replica answered: load's replicas that took it, sync's
+  successes (a failed one is left out, the replica still serves the rest), unload (none).
+  A replica that joins or restarts holds nothing until its sync says otherwise; one that
+  fails is not unlisted (it is unroutable anyway, and the same process that comes back
+  still holds them). :meth:`LoRARegistry.resync` (the front door's periodic pass) retries
+  what a replica lacks and repairs one that lost an adapter behind the router's back.
 - Load adds the adapter on every live replica *before* the registry names it, so no
   request is routed to a replica that lacks it; unload takes the name out of the registry
   first (new requests get a 404), waits until this front door's requests on it have ended
@@ -27,14 +36,20 @@ import time
 from collections import Counter
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import APIError, one_line
 from .tenants import Tenant
 
+if TYPE_CHECKING:
+    from .http_backend import HttpReplicaConnection
+    from .replica_connection import ReplicaConnection
+    from .request_run import Replicas
+
 log = logging.getLogger(__name__)
 
 UNLOAD_WAIT_S = 300.0  # longest an unload waits for this front door's requests on it
+RESYNC_TIMEOUT_S = 60.0  # longest one replica's periodic sync may hold the registry
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,17 +99,22 @@ class LoRARegistry:
         self,
         base_names: Collection[str],
         adapters: Mapping[str, str] | None = None,
+        holders: Mapping[str, Collection[str]] | None = None,
         *,
         unload_wait_s: float = UNLOAD_WAIT_S,
     ) -> None:
         """``base_names``: what ``model`` may say for the base model (no adapter may take
-        one). ``adapters``: name -> folder, as the replicas registered them."""
+        one). ``adapters``: name -> folder, as the replicas registered them; ``holders``:
+        name -> the replica ids known to hold it (an adapter left out: none yet)."""
         self.base_names = frozenset(base_names)
         self.unload_wait_s = unload_wait_s
         now = int(time.time())
         self._adapters: dict[str, Adapter] = {
             name: Adapter(name, path, now) for name, path in (adapters or {}).items()
         }
+        held = holders or {}
+        self._holders: dict[str, set[str]] = {n: set(held.get(n, ())) for n in self._adapters}
+        self._refused: set[tuple[str, str]] = set()  # (replica, adapter) logged as refused
         self.in_flight: Counter[str] = Counter()  # this front door's requests, by adapter
         self.errors: Counter[str] = Counter()  # sync failures (summed into /metrics)
         self._lock = asyncio.Lock()  # one load or unload at a time
@@ -117,6 +137,33 @@ class LoRARegistry:
     def visible(self, tenant: Tenant) -> list[Adapter]:
         """The adapters ``tenant`` may use, oldest first (``/v1/models``)."""
         return [a for a in self._adapters.values() if tenant.may_use(a.name)]
+
+    # -- holders ---------------------------------------------------------------------------
+    def holders(self, name: str) -> frozenset[str]:
+        """The replica ids that hold ``name`` (alive or not); empty for an unknown name."""
+        return frozenset(self._holders.get(name, ()))
+
+    def holder_map(self) -> dict[str, frozenset[str]]:
+        return {name: frozenset(held) for name, held in self._holders.items()}
+
+    def holder_counts(self, alive: Collection[str]) -> dict[str, int]:
+        """Per adapter, how many of the ``alive`` replicas hold it (/metrics)."""
+        return {name: len(held.intersection(alive)) for name, held in self._holders.items()}
+
+    def drop_replica(self, rid: str) -> None:
+        """``rid`` holds nothing (a new process: its sync says what it holds)."""
+        for held in self._holders.values():
+            held.discard(rid)
+        self._refused = {(r, n) for r, n in self._refused if r != rid}
+
+    def _record(self, name: str, path: str, rid: str, held: bool) -> None:
+        """What a replica answered for ``name`` at ``path``; ignored when the registry
+        changed meanwhile (unloaded, or loaded again from elsewhere)."""
+        adapter = self._adapters.get(name)
+        if adapter is None or adapter.path != path:
+            return
+        holders = self._holders.setdefault(name, set())
+        (holders.add if held else holders.discard)(rid)
 
     # -- requests in flight ----------------------------------------------------------------
     def started(self, name: str) -> None:
@@ -182,6 +229,7 @@ class LoRARegistry:
                     self.errors["lora_load_failed"] += 1
                     log.warning("replica %s did not take adapter %r: %r", rid, name, res)
             adapter = self._adapters[name] = Adapter(name, paths.pop(), int(time.time()))
+            self._holders[name] = set(took)  # the others get it from a later sync
             log.info("LoRA adapter %r loaded from %s on %d replica(s)", name, path, len(took))
             return adapter
 
@@ -209,6 +257,8 @@ class LoRARegistry:
                     )  # fmt: skip
                 finally:
                     self._idle.pop(name, None)
+            self._holders.pop(name, None)  # only now: its requests' failovers needed them
+            self._refused = {(r, n) for r, n in self._refused if n != name}
             results = await asyncio.gather(
                 *(a.remove_lora.remote(name) for a in replicas.values()), return_exceptions=True
             )
@@ -218,25 +268,80 @@ class LoRARegistry:
                     log.warning("replica %s did not drop adapter %r: %r", rid, name, res)
             log.info("LoRA adapter %r unloaded", name)
 
-    async def sync(self, actor: Any, rid: str) -> None:
+    async def sync(self, actor: Any, rid: str) -> list[str]:
         """Makes a replica hold exactly the registered adapters (same names, same paths):
         what a replica that joins or comes back needs before it is routed to. A refusal is
         logged and counted, not raised: the replica still serves the base model and the
-        adapters it took."""
+        adapters it took, and is a holder of those only. Returns the names it lacks."""
         have: dict[str, str] = await actor.list_loras.remote()
         want = self.paths()
         for name, path in have.items():
             if want.get(name) != path:
+                self._record(name, want.get(name, ""), rid, False)  # before it goes
                 await actor.remove_lora.remote(name)
+        lacking = []
         for name, path in want.items():
-            if have.get(name) == path:
-                continue
-            try:
-                await actor.add_lora.remote(name, path)
-            except Exception as exc:
-                self.errors["lora_sync_failed"] += 1
-                log.error("replica %s cannot take adapter %r: %s", rid, name, one_line(str(exc)))
-        log.info("replica %s holds the fleet's %d adapter(s)", rid, len(want))
+            if have.get(name) != path:
+                try:
+                    await actor.add_lora.remote(name, path)
+                except Exception as exc:
+                    self.errors["lora_sync_failed"] += 1
+                    self._record(name, path, rid, False)
+                    lacking.append(name)
+                    first = (rid, name) not in self._refused  # a pass retries it: log once
+                    self._refused.add((rid, name))
+                    log.log(
+                        logging.ERROR if first else logging.DEBUG,
+                        "replica %s cannot take adapter %r (not routed there): %s",
+                        rid, name, _refusal(exc) or one_line(repr(exc)),
+                    )  # fmt: skip
+                    continue
+            self._refused.discard((rid, name))
+            self._record(name, path, rid, True)
+        log.info("replica %s holds %d of the fleet's %d adapter(s)",
+                 rid, len(want) - len(lacking), len(want))  # fmt: skip
+        return lacking
+
+    async def resync(
+        self, replicas: Mapping[str, Any], timeout_s: float = RESYNC_TIMEOUT_S
+    ) -> None:
+        """:meth:`sync` on each of ``replicas`` (id -> actor): the periodic pass that retries
+        an adapter a replica could not take, and puts back one it lost. One replica at a
+        time under the lock (a load or unload changes what sync compares against), so an
+        admin call waits one replica's sync at most; the pass stops while one runs."""
+        for rid, actor in replicas.items():
+            if self._lock.locked() or not self._adapters:
+                return
+            async with self._lock:
+                try:
+                    await asyncio.wait_for(self.sync(actor, rid), timeout_s)
+                except Exception as exc:  # a dying replica: the fleet's monitor sees it
+                    self.errors["lora_resync_failed"] += 1
+                    log.warning("replica %s: adapter sync failed: %r", rid, exc)
+
+
+class HolderReplicas:
+    """The fleet as a request under one adapter sees it: only the replicas that hold the
+    adapter are routable (asked at each routing, failover included). The rest of
+    :class:`~.request_run.Replicas` is the fleet's own."""
+
+    __slots__ = ("_fleet", "_name", "_registry")
+
+    def __init__(self, fleet: Replicas, registry: LoRARegistry, name: str) -> None:
+        self._fleet, self._registry, self._name = fleet, registry, name
+
+    def routable(self, exclude: Collection[str] = ()) -> list[str]:
+        held = self._registry.holders(self._name)
+        return [rid for rid in self._fleet.routable(exclude) if rid in held]
+
+    def connection(self, rid: str) -> ReplicaConnection | HttpReplicaConnection:
+        return self._fleet.connection(rid)
+
+    def fail(self, rid: str) -> None:
+        self._fleet.fail(rid)
+
+    def mark_routed(self, rid: str) -> None:
+        self._fleet.mark_routed(rid)
 
 
 async def fleet_adapters(actors: Mapping[str, Any]) -> dict[str, str]:
@@ -255,15 +360,24 @@ async def fleet_adapters(actors: Mapping[str, Any]) -> dict[str, str]:
     return out
 
 
-async def prepare_fleet(actors: Mapping[str, Any]) -> dict[str, str]:
+@dataclass(frozen=True, slots=True)
+class FleetLoRAs:
+    """What a front door's registry starts from: ``paths`` (name -> folder, as the replicas
+    registered it) and ``holders`` (name -> the replica ids that hold it)."""
+
+    paths: dict[str, str]
+    holders: dict[str, frozenset[str]]
+
+
+async def prepare_fleet(actors: Mapping[str, Any]) -> FleetLoRAs:
     """At a front door's start: the adapters the replicas hold (:func:`fleet_adapters`),
     and every replica made to hold all of them (one restarted with fewer, or reused from
-    an earlier ``kvroute serve``). Returns the map the registry starts from."""
+    an earlier ``kvroute serve``). A replica that refuses one is no holder of it."""
     if not actors:
-        return {}
+        return FleetLoRAs({}, {})
     adapters = await fleet_adapters(actors)
+    registry = LoRARegistry((), adapters)
     if adapters:
-        registry = LoRARegistry((), adapters)
         for rid, actor in actors.items():
             await registry.sync(actor, rid)
-    return adapters
+    return FleetLoRAs(adapters, registry.holder_map())

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 PREFIX = "kvroute:"
 MAX_TENANT_LABELS = 100
 OTHER_TENANT = "other"
+MAX_ADAPTER_SERIES = 256  # the holders gauge lists this many adapters at most (by name)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 ADDED_LATENCY_WINDOW = 4096  # the latest requests whose added latency /metrics summarizes
 
@@ -277,14 +278,17 @@ class FleetCollector(Collector):
         errors: Callable[[], Mapping[str, int]],
         quarantined: Callable[[], int],
         in_flight: Callable[[], int],
+        lora_holders: Callable[[], Mapping[str, int]] | None = None,
     ) -> None:
-        """``counters``: requests, retries, failovers; ``errors``: error counts by kind."""
+        """``counters``: requests, retries, failovers; ``errors``: error counts by kind;
+        ``lora_holders``: per LoRA adapter, how many live replicas hold it."""
         self.fleet = fleet
         self.metrics = metrics
         self.counters = counters
         self.errors = errors
         self.quarantined = quarantined
         self.in_flight = in_flight
+        self.lora_holders = lora_holders
         self.events: dict[str, ReplicaStats] = {}  # set before each scrape (another thread's)
 
     def collect(self) -> Iterator[Metric]:
@@ -353,6 +357,14 @@ class FleetCollector(Collector):
         yield gauge("num_requests_running", "Requests running on the replica (every front "
                     "door's), as its latest load report said.",
                     [(r, float(rep.num_running)) for r, rep in reports])  # fmt: skip
+        if self.lora_holders is not None:
+            held = GaugeMetricFamily(PREFIX + "lora_adapter_replicas", "Live replicas that "
+                                     "hold each LoRA adapter (requests naming it are routed "
+                                     "only to those; 0: they get a 503).",
+                                     labels=["adapter"])  # fmt: skip
+            for name, n in sorted(self.lora_holders().items())[:MAX_ADAPTER_SERIES]:
+                held.add_metric([name], float(n))
+            yield held
         yield from self._event_streams()
 
     def _event_streams(self) -> Iterator[Metric]:

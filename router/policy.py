@@ -112,7 +112,11 @@ Lower = tuple[tuple[str, int], ...]  # (tier, blocks) beyond the device hit: Tie
 
 
 class NoReplicaError(RuntimeError):
-    """No alive replica to route to."""
+    """No alive replica to route to (``code``/``param``: what the 503 names, if any)."""
+
+    def __init__(self, message: str, code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.code, self.param = code, param
 
 
 @dataclass(slots=True)

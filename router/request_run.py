@@ -149,7 +149,14 @@ class RequestRun:
         candidates = s.replicas.routable(self._tried)
         if not candidates:
             s.errors["no_replica"] += 1
-            raise NoReplicaError("no replica is available")
+            lora = self.view.lora_name
+            if lora is None:
+                raise NoReplicaError("no replica is available")
+            # Only replicas holding the adapter are candidates (router/lora.py).
+            raise NoReplicaError(
+                f"No replica that holds the LoRA adapter `{lora[:100]}` is available; "
+                "retry later.", "lora_adapter_unavailable", "model",
+            )  # fmt: skip
         rid = s.route(self.view, candidates, time.monotonic())
         self._tried.add(rid)
         req = self.request

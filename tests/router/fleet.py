@@ -43,13 +43,16 @@ def serve(
     infos: Sequence[Any] | None = None,
     head_timeout_s: float = 30.0,
     idle_timeout_s: float | None = None,
+    door_kw: dict[str, Any] | None = None,
     **app_kw: Any,
 ) -> Iterator[Served]:
     """Serves ``actors`` (already created, Ray running) until the block ends. ``infos``:
-    their ReplicaInfo as the front door should see it (default: what they report)."""
+    their ReplicaInfo as the front door should see it (default: what they report);
+    ``door_kw``: more of the FrontDoor's arguments (its LoRA adapters)."""
     if infos is None:
         infos = ray.get([a.info.remote() for a in actors], timeout=120)
-    door = FrontDoor(list(zip(actors, infos, strict=True)), monitor_interval_s=0.5)
+    kw: dict[str, Any] = {"monitor_interval_s": 0.5, **(door_kw or {})}
+    door = FrontDoor(list(zip(actors, infos, strict=True)), **kw)
     app = create_app(door, Tenants(tenants_from_api_keys(KEYS), "test-secret"), **app_kw)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -69,8 +69,8 @@ def fleet(adapters: dict[str, str]) -> Iterator[dict[str, Any]]:
         held = asyncio.run(
             prepare_fleet({i.replica_id: a for a, i in zip(actors, infos, strict=True)})
         )
-        door = FrontDoor(list(zip(actors, infos, strict=True)), lora_adapters=held,
-                         monitor_interval_s=0.5)  # fmt: skip
+        door = FrontDoor(list(zip(actors, infos, strict=True)), lora_adapters=held.paths,
+                         lora_holders=held.holders, monitor_interval_s=0.5)  # fmt: skip
         app = create_app(door, Tenants(TENANTS, "test-secret"))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -103,7 +103,8 @@ def error_of(resp: httpx.Response, name: str) -> dict[str, Any]:
 
 
 def test_the_fleet_starts_with_its_replicas_adapters(fleet: dict[str, Any], adapters) -> None:  # type: ignore[no-untyped-def]
-    assert fleet["held"] == {"ad0": adapters["ad0"], "ad1": adapters["ad1"]}
+    assert fleet["held"].paths == {"ad0": adapters["ad0"], "ad1": adapters["ad1"]}
+    assert fleet["held"].holders == {"ad0": {"r0", "r1"}, "ad1": {"r0", "r1"}}
 
 
 def test_an_adapter_without_a_grant_is_the_same_404_as_none(fleet: dict[str, Any]) -> None:
@@ -196,7 +197,8 @@ async def test_a_replica_that_joins_or_restarts_holds_every_adapter(
         started.append(first)
         info = await first.info.remote()
         held = await prepare_fleet({"j0": first})
-        door = FrontDoor([(first, info)], lora_adapters=held, monitor_interval_s=0.3)
+        door = FrontDoor([(first, info)], lora_adapters=held.paths, lora_holders=held.holders,
+                         monitor_interval_s=0.3)  # fmt: skip
         door.start()
         try:
             await door.load_lora("ad1", adapters["ad1"])
@@ -207,6 +209,7 @@ async def test_a_replica_that_joins_or_restarts_holds_every_adapter(
             assert "j1" in door.fleet.routable()
             want = {"ad0": adapters["ad0"], "ad1": adapters["ad1"]}
             assert await late.list_loras.remote() == want == door.loras.paths()
+            assert door.loras.holder_map() == {"ad0": {"j0", "j1"}, "ad1": {"j0", "j1"}}
             # A restart (Ray brings the actor back with its start-up config: no adapters).
             old = door.fleet.replicas["j1"].info.incarnation
             ray.kill(late, no_restart=False)
@@ -218,6 +221,7 @@ async def test_a_replica_that_joins_or_restarts_holds_every_adapter(
             assert door.fleet.replicas["j1"].info.incarnation != old
             assert "j1" in door.fleet.routable()
             assert await late.list_loras.remote() == want
+            assert door.loras.holder_map() == {"ad0": {"j0", "j1"}, "ad1": {"j0", "j1"}}
         finally:
             await door.close()
 
