@@ -217,6 +217,105 @@ def chat_main(args: argparse.Namespace, out: Path) -> int:
     return 0
 
 
+def chat_engine(args: argparse.Namespace) -> int:
+    """The short-prompt case in one process, without the fleet's noise: one engine (`tiny`,
+    ``--chat-blocks`` device blocks, a 64 MiB host tier), ``--chat-sessions`` conversations
+    of ``--chat-turns`` turns (each turn 48-160 new tokens, 24 out, the prompt cut to its
+    last ``--chat-context`` tokens), 4 at a time in a closed loop; the same conversations
+    with the landing rule (replica/kv_loads.py) and with every load landing a step later,
+    alternated ``--chat-repeats`` times. Per run: TTFT of all turns and of those that loaded
+    from the host tier, in steps and in ms, and CPU seconds of the run."""
+    import torch
+
+    from kvroute.replica import EngineConfig, LLMEngine, SamplingParams, kv_loads
+
+    torch.set_num_threads(1)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+    def one_run(inline: bool) -> dict[str, float]:
+        kv_loads._INLINE = inline
+        eng = LLMEngine(
+            EngineConfig(model="tiny", block_size=16, num_blocks=args.chat_blocks,
+                         kv_host_bytes=64 << 20)
+        )  # fmt: skip
+        rng = random.Random(7)
+        histories = [[] for _ in range(args.chat_sessions)]
+        turns = [0] * args.chat_sessions
+        limit = min(args.chat_context, 16 * args.chat_blocks - 32)  # a turn's prompt
+        todo = list(range(args.chat_sessions))
+        live: dict[str, tuple[int, float, int]] = {}  # rid -> session, t0, step0
+        ttft_steps, ttft_ms, loaded_steps, loaded_ms = [], [], [], []
+        step, n = 0, 0
+        cpu0 = time.process_time()
+
+        def submit() -> None:
+            nonlocal n
+            s = todo.pop(0)
+            h = histories[s]
+            h += [rng.randrange(1, 250) for _ in range(rng.randrange(48, 160))]
+            del h[: max(0, len(h) - limit)]
+            rid = f"s{s}t{turns[s]}"
+            n += 1
+            eng.add_request(rid, list(h), params)
+            live[rid] = (s, time.perf_counter(), step)
+
+        while todo and len(live) < 4:
+            submit()
+        seen: set[str] = set()
+        while live:
+            outs = eng.step()
+            step += 1
+            for o in outs:
+                s, t0, s0 = live[o.request_id]
+                if o.request_id not in seen and o.outputs[0].token_ids:
+                    seen.add(o.request_id)
+                    dt, ds = (time.perf_counter() - t0) * 1000, step - s0
+                    ttft_ms.append(dt)
+                    ttft_steps.append(ds)
+                    if o.num_tier_cached_tokens:
+                        loaded_ms.append(dt)
+                        loaded_steps.append(ds)
+                if o.finished:
+                    del live[o.request_id]
+                    histories[s] += list(o.outputs[0].token_ids)
+                    turns[s] += 1
+                    if turns[s] < args.chat_turns:
+                        todo.append(s)
+                    if todo:
+                        submit()
+        eng.close()
+        return {
+            "cpu_s": time.process_time() - cpu0,
+            "steps": step,
+            "requests": n,
+            "loaded": len(loaded_ms),
+            "inline": eng.stats()["kv_tier_loads_inline"],
+            "ttft_ms_p50": statistics.median(ttft_ms),
+            "loaded_ttft_ms_p50": statistics.median(loaded_ms) if loaded_ms else float("nan"),
+            "loaded_ttft_steps_mean": statistics.fmean(loaded_steps) if loaded_steps else 0.0,
+            "ttft_steps_mean": statistics.fmean(ttft_steps),
+        }
+
+    load0 = os.getloadavg()
+    rows = []
+    for _ in range(args.chat_repeats):
+        for inline in (False, True):
+            row = {"rule": "on" if inline else "off (a step later)", **one_run(inline)}
+            say(json.dumps(row))
+            rows.append(row)
+    print(f"\nload average at start {load0[0]:.1f}, at end {os.getloadavg()[0]:.1f} (2 cores)")
+    print("| landing rule | turns (loaded, inline) | steps | CPU s | TTFT p50 ms, all / loaded | "
+          "TTFT steps, all / loaded (mean) |")  # fmt: skip
+    print("| --- | --- | ---: | ---: | --- | --- |")
+    for r in rows:
+        print(
+            f"| {r['rule']} | {r['requests']} ({r['loaded']}, {r['inline']}) | {r['steps']} | "
+            f"{r['cpu_s']:.2f} | {r['ttft_ms_p50']:.0f} / {r['loaded_ttft_ms_p50']:.0f} | "
+            f"{r['ttft_steps_mean']:.2f} / {r['loaded_ttft_steps_mean']:.2f} |"
+        )
+    return 0
+
+
 def copy_cost(blocks: int = 64) -> None:
     """What a synchronous copy-out at eviction costs per block (copy, xxh3, host LRU insert)
     and what a host load costs (verify, copy in), beside a bare clone of the same bytes: CPU
@@ -276,11 +375,19 @@ def main() -> int:
     ap.add_argument("--disk-path", default="/tmp/kvroute_bench_kv_disk")
     ap.add_argument("--copy-cost", action="store_true", help="only the per-block copy costs")
     ap.add_argument("--chat", action="store_true", help="short prompts: kvroute bench chat")
-    ap.add_argument("--chat-blocks", type=int, default=48)
+    ap.add_argument(
+        "--chat-engine", action="store_true", help="short prompts in one engine, in process"
+    )
+    ap.add_argument("--chat-sessions", type=int, default=12)
+    ap.add_argument("--chat-context", type=int, default=512, help="--chat-engine's prompt cap")
+    ap.add_argument("--chat-turns", type=int, default=6)
+    ap.add_argument("--chat-blocks", type=int, default=48, help="--chat-engine: try 160")
     ap.add_argument("--chat-requests", type=int, default=60)
     ap.add_argument("--chat-repeats", type=int, default=2)
     ap.add_argument("--chat-tier-bytes", type=int, default=64 << 20)
     args = ap.parse_args()
+    if args.chat_engine:
+        return chat_engine(args)
     if args.chat:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
