@@ -1,6 +1,6 @@
 /* A decoder layer's elementwise work on the CPU, each in one pass over its rows.
 
-Why C: between its GEMMs a Llama-family layer runs a residual add, two RMSNorms, the
+Why C: between its GEMMs a Llama-family layer runs a residual add, two RMSNorms (Qwen3: two more, per head, on q and k), the
 rotary embedding of q and k, and SiLU(gate) * up. In torch that is ~20 small ops per
 layer, each a dispatch and a fresh tensor; on a decode batch of a few rows they cost more
 than their arithmetic. Here each is one call that reads its input once.
@@ -107,6 +107,22 @@ static PyObject *add_rms_norm(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS Py_RETURN_NONE;
 }
 
+/* Each of the first `heads` heads of each token's row normalized in place (Qwen3's q and k
+   norms, one weight per head dim): the rows of one token's heads lie `dim` apart. */
+static PyObject *rms_norm_heads(PyObject *self, PyObject *args) {
+    unsigned long long x, weight;
+    Py_ssize_t tokens, heads, dim, row_stride;
+    float eps;
+    if (!PyArg_ParseTuple(args, "KKnnnnf", &x, &weight, &tokens, &heads, &dim, &row_stride, &eps))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS for (Py_ssize_t t = 0; t < tokens; t++) {
+        float *row = (float *)(uintptr_t)x + t * row_stride;
+        add_rms_norm_rows(row, NULL, (const float *)(uintptr_t)weight, row, heads, dim, dim, 0,
+                          dim, eps);
+    }
+    Py_END_ALLOW_THREADS Py_RETURN_NONE;
+}
+
 static PyObject *silu_mul(PyObject *self, PyObject *args) {
     unsigned long long gate_up, out;
     Py_ssize_t rows, inter, in_stride, out_stride;
@@ -135,6 +151,7 @@ static PyObject *rotary(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"add_rms_norm", add_rms_norm, METH_VARARGS, "residual += x; out = rmsnorm(residual) * w"},
+    {"rms_norm_heads", rms_norm_heads, METH_VARARGS, "per-head rmsnorm of each row, in place"},
     {"silu_mul", silu_mul, METH_VARARGS, "out = silu(gate) * up over rows of [gate | up]"},
     {"rotary", rotary, METH_VARARGS, "half-split rotary embedding, in place"},
     {NULL, NULL, 0, NULL},

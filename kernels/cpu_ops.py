@@ -18,7 +18,7 @@ try:  # optional, like the attention kernel
 except ImportError:  # pragma: no cover - a build without a compiler
     _cpu_layer_ops = None
 
-__all__ = ["add_rms_norm", "rotary_", "silu_mul", "usable"]
+__all__ = ["add_rms_norm", "rms_norm_heads_", "rotary_", "silu_mul", "usable"]
 
 _ENV = "KVROUTE_CPU_LAYER_OPS"
 
@@ -63,6 +63,20 @@ def add_rms_norm(residual: Tensor, x: Tensor | None, weight: Tensor, eps: float)
         eps,
     )
     return out
+
+
+def rms_norm_heads_(x: Tensor, weight: Tensor, heads: int, head_dim: int, eps: float) -> None:
+    """RMSNorm of each of the first ``heads`` heads of each row of ``x`` [tokens, >=
+    heads*head_dim], in place, times ``weight`` [head_dim] (Qwen3's q_norm / k_norm)."""
+    _rows(x)
+    if x.shape[1] < heads * head_dim:
+        raise ValueError("x is narrower than its heads")
+    if weight.shape != (head_dim,) or not weight.is_contiguous() or weight.dtype != x.dtype:
+        raise ValueError(f"weight must be one contiguous float32 row of {head_dim}")
+    assert _cpu_layer_ops is not None
+    _cpu_layer_ops.rms_norm_heads(
+        x.data_ptr(), weight.data_ptr(), x.shape[0], heads, head_dim, x.stride(0), eps
+    )
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:

@@ -195,13 +195,16 @@ class PagedDecoder:
                 lora.add(i, 0, x, qkv)
             t = qkv.shape[0]
             v = qkv[:, (h + hk) * d :].view(t, hk, d)
-            if layer.q_norm is not None:  # Qwen3: per head, before rotary
+            if self.c_ops:  # in place, q and k side by side in the QKV rows
+                if layer.q_norm is not None:  # Qwen3: per head, before rotary
+                    cpu_ops.rms_norm_heads_(qkv, layer.q_norm, h, d, self.eps)
+                    cpu_ops.rms_norm_heads_(qkv[:, h * d :], layer.k_norm, hk, d, self.eps)  # type: ignore[arg-type]
+                cpu_ops.rotary_(qkv, cos, sin, h + hk, d)
+                qk = qkv[:, : (h + hk) * d].view(t, h + hk, d)
+            elif layer.q_norm is not None:
                 q = _rms_norm(qkv[:, : h * d].view(t, h, d), layer.q_norm, self.eps)
                 k = _rms_norm(qkv[:, h * d : (h + hk) * d].view(t, hk, d), layer.k_norm, self.eps)  # type: ignore[arg-type]
                 qk = _rotate(torch.cat((q, k), dim=1), cos[:, None], sin[:, None])
-            elif self.c_ops:  # in place, q and k side by side in the QKV rows
-                cpu_ops.rotary_(qkv, cos, sin, h + hk, d)
-                qk = qkv[:, : (h + hk) * d].view(t, h + hk, d)
             else:
                 qk = _rotate(qkv[:, : (h + hk) * d].view(t, h + hk, d), cos[:, None], sin[:, None])
             q, k = qk[:, :h], qk[:, h:]

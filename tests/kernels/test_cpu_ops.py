@@ -71,8 +71,30 @@ def test_rotary_in_place_matches_transformers(head_dim: int) -> None:
     torch.testing.assert_close(qkv, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [128, 64, 40])  # 40: the scalar tail past 32
+def test_rms_norm_heads_normalizes_each_head_in_place(head_dim: int) -> None:
+    """Qwen3's q and k norms: each head of each token on its own, one weight per head dim;
+    the k heads start mid-row (a view), and the V heads after them are left alone."""
+    g = torch.Generator().manual_seed(head_dim)
+    tokens, hq, hk = 5, 4, 2
+    qkv = torch.randn(tokens, (hq + 2 * hk) * head_dim, generator=g) * 4
+    wq, wk = torch.randn(head_dim, generator=g), torch.randn(head_dim, generator=g)
+    want = qkv.clone()
+    q = want[:, : hq * head_dim].view(tokens, hq, head_dim)
+    k = want[:, hq * head_dim : (hq + hk) * head_dim].view(tokens, hk, head_dim)
+    want[:, : hq * head_dim] = _hf_rms_norm(q, wq, 1e-6).reshape(tokens, -1)
+    want[:, hq * head_dim : (hq + hk) * head_dim] = _hf_rms_norm(k, wk, 1e-6).reshape(tokens, -1)
+    cpu_ops.rms_norm_heads_(qkv, wq, hq, head_dim, 1e-6)
+    cpu_ops.rms_norm_heads_(qkv[:, hq * head_dim :], wk, hk, head_dim, 1e-6)
+    torch.testing.assert_close(qkv, want, atol=1e-5, rtol=1e-5)
+
+
 def test_bad_shapes_are_refused() -> None:
     with pytest.raises(ValueError):
         cpu_ops.add_rms_norm(torch.zeros(2, 8), torch.zeros(2, 9), torch.ones(8), 1e-6)
     with pytest.raises(ValueError):
         cpu_ops.rotary_(torch.zeros(2, 64), torch.zeros(2, 32), torch.zeros(2, 32), 1, 64)
+    with pytest.raises(ValueError):
+        cpu_ops.rms_norm_heads_(torch.zeros(2, 64), torch.ones(64), 2, 64, 1e-6)
+    with pytest.raises(ValueError):
+        cpu_ops.rms_norm_heads_(torch.zeros(2, 128), torch.ones(32), 2, 64, 1e-6)
