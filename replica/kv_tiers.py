@@ -11,13 +11,18 @@ land, then it hits them as ordinary device blocks. Each copy carries an xxh3-64 
 bytes, checked on load: a block that fails -- corrupt, truncated, missing, or an exception
 -- ends the load there, is dropped from its tier, and the request recomputes from there.
 
-Why copy out synchronously at eviction: an evicted block is handed to a new owner at once
-and written in the same step, so its bytes must be read now or the block held back. A block
-is small (tiny: 8 KiB; an 8B model: 2 MiB), one copy of it costs less than the bookkeeping a
-deferred copy needs (BENCHMARKS: issue 38). On CUDA the copy is a device-to-host transfer
-that the eviction waits for; loads go the other way on a side stream, off the step. Writing
-the copy to disk is slower and needs no device: the writer thread does it, the bytes held
-in memory (and loadable from there) until the file is in place.
+Why copy out at eviction, in the eviction's call: an evicted block is handed to a new owner
+at once and written in the same step, so its bytes must be read first or the block held
+back. A block is small (tiny: 8 KiB; an 8B model: 2 MiB), one copy of it costs less than
+the bookkeeping a deferred copy needs (BENCHMARKS: issue 38). On CUDA the copy is enqueued on
+the step's own stream (a gather, then a device-to-host copy into pinned memory), ahead of
+the forward that overwrites the block, so stream order keeps it right without the host
+waiting; the copy records an event. Its checksum needs the bytes, so the loader thread
+computes it (:meth:`HostEntry.seal`: it waits for the event), off the step on both devices.
+Loads go the other way on a side stream, which first waits for what the step's stream had
+enqueued when the load started (a copy-out of the very blocks the load writes, among
+others). Writing the copy to disk is slower and needs no device: the writer thread does
+it, the bytes held in memory (and loadable from there) until the file is in place.
 
 Events: the tiers speak through the pool's event list (:meth:`BlockPool.emit`), in the order
 things happen: ``BlockStored``/``BlockRemoved`` with ``medium`` "CPU" (host) or "STORAGE"
@@ -38,7 +43,8 @@ Invariants:
   with a ``BlockRemoved``; a hash may sit in both lower tiers (a disk copy outlives the
   block's return to the device and its next eviction to the host), each published apart;
 - the loader thread reads lower-tier copies and writes only the device blocks of its job,
-  which the scheduler holds (refcount > 0, no hash) until the job lands;
+  which the scheduler holds (refcount > 0, no hash) until the job lands, and the digest of
+  host entries it seals (queued at copy-out, ahead of any load of them);
 - the disk writer thread touches only files and its own queue (see :mod:`.kv_disk_writer`);
   every tier structure here, and every event, is the engine thread's.
 """
@@ -82,8 +88,18 @@ class BlockMeta:
 @dataclass(slots=True)
 class HostEntry:
     data: torch.Tensor  # uint8, the block's K and V of every layer, on the host
-    digest: int  # xxh3-64 of data
     meta: BlockMeta
+    ready: torch.cuda.Event | None = None  # CUDA: recorded after the copy-out was enqueued
+    digest: int | None = None  # xxh3-64 of data, once sealed
+
+    def seal(self) -> int:
+        """Its checksum, computed once its bytes are there (any thread; computing it twice
+        gives the same value)."""
+        if self.digest is None:
+            if self.ready is not None:
+                self.ready.synchronize()
+            self.digest = checksum(self.data.numpy())
+        return self.digest
 
 
 @dataclass
@@ -95,6 +111,7 @@ class LoadJob:
     media: list[str]
     hashes: list[bytes]
     host_entries: list[HostEntry | None]
+    after: torch.cuda.Event | None = None  # CUDA: the step's stream when the load started
     num_ok: int = 0  # leading blocks copied and verified
     failed: bytes | None = None  # the hash that stopped the load, if one did
     seconds: float = 0.0
@@ -145,7 +162,7 @@ class KVTiers:
         }
         self.offload_seconds = 0.0
         self.bytes_per_s: dict[str, float] = self._measure() if measure else {}
-        self._jobs: queue.SimpleQueue[LoadJob | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[LoadJob | HostEntry | None] = queue.SimpleQueue()
         self._done: list[LoadJob] = []
         self._done_lock = threading.Lock()
         self._wake = threading.Event()
@@ -194,13 +211,14 @@ class KVTiers:
                 continue
             if not self.host_capacity and self.disk is None:
                 continue
-            data = self._copy_out(block_id)
-            digest = checksum(data.numpy())
+            data, ready = self._copy_out(block_id)
+            entry = HostEntry(data, meta, ready)
             self.stats["offloaded"] += 1
             if self.host_capacity:
-                self._host_put(h, HostEntry(data, digest, meta))
+                self._host_put(h, entry)
+                self._jobs.put(entry)  # the loader thread seals it, off the step
             else:
-                self._disk_put(h, data, digest, meta)
+                self._disk_put(h, data, entry.seal(), meta)
         self.offload_seconds += time.perf_counter() - t0
 
     def clear(self) -> None:
@@ -245,6 +263,9 @@ class KVTiers:
     def start(self, job: LoadJob, block_ids: Sequence[int]) -> None:
         """Hands a prepared job to the loader thread, into these (held) device blocks."""
         job.block_ids = list(block_ids)
+        if self.cuda:  # copy-outs of these blocks enqueued on the step's stream go first
+            job.after = torch.cuda.Event()
+            job.after.record()
         self._jobs.put(job)
 
     def poll(self) -> None:
@@ -296,7 +317,7 @@ class KVTiers:
             self._emit(BlockRemoved([self._ext(old)], MEDIUM_CPU))
             if self.disk is not None and old not in self.disk_meta:
                 self.stats["spilled"] += 1
-                self._disk_put(old, e.data, e.digest, e.meta)
+                self._disk_put(old, e.data, e.seal(), e.meta)
         self.host[h] = entry
         self._emit(self._stored(h, entry.meta, MEDIUM_CPU))
 
@@ -336,11 +357,18 @@ class KVTiers:
         self.pool.emit(event)
 
     # -- copies -----------------------------------------------------------------------
-    def _copy_out(self, block_id: int) -> torch.Tensor:
-        """The block's bytes in every layer, as one host tensor (waits for a GPU copy)."""
+    def _copy_out(self, block_id: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """The block's bytes in every layer, as one host tensor, and on CUDA the event after
+        which they are there (the copy is only enqueued: see the module docstring)."""
         parts = [t[block_id].reshape(-1).view(torch.uint8) for t in self.tensors]
         out = torch.cat(parts)
-        return out.to("cpu") if self.cuda else out
+        if not self.cuda:
+            return out, None
+        host = torch.empty(out.numel(), dtype=torch.uint8, pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return host, ready
 
     def _copy_in(self, block_id: int, data: torch.Tensor) -> None:
         off = 0
@@ -356,6 +384,12 @@ class KVTiers:
             job = self._jobs.get()
             if job is None:
                 return
+            if isinstance(job, HostEntry):
+                try:
+                    job.seal()
+                except Exception:  # the load that needs it seals it again, or fails it
+                    log.warning("KV tier copy-out could not be checksummed", exc_info=True)
+                continue
             t0 = time.perf_counter()
             try:
                 self._load(job)
@@ -373,6 +407,8 @@ class KVTiers:
         stream = self._stream
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with ctx:
+            if stream is not None and job.after is not None:
+                stream.wait_event(job.after)
             for i, (h, entry) in enumerate(zip(job.hashes, job.host_entries, strict=True)):
                 data = self._fetch(h, entry)
                 if data is None:
@@ -388,7 +424,7 @@ class KVTiers:
         pending, the writer's memory); None if they fail a check."""
         if entry is not None:
             data = entry.data
-            if data.numel() != self.block_bytes or checksum(data.numpy()) != entry.digest:
+            if data.numel() != self.block_bytes or checksum(data.numpy()) != entry.seal():
                 return None
             if self.cuda and not data.is_pinned():
                 data = data.pin_memory()

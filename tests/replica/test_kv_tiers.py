@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import random
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -145,6 +146,30 @@ def test_a_damaged_disk_file_costs_a_recompute_and_nothing_else(
     # the engine goes on serving, the damaged prefix now computed and cached afresh
     assert run(eng, "next", ps[3]).outputs[0].token_ids == uncached[3]
     assert run(eng, "then", ps[0]).outputs[0].token_ids == uncached[0]
+
+
+def test_a_host_copy_changed_after_its_checksum_costs_a_recompute(
+    uncached: list[list[int]],
+) -> None:
+    """The checksum of a host copy is computed off the step (by the loader thread); a byte
+    of the copy flipped after that is caught at load: the blocks before it load, the rest
+    is recomputed, the output is the uncached one."""
+    eng = engine(kv_host_bytes=64 * BLOCK_BYTES)
+    ps = prompts()
+    for i, p in enumerate(ps):
+        run(eng, f"a{i}", p)
+    hashes = eng.hasher.hash_blocks(ps[0])
+    entry = eng.kv_tiers.host[hashes[2]]
+    deadline = time.monotonic() + 10
+    while entry.digest is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # sealed by the loader thread, not by this one
+    assert entry.digest is not None
+    entry.data[100] ^= 0x01
+    again = run(eng, "again", ps[0])
+    assert again.outputs[0].token_ids == uncached[0]
+    assert again.num_tier_cached_tokens == {"CPU": 2 * BLOCK}
+    assert eng.stats()["kv_tier_load_failures"] == 1
+    assert hashes[2] not in eng.kv_tiers.host
 
 
 def test_a_request_that_computes_every_token_loads_nothing(tmp_path: Path) -> None:
