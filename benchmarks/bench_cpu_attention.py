@@ -1,6 +1,7 @@
 """CPU paged attention, the C kernels beside the torch path, side by side in one run.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_cpu_attention.py [--layers 30] [--repeat 3]
+    python benchmarks/bench_cpu_attention.py --threads 2     # the C kernels, 1 thread vs 2
 
 SmolLM2-135M's attention shapes (9 heads, 3 KV heads, head_dim 64), 32-token blocks
 shuffled over a cache twice the needed size, one distinct cache per layer (so a step reads
@@ -65,16 +66,18 @@ def _case(layers: int, specs: list[tuple[int, int]], seed: int = 0):  # type: ig
     return query, caches, kwargs, pairs
 
 
-def _time(query, caches, kwargs, repeat: int) -> tuple[float, torch.Tensor]:  # type: ignore[no-untyped-def]
+def _time(
+    query, caches, kwargs, repeat: int, clock=time.process_time
+) -> tuple[float, torch.Tensor]:  # type: ignore[no-untyped-def]
     out = None
     for k, v in caches:  # warm-up: plans, allocator
         out = cpu.paged_attention(query, k, v, **kwargs)
     best = float("inf")
     for _ in range(repeat):
-        t0 = time.process_time()
+        t0 = clock()
         for k, v in caches:
             out = cpu.paged_attention(query, k, v, **kwargs)
-        best = min(best, time.process_time() - t0)
+        best = min(best, clock() - t0)
     assert out is not None
     return best, out
 
@@ -83,6 +86,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument(
+        "--threads", type=int, default=0,
+        help="instead: the C kernels on one thread against this many (wall time)",
+    )  # fmt: skip
     args = ap.parse_args()
     if not (cpu.decode_kernel_available() and cpu.prefill_kernel_available()):
         raise SystemExit("the C kernels are not built in this install")
@@ -94,6 +101,9 @@ def main() -> None:
         ("decode", "8 x 370", [(369, 1)] * 8),
         ("decode", "32 x 512", [(511, 1)] * 32),
     ]
+    if args.threads:
+        threads(args, cases)
+        return
     print(
         f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
         f"{torch.get_num_threads()} thread(s), {args.layers} layers, "
@@ -113,6 +123,29 @@ def main() -> None:
         print(
             f"| {kind} | {name} | {slow * 1e3:,.1f} | {fast * 1e3:,.1f} | {slow / fast:.2f}x "
             f"| {flops / fast / 1e9:.1f} | {diff:.1e} |"
+        )
+
+
+def threads(args: argparse.Namespace, cases: list) -> None:  # type: ignore[type-arg]
+    """The C kernels on one thread and on ``--threads`` (runs of sequences at once,
+    kernels/cpu.py), wall time, best of ``--repeat``; outputs compared bit for bit."""
+    n = args.threads
+    print(
+        f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
+        f"{args.layers} layers, heads {HEADS}/{KV_HEADS}/{HEAD_DIM}, block {BLOCK}, fp32, "
+        f"wall time, best of {args.repeat}, {os.cpu_count()} CPUs"
+    )
+    print(f"| kind | batch | 1 thread ms | {n} threads ms | speed-up | outputs equal |")
+    print("| --- | --- | ---: | ---: | ---: | --- |")
+    for kind, name, specs in cases:
+        query, caches, kwargs, _ = _case(args.layers, specs)
+        torch.set_num_threads(1)
+        one, want = _time(query, caches, kwargs, args.repeat, time.perf_counter)
+        torch.set_num_threads(n)
+        many, got = _time(query, caches, kwargs, args.repeat, time.perf_counter)
+        print(
+            f"| {kind} | {name} | {one * 1e3:,.1f} | {many * 1e3:,.1f} | {one / many:.2f}x "
+            f"| {torch.equal(got, want)} |"
         )
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -68,16 +70,63 @@ def _fits(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor)
 class _Plan:
     """What every layer of one step needs from the batch's index tensors, worked out once:
     the host lists, which sequences decode (ordered so siblings of one cached prefix run
-    back to back and its blocks stay in cache) and which prefill, and int32 copies for C."""
+    back to back and its blocks stay in cache) and which prefill, and int32 copies for C,
+    split into one run of sequences per thread (:func:`_split`)."""
 
     qsl: list[int]
     lens: list[int]
-    decodes: Tensor  # int32 sequence indices for the C kernel
+    decodes: list[Tensor]  # int32 sequence indices for the C kernel, one run per thread
     prefills: list[int]  # more than one new token, no window cutting them
-    prefill_seqs: Tensor  # the same, int32, for the C kernel
+    prefill_seqs: list[Tensor]  # the same, int32, for the C kernel, one run per thread
     windowed: list[int]  # more than one new token, some denied keys by the window
     seq_lens: Tensor  # int32, contiguous
     query_start_loc: Tensor  # int32, contiguous
+
+
+# Multi-threaded engines (torch.get_num_threads() > 1): the C kernels run on runs of the
+# batch's sequences at once, one per thread, as the GEMMs around them do on torch's pool.
+# The kernels release the GIL and each sequence writes only its own output rows, so the
+# threads share nothing; a sequence's result does not depend on the split. Below this much
+# work (keys read for decodes, query-key pairs for prefills) a layer's call is too short to
+# be worth handing out (a hand-off costs tens of us).
+_MIN_DECODE_KEYS = 2048
+_MIN_PREFILL_PAIRS = 65536
+_pool: ThreadPoolExecutor | None = None
+_pool_workers = 0
+num_parallel_calls = 0  # calls split over threads, for tests and benchmarks
+
+
+def _split(seqs: list[int], work: list[float], threads: int, least: float) -> list[Tensor]:
+    """``seqs`` in contiguous runs of about equal ``work``, at most ``threads`` of them (one
+    run when the total is below ``least``)."""
+    total = sum(work)
+    if threads <= 1 or len(seqs) < 2 or total < least:
+        return [torch.tensor(seqs, dtype=torch.int32)] if seqs else []
+    runs: list[list[int]] = [[]]
+    done, share = 0.0, total / threads
+    for s, w in zip(seqs, work, strict=True):
+        if runs[-1] and done >= share * len(runs) and len(runs) < threads:
+            runs.append([])
+        runs[-1].append(s)
+        done += w
+    return [torch.tensor(r, dtype=torch.int32) for r in runs]
+
+
+def _run(kernel: Callable[..., None], runs: list[Tensor], args: Callable[[Tensor], tuple]) -> None:  # type: ignore[type-arg]
+    """``kernel(*args(run))`` for each run of sequences: the first on this thread, the others
+    on the pool's, all at once."""
+    global _pool, _pool_workers, num_parallel_calls
+    if len(runs) == 1:
+        kernel(*args(runs[0]))
+        return
+    if _pool is None or _pool_workers < len(runs) - 1:
+        _pool_workers = len(runs) - 1
+        _pool = ThreadPoolExecutor(_pool_workers, thread_name_prefix="kvroute-attention")
+    num_parallel_calls += 1
+    futures = [_pool.submit(kernel, *args(run)) for run in runs[1:]]
+    kernel(*args(runs[0]))
+    for f in futures:
+        f.result()
 
 
 _Entry = tuple[tuple["weakref.ref[Tensor]", ...], tuple[int, ...], tuple[Tensor | None, ...], _Plan]
@@ -121,6 +170,7 @@ class _StepPlans:
             max_query_len or -1,
             max_seq_len or -1,
             -1 if sliding_window is None else sliding_window,
+            torch.get_num_threads(),
         )
         last = self._last
         if (
@@ -141,6 +191,7 @@ class _StepPlans:
             max_seq_len,
             sliding_window,
         )
+        threads = torch.get_num_threads()
         decodes = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
         prefills, windowed = [], []  # more than one new token: uncut / cut by the window
         for i in range(len(lens)):
@@ -150,12 +201,13 @@ class _StepPlans:
         if len(decodes) > 1:
             first = block_tables[:, 0].tolist()
             decodes.sort(key=first.__getitem__)
+        pairs = [(qsl[i + 1] - qsl[i]) * (lens[i] - (qsl[i + 1] - qsl[i]) / 2) for i in prefills]
         plan = _Plan(
             qsl=qsl,
             lens=lens,
-            decodes=torch.tensor(decodes, dtype=torch.int32),
+            decodes=_split(decodes, [lens[i] for i in decodes], threads, _MIN_DECODE_KEYS),
             prefills=prefills,
-            prefill_seqs=torch.tensor(prefills, dtype=torch.int32),
+            prefill_seqs=_split(prefills, pairs, threads, _MIN_PREFILL_PAIRS),
             windowed=windowed,
             seq_lens=seq_lens.to(torch.int32).contiguous(),
             query_start_loc=query_start_loc.to(torch.int32).contiguous(),
@@ -246,9 +298,12 @@ def paged_attention(
     torch_prefills = plan.windowed
     if plan.prefills and prefill_kernel_available() and query.shape[2] % 16 == 0:
         assert _cpu_prefill is not None
-        seqs = plan.prefill_seqs
-        _cpu_prefill.prefill(
-            *_paged_args(out, query, k_cache, v_cache, block_tables, plan, seqs, scale, None)
+        _run(
+            _cpu_prefill.prefill,
+            plan.prefill_seqs,
+            lambda seqs: _paged_args(
+                out, query, k_cache, v_cache, block_tables, plan, seqs, scale, None
+            ),
         )
     else:
         torch_prefills = plan.prefills + plan.windowed
@@ -265,10 +320,13 @@ def paged_attention(
             sliding_window,
             torch_prefills,
         )
-    if len(plan.decodes):  # windowed or not: the kernel starts each walk at the window's edge
+    if plan.decodes:  # windowed or not: the kernel starts each walk at the window's edge
         assert _cpu_attention is not None
-        window, seqs = sliding_window, plan.decodes
-        _cpu_attention.decode(
-            *_paged_args(out, query, k_cache, v_cache, block_tables, plan, seqs, scale, window)
+        _run(
+            _cpu_attention.decode,
+            plan.decodes,
+            lambda seqs: _paged_args(
+                out, query, k_cache, v_cache, block_tables, plan, seqs, scale, sliding_window
+            ),
         )
     return out
