@@ -1,5 +1,13 @@
 """The fleet's LoRA adapters as one front door knows them: name -> folder, on every replica.
 
+Several front doors over one fleet share one registry, a Ray actor (:mod:`.lora_shared`):
+each :class:`LoRARegistry` is then a copy of it for the hot path (routing, ``/v1/models``,
+404s), refreshed when its version moves on (polled every second by the front door, and
+at once after this front door's own load or unload, and before each sync). The actor
+decides loads and unloads (one per name at a time); this front door makes the replicas'
+calls and reports the result. Without the actor (``vllm serve`` backends, tests), the
+registry here is the truth, as below.
+
 Why a registry in the router, and not only in each engine:
 - A replica that joins later (scale-up, a Ray restart, a reconstructed actor) starts with
   its ``--lora-modules`` only; adapters loaded since through the API would be missing
@@ -21,7 +29,8 @@ Why a registry in the router, and not only in each engine:
 - Load adds the adapter on every live replica *before* the registry names it, so no
   request is routed to a replica that lacks it; unload takes the name out of the registry
   first (new requests get a 404), waits until this front door's requests on it have ended
-  (at most ``unload_wait_s``), then unregisters it on the replicas. Requests of other
+  (at most ``unload_wait_s``; other front doors' requests are not waited for), then
+  unregisters it on the replicas. Requests of other
   adapters and of the base model are never touched.
 
 Which tenant may use which adapter is the tenants file's (:mod:`.tenants`); an adapter a

@@ -25,7 +25,7 @@ import ray
 
 from kvroute.replica.actor import start_replica
 from kvroute.router.lora import prepare_fleet
-from kvroute.router.lora_shared import shared_registry
+from kvroute.router.lora_shared import SharedLoRAs, shared_registry
 from kvroute.router.responses import REPLICA_HEADER
 
 from ..lora_adapters import SHAPES, make_adapter
@@ -134,17 +134,41 @@ def test_an_unload_through_the_other_front_door_is_a_404_and_stays_unloaded(
     assert "x2" not in models(fleet.a)
 
 
-def test_a_front_door_started_later_takes_the_shared_registry(fleet: Fleet) -> None:
+def test_a_front_door_started_later_takes_the_shared_registry(fleet: Fleet, tmp_path: Path) -> None:
     """ad0 came from the replicas' --lora-modules; unloaded through the API, a new front
     door does not bring it back (the registry, not what it finds, is the truth), and it
-    lists and routes what the others loaded."""
+    lists and routes what the others loaded. An adapter no one registered, found on a
+    replica, is removed (by the registry actor's own call)."""
     if "ad0" in fleet.a.door.loras.paths():
         on_loop(fleet.a, fleet.a.door.unload_lora("ad0"))
     loaded = set(fleet.a.door.loras.paths())
     assert "x1" in loaded  # the first test's
+    stray = make_adapter(tmp_path / "stray", 33, **SHAPES[4])
+    ray.get(fleet.actors["s0"].add_lora.remote("stray", stray), timeout=60)
     with serve(list(fleet.actors.values()), door_kw=fleet.door_kw()) as c:
         assert models(c) - {"tiny"} == loaded
         assert complete(c, "x1").status_code == 200
         assert complete(c, "ad0").status_code == 404
         passes(2)
     assert all(names == loaded for names in fleet.held().values()), fleet.held()
+
+
+def test_the_registry_decides_one_load_or_unload_per_name_and_forgets_a_dead_one() -> None:
+    """The actor's rules, in this process (its calls run one at a time in Ray)."""
+    reg = SharedLoRAs()
+    first = reg.seed({"ad0": "/a/ad0"}, {"ad0": frozenset({"s0"})})
+    assert reg.seed({"other": "/a/other"}, {}).adapters == first.adapters  # seeded once
+    assert reg.view(first.version) is None  # nothing new: the poll's cheap answer
+    assert reg.begin_load("ad0") == "loaded"
+    assert reg.begin_load("x") is None
+    assert reg.begin_load("x") == "busy" and reg.begin_unload("x", 60) == "busy"
+    pending = reg.view(first.version)
+    assert pending is not None and pending.pending == {"x"} and "x" not in pending.adapters
+    reg.end_load("x", "/a/x", frozenset({"s0", "s1"}))
+    assert reg.listed("x", "/a/x") and not reg.listed("x", "/b/x")
+    assert reg.begin_unload("x", 60) is None and not reg.listed("x", "/a/x")
+    assert reg.begin_load("x") == "busy"  # until its unloader says it is done
+    reg.end_unload("x")
+    assert reg.begin_unload("x", 60) == "unknown"
+    assert reg.begin_load("y", lease_s=-1) is None  # its front door died mid-load
+    assert reg.begin_load("y") is None  # the lease ran out: the name is free again
