@@ -205,7 +205,10 @@ class LoRARegistry:
     def apply(self, view: SharedView) -> None:
         """``view`` as this front door's copy: an adapter new here (or at a new folder)
         starts with the holders its load recorded, one known here keeps this front door's
-        own; a pending one keeps its holders (its requests here may still fail over)."""
+        own; a pending one keeps its holders (its requests here may still fail over).
+        A view older than the copy (two refreshes' answers crossing) is ignored."""
+        if view.version <= self.version:
+            return
         adapters: dict[str, Adapter] = {}
         for name, (path, created) in view.adapters.items():
             mine = self._adapters.get(name)

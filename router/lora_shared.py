@@ -30,6 +30,7 @@ from typing import Any
 
 LORA_REGISTRY_ACTOR = "kvroute-lora-registry"
 LOAD_LEASE_S = 600.0  # a load's replicas' calls; past this its front door is taken as dead
+REMOVE_TIMEOUT_S = 10.0  # the registry waits this long at most for one replica's removal
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +138,7 @@ class SharedLoRAs:
         self._expire()
         if name in self.pending or self.listed(name, path):
             return False
-        ray.get(replica.remove_lora.remote(name), timeout=60)
+        ray.get(replica.remove_lora.remote(name), timeout=REMOVE_TIMEOUT_S)
         return True
 
 

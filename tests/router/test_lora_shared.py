@@ -134,6 +134,22 @@ def test_an_unload_through_the_other_front_door_is_a_404_and_stays_unloaded(
     assert "x2" not in models(fleet.a)
 
 
+def test_no_sync_touches_an_adapter_another_front_door_is_loading(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """Between a load's start at the registry and its end, the replicas hold an adapter it
+    does not list yet: no front door's pass may remove it. Once the load fails (ended
+    without a folder), the passes remove it."""
+    path = make_adapter(tmp_path / "mid", 34, **SHAPES[4])
+    assert ray.get(fleet.shared.begin_load.remote("mid"), timeout=30) is None
+    ray.get(fleet.actors["s1"].add_lora.remote("mid", path), timeout=60)  # the load's call
+    passes(4)
+    assert "mid" in fleet.held()["s1"]
+    assert "mid" not in models(fleet.a) | models(fleet.b)  # not routable before its end
+    ray.get(fleet.shared.end_load.remote("mid", None), timeout=30)
+    wait_for(lambda: "mid" not in fleet.held()["s1"], 5, "mid removed from s1")
+
+
 def test_a_front_door_started_later_takes_the_shared_registry(fleet: Fleet, tmp_path: Path) -> None:
     """ad0 came from the replicas' --lora-modules; unloaded through the API, a new front
     door does not bring it back (the registry, not what it finds, is the truth), and it
