@@ -283,11 +283,19 @@ def build_app(
         request_log.addHandler(handler)
         request_log.setLevel(logging.INFO)
         request_log.propagate = False
-    loras = _fleet_adapters(replicas)
+    shared = None
+    if not getattr(args, "backend", None):  # Ray's replicas: the fleet's one registry
+        from kvroute.router.lora_shared import shared_registry
+
+        # On a cluster it outlives this front door, as the replicas do (kvroute stop ends
+        # both); on kvroute serve's own local Ray it lives as long as that Ray.
+        shared = shared_registry(detached=bool(getattr(args, "address", None)))
+    loras = _fleet_adapters(replicas, shared)
     door = FrontDoor(
         replicas,
         lora_adapters=loras.paths,
         lora_holders=loras.holders,
+        lora_shared=shared,
         served_model=args.served_model_name,
         policy=args.policy,
         tokenizer=tokenizer,
@@ -310,11 +318,11 @@ def build_app(
     )
 
 
-def _fleet_adapters(replicas: list[tuple[Any, Any]]) -> FleetLoRAs:
-    """The LoRA adapters the replicas hold, every replica made to hold all of them, and
-    which did (:func:`kvroute.router.lora.prepare_fleet`); replicas without LoRA calls
-    (``vllm serve`` backends) are left out. Raises FleetMismatchError on a name held
-    twice."""
+def _fleet_adapters(replicas: list[tuple[Any, Any]], shared: Any = None) -> FleetLoRAs:
+    """The LoRA adapters the replicas hold (or, once a front door started, the ones the
+    fleet's ``shared`` registry lists), every replica made to hold all of them, and which
+    did (:func:`kvroute.router.lora.prepare_fleet`); replicas without LoRA calls (``vllm
+    serve`` backends) are left out. Raises FleetMismatchError on a name held twice."""
     import asyncio
 
     from kvroute.router.frontdoor import FleetMismatchError
@@ -322,7 +330,7 @@ def _fleet_adapters(replicas: list[tuple[Any, Any]]) -> FleetLoRAs:
 
     actors = {info.replica_id: a for a, info in replicas if hasattr(a, "list_loras")}
     try:
-        return asyncio.run(prepare_fleet(actors))
+        return asyncio.run(prepare_fleet(actors, shared))
     except AdapterConflictError as exc:
         raise FleetMismatchError(str(exc)) from None
 
@@ -502,13 +510,17 @@ def add_stop_arguments(p: argparse.ArgumentParser) -> None:
 
 def stop(args: argparse.Namespace) -> int:
     """``kvroute stop``: ends every named replica (front doors then find none and fail
-    their requests with 503 until replicas are started again)."""
+    their requests with 503 until replicas are started again), and the fleet's LoRA
+    registry (the next fleet starts from its replicas' ``--lora-modules``)."""
     import ray
+
+    from kvroute.router.lora_shared import LORA_REGISTRY_ACTOR
 
     ray.init(address=args.address, namespace=args.namespace, logging_level="warning")
     try:
-        names = [n for n in ray.util.list_named_actors() if n.startswith(REPLICA_ACTOR_PREFIX)]
-        for name in names:
+        named = ray.util.list_named_actors()
+        names = [n for n in named if n.startswith(REPLICA_ACTOR_PREFIX)]
+        for name in names + [n for n in named if n == LORA_REGISTRY_ACTOR]:
             ray.kill(ray.get_actor(name), no_restart=True)
         print(f"kvroute stop: stopped {len(names)} replica(s) in namespace {args.namespace!r}",
               file=sys.stderr)  # fmt: skip

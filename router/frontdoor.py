@@ -14,6 +14,8 @@ what changes together in its own parts and only wires them:
 - :class:`~.lora.LoRARegistry`: the fleet's LoRA adapters and which replicas hold each;
   a request under an adapter is routed among its holders only (every live replica is
   re-synced every ``lora_resync_s``, so one that could not take an adapter is retried).
+  Under ``kvroute router``/``serve`` it is a copy of the fleet's one registry actor
+  (:mod:`.lora_shared`), shared by every front door and polled every ``LORA_POLL_S``.
 - :class:`~.request_run.RequestRun`: one request from routing to its end (failover
   included), made by :meth:`FrontDoor.run`.
 
@@ -59,6 +61,7 @@ log = logging.getLogger(__name__)
 MAX_ADAPTER_LABELS = 256  # past this many adapters in /metrics, the rest share "other"
 OTHER_ADAPTER = "other"
 LORA_RESYNC_S = 30.0  # how often every live replica's adapters are checked (and retried)
+LORA_POLL_S = 1.0  # how often the shared LoRA registry's version is asked (its changes seen)
 
 
 class FrontDoor:
@@ -80,14 +83,17 @@ class FrontDoor:
         served_model: str | None = None,
         lora_holders: Mapping[str, Collection[str]] | None = None,
         lora_resync_s: float = LORA_RESYNC_S,
+        lora_shared: Any = None,
     ) -> None:
         """Admission's limits: see :class:`Admission`; the intervals: see :class:`Fleet`.
         ``lora_adapters``: the fleet's adapters at start (name -> folder, as the replicas
         registered them); ``lora_holders``: name -> the replica ids holding it (what
         :func:`~.lora.prepare_fleet` found; None: every replica holds every one);
         ``lora_resync_s``: how often the adapters of every live replica are synced (0:
-        never). ``served_model``: the name clients call the base model by (the fleet's
-        own is accepted too); neither may name an adapter."""
+        never); ``lora_shared``: the fleet's registry actor, shared with the other front
+        doors (:mod:`.lora_shared`; None: this front door's own). ``served_model``: the
+        name clients call the base model by (the fleet's own is accepted too); neither may
+        name an adapter."""
         self.counters: Counter[str] = Counter()  # requests, retries, failovers
         self.run_errors: Counter[str] = Counter()  # the runs' own (no replica, invalid)
         self.fleet = fleet = Fleet(
@@ -117,7 +123,7 @@ class FrontDoor:
         if lora_holders is None:
             lora_holders = {name: list(fleet.replicas) for name in adapters}
         self.loras = LoRARegistry({fleet.model, served_model or fleet.model}, adapters,
-                                  lora_holders)  # fmt: skip
+                                  lora_holders, shared=lora_shared)  # fmt: skip
         self.lora_resync_s = lora_resync_s
         self._resync: asyncio.Task[None] | None = None
         self.fleet_collector = FleetCollector(
@@ -150,7 +156,8 @@ class FrontDoor:
         """Connects to the fleet and starts its monitor (and the adapters' periodic sync)
         on the running loop."""
         self.fleet.start()
-        if self.lora_resync_s > 0 and self._resync is None:
+        wanted = self.lora_resync_s > 0 or self.loras.shared is not None
+        if wanted and self._resync is None:
             self._resync = asyncio.get_running_loop().create_task(self._resync_loras())
 
     async def close(self) -> None:
@@ -255,17 +262,27 @@ class FrontDoor:
         backends) and fleets without adapters need nothing. A new process holds nothing
         until its sync says so."""
         self.loras.drop_replica(info.replica_id)
-        if len(self.loras) and hasattr(actor, "list_loras"):
+        synced = len(self.loras) or self.loras.shared is not None
+        if synced and hasattr(actor, "list_loras"):
             await self.loras.sync(actor, info.replica_id)
 
     async def _resync_loras(self) -> None:
         """Every ``lora_resync_s``: each live replica made to hold the registered adapters
         again (:meth:`LoRARegistry.resync`): one it could not take is retried, one it lost
-        is put back, and it is routed for each once it holds it."""
+        is put back, and it is routed for each once it holds it. With a shared registry,
+        its version is also asked every ``LORA_POLL_S``: another front door's load or
+        unload is seen here within about a second."""
+        loras, every = self.loras, self.lora_resync_s
+        tick = every if loras.shared is None else min(every or LORA_POLL_S, LORA_POLL_S)
+        loop = asyncio.get_running_loop()
+        due = loop.time() + every
         while True:
-            await asyncio.sleep(self.lora_resync_s)
+            await asyncio.sleep(tick)
             try:
-                await self.loras.resync(self._live_actors())
+                await loras.refresh()
+                if every > 0 and loop.time() >= due:
+                    due = loop.time() + every
+                    await loras.resync(self._live_actors())
             except Exception:  # never let the pass die: the next one may succeed
                 log.exception("the periodic LoRA adapter sync failed")
 

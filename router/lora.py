@@ -1,5 +1,13 @@
 """The fleet's LoRA adapters as one front door knows them: name -> folder, on every replica.
 
+Several front doors over one fleet share one registry, a Ray actor (:mod:`.lora_shared`):
+each :class:`LoRARegistry` is then a copy of it for the hot path (routing, ``/v1/models``,
+404s), refreshed when its version moves on (polled every second by the front door, and
+at once after this front door's own load or unload, and before each sync). The actor
+decides loads and unloads (one per name at a time); this front door makes the replicas'
+calls and reports the result. Without the actor (``vllm serve`` backends, tests), the
+registry here is the truth, as below.
+
 Why a registry in the router, and not only in each engine:
 - A replica that joins later (scale-up, a Ray restart, a reconstructed actor) starts with
   its ``--lora-modules`` only; adapters loaded since through the API would be missing
@@ -21,7 +29,8 @@ Why a registry in the router, and not only in each engine:
 - Load adds the adapter on every live replica *before* the registry names it, so no
   request is routed to a replica that lacks it; unload takes the name out of the registry
   first (new requests get a 404), waits until this front door's requests on it have ended
-  (at most ``unload_wait_s``), then unregisters it on the replicas. Requests of other
+  (at most ``unload_wait_s``; other front doors' requests are not waited for), then
+  unregisters it on the replicas. Requests of other
   adapters and of the base model are never touched.
 
 Which tenant may use which adapter is the tenants file's (:mod:`.tenants`); an adapter a
@@ -43,6 +52,7 @@ from .tenants import Tenant
 
 if TYPE_CHECKING:
     from .http_backend import HttpReplicaConnection
+    from .lora_shared import SharedView
     from .replica_connection import ReplicaConnection
     from .request_run import Replicas
 
@@ -82,6 +92,16 @@ def not_found(model: str) -> APIError:
     )
 
 
+def _taken(name: str, why: str) -> APIError:
+    """A load or unload the fleet's registry refused: loaded already, or another front
+    door is loading or unloading it right now."""
+    if why == "loaded":
+        message = f"The lora adapter `{name[:100]}` has already been loaded."
+    else:
+        message = f"The lora adapter `{name[:100]}` is being loaded or unloaded; try again."
+    return APIError(400, message, "BadRequestError", "lora_name")
+
+
 def _refusal(exc: BaseException) -> str | None:
     """A replica's refusal (its engine's ValueError, through Ray) as one line; None for
     anything else (a replica that died or did not answer)."""
@@ -102,12 +122,18 @@ class LoRARegistry:
         holders: Mapping[str, Collection[str]] | None = None,
         *,
         unload_wait_s: float = UNLOAD_WAIT_S,
+        shared: Any = None,
     ) -> None:
         """``base_names``: what ``model`` may say for the base model (no adapter may take
         one). ``adapters``: name -> folder, as the replicas registered them; ``holders``:
-        name -> the replica ids known to hold it (an adapter left out: none yet)."""
+        name -> the replica ids known to hold it (an adapter left out: none yet).
+        ``shared``: the fleet's registry actor (:mod:`.lora_shared`), whose view this one
+        copies (:meth:`refresh`); None: this front door's own registry is the truth."""
         self.base_names = frozenset(base_names)
         self.unload_wait_s = unload_wait_s
+        self.shared = shared
+        self.version = -1  # the shared registry's, as last copied
+        self._pending: frozenset[str] = frozenset()  # being (un)loaded: no sync touches them
         now = int(time.time())
         self._adapters: dict[str, Adapter] = {
             name: Adapter(name, path, now) for name, path in (adapters or {}).items()
@@ -165,6 +191,43 @@ class LoRARegistry:
         holders = self._holders.setdefault(name, set())
         (holders.add if held else holders.discard)(rid)
 
+    # -- the shared registry ---------------------------------------------------------------
+    async def refresh(self) -> bool:
+        """Copies the shared registry when its version moved on (True when it did)."""
+        if self.shared is None:
+            return False
+        view = await self.shared.view.remote(self.version)
+        if view is None:
+            return False
+        self.apply(view)
+        return True
+
+    def apply(self, view: SharedView) -> None:
+        """``view`` as this front door's copy: an adapter new here (or at a new folder)
+        starts with the holders its load recorded, one known here keeps this front door's
+        own; a pending one keeps its holders (its requests here may still fail over).
+        A view older than the copy (two refreshes' answers crossing) is ignored."""
+        if view.version <= self.version:
+            return
+        adapters: dict[str, Adapter] = {}
+        for name, (path, created) in view.adapters.items():
+            mine = self._adapters.get(name)
+            if mine is None or mine.path != path:
+                mine = Adapter(name, path, created)
+                self._holders[name] = set(view.holders.get(name, ()))
+            adapters[name] = mine
+        self._adapters = adapters
+        for name in [n for n in self._holders if n not in adapters and n not in view.pending]:
+            del self._holders[name]
+        self._pending = view.pending
+        self.version = view.version
+
+    async def _end_load(self, name: str, adapter: Adapter | None, took: Collection[str]) -> None:
+        if self.shared is not None:
+            path = adapter.path if adapter is not None else None
+            await self.shared.end_load.remote(name, path, frozenset(took))
+            await self.refresh()
+
     # -- requests in flight ----------------------------------------------------------------
     def started(self, name: str) -> None:
         self.in_flight[name] += 1
@@ -197,48 +260,60 @@ class LoRARegistry:
                 "lora_name",
             )
         async with self._lock:
-            if name in self._adapters:
-                raise APIError(
-                    400,
-                    f"The lora adapter `{name[:100]}` has already been loaded.",
-                    "BadRequestError",
-                    "lora_name",
-                )
-            rids = list(replicas)
-            results = await asyncio.gather(
-                *(replicas[r].add_lora.remote(name, path) for r in rids), return_exceptions=True
-            )
-            took = [r for r, res in zip(rids, results, strict=True) if isinstance(res, str)]
-            refusals = [_refusal(res) for res in results if isinstance(res, BaseException)]
-            why = next((r for r in refusals if r is not None), None)
-            paths = {res for res in results if isinstance(res, str)}
-            if why is None and len(paths) > 1:
-                why = f"replicas registered it under different paths: {sorted(paths)}"
-            if why is not None or not took:
-                await asyncio.gather(
-                    *(replicas[r].remove_lora.remote(name) for r in took), return_exceptions=True
-                )
-                raise APIError(
-                    400,
-                    f"LoRA adapter `{name[:100]}` not loaded: {why or 'no replica answered'}",
-                    "BadRequestError",
-                    "lora_name" if why and "lora_name" in why else "lora_path",
-                )
-            for rid, res in zip(rids, results, strict=True):
-                if isinstance(res, BaseException):
-                    self.errors["lora_load_failed"] += 1
-                    log.warning("replica %s did not take adapter %r: %r", rid, name, res)
-            adapter = self._adapters[name] = Adapter(name, paths.pop(), int(time.time()))
-            self._holders[name] = set(took)  # the others get it from a later sync
-            log.info("LoRA adapter %r loaded from %s on %d replica(s)", name, path, len(took))
+            why_not = "loaded" if name in self._adapters else None
+            if self.shared is not None:  # the fleet's registry decides, not this copy
+                why_not = await self.shared.begin_load.remote(name)
+            if why_not is not None:
+                raise _taken(name, why_not)
+            try:
+                adapter = await self._load(name, path, replicas)
+            except BaseException:
+                await asyncio.shield(self._end_load(name, None, ()))
+                raise
+            await self._end_load(name, adapter, self._holders[name])
             return adapter
+
+    async def _load(self, name: str, path: str, replicas: Mapping[str, Any]) -> Adapter:
+        """:meth:`load`'s calls to the replicas, once the name is this front door's."""
+        rids = list(replicas)
+        results = await asyncio.gather(
+            *(replicas[r].add_lora.remote(name, path) for r in rids), return_exceptions=True
+        )
+        took = [r for r, res in zip(rids, results, strict=True) if isinstance(res, str)]
+        refusals = [_refusal(res) for res in results if isinstance(res, BaseException)]
+        why = next((r for r in refusals if r is not None), None)
+        paths = {res for res in results if isinstance(res, str)}
+        if why is None and len(paths) > 1:
+            why = f"replicas registered it under different paths: {sorted(paths)}"
+        if why is not None or not took:
+            await asyncio.gather(
+                *(replicas[r].remove_lora.remote(name) for r in took), return_exceptions=True
+            )
+            raise APIError(
+                400,
+                f"LoRA adapter `{name[:100]}` not loaded: {why or 'no replica answered'}",
+                "BadRequestError",
+                "lora_name" if why and "lora_name" in why else "lora_path",
+            )
+        for rid, res in zip(rids, results, strict=True):
+            if isinstance(res, BaseException):
+                self.errors["lora_load_failed"] += 1
+                log.warning("replica %s did not take adapter %r: %r", rid, name, res)
+        adapter = self._adapters[name] = Adapter(name, paths.pop(), int(time.time()))
+        self._holders[name] = set(took)  # the others get it from a later sync
+        log.info("LoRA adapter %r loaded from %s on %d replica(s)", name, path, len(took))
+        return adapter
 
     async def unload(self, name: str, replicas: Mapping[str, Any]) -> None:
         """Takes ``name`` out of the registry (new requests: 404), waits for this front
         door's requests on it to end (at most ``unload_wait_s``), then unregisters it on
         every replica. An unknown name: :class:`APIError` 404 naming ``lora_name``."""
         async with self._lock:
-            if self._adapters.pop(name, None) is None:
+            why_not = None if name in self._adapters else "unknown"
+            if self.shared is not None:  # pending there until its replicas dropped it
+                lease = self.unload_wait_s + RESYNC_TIMEOUT_S * 2
+                why_not = await self.shared.begin_unload.remote(name, lease)
+            if why_not == "unknown":
                 raise APIError(
                     404,
                     f"The lora adapter `{name[:100]}` cannot be found.",
@@ -246,44 +321,71 @@ class LoRARegistry:
                     "lora_name",
                     "model_not_found",
                 )
-            if self.in_flight[name]:
-                idle = self._idle[name] = asyncio.Event()
-                try:
-                    await asyncio.wait_for(idle.wait(), self.unload_wait_s)
-                except TimeoutError:
-                    log.warning(
-                        "adapter %r: %d request(s) still running after %g s; unloading",
-                        name, self.in_flight[name], self.unload_wait_s,
-                    )  # fmt: skip
-                finally:
-                    self._idle.pop(name, None)
-            self._holders.pop(name, None)  # only now: its requests' failovers needed them
-            self._refused = {(r, n) for r, n in self._refused if n != name}
-            results = await asyncio.gather(
-                *(a.remove_lora.remote(name) for a in replicas.values()), return_exceptions=True
-            )
-            for rid, res in zip(replicas, results, strict=True):
-                if isinstance(res, BaseException):  # it syncs when it is back
-                    self.errors["lora_unload_failed"] += 1
-                    log.warning("replica %s did not drop adapter %r: %r", rid, name, res)
-            log.info("LoRA adapter %r unloaded", name)
+            if why_not is not None:
+                raise _taken(name, why_not)
+            self._adapters.pop(name, None)
+            try:
+                await self._unload(name, replicas)
+            finally:
+                if self.shared is not None:
+                    await asyncio.shield(self.shared.end_unload.remote(name))
+                    await self.refresh()
+
+    async def _unload(self, name: str, replicas: Mapping[str, Any]) -> None:
+        """:meth:`unload` once the name is out of the registry: the wait, the replicas."""
+        if self.in_flight[name]:
+            idle = self._idle[name] = asyncio.Event()
+            try:
+                await asyncio.wait_for(idle.wait(), self.unload_wait_s)
+            except TimeoutError:
+                log.warning(
+                    "adapter %r: %d request(s) still running after %g s; unloading",
+                    name, self.in_flight[name], self.unload_wait_s,
+                )  # fmt: skip
+            finally:
+                self._idle.pop(name, None)
+        self._holders.pop(name, None)  # only now: its requests' failovers needed them
+        self._refused = {(r, n) for r, n in self._refused if n != name}
+        results = await asyncio.gather(
+            *(a.remove_lora.remote(name) for a in replicas.values()), return_exceptions=True
+        )
+        for rid, res in zip(replicas, results, strict=True):
+            if isinstance(res, BaseException):  # it syncs when it is back
+                self.errors["lora_unload_failed"] += 1
+                log.warning("replica %s did not drop adapter %r: %r", rid, name, res)
+        log.info("LoRA adapter %r unloaded", name)
 
     async def sync(self, actor: Any, rid: str) -> list[str]:
         """Makes a replica hold exactly the registered adapters (same names, same paths):
         what a replica that joins or comes back needs before it is routed to. A refusal is
         logged and counted, not raised: the replica still serves the base model and the
-        adapters it took, and is a holder of those only. Returns the names it lacks."""
+        adapters it took, and is a holder of those only. Returns the names it lacks.
+
+        Under a shared registry: what it lists now, names being loaded or unloaded left
+        alone, an unlisted one removed by the registry itself (it checks and removes in one
+        call: no load begins between), and one added here that was unloaded meanwhile
+        removed again (so no replica keeps an adapter another front door unloaded)."""
+        await self.refresh()
         have: dict[str, str] = await actor.list_loras.remote()
         want = self.paths()
         for name, path in have.items():
-            if want.get(name) != path:
+            if want.get(name) != path and name not in self._pending:
                 self._record(name, want.get(name, ""), rid, False)  # before it goes
-                await actor.remove_lora.remote(name)
+                if self.shared is not None:
+                    await self.shared.remove_unlisted.remote(actor, name, path)
+                else:
+                    await actor.remove_lora.remote(name)
         lacking = []
         for name, path in want.items():
+            if name in self._pending:
+                continue
             if have.get(name) != path:
                 try:
                     await actor.add_lora.remote(name, path)
+                    shared = self.shared
+                    if shared is not None and not await shared.listed.remote(name, path):
+                        await shared.remove_unlisted.remote(actor, name, path)
+                        continue
                 except Exception as exc:
                     self.errors["lora_sync_failed"] += 1
                     self._record(name, path, rid, False)
@@ -310,7 +412,7 @@ class LoRARegistry:
         time under the lock (a load or unload changes what sync compares against), so an
         admin call waits one replica's sync at most; the pass stops while one runs."""
         for rid, actor in replicas.items():
-            if self._lock.locked() or not self._adapters:
+            if self._lock.locked() or not (self._adapters or self.shared is not None):
                 return
             async with self._lock:
                 try:
@@ -369,15 +471,21 @@ class FleetLoRAs:
     holders: dict[str, frozenset[str]]
 
 
-async def prepare_fleet(actors: Mapping[str, Any]) -> FleetLoRAs:
+async def prepare_fleet(actors: Mapping[str, Any], shared: Any = None) -> FleetLoRAs:
     """At a front door's start: the adapters the replicas hold (:func:`fleet_adapters`),
     and every replica made to hold all of them (one restarted with fewer, or reused from
-    an earlier ``kvroute serve``). A replica that refuses one is no holder of it."""
+    an earlier ``kvroute serve``). A replica that refuses one is no holder of it.
+
+    ``shared``: the fleet's registry actor. The first front door seeds it with what the
+    replicas hold; a later one (or one restarted) takes what it lists instead, and makes
+    the replicas hold that (an adapter unloaded while it was down stays unloaded)."""
     if not actors:
         return FleetLoRAs({}, {})
     adapters = await fleet_adapters(actors)
-    registry = LoRARegistry((), adapters)
-    if adapters:
+    registry = LoRARegistry((), adapters, shared=shared)
+    if shared is not None:
+        registry.apply(await shared.seed.remote(adapters, {n: frozenset(actors) for n in adapters}))
+    if adapters or len(registry):
         for rid, actor in actors.items():
             await registry.sync(actor, rid)
-    return FleetLoRAs(adapters, registry.holder_map())
+    return FleetLoRAs(registry.paths(), registry.holder_map())

@@ -27,6 +27,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from kvroute.deploy.router import RAY_NAMESPACE, REPLICA_ACTOR_PREFIX
+from kvroute.router.lora_shared import LORA_REGISTRY_ACTOR
 
 from ..ray_session import shutdown
 from ..waiting import poll
@@ -106,6 +107,15 @@ def stop(proc: subprocess.Popen[str]) -> None:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def lora_registry_runs(address: str) -> bool:
+    """Whether the fleet's LoRA registry actor is alive (asked from another driver)."""
+    ray.init(address=address, namespace=RAY_NAMESPACE, logging_level="warning")
+    try:
+        return LORA_REGISTRY_ACTOR in ray.util.list_named_actors()
+    finally:
+        ray.shutdown()
 
 
 def replica_nodes(address: str, env: list[dict[str, str | None]] | None = None) -> dict[str, str]:
@@ -188,13 +198,15 @@ def test_replicas_outlive_the_front_door_until_kvroute_stop(
     cluster: tuple[Cluster, list[Any]], served: tuple[str, subprocess.Popen[str]]
 ) -> None:
     """Ctrl-C on ``kvroute serve`` stops its front door only; ``kvroute router`` finds the
-    same replicas and serves; ``kvroute stop`` is what ends them."""
+    same replicas (and the same LoRA registry) and serves; ``kvroute stop`` is what ends
+    them."""
     c, _ = cluster
     _, proc = served
     before = replica_nodes(c.address)
     stop(proc)
     assert proc.returncode == 0
     assert replica_nodes(c.address) == before  # the same replicas, on the same nodes
+    assert lora_registry_runs(c.address)  # detached: a restarted front door takes it up
     port = free_port()
     router = subprocess.Popen(
         [*KVROUTE, "router", "--address", c.address, "--port", str(port)],
@@ -211,3 +223,4 @@ def test_replicas_outlive_the_front_door_until_kvroute_stop(
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0 and f"stopped {len(before)} replica(s)" in out.stderr, out.stderr
     assert replica_nodes(c.address) == {}
+    assert not lora_registry_runs(c.address)

@@ -1,0 +1,190 @@
+"""Two front doors over the same replicas share one LoRA registry (issue 37), with real
+parts: a local Ray, two replica actors of ``tiny``, the registry actor, two front doors
+under uvicorn, httpx.
+
+The bug this pins down: with a registry per front door, each one's periodic resync makes
+every replica hold exactly *its* adapters, so an adapter loaded through A was removed from
+every replica by B's next pass (and one unloaded through B came back by A's). With the
+shared registry: B routes and lists what A loaded within a few polls, no resync removes
+it, an unload through B is a 404 at A and stays unloaded, and a front door started later
+takes the registry as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Coroutine, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import ray
+
+from kvroute.replica.actor import start_replica
+from kvroute.router.lora import prepare_fleet
+from kvroute.router.lora_shared import SharedLoRAs, shared_registry
+from kvroute.router.responses import REPLICA_HEADER
+
+from ..lora_adapters import SHAPES, make_adapter
+from ..ray_session import local_ray
+from ..waiting import wait_for
+from .fleet import Served, serve
+
+CONFIG = {"model": "tiny", "block_size": 16, "num_blocks": 128, "enable_lora": True,
+          "max_loras": 2}  # fmt: skip
+KEY = {"authorization": "Bearer key-a"}  # every adapter (tests/router/fleet.py's KEYS)
+RESYNC_S = 0.5  # both front doors' periodic pass: several run in each test's waits
+
+
+class Fleet:
+    """The replicas, the registry actor and two front doors, ``a`` and ``b``."""
+
+    def __init__(self, actors: dict[str, Any], shared: Any, a: Served, b: Served) -> None:
+        self.actors, self.shared, self.a, self.b = actors, shared, a, b
+
+    def door_kw(self) -> dict[str, Any]:
+        held = asyncio.run(prepare_fleet(self.actors, self.shared))
+        return {"lora_adapters": held.paths, "lora_holders": held.holders,
+                "lora_resync_s": RESYNC_S, "lora_shared": self.shared}  # fmt: skip
+
+    def held(self) -> dict[str, set[str]]:
+        """Replica id -> the adapters it holds now (asked of the replicas themselves)."""
+        rids = list(self.actors)
+        lists = ray.get([self.actors[r].list_loras.remote() for r in rids], timeout=60)
+        return {rid: set(names) for rid, names in zip(rids, lists, strict=True)}
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    root = tmp_path_factory.mktemp("shared")
+    start = {"ad0": make_adapter(root / "ad0", 21, **SHAPES[0])}
+    with local_ray() as started:
+        actors = {
+            f"s{i}": start_replica(f"s{i}", {**CONFIG, "lora_modules": start}, num_cpus=0.5,
+                                   torch_threads=1)
+            for i in range(2)
+        }  # fmt: skip
+        started.extend(actors.values())
+        ray.get([a.info.remote() for a in actors.values()], timeout=120)
+        shared = shared_registry(detached=False, name=f"test-lora-registry-{uuid.uuid4().hex}")
+        started.append(shared)
+        fl = Fleet(actors, shared, None, None)  # type: ignore[arg-type]
+        replicas = list(actors.values())
+        with (
+            serve(replicas, door_kw=fl.door_kw()) as a,
+            serve(replicas, door_kw=fl.door_kw()) as b,
+        ):
+            fl.a, fl.b = a, b
+            yield fl
+
+
+def on_loop(served: Served, coro: Coroutine[Any, Any, Any]) -> Any:
+    """Runs ``coro`` on ``served``'s front door's loop (where its registry lives)."""
+    task = served.door._resync
+    assert task is not None  # the periodic pass: a task on the server's loop
+    return asyncio.run_coroutine_threadsafe(coro, task.get_loop()).result(120)
+
+
+def models(served: Served) -> set[str]:
+    r = httpx.get(served.url + "/v1/models", headers=KEY, timeout=30)
+    assert r.status_code == 200, r.text
+    return {m["id"] for m in r.json()["data"]}
+
+
+def complete(served: Served, model: str) -> httpx.Response:
+    body = {"model": model, "prompt": f"Shared adapters, {model}.", "max_tokens": 2,
+            "temperature": 0}  # fmt: skip
+    return httpx.post(served.url + "/v1/completions", json=body, headers=KEY, timeout=120)
+
+
+def passes(n: int) -> None:
+    """Long enough for ``n`` periodic passes of both front doors."""
+    time.sleep(n * RESYNC_S + 0.5)
+
+
+def test_a_load_through_one_front_door_is_routed_by_the_other_and_kept(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    path = make_adapter(tmp_path / "x1", 31, **SHAPES[4])
+    on_loop(fleet.a, fleet.a.door.load_lora("x1", path))
+    assert {rid for rid, names in fleet.held().items() if "x1" in names} == {"s0", "s1"}
+    passes(4)  # B's resync ran: with a registry of its own it removed x1 everywhere
+    assert all("x1" in names for names in fleet.held().values()), fleet.held()
+    assert "x1" in models(fleet.b)  # seen within a poll (LORA_POLL_S)
+    r = complete(fleet.b, "x1")
+    assert r.status_code == 200, r.text
+    assert r.headers[REPLICA_HEADER] in {"s0", "s1"}
+    assert fleet.b.door.loras.holders("x1") == {"s0", "s1"}
+    assert complete(fleet.a, "x1").status_code == 200
+
+
+def test_an_unload_through_the_other_front_door_is_a_404_and_stays_unloaded(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    path = make_adapter(tmp_path / "x2", 32, **SHAPES[4])
+    on_loop(fleet.a, fleet.a.door.load_lora("x2", path))
+    wait_for(lambda: "x2" in models(fleet.b), 5, "B lists x2")
+    on_loop(fleet.b, fleet.b.door.unload_lora("x2"))
+    passes(4)  # A's resync ran: with a registry of its own it put x2 back everywhere
+    assert not any("x2" in names for names in fleet.held().values()), fleet.held()
+    wait_for(lambda: complete(fleet.a, "x2").status_code == 404, 5, "A answers x2 with 404")
+    assert "x2" not in models(fleet.a)
+
+
+def test_no_sync_touches_an_adapter_another_front_door_is_loading(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """Between a load's start at the registry and its end, the replicas hold an adapter it
+    does not list yet: no front door's pass may remove it. Once the load fails (ended
+    without a folder), the passes remove it."""
+    path = make_adapter(tmp_path / "mid", 34, **SHAPES[4])
+    assert ray.get(fleet.shared.begin_load.remote("mid"), timeout=30) is None
+    ray.get(fleet.actors["s1"].add_lora.remote("mid", path), timeout=60)  # the load's call
+    passes(4)
+    assert "mid" in fleet.held()["s1"]
+    assert "mid" not in models(fleet.a) | models(fleet.b)  # not routable before its end
+    ray.get(fleet.shared.end_load.remote("mid", None), timeout=30)
+    wait_for(lambda: "mid" not in fleet.held()["s1"], 5, "mid removed from s1")
+
+
+def test_a_front_door_started_later_takes_the_shared_registry(fleet: Fleet, tmp_path: Path) -> None:
+    """ad0 came from the replicas' --lora-modules; unloaded through the API, a new front
+    door does not bring it back (the registry, not what it finds, is the truth), and it
+    lists and routes what the others loaded. An adapter no one registered, found on a
+    replica, is removed (by the registry actor's own call)."""
+    if "ad0" in fleet.a.door.loras.paths():
+        on_loop(fleet.a, fleet.a.door.unload_lora("ad0"))
+    loaded = set(fleet.a.door.loras.paths())
+    assert "x1" in loaded  # the first test's
+    stray = make_adapter(tmp_path / "stray", 33, **SHAPES[4])
+    ray.get(fleet.actors["s0"].add_lora.remote("stray", stray), timeout=60)
+    with serve(list(fleet.actors.values()), door_kw=fleet.door_kw()) as c:
+        assert models(c) - {"tiny"} == loaded
+        assert complete(c, "x1").status_code == 200
+        assert complete(c, "ad0").status_code == 404
+        passes(2)
+    assert all(names == loaded for names in fleet.held().values()), fleet.held()
+
+
+def test_the_registry_decides_one_load_or_unload_per_name_and_forgets_a_dead_one() -> None:
+    """The actor's rules, in this process (its calls run one at a time in Ray)."""
+    reg = SharedLoRAs()
+    first = reg.seed({"ad0": "/a/ad0"}, {"ad0": frozenset({"s0"})})
+    assert reg.seed({"other": "/a/other"}, {}).adapters == first.adapters  # seeded once
+    assert reg.view(first.version) is None  # nothing new: the poll's cheap answer
+    assert reg.begin_load("ad0") == "loaded"
+    assert reg.begin_load("x") is None
+    assert reg.begin_load("x") == "busy" and reg.begin_unload("x", 60) == "busy"
+    pending = reg.view(first.version)
+    assert pending is not None and pending.pending == {"x"} and "x" not in pending.adapters
+    reg.end_load("x", "/a/x", frozenset({"s0", "s1"}))
+    assert reg.listed("x", "/a/x") and not reg.listed("x", "/b/x")
+    assert reg.begin_unload("x", 60) is None and not reg.listed("x", "/a/x")
+    assert reg.begin_load("x") == "busy"  # until its unloader says it is done
+    reg.end_unload("x")
+    assert reg.begin_unload("x", 60) == "unknown"
+    assert reg.begin_load("y", lease_s=-1) is None  # its front door died mid-load
+    assert reg.begin_load("y") is None  # the lease ran out: the name is free again
