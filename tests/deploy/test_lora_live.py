@@ -54,7 +54,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]
     adapters = make_adapters(root, 6)
     extra = make_adapter(root / "extra", 77, r=8, lora_alpha=16, target_modules=["v_proj"])
     (root / "tenants.toml").write_text(TENANTS)
-    args = ["--model", "tiny", "--replicas", "2", "--max-loras", "2", "--max-cpu-loras", "7",
+    # fp32 whatever the host: the reference is PEFT in fp32 (serve takes bf16 on CUDA)
+    args = ["--model", "tiny", "--replicas", "2", "--dtype", "float32",
+            "--max-loras", "2", "--max-cpu-loras", "7",
             "--tenants", str(root / "tenants.toml"), "--fleet-secret", "live-lora-test",
             "--lora-modules", *(f"{n}={p}" for n, p in adapters.items())]  # fmt: skip
     with kvroute_serve(args) as url:
