@@ -153,10 +153,7 @@ def chat_fleet(
     args: argparse.Namespace, name: str, tier: list[str], env: dict[str, str], out: Path
 ) -> dict[str, Any]:
     """One ``kvroute bench --workload chat`` run on a fresh fleet of small device pools."""
-    from proc_cpu import cpu_of, tree
-
-    def tree_cpu_seconds(pid: int) -> float:  # the front door, Ray and the replicas
-        return sum(cpu_of(tree(pid)).values())
+    from proc_cpu import tree_cpu_seconds
 
     url = f"http://127.0.0.1:{args.port}/v1"
     chat = argparse.Namespace(**{**vars(args), "num_blocks": args.chat_blocks})

@@ -76,6 +76,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from proc_cpu import tree_cpu_seconds
+
 MODEL = "smollm2-135m"
 BLOCK_SIZE = 32
 MAX_MODEL_LEN = 2048
@@ -175,16 +178,6 @@ def descendants(root: int) -> list[tuple[int, str]]:
             out.append((pid, start[pid]))
         todo.extend(children.get(pid, []))
     return out
-
-
-def tree_cpu_seconds(root: int) -> float:
-    """utime + stime of ``root``'s live tree, plus what its waited-for children used."""
-    ticks = 0
-    for pid, _ in descendants(root):
-        st = _stat(pid)
-        if st:  # utime, stime, cutime, cstime: fields 14-17, here 11-14
-            ticks += sum(int(x) for x in st[11:15])
-    return ticks / CLK_TCK
 
 
 # --- processes --------------------------------------------------------------------------

@@ -68,3 +68,14 @@ def tree(root: int, exclude: frozenset[int] | set[int] = frozenset()) -> set[int
         out.add(pid)
         todo.extend(children.get(pid, ()))
     return out
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """utime + stime of ``root``'s live tree, plus what the children it waited for used
+    (cutime + cstime): a fleet's CPU, replicas and helpers included."""
+    ticks = 0
+    for pid in tree(root):
+        f = stat(pid)
+        if f is not None:
+            ticks += sum(int(x) for x in f[11:15])
+    return ticks / TICK

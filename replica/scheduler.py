@@ -36,7 +36,8 @@ everything running can always make progress by preempting others.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
     from .kv_tiers import KVTiers
 
 log = logging.getLogger(__name__)
+_NO_LOADS: Mapping[str, Any] = MappingProxyType({})
 _RUNNING = RequestStatus.RUNNING  # an enum member read from its class costs a lookup per use
 
 
@@ -102,12 +104,15 @@ class Scheduler(DecodeRuns):
         # Lower KV tiers (kv_loads): a waiting request whose prefix goes on there has it
         # loaded first, out of the queue and holding its blocks, until the load lands.
         self.kv_loads: KVLoads | None = None
-        self.loading: dict[str, tuple[Request, list[KVCacheBlock]]] = {}  # kv_loads'
 
     def use_tiers(self, tiers: KVTiers) -> None:
         """Loads prefixes found in these lower KV tiers instead of recomputing them."""
         self.kv_loads = KVLoads(tiers, self.kv_cache_manager, self.waiting)
-        self.loading = self.kv_loads.loading
+
+    @property
+    def loading(self) -> Mapping[str, tuple[Request, list[KVCacheBlock]]]:
+        """Requests whose lower-tier load is in flight (out of ``waiting``, holding blocks)."""
+        return self.kv_loads.loading if self.kv_loads is not None else _NO_LOADS
 
     # -- requests in and out -----------------------------------------------------------
     def add_request(self, request: Request) -> None:
