@@ -133,6 +133,7 @@ class LoRARegistry:
         self.unload_wait_s = unload_wait_s
         self.shared = shared
         self.version = -1  # the shared registry's, as last copied
+        self.epoch = ""  # ... and which registry process it was (a restart is a new one)
         self._pending: frozenset[str] = frozenset()  # being (un)loaded: no sync touches them
         now = int(time.time())
         self._adapters: dict[str, Adapter] = {
@@ -196,9 +197,13 @@ class LoRARegistry:
         """Copies the shared registry when its version moved on (True when it did)."""
         if self.shared is None:
             return False
-        view = await self.shared.view.remote(self.version)
+        view = await self.shared.view.remote(self.version, self.epoch)
         if view is None:
             return False
+        if not view.seeded:  # restarted empty (its node died): this copy is the fleet's
+            view = await self.shared.seed.remote(self.paths(), self.holder_map())
+            log.warning("the shared LoRA registry came back empty; seeded it with %d "
+                        "adapter(s)", len(view.adapters))  # fmt: skip
         self.apply(view)
         return True
 
@@ -207,7 +212,7 @@ class LoRARegistry:
         starts with the holders its load recorded, one known here keeps this front door's
         own; a pending one keeps its holders (its requests here may still fail over).
         A view older than the copy (two refreshes' answers crossing) is ignored."""
-        if view.version <= self.version:
+        if view.epoch == self.epoch and view.version <= self.version:
             return
         adapters: dict[str, Adapter] = {}
         for name, (path, created) in view.adapters.items():
@@ -220,7 +225,7 @@ class LoRARegistry:
         for name in [n for n in self._holders if n not in adapters and n not in view.pending]:
             del self._holders[name]
         self._pending = view.pending
-        self.version = view.version
+        self.version, self.epoch = view.version, view.epoch
 
     async def _end_load(self, name: str, adapter: Adapter | None, took: Collection[str]) -> None:
         if self.shared is not None:

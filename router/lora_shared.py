@@ -9,6 +9,14 @@ created by whichever front door starts first (``get_if_exists``). On a cluster i
 detached, like the replicas: it outlives a front door's restart, and ``kvroute stop``
 ends it with them; on ``kvroute serve``'s own local Ray it lives as long as that Ray.
 
+Where it runs, and its loss: on the node of the front door that created it (soft
+affinity: usually the head, which a fleet does not lose without its front door), never
+on a replica's worker by chance. If its node dies anyway, Ray restarts it elsewhere,
+empty, under a new ``epoch``: the first front door that polls it finds it unseeded and
+seeds it with its own copy (:meth:`SharedLoRAs.seed`), so no sync strips the replicas of
+what the fleet had loaded. Loads and unloads pending at the loss end as they would have
+(``end_load`` registers, ``end_unload`` only frees the name).
+
 What it holds: name -> (folder, created), the replicas that took each adapter when it was
 loaded (a front door that learns of it starts routing there; its own syncs keep its copy
 true after), the names being loaded or unloaded (``pending``: no front door's sync adds
@@ -25,6 +33,7 @@ it can never race a load that another front door has just begun.
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +47,8 @@ class SharedView:
     """The registry as one front door copies it (``version``: to ask for changes only)."""
 
     version: int
+    epoch: str  # one per actor process: a restarted registry is a new one
+    seeded: bool  # False: restarted empty, waiting for a front door's copy
     adapters: dict[str, tuple[str, int]]  # name -> (folder, created)
     holders: dict[str, frozenset[str]]  # name -> the replicas that took it at its load
     pending: frozenset[str] = field(default_factory=frozenset)
@@ -47,6 +58,7 @@ class SharedLoRAs:
     """The actor's state and calls (made an actor by :func:`shared_registry`)."""
 
     def __init__(self) -> None:
+        self.epoch = uuid.uuid4().hex
         self.version = 0
         self.seeded = False
         self.adapters: dict[str, tuple[str, int]] = {}
@@ -64,17 +76,19 @@ class SharedLoRAs:
         if dead:
             self._changed()
 
-    def view(self, known: int = -1) -> SharedView | None:
-        """The registry, or None when ``known`` is its version already (a cheap poll)."""
+    def view(self, known: int = -1, epoch: str = "") -> SharedView | None:
+        """The registry, or None when ``known`` is its version already in this ``epoch``
+        (a cheap poll)."""
         self._expire()
-        if known == self.version:
+        if known == self.version and epoch == self.epoch:
             return None
-        return SharedView(self.version, dict(self.adapters), dict(self.holders),
-                          frozenset(self.pending))  # fmt: skip
+        return SharedView(self.version, self.epoch, self.seeded, dict(self.adapters),
+                          dict(self.holders), frozenset(self.pending))  # fmt: skip
 
     def seed(self, adapters: dict[str, str], holders: dict[str, frozenset[str]]) -> SharedView:
-        """The first front door's start: the adapters the replicas hold (``--lora-modules``).
-        Later ones (a restart included) get what the registry holds, not what they found."""
+        """The first front door's start: the adapters the replicas hold (``--lora-modules``);
+        after the actor's restart, the first poller's copy. Later ones (a front door's
+        restart included) get what the registry holds, not what they found."""
         if not self.seeded:
             self.seeded = True
             now = int(time.time())
@@ -143,12 +157,16 @@ class SharedLoRAs:
 
 
 def shared_registry(detached: bool, name: str = LORA_REGISTRY_ACTOR) -> Any:
-    """The fleet's registry actor in the driver's namespace, created if none runs yet.
+    """The fleet's registry actor in the driver's namespace, created if none runs yet, on
+    this process's node (soft: elsewhere if it cannot be), restarted if its node dies.
     ``detached``: it outlives this process (a cluster's fleet; ``kvroute stop`` ends it)."""
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     extra: dict[str, Any] = {"lifetime": "detached"} if detached else {}
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
     actor_cls = ray.remote(SharedLoRAs)
     return actor_cls.options(  # type: ignore[attr-defined]
-        name=name, get_if_exists=True, num_cpus=0, max_concurrency=1, **extra
-    ).remote()
+        name=name, get_if_exists=True, num_cpus=0, max_concurrency=1, max_restarts=-1,
+        max_task_retries=0, scheduling_strategy=here, **extra,
+    ).remote()  # fmt: skip

@@ -169,16 +169,46 @@ def test_a_front_door_started_later_takes_the_shared_registry(fleet: Fleet, tmp_
     assert all(names == loaded for names in fleet.held().values()), fleet.held()
 
 
+def test_a_registry_restarted_empty_is_seeded_again_and_strips_no_replica(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """Its node died (here: killed, Ray restarts it empty): the first front door to poll
+    it seeds it with its own copy, so the replicas keep every adapter through both front
+    doors' passes, and a load through the other front door works on the new registry."""
+    before = ray.get(fleet.shared.view.remote(), timeout=30)
+    loaded = set(fleet.a.door.loras.paths())
+    assert loaded, "the earlier tests left adapters loaded"
+    ray.kill(fleet.shared, no_restart=False)
+
+    def reseeded() -> bool:
+        try:
+            view = ray.get(fleet.shared.view.remote(), timeout=10)
+        except ray.exceptions.RayError:
+            return False  # still restarting
+        return view.epoch != before.epoch and view.seeded
+
+    wait_for(reseeded, 60, "the restarted registry seeded by a front door")
+    view = ray.get(fleet.shared.view.remote(), timeout=30)
+    assert set(view.adapters) == loaded
+    passes(4)
+    assert all(loaded <= names for names in fleet.held().values()), fleet.held()
+    assert models(fleet.a) - {"tiny"} == loaded == models(fleet.b) - {"tiny"}
+    path = make_adapter(tmp_path / "x3", 35, **SHAPES[4])
+    on_loop(fleet.b, fleet.b.door.load_lora("x3", path))
+    wait_for(lambda: "x3" in models(fleet.a), 5, "A lists x3")
+    assert complete(fleet.a, "x3").status_code == 200
+
+
 def test_the_registry_decides_one_load_or_unload_per_name_and_forgets_a_dead_one() -> None:
     """The actor's rules, in this process (its calls run one at a time in Ray)."""
     reg = SharedLoRAs()
     first = reg.seed({"ad0": "/a/ad0"}, {"ad0": frozenset({"s0"})})
     assert reg.seed({"other": "/a/other"}, {}).adapters == first.adapters  # seeded once
-    assert reg.view(first.version) is None  # nothing new: the poll's cheap answer
+    assert reg.view(first.version, first.epoch) is None  # nothing new: the poll's cheap answer
     assert reg.begin_load("ad0") == "loaded"
     assert reg.begin_load("x") is None
     assert reg.begin_load("x") == "busy" and reg.begin_unload("x", 60) == "busy"
-    pending = reg.view(first.version)
+    pending = reg.view(first.version, first.epoch)
     assert pending is not None and pending.pending == {"x"} and "x" not in pending.adapters
     reg.end_load("x", "/a/x", frozenset({"s0", "s1"}))
     assert reg.listed("x", "/a/x") and not reg.listed("x", "/b/x")
@@ -188,3 +218,5 @@ def test_the_registry_decides_one_load_or_unload_per_name_and_forgets_a_dead_one
     assert reg.begin_unload("x", 60) == "unknown"
     assert reg.begin_load("y", lease_s=-1) is None  # its front door died mid-load
     assert reg.begin_load("y") is None  # the lease ran out: the name is free again
+    assert reg.view(reg.version, reg.epoch) is None
+    assert reg.view(reg.version, "an earlier registry's") is not None  # a restart: all of it
