@@ -46,7 +46,8 @@ from kvroute.events.replica_api import GenerateRequest, ReplicaInfo, SamplingPar
 from .admission import Admission, Ticket
 from .errors import new_id
 from .fleet import Fleet, FleetMismatchError
-from .lora import Adapter, HolderReplicas, LoRARegistry
+from .lora import Adapter, HolderReplicas, LoRARegistry, not_found
+from .lora_shared import LORA_POLL_S
 from .metrics import FleetCollector, Metrics
 from .policies import make_policy
 from .policy import Policy, RequestView
@@ -61,7 +62,6 @@ log = logging.getLogger(__name__)
 MAX_ADAPTER_LABELS = 256  # past this many adapters in /metrics, the rest share "other"
 OTHER_ADAPTER = "other"
 LORA_RESYNC_S = 30.0  # how often every live replica's adapters are checked (and retried)
-LORA_POLL_S = 1.0  # how often the shared LoRA registry's version is asked (its changes seen)
 
 
 class FrontDoor:
@@ -238,8 +238,10 @@ class FrontDoor:
         )
         if lora_name is None:
             return RequestRun(self._services, ticket, view, request, fp)
-        # Counted until the run ends (its ticket given back): an unload waits for it.
         loras = self.loras
+        if not loras.serves(lora):  # unloaded while this request waited for its ticket
+            raise not_found(lora_name)
+        # Counted until the run ends (its ticket given back): an unload waits for it.
         loras.started(lora_name)
         series = self.metrics.lora_requests  # labels bounded: adapters churn over days
         label = lora_name if len(series.children) < MAX_ADAPTER_LABELS else OTHER_ADAPTER

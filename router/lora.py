@@ -28,10 +28,11 @@ Why a registry in the router, and not only in each engine:
   what a replica lacks and repairs one that lost an adapter behind the router's back.
 - Load adds the adapter on every live replica *before* the registry names it, so no
   request is routed to a replica that lacks it; unload takes the name out of the registry
-  first (new requests get a 404), waits until this front door's requests on it have ended
-  (at most ``unload_wait_s``; other front doors' requests are not waited for), then
-  unregisters it on the replicas. Requests of other
-  adapters and of the base model are never touched.
+  first (new requests get a 404), waits until this front door's requests on it have ended,
+  and under a shared registry until every other front door has copied the unload and
+  ended its own (:meth:`~.lora_shared.SharedLoRAs.drained`; all within ``unload_wait_s``),
+  then unregisters it on the replicas. Requests of other adapters and of the base model
+  are never touched.
 
 Which tenant may use which adapter is the tenants file's (:mod:`.tenants`); an adapter a
 tenant may not use is, to that tenant, an adapter that does not exist (same 404).
@@ -42,12 +43,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import Counter
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .errors import APIError, one_line
+from .lora_shared import LORA_POLL_S
 from .tenants import Tenant
 
 if TYPE_CHECKING:
@@ -133,6 +136,7 @@ class LoRARegistry:
         self.unload_wait_s = unload_wait_s
         self.shared = shared
         self.version = -1  # the shared registry's, as last copied
+        self.door_id = uuid.uuid4().hex  # this front door, to the shared registry
         self.epoch = ""  # ... and which registry process it was (a restart is a new one)
         self._pending: frozenset[str] = frozenset()  # being (un)loaded: no sync touches them
         now = int(time.time())
@@ -153,6 +157,11 @@ class LoRARegistry:
 
     def paths(self) -> dict[str, str]:
         return {a.name: a.path for a in self._adapters.values()}
+
+    def serves(self, adapter: Adapter) -> bool:
+        """Whether ``adapter`` (resolved earlier) is still registered, at the same folder."""
+        mine = self._adapters.get(adapter.name)
+        return mine is not None and mine.path == adapter.path
 
     def resolve(self, model: str, tenant: Tenant) -> Adapter | None:
         """The adapter ``model`` names, when it is registered and ``tenant`` may use it."""
@@ -197,7 +206,8 @@ class LoRARegistry:
         """Copies the shared registry when its version moved on (True when it did)."""
         if self.shared is None:
             return False
-        view = await self.shared.view.remote(self.version, self.epoch)
+        busy = frozenset(n for n, c in self.in_flight.items() if c and n not in self._adapters)
+        view = await self.shared.view.remote(self.version, self.epoch, self.door_id, busy)
         if view is None:
             return False
         if not view.seeded:  # restarted empty (its node died): this copy is the fleet's
@@ -338,6 +348,8 @@ class LoRARegistry:
 
     async def _unload(self, name: str, replicas: Mapping[str, Any]) -> None:
         """:meth:`unload` once the name is out of the registry: the wait, the replicas."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.unload_wait_s
         if self.in_flight[name]:
             idle = self._idle[name] = asyncio.Event()
             try:
@@ -349,6 +361,15 @@ class LoRARegistry:
                 )  # fmt: skip
             finally:
                 self._idle.pop(name, None)
+        if self.shared is not None:  # the other front doors: copied the unload, drained
+            await self.refresh()  # copies the unload; the next poll reports it copied
+            await self.refresh()
+            while not await self.shared.drained.remote(name):
+                if loop.time() >= deadline:
+                    log.warning("adapter %r: other front doors still use it after %g s; "
+                                "unloading", name, self.unload_wait_s)  # fmt: skip
+                    break
+                await asyncio.sleep(LORA_POLL_S / 4)
         self._holders.pop(name, None)  # only now: its requests' failovers needed them
         self._refused = {(r, n) for r, n in self._refused if n != name}
         results = await asyncio.gather(

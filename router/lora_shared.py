@@ -25,6 +25,13 @@ or removes those), and a version, bumped on every change. It decides, one call a
 name is taken or busy), the receiving front door then makes the replicas' calls and
 *ends* it here. A pending name whose front door died is forgotten after its lease.
 
+An unload waits for every front door (:meth:`SharedLoRAs.drained`): each one's poll says
+which version it has copied and which unregistered adapters it still has requests on, so
+the unloading front door takes an adapter off the replicas only once every front door
+seen in the last ``DOOR_TTL_S`` has copied the unload (it routes no new request there)
+and has none of its requests left on it (none fails on a replica that lost it). A front
+door that stopped polling is not waited for.
+
 A front door's sync removes an adapter a replica holds but the registry does not list
 only through :meth:`SharedLoRAs.remove_unlisted`, which checks and removes in one call, so
 it can never race a load that another front door has just begun.
@@ -40,6 +47,8 @@ from typing import Any
 LORA_REGISTRY_ACTOR = "kvroute-lora-registry"
 LOAD_LEASE_S = 600.0  # a load's replicas' calls; past this its front door is taken as dead
 REMOVE_TIMEOUT_S = 10.0  # the registry waits this long at most for one replica's removal
+LORA_POLL_S = 1.0  # how often each front door polls the registry (its changes seen)
+DOOR_TTL_S = 5 * LORA_POLL_S  # a front door silent this long is no longer waited for
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +73,10 @@ class SharedLoRAs:
         self.adapters: dict[str, tuple[str, int]] = {}
         self.holders: dict[str, frozenset[str]] = {}
         self.pending: dict[str, float] = {}  # name -> when its lease ends (monotonic)
+        self.unloads: dict[str, int] = {}  # name -> the version its unload began at
+        # front door -> (its last poll, monotonic; the version it had copied; the
+        # unregistered adapters it still had requests on)
+        self.doors: dict[str, tuple[float, int, frozenset[str]]] = {}
 
     def _changed(self) -> None:
         self.version += 1
@@ -76,10 +89,16 @@ class SharedLoRAs:
         if dead:
             self._changed()
 
-    def view(self, known: int = -1, epoch: str = "") -> SharedView | None:
+    def view(
+        self, known: int = -1, epoch: str = "", door: str = "", busy: frozenset[str] = frozenset()
+    ) -> SharedView | None:
         """The registry, or None when ``known`` is its version already in this ``epoch``
-        (a cheap poll)."""
+        (a cheap poll). ``door``: the polling front door, whose copy is at ``known`` and
+        which still has requests on the unregistered adapters ``busy`` (:meth:`drained`)."""
         self._expire()
+        if door:
+            copied = known if epoch == self.epoch else -1
+            self.doors[door] = (time.monotonic(), copied, frozenset(busy))
         if known == self.version and epoch == self.epoch:
             return None
         return SharedView(self.version, self.epoch, self.seeded, dict(self.adapters),
@@ -132,10 +151,26 @@ class SharedLoRAs:
         self.holders.pop(name, None)
         self.pending[name] = time.monotonic() + lease_s
         self._changed()
+        self.unloads[name] = self.version
         return None
+
+    def drained(self, name: str) -> bool:
+        """Whether every front door that polled within ``DOOR_TTL_S`` has copied the
+        unload of ``name`` and has no request left on it: the replicas may drop it."""
+        began = self.unloads.get(name)
+        if began is None:
+            return True
+        now = time.monotonic()
+        for door, (seen, copied, busy) in list(self.doors.items()):
+            if now - seen > DOOR_TTL_S:
+                del self.doors[door]  # stopped polling: died or shut down
+            elif copied < began or name in busy:
+                return False
+        return True
 
     def end_unload(self, name: str) -> int:
         self.pending.pop(name, None)
+        self.unloads.pop(name, None)
         self._changed()
         return self.version
 

@@ -13,6 +13,7 @@ takes the registry as it is.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 import uuid
 from collections.abc import Coroutine, Iterator
@@ -25,7 +26,7 @@ import ray
 
 from kvroute.replica.actor import start_replica
 from kvroute.router.lora import prepare_fleet
-from kvroute.router.lora_shared import SharedLoRAs, shared_registry
+from kvroute.router.lora_shared import DOOR_TTL_S, SharedLoRAs, shared_registry
 from kvroute.router.responses import REPLICA_HEADER
 
 from ..lora_adapters import SHAPES, make_adapter
@@ -134,6 +135,42 @@ def test_an_unload_through_the_other_front_door_is_a_404_and_stays_unloaded(
     assert "x2" not in models(fleet.a)
 
 
+def test_an_unload_through_one_front_door_fails_none_of_the_others_requests(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """B keeps sending requests on x4 while A unloads it. B learns of the unload within a
+    poll; until then it routes x4 as before, so A must not take x4 off the replicas before
+    every front door has had that poll. Each of B's requests is served (200) or, once B
+    knows, refused as unknown (404): none fails on a replica that lost its adapter."""
+    path = make_adapter(tmp_path / "x4", 36, **SHAPES[4])
+    on_loop(fleet.a, fleet.a.door.load_lora("x4", path))
+    wait_for(lambda: "x4" in models(fleet.b), 5, "B lists x4")
+    statuses: list[int] = []
+    bodies: list[str] = []
+    stop = threading.Event()
+
+    def traffic() -> None:
+        while not stop.is_set():
+            r = complete(fleet.b, "x4")
+            statuses.append(r.status_code)
+            if r.status_code not in (200, 404):
+                bodies.append(r.text)
+
+    threads = [threading.Thread(target=traffic) for _ in range(3)]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: statuses.count(200) >= 3, 30, "B serves x4")
+        on_loop(fleet.a, fleet.a.door.unload_lora("x4"))
+        wait_for(lambda: statuses[-3:] == [404] * 3, 10, "B refuses x4")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    assert set(statuses) <= {200, 404}, bodies[:3]
+    assert not any("x4" in names for names in fleet.held().values())
+
+
 def test_no_sync_touches_an_adapter_another_front_door_is_loading(
     fleet: Fleet, tmp_path: Path
 ) -> None:
@@ -220,3 +257,26 @@ def test_the_registry_decides_one_load_or_unload_per_name_and_forgets_a_dead_one
     assert reg.begin_load("y") is None  # the lease ran out: the name is free again
     assert reg.view(reg.version, reg.epoch) is None
     assert reg.view(reg.version, "an earlier registry's") is not None  # a restart: all of it
+
+
+def test_an_unload_is_drained_once_every_polling_front_door_copied_it_and_ended_its_requests() -> (
+    None
+):
+    reg = SharedLoRAs()
+    v = reg.seed({"a": "/a/a"}, {})
+    reg.view(v.version, v.epoch, "door-b")  # B has copied the registry, no request on "a"
+    assert reg.begin_unload("a", 60) is None
+    assert not reg.drained("a")  # B still routes "a": it has not copied the unload
+    b = reg.view(v.version, v.epoch, "door-b")  # B's poll that copies it
+    assert b is not None and "a" not in b.adapters
+    assert not reg.drained("a")  # reported before B applied it
+    reg.view(b.version, b.epoch, "door-b", frozenset({"a"}))
+    assert not reg.drained("a")  # copied, but one of B's requests still runs on "a"
+    reg.view(b.version, b.epoch, "door-b")
+    assert reg.drained("a")
+    reg.doors["door-c"] = (time.monotonic() - DOOR_TTL_S - 1, -1, frozenset({"a"}))
+    assert reg.drained("a") and "door-c" not in reg.doors  # silent: died, not waited for
+    reg.view(b.version, "an earlier registry's", "door-d")
+    assert not reg.drained("a")  # a copy of another epoch has not seen this unload
+    reg.end_unload("a")
+    assert reg.drained("a")
