@@ -1,4 +1,4 @@
-"""kvroute's own decoder for the Llama family: Llama, Mistral, Qwen2 and Qwen3.
+"""kvroute's own decoder for the Llama family: Llama, Mistral, Qwen2, Qwen3 and Gemma3.
 
 Why own code: transformers' modules cost a step seven projection GEMMs per layer (q, k, v,
 o, gate, up, down), rotary embedding applied to q and k apart, RMSNorm as five ops, and a
@@ -12,10 +12,15 @@ the embedding, the final norm, the LM head and the rotary embedding module (ever
 type it knows) are its own modules, reused as they are.
 
 Families share one layer with switches read from the config: attention and MLP biases
-(Qwen2's QKV bias, Llama's ``attention_bias``/``mlp_bias``), Qwen3's per-head q/k norms,
-and the sliding window per layer (Mistral: every layer; Qwen2/Qwen3: the layers that
-``layer_types`` marks ``sliding_attention``). Anything else is not this module's:
-:func:`unsupported` says why, and the runner uses transformers' modules instead.
+(Qwen2's QKV bias, Llama's ``attention_bias``/``mlp_bias``), per-head q/k norms (Qwen3,
+Gemma3), and the sliding window per layer (Mistral: every layer; Qwen2/Qwen3/Gemma3: the
+layers that ``layer_types`` marks ``sliding_attention``). Gemma3 adds four more: norms
+around both sublayers' outputs as well as before them ("sandwich" norms), RMSNorm weights
+stored as an offset from 1 (added once at load), a tanh-GELU gate, and a rotary table per
+layer type (local layers' base differs from global ones'); its embedding module scales by
+sqrt(hidden) itself and its attention scale is ``query_pre_attn_scalar ** -0.5``. Anything
+else is not this module's: :func:`unsupported` says why, and the runner uses
+transformers' modules instead.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from .lora import ProjectionGroup
 if TYPE_CHECKING:
     from .lora_store import LoRAStep
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+SANDWICH = ("gemma3_text",)  # norms after each sublayer too, weights as offsets from 1
 
 
 def unsupported(config: object) -> str | None:
@@ -43,9 +49,19 @@ def unsupported(config: object) -> str | None:
     model_type = getattr(config, "model_type", None)
     if model_type not in FAMILIES:
         return f"model_type {model_type!r} is not one of {', '.join(FAMILIES)}"
-    act = getattr(config, "hidden_act", "silu")
-    if act != "silu":
-        return f"hidden_act {act!r} (the fused MLP is SwiGLU)"
+    if model_type in SANDWICH:
+        act = getattr(config, "hidden_activation", None)
+        if act != "gelu_pytorch_tanh":
+            return f"hidden_activation {act!r} (Gemma's gate here is tanh-GELU)"
+        for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(config, field, None) is not None:
+                return f"{field} (logit soft-capping is not implemented)"
+        if getattr(config, "use_bidirectional_attention", False):
+            return "use_bidirectional_attention (the kernels are causal)"
+    else:
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            return f"hidden_act {act!r} (the fused MLP is SwiGLU)"
     types = getattr(config, "layer_types", None) or []
     other = sorted({t for t in types} - {"full_attention", "sliding_attention"})
     if other:
@@ -94,7 +110,10 @@ def _cat_linear(layers: list[nn.Linear]) -> Linear:
 @dataclass(slots=True)
 class _Layer:
     input_norm: Tensor
-    post_norm: Tensor
+    post_norm: Tensor  # before the MLP (transformers' post_attention_layernorm, Llama-style)
+    attn_out_norm: Tensor | None  # Gemma3: on the attention's output, before the residual
+    mlp_out_norm: Tensor | None  # Gemma3: on the MLP's output, before the residual
+    rope: str | None  # which rotary table (Gemma3: the layer type; else the one)
     qkv: Linear
     q_norm: Tensor | None
     k_norm: Tensor | None
@@ -117,15 +136,27 @@ class PagedDecoder:
             raise ValueError(f"PagedDecoder cannot run this model: {why}")
         cfg = model.config
         base = model.get_decoder()
-        self.embed = base.embed_tokens
-        self.final_norm = base.norm
+        sandwich = cfg.model_type in SANDWICH
+        # Gemma's norms scale by 1 + weight, computed in fp32 by transformers; here added
+        # once at load in the weights' dtype (in bf16 one rounding more, as the fused
+        # norm's single rounding saves one elsewhere)
+        offset = 1.0 if sandwich else 0.0
+
+        def norm_weight(module: nn.Module) -> Tensor:
+            w = module.weight.detach()
+            return w + offset if offset else w
+
+        self.embed = base.embed_tokens  # Gemma3's scales by sqrt(hidden) itself
+        self.final_norm_weight = norm_weight(base.norm)
         self.rotary = base.rotary_emb
         self.eps = float(cfg.rms_norm_eps)
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        self.scale = self.head_dim**-0.5
+        self.scale = (cfg.query_pre_attn_scalar if sandwich else self.head_dim) ** -0.5
+        self.gelu = sandwich  # tanh-GELU gate (Gemma), else SiLU
         windows = layer_windows(cfg)
+        types = getattr(cfg, "layer_types", None) or ["full_attention"] * len(base.layers)
         weight = self.embed.weight
         # On a CPU in fp32: norms, rotary and SiLU-times-up in C (kernels/cpu_ops.py).
         self.c_ops = cpu_ops.usable(weight.device, weight.dtype)
@@ -138,11 +169,22 @@ class PagedDecoder:
             k_norm = getattr(attn, "k_norm", None)
             self.layers.append(
                 _Layer(
-                    input_norm=layer.input_layernorm.weight.detach(),
-                    post_norm=layer.post_attention_layernorm.weight.detach(),
+                    input_norm=norm_weight(layer.input_layernorm),
+                    post_norm=norm_weight(
+                        layer.pre_feedforward_layernorm
+                        if sandwich
+                        else layer.post_attention_layernorm
+                    ),
+                    attn_out_norm=(
+                        norm_weight(layer.post_attention_layernorm) if sandwich else None
+                    ),
+                    mlp_out_norm=(
+                        norm_weight(layer.post_feedforward_layernorm) if sandwich else None
+                    ),
+                    rope=types[i] if sandwich else None,
                     qkv=_cat_linear([attn.q_proj, attn.k_proj, attn.v_proj]),
-                    q_norm=q_norm.weight.detach() if q_norm is not None else None,
-                    k_norm=k_norm.weight.detach() if k_norm is not None else None,
+                    q_norm=norm_weight(q_norm) if q_norm is not None else None,
+                    k_norm=norm_weight(k_norm) if k_norm is not None else None,
                     o=Linear(attn.o_proj.weight, attn.o_proj.bias),
                     gate_up=_cat_linear([mlp.gate_proj, mlp.up_proj]),
                     down=Linear(mlp.down_proj.weight, mlp.down_proj.bias),
@@ -183,12 +225,17 @@ class PagedDecoder:
         """Hidden states [T, hidden] after the final norm, for a flattened varlen batch.
         ``lora``: the step's adapters, added to each projection's output (None: none)."""
         hidden = self.embed(input_ids)
-        cos, sin = self.rotary(hidden, positions[None])
-        cos, sin = cos[0], sin[0]  # [T, D]
+        ropes: dict[str | None, tuple[Tensor, Tensor]] = {}
+        for layer in self.layers:
+            if layer.rope not in ropes:
+                args = (positions[None],) if layer.rope is None else (positions[None], layer.rope)
+                cos, sin = self.rotary(hidden, *args)
+                ropes[layer.rope] = (cos[0], sin[0])  # [T, D]
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         attn_kw = meta.attention_kwargs()
         residual = hidden
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            cos, sin = ropes[layer.rope]
             x = self._add_norm(residual, hidden if i else None, layer.input_norm)
             qkv = layer.qkv(x)
             if lora is not None:  # before q/k norms and rotary, as PEFT's q/k/v_proj
@@ -196,7 +243,7 @@ class PagedDecoder:
             t = qkv.shape[0]
             v = qkv[:, (h + hk) * d :].view(t, hk, d)
             if self.c_ops:  # in place, q and k side by side in the QKV rows
-                if layer.q_norm is not None:  # Qwen3: per head, before rotary
+                if layer.q_norm is not None:  # Qwen3, Gemma3: per head, before rotary
                     cpu_ops.rms_norm_heads_(qkv, layer.q_norm, h, d, self.eps)
                     cpu_ops.rms_norm_heads_(qkv[:, h * d :], layer.k_norm, hk, d, self.eps)  # type: ignore[arg-type]
                 cpu_ops.rotary_(qkv, cos, sin, h + hk, d)
@@ -221,23 +268,30 @@ class PagedDecoder:
             hidden = layer.o(o)
             if lora is not None:
                 lora.add(i, 1, o, hidden)
+            if layer.attn_out_norm is not None:
+                hidden = self._add_norm(hidden, None, layer.attn_out_norm)
             x = self._add_norm(residual, hidden, layer.post_norm)
             gate_up = layer.gate_up(x)
             if lora is not None:
                 lora.add(i, 2, x, gate_up)
-            if self.c_ops:
+            inter = gate_up.shape[1] // 2
+            if self.gelu:
+                act = F.gelu(gate_up[:, :inter], approximate="tanh") * gate_up[:, inter:]
+            elif self.c_ops:
                 act = cpu_ops.silu_mul(gate_up)
             else:
-                inter = gate_up.shape[1] // 2
                 act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
             hidden = layer.down(act)
             if lora is not None:
                 lora.add(i, 3, act, hidden)
-        return self._add_norm(residual, hidden, self.final_norm.weight)
+            if layer.mlp_out_norm is not None:
+                hidden = self._add_norm(hidden, None, layer.mlp_out_norm)
+        return self._add_norm(residual, hidden, self.final_norm_weight)
 
     def _add_norm(self, residual: Tensor, added: Tensor | None, weight: Tensor) -> Tensor:
         """``residual += added`` in place, then RMSNorm of it (transformers' layers add the
-        residual and normalize in this order)."""
+        residual and normalize in this order); ``added`` None: the norm alone, nothing
+        changed in place."""
         if self.c_ops:
             return cpu_ops.add_rms_norm(residual, added, weight, self.eps)
         if added is not None:

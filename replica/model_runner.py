@@ -308,7 +308,7 @@ class ModelRunner:
         decoder = self.paged_decoder
         if decoder is None:
             raise UnsupportedModelError(
-                "LoRA adapters need model_impl 'kvroute' (Llama, Mistral, Qwen2, Qwen3); "
+                "LoRA adapters need model_impl 'kvroute' (Llama, Mistral, Qwen2, Qwen3, Gemma3); "
                 f"this model runs on model_impl {self.model_impl!r}"
             )
         self.lora = LoRAStore(

@@ -59,6 +59,15 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
         head_dim=16,
         sliding_window=WINDOW,
         layer_types=["sliding_attention", "full_attention"],
+        # Gemma-3-4B's kind: the global layers' rotary scaled, the local ones' not
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+        query_pre_attn_scalar=24,
+    ),
+    "gemma2-no-softcap": lambda: transformers.Gemma2Config(
+        **SHAPE, head_dim=16, attn_logit_softcapping=None, final_logit_softcapping=None
     ),
 }
 
@@ -119,6 +128,8 @@ def one_thread():  # type: ignore[no-untyped-def]
         ("qwen2-window-layer1", "kvroute", 1),
         ("qwen3", "kvroute", None),
         ("qwen3-window", "kvroute", None),
+        ("gemma3-window", "kvroute", None),
+        ("gemma3-window", "kvroute", 1),
         ("gemma3-window", "transformers", None),
     ],
 )
@@ -164,8 +175,43 @@ def test_window_changes_the_output(model_dir) -> None:  # type: ignore[no-untype
 
 
 def test_kvroute_impl_refuses_other_families(model_dir) -> None:  # type: ignore[no-untyped-def]
-    with pytest.raises(UnsupportedModelError, match="model_type 'gemma3_text'"):
-        LLM(str(model_dir("gemma3-window")), num_blocks=16, model_impl="kvroute")
+    with pytest.raises(UnsupportedModelError, match="model_type 'gemma2'"):
+        LLM(str(model_dir("gemma2-no-softcap")), num_blocks=16, model_impl="kvroute")
+
+
+def test_gemma3_switches_each_change_the_tokens(model_dir) -> None:  # type: ignore[no-untyped-def]
+    """Gemma3's switches are each needed, so the equality above can fail: a norm weight
+    read as Llama's (no +1), the head-dim attention scale, one rotary table for both layer
+    types, or a SiLU gate each give other tokens."""
+    from kvroute.replica.decoder import PagedDecoder
+
+    path = model_dir("gemma3-window")
+    llm = LLM(str(path), num_blocks=64, model_impl="kvroute", dtype="float32")
+    decoder: PagedDecoder = llm.llm_engine.runner.paged_decoder
+    cold, shared = _prompts(seed=5)
+    prompts = cold + shared
+
+    def tokens() -> list[list[int]]:
+        llm.llm_engine.reset_prefix_cache()
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+
+    want = tokens()
+    layer = decoder.layers[1]
+    layer.attn_out_norm -= 1.0  # type: ignore[operator]
+    moved = tokens()
+    layer.attn_out_norm += 1.0  # type: ignore[operator]
+    scale, decoder.scale = decoder.scale, 16**-0.5
+    rescaled = tokens()
+    decoder.scale = scale
+    ropes = [layer.rope for layer in decoder.layers]
+    for layer in decoder.layers:
+        layer.rope = "full_attention"
+    one_rope = tokens()
+    for layer, rope in zip(decoder.layers, ropes, strict=True):
+        layer.rope = rope
+    decoder.gelu = False
+    silu = tokens()
+    assert all(got != want for got in (moved, rescaled, one_rope, silu))
 
 
 @pytest.mark.parametrize(
