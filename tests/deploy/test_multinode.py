@@ -160,7 +160,9 @@ def test_replicas_on_their_own_nodes_then_node_loss_and_rejoin(
     victim_rid = next(rid for rid, nid in nodes.items() if nid == workers[0].node_id)
     survivor = next(rid for rid in nodes if rid != victim_rid)
     pool = concurrent.futures.ThreadPoolExecutor(8)
-    inflight = [pool.submit(complete, url, [9, i, *range(30)], 300) for i in range(8)]
+    # 2,000 tokens: at --time-scale 0.2 about 4 s of decode, so the poll below sees all 8
+    # running (300 tokens took under a second, and a loaded CI machine's poll missed it)
+    inflight = [pool.submit(complete, url, [9, i, *range(30)], 2000) for i in range(8)]
     assert poll(lambda: running_everywhere(url, nodes, 8), 60, 0.2), "streams in flight on both"
     t_kill = time.monotonic()
     c.remove_node(workers[0], allow_graceful=False)
@@ -171,7 +173,7 @@ def test_replicas_on_their_own_nodes_then_node_loss_and_rejoin(
     for r in results:  # finished (maybe after a failover) or a clean OpenAI-style error
         assert r.status_code in (200, 503), r.text
         if r.status_code == 200:
-            assert r.json()["usage"]["completion_tokens"] == 300
+            assert r.json()["usage"]["completion_tokens"] == 2000
         else:
             assert r.json()["error"]["code"] == "replica_failed"
     assert metrics(url).get(f'kvroute:index_blocks{{replica="{victim_rid}"}}', 0.0) == 0.0
