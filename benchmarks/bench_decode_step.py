@@ -1,6 +1,6 @@
 """Where a decode step's time goes: host work against GPU work, on a real model's shape.
 
-    python benchmarks/bench_decode_step.py [--model tiny|llama-8b|PATH] [--batch 16,64]
+    python benchmarks/bench_decode_step.py [--model tiny|llama-8b|gemma3-270m|PATH] [--batch 16,64]
         [--steps 60] [--impl before,kvroute] [--profile]
 
 ``--impl`` runs each batch size once per engine path, side by side in one run:
@@ -13,6 +13,10 @@ decoder (replica/decoder.py) without CUDA graphs, ``kvroute`` with them (on CUDA
 (32 layers, hidden 4,096, 32 query / 8 KV heads of 128, MLP 14,336) with seeded random bf16
 weights and ``tiny``'s byte-level tokenizer, so its vocabulary is 261 and not 128k: the
 layers' work per token is 8B's, the LM head's is not. No download, ~14 GB of disk.
+
+``gemma3-270m`` likewise: Gemma-3-270M's layers (18, hidden 640, 4 query heads / 1 KV head
+of 256, MLP 2,048, a 512-token window on five layers of six), fp32 random weights written
+by transformers under ``$TMPDIR``, ``tiny``'s tokenizer (vocabulary 261, not 262k).
 
 Each batch size: ``N`` sequences of 512 random prompt tokens are prefilled, then ``--steps``
 decode steps run back to back through ``LLMEngine.step``. Printed per step: wall time,
@@ -81,6 +85,32 @@ def write_llama_8b(folder: Path) -> Path:
         if i % 32 == 0 or i == len(shapes) - 1:
             print(f"writing {folder.name}: tensor {i + 1}/{len(shapes)}", flush=True)
     save_file(weights, str(tmp / "model.safetensors"))
+    tmp.rename(folder)
+    return folder
+
+
+def write_gemma3_270m(folder: Path) -> Path:
+    """Gemma-3-270M's layer shapes, random fp32 weights (see the module docstring)."""
+    if (folder / "config.json").exists():
+        return folder
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    layers = 18
+    types = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
+    config = transformers.Gemma3TextConfig(
+        vocab_size=261, hidden_size=640, intermediate_size=2048, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256, sliding_window=512,
+        layer_types=types, query_pre_attn_scalar=256, max_position_embeddings=32768,
+        bos_token_id=256, eos_token_id=257, pad_token_id=258, tie_word_embeddings=True,
+    )  # fmt: skip
+    tmp = folder.with_name(folder.name + ".part")
+    shutil.rmtree(tmp, ignore_errors=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp)
+    for f in tiny_model_path().iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, tmp / f.name)
     tmp.rename(folder)
     return folder
 
@@ -196,7 +226,9 @@ def _measure(engine, batch: int, steps: int, profile: bool, impl: str) -> None: 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tiny", help="tiny, llama-8b, or a model folder")
+    ap.add_argument(
+        "--model", default="tiny", help="tiny, llama-8b, gemma3-270m, or a model folder"
+    )
     ap.add_argument("--batch", default="16,64", help="comma-separated sequence counts")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--profile", action="store_true", help="kernel time and launches (CUDA)")
@@ -205,6 +237,8 @@ def main() -> None:
     model = args.model
     if model == "llama-8b":
         model = str(write_llama_8b(Path(tempfile.gettempdir()) / "kvroute-llama-8b-rand"))
+    elif model == "gemma3-270m":
+        model = str(write_gemma3_270m(Path(tempfile.gettempdir()) / "kvroute-gemma3-270m"))
     name = torch.cuda.get_device_name() if CUDA else "cpu"
     print(f"# {name}, torch {torch.__version__}, model {args.model}, {args.steps} decode steps")
     head = "impl | batch | wall ms/step | median | CPU ms/step | schedule | runner"
