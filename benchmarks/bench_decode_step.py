@@ -149,7 +149,7 @@ def measure(model: str, batches: list[int], steps: int, profile: bool, impl: str
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    del llm
+    del llm, graphs  # the graphs hold the runner, and with it the KV cache
     gc.collect()  # engines hold reference cycles: free this one's KV cache for the next
     if CUDA:
         torch.cuda.empty_cache()

@@ -1,72 +1,104 @@
 #!/usr/bin/env bash
-# The GPU checks and benchmarks in one call, for a session lent a device (under 8 minutes):
+# The GPU checks and benchmarks, for a session lent a device (two calls of ~4 minutes each):
 #
-#   run(command="bash benchmarks/gpu_check.sh", timeout_s=540)          # the device tool
-#   bash benchmarks/gpu_check.sh [--quick]                              # any CUDA machine
+#   run(command="bash benchmarks/gpu_check.sh tests", carry=["wheels"], timeout_s=300)
+#   run(command="bash benchmarks/gpu_check.sh bench", carry=["wheels"], timeout_s=420)
+#   bash benchmarks/gpu_check.sh [all|tests|bench] [--quick]       # any CUDA machine
 #
-# 1. the GPU tests: the kernels (Triton against the reference, sliding windows and LoRA included),
-#    the engine against transformers (every family, fp32) on CUDA;
-# 2. bench_decode_step on Llama-3.1-8B's layer shapes (bf16): transformers' modules against
-#    kvroute's decoder with CUDA graphs, batch 1/16/64/128, with GPU kernel time and
+# tests: the GPU tests: the kernels (Triton against the reference, sliding windows and LoRA
+#    included), CUDA graphs against eager, the engine against transformers (every family,
+#    fp32) and the host KV tier's side stream on CUDA; the whole log goes to
+#    $OUT/gpu_tests.log (the device tool brings $OUT back), the summary is printed.
+# bench: bench_decode_step on Llama-3.1-8B's layer shapes (bf16): transformers' modules
+#    against kvroute's decoder with CUDA graphs, batch 1/16/64/128, with GPU kernel time and
 #    launches per step (GPU_CHECK_IMPLS=transformers,kvroute-eager,kvroute adds the decoder
-#    without graphs, one more model load);
-# 3. bench_kv_load on the same shapes (issue 38): a 2,048-token prefix loaded back from the
-#    host tier against its recompute, and 16 sequences' decode steps while it loads.
+#    without graphs, one more model load); then bench_kv_load on the same shapes (issue 38):
+#    a 2,048-token prefix loaded back from the host tier against its recompute, and 16
+#    sequences' decode steps while it loads.
 # Everything is printed; paste it into BENCHMARKS.md ("Engine speed") with the card's name.
 #
-# The device machine reaches no package registry. It has a CUDA torch and transformers;
-# kvroute itself is imported from a folder of links (nothing installed), and the few
-# small wheels it lacks (msgspec, pyzmq, cbor2, xxhash) are installed from ./wheels when
-# carried there: `pip download --only-binary=:all: --python-version 3.X --dest wheels
-# msgspec pyzmq cbor2 xxhash` here first, with the device's Python version.
+# The device machine reaches no package registry. Its python3 has a CUDA torch,
+# transformers, triton, peft, pytest and xxhash; kvroute itself is imported from a folder of
+# links (nothing installed), and the small wheels it lacks (msgspec, pyzmq, cbor2) are
+# installed into that folder from ./wheels, carried there (an ignored folder): first, here,
+# `pip download --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64
+# --dest wheels msgspec pyzmq cbor2 xxhash` (3.12: the device's Python).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-QUICK=${1:-}
+PHASE=all
+QUICK=
+for arg in "$@"; do
+  case "$arg" in
+    all|tests|bench) PHASE=$arg ;;
+    --quick) QUICK=--quick ;;
+    *) echo "usage: $0 [all|tests|bench] [--quick]" >&2; exit 2 ;;
+  esac
+done
+PY=${PYTHON:-python3}  # the device's python3 is the one with torch
+OUT_DIR=${OUT:-/tmp}
 export PYTHONUNBUFFERED=1
 t0=$(date +%s)
 say() { echo "[gpu_check +$(( $(date +%s) - t0 ))s] $*"; }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-python - <<'PY'
+$PY - <<'PY'
 import sys, torch
-print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.cuda.is_available())
+versions = []
+for name in ("transformers", "triton"):
+    try:
+        versions.append(f"{name} {__import__(name).__version__}")
+    except Exception as exc:  # noqa: BLE001 - reported, not fatal here
+        versions.append(f"{name} missing ({type(exc).__name__})")
+print("python", sys.version.split()[0], "torch", torch.__version__,
+      "cuda", torch.cuda.is_available(), *versions)
 PY
-
-missing=$(python - <<'PY'
-import importlib.util
-print(" ".join(m for m in ("msgspec", "zmq", "cbor2", "xxhash", "transformers", "triton")
-               if importlib.util.find_spec(m) is None))
-PY
-)
-if [ -n "$missing" ]; then
-  say "missing: $missing"
-  if [ -d wheels ]; then
-    python -m pip install -q --no-index --find-links wheels msgspec pyzmq cbor2 xxhash || true
-  fi
-fi
 
 # kvroute.* from this tree without installing it: a folder whose kvroute/ links the packages.
 site=$(mktemp -d)
 mkdir -p "$site/kvroute"
 for pkg in events replica kernels router sim deploy bench; do ln -s "$PWD/$pkg" "$site/kvroute/$pkg"; done
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
-python -c "import kvroute.kernels, kvroute.replica; print('kvroute imports from', kvroute.kernels.__file__)" || exit 1
 
-say "GPU tests"
-timeout 200 python -m pytest -q -x -p no:cacheprovider \
-  tests/kernels/test_triton.py tests/kernels/test_sliding_window.py tests/kernels/test_lora_triton.py \
-  tests/replica/test_cuda_graphs.py tests/replica/test_model_families.py \
-  tests/replica/test_engine_vs_transformers.py tests/replica/test_kv_tiers.py 2>&1 | tail -15
+missing=$($PY - <<'PY'
+import importlib.util
+print(" ".join(m for m in ("msgspec", "zmq", "cbor2", "xxhash", "transformers", "triton")
+               if importlib.util.find_spec(m) is None))
+PY
+)
+if [ -n "$missing" ]; then
+  say "missing: $missing; installing ./wheels into $site"
+  if ls wheels/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --target "$site" wheels/*.whl \
+      || say "pip install from ./wheels failed"
+  else
+    say "no ./wheels here: carry it (see the header)"
+  fi
+fi
+$PY -c "import kvroute.kernels, kvroute.replica, kvroute.events; print('kvroute imports from', kvroute.kernels.__file__)" || exit 1
 
-say "decode step, llama-8b shapes, bf16"
-steps=30
-batches=1,16,64,128
-impls=${GPU_CHECK_IMPLS:-transformers,kvroute}  # each loads the 8B model once (~30-60 s)
-[ "$QUICK" = "--quick" ] && steps=10 && batches=1,64
-timeout 240 python benchmarks/bench_decode_step.py --model llama-8b --batch "$batches" \
-  --steps "$steps" --profile --impl "$impls" 2>&1 | grep -E '^(\||#)|Error|error'
+if [ "$PHASE" != bench ]; then
+  say "GPU tests (log: $OUT_DIR/gpu_tests.log)"
+  timeout 240 $PY -m pytest -q -rfE -p no:cacheprovider \
+    tests/replica/test_cuda_graphs.py tests/kernels/test_triton.py \
+    tests/kernels/test_sliding_window.py tests/kernels/test_lora_triton.py \
+    tests/replica/test_model_families.py tests/replica/test_engine_vs_transformers.py \
+    tests/replica/test_kv_tiers.py > "$OUT_DIR/gpu_tests.log" 2>&1
+  say "pytest exit $?"
+  grep -E "^(FAILED|ERROR)|passed|failed|error" "$OUT_DIR/gpu_tests.log" | tail -30
+fi
 
-say "KV host tier: load against recompute, decode beside the load (llama-8b shapes, bf16)"
-timeout 120 python benchmarks/bench_kv_load.py --model llama-8b --prefix 2048 --decoders 16 \
-  --steps 20 2>&1 | grep -vE '^(Loading|writing)'
+if [ "$PHASE" != tests ]; then
+  say "decode step, llama-8b shapes, bf16"
+  steps=30
+  batches=1,16,64,128
+  impls=${GPU_CHECK_IMPLS:-transformers,kvroute}  # each loads the 8B model once (~30-60 s)
+  [ "$QUICK" = "--quick" ] && steps=10 && batches=1,64
+  timeout 240 $PY benchmarks/bench_decode_step.py --model llama-8b --batch "$batches" \
+    --steps "$steps" --profile --impl "$impls" 2>&1 \
+    | grep -E '^(\||#)|Error|error|CUDA graphs off|captured'
+
+  say "KV host tier: load against recompute, decode beside the load (llama-8b shapes, bf16)"
+  timeout 120 $PY benchmarks/bench_kv_load.py --model llama-8b --prefix 2048 --decoders 16 \
+    --steps 20 2>&1 | grep -vE '^(Loading|writing)'
+fi
 say "done"

@@ -266,7 +266,9 @@ class ModelRunner:
     ) -> None:
         """CUDA graphs for decode batches (kvroute's decoder on CUDA; ``capture`` stands in
         for CUDA in tests). Logs what capture took; a failed capture or self-check leaves
-        the runner eager, with a warning saying why (see :mod:`.cuda_graphs`)."""
+        the runner eager, with a warning saying why (see :mod:`.cuda_graphs`). Graphs
+        captured before are dropped first: a failed call never leaves old ones in use."""
+        self.decode_graphs = None
         decoder = self.paged_decoder
         if decoder is None or (capture is None and self.device.type != "cuda"):
             return

@@ -2,7 +2,8 @@
 
 On a CPU the buffers, padding, buckets and self-check run with a capture that calls the
 forward again over the static buffers instead of replaying a CUDA graph: everything but
-CUDA's own capture. On CUDA (``-m gpu``) real graphs are captured and must equal the
+CUDA's own capture. Those engines are built eager (``enforce_eager``), so on CUDA too the
+stand-in is the only capture and the reference is really eager. On CUDA (``-m gpu``) real graphs are captured and must equal the
 eager path token for token in float32.
 """
 
@@ -49,9 +50,9 @@ class _Recompute:
 
 def test_replayed_decodes_equal_eager_tokens() -> None:
     prompts = _prompts(11, seed=1)
-    eager = LLM("tiny", num_blocks=256, max_num_seqs=16)
+    eager = LLM("tiny", num_blocks=256, max_num_seqs=16, enforce_eager=True)
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, GREEDY)]
-    llm = LLM("tiny", num_blocks=256, max_num_seqs=16)
+    llm = LLM("tiny", num_blocks=256, max_num_seqs=16, enforce_eager=True)
     runner = llm.llm_engine.runner
     capture = _Recompute()
     runner.enable_decode_graphs(16, llm.llm_engine.max_model_len, capture=capture)
@@ -65,8 +66,10 @@ def test_replayed_decodes_equal_eager_tokens() -> None:
 
 
 def test_a_capture_that_computes_wrong_is_not_used(caplog: pytest.LogCaptureFixture) -> None:
-    llm = LLM("tiny", num_blocks=256, max_num_seqs=8)
+    llm = LLM("tiny", num_blocks=256, max_num_seqs=8, enforce_eager=True)
     runner = llm.llm_engine.runner
+    runner.enable_decode_graphs(8, llm.llm_engine.max_model_len, capture=_Recompute())
+    assert runner.decode_graphs is not None  # a working capture first: the broken one drops it
 
     def broken(fn, pool):  # type: ignore[no-untyped-def]
         return lambda: torch.zeros_like(fn())
@@ -78,7 +81,7 @@ def test_a_capture_that_computes_wrong_is_not_used(caplog: pytest.LogCaptureFixt
 
 
 def test_batches_past_the_largest_bucket_run_eager() -> None:
-    llm = LLM("tiny", num_blocks=256, max_num_seqs=8)
+    llm = LLM("tiny", num_blocks=256, max_num_seqs=8, enforce_eager=True)
     capture = _Recompute()
     llm.llm_engine.runner.enable_decode_graphs(4, llm.llm_engine.max_model_len, capture=capture)
     capture.replays.clear()
@@ -87,7 +90,7 @@ def test_batches_past_the_largest_bucket_run_eager() -> None:
     params = [
         SamplingParams(temperature=0.0, max_tokens=2 + 2 * i, ignore_eos=True) for i in range(8)
     ]
-    eager = LLM("tiny", num_blocks=256, max_num_seqs=8)
+    eager = LLM("tiny", num_blocks=256, max_num_seqs=8, enforce_eager=True)
     want = [o.outputs[0].token_ids for o in eager.generate(prompts, params)]
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == want
     assert capture.replays and max(capture.replays) == 4  # 8 decodes: eager; fewer: replayed

@@ -61,7 +61,7 @@ def assert_matches(reference, prompts: list[list[int]], outputs) -> None:
 
 def test_cold_cache(reference):
     prompts = random_prompts(reference.vocab, 20, seed=1)
-    llm = LLM("tiny", num_blocks=512)
+    llm = LLM("tiny", dtype="float32", num_blocks=512)
     outs = llm.generate(prompts, GREEDY)
     assert_matches(reference, prompts, outs)
     assert all(o.num_cached_tokens == 0 for o in outs)
@@ -70,7 +70,7 @@ def test_cold_cache(reference):
 def test_prefix_hits_from_earlier_requests(reference):
     rng = random.Random(2)
     bases = random_prompts(reference.vocab, 5, seed=3, lo=100, hi=200)
-    llm = LLM("tiny", num_blocks=512)
+    llm = LLM("tiny", dtype="float32", num_blocks=512)
     assert_matches(reference, bases, llm.generate(bases, GREEDY))
     # Continuations of the bases: each shares a block-aligned prefix with an earlier request.
     prompts = []
@@ -91,13 +91,13 @@ def test_prefix_hits_from_earlier_requests(reference):
 
 def test_chunked_prefill_small_budget(reference):
     prompts = random_prompts(reference.vocab, 20, seed=4, lo=50, hi=300)
-    llm = LLM("tiny", num_blocks=512, max_num_batched_tokens=40)
+    llm = LLM("tiny", dtype="float32", num_blocks=512, max_num_batched_tokens=40)
     assert_matches(reference, prompts, llm.generate(prompts, GREEDY))
 
 
 def test_preemption_under_tiny_cache(reference):
     prompts = random_prompts(reference.vocab, 20, seed=5, lo=60, hi=180)
-    llm = LLM("tiny", num_blocks=40, max_num_batched_tokens=512)
+    llm = LLM("tiny", dtype="float32", num_blocks=40, max_num_batched_tokens=512)
     outs = llm.generate(prompts, GREEDY)
     assert_matches(reference, prompts, outs)
     assert llm.llm_engine.stats()["num_preemptions"] > 0
@@ -105,7 +105,9 @@ def test_preemption_under_tiny_cache(reference):
 
 def test_mixed_prefill_and_decode_steps(reference):
     prompts = random_prompts(reference.vocab, 20, seed=6, lo=20, hi=200)
-    engine = LLMEngine(EngineConfig(model="tiny", num_blocks=512, max_num_batched_tokens=256))
+    engine = LLMEngine(
+        EngineConfig(model="tiny", dtype="float32", num_blocks=512, max_num_batched_tokens=256)
+    )
     results: dict[str, list[int]] = {}
     mixed_steps = 0
     pending = list(enumerate(prompts))
@@ -129,7 +131,9 @@ def test_tenants_in_turn_change_the_order_never_the_output(reference):
     """Tenant a queues eleven prompts, then tenant b one: b is among the first two admitted,
     and every output still equals transformers' (under preemption, with a tiny cache)."""
     prompts = random_prompts(reference.vocab, 12, seed=9, lo=60, hi=180)
-    engine = LLMEngine(EngineConfig(model="tiny", num_blocks=16, max_num_batched_tokens=512))
+    engine = LLMEngine(
+        EngineConfig(model="tiny", dtype="float32", num_blocks=16, max_num_batched_tokens=512)
+    )
     tenants = ["a"] * 11 + ["b"]
     reqs = [engine.add_request(str(i), p, GREEDY, tenant=tenants[i]) for i, p in enumerate(prompts)]
     assert [r.tenant for r in reqs] == tenants
@@ -149,7 +153,7 @@ def test_tenants_in_turn_change_the_order_never_the_output(reference):
 
 def test_cache_salt_isolates(reference):
     prompt = random_prompts(reference.vocab, 1, seed=7, lo=100, hi=100)[0]
-    llm = LLM("tiny", num_blocks=256)
+    llm = LLM("tiny", dtype="float32", num_blocks=256)
     first = llm.generate({"prompt_token_ids": prompt, "cache_salt": "tenant-a"}, GREEDY)[0]
     other = llm.generate({"prompt_token_ids": prompt, "cache_salt": "tenant-b"}, GREEDY)[0]
     plain = llm.generate({"prompt_token_ids": prompt}, GREEDY)[0]
@@ -176,7 +180,8 @@ def test_siblings_decoding_over_a_shared_prefix(reference, monkeypatch):
     prefix = random_prompts(reference.vocab, 1, seed=9, lo=320, hi=320)[0]
     prompts = [prefix + [rng.randrange(3, reference.vocab) for _ in range(rng.randint(1, 40))]]
     prompts += [prefix + [rng.randrange(3, reference.vocab) for _ in range(20)] for _ in range(7)]
-    llm = LLM("tiny", num_blocks=512)
+    # eager: the torch reference's decode cannot be captured in a CUDA graph (host reads)
+    llm = LLM("tiny", dtype="float32", num_blocks=512, enforce_eager=True)
     outs = llm.generate(prompts, GREEDY)
     assert_matches(reference, prompts, outs)
     assert calls, "no step took the shared-prefix decode path"

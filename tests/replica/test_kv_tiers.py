@@ -49,14 +49,16 @@ def run(engine: LLMEngine, rid: str, prompt: list[int]) -> EngineOutput:
 
 def engine(**tiers: object) -> LLMEngine:
     return LLMEngine(
-        EngineConfig(model="tiny", block_size=BLOCK, num_blocks=NUM_BLOCKS, **tiers)  # type: ignore[arg-type]
+        EngineConfig(
+            model="tiny", dtype="float32", block_size=BLOCK, num_blocks=NUM_BLOCKS, **tiers
+        )  # type: ignore[arg-type]
     )
 
 
 @pytest.fixture(scope="module")
 def uncached() -> list[list[int]]:
     """Each prompt's greedy output from an engine with room for all (no eviction)."""
-    ref = LLMEngine(EngineConfig(model="tiny", block_size=BLOCK, num_blocks=256))
+    ref = LLMEngine(EngineConfig(model="tiny", dtype="float32", block_size=BLOCK, num_blocks=256))
     return [run(ref, f"u{i}", p).outputs[0].token_ids for i, p in enumerate(prompts())]
 
 
@@ -223,7 +225,9 @@ def test_a_host_load_on_cuda_runs_on_the_side_stream_and_matches() -> None:
         run(eng, f"a{i}", p)
     again = run(eng, "again", ps[0])
     assert again.num_tier_cached_tokens == {"CPU": HIT}
-    ref = LLMEngine(EngineConfig(model="tiny", block_size=BLOCK, device="cuda", dtype="float32"))
+    ref = LLMEngine(
+        EngineConfig(model="tiny", block_size=BLOCK, num_blocks=256, device="cuda", dtype="float32")
+    )
     assert again.outputs[0].token_ids == run(ref, "ref", ps[0]).outputs[0].token_ids
 
 
@@ -357,7 +361,9 @@ def test_concurrent_conversations_all_finish_with_the_uncached_outputs() -> None
     tiered = engine(kv_host_bytes=256 * BLOCK_BYTES)
     tiered.kv_cache_manager.block_pool.check_invariants()
     got = serve(tiered)
-    ref = serve(LLMEngine(EngineConfig(model="tiny", block_size=BLOCK, num_blocks=1024)))
+    ref = serve(
+        LLMEngine(EngineConfig(model="tiny", dtype="float32", block_size=BLOCK, num_blocks=1024))
+    )
     assert len(got) == len(asks) and got == ref
     assert tiered.stats()["kv_tier_loaded"] > 0
     tiered.kv_cache_manager.block_pool.check_invariants()

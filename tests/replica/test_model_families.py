@@ -186,7 +186,8 @@ def test_gemma3_switches_each_change_the_tokens(model_dir) -> None:  # type: ign
     from kvroute.replica.decoder import PagedDecoder
 
     path = model_dir("gemma3-window")
-    llm = LLM(str(path), num_blocks=64, model_impl="kvroute", dtype="float32")
+    # eager: a CUDA graph would keep the switches as they were at capture
+    llm = LLM(str(path), num_blocks=64, model_impl="kvroute", dtype="float32", enforce_eager=True)
     decoder: PagedDecoder = llm.llm_engine.runner.paged_decoder
     cold, shared = _prompts(seed=5)
     prompts = cold + shared
