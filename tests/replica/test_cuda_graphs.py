@@ -3,8 +3,8 @@
 On a CPU the buffers, padding, buckets and self-check run with a capture that calls the
 forward again over the static buffers instead of replaying a CUDA graph: everything but
 CUDA's own capture. Those engines are built eager (``enforce_eager``), so on CUDA too the
-stand-in is the only capture and the reference is really eager. On CUDA (``-m gpu``) real graphs are captured and must equal the
-eager path token for token in float32.
+stand-in is the only capture and the reference is really eager. On CUDA (``-m gpu``) real
+graphs are captured and must equal the eager path token for token in float32.
 """
 
 from __future__ import annotations
