@@ -33,13 +33,15 @@ SHAPES: list[dict[str, Any]] = [
 ]  # fmt: skip
 
 
-def make_adapter(out: Path, seed: int, **kwargs: Any) -> str:
-    """A PEFT adapter of ``tiny`` saved in ``out``, its ``lora_B`` random (PEFT starts it
-    at zero: an adapter that changes nothing could not fail a test)."""
+def make_adapter(out: Path, seed: int, base_model: Path | None = None, **kwargs: Any) -> str:
+    """A PEFT adapter of ``base_model`` (default ``tiny``) saved in ``out``, its ``lora_B``
+    random (PEFT starts it at zero: an adapter that changes nothing could not fail a test)."""
     import peft
 
     torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_path(), dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(
+        base_model or tiny_model_path(), dtype=torch.float32
+    )
     model = peft.get_peft_model(base, peft.LoraConfig(lora_dropout=0.0, **kwargs))
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -58,14 +60,16 @@ def make_adapters(root: Path, n: int, prefix: str = "ad") -> dict[str, str]:
 
 
 def peft_reference(
-    adapters: Mapping[str, str], new_tokens: int
+    adapters: Mapping[str, str], new_tokens: int, base_model: Path | None = None
 ) -> Callable[[str | None, list[int]], list[int]]:
     """transformers + PEFT's greedy tokens of a prompt under an adapter (None: the base),
-    fp32, unmerged."""
+    fp32, unmerged; ``base_model`` as in :func:`make_adapter`."""
     import peft
 
     names = list(adapters)
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_path(), dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(
+        base_model or tiny_model_path(), dtype=torch.float32
+    )
     model = peft.PeftModel.from_pretrained(base, adapters[names[0]], adapter_name=names[0])
     for name in names[1:]:
         model.load_adapter(adapters[name], adapter_name=name)

@@ -24,6 +24,7 @@ from kvroute.replica import LLM, SamplingParams
 from kvroute.replica.model_runner import UnsupportedModelError
 from kvroute.replica.models import tiny_model_path
 
+from ..lora_adapters import SHAPES, make_adapter, peft_reference
 from .hf_reference import hf_greedy
 
 NEW_TOKENS = 8
@@ -160,6 +161,29 @@ def test_greedy_equals_transformers(model_dir, request, name: str, impl: str, th
     )
     _check(hf, cold + shared, tight.generate(cold + shared, GREEDY))
     assert tight.llm_engine.stats()["num_preemptions"] > 0
+
+
+@pytest.mark.parametrize("name", ["gemma3-window", "qwen3-window", "mistral-window"])
+def test_lora_adapters_equal_peft(model_dir, tmp_path: Path, name: str) -> None:  # type: ignore[no-untyped-def]
+    """LoRA on the other families' decoders: two random PEFT adapters (every projection;
+    the MLP with rsLoRA) and the base in one batch give PEFT's greedy tokens, in fp32."""
+    pytest.importorskip("peft")
+    path = model_dir(name)
+    adapters = {
+        f"a{i}": make_adapter(tmp_path / f"a{i}", 40 + i, base_model=path, **SHAPES[1 + i])
+        for i in range(2)
+    }
+    reference = peft_reference(adapters, NEW_TOKENS, base_model=path)
+    llm = LLM(str(path), dtype="float32", num_blocks=256, lora_modules=adapters, max_loras=2)
+    cold, shared = _prompts(seed=11)
+    jobs = [(("a0", "a1", None)[i % 3], p) for i, p in enumerate(cold + shared)]
+    outs = llm.generate([{"prompt_token_ids": p, "lora_name": a} for a, p in jobs], GREEDY)
+    changed = 0
+    for (adapter, prompt), out in zip(jobs, outs, strict=True):
+        want = reference(adapter, prompt)
+        assert out.outputs[0].token_ids == want, (adapter, len(prompt))
+        changed += adapter is not None and want != reference(None, prompt)
+    assert changed >= 2  # the adapters change tokens: the equality can fail
 
 
 def test_window_changes_the_output(model_dir) -> None:  # type: ignore[no-untyped-def]
