@@ -196,6 +196,8 @@ class PagedDecoder:
             base.layers[i] = nn.Identity()
             del layer, attn, mlp
         base.layers = nn.ModuleList()
+        # the rotary tables a step computes, once each (Gemma3: one per layer type)
+        self.rope_tables = list(dict.fromkeys(layer.rope for layer in self.layers))
 
     @property
     def num_layers(self) -> int:
@@ -226,11 +228,10 @@ class PagedDecoder:
         ``lora``: the step's adapters, added to each projection's output (None: none)."""
         hidden = self.embed(input_ids)
         ropes: dict[str | None, tuple[Tensor, Tensor]] = {}
-        for layer in self.layers:
-            if layer.rope not in ropes:
-                args = (positions[None],) if layer.rope is None else (positions[None], layer.rope)
-                cos, sin = self.rotary(hidden, *args)
-                ropes[layer.rope] = (cos[0], sin[0])  # [T, D]
+        for rope in self.rope_tables:
+            args = (positions[None],) if rope is None else (positions[None], rope)
+            cos, sin = self.rotary(hidden, *args)
+            ropes[rope] = (cos[0], sin[0])  # [T, D]
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
         attn_kw = meta.attention_kwargs()
         residual = hidden

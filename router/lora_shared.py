@@ -86,6 +86,7 @@ class SharedLoRAs:
         dead = [n for n, until in self.pending.items() if until < now]
         for name in dead:
             del self.pending[name]
+            self.unloads.pop(name, None)  # its unloader died: nothing waits on drained()
         if dead:
             self._changed()
 
