@@ -265,6 +265,10 @@ class LLMEngine:
             if k is not None and k > vocab:
                 # Caught here, not in a topk, where it would fail the whole step.
                 raise ValueError(f"{name} must be <= the vocabulary size {vocab}, got {k}")
+        rope = getattr(self.runner, "rope_spans", None)
+        regime = rope.regime_salt(len(token_ids)) if rope is not None else None
+        if regime is not None:  # its blocks' keys are of another rotary regime (rope_spans)
+            cache_salt = f"{cache_salt}\x1f{regime}" if cache_salt else regime
         req = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,

@@ -44,6 +44,7 @@ from .decoder import PagedDecoder, unsupported
 from .linear import Linear
 from .lora_store import LoRAStep, LoRAStore
 from .outputs import RequestFailure, SampledToken
+from .rope_spans import PerSequenceRotary, length_dependent_rope
 from .sampler import Sampler, prompt_logprobs
 from .scheduler_types import SchedulerOutput
 
@@ -129,6 +130,17 @@ def _paged_attention_forward(
     ctx.calls += 1
     meta = ctx.meta
     k_cache, v_cache = ctx.kv_caches[module.layer_idx]
+    if (
+        key.shape[1] != k_cache.shape[2]
+        or key.shape[3] != k_cache.shape[3]
+        or (value.shape[3] != v_cache.shape[3])
+    ):
+        raise UnsupportedModelError(
+            f"{type(module).__name__} attends with {key.shape[1]} K/V heads of {key.shape[3]} "
+            f"(K) and {value.shape[3]} (V) dims, where the config's fields give "
+            f"{k_cache.shape[2]} of {k_cache.shape[3]}: its KV layout is not the config's "
+            "num_key_value_heads x head_dim (e.g. latent attention)"
+        )
     q = query[0].transpose(0, 1)
     store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, meta.slot_mapping)
     out = paged_attention(
@@ -213,9 +225,19 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         t0 = time.perf_counter()
-        self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
-        ).to(self.device)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                model_path, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
+            )
+        except KeyError as exc:  # modules that pick an attention class of their own by name
+            if exc.args != (ATTN_IMPLEMENTATION,):
+                raise
+            raise UnsupportedModelError(
+                f"the model at {model_path} picks its attention classes by name and has none "
+                "for kvroute's paged attention (it does not use transformers' attention "
+                "registry, as GPT-J and Falcon do not)"
+            ) from exc
+        self.model = model.to(self.device)
         self.model.eval()
         log.info("loaded %s in %.1f s", model_path, time.perf_counter() - t0)
         self.lm_head = self.model.get_output_embeddings()
@@ -238,6 +260,7 @@ class ModelRunner:
         use_own = model_impl != "transformers" and why_not is None
         self.model_impl = "kvroute" if use_own else "transformers"
         self.decoder = self.model.get_decoder()
+        self.rope_spans = self._per_sequence_rope(cfg)
         self.paged_decoder = PagedDecoder(self.model) if use_own else None
         self.decode_graphs: DecodeGraphs | None = None
         if use_own and self.device.type == "cuda":
@@ -271,6 +294,9 @@ class ModelRunner:
         self.decode_graphs = None
         decoder = self.paged_decoder
         if decoder is None or (capture is None and self.device.type != "cuda"):
+            return
+        if self.rope_spans is not None:
+            log.info("decode CUDA graphs off: the rotary frequencies follow each sequence's length")
             return
         graphs = DecodeGraphs(
             lambda ids, pos, meta: decoder(ids, pos, self.kv_caches, meta),
@@ -324,6 +350,22 @@ class ModelRunner:
         )
         return self.lora
 
+    def _per_sequence_rope(self, cfg: PretrainedConfig) -> PerSequenceRotary | None:
+        """The decoder's rotary module wrapped to run per sequence, where its frequencies
+        follow the sequence's length (:mod:`.rope_spans`); None where they do not."""
+        kind = length_dependent_rope(cfg)
+        if kind is None:
+            return None
+        rotary = getattr(self.decoder, "rotary_emb", None)
+        if not isinstance(rotary, torch.nn.Module):
+            raise UnsupportedModelError(
+                f"rope_type {kind!r}: its frequencies follow the sequence's length, and this "
+                "model has no rotary_emb module to compute them per sequence"
+            )
+        wrapped = PerSequenceRotary(rotary, cfg)
+        self.decoder.rotary_emb = wrapped
+        return wrapped
+
     def _probe_transformers_path(self, num_layers: int) -> None:
         """One forward pass of two tokens (into block 0's slots, which hold nothing yet):
         raises UnsupportedModelError where transformers' modules ask the paged attention for
@@ -342,6 +384,14 @@ class ModelRunner:
                     position_ids=torch.arange(tokens, device=self.device)[None],
                     use_cache=False,
                 )
+        except UnsupportedModelError:
+            raise
+        except Exception as exc:  # its attention does not go through the registry, or
+            # expects what the paged path does not give it: refused, with what it said
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__} (model_type {self.model.config.model_type!r}) "
+                f"does not run on kvroute's paged attention: {type(exc).__name__}: {exc}"
+            ) from exc
         finally:
             _FORWARD_CONTEXT.reset(token)
         if ctx.calls != num_layers:
@@ -441,10 +491,12 @@ class ModelRunner:
         if not input_ids:
             return {}
         dev = self.device
+        seq_lens = [item.num_computed_tokens + item.num_new_tokens for item in sched.scheduled]
+        query_lens = [item.num_new_tokens for item in sched.scheduled]
         meta = AttentionMetadata.build(
             [item.block_ids for item in sched.scheduled],
-            [item.num_computed_tokens + item.num_new_tokens for item in sched.scheduled],
-            [item.num_new_tokens for item in sched.scheduled],
+            seq_lens,
+            query_lens,
             self.block_size,
             device=dev,
         )
@@ -454,7 +506,19 @@ class ModelRunner:
         if self.lora is not None:
             spans = [(_lora_key(s.request), s.num_new_tokens) for s in sched.scheduled]
             lora = self.lora.step(spans)
-        hidden = self._forward(ids, pos, meta, lora)
+        if self.rope_spans is None:
+            hidden = self._forward(ids, pos, meta, lora)
+        else:
+            self.rope_spans.step(
+                [
+                    (item.num_computed_tokens, item.num_new_tokens, item.request.num_prompt_tokens)
+                    for item in sched.scheduled
+                ]
+            )
+            try:
+                hidden = self._forward(ids, pos, meta, lora)
+            finally:
+                self.rope_spans.done()
         out: dict[str, SampledToken | RequestFailure] = {}
         if sample_rows:
             logits = self.project_logits(hidden[torch.tensor(sample_rows, device=dev)])
