@@ -305,6 +305,29 @@ def test_gemma3_switches_each_change_the_tokens(model_dir) -> None:  # type: ign
             "softcap",
         ),
         (lambda: transformers.Gemma2Config(**SHAPE, head_dim=16), "final_logit_softcapping"),
+        (  # multi-head latent attention: K/V not num_key_value_heads x head_dim
+            lambda: transformers.DeepseekV3Config(
+                **SHAPE,
+                n_routed_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                first_k_dense_replace=1,
+                q_lora_rank=None,
+                kv_lora_rank=16,
+                qk_rope_head_dim=8,
+                qk_nope_head_dim=8,
+                v_head_dim=16,
+                n_group=1,
+                topk_group=1,
+            ),
+            "KV layout is not the config's",
+        ),
+        (  # attention classes picked by name, none for the paged kernels
+            lambda: transformers.GPTJConfig(
+                vocab_size=261, n_embd=64, n_layer=2, n_head=4, n_positions=1024, rotary_dim=8
+            ),
+            "picks its attention classes by name",
+        ),
     ],
 )
 def test_unservable_models_are_refused_at_load(tmp_path: Path, config, field: str) -> None:  # type: ignore[no-untyped-def]
