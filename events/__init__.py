@@ -29,7 +29,7 @@ and replicas import both. Importing this package has no side effect.
 """
 
 from .blockset import BlockSet, StoredBlock, snapshot_events
-from .hashing import ALGOS, DEFAULT_SEED, BlockHasher, HashConfig, to_external
+from .hashing import ALGOS, DEFAULT_SEED, BlockHasher, HashConfig, regime_salt, to_external
 from .wire import (
     LOWER_MEDIA,
     MEDIUM_CPU,
@@ -69,6 +69,7 @@ __all__ = [
     "StoredBlock",
     "decode_batch",
     "encode_batch",
+    "regime_salt",
     "snapshot_events",
     "tier_name",
     "to_external",

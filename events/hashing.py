@@ -80,6 +80,23 @@ PURE_PYTHON_ENV = "KVROUTE_PURE_PYTHON_HASH"
 """Set to 1 to force the pure-Python xxh3_128 path (tests, benchmarks, debugging)."""
 
 
+LONG_PROMPT_SALT = "rope-long"
+
+
+def regime_salt(
+    cache_salt: str | None, num_prompt_tokens: int, long_after: int | None
+) -> str | None:
+    """The salt a prompt's blocks are hashed with on a replica whose rotary embedding
+    switches to other frequencies past ``long_after`` tokens (longrope: Phi-3's 128k
+    models; the replica reports it in ``ReplicaInfo.long_prompt_after``, None where there
+    is no switch): a longer prompt's keys are of the other regime, so its blocks must never
+    meet a shorter prompt's; its salt gets ``LONG_PROMPT_SALT`` (after a 0x1f separator).
+    Replica and router both apply it, so their hashes agree."""
+    if long_after is None or num_prompt_tokens <= long_after:
+        return cache_salt
+    return f"{cache_salt}\x1f{LONG_PROMPT_SALT}" if cache_salt else LONG_PROMPT_SALT
+
+
 def to_external(block_hash: bytes, form: HashForm = "bytes") -> ExternalBlockHash:
     """The form a hash travels in inside events."""
     if form == "bytes":

@@ -137,6 +137,9 @@ class ReplicaInfo(msgspec.Struct, kw_only=True, frozen=True):
     vocab_size: int | None = None  # prompt token ids must be below it (None: not reported)
     cost: CostCoefficients | None = None  # its step-time model: routers price it in it
     node_id: str | None = None  # the Ray node it runs on (several nodes may share an IP)
+    # Prompts longer than this hash with hashing.regime_salt (a rotary that switches
+    # regime there: longrope); None: no switch.
+    long_prompt_after: int | None = None
 
     @property
     def hash_config(self) -> HashConfig:

@@ -114,6 +114,7 @@ class ReplicaServer:
             restarted=self._in_actor and _was_reconstructed(),
             vocab_size=facts.vocab_size,
             cost=facts.cost,
+            long_prompt_after=facts.long_prompt_after,
             node_id=ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
         )
         threading.Thread(target=self._watch, name="kvroute-replica-watchdog", daemon=True).start()

@@ -166,6 +166,7 @@ class AsyncLLMEngine:
             max_model_len=engine.max_model_len,
             vocab_size=engine.vocab_size,
             cost=engine.cost_coefficients(),
+            long_prompt_after=engine.long_prompt_after,
         )
 
     async def stats(self) -> dict[str, Any]:

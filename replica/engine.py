@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from kvroute.events import BlockHasher, HashConfig, KVCacheEvent
+from kvroute.events import BlockHasher, HashConfig, KVCacheEvent, regime_salt
 from kvroute.events.bounds import check_prompt_token_ids, check_text
 from kvroute.events.load import CostCoefficients
 from kvroute.events.replica_api import Resume, SamplingParams
@@ -176,6 +176,13 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------
     @property
+    def long_prompt_after(self) -> int | None:
+        """Prompts longer than this are of the long rotary regime (longrope), their blocks
+        salted apart (:func:`~kvroute.events.hashing.regime_salt`); None: no switch."""
+        rope = getattr(self.runner, "rope_spans", None)
+        return rope.threshold if rope is not None and rope.longrope else None
+
+    @property
     def hash_config(self) -> HashConfig:
         return self.hasher.config
 
@@ -265,10 +272,8 @@ class LLMEngine:
             if k is not None and k > vocab:
                 # Caught here, not in a topk, where it would fail the whole step.
                 raise ValueError(f"{name} must be <= the vocabulary size {vocab}, got {k}")
-        rope = getattr(self.runner, "rope_spans", None)
-        regime = rope.regime_salt(len(token_ids)) if rope is not None else None
-        if regime is not None:  # its blocks' keys are of another rotary regime (rope_spans)
-            cache_salt = f"{cache_salt}\x1f{regime}" if cache_salt else regime
+        # past a rotary switch its blocks' keys are of the other regime (rope_spans)
+        cache_salt = regime_salt(cache_salt, len(token_ids), self.long_prompt_after)
         req = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,

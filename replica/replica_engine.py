@@ -79,6 +79,7 @@ class EngineFacts:
     max_model_len: int
     vocab_size: int
     cost: CostCoefficients
+    long_prompt_after: int | None = None  # see ReplicaInfo.long_prompt_after
 
 
 class ReplicaEngine(Protocol):

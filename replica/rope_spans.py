@@ -25,8 +25,11 @@ with such rotary run eager on CUDA (no decode graphs: the calls depend on the st
 
 What stays inexact: a cached prefix computed for a prompt in the other regime (a short
 prompt's blocks reused by a long one, or the reverse) holds keys of that regime, where
-transformers recomputes them; the engine therefore keeps the two regimes' blocks apart in
-its prefix cache (:meth:`PerSequenceRotary.regime_salt`).
+transformers recomputes them; so a longrope model's prompts past the switch are hashed with
+their own salt (:func:`kvroute.events.hashing.regime_salt`, by the engine and by routers,
+which learn the switch from the replica's ``ReplicaInfo.long_prompt_after``), and the two
+regimes' blocks never meet. (``dynamic`` switches past the model's maximum length, which
+the engine never serves, so it needs no salt.)
 """
 
 from __future__ import annotations
@@ -103,13 +106,6 @@ class PerSequenceRotary(nn.Module):
         if self.longrope and self.threshold is not None:
             return 1
         return length + 1  # dynamic past the threshold: its own frequencies
-
-    def regime_salt(self, num_prompt_tokens: int) -> str | None:
-        """A suffix for the cache salt of a prompt past the pre-training length (its
-        blocks' keys are of the long regime), None for one within it: the two regimes'
-        blocks never meet in the prefix cache."""
-        key = self._key(num_prompt_tokens)
-        return None if key == 0 else f"rope-regime:{key}"
 
     def step(self, spans: Sequence[tuple[int, int, int]]) -> None:
         """This step's sequences, in token order: (first new position, new tokens, prompt

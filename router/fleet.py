@@ -40,7 +40,7 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvroute.events import DEFAULT_SEED, BlockHasher, HashConfig, to_external
+from kvroute.events import DEFAULT_SEED, BlockHasher, HashConfig, regime_salt, to_external
 from kvroute.events.load import LoadReport
 from kvroute.events.replica_api import ReplicaInfo
 from kvroute.events.translate import TOKEN_INDEX_ALGO, EventTranslator, reproducible
@@ -103,6 +103,8 @@ class Fleet:
         else:
             self.hash_config = HashConfig(TOKEN_INDEX_ALGO, DEFAULT_SEED, first.block_size)
             self.hash_form = "bytes"
+        # Prompts past a rotary switch hash with their own salt (hashing.regime_salt).
+        self.long_prompt_after = first.long_prompt_after
         bs = self.hash_config.block_size
         self.hasher = BlockHasher(self.hash_config.algo, self.hash_config.seed, bs)
         self.index = PrefixIndex(prediction_stride=prediction_stride(bs))
@@ -154,6 +156,11 @@ class Fleet:
         if info.model != self.model:
             raise FleetMismatchError(
                 f"replica {info.replica_id}: model {info.model!r} != fleet's {self.model!r}"
+            )
+        if info.long_prompt_after != self.long_prompt_after:
+            raise FleetMismatchError(
+                f"replica {info.replica_id}: salts prompts past {info.long_prompt_after} "
+                f"tokens, the fleet past {self.long_prompt_after} (hashing.regime_salt)"
             )
 
     def add(self, actor: Any, info: ReplicaInfo) -> None:
@@ -348,11 +355,12 @@ class Fleet:
         ``lora_path`` (as the replicas registered it): the adapter it runs under, which is
         in every block's hash."""
         form = self.hash_form
+        salted = regime_salt(salt, len(prompt_token_ids), self.long_prompt_after)
         if lora_name is None:
-            hashes = self.hasher.hash_blocks(prompt_token_ids, cache_salt=salt)
+            hashes = self.hasher.hash_blocks(prompt_token_ids, cache_salt=salted)
         else:
             hashes = self.hasher.hash_blocks(
-                prompt_token_ids, cache_salt=salt, lora_name=lora_name, lora_path=lora_path
+                prompt_token_ids, cache_salt=salted, lora_name=lora_name, lora_path=lora_path
             )
         if form == "bytes":  # events carry the digests themselves
             return hashes

@@ -11,7 +11,7 @@ import sys
 import pytest
 import xxhash
 
-from kvroute.events import BlockHasher, HashConfig, to_external
+from kvroute.events import BlockHasher, HashConfig, regime_salt, to_external
 
 
 # -- an independent, minimal canonical-CBOR encoder (RFC 8949 §4.2.1) for the vectors ----
@@ -236,3 +236,19 @@ def test_deterministic_across_processes():
         for a in ("xxh3_128", "sha256_cbor")
     }
     assert json.loads(outs[0]) == here
+
+
+def test_regime_salt_parts_prompts_past_a_rotary_switch():
+    """Past the switch a prompt gets its own salt (its tenant's kept in front of it), so its
+    blocks never equal a shorter prompt's; up to it, and with no switch, nothing changes."""
+    tokens = list(range(64))
+    hasher = BlockHasher(block_size=16)
+    assert regime_salt("t", 64, None) == "t" and regime_salt(None, 64, 64) is None
+    long, short = regime_salt("t", 64, 63), regime_salt("t", 63, 63)
+    assert short == "t" and long != "t" and long.startswith("t")
+    assert regime_salt(None, 64, 63) == regime_salt("", 64, 63)
+    # the same tokens under the two regimes: no block in common, tenants still apart
+    assert not set(hasher.hash_blocks(tokens, cache_salt=long)) & set(
+        hasher.hash_blocks(tokens, cache_salt=short)
+    )
+    assert regime_salt("u", 64, 63) != long

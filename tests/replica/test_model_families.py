@@ -19,6 +19,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, PretrainedConfig
 
+from kvroute.events import BlockHasher, regime_salt
 from kvroute.kernels import cpu_linear
 from kvroute.replica import LLM, SamplingParams
 from kvroute.replica.model_runner import UnsupportedModelError
@@ -206,6 +207,17 @@ def test_longrope_regimes_share_no_blocks(model_dir, name: str, impl: str) -> No
         out = llm.generate([second], GREEDY)
         assert out[0].num_cached_tokens == 0
         _check(hf, [second], out)
+    # a router hashes the long prompt as the engine cached it, once told the switch
+    engine = llm.llm_engine
+    assert engine.long_prompt_after == engine.runner.rope_spans.threshold
+    hasher = BlockHasher(block_size=engine.hash_config.block_size)
+    salted = regime_salt(None, len(long_prompt), engine.long_prompt_after)
+    pool = engine.kv_cache_manager.block_pool
+    assert all(
+        pool.get_cached_block(h) is not None
+        for h in hasher.hash_blocks(long_prompt, cache_salt=salted)
+    )
+    assert pool.get_cached_block(hasher.hash_blocks(long_prompt)[0]) is None
     mixed = [short_prompt, long_prompt[:40], [5, 6, 7]]
     _check(hf, mixed, llm.generate(mixed, GREEDY))
     rotary = llm.llm_engine.runner.rope_spans

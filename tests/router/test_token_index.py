@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
-from kvroute.events import BlockHasher, BlockSet, EventBatch
+from kvroute.events import BlockHasher, BlockSet, EventBatch, regime_salt
 from kvroute.events.replica_api import ReplicaInfo, SamplingParams
 from kvroute.events.transport import ZmqEventPublisher
 from kvroute.router.admission import Ticket
@@ -210,5 +210,30 @@ def test_a_token_indexed_replica_with_other_blocks_is_refused(vllm_pub):
         # Its seed and form are its engine's business: only the block size must agree.
         fleet.add(None, info("c", vllm_pub, hash_seed="any", hash_form="bytes"))
         assert set(fleet.translators) == {"a", "c"}
+    finally:
+        fleet.subscriber.close()
+
+
+def test_prompts_past_a_rotary_switch_hash_as_the_replicas_salt_them(vllm_pub):
+    """A fleet of longrope replicas (ReplicaInfo.long_prompt_after): a prompt past the
+    switch is hashed with its regime's salt, as the engine caches it; one up to it as
+    before; a replica with another switch is refused."""
+    xxh3 = {"hash_algo": "xxh3_128", "hash_form": "bytes"}
+    fleet = Fleet([(None, info("a", vllm_pub, **xxh3, long_prompt_after=40))])
+    try:
+        plain = BlockHasher(block_size=BS)
+        long_prompt, short_prompt = list(range(3, 51)), list(range(3, 43))
+        assert fleet.block_hashes(short_prompt, "t") == plain.hash_blocks(
+            short_prompt, cache_salt="t"
+        )
+        assert fleet.block_hashes(long_prompt, "t") == plain.hash_blocks(
+            long_prompt, cache_salt=regime_salt("t", len(long_prompt), 40)
+        )
+        assert (
+            fleet.block_hashes(long_prompt, "t")[0]
+            != plain.hash_blocks(long_prompt, cache_salt="t")[0]
+        )
+        with pytest.raises(FleetMismatchError, match="salts prompts past None tokens"):
+            fleet.add(None, info("b", vllm_pub, **xxh3))
     finally:
         fleet.subscriber.close()
