@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # torch: a cost-model replica never imports it
 
 log = logging.getLogger(__name__)
 _FINISHED_ERROR = RequestStatus.FINISHED_ERROR  # read per token: a class lookup costs more
+_RUNNING = RequestStatus.RUNNING
 
 EventSink = Callable[[list[KVCacheEvent]], Any]
 
@@ -176,6 +177,15 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------
     @property
+    def switch_recompute_at(self) -> int | None:
+        """The length at which a sequence is computed anew with its rotary's long factors,
+        as transformers' Phi-3 does (:mod:`.rope_spans`); None: never."""
+        rope = getattr(self.runner, "rope_spans", None)
+        if rope is None or not rope.longrope or not rope.whole_sequence:
+            return None
+        return rope.threshold
+
+    @property
     def long_prompt_after(self) -> int | None:
         """Prompts longer than this are of the long rotary regime (longrope), their blocks
         salted apart (:func:`~kvroute.events.hashing.regime_salt`); None: no switch."""
@@ -272,8 +282,10 @@ class LLMEngine:
             if k is not None and k > vocab:
                 # Caught here, not in a topk, where it would fail the whole step.
                 raise ValueError(f"{name} must be <= the vocabulary size {vocab}, got {k}")
-        # past a rotary switch its blocks' keys are of the other regime (rope_spans)
-        cache_salt = regime_salt(cache_salt, len(token_ids), self.long_prompt_after)
+        # past a rotary switch its blocks' keys are of the other regime (rope_spans); on
+        # Phi-3 a resumed request's earlier outputs count too (the whole sequence's regime)
+        length = len(token_ids) + (len(prior) if self.switch_recompute_at is not None else 0)
+        cache_salt = regime_salt(cache_salt, length, self.long_prompt_after)
         req = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -428,6 +440,12 @@ class LLMEngine:
                 outputs.append(self._on_update(req, sampled.get(req.request_id)))
             except Exception as exc:  # its text: detokenization and stop strings
                 outputs.append(self._fail(req.request_id, "detokenization", exc))
+        at = self.switch_recompute_at
+        if at is not None:  # Phi-3: a sequence reaching its rotary switch is computed anew
+            for req in updated:
+                if req.status == _RUNNING and req.num_tokens == at + 1 >= req.num_prompt_tokens + 1:
+                    req.cache_salt = regime_salt(req.cache_salt, at + 1, at)  # long keys now
+                    self.scheduler.recompute(req)
         self.num_steps += 1
         self._publish_events()
         self.current_batch = frozenset()

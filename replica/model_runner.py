@@ -511,7 +511,12 @@ class ModelRunner:
         else:
             self.rope_spans.step(
                 [
-                    (item.num_computed_tokens, item.num_new_tokens, item.request.num_prompt_tokens)
+                    (
+                        item.num_computed_tokens,
+                        item.num_new_tokens,
+                        item.request.num_prompt_tokens,
+                        item.num_tokens,
+                    )
                     for item in sched.scheduled
                 ]
             )

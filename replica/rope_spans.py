@@ -23,9 +23,14 @@ recompute and a decode batch mixing short and long sequences all get transformer
 frequencies. Static rotary types (default, linear, llama3, yarn) are not wrapped. Models
 with such rotary run eager on CUDA (no decode graphs: the calls depend on the step).
 
-What stays inexact: a cached prefix computed for a prompt in the other regime (a short
-prompt's blocks reused by a long one, or the reverse) holds keys of that regime, where
-transformers recomputes them; so a longrope model's prompts past the switch are hashed with
+The Phi-3 family (``RECOMPUTE_AT_SWITCH``) differs: transformers drops the cache where a
+sequence crosses the switch and computes it again, so there every token of a step takes
+``L = `` the sequence's whole length, and the engine recomputes a request that crosses
+(``LLMEngine.switch_recompute_at``), then salts it long.
+
+Cached prefixes: one computed for a prompt in the other regime (a short prompt's blocks
+reused by a long one, or the reverse) holds keys of that regime, where transformers
+recomputes them; so a longrope model's prompts past the switch are hashed with
 their own salt (:func:`kvroute.events.hashing.regime_salt`, by the engine and by routers,
 which learn the switch from the replica's ``ReplicaInfo.long_prompt_after``), and the two
 regimes' blocks never meet. (``dynamic`` switches past the model's maximum length, which
@@ -42,6 +47,9 @@ from torch import Tensor, nn
 __all__ = ["PerSequenceRotary", "length_dependent_rope"]
 
 _KINDS = ("dynamic", "longrope")
+# model_types whose transformers class recomputes its whole cache at the switch
+# (``prepare_inputs_for_generation`` of Phi3ForCausalLM and PhimoeForCausalLM, 5.19)
+RECOMPUTE_AT_SWITCH = frozenset({"phi3", "phimoe"})
 
 
 def _rope_types(config: object) -> set[str]:
@@ -91,6 +99,11 @@ class PerSequenceRotary(nn.Module):
         super().__init__()
         self.rotary = rotary
         self.longrope = length_dependent_rope(config) == "longrope"
+        # transformers' Phi-3 family drops its cache where a sequence crosses the switch and
+        # recomputes it with the long factors: every token of a sequence then takes the
+        # regime of the sequence's whole length, and the engine recomputes a sequence that
+        # crosses (LLMEngine.switch_recompute_at)
+        self.whole_sequence = getattr(config, "model_type", None) in RECOMPUTE_AT_SWITCH
         self.threshold = _threshold(config, rotary, self.longrope)
         # the prefix of each original frequency buffer: "", or per layer type "<type>_"
         self._originals = [
@@ -107,17 +120,20 @@ class PerSequenceRotary(nn.Module):
             return 1
         return length + 1  # dynamic past the threshold: its own frequencies
 
-    def step(self, spans: Sequence[tuple[int, int, int]]) -> None:
+    def step(self, spans: Sequence[tuple[int, int, int, int]]) -> None:
         """This step's sequences, in token order: (first new position, new tokens, prompt
-        tokens) of each."""
+        tokens, all its tokens so far) of each."""
         runs: list[list[int]] = []  # [tokens, key, length for the call]
-        for start, n, prompt in spans:
+        for start, n, prompt, total in spans:
             end = start + n
             pieces = []
-            if start < prompt:  # prompt tokens: computed as in one call of the whole prompt
+            if self.whole_sequence:  # Phi-3: the regime of the sequence's whole length
+                pieces.append((n, max(prompt, total)))
+            elif start < prompt:  # prompt tokens: computed as in one call of the whole prompt
                 pieces.append((min(end, prompt) - start, prompt))
-            for p in range(max(start, prompt), end):  # outputs: each at its own length
-                pieces.append((1, p + 1))
+            if not self.whole_sequence:
+                for p in range(max(start, prompt), end):  # outputs: each at its own length
+                    pieces.append((1, p + 1))
             for count, length in pieces:
                 key = self._key(length)
                 if runs and runs[-1][1] == key:

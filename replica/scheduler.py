@@ -399,6 +399,17 @@ class Scheduler(DecodeRuns):
         req.num_computed_tokens += num_new
         return sr
 
+    def recompute(self, req: Request) -> None:
+        """Drops a running request's KV to compute it again from its first token, its tokens
+        kept, first in its queue: for a model whose every key changes once a sequence
+        reaches some length (transformers' Phi-3 at its rotary switch). Not a preemption:
+        not counted as one."""
+        self.running.remove(req)
+        self.kv_cache_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        self.waiting.appendleft(req)
+
     def _preempt(self, req: Request) -> None:
         """Recompute preemption: drop the KV, keep the tokens, queue it first."""
         self.kv_cache_manager.free(req)

@@ -46,14 +46,19 @@ SHAPE = {
     "tie_word_embeddings": False,
 }
 
-_ROPE = {
-    "rope_type": "longrope",
-    "rope_theta": 10000.0,
-    "short_factor": [1.0] * 8,
-    "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0],
-    "original_max_position_embeddings": 20,
-}
-_LONGROPE = {**SHAPE, "rope_parameters": _ROPE}
+
+def _longrope(switch: int) -> dict[str, object]:
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0] * 8,
+        "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0],
+        "original_max_position_embeddings": switch,
+    }
+    return {**SHAPE, "rope_parameters": rope, "original_max_position_embeddings": switch}
+
+
+_LONGROPE = _longrope(20)
 
 CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
     "llama-biases": lambda: transformers.LlamaConfig(**SHAPE, attention_bias=True, mlp_bias=True),
@@ -77,14 +82,11 @@ CONFIGS: dict[str, Callable[[], PretrainedConfig]] = {
         },
         query_pre_attn_scalar=24,
     ),
-    # longrope: short factors up to 20 tokens (Phi-3: 30), long ones past it, so the cold
-    # batch mixes both regimes; on Llama the 17-token prompt crosses during its decode. Not
-    # on Phi-3: transformers' Phi-3 recomputes its whole cache at the crossing, which the
-    # engine does not (docs/models.md), so the test keeps its prompts on one side.
-    "phi3-longrope": lambda: transformers.Phi3Config(
-        **{**_LONGROPE, "rope_parameters": {**_ROPE, "original_max_position_embeddings": 30}},
-        original_max_position_embeddings=30,
-    ),
+    # longrope: short factors up to 20 tokens, long ones past it, so the cold batch mixes
+    # both regimes and the 17-token prompt crosses during its decode (on Phi-3 up to 30,
+    # no crossing: test_phi3_recomputes_at_its_rotary_switch has it)
+    "phi3-longrope": lambda: transformers.Phi3Config(**_longrope(30)),
+    "phi3-longrope-20": lambda: transformers.Phi3Config(**_longrope(20)),
     "llama-longrope": lambda: transformers.LlamaConfig(**_LONGROPE),
     "gemma2-no-softcap": lambda: transformers.Gemma2Config(
         **SHAPE, head_dim=16, attn_logit_softcapping=None, final_logit_softcapping=None
@@ -183,6 +185,43 @@ def test_greedy_equals_transformers(model_dir, request, name: str, impl: str, th
     )
     _check(hf, cold + shared, tight.generate(cold + shared, GREEDY))
     assert tight.llm_engine.stats()["num_preemptions"] > 0
+
+
+def _greedy_full_forward(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    """Greedy tokens with every step a forward of the whole sequence (no cache)."""
+    seq = list(prompt)
+    with torch.inference_mode():
+        for _ in range(n):
+            seq.append(int(hf(torch.tensor([seq]), use_cache=False).logits[0, -1].argmax()))
+    return seq[len(prompt) :]
+
+
+def test_phi3_recomputes_at_its_rotary_switch(model_dir) -> None:  # type: ignore[no-untyped-def]
+    """transformers' Phi-3 recomputes a sequence with the long factors where it crosses
+    the switch (prepare_inputs_for_generation); the engine does too, so a sequence that
+    crosses during its decode (17 + 8 tokens over a switch at 20) gives the greedy tokens
+    of a forward of the whole sequence at every step, cold, chunked and preempted. (The
+    reference is not generate: transformers 5.19 drops the cache there but then feeds the
+    crossing token alone, without its context.)"""
+    path = model_dir("phi3-longrope-20")
+    hf = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    )
+    hf.eval()
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 256) for _ in range(n)] for n in (17, 5, 40, 13)]
+    want = [_greedy_full_forward(hf, p, NEW_TOKENS) for p in prompts]
+    for kwargs in ({}, {"max_num_batched_tokens": 24}, {"num_blocks": 4}):
+        llm = LLM(str(path), dtype="float32", **{"num_blocks": 256, **kwargs})
+        outs = llm.generate(prompts, GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == want, kwargs
+        if "num_blocks" in kwargs:
+            assert llm.llm_engine.stats()["num_preemptions"] > 0
+    # without the recompute the crossing sequence's tokens change
+    llm = LLM(str(path), num_blocks=256, dtype="float32")
+    llm.llm_engine.runner.rope_spans.whole_sequence = False
+    outs = llm.generate(prompts[:1], GREEDY)
+    assert outs[0].outputs[0].token_ids != want[0]
 
 
 @pytest.mark.parametrize(
