@@ -130,6 +130,20 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
         "--kv-disk-bytes", type=int, default=0, help="disk bytes per replica for KV blocks"
     )
     serve.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="at most this many tokens in one engine step (default 2048, vLLM's for a server): "
+        "on a CPU replica a smaller one (512) gives a burst of prompts its first tokens "
+        "sooner and stalls running streams for less, for a longer time per output token",
+    )
+    serve.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="at most this many requests running in one engine (default 128)",
+    )
+    serve.add_argument(
         "--long-prefill-token-threshold",
         type=int,
         default=0,
@@ -178,6 +192,10 @@ def run(args: argparse.Namespace) -> int:
     if args.routers < 1:
         _say("--routers must be >= 1")
         return 2
+    for flag in ("max_num_batched_tokens", "max_num_seqs"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            _say(f"--{flag.replace('_', '-')} must be >= 1")
+            return 2
     from kvroute.replica.cost_model import sim_profile
 
     try:
@@ -376,37 +394,7 @@ def _start_replicas(args: argparse.Namespace, n: int, num_gpus: float, events_ho
     detached = bool(args.address)
     existing = set(ray.util.list_named_actors()) if detached else set()
 
-    config: dict[str, Any] = {"model": args.model, "block_size": args.block_size}
-    if args.dtype:
-        config["dtype"] = args.dtype
-    if args.max_model_len:
-        config["max_model_len"] = args.max_model_len
-    if args.engine == "vllm":
-        config.update(_vllm_settings(args))
-        lora = dict(getattr(args, "lora", None) or {})
-        if lora:  # vLLM's LoRA arguments beside --vllm-args (which win)
-            config["engine_args"] = {**lora.pop("engine_args"), **config.get("engine_args", {})}
-            config.update(lora)
-    else:
-        if args.time_scale != 1.0:
-            config["time_scale"] = args.time_scale
-        if args.num_blocks:
-            config["num_blocks"] = args.num_blocks
-        if args.model_impl != "auto":
-            config["model_impl"] = args.model_impl
-        if args.enforce_eager:
-            config["enforce_eager"] = True
-        if args.long_prefill_token_threshold:
-            config["long_prefill_token_threshold"] = args.long_prefill_token_threshold
-        if args.max_num_partial_prefills:
-            config["max_num_partial_prefills"] = args.max_num_partial_prefills
-        if args.kv_host_bytes:
-            config["kv_host_bytes"] = args.kv_host_bytes
-        if args.kv_disk_path or args.kv_disk_bytes:
-            if not (args.kv_disk_path and args.kv_disk_bytes):
-                raise StartupError("--kv-disk-path and --kv-disk-bytes go together")
-            config["kv_disk_bytes"] = args.kv_disk_bytes
-        config.update(getattr(args, "lora", None) or {})
+    config = engine_config(args)
     where = f"{num_gpus:g} GPU" if num_gpus else f"{args.num_cpus_per_replica:g} CPU"
     _say(f"starting {n} replica(s) of {args.model} ({where} each); loading the model...")
     t0 = time.monotonic()
@@ -456,6 +444,46 @@ def _start_replicas(args: argparse.Namespace, n: int, num_gpus: float, events_ho
     return [(a, infos[a]) for a in actors]
 
 
+def engine_config(args: argparse.Namespace) -> dict[str, Any]:
+    """Each replica's engine config from ``kvroute serve``'s flags (its own engine's
+    ``EngineConfig`` fields, or a vLLM replica's keys with vLLM's engine arguments)."""
+    config: dict[str, Any] = {"model": args.model, "block_size": args.block_size}
+    if args.dtype:
+        config["dtype"] = args.dtype
+    if args.max_model_len:
+        config["max_model_len"] = args.max_model_len
+    if args.engine == "vllm":
+        config.update(_vllm_settings(args))
+        lora = dict(getattr(args, "lora", None) or {})
+        if lora:  # vLLM's LoRA arguments beside --vllm-args (which win)
+            config["engine_args"] = {**lora.pop("engine_args"), **config.get("engine_args", {})}
+            config.update(lora)
+    else:
+        if args.time_scale != 1.0:
+            config["time_scale"] = args.time_scale
+        if args.num_blocks:
+            config["num_blocks"] = args.num_blocks
+        if args.model_impl != "auto":
+            config["model_impl"] = args.model_impl
+        if args.enforce_eager:
+            config["enforce_eager"] = True
+        if args.long_prefill_token_threshold:
+            config["long_prefill_token_threshold"] = args.long_prefill_token_threshold
+        if args.max_num_partial_prefills:
+            config["max_num_partial_prefills"] = args.max_num_partial_prefills
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            if getattr(args, name, None):
+                config[name] = getattr(args, name)
+        if args.kv_host_bytes:
+            config["kv_host_bytes"] = args.kv_host_bytes
+        if args.kv_disk_path or args.kv_disk_bytes:
+            if not (args.kv_disk_path and args.kv_disk_bytes):
+                raise StartupError("--kv-disk-path and --kv-disk-bytes go together")
+            config["kv_disk_bytes"] = args.kv_disk_bytes
+        config.update(getattr(args, "lora", None) or {})
+    return config
+
+
 def _vllm_settings(args: argparse.Namespace) -> dict[str, Any]:
     """A vLLM replica's config keys (replica/vllm_adapt.py): kvroute's flags that vLLM has
     under its own names go into its engine arguments."""
@@ -469,6 +497,9 @@ def _vllm_settings(args: argparse.Namespace) -> dict[str, Any]:
         extra.setdefault("max_num_partial_prefills", args.max_num_partial_prefills)
     if args.enforce_eager:
         extra.setdefault("enforce_eager", True)
+    for name in ("max_num_batched_tokens", "max_num_seqs"):
+        if getattr(args, name, None):
+            extra.setdefault(name, getattr(args, name))
     if extra:
         settings["engine_args"] = extra
     return settings

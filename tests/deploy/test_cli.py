@@ -26,6 +26,8 @@ def test_serve_refuses_bad_arguments_before_starting_anything():
         (["--host", "0.0.0.0"], "refusing to serve anonymously on 0.0.0.0"),
         (["--runtime-env", "[1]"], "--runtime-env: not a JSON object"),
         (["--model", "gpt2"], "neither a built-in model"),  # no hub downloads: a folder
+        (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1"),
+        (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
     ):
         out = subprocess.run([*KVROUTE, "serve", *args], capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and why in out.stderr, (args, out.stderr)
@@ -141,3 +143,23 @@ def test_events_follows_a_live_publisher():
         assert "source=live stored=1" in lines[1] and "source=live stored=1" in lines[2]
     finally:
         pub.close()
+
+
+def test_serve_passes_the_step_limits_to_either_engine():
+    """--max-num-batched-tokens and --max-num-seqs reach kvroute's engine config, and a
+    vLLM replica's engine arguments under vLLM's own names (--vllm-args wins)."""
+    from kvroute.deploy.cli import build_parser
+    from kvroute.deploy.serve import engine_config
+    from kvroute.replica.engine_config import EngineConfig
+
+    limits = ["--max-num-batched-tokens", "512", "--max-num-seqs", "8"]
+    own = engine_config(build_parser().parse_args(["serve", "--model", "tiny", *limits]))
+    assert (own["max_num_batched_tokens"], own["max_num_seqs"]) == (512, 8)
+    cfg = EngineConfig(**own)
+    assert (cfg.max_num_batched_tokens, cfg.max_num_seqs) == (512, 8)
+    assert "max_num_seqs" not in engine_config(build_parser().parse_args(["serve"]))
+    args = build_parser().parse_args(["serve", "--engine", "vllm", *limits])
+    args.vllm_args = {"max_num_seqs": 4}  # as `serve` reads --vllm-args' JSON
+    vllm = engine_config(args)
+    assert vllm["engine_args"]["max_num_batched_tokens"] == 512
+    assert vllm["engine_args"]["max_num_seqs"] == 4
