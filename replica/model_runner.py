@@ -5,14 +5,13 @@ Two model implementations (``model_impl``, as vLLM's ``--model-impl``):
 * ``kvroute`` -- the Llama family (Llama, Mistral, Qwen2, Qwen3) through kvroute's own
   decoder (:mod:`.decoder`): fused projections, attention on the paged cache directly.
   The default for those families.
-* ``transformers`` -- any other decoder: transformers' own modules, which call a registered
-  attention function (``AttentionInterface``) with each layer's Q/K/V after rotary
-  embedding. kvroute registers ``"kvroute_paged"``, which writes the step's K/V into the
-  paged cache and attends over it with :mod:`kvroute.kernels`; the step's metadata reaches
-  it through a context variable, as vLLM's forward context does. A model this path cannot
-  run exactly is refused at load, by a probe forward pass: an attention argument the
-  kernels do not implement (Gemma2's ``softcap``, gpt-oss's sinks), a mask or bias of its
-  own, or layers that do not attend through the interface (linear attention, Mamba).
+* ``transformers`` -- any other decoder: transformers' own modules, which call the
+  attention function kvroute registers with transformers (:mod:`.hf_attention`): it writes
+  the step's K/V into the paged cache and attends over it. A model this path cannot run
+  exactly is refused at load, by a probe forward pass: an attention argument the kernels
+  do not implement (Gemma2's ``softcap``, gpt-oss's sinks), a mask or bias of its own, K/V
+  not shaped as the config says, or layers that do not attend through the interface
+  (linear attention, Mamba).
 
 The batch is one sequence of ``num_scheduled_tokens`` tokens (batch dimension 1): prefills,
 chunks over a cached prefix and decodes side by side, each token with its own position.
@@ -22,25 +21,28 @@ every prompt position of a request that asked for its prompt's logprobs.
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig
-from transformers.masking_utils import AttentionMaskInterface
-from transformers.modeling_utils import AttentionInterface
 
 from kvroute.events import MEDIUM_GPU
 from kvroute.events.load import CostCoefficients
 from kvroute.events.replica_api import SamplingParams
-from kvroute.kernels import AttentionMetadata, paged_attention, store_kv
+from kvroute.kernels import AttentionMetadata
 
 from .cuda_graphs import Capture, DecodeGraphs
 from .decoder import PagedDecoder, unsupported
+from .hf_attention import (
+    ATTN_IMPLEMENTATION,
+    FORWARD_CONTEXT,
+    ForwardContext,
+    UnsupportedModelError,
+    refuse_logit_processing,
+)
 from .linear import Linear
 from .lora_store import LoRAStep, LoRAStore
 from .outputs import RequestFailure, SampledToken
@@ -50,7 +52,6 @@ from .scheduler_types import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
-ATTN_IMPLEMENTATION = "kvroute_paged"
 CPU_KV_CACHE_BYTES = 1 << 30
 # Prompt positions whose logits are taken at once, for prompt logprobs: a bound on the
 # [rows, vocab] float32 block (512 x 128k vocab = 256 MiB).
@@ -60,131 +61,6 @@ ACTIVATION_MARGIN_BYTES = 2 << 30
 
 
 MODEL_IMPLS = ("auto", "kvroute", "transformers")
-
-
-class UnsupportedModelError(ValueError):
-    """The engine cannot serve this model exactly; the message names the config field."""
-
-
-@dataclass(slots=True)
-class _ForwardContext:
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    meta: AttentionMetadata
-    calls: int = 0  # attention calls this forward (the load probe counts them)
-
-
-_FORWARD_CONTEXT: contextvars.ContextVar[_ForwardContext] = contextvars.ContextVar("kvroute_fwd")
-
-# Arguments transformers' modules pass that change nothing here: the kernels are causal,
-# see only the step's own tokens, and never drop out at inference.
-_BENIGN_ATTENTION_KWARGS = frozenset(
-    {
-        "position_ids",
-        "cu_seq_lens_q",
-        "cu_seq_lens_k",
-        "max_length_q",
-        "max_length_k",
-        "output_attentions",
-        "use_cache",
-        "cache_position",
-        "past_key_values",
-        "position_embeddings",
-        "layer_idx",
-    }
-)
-
-
-def _refuse_unhandled(module: torch.nn.Module, mask: object, kwargs: dict[str, object]) -> None:
-    """Raises UnsupportedModelError for an attention call the paged kernels would get wrong."""
-    if mask is not None:
-        raise UnsupportedModelError(
-            f"{type(module).__name__} passes an attention mask or bias of its own "
-            "(the paged kernels compute causality themselves)"
-        )
-    for key, value in kwargs.items():
-        if key in _BENIGN_ATTENTION_KWARGS or value is None:
-            continue
-        if key == "dropout" and not value:
-            continue
-        if key == "is_causal" and value:
-            continue
-        raise UnsupportedModelError(
-            f"{type(module).__name__} passes attention argument {key}={value!r}, which "
-            "kvroute's paged kernels do not implement"
-        )
-
-
-def _paged_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    sliding_window: int | None = None,
-    **kwargs: object,
-) -> tuple[torch.Tensor, None]:
-    """transformers' attention signature: Q/K/V are [1, heads, tokens, head_dim]."""
-    ctx = _FORWARD_CONTEXT.get()
-    _refuse_unhandled(module, attention_mask, kwargs)
-    ctx.calls += 1
-    meta = ctx.meta
-    k_cache, v_cache = ctx.kv_caches[module.layer_idx]
-    if (
-        key.shape[1] != k_cache.shape[2]
-        or key.shape[3] != k_cache.shape[3]
-        or (value.shape[3] != v_cache.shape[3])
-    ):
-        raise UnsupportedModelError(
-            f"{type(module).__name__} attends with {key.shape[1]} K/V heads of {key.shape[3]} "
-            f"(K) and {value.shape[3]} (V) dims, where the config's fields give "
-            f"{k_cache.shape[2]} of {k_cache.shape[3]}: its KV layout is not the config's "
-            "num_key_value_heads x head_dim (e.g. latent attention)"
-        )
-    q = query[0].transpose(0, 1)
-    store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, meta.slot_mapping)
-    out = paged_attention(
-        q,
-        k_cache,
-        v_cache,
-        block_tables=meta.block_tables,
-        seq_lens=meta.seq_lens,
-        query_start_loc=meta.query_start_loc,
-        scale=scaling if scaling is not None else q.shape[-1] ** -0.5,
-        max_query_len=meta.max_query_len,
-        max_seq_len=meta.max_seq_len,
-        sliding_window=sliding_window,
-    )
-    return out.unsqueeze(0), None  # [1, tokens, heads, head_dim], no weights
-
-
-def _no_mask(*args: object, **kwargs: object) -> None:
-    """Causality lives in the paged kernel; transformers must not build an N x N mask."""
-    return None
-
-
-AttentionInterface.register(ATTN_IMPLEMENTATION, _paged_attention_forward)
-AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
-
-
-# Config fields by which a model's own forward changes the logits after the LM head; the
-# runner calls the LM head itself, so such a model would be served wrong: refused.
-_LOGIT_FIELDS = (
-    "final_logit_softcapping",
-    "logit_scale",
-    "logits_scaling",
-    "output_multiplier_scale",
-)
-
-
-def _refuse_logit_processing(config: PretrainedConfig) -> None:
-    for name in _LOGIT_FIELDS:
-        value = getattr(config, name, None)
-        if value is not None and value != 1.0:
-            raise UnsupportedModelError(
-                f"config {name}={value!r}: the model scales its logits after the LM head, "
-                "which kvroute's engine does not do"
-            )
 
 
 def kv_layout(config: PretrainedConfig) -> tuple[int, int, int]:
@@ -249,7 +125,7 @@ class ModelRunner:
             else self.lm_head
         )
         cfg = self.model.config
-        _refuse_logit_processing(cfg)
+        refuse_logit_processing(cfg)
         self.num_params = sum(p.numel() for p in self.model.parameters())
         num_layers, kv_heads, head_dim = kv_layout(cfg)
         # The decoder first: fusing its weights must not compete with the KV cache for
@@ -375,8 +251,8 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             [blocks], [tokens], [tokens], self.block_size, device=self.device
         )
-        ctx = _ForwardContext(self.kv_caches, meta)
-        token = _FORWARD_CONTEXT.set(ctx)
+        ctx = ForwardContext(self.kv_caches, meta)
+        token = FORWARD_CONTEXT.set(ctx)
         try:
             with torch.inference_mode():
                 self.decoder(
@@ -393,7 +269,7 @@ class ModelRunner:
                 f"does not run on kvroute's paged attention: {type(exc).__name__}: {exc}"
             ) from exc
         finally:
-            _FORWARD_CONTEXT.reset(token)
+            FORWARD_CONTEXT.reset(token)
         if ctx.calls != num_layers:
             types = getattr(self.model.config, "layer_types", None)
             raise UnsupportedModelError(
@@ -558,13 +434,13 @@ class ModelRunner:
                 return hidden
         if self.paged_decoder is not None:
             return self.paged_decoder(ids, pos, self.kv_caches, meta, lora)
-        token = _FORWARD_CONTEXT.set(_ForwardContext(self.kv_caches, meta))
+        token = FORWARD_CONTEXT.set(ForwardContext(self.kv_caches, meta))
         try:
             return self.decoder(
                 input_ids=ids[None], position_ids=pos[None], use_cache=False
             ).last_hidden_state[0]
         finally:
-            _FORWARD_CONTEXT.reset(token)
+            FORWARD_CONTEXT.reset(token)
 
     def _prompt_logprobs(
         self, req: Any, hidden: torch.Tensor, row: int, first: int, stop: int
