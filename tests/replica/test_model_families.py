@@ -22,6 +22,8 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from kvroute.events import BlockHasher, regime_salt
 from kvroute.kernels import cpu_linear
 from kvroute.replica import LLM, SamplingParams
+from kvroute.replica.async_engine import AsyncLLMEngine
+from kvroute.replica.engine_config import EngineConfig
 from kvroute.replica.model_runner import UnsupportedModelError
 from kvroute.replica.models import tiny_model_path
 
@@ -246,9 +248,16 @@ def test_longrope_regimes_share_no_blocks(model_dir, name: str, impl: str) -> No
         out = llm.generate([second], GREEDY)
         assert out[0].num_cached_tokens == 0
         _check(hf, [second], out)
-    # a router hashes the long prompt as the engine cached it, once told the switch
+    # a router hashes the long prompt as the engine cached it, once told the switch,
+    # which the replica reports (EngineFacts -> ReplicaInfo.long_prompt_after)
     engine = llm.llm_engine
-    assert engine.long_prompt_after == engine.runner.rope_spans.threshold
+    switch = engine.runner.rope_spans.threshold
+    assert engine.long_prompt_after == switch and switch in (20, 30)
+    served = AsyncLLMEngine.from_config(EngineConfig(model=str(path), num_blocks=16))
+    try:
+        assert served.describe().long_prompt_after == switch
+    finally:
+        served.shutdown()
     hasher = BlockHasher(block_size=engine.hash_config.block_size)
     salted = regime_salt(None, len(long_prompt), engine.long_prompt_after)
     pool = engine.kv_cache_manager.block_pool
