@@ -54,8 +54,19 @@ W = 16  # sliding window, where the architecture has one
 NEW_TOKENS = 8
 
 
+# architectures whose configs name their fields otherwise (GPT-2's n_embd, ...)
+TOKENS = dict(vocab_size=261, bos_token_id=256, eos_token_id=257)
+GPT = dict(TOKENS, n_embd=64, n_layer=2, n_head=4, n_positions=1024)
+MHA = dict(TOKENS, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+
+
 def mk(name: str, **extra: object) -> transformers.PretrainedConfig:
+    """A Llama-style config class with the shared shape (``S``)."""
     return getattr(transformers, name)(**{**S, **extra})
+
+
+def other(name: str, base: dict[str, object], **extra: object) -> transformers.PretrainedConfig:
+    return getattr(transformers, name)(**{**base, **extra})
 
 
 ARCHS = {
@@ -98,59 +109,14 @@ ARCHS = {
         logits_scaling=2.0,
     ),
     "starcoder2-window": lambda: mk("Starcoder2Config", sliding_window=W),
-    "gpt2": lambda: transformers.GPT2Config(
-        vocab_size=261,
-        n_embd=64,
-        n_layer=2,
-        n_head=4,
-        n_positions=1024,
-        bos_token_id=256,
-        eos_token_id=257,
+    "gpt2": lambda: other("GPT2Config", GPT),
+    "gptj": lambda: other("GPTJConfig", GPT, rotary_dim=8),
+    "opt": lambda: other(
+        "OPTConfig", MHA, ffn_dim=128, max_position_embeddings=1024, word_embed_proj_dim=64
     ),
-    "gptj": lambda: transformers.GPTJConfig(
-        vocab_size=261,
-        n_embd=64,
-        n_layer=2,
-        n_head=4,
-        n_positions=1024,
-        rotary_dim=8,
-        bos_token_id=256,
-        eos_token_id=257,
-    ),
-    "opt": lambda: transformers.OPTConfig(
-        vocab_size=261,
-        hidden_size=64,
-        ffn_dim=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=1024,
-        word_embed_proj_dim=64,
-        bos_token_id=256,
-        eos_token_id=257,
-        pad_token_id=258,
-    ),
-    "bloom-alibi": lambda: transformers.BloomConfig(
-        vocab_size=261, hidden_size=64, n_layer=2, n_head=4, bos_token_id=256, eos_token_id=257
-    ),
-    "falcon": lambda: transformers.FalconConfig(
-        vocab_size=261,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        bos_token_id=256,
-        eos_token_id=257,
-        new_decoder_architecture=True,
-        num_kv_heads=2,
-    ),
-    "falcon-alibi": lambda: transformers.FalconConfig(
-        vocab_size=261,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        bos_token_id=256,
-        eos_token_id=257,
-        alibi=True,
-    ),
+    "bloom-alibi": lambda: other("BloomConfig", TOKENS, hidden_size=64, n_layer=2, n_head=4),
+    "falcon": lambda: other("FalconConfig", MHA, new_decoder_architecture=True, num_kv_heads=2),
+    "falcon-alibi": lambda: other("FalconConfig", MHA, alibi=True),
     "mpt-alibi": lambda: transformers.MptConfig(
         vocab_size=261, d_model=64, n_layers=2, n_heads=4, max_seq_len=1024
     ),
@@ -197,15 +163,7 @@ ARCHS = {
     "hunyuan_v1_dense": lambda: mk("HunYuanDenseV1Config", head_dim=16),
     "bitnet": lambda: mk("BitNetConfig"),
     "nemotron": lambda: mk("NemotronConfig", partial_rotary_factor=0.5),
-    "persimmon": lambda: transformers.PersimmonConfig(
-        vocab_size=261,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        bos_token_id=256,
-        eos_token_id=257,
-    ),
+    "persimmon": lambda: other("PersimmonConfig", MHA, intermediate_size=128),
     "llama-rope-dynamic": lambda: mk(
         "LlamaConfig",
         rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
@@ -257,16 +215,8 @@ ARCHS = {
             "original_max_position_embeddings": 32,
         },
     ),
-    "gpt_neox-mha": lambda: transformers.GPTNeoXConfig(
-        vocab_size=261,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        rotary_pct=0.25,
-        bos_token_id=256,
-        eos_token_id=257,
-        max_position_embeddings=1024,
+    "gpt_neox-mha": lambda: other(
+        "GPTNeoXConfig", MHA, intermediate_size=128, rotary_pct=0.25, max_position_embeddings=1024
     ),
     "jamba-hybrid": lambda: mk(
         "JambaConfig",

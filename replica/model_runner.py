@@ -274,8 +274,9 @@ class ModelRunner:
             types = getattr(self.model.config, "layer_types", None)
             raise UnsupportedModelError(
                 f"{ctx.calls} of {num_layers} layers attend through kvroute's paged kernels "
-                f"(layer_types {sorted(set(types)) if types else None}): the others keep state "
-                "of their own (linear attention, state-space layers)"
+                f"(layer_types {sorted(set(types)) if types else None}): the others attend "
+                "by code of their own (an ALiBi bias, as Bloom's) or keep state the paged "
+                "cache does not hold (linear attention, state-space layers)"
             )
 
     def _default_kv_budget(self, utilization: float) -> int:
