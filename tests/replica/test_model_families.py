@@ -382,6 +382,10 @@ def test_gemma3_switches_each_change_the_tokens(model_dir) -> None:  # type: ign
             ),
             "KV layout is not the config's",
         ),
+        (  # ALiBi in code of its own: no layer attends through the interface
+            lambda: transformers.BloomConfig(vocab_size=261, hidden_size=64, n_layer=2, n_head=4),
+            "0 of 2 layers attend through kvroute's paged kernels",
+        ),
         (  # attention classes picked by name, none for the paged kernels
             lambda: transformers.GPTJConfig(
                 vocab_size=261, n_embd=64, n_layer=2, n_head=4, n_positions=1024, rotary_dim=8
