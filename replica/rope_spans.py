@@ -173,6 +173,10 @@ class PerSequenceRotary(nn.Module):
             cos.append(c[:, :n])
             sin.append(s[:, :n])
             start += n
+        if start != position_ids.shape[1]:  # the runner's spans are this call's tokens
+            raise RuntimeError(
+                f"rotary spans cover {start} tokens, the call has {position_ids.shape[1]}"
+            )
         if len(cos) == 1:
             return cos[0], sin[0]
         return torch.cat(cos, dim=1), torch.cat(sin, dim=1)
