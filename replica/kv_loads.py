@@ -53,6 +53,8 @@ _EMA_WEIGHT = 0.2
 # The longest a step waits for a load when nothing else runs: past it, requests that arrive
 # meanwhile would wait on it, and the load goes on off the step.
 _MAX_WAIT_S = 0.05
+# Added to a waited-for load's estimate: the loader thread's wake-up.
+_WAKE_S = 1e-3
 
 
 class KVLoads:
@@ -108,8 +110,8 @@ class KVLoads:
         tiers.start(job, [b.block_id for b in new])
         estimate = self.estimate(job)
         short = _INLINE and (alone or estimate <= INLINE_FRACTION * self.step_seconds)
-        # Twice the estimate, and at least a millisecond: the thread's wake-up.
-        if short and job.done.wait(min(2.0 * estimate + 1e-3, _MAX_WAIT_S)):
+        # Twice the estimate, and the thread's wake-up.
+        if short and job.done.wait(min(2.0 * estimate + _WAKE_S, _MAX_WAIT_S)):
             self.num_inline += 1
             self.land()
         return True

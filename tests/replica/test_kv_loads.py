@@ -6,12 +6,21 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute.replica import LLMEngine
+from kvroute.replica import LLMEngine, kv_loads
 
 from . import test_kv_tiers
 from .test_kv_tiers import BLOCK_BYTES, GREEDY, HIT, engine, prompts, run
 
 uncached = test_kv_tiers.uncached  # each prompt's output with room for all (a fixture)
+
+
+@pytest.fixture(autouse=True)
+def patient_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load the rule waits for is waited for up to seconds, not the engine's ~1 ms: these
+    tests check which loads are waited for, not how fast a busy machine wakes a thread (a
+    clean-clone run beside other work missed the 1 ms and failed two of them)."""
+    monkeypatch.setattr(kv_loads, "_WAKE_S", 5.0)
+    monkeypatch.setattr(kv_loads, "_MAX_WAIT_S", 5.0)
 
 
 @pytest.fixture
