@@ -126,14 +126,11 @@ class PerSequenceRotary(nn.Module):
         runs: list[list[int]] = []  # [tokens, key, length for the call]
         for start, n, prompt, total in spans:
             end = start + n
-            pieces = []
             if self.whole_sequence:  # Phi-3: the regime of the sequence's whole length
-                pieces.append((n, max(prompt, total)))
-            elif start < prompt:  # prompt tokens: computed as in one call of the whole prompt
-                pieces.append((min(end, prompt) - start, prompt))
-            if not self.whole_sequence:
-                for p in range(max(start, prompt), end):  # outputs: each at its own length
-                    pieces.append((1, p + 1))
+                pieces = [(n, max(prompt, total))]
+            else:  # prompt tokens as in one call of the whole prompt, outputs at their own
+                pieces = [(min(end, prompt) - start, prompt)] if start < prompt else []
+                pieces += [(1, p + 1) for p in range(max(start, prompt), end)]
             for count, length in pieces:
                 key = self._key(length)
                 if runs and runs[-1][1] == key:
