@@ -86,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     hash_cmd.add_argument("--block-size", type=int, default=16)
     hash_cmd.add_argument("--cache-salt", default=None)
     hash_cmd.add_argument("--form", choices=("bytes", "int"), default="bytes")
+    hash_cmd.add_argument(
+        "--long-prompt-after",
+        type=int,
+        default=None,
+        help="the replicas' rotary switch (ReplicaInfo.long_prompt_after; longrope models): a "
+        "longer prompt is hashed with its regime's salt, as they hash it",
+    )
 
     key = sub.add_parser(
         "key",
@@ -264,7 +271,7 @@ def _key(args: argparse.Namespace) -> int:
 
 
 def _hash(args: argparse.Namespace) -> int:
-    from kvroute.events import DEFAULT_SEED, BlockHasher, to_external
+    from kvroute.events import DEFAULT_SEED, BlockHasher, regime_salt, to_external
 
     try:
         tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
@@ -272,7 +279,8 @@ def _hash(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"kvroute hash: {e}", file=sys.stderr)
         return 2
-    for i, h in enumerate(hasher.hash_blocks(tokens, cache_salt=args.cache_salt)):
+    salt = regime_salt(args.cache_salt, len(tokens), args.long_prompt_after)
+    for i, h in enumerate(hasher.hash_blocks(tokens, cache_salt=salt)):
         ext = to_external(h, args.form)
         print(i, ext.hex() if isinstance(ext, bytes) else ext)
     return 0

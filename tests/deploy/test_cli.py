@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from kvroute.events import BlockHasher, BlockStored
+from kvroute.events import BlockHasher, BlockStored, regime_salt
 from kvroute.events.transport import ZmqEventPublisher
 
 KVROUTE = [sys.executable, "-m", "kvroute.deploy.cli"]
@@ -119,6 +119,16 @@ def test_hash_prints_the_same_hashes_as_the_library():
     )
     expected = BlockHasher(seed="s").hash_blocks(tokens, cache_salt="t")
     assert out.stdout.split() == [x for i, h in enumerate(expected) for x in (str(i), h.hex())]
+    # a longrope fleet's switch: past it, the regime's salt, as replicas and routers hash
+    args = [*KVROUTE, "hash", ",".join(map(str, tokens)), "--seed", "s", "--cache-salt", "t"]
+    for after, salt in ((39, regime_salt("t", 40, 39)), (40, "t")):
+        out = subprocess.run(
+            [*args, "--long-prompt-after", str(after)],
+            capture_output=True, text=True, timeout=60, check=True,
+        )  # fmt: skip
+        want = BlockHasher(seed="s").hash_blocks(tokens, cache_salt=salt)
+        assert out.stdout.split() == [x for i, h in enumerate(want) for x in (str(i), h.hex())]
+    assert regime_salt("t", 40, 39) != "t"
 
 
 def test_events_follows_a_live_publisher():
