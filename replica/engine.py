@@ -115,6 +115,15 @@ class LLMEngine:
             medium=self.runner.medium,
         )
         self.kv_tiers = build_kv_tiers(config, self.runner, self.kv_cache_manager)
+        rope = getattr(self.runner, "rope_spans", None)  # a longrope model (rope_spans)
+        # Prompts longer than this are of the long rotary regime, their blocks salted apart
+        # (:func:`~kvroute.events.hashing.regime_salt`); None: no switch.
+        self.long_prompt_after: int | None = rope.switch if rope is not None else None
+        # The length at which a sequence is computed anew with the long factors, as
+        # transformers' Phi-3 does; None: never.
+        self.switch_recompute_at: int | None = (
+            rope.switch if rope is not None and rope.whole_sequence else None
+        )
         max_len = min(
             self.runner.max_position_embeddings, self.runner.num_blocks * config.block_size
         )
@@ -176,22 +185,6 @@ class LLMEngine:
         self.current_batch: frozenset[str] | None = frozenset()
 
     # -- requests ------------------------------------------------------------------------
-    @property
-    def switch_recompute_at(self) -> int | None:
-        """The length at which a sequence is computed anew with its rotary's long factors,
-        as transformers' Phi-3 does (:mod:`.rope_spans`); None: never."""
-        rope = getattr(self.runner, "rope_spans", None)
-        if rope is None or not rope.longrope or not rope.whole_sequence:
-            return None
-        return rope.threshold
-
-    @property
-    def long_prompt_after(self) -> int | None:
-        """Prompts longer than this are of the long rotary regime (longrope), their blocks
-        salted apart (:func:`~kvroute.events.hashing.regime_salt`); None: no switch."""
-        rope = getattr(self.runner, "rope_spans", None)
-        return rope.threshold if rope is not None and rope.longrope else None
-
     @property
     def hash_config(self) -> HashConfig:
         return self.hasher.config

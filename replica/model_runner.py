@@ -46,7 +46,7 @@ from .hf_attention import (
 from .linear import Linear
 from .lora_store import LoRAStep, LoRAStore
 from .outputs import RequestFailure, SampledToken
-from .rope_spans import PerSequenceRotary, length_dependent_rope
+from .rope_spans import PerSequenceRotary, longrope_switch
 from .sampler import Sampler, prompt_logprobs
 from .scheduler_types import SchedulerOutput
 
@@ -227,18 +227,21 @@ class ModelRunner:
         return self.lora
 
     def _per_sequence_rope(self, cfg: PretrainedConfig) -> PerSequenceRotary | None:
-        """The decoder's rotary module wrapped to run per sequence, where its frequencies
-        follow the sequence's length (:mod:`.rope_spans`); None where they do not."""
-        kind = length_dependent_rope(cfg)
-        if kind is None:
+        """The decoder's rotary module wrapped to run per regime of the step, where it is
+        longrope (:mod:`.rope_spans`); None where it is not."""
+        try:
+            switch = longrope_switch(cfg)
+        except ValueError as exc:
+            raise UnsupportedModelError(f"rope_parameters: {exc}") from exc
+        if switch is None:
             return None
         rotary = getattr(self.decoder, "rotary_emb", None)
         if not isinstance(rotary, torch.nn.Module):
             raise UnsupportedModelError(
-                f"rope_type {kind!r}: its frequencies follow the sequence's length, and this "
+                "rope_type 'longrope': its factors follow the sequence's length, and this "
                 "model has no rotary_emb module to compute them per sequence"
             )
-        wrapped = PerSequenceRotary(rotary, cfg)
+        wrapped = PerSequenceRotary(rotary, cfg, switch)
         self.decoder.rotary_emb = wrapped
         return wrapped
 

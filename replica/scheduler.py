@@ -402,21 +402,19 @@ class Scheduler(DecodeRuns):
     def recompute(self, req: Request) -> None:
         """Drops a running request's KV to compute it again from its first token, its tokens
         kept, first in its queue: for a model whose every key changes once a sequence
-        reaches some length (transformers' Phi-3 at its rotary switch). Not a preemption:
-        not counted as one."""
+        reaches some length (transformers' Phi-3 at its rotary switch). Not counted as a
+        preemption."""
         self.running.remove(req)
-        self.kv_cache_manager.free(req)
-        req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
-        self.waiting.appendleft(req)
+        self._preempt(req, counted=False)
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, counted: bool = True) -> None:
         """Recompute preemption: drop the KV, keep the tokens, queue it first."""
         self.kv_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        req.num_preemptions += 1
-        self.num_preemptions += 1
+        if counted:
+            req.num_preemptions += 1
+            self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def update_from_output(

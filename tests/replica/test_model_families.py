@@ -222,6 +222,7 @@ def test_phi3_recomputes_at_its_rotary_switch(model_dir) -> None:  # type: ignor
     # without the recompute the crossing sequence's tokens change
     llm = LLM(str(path), num_blocks=256, dtype="float32")
     llm.llm_engine.runner.rope_spans.whole_sequence = False
+    llm.llm_engine.switch_recompute_at = None
     outs = llm.generate(prompts[:1], GREEDY)
     assert outs[0].outputs[0].token_ids != want[0]
 
@@ -251,7 +252,7 @@ def test_longrope_regimes_share_no_blocks(model_dir, name: str, impl: str) -> No
     # a router hashes the long prompt as the engine cached it, once told the switch,
     # which the replica reports (EngineFacts -> ReplicaInfo.long_prompt_after)
     engine = llm.llm_engine
-    switch = engine.runner.rope_spans.threshold
+    switch = engine.runner.rope_spans.switch
     assert engine.long_prompt_after == switch and switch in (20, 30)
     served = AsyncLLMEngine.from_config(EngineConfig(model=str(path), num_blocks=16))
     try:
