@@ -41,7 +41,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "kv_tier_blind (kv counting host copies as device hits), lora_affinity (most "
         "resident adapter wins, as llm-d), kv:lora_blind (kv ignoring adapters in its "
         "price); a name ending in :nohost runs on the fleet without its host tier "
-        "(kv:nohost: device-only kv)",
+        "(kv:nohost: device-only kv); pooled: no policy but the whole fleet as one "
+        "replica of its summed resources, what no router can beat",
     )
     sim.add_argument(
         "--profile",
@@ -184,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
     from kvroute.router.policies import POLICIES
     from kvroute.sim.lora import LoRAConfig
     from kvroute.sim.report import format_table, simulate, stderr_progress, to_json
-    from kvroute.sim.simulator import SimConfig, split_policy
+    from kvroute.sim.simulator import POOLED, SimConfig, split_policy
     from kvroute.sim.traces import load_mooncake, specs_from_trace
     from kvroute.sim.workloads import make_workload
 
@@ -192,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
 
     def known(name: str) -> bool:
         try:
-            return split_policy(name)[0] in POLICIES
+            return split_policy(name)[0] in (*POLICIES, POOLED)
         except ValueError:
             return False
 

@@ -24,6 +24,21 @@ time with it is ``requests * replicas / seconds``. A finite run can still meet a
 SLO above it, because the decode work left at the last arrival drains afterwards (on
 4,000-request runs: tenants 22% above it, fresh seed 7 15%); no fleet sustains that rate,
 which is what a sweep's ``util`` check (:func:`kvroute.sim.goodput._sweep_row`) catches.
+
+With LoRA adapters a second limit can bind first: a step mixes at most ``max_loras``
+adapters, so an adapter holds one of its replica's slots while any of its requests runs
+there, and the fleet has ``replicas * max_loras`` slots. The **slot ceiling**
+(:func:`slot_ceiling`) is the arrival rate at which the slots the workload keeps busy,
+expected, reach them all. Each request holds its slot for at least ``output_length`` steps
+of the least a step can last (one batch-1 step: the overhead and one read of the weights);
+adapter ``a``'s requests arrive at ``lambda_a`` per second; placed on one replica (the
+fewest slots: spread over ``k`` replicas it keeps ``k * (1 - exp(-x / k)) >= 1 - exp(-x)``
+busy) it keeps a slot busy with probability ``1 - exp(-lambda_a * H_a)`` (M/G/infinity,
+``H_a`` its requests' mean hold), and the fleet ``sum_a`` of that. Every assumption is in
+the router's favour but one, so it is an estimate, not a bound: holding requests back so
+that more of an adapter's requests share one busy period (the TTFT SLO allows it up to its
+own length) could beat it. Why: on a workload with many adapters and few slots it, not
+the work, says how far any policy can go (the ``lora`` workload at Zipf 1.0).
 """
 
 from __future__ import annotations
@@ -31,6 +46,8 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from kvroute.events import BlockHasher
 from kvroute.replica.cost_model import Profile
@@ -157,6 +174,54 @@ def work_ceiling(
     }
 
 
+def least_step_s(p: Profile) -> float:
+    """The least any step of profile ``p`` lasts: its overhead and one read of the weights."""
+    return p.overhead_s + p.weight_bytes / p.mem_bw
+
+
+def slot_ceiling(specs: Sequence[RequestSpec], cfg: SimConfig) -> dict[str, Any] | None:
+    """The LoRA slot ceiling of ``specs`` on ``cfg``'s fleet (module docstring), in
+    requests/s and as a speed; None without adapters or slots. ``busy_slots_at_1x``: the
+    slots the workload keeps busy, expected, at its own rate; ``rate_rps`` is infinite when
+    its adapters are too few to fill the slots at any rate."""
+    if cfg.lora is None or not cfg.lora.max_loras:
+        return None
+    span = specs[-1].arrival_s - specs[0].arrival_s if len(specs) > 1 else 0.0
+    step = min(least_step_s(cfg.profile(i)) for i in range(cfg.replicas))
+    holds: dict[str, list[float]] = {}
+    for s in specs:
+        if s.lora_name is not None:
+            holds.setdefault(s.lora_name, []).append(s.output_length * step)
+    if not holds or span <= 0:
+        return None
+    # lambda_a * H_a at 1x: the adapter's summed hold over the span (count / span * mean)
+    load = np.array([sum(h) / span for h in holds.values()])
+    slots = cfg.replicas * cfg.lora.max_loras
+
+    def busy(speed: float) -> float:
+        return float(np.sum(-np.expm1(-speed * load)))
+
+    lo, hi = 0.0, 1.0
+    if len(holds) <= slots:
+        hi = float("inf")  # sum_a (1 - exp(.)) < number of adapters <= slots: never full
+    else:
+        while busy(hi) < slots:
+            lo, hi = hi, hi * 2.0
+        for _ in range(60):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (mid, hi) if busy(mid) < slots else (lo, mid)
+    arrival_rate = len(specs) / span
+    return {
+        "rate_rps": hi * arrival_rate,
+        "speed": hi,
+        "slots": slots,
+        "adapters": len(holds),
+        "busy_slots_at_1x": busy(1.0),
+        "hold_s_mean": float(np.mean([h for hs in holds.values() for h in hs])),
+        "least_step_s": step,
+    }
+
+
 def bounds(
     specs: Sequence[RequestSpec],
     hashes: Sequence[Sequence[bytes]],
@@ -171,6 +236,9 @@ def bounds(
         "pooled_hit_rate": pooled_hit_rate(specs, cfg, tokens),
         "throughput_ceiling": ceiling,
     }
+    slots = slot_ceiling(specs, cfg)
+    if slots is not None:
+        out["slot_ceiling"] = slots
     if cfg.has_host_tier:
         host = sum(cfg.host_blocks(i) for i in range(cfg.replicas))
         out["pooled_tiered_hit_rate"] = pooled_hit_rate(specs, cfg, tokens, cfg.total_blocks + host)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .bounds import work_ceiling
+from .bounds import slot_ceiling, work_ceiling
 from .report import Progress, router_hashes, simulate
 from .simulator import SimConfig
 from .workloads import RequestSpec, TokenSource
@@ -73,7 +73,8 @@ def sweep(
         for p in policies
     }  # fmt: skip
     return {"slo": _slo(slo_ttft_s, slo_itl_s, sustained), "rows": rows, "goodput_rps": goodput,
-            "ceiling": _ceiling(make_specs(1.0), cfg)}  # fmt: skip
+            "ceiling": _ceiling(make_specs(1.0), cfg),
+            "slot_ceiling": slot_ceiling(make_specs(1.0), cfg)}  # fmt: skip
 
 
 def _ceiling(specs: Sequence[RequestSpec], cfg: SimConfig) -> dict[str, Any]:
@@ -169,7 +170,8 @@ def find_limits(
     goodput = {p: limits[p]["rate_ok_rps"] or 0.0 for p in policies}
     return {"slo": _slo(slo_ttft_s, slo_itl_s, sustained), "rows": rows,
             "goodput_rps": goodput, "limits": limits,
-            "ceiling": _ceiling(arrivals(1.0)[0], cfg)}  # fmt: skip
+            "ceiling": _ceiling(arrivals(1.0)[0], cfg),
+            "slot_ceiling": slot_ceiling(arrivals(1.0)[0], cfg)}  # fmt: skip
 
 
 def format_sweep(result: dict[str, Any]) -> str:
@@ -211,6 +213,14 @@ def format_sweep(result: dict[str, Any]) -> str:
         lines.append(
             f"throughput ceiling (no policy can sustain more; {c['binding']}-bound): "
             f"{c['rate_rps']:.2f} req/s ({c['speed']:.3g}x); goodput as a share of it: {shares}"
+        )
+    c = result.get("slot_ceiling")
+    if c is not None:
+        shares = ", ".join(f"{p} {g / c['rate_rps']:.0%}" for p, g in result["goodput_rps"].items())
+        lines.append(
+            f"LoRA slot ceiling (an estimate: {c['slots']} slots busy, {c['adapters']} adapters "
+            f"each on one replica, holds at the least step): {c['rate_rps']:.2f} req/s "
+            f"({c['speed']:.3g}x); goodput as a share of it: {shares}"
         )
     return "\n".join(lines)
 

@@ -34,6 +34,7 @@ adapters are read wakes when the first read ends.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import random
 from array import array
@@ -55,9 +56,12 @@ from .lora import LoRAConfig, SimLoRA
 from .replica import SimReplica, SimRequest
 from .workloads import RequestSpec, TokenSource
 
-__all__ = ["Fault", "SimConfig", "SimReplica", "SimRequest", "SimRun", "split_policy"]
+__all__ = ["POOLED", "Fault", "SimConfig", "SimReplica", "SimRequest", "SimRun", "split_policy"]
 
 NO_HOST = "nohost"  # a policy name's suffix: run it on the fleet without its host tier
+# A run's name, not a policy's: the fleet pooled into one replica (SimConfig.pooled), which
+# needs no router; its goodput is what no policy's can reach on the fleet.
+POOLED = "pooled"
 
 
 POLICY_VARIANTS = ("lora_blind",)  # ``kv:lora_blind`` names a policy, not a fleet variant
@@ -139,6 +143,49 @@ class SimConfig:
     @property
     def profile_names(self) -> str:
         return ",".join(p.name for p in self.profiles)
+
+    def pooled(self) -> SimConfig:
+        """The fleet as one replica of all its resources: FLOP/s, memory and link
+        bandwidths, KV blocks (both tiers), batch limits and adapter slots summed, and each
+        replica's copy of the weights still read every step, so a pooled step lasts as long
+        as the average of the replicas' steps it merges (not less: read once, the weights
+        would make its decode steps several times faster than any replica's). What no router
+        can beat, in the way the pooled hit rate is: a perfect router over perfectly shared
+        hardware, every step balanced."""
+        n = self.replicas
+        ps = [self.profile(i) for i in range(n)]
+
+        def total(field_name: str) -> float:
+            return sum(getattr(p, field_name) for p in ps)
+
+        one = dataclasses.replace(
+            ps[0],
+            name=f"pooled-{n}x{self.profile_names}",
+            weight_bytes=total("weight_bytes"),
+            peak_flops=total("peak_flops"),
+            mem_bw=total("mem_bw"),
+            kv_tokens=int(total("kv_tokens")),
+            max_batched_tokens=int(total("max_batched_tokens")),
+            max_num_seqs=int(total("max_num_seqs")),
+            host_bandwidth=total("host_bandwidth"),
+            disk_bandwidth=total("disk_bandwidth"),
+        )
+        lora = self.lora
+        if lora is not None:
+            lora = dataclasses.replace(
+                lora, max_loras=lora.max_loras * n, max_cpu_loras=lora.max_cpu_loras * n
+            )
+        host = sum(self.host_blocks(i) for i in range(n))
+        return dataclasses.replace(
+            self,
+            replicas=1,
+            profiles=(one,),
+            blocks_per_replica=self.total_blocks,
+            host_blocks_per_replica=host if host else None,
+            host_kv_multiple=None,
+            lora=lora,
+            faults=(),
+        )
 
     def scheduler_config(self, i: int = 0) -> SchedulerConfig:
         """What a cost-model replica of replica ``i``'s profile runs (LLMEngine with
