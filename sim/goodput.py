@@ -5,6 +5,7 @@ of :mod:`.bounds` (what no policy can sustain).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -241,6 +242,10 @@ def plot_sweep(result: dict[str, Any], path: str, title: str = "") -> None:
             rows = sorted((r for r in result["rows"] if r["policy"] == p), key=lambda r: r["speed"])
             ax.plot([r["rate_rps"] for r in rows], [r[key] for r in rows], marker="o", label=p)
         ax.axhline(slo, color="k", ls="--", lw=1, label="SLO")
+        slots = result.get("slot_ceiling")
+        if slots is not None and math.isfinite(slots["rate_rps"]):
+            ax.axvline(slots["rate_rps"], color="grey", ls=":", lw=1.5,
+                       label="LoRA slot ceiling (estimate)")  # fmt: skip
         ax.set_yscale("log")
         ax.set_xlabel("arrival rate (requests/s)")
         ax.set_ylabel(label)
