@@ -34,11 +34,13 @@ of the least a step can last (one batch-1 step: the overhead and one read of the
 adapter ``a``'s requests arrive at ``lambda_a`` per second; placed on one replica (the
 fewest slots: spread over ``k`` replicas it keeps ``k * (1 - exp(-x / k)) >= 1 - exp(-x)``
 busy) it keeps a slot busy with probability ``1 - exp(-lambda_a * H_a)`` (M/G/infinity,
-``H_a`` its requests' mean hold), and the fleet ``sum_a`` of that. Every assumption is in
-the router's favour but one, so it is an estimate, not a bound: holding requests back so
-that more of an adapter's requests share one busy period (the TTFT SLO allows it up to its
-own length) could beat it. Why: on a workload with many adapters and few slots it, not
-the work, says how far any policy can go (the ``lora`` workload at Zipf 1.0).
+``H_a`` its requests' mean hold), and the fleet ``sum_a`` of that. Two assumptions can go
+against a router, so it is an estimate, not a bound: each adapter's arrivals are taken as
+Poisson (burstier ones share busy periods more), and each request as starting when it
+arrives (holding requests back so that more of an adapter's requests share one busy period,
+which the TTFT SLO allows up to about one hold, could beat it). Why: on a workload with
+many adapters and few slots it, not the work, says how far any policy can go (the ``lora``
+workload at Zipf 1.0).
 """
 
 from __future__ import annotations
@@ -182,8 +184,8 @@ def least_step_s(p: Profile) -> float:
 def slot_ceiling(specs: Sequence[RequestSpec], cfg: SimConfig) -> dict[str, Any] | None:
     """The LoRA slot ceiling of ``specs`` on ``cfg``'s fleet (module docstring), in
     requests/s and as a speed; None without adapters or slots. ``busy_slots_at_1x``: the
-    slots the workload keeps busy, expected, at its own rate; ``rate_rps`` is infinite when
-    its adapters are too few to fill the slots at any rate."""
+    slots the workload keeps busy, expected, at its own rate; ``rate_rps`` and ``speed`` are
+    None when its adapters are too few to fill the slots at any rate."""
     if cfg.lora is None or not cfg.lora.max_loras:
         return None
     span = specs[-1].arrival_s - specs[0].arrival_s if len(specs) > 1 else 0.0
@@ -201,19 +203,18 @@ def slot_ceiling(specs: Sequence[RequestSpec], cfg: SimConfig) -> dict[str, Any]
     def busy(speed: float) -> float:
         return float(np.sum(-np.expm1(-speed * load)))
 
-    lo, hi = 0.0, 1.0
-    if len(holds) <= slots:
-        hi = float("inf")  # sum_a (1 - exp(.)) < number of adapters <= slots: never full
-    else:
+    speed: float | None = None  # sum_a (1 - exp(.)) < adapters <= slots: never full
+    if len(holds) > slots:
+        lo, hi = 0.0, 1.0
         while busy(hi) < slots:
             lo, hi = hi, hi * 2.0
         for _ in range(60):
             mid = 0.5 * (lo + hi)
             lo, hi = (mid, hi) if busy(mid) < slots else (lo, mid)
-    arrival_rate = len(specs) / span
+        speed = hi
     return {
-        "rate_rps": hi * arrival_rate,
-        "speed": hi,
+        "rate_rps": None if speed is None else speed * len(specs) / span,
+        "speed": speed,
         "slots": slots,
         "adapters": len(holds),
         "busy_slots_at_1x": busy(1.0),

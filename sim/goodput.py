@@ -5,7 +5,6 @@ of :mod:`.bounds` (what no policy can sustain).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -216,7 +215,9 @@ def format_sweep(result: dict[str, Any]) -> str:
             f"{c['rate_rps']:.2f} req/s ({c['speed']:.3g}x); goodput as a share of it: {shares}"
         )
     c = result.get("slot_ceiling")
-    if c is not None:
+    if c is not None and c["rate_rps"] is None:
+        lines.append(f"LoRA slot ceiling: none ({c['adapters']} adapters, {c['slots']} slots)")
+    elif c is not None:
         shares = ", ".join(f"{p} {g / c['rate_rps']:.0%}" for p, g in result["goodput_rps"].items())
         lines.append(
             f"LoRA slot ceiling (an estimate: {c['slots']} slots busy, {c['adapters']} adapters "
@@ -243,7 +244,7 @@ def plot_sweep(result: dict[str, Any], path: str, title: str = "") -> None:
             ax.plot([r["rate_rps"] for r in rows], [r[key] for r in rows], marker="o", label=p)
         ax.axhline(slo, color="k", ls="--", lw=1, label="SLO")
         slots = result.get("slot_ceiling")
-        if slots is not None and math.isfinite(slots["rate_rps"]):
+        if slots is not None and slots["rate_rps"] is not None:
             ax.axvline(slots["rate_rps"], color="grey", ls=":", lw=1.5,
                        label="LoRA slot ceiling (estimate)")  # fmt: skip
         ax.set_yscale("log")

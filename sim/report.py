@@ -233,7 +233,9 @@ def format_table(result: dict[str, Any]) -> str:
             f"{c['rate_rps']:.1f} req/s ({c['speed']:.3g}x this workload's rate)"
         )
         c = b.get("slot_ceiling")
-        if c is not None:
+        if c is not None and c["rate_rps"] is None:
+            lines.append(f"LoRA slot ceiling: none ({c['adapters']} adapters, {c['slots']} slots)")
+        elif c is not None:
             lines.append(
                 f"LoRA slot ceiling (an estimate, not a bound: {c['slots']} slots busy, "
                 f"{c['adapters']} adapters each on one replica, holds at the least step): "
