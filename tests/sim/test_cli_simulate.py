@@ -118,3 +118,16 @@ def test_simulate_sweep_auto_says_when_nothing_meets_the_slo(capsys):
     assert rc == 0
     out = capsys.readouterr().out
     assert "round_robin  0 (missed the SLO down to 0.0156x)" in out
+
+
+def test_simulate_lora_prints_the_slot_ceiling_and_runs_the_pooled_fleet(capsys):
+    args = ["simulate", "--workload", "lora", "--adapters", "24", "--limit", "150", "--seed",
+            "3", "--replicas", "2", "--max-loras", "2", "--max-cpu-loras", "4"]  # fmt: skip
+    assert main([*args, "--policy", "kv,pooled"]) == 0
+    out = capsys.readouterr().out
+    assert "LoRA slot ceiling (an estimate" in out and "\npooled " in out
+    assert main([*args, "--policy", "pooled", "--sweep-speed", "1,2", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["slot_ceiling"]["slots"] == 4 and 4 < res["slot_ceiling"]["adapters"] <= 24
+    assert {r["policy"] for r in res["rows"]} == {"pooled"}
+    assert main([*args, "--policy", "pooled:gpu"]) == 2
