@@ -70,7 +70,9 @@ class SimRequest(Request):
     list of int objects: thousands of long prompts queue at once past saturation), plus what
     a run records: where it went, its first token and its end in simulated seconds."""
 
-    def __init__(self, idx: int, spec: RequestSpec, tokens: array, arrival_s: float) -> None:
+    def __init__(
+        self, idx: int, spec: RequestSpec, tokens: array, arrival_s: float, tenant: bool = True
+    ) -> None:
         super().__init__(
             f"r{idx}",
             tokens,
@@ -78,7 +80,8 @@ class SimRequest(Request):
             cache_salt=spec.cache_salt,
             lora_name=spec.lora_name,
             arrival_time=arrival_s,
-            tenant=spec.cache_salt,  # a workload's salt is its tenant (kvroute bench: a key each)
+            # a workload's salt is its tenant (kvroute bench: a key each); without, one group
+            tenant=spec.cache_salt if tenant else None,
         )
         self.idx, self.spec = idx, spec
         self.host_hit = 0  # of its hit (at first admission), the tokens loaded from the host

@@ -105,6 +105,7 @@ def test_the_pooled_fleet_sums_resources_and_keeps_an_average_step():
     assert p.mem_bw == pytest.approx(2 * H100_8B.mem_bw + 2 * A100_8B.mem_bw)
     assert pooled.lora == LoRAConfig(max_loras=16, max_cpu_loras=64)
     assert (p.max_num_seqs, p.max_batched_tokens) == (4 * 256, 4 * 8192)
+    assert cfg.fair_share and not pooled.fair_share  # one engine, first come first served
     # four equal replicas' decode steps, merged: as long as one of them, not shorter
     same = SimConfig(replicas=4).pooled().profile(0)
     one = CostModel(H100_8B).step_time(16, 16 * 2000, 16 * 2000)
@@ -121,6 +122,10 @@ def test_pooled_runs_beside_the_policies():
     assert pooled["completed"] == 200 and len(pooled["replicas"]) == 1
     assert pooled["hit_rate"] >= res["policies"]["kv"]["hit_rate"]
     assert res["bounds"]["slot_ceiling"]["slots"] == 8
+    tokens = TokenSource()
+    fleet = SimRun(specs[:20], "round_robin", cfg.pooled(), tokens,
+                   router_hashes(specs[:20], cfg, tokens)).run()  # fmt: skip
+    assert all(r.tenant is None and r.spec.cache_salt for r in fleet.reqs if r is not None)
 
 
 def test_pooled_nohost_pools_the_fleet_without_its_host_tier():
