@@ -200,6 +200,15 @@ def attention_weight(cost: CostCoefficients) -> float:
     return cost.attention_s_per_pair / cost.prefill_s_per_token
 
 
+def fair_share_floor(cost: CostCoefficients) -> int:
+    """Prompt tokens whose dense work lasts as long as a step's fixed cost (overhead and one
+    read of the weights): the least a step shared between tenants computes
+    (``SchedulerConfig.min_prefill_share_tokens``). 0 when the model gives no per-token cost."""
+    if cost.prefill_s_per_token <= 0:
+        return 0
+    return int((cost.step_overhead_s + cost.weights_read_s) / cost.prefill_s_per_token)
+
+
 # Dense bf16 FLOP/s and memory bytes/s from the vendors' datasheets (SXM / PCIe as named).
 DEVICE_PEAKS: dict[str, tuple[float, float]] = {
     "H200": (989e12, 4.8e12),

@@ -31,7 +31,7 @@ from kvroute.events.bounds import check_prompt_token_ids, check_text
 from kvroute.events.load import CostCoefficients
 from kvroute.events.replica_api import Resume, SamplingParams
 
-from .cost_model import attention_weight, sim_profile
+from .cost_model import attention_weight, fair_share_floor, sim_profile
 from .detokenizer import IncrementalDetokenizer
 from .engine_config import EngineConfig, build_kv_tiers, build_runner, eos_token_ids
 from .kv_cache_manager import KVCacheManager
@@ -148,6 +148,7 @@ class LLMEngine:
                 self.lora_load_s, self.lora_read_s = self.lora.measure_load(first)
         if not config.enforce_eager and profile is None:
             self.runner.enable_decode_graphs(config.max_num_seqs, max_len)
+        cost = self.cost_coefficients()
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_batched_tokens=config.max_num_batched_tokens,
@@ -156,7 +157,8 @@ class LLMEngine:
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 max_num_partial_prefills=config.max_num_partial_prefills,
-                attention_weight=attention_weight(self.cost_coefficients()),
+                attention_weight=attention_weight(cost),
+                min_prefill_share_tokens=fair_share_floor(cost),
                 max_loras=config.max_loras if self.lora is not None else 0,
             ),
             self.kv_cache_manager,

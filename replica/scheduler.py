@@ -334,7 +334,8 @@ class Scheduler(DecodeRuns):
         step with another tenant's long prompt chunk waits for that chunk. While tenants
         compete, a step computes at most ``long_prefill_token_threshold`` prompt tokens (or,
         without one, the smallest pending need per competing tenant), and the least-served
-        tenant (:class:`TenantUsage`) takes its need first. A newcomer's short prompt thus
+        tenant (:class:`TenantUsage`) takes its need first; never fewer than
+        ``min_prefill_share_tokens``, what a step costs anyway. A newcomer's short prompt thus
         gets a step of about its own length; the long prompt goes on at full size as soon
         as nobody else waits, and catches up in turn when it is the least served. Decodes
         are never capped."""
@@ -354,7 +355,9 @@ class Scheduler(DecodeRuns):
                 pending[req.tenant] = pending.get(req.tenant, 0) + need
         if len(pending) < 2:
             return None
-        cap = self.config.long_prefill_token_threshold or min(pending.values()) * len(pending)
+        cap = self.config.long_prefill_token_threshold or max(
+            min(pending.values()) * len(pending), self.config.min_prefill_share_tokens
+        )
         shares: dict[str | None, int] = {}
         # Ties (a newcomer is lifted to the least count) go to the tenant with less in the
         # engine, then to the smaller need.

@@ -33,6 +33,12 @@ class SchedulerConfig:
     # shorter, and a step of it lasts no longer than ``threshold`` tokens at a prompt's
     # start. 0: plain tokens (vLLM's meaning).
     attention_weight: float = 0.0
+    # The fewest prompt tokens a step shared between tenants may compute (0: no floor):
+    # those whose dense work takes as long as a step's fixed cost (the cost model's
+    # overhead and one read of the weights, :func:`~.cost_model.fair_share_floor`). The fair
+    # share caps a step's prompt tokens by the smallest need among the tenants competing;
+    # below this floor the cap only multiplies steps, each paying the fixed cost again.
+    min_prefill_share_tokens: int = 0
     # >0: LoRA adapters are served, at most this many distinct ones among the running
     # requests (the engine's device slots; vLLM's max_loras). A waiting request whose
     # adapter would exceed it, or is not in memory yet, is passed over, not waited for.
@@ -50,6 +56,8 @@ class SchedulerConfig:
             raise ValueError("max_num_partial_prefills must be >= 0")
         if self.attention_weight < 0:
             raise ValueError("attention_weight must be >= 0")
+        if self.min_prefill_share_tokens < 0:
+            raise ValueError("min_prefill_share_tokens must be >= 0")
         if self.max_loras < 0:
             raise ValueError("max_loras must be >= 0")
 

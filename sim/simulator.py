@@ -46,7 +46,13 @@ from typing import Any
 import msgspec
 
 from kvroute.events import MEDIUM_CPU, AllBlocksCleared, BlockHasher, EventBatch
-from kvroute.replica.cost_model import H100_8B, CostModel, Profile, attention_weight
+from kvroute.replica.cost_model import (
+    H100_8B,
+    CostModel,
+    Profile,
+    attention_weight,
+    fair_share_floor,
+)
 from kvroute.replica.scheduler_types import SchedulerConfig
 from kvroute.router.index import PrefixIndex, prediction_stride
 from kvroute.router.policies import make_policy
@@ -199,13 +205,15 @@ class SimConfig:
         """What a cost-model replica of replica ``i``'s profile runs (LLMEngine with
         ``sim:<profile>``)."""
         p = self.profile(i)
+        cost = CostModel(p).coefficients()
         return SchedulerConfig(
             max_num_batched_tokens=p.max_batched_tokens,
             max_num_seqs=p.max_num_seqs,
             max_model_len=p.max_position_embeddings,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             max_num_partial_prefills=self.max_num_partial_prefills,
-            attention_weight=attention_weight(CostModel(p).coefficients()),
+            attention_weight=attention_weight(cost),
+            min_prefill_share_tokens=fair_share_floor(cost),
             max_loras=self.lora.max_loras if self.lora is not None else 0,
         )
 

@@ -74,6 +74,36 @@ def test_without_a_threshold_competing_tenants_share_a_step_by_the_smallest_need
         assert r.output_token_ids == reference(r.prompt_token_ids, r.sampling_params, None, 8192)
 
 
+@pytest.mark.parametrize("floor", [0, 96])
+def test_a_shared_step_computes_at_least_the_floor(floor: int) -> None:
+    """Tenant a prefills a long prompt and tenant b's 4-token prompt arrives: by the smallest
+    need a step computes 2 x 4 prompt tokens, which costs a step's fixed cost for 8 tokens
+    of work. With ``min_prefill_share_tokens`` (the tokens worth one step's fixed cost) the
+    step computes that many instead; b goes first either way, and outputs never change."""
+    h = Harness(1000, max_num_batched_tokens=256, min_prefill_share_tokens=floor)
+    h.add("long", prompt(1, 1000), tenant="a", max_tokens=2, ignore_eos=True)
+    h.step()
+    h.add("short", prompt(2, 4), tenant="b", max_tokens=2, ignore_eos=True)
+    out = scheduled_ids(h.step())
+    assert out["short"].num_new_tokens == 4
+    assert out["short"].num_new_tokens + out["long"].num_new_tokens == max(8, floor)
+    h.run_all()
+    for r in h.done.values():
+        assert r.output_token_ids == reference(r.prompt_token_ids, r.sampling_params, None, 8192)
+
+
+def test_the_floor_is_one_steps_fixed_cost_in_prompt_tokens() -> None:
+    from kvroute.replica.cost_model import H100_8B, CostModel, fair_share_floor
+
+    c = CostModel(H100_8B).coefficients()
+    floor = fair_share_floor(c)
+    fixed = c.step_overhead_s + c.weights_read_s
+    assert floor * c.prefill_s_per_token <= fixed < (floor + 1) * c.prefill_s_per_token
+    assert 100 < floor < 400  # an 8B model on an H100: a few hundred tokens, not a step's budget
+    with pytest.raises(ValueError, match="min_prefill_share_tokens"):
+        Harness(10, min_prefill_share_tokens=-1)
+
+
 def test_tenant_shares_never_starve_and_one_tenant_schedules_as_before() -> None:
     """Many tenants with short prompts keep coming: the long prompt still gains at least
     the smallest need every step, and finishes. With one tenant nothing is capped."""
