@@ -8,7 +8,9 @@ Each FILE is the ``--json`` output of ``kvroute simulate ... --sweep-speed auto`
 ``benchmarks/fresh_limits.py --json`` (both carry ``limits`` and the ``ceiling``,
 :mod:`kvroute.sim.bounds`). A bar is a policy's goodput over the ceiling; a black tick is
 1.5x the best policy other than kv, over the ceiling: above 100% no policy can reach it.
-Prints the same figures as a table.
+A run named ``pooled`` (``--policy ...,pooled``: the fleet as one replica, no router) is
+drawn as the others but is not a policy: it is never the "best other", and the table adds
+kv's goodput as a share of it. Prints the same figures as a table.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+
+POOLED = "pooled"  # kvroute.sim.simulator.POOLED: a run, not a policy
 
 
 def load(path: str) -> dict:
@@ -36,20 +40,27 @@ def main() -> int:
         r = load(path)
         ceiling = r["ceiling"]["rate_rps"]
         goodput = r["goodput_rps"]
-        others = [g for p, g in goodput.items() if p != "kv"]
+        others = [g for p, g in goodput.items() if p != "kv" and p.partition(":")[0] != POOLED]
         best_other = max(others, default=0.0)
         rows.append((name, ceiling, goodput, best_other))
     policies = list(dict.fromkeys(p for _, _, g, _ in rows for p in g))
+    pooled = POOLED in policies
+    extra = " kv / pooled |" if pooled else ""
     print(f"| workload | ceiling req/s | {' | '.join(policies)} | kv / best other | "
-          f"{args.goal:g}x best other / ceiling |")  # fmt: skip
-    print("| --- | ---: | " + " | ".join("---:" for _ in policies) + " | ---: | ---: |")
+          f"{args.goal:g}x best other / ceiling |{extra}")  # fmt: skip
+    print("| --- | ---: | " + " | ".join("---:" for _ in policies) + " | ---: | ---: |"
+          + (" ---: |" if pooled else ""))  # fmt: skip
     for name, ceiling, goodput, best in rows:
         cells = " | ".join(
             f"{goodput.get(p, 0.0):.1f} ({goodput.get(p, 0.0) / ceiling:.0%})" for p in policies
         )
         ratio = f"{goodput.get('kv', 0.0) / best:.2f}x" if best > 0 else "no other meets it"
         need = f"{args.goal * best / ceiling:.0%}" if best > 0 else "-"
-        print(f"| {name} | {ceiling:.1f} | {cells} | {ratio} | {need} |")
+        line = f"| {name} | {ceiling:.1f} | {cells} | {ratio} | {need} |"
+        if pooled:
+            share = goodput.get(POOLED, 0.0)
+            line += f" {goodput.get('kv', 0.0) / share:.0%} |" if share > 0 else " - |"
+        print(line)
     if args.out:
         import matplotlib
 
