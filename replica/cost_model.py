@@ -206,7 +206,7 @@ def fair_share_floor(cost: CostCoefficients) -> int:
     (``SchedulerConfig.min_prefill_share_tokens``). 0 when the model gives no per-token cost."""
     if cost.prefill_s_per_token <= 0:
         return 0
-    return int((cost.step_overhead_s + cost.weights_read_s) / cost.prefill_s_per_token)
+    return int(cost.decode_step_s(0, 0) / cost.prefill_s_per_token)
 
 
 # Dense bf16 FLOP/s and memory bytes/s from the vendors' datasheets (SXM / PCIe as named).

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvroute.events import BlockHasher
-from kvroute.replica.cost_model import Profile
+from kvroute.replica.cost_model import CostModel, Profile
 from kvroute.replica.kv_cache_manager import KVCacheManager
 
 from .workloads import RequestSpec, TokenSource
@@ -177,8 +177,9 @@ def work_ceiling(
 
 
 def least_step_s(p: Profile) -> float:
-    """The least any step of profile ``p`` lasts: its overhead and one read of the weights."""
-    return p.overhead_s + p.weight_bytes / p.mem_bw
+    """The least any step of profile ``p`` lasts: its overhead and one read of the weights
+    (an empty decode step)."""
+    return CostModel(p).coefficients().decode_step_s(0, 0)
 
 
 def slot_ceiling(specs: Sequence[RequestSpec], cfg: SimConfig) -> dict[str, Any] | None:
@@ -221,6 +222,17 @@ def slot_ceiling(specs: Sequence[RequestSpec], cfg: SimConfig) -> dict[str, Any]
         "hold_s_mean": float(np.mean([h for hs in holds.values() for h in hs])),
         "least_step_s": step,
     }
+
+
+def describe_slot_ceiling(c: dict[str, Any]) -> str:
+    """One line for a :func:`slot_ceiling` result, as the run and sweep reports print it."""
+    if c["rate_rps"] is None:
+        return f"LoRA slot ceiling: none ({c['adapters']} adapters, {c['slots']} slots)"
+    return (
+        f"LoRA slot ceiling (an estimate, not a bound: {c['slots']} slots busy, {c['adapters']} "
+        f"adapters each on one replica, holds at the least step): {c['rate_rps']:.2f} req/s "
+        f"({c['speed']:.3g}x)"
+    )
 
 
 def bounds(

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .bounds import slot_ceiling, work_ceiling
+from .bounds import describe_slot_ceiling, slot_ceiling, work_ceiling
 from .report import Progress, router_hashes, simulate
 from .simulator import SimConfig
 from .workloads import RequestSpec, TokenSource
@@ -72,9 +72,9 @@ def sweep(
                default=0.0)
         for p in policies
     }  # fmt: skip
+    base = make_specs(1.0)
     return {"slo": _slo(slo_ttft_s, slo_itl_s, sustained), "rows": rows, "goodput_rps": goodput,
-            "ceiling": _ceiling(make_specs(1.0), cfg),
-            "slot_ceiling": slot_ceiling(make_specs(1.0), cfg)}  # fmt: skip
+            "ceiling": _ceiling(base, cfg), "slot_ceiling": slot_ceiling(base, cfg)}  # fmt: skip
 
 
 def _ceiling(specs: Sequence[RequestSpec], cfg: SimConfig) -> dict[str, Any]:
@@ -168,10 +168,10 @@ def find_limits(
             "rate_fail_rps": None if fail_speed is None else arrivals(fail_speed)[1],
         }
     goodput = {p: limits[p]["rate_ok_rps"] or 0.0 for p in policies}
+    base = arrivals(1.0)[0]
     return {"slo": _slo(slo_ttft_s, slo_itl_s, sustained), "rows": rows,
             "goodput_rps": goodput, "limits": limits,
-            "ceiling": _ceiling(arrivals(1.0)[0], cfg),
-            "slot_ceiling": slot_ceiling(arrivals(1.0)[0], cfg)}  # fmt: skip
+            "ceiling": _ceiling(base, cfg), "slot_ceiling": slot_ceiling(base, cfg)}  # fmt: skip
 
 
 def format_sweep(result: dict[str, Any]) -> str:
@@ -215,15 +215,14 @@ def format_sweep(result: dict[str, Any]) -> str:
             f"{c['rate_rps']:.2f} req/s ({c['speed']:.3g}x); goodput as a share of it: {shares}"
         )
     c = result.get("slot_ceiling")
-    if c is not None and c["rate_rps"] is None:
-        lines.append(f"LoRA slot ceiling: none ({c['adapters']} adapters, {c['slots']} slots)")
-    elif c is not None:
-        shares = ", ".join(f"{p} {g / c['rate_rps']:.0%}" for p, g in result["goodput_rps"].items())
-        lines.append(
-            f"LoRA slot ceiling (an estimate: {c['slots']} slots busy, {c['adapters']} adapters "
-            f"each on one replica, holds at the least step): {c['rate_rps']:.2f} req/s "
-            f"({c['speed']:.3g}x); goodput as a share of it: {shares}"
-        )
+    if c is not None:
+        line = describe_slot_ceiling(c)
+        if c["rate_rps"] is not None:
+            goodput = result["goodput_rps"].items()
+            line += "; goodput as a share of it: " + ", ".join(
+                f"{p} {g / c['rate_rps']:.0%}" for p, g in goodput
+            )
+        lines.append(line)
     return "\n".join(lines)
 
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from kvroute.events import BlockHasher
 
-from .bounds import bounds, least_work_s
+from .bounds import bounds, describe_slot_ceiling, least_work_s
 from .lora import adapter_metrics
 from .simulator import POOLED, SimConfig, SimRequest, SimRun, split_policy
 from .workloads import RequestSpec, TokenSource
@@ -187,14 +187,9 @@ def simulate(
     for name in policies:
         tick = None if progress is None else (lambda d, t, n=name: progress(n, d, t))
         start = time.perf_counter()
-        policy, tiered = split_policy(name)
-        if policy == POOLED:  # no router: the fleet (without its host tier: pooled:nohost)
-            fleet_cfg = (
-                cfg
-                if tiered
-                else dataclasses.replace(cfg, host_blocks_per_replica=None, host_kv_multiple=None)
-            )
-            fleet = SimRun(specs, "round_robin", fleet_cfg.pooled(), tokens, hashes, tick).run()
+        if split_policy(name)[0] == POOLED:  # no router: one replica (pooled:nohost as :nohost)
+            run = name.replace(POOLED, "round_robin", 1)
+            fleet = SimRun(specs, run, cfg.pooled(), tokens, hashes, tick).run()
         else:
             fleet = SimRun(specs, name, cfg, tokens, hashes, tick).run()
         result["policies"][name] = summarize(fleet, time.perf_counter() - start)
@@ -232,15 +227,8 @@ def format_table(result: dict[str, Any]) -> str:
             f"throughput ceiling (any policy, least work, {c['binding']}-bound): "
             f"{c['rate_rps']:.1f} req/s ({c['speed']:.3g}x this workload's rate)"
         )
-        c = b.get("slot_ceiling")
-        if c is not None and c["rate_rps"] is None:
-            lines.append(f"LoRA slot ceiling: none ({c['adapters']} adapters, {c['slots']} slots)")
-        elif c is not None:
-            lines.append(
-                f"LoRA slot ceiling (an estimate, not a bound: {c['slots']} slots busy, "
-                f"{c['adapters']} adapters each on one replica, holds at the least step): "
-                f"{c['rate_rps']:.1f} req/s ({c['speed']:.3g}x)"
-            )
+        if b.get("slot_ceiling") is not None:
+            lines.append(describe_slot_ceiling(b["slot_ceiling"]))
     head = (
         f"{'policy':<13}{'hit':>7}{'prefill tok':>14}{'TTFT mean':>10}{'p50':>7}{'p90':>7}"
         f"{'p99':>7}{'e2e mean':>9}{'p90':>7}{'ITL p90':>8}{'tok/s':>7}{'imbal':>6}{'preempt':>8}"
