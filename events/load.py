@@ -18,9 +18,7 @@ Lower KV tiers: a block a replica holds in host memory (``"CPU"``) or on local d
 (``"STORAGE"``) is not recomputed but loaded, which takes its bytes over the tier's
 bandwidth into device memory: ``kv_bytes_per_token / tier_bytes_per_s[tier]`` seconds per
 token (:meth:`CostCoefficients.tier_load_s_per_token`). A replica reports both, measured at
-start, beside its other coefficients, and each tier's size (``tier_capacity_tokens``): what
-its device evictions fall into before anything is lost, which the router's eviction price
-reads (:mod:`kvroute.router.policy`). Where it does not (vLLM, an older kvroute), a known
+start, beside its other coefficients. Where it does not (vLLM, an older kvroute), a known
 tier's token is priced at a conservative share of the replica's own prefill token
 (:data:`DEFAULT_TIER_LOAD_SHARE`): never free, never a miss, whatever the model and device.
 
@@ -64,8 +62,6 @@ class CostCoefficients(msgspec.Struct, frozen=True, kw_only=True):
     kv_bytes_per_token: int = 0  # one token's K and V, all layers, as a tier copies them
     tier_bytes_per_s: dict[str, float] = msgspec.field(default_factory=dict)  # tier -> load
     # bandwidth into device memory, bytes/s, for the tiers this replica has
-    tier_capacity_tokens: dict[str, int] = msgspec.field(default_factory=dict)  # tier -> the
-    # tokens it holds (what a device eviction falls into before anything is lost); {}: unknown
     # LoRA adapters (module docstring); 0: not reported (the DEFAULT_LORA_* figures apply).
     lora_load_s: float = 0.0  # one adapter, host memory -> a device slot
     lora_read_s: float = 0.0  # one adapter, disk -> host memory

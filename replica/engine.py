@@ -211,9 +211,6 @@ class LLMEngine:
                 coef,
                 kv_bytes_per_token=self.kv_tiers.block_bytes // block_tokens,
                 tier_bytes_per_s=tiers,
-                tier_capacity_tokens={
-                    t: n * block_tokens for t, n in self.kv_tiers.capacity_blocks.items()
-                },
             )
         return coef
 

@@ -170,14 +170,6 @@ class KVTiers:
         self._thread = threading.Thread(target=self._run, name="kv-tier-loader", daemon=True)
         self._thread.start()
 
-    @property
-    def capacity_blocks(self) -> dict[str, int]:
-        """Blocks each configured tier holds, by medium (what the engine reports)."""
-        out = {MEDIUM_CPU: self.host_capacity} if self.host_capacity else {}
-        if self.disk is not None:
-            out[MEDIUM_STORAGE] = self.disk.store.capacity_bytes // self.block_bytes
-        return out
-
     def attach(self, pool: BlockPool) -> None:
         """Hooks into the device pool: its caching, evictions and resets reach the tiers."""
         self.pool = pool

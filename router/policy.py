@@ -35,29 +35,13 @@ misses: the engine loads them instead of computing them, so::
     load     = sum over t of l_t * tier_load_s_per_token(t)  bytes over the tier's bandwidth
 
 a lower-tier hit is worth its recompute less its load. Loaded tokens still take new device
-blocks, so ``capacity`` counts them as uncached; ``evict`` does not charge them (below). A
-tier the replica's coefficients give no load cost for (an unknown medium) is credited
-nothing: its tokens are priced as uncached.
-
-``evict`` on a replica with lower tiers (it reports their load bandwidths and sizes, ``H``
-blocks in all): what the device evicts falls into the first lower tier and is loaded back,
-not recomputed, when wanted; only what falls out of the last tier is lost. With ``c``
-computed tokens::
-
-    evict = c * (load_s_per_token * U / (T - U) + prefill_s_per_token * U / (T + H - U))
-
-the same chain as below, once over the device (each link a reload from the first tier) and
-once over device and tiers together (each link a recompute). It grows without bound as the
-device fills with live work, so it still steers misses away from a replica near preemption,
-but a miss on a tiered replica costs what the tiers make it cost. Only computed tokens are
-charged: the price is for what a request adds to what the replica holds, and a lower-tier
-hit adds nothing (it brings a prefix the replica holds up a tier; what it displaces falls
-into the tier it came from). Charging loaded tokens too, at recomputes (the price until
-2026-11-29), sent conversation turns off their host holder under pressure, and kv with an
-8 GB/s host link lost to tier-blind kv on the conversation trace; the measurements are in
-BENCHMARKS.md's host-tier section. A replica that reports no tier sizes is priced ``H = 0``.
-
-``kv_tier_blind`` is kv as it was before tiers were told apart:
+blocks, so ``evict`` and ``capacity`` count them as uncached. ``evict`` still prices the
+``R`` future refetches as recomputes, though a replica with a host tier keeps what it
+evicts there: priced as loads, the term lost the pressure signal it also carries (on
+``agents`` with 2,000-block devices and a 4x host tier, 1.5x the preemptions and a lower hit
+rate, 2026-12), so it was not kept. A tier the replica's
+coefficients give no load cost for (an unknown medium) is credited nothing: its tokens
+are priced as uncached. ``kv_tier_blind`` is kv as it was before tiers were told apart:
 every lower-tier copy counted as a device hit (the baseline the peers' users warn about).
 It and the other baselines live in :mod:`.baselines`; :mod:`.policies` builds any by name.
 
@@ -193,33 +177,6 @@ class CostParts(NamedTuple):
         )  # fmt: skip
 
 
-def lower_tiers(c: CostCoefficients, block_size: int) -> tuple[float, int]:
-    """(seconds to load one token back from the fastest lower tier the replica reports,
-    blocks its lower tiers hold in all): (0, 0) on a replica that reports none, whose
-    evictions are lost."""
-    loads = [c.tier_load_s_per_token(t) for t in c.tier_bytes_per_s]
-    known = [x for x in loads if x is not None]
-    if not known:
-        return 0.0, 0
-    return min(known), sum(c.tier_capacity_tokens.values()) // max(block_size, 1)
-
-
-def evict_s_per_token(
-    c: CostCoefficients, free: int, total: int, new_blocks: int, tiers: tuple[float, int]
-) -> float:
-    """Future seconds each computed token a placement adds sets off on a replica with
-    coefficients ``c``, ``free`` of ``total`` KV blocks unheld, ``new_blocks`` taken by this
-    request, and lower ``tiers`` (:func:`lower_tiers`): ``R`` recomputes without tiers, ``R``
-    reloads plus the recomputes of the chain over device and tiers with them (module
-    docstring)."""
-    reload_s, lower_blocks = tiers
-    reuse = evicted_reuse(free, total, new_blocks)
-    if not reload_s or total <= 0:
-        return c.prefill_s_per_token * reuse
-    lost = evicted_reuse(free + lower_blocks, total + lower_blocks, new_blocks)
-    return reload_s * reuse + c.prefill_s_per_token * lost
-
-
 def lower_credit(c: CostCoefficients, lower: Lower, block_size: int) -> tuple[int, float]:
     """(tokens, seconds): the lower-tier tokens a replica with coefficients ``c`` loads
     instead of computing, and the load's time; tiers it gives no load cost for are left
@@ -253,11 +210,11 @@ def price(
     decode = out * c.decode_step_s(f * decoding + 1, f * context + n + 0.5 * out)
     new_blocks = -(-(n + int(out)) // block_size) - hit // block_size
     short = new_blocks - free
-    per = evict_s_per_token(c, free, total, new_blocks, lower_tiers(c, block_size))
+    reuse = evicted_reuse(free, total, new_blocks)
     return CostParts(
         wait=queued * c.prefill_s_per_token,
         prefill=c.prefill_s(n - hit - loaded, hit + loaded),
-        evict=(n - hit - loaded) * per,
+        evict=(n - hit) * c.prefill_s_per_token * reuse,
         decode=decode,
         capacity=2.0 * c.prefill_s(short * block_size) if short > 0 else 0.0,
         load=load_s,
@@ -403,7 +360,7 @@ class KVPolicy(Policy):
         load, coef, default = self.load.get, self.load.coefficients, self.default_coefficients
         f, own_ctx = DECODE_OVERLAP, n + 0.5 * out
         need = -(-(n + int(out)) // bs)
-        fixed: dict[tuple[int, int, Lower], tuple[float, float, float, int, int]] = {}
+        fixed: dict[tuple[int, int, Lower], tuple[float, float, int]] = {}
         best, fewest, tied = float("inf"), 0, []
         adapter = req.lora_name if self.price_adapters else None
         for r in replicas:
@@ -413,30 +370,21 @@ class KVPolicy(Policy):
             ext = lower.get(r, ()) if lower else ()
             key = (id(c), blocks, ext)
             triple = fixed.get(key)
-            if triple is None:  # prefill (and loads); one recompute and one reload of
-                hit = blocks * bs  # what its computed tokens evict; the tiers' blocks
+            if triple is None:  # prefill (and loads), one recompute of what it evicts
+                hit = blocks * bs
                 loaded, load_s = lower_credit(c, ext, bs) if ext else (0, 0.0)
                 cached = hit + loaded
-                reload_s, lower_blocks = lower_tiers(c, bs)
                 triple = fixed[key] = (
                     c.prefill_s(n - cached, cached) + load_s,
-                    (n - cached) * c.prefill_s_per_token,
-                    (n - cached) * reload_s,
-                    lower_blocks,
+                    (n - hit) * c.prefill_s_per_token,
                     loaded,
                 )
-            base, recompute, reload, lower_blocks, _ = triple
+            base, recompute, _ = triple
             left = free - need + blocks  # blocks left once its own are placed; < 0: short
-            if total > 0:  # evict_s_per_token, inline
+            if total > 0:  # evicted_reuse, inline
                 if left < total:
                     rest = left if left >= 1 else 1
-                    if reload:  # the device's chain in reloads, device and tiers' in recomputes
-                        rest_all = left + lower_blocks if left + lower_blocks >= 1 else 1
-                        base += reload * ((total - rest) / rest) + recompute * (
-                            (total + lower_blocks - rest_all) / rest_all
-                        )
-                    else:
-                        base += recompute * ((total - rest) / rest)
+                    base += recompute * ((total - rest) / rest)
             else:
                 base += EVICTED_REUSE * recompute
             ctx = f * context + own_ctx
@@ -456,7 +404,7 @@ class KVPolicy(Policy):
         held = matched.get(r, 0)
         if lower:
             c = coef(r) or default
-            loaded = fixed[(id(c), held, lower.get(r, ()))][4]
+            loaded = fixed[(id(c), held, lower.get(r, ()))][2]
             span = {x: matched.get(x, 0) + sum(b for _, b in lower.get(x, ())) for x in replicas}
             mine, most = span[r], max(span.values(), default=0)
         else:

@@ -261,10 +261,6 @@ class SimRun:
         self.max_model_len = min(rep.scheduler.max_model_len for rep in self.reps)
         for i, rep in enumerate(self.reps):  # what each replica's info carries
             coefficients = models[i % len(models)].coefficients((MEDIUM_CPU,) if hosts[i] else ())
-            if hosts[i]:  # the host tier's size, as a tiered engine reports it
-                coefficients = msgspec.structs.replace(
-                    coefficients, tier_capacity_tokens={MEDIUM_CPU: hosts[i] * cfg.block_size}
-                )
             if lora:  # the load times a LoRA engine measures at start
                 coefficients = msgspec.structs.replace(
                     coefficients, lora_load_s=times[i][0], lora_read_s=times[i][1]
