@@ -35,13 +35,19 @@ misses: the engine loads them instead of computing them, so::
     load     = sum over t of l_t * tier_load_s_per_token(t)  bytes over the tier's bandwidth
 
 a lower-tier hit is worth its recompute less its load. Loaded tokens still take new device
-blocks, so ``evict`` and ``capacity`` count them as uncached. ``evict`` still prices the
+blocks, so ``capacity`` counts them as uncached; ``evict`` charges only the tokens a request
+computes: the price is for what a request adds to what the replica holds, and a lower-tier
+hit adds nothing (it brings a prefix the replica holds up a tier). Charging loaded tokens
+too sent conversation turns off their host holder under pressure, and with an 8 GB/s host
+link kv lost to tier-blind kv (BENCHMARKS.md, host-tier section). ``evict`` still prices the
 ``R`` future refetches as recomputes, though a replica with a host tier keeps what it
-evicts there: priced as loads, the term lost the pressure signal it also carries (on
-``agents`` with 2,000-block devices and a 4x host tier, 1.5x the preemptions and a lower hit
-rate, 2026-12), so it was not kept. A tier the replica's
-coefficients give no load cost for (an unknown medium) is credited nothing: its tokens
-are priced as uncached. ``kv_tier_blind`` is kv as it was before tiers were told apart:
+evicts there: priced as reloads (with a second chain over device and tiers together for
+what falls out of the last), the term loses the pressure signal it also carries: on
+``agents`` with 2,000-block devices and a 4x host tier, where the host tier holds nothing
+useful, more preemptions and tiered kv below device-only kv (18.0 against 19.6 req/s,
+2026-11-29; 1.5x the preemptions for plain reloads, 2026-11-28), so it was not kept.
+A tier the replica's coefficients give no load cost for (an unknown medium) is credited
+nothing: its tokens are priced as uncached. ``kv_tier_blind`` is kv as it was before tiers were told apart:
 every lower-tier copy counted as a device hit (the baseline the peers' users warn about).
 It and the other baselines live in :mod:`.baselines`; :mod:`.policies` builds any by name.
 
@@ -214,7 +220,7 @@ def price(
     return CostParts(
         wait=queued * c.prefill_s_per_token,
         prefill=c.prefill_s(n - hit - loaded, hit + loaded),
-        evict=(n - hit) * c.prefill_s_per_token * reuse,
+        evict=(n - hit - loaded) * c.prefill_s_per_token * reuse,
         decode=decode,
         capacity=2.0 * c.prefill_s(short * block_size) if short > 0 else 0.0,
         load=load_s,
@@ -376,7 +382,7 @@ class KVPolicy(Policy):
                 cached = hit + loaded
                 triple = fixed[key] = (
                     c.prefill_s(n - cached, cached) + load_s,
-                    (n - hit) * c.prefill_s_per_token,
+                    (n - cached) * c.prefill_s_per_token,
                     loaded,
                 )
             base, recompute, _ = triple
