@@ -47,8 +47,9 @@ what falls out of the last), the term loses the pressure signal it also carries:
 useful, more preemptions and tiered kv below device-only kv (18.0 against 19.6 req/s,
 2026-11-29; 1.5x the preemptions for plain reloads, 2026-11-28), so it was not kept.
 A tier the replica's coefficients give no load cost for (an unknown medium) is credited
-nothing: its tokens are priced as uncached. ``kv_tier_blind`` is kv as it was before tiers were told apart:
-every lower-tier copy counted as a device hit (the baseline the peers' users warn about).
+nothing: its tokens are priced as uncached. ``kv_tier_blind`` is kv as it was before tiers
+were told apart: every lower-tier copy counted as a device hit (the baseline the peers'
+users warn about).
 It and the other baselines live in :mod:`.baselines`; :mod:`.policies` builds any by name.
 
 Why ``R = U / (T - U)`` (:func:`evicted_reuse`), with ``T`` the replica's KV blocks and
