@@ -41,6 +41,20 @@ def rate_at_1x(args: argparse.Namespace) -> float:
     return len(specs) / (specs[-1].arrival_s - specs[0].arrival_s)
 
 
+def _adapter_summary(rs: list[dict[str, Any]]) -> dict[str, Any]:
+    """With adapters: slot loads per 1,000 requests (median) and the worst adapter's TTFT
+    p99 over the median adapter's, per run (a p99 over an adapter's few requests is near
+    their maximum, so one run's spread is as chaotic as its verdict)."""
+    if not rs or "adapter_p99_spread" not in rs[0]:
+        return {}
+    return {
+        "adapter_loads_per_1k": statistics.median(r["adapter_loads_per_1k"] for r in rs),
+        "adapter_p99_spread": [
+            r["adapter_p99_spread"] for r in sorted(rs, key=lambda r: r["speed"])
+        ],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rate", type=float, required=True, help="req/s the runs centre on")
@@ -76,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             "hit_rate": statistics.mean(r["hit_rate"] for r in rs),
             "preemptions": statistics.mean(r["preemptions"] for r in rs),
             "ttft_p90_s": [r["ttft_p90_s"] for r in sorted(rs, key=lambda r: r["speed"])],
+            **_adapter_summary(rs),
         }
         for p, rs in runs.items()
     }
@@ -91,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{p:16s} {s['meets']:>3d}/{s['runs']:<2d} {s['ttft_p90_median_s']:8.2f}s "
               f"{s['itl_p90_median_s'] * 1e3:6.0f}ms {s['hit_rate']:6.3f} {s['preemptions']:8.1f}"
               f"  {each}")  # fmt: skip
+        if "adapter_p99_spread" in s:
+            spread = " ".join(f"{x:.2f}" for x in s["adapter_p99_spread"])
+            print(f"{'':16s} adapter loads per 1,000 {s['adapter_loads_per_1k']:.0f}; "
+                  f"adapter TTFT p99 spread per run {spread}")  # fmt: skip
     return 0
 
 

@@ -23,6 +23,15 @@ and its own placements since the report, the router prices adapter ``a`` on repl
                                                 average half way through its decode
                                                 (``drain``: one request's decode there, the
                                                 kv price's own decode term)
+    hold  = W * delay                         a runs in r, and ``W`` of this router's
+            (added to wait)                     requests there wait for a slot: each
+                                                running adapter's slot frees when its
+                                                last request ends (with ``n`` in flight,
+                                                ``drain * n / (n + 1)`` from now); one more
+                                                request of a moves a's to ``drain``, and
+                                                the waiting requests get the first slot to
+                                                free later by ``delay`` (0 unless a would
+                                                have freed it first)
     evict = min(1, rate_v * drain) * copy_v   a is not resident and no slot is free: the
                                                 slot of ``v``, the idle resident adapter
                                                 this router sent there least recently (the
@@ -38,7 +47,11 @@ that replica's own hardware, as the rest of kv's price (:mod:`.policy`). A hot a
 holder keeps its traffic while the load, wait and evict it saves elsewhere outweigh its
 queue, then a second replica takes a copy; a cold adapter goes where a slot is free or idle
 instead of queueing behind busy ones (not starved); a slot whose adapter is still in demand
-is not taken for one request (no thrash at the slot limit). No weight is tuned to a workload.
+is not taken for one request (no thrash at the slot limit); and the adapter whose slot a
+waiting request will get is not fed more requests there while it can run elsewhere, else
+vLLM's admission rule (running adapters first) lets a steadily fed holder keep its slot
+and the waiting request waits on (the coldest adapters' tail at a fleet's limit). No
+weight is tuned to a workload.
 
 Invariants:
 - a request without an adapter pays nothing here, and so does every request when the policy
@@ -146,7 +159,7 @@ class AdapterTracker:
         batch: float,
         now: float,
     ) -> tuple[float, float, float]:
-        """(load, wait, evict) seconds of ``adapter`` on ``replica`` (module docstring);
+        """(load, wait with hold, evict) seconds of ``adapter`` on ``replica`` (module docstring);
         ``report``: its latest (None: none yet), taken at ``report_at``; ``drain_s``: one
         request's decode there; ``batch``: the requests a step there holds up."""
         copy = c.adapter_load_s(True) * (1.0 + batch)
@@ -174,6 +187,9 @@ class AdapterTracker:
         wait = 0.0
         if adapter not in busy and len(busy) >= slots:
             wait = 0.5 * drain_s * (len(busy) + 1 - slots)
+        in_flight = rep.in_flight if rep is not None else {}
+        if adapter in report.lora_running and len(busy) > slots:
+            wait += _hold(adapter, report.lora_running, busy, slots, in_flight, drain_s)
         evict = 0.0
         if not resident and report.lora_free_slots - len(placed_new) <= 0:
             idle = [a for a in (*report.lora_resident, *placed_new) if a not in busy]
@@ -182,3 +198,31 @@ class AdapterTracker:
                 victim = min(idle, key=lambda a: last.get(a, float("-inf")))
                 evict = min(1.0, self.rate(replica, victim, now) * drain_s) * copy
         return load, wait, evict
+
+
+def _hold(
+    adapter: str,
+    running: tuple[str, ...],
+    busy: set[str],
+    slots: int,
+    in_flight: dict[str, int],
+    drain_s: float,
+) -> float:
+    """Seconds a new request of running ``adapter`` adds to the waits of requests queued
+    for a slot there (``hold``, module docstring). Each running adapter keeps its slot
+    until its last request ends: with ``n`` requests, ``drain * n / (n + 1)`` from now (the
+    latest of ``n`` remaining decodes, each uniform over one); a new request moves that to
+    ``drain``. The first waiting adapter gets the first slot to free, so only a delay of
+    that first drain counts, once per waiting request."""
+
+    def ends(a: str) -> float:
+        n = max(in_flight.get(a, 0), 1)
+        return drain_s * n / (n + 1)
+
+    others = min((ends(a) for a in running if a != adapter), default=math.inf)
+    delay = min(drain_s, others) - min(ends(adapter), others)
+    if delay <= 0.0:
+        return 0.0
+    waiting = [a for a in busy if a not in running]
+    claimants = (len(busy) - slots) / max(len(waiting), 1)
+    return delay * claimants * sum(max(in_flight.get(a, 0), 1) for a in waiting)

@@ -1,6 +1,7 @@
 """Routing LoRA adapters: each adapter's blocks apart in the index, its load priced where it
 is not resident, a hot adapter spread when its holder is loaded, a cold one kept from slots
-held by running adapters, a slot in demand not taken, and the two baselines' rules."""
+held by running adapters, the slot a waiting request needs not fed, a slot in demand not
+taken, and the two baselines' rules."""
 
 from __future__ import annotations
 
@@ -115,6 +116,35 @@ def test_a_cold_adapter_is_kept_from_slots_held_by_running_adapters():
     idle = report(lora_resident=("w", "x", "y", "z"), lora_free_slots=0)  # none running
     got = fleet(replica_0=idle).breakdown(req, R, 0.1)["replica-0"].adapter
     assert got == C.lora_load_s + C.lora_read_s  # a load, no wait (nor demand to evict)
+
+
+def test_feeding_the_next_slot_to_free_is_priced_at_the_wait_it_adds():
+    """replica-0's four slots are held by running adapters and this router sent a request
+    of "cold" there, which waits for the first to drain. "w" (one request in flight) will
+    likely drain first: a new request of it pays the delay it would add, and goes to
+    replica-1 where "w" is resident too. "x" (twelve in flight) holds its slot long
+    anyway: feeding it delays the waiting request little, and replica-0 keeps it."""
+    running = ("w", "x", "y", "z")
+    full = report(lora_resident=running, lora_free_slots=0, lora_running=running)
+    other = report(queued=800, lora_resident=("w", "x"), lora_free_slots=2)
+    policy = fleet(replica_0=full, replica_1=other)
+    routed = {"w": 1, "x": 12, "y": 3, "z": 3}
+    for a, n in routed.items():
+        for i in range(n):
+            policy.adapters.routed(f"{a}{i}", "replica-0", a, 0.0)
+    before = policy.breakdown(view("pw", tokens(300), "w"), R, 0.1)
+    assert before["replica-0"].adapter == 0.0  # no request waits for a slot yet
+    assert min(before, key=lambda r: before[r].total) == "replica-0"
+    policy.adapters.routed("c0", "replica-0", "cold", 0.1)  # now one does
+    w = policy.breakdown(view("qw", tokens(300), "w"), R, 0.2)
+    x = policy.breakdown(view("qx", tokens(300), "x"), R, 0.2)
+    decode = w["replica-0"].decode
+    # w drains at decode / 2 (one request), the next holder at decode * 3/4 (three): a new
+    # request of w moves the first free slot from decode / 2 to decode * 3/4
+    assert abs(w["replica-0"].adapter - decode / 4) < 1e-9 * decode
+    assert x["replica-0"].adapter == 0.0  # x drains after y and z: feeding it moves nothing
+    assert policy.route(view("qw", tokens(300), "w"), R, 0.2).replica == "replica-1"
+    assert policy.route(view("qx", tokens(300), "x"), R, 0.2).replica == "replica-0"
 
 
 def test_a_slot_in_demand_is_not_taken_for_a_passing_adapter():
