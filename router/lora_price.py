@@ -213,7 +213,8 @@ def _hold(
     until its last request ends: with ``n`` requests, ``drain * n / (n + 1)`` from now (the
     latest of ``n`` remaining decodes, each uniform over one); a new request moves that to
     ``drain``. The first waiting adapter gets the first slot to free, so only a delay of
-    that first drain counts, once per waiting request."""
+    that first drain counts, once per waiting request: of the ``|busy| - slots`` waiting
+    adapters that no free slot takes, each with the waiting adapters' mean requests."""
 
     def ends(a: str) -> float:
         n = max(in_flight.get(a, 0), 1)

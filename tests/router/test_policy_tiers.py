@@ -126,7 +126,7 @@ def test_the_inline_choice_is_the_cheapest_by_the_reference_price():
             n = rng.randrange(0, len(prompt))
             hold(index, r, prompt[: rng.randrange(0, n + 1)])
             hold(index, r, prompt[:n], rng.choice(("CPU", "STORAGE", "other")))
-            policy.load.register(r, rng.choice((C, TIERED)), 20_000)
+            policy.load.register(r, rng.choice((C, TIERED)), rng.choice((400, 20_000)))
             for k in range(rng.randrange(3)):
                 policy.load.on_routed(f"{r}-{k}", r, rng.randrange(8000), 4000, 300)
         req = view(prompt, f"t{trial}")
