@@ -9,7 +9,8 @@ over runs 0.4% apart), so two policies whose searched limits differ by one step 
 differ at all, and two that tie may. Here each policy runs ``--runs`` times at speeds
 spread ``--step`` apart around the rate (the same arrivals for every policy), and the table
 gives, per policy, the runs that meet the SLO, the median TTFT p90 and inter-token p90, the
-mean hit rate and preemptions.
+mean hit rate and preemptions, and the busiest replica's median utilization (the sweep's
+limit also needs it <= 1: the fleet keeps up).
 
 Every other argument is ``kvroute simulate``'s (workload or trace, fleet, tiers, adapters,
 SLO), and the runs are its ``--sweep-speed`` over those speeds: the same fleet and code.
@@ -89,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
             "itl_p90_median_s": statistics.median(r["itl_p90_s"] for r in rs),
             "hit_rate": statistics.mean(r["hit_rate"] for r in rs),
             "preemptions": statistics.mean(r["preemptions"] for r in rs),
+            # the busiest replica's utilization; the sweep's limit also needs it <= 1
+            "utilization_median": statistics.median(r["utilization"] for r in rs),
+            "keeps_up": sum(r["keeps_up"] for r in rs),
             "ttft_p90_s": [r["ttft_p90_s"] for r in sorted(rs, key=lambda r: r["speed"])],
             **_adapter_summary(rs),
         }
@@ -99,13 +103,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     goal = f"TTFT p90 <= {slo['ttft_p90_s']:g} s, inter-token p90 <= {slo['itl_p90_s'] * 1e3:g} ms"
     print(f"{ours.rate:g} req/s ({centre:.4f}x), {len(speeds)} runs {ours.step:.1%} apart; {goal}")
-    head = ("policy", "meets", "TTFT p90", "ITL p90", "hit", "preempt")
-    print("{:16s} {:>6s} {:>9s} {:>8s} {:>6s} {:>8s}  TTFT p90 per run".format(*head))
+    head = ("policy", "meets", "TTFT p90", "ITL p90", "hit", "preempt", "util")
+    print("{:16s} {:>6s} {:>9s} {:>8s} {:>6s} {:>8s} {:>5s}  TTFT p90 per run".format(*head))
     for p, s in summary.items():
         each = " ".join(f"{t:.2f}" for t in s["ttft_p90_s"])
         print(f"{p:16s} {s['meets']:>3d}/{s['runs']:<2d} {s['ttft_p90_median_s']:8.2f}s "
               f"{s['itl_p90_median_s'] * 1e3:6.0f}ms {s['hit_rate']:6.3f} {s['preemptions']:8.1f}"
-              f"  {each}")  # fmt: skip
+              f" {s['utilization_median']:5.2f}  {each}")  # fmt: skip
         if "adapter_p99_spread" in s:
             spread = " ".join(f"{x:.2f}" for x in s["adapter_p99_spread"])
             print(f"{'':16s} adapter loads per 1,000 {s['adapter_loads_per_1k']:.0f}; "

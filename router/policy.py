@@ -16,6 +16,8 @@ requests holding ``C`` KV tokens, ``F`` free blocks of ``T``)::
     wait     = prefill_s_per_token * Q                the prefill queued ahead of it (FCFS)
     prefill  = prefill_s(n - h, cached=h)             its own uncached prefill, quadratic
                                                       in length through attention
+    work     = PREFILL_WORK * prefill                 the same compute, as the delay of
+                                                      the requests served there after it
     evict    = prefill_s_per_token * (n - h) * R      a full cache makes room for each new
                                                       block by evicting one: priced as the
                                                       R future recomputes it sets off there
@@ -33,6 +35,7 @@ misses: the engine loads them instead of computing them, so::
 
     prefill  = prefill_s(n - h - l, cached=h + l) + load     l = sum of l_t over credited tiers
     load     = sum over t of l_t * tier_load_s_per_token(t)  bytes over the tier's bandwidth
+    work     = PREFILL_WORK * prefill_s(n - h - l, cached=h + l)   a load is no compute
 
 a lower-tier hit is worth its recompute less its load. Loaded tokens still take new device
 blocks, so ``capacity`` counts them as uncached; ``evict`` charges only the tokens a request
@@ -70,6 +73,21 @@ to replicas with room. Signals: the replica's load report (free and total blocks
 in by this router's own placements since (:class:`~kvroute.router.load.LoadTracker`);
 prompts waiting there since before the report count once admitted, when they hold blocks.
 A replica whose size is not known yet is priced ``R = 1``.
+
+Why ``work`` (:data:`PREFILL_WORK`, the prefill's compute counted a second time): a
+prefill second is paid once by the request (its time to first token) and once more by the
+requests its replica serves after it, which start that much later. Priced only as its own
+wait, kv moved a conversation's turn off its holder whenever the holder's queue cost more
+than the prefill its hit saved, and the fleet recomputed contexts it held: on the Mooncake
+conversation trace with host tiers, 474 of 4,000 turns left the replica holding the most
+of their prefix at 1x (0.033 of all prompt tokens recomputed), and at its limit the work
+cost the SLO. How many requests a prefill delays grows with the arrival rate and the time
+it sits there, ``rate * (wait + prefill)``; priced so (tried 2026-11-29) it kept hot
+prefixes on their holders at high rates, where the later arrivals in fact go elsewhere,
+and the busiest replica overran its capacity (``tenants``). Counted once more, as the delay
+of one request behind it, it raised kv's limit or left it where it was on every built-in
+workload and the adapter workload; weights 0.5 and 2 moved hits and limits little
+(BENCHMARKS.md, *A prefill counted twice*).
 
 Why a third of the batch (:data:`DECODE_OVERLAP`): the decoders there are halfway through
 their outputs on average, and while they finish, the router sends new arrivals to lighter
@@ -144,6 +162,9 @@ class RequestView:
 
 # The share of a replica's current decode load a new request feels (module docstring).
 DECODE_OVERLAP = 1 / 3
+# The prefill's compute counted again: the delay of the requests its replica serves after
+# it (module docstring).
+PREFILL_WORK = 1.0
 # Future recomputes an evicted token costs on a replica whose KV size is not known yet
 # (module docstring; :func:`evicted_reuse` otherwise): half its cache taken as committed.
 EVICTED_REUSE = 1.0
@@ -175,12 +196,13 @@ class CostParts(NamedTuple):
     capacity: float
     load: float = 0.0  # loading its lower-tier blocks into the device
     adapter: float = 0.0  # its LoRA adapter's load, slot wait and eviction (lora_price)
+    work: float = 0.0  # its prefill's compute again: what the requests after it wait
 
     @property
     def total(self) -> float:
         return (
             self.wait + self.prefill + self.evict + self.decode + self.capacity + self.load
-            + self.adapter
+            + self.adapter + self.work
         )  # fmt: skip
 
 
@@ -218,13 +240,15 @@ def price(
     new_blocks = -(-(n + int(out)) // block_size) - hit // block_size
     short = new_blocks - free
     reuse = evicted_reuse(free, total, new_blocks)
+    compute = c.prefill_s(n - hit - loaded, hit + loaded)
     return CostParts(
         wait=queued * c.prefill_s_per_token,
-        prefill=c.prefill_s(n - hit - loaded, hit + loaded),
+        prefill=compute,
         evict=(n - hit - loaded) * c.prefill_s_per_token * reuse,
         decode=decode,
         capacity=2.0 * c.prefill_s(short * block_size) if short > 0 else 0.0,
         load=load_s,
+        work=PREFILL_WORK * compute,
     )
 
 
@@ -377,12 +401,12 @@ class KVPolicy(Policy):
             ext = lower.get(r, ()) if lower else ()
             key = (id(c), blocks, ext)
             triple = fixed.get(key)
-            if triple is None:  # prefill (and loads), one recompute of what it evicts
+            if triple is None:  # prefill and work (and loads), one recompute of what it evicts
                 hit = blocks * bs
                 loaded, load_s = lower_credit(c, ext, bs) if ext else (0, 0.0)
                 cached = hit + loaded
                 triple = fixed[key] = (
-                    c.prefill_s(n - cached, cached) + load_s,
+                    (1.0 + PREFILL_WORK) * c.prefill_s(n - cached, cached) + load_s,
                     (n - cached) * c.prefill_s_per_token,
                     loaded,
                 )

@@ -319,16 +319,34 @@ def _fleet_with_a_holder(free: int, holder_queue: int) -> tuple[KVPolicy, Reques
 
 def test_at_low_pressure_a_loaded_holder_loses_the_request_to_an_idle_replica():
     """Caches nearly empty of live work: evicting costs almost nothing, so the hit is
-    worth only its prefill, and a queue at the holder longer than that sends the request
-    to an idle replica. With one recompute per evicted token at any pressure (the old
-    constant) the holder's 2,048 cached tokens were worth twice that and it kept it."""
+    worth only its prefill, counted twice (the request's own time and the delay of the
+    requests served after it there), and a queue at the holder longer than that sends the
+    request to an idle replica. With one recompute per evicted token at any pressure (the
+    old constant) the holder's 2,048 cached tokens were worth more and it kept it."""
     saved_prefill = C.prefill_s(2048 + 2048) - C.prefill_s(2048, 2048)
-    queue = int(1.5 * saved_prefill / C.prefill_s_per_token)  # costs 1.5x the prefill saved
-    assert 1.5 * saved_prefill < saved_prefill + 2048 * C.prefill_s_per_token  # old: holder
+    queue = int(2.5 * saved_prefill / C.prefill_s_per_token)  # 2.5x the prefill saved
+    assert 2.5 * saved_prefill < 2 * saved_prefill + 2048 * C.prefill_s_per_token  # old
     policy, req = _fleet_with_a_holder(free=9_900, holder_queue=queue)
     parts = policy.breakdown(req, REPLICAS, 0.1)
     assert parts["replica-1"].evict < 0.05 * 4096 * C.prefill_s_per_token
     assert policy.route(req, REPLICAS, 0.1).replica != "replica-0"
+
+
+def test_a_prefill_counts_twice_so_a_holder_keeps_a_turn_its_hit_saves_more_than_waits():
+    """The work term: a queue at the holder that costs 1.5x the prefill its hit saves
+    sent the request away while kv priced the prefill as its own time alone; the prefill
+    it would add elsewhere also delays the requests after it there, so now the holder
+    keeps it. Each part is the request's compute, not its load: the term is the prefill."""
+    saved_prefill = C.prefill_s(2048 + 2048) - C.prefill_s(2048, 2048)
+    queue = int(1.5 * saved_prefill / C.prefill_s_per_token)
+    policy, req = _fleet_with_a_holder(free=9_900, holder_queue=queue)
+    parts = policy.breakdown(req, REPLICAS, 0.1)
+    for p in parts.values():
+        assert p.work == pytest.approx(p.prefill)
+    moved = parts["replica-1"].total - parts["replica-1"].work
+    held = parts["replica-0"].total - parts["replica-0"].work
+    assert moved < held  # priced as its own time alone, it would leave its holder
+    assert policy.route(req, REPLICAS, 0.1).replica == "replica-0"
 
 
 def test_at_high_pressure_the_holder_keeps_its_prefix_despite_its_queue():

@@ -15,7 +15,7 @@ from kvroute.events.load import DEFAULT_TIER_LOAD_SHARE, REFERENCE_COEFFICIENTS
 from kvroute.router.baselines import KVTierBlind
 from kvroute.router.index import PrefixIndex
 from kvroute.router.policies import POLICIES, make_policy
-from kvroute.router.policy import KVPolicy, RequestView
+from kvroute.router.policy import PREFILL_WORK, KVPolicy, RequestView
 
 BS = 16
 HASHER = BlockHasher(block_size=BS)
@@ -62,8 +62,10 @@ def test_a_lower_tier_hit_is_priced_between_a_device_hit_and_a_miss():
     assert parts["lower"].prefill == pytest.approx(C.prefill_s(1024, 3072))
     assert parts["split"].load == pytest.approx(2048 * C.kv_bytes_per_token / 25e9)
     assert parts["device"].load == parts["none"].load == 0
-    # worth its recompute less its load
-    saved = (parts["none"].prefill - parts["lower"].prefill) - parts["lower"].load
+    # worth its recompute (the prefill, and the same compute as others' delay) less its load
+    recompute = parts["none"].prefill - parts["lower"].prefill
+    assert parts["none"].work - parts["lower"].work == pytest.approx(PREFILL_WORK * recompute)
+    saved = (1 + PREFILL_WORK) * recompute - parts["lower"].load
     assert costs["none"] - costs["lower"] == pytest.approx(saved, rel=0.05)
     # loaded tokens take device blocks (capacity) but add nothing to what the replica holds:
     # only computed tokens pay the eviction price, at the same rate per token as a miss's
