@@ -85,8 +85,9 @@ cost the SLO. How many requests a prefill delays grows with the arrival rate and
 it sits there, ``rate * (wait + prefill)``; priced so (tried 2026-11-29) it kept hot
 prefixes on their holders at high rates, where the later arrivals in fact go elsewhere,
 and the busiest replica overran its capacity (``tenants``). Counted once more, as the delay
-of one request behind it, it raised kv's limit or left it where it was on every built-in
-workload and the adapter workload; weights 0.5 and 2 moved hits and limits little
+of one request behind it, it raised kv's limit on the adapter workload and one fresh
+workload and left the others within their runs' spread (agents on devices too small for
+its working set possibly a little lower); weights 0.5 and 2 moved hits and limits little
 (BENCHMARKS.md, *A prefill counted twice*).
 
 Why a third of the batch (:data:`DECODE_OVERLAP`): the decoders there are halfway through
