@@ -151,8 +151,10 @@ class DataPlaneServer:
         poller.register(self._fd, zmq.POLLIN)
         poller.register(self._waker.fd, zmq.POLLIN)
         interval = dp.HEARTBEAT_INTERVAL_S
+        received = False  # since the last sleep: a request may have come, the load will move
         while self._running:
             frames = self._receive()
+            received |= frames > 0
             self._send_load()
             self._send_heartbeats(interval)
             with self._lock:  # after this thread's own sends: see the module's docstring
@@ -161,7 +163,11 @@ class DataPlaneServer:
                 waiting = self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN
             if frames or waiting:
                 continue  # more may be queued: look again before sleeping
-            changed = self.engine.load is not self._load_sent
+            # An idle replica's load changes only once the engine takes what just came: a
+            # short sleep then, or a request that starts and ends within a heartbeat is
+            # never reported (the router would see an idle replica that is busy).
+            changed = received or self.engine.load is not self._load_sent
+            received = False
             wait = dp.LOAD_INTERVAL_S if changed else interval
             wait = min(wait, self._heartbeat_due - time.monotonic())  # the earliest heartbeat
             ready = dict(poller.poll(max(0, math.ceil(wait * 1000))))
