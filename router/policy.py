@@ -24,9 +24,11 @@ requests holding ``C`` KV tokens, ``F`` free blocks of ``T``)::
     decode   = o * step(B/3 + 1, C/3 + n + o/2)       its own decode steps in that batch
                                                       (memory-bound: a step reads the
                                                       batch's whole context)
-    capacity = 2 * prefill_s(max(0, need - F) blocks) blocks beyond the free ones preempt a
-                                                      running request: its tokens are
-                                                      recomputed, and it waits meanwhile
+    capacity = prefill_s(s) + redo                    s: the tokens of its blocks beyond
+                                                      the F free ones; they preempt a
+                                                      running request, which waits
+                                                      meanwhile, then redoes its KV:
+                                                      redo = prefill_s(s), its recompute
 
 Lower KV tiers (host memory, local disk): the index reports, beyond a replica's device hit
 of ``h`` tokens, ``l_t`` more tokens it holds in tier ``t``
@@ -49,6 +51,14 @@ what falls out of the last), the term loses the pressure signal it also carries:
 ``agents`` with 2,000-block devices and a 4x host tier, where the host tier holds nothing
 useful, more preemptions and tiered kv below device-only kv (18.0 against 19.6 req/s,
 2026-11-29; 1.5x the preemptions for plain reloads, 2026-11-28), so it was not kept.
+A preempted request's blocks stay cached, and on a tiered replica the blocks evicted to
+make room go to its lower tier, so it loads them back: ``redo`` in ``capacity`` is the
+cheaper of the recompute and that load (:func:`preemption_s`). Its wait is still priced as
+a recompute: it ends when the blocks it lost are free again, not when its own load would.
+Both as recomputes (as before) were too pessimistic on a tiered replica: kv sent agents'
+turns off the replica holding their prefix more often than tier-blind kv (773 against 600
+of 4,000 at 1x, 500-block devices); both as loads priced a preemption at almost nothing and
+cost conversation turns their TTFT at 8.3 req/s (BENCHMARKS.md, host-tier section).
 A tier the replica's coefficients give no load cost for (an unknown medium) is credited
 nothing: its tokens are priced as uncached. ``kv_tier_blind`` is kv as it was before tiers
 were told apart: every lower-tier copy counted as a device hit (the baseline the peers'
@@ -220,6 +230,19 @@ def lower_credit(c: CostCoefficients, lower: Lower, block_size: int) -> tuple[in
     return tokens, seconds
 
 
+def preemption_s(c: CostCoefficients, tokens: int) -> float:
+    """Seconds a placement ``tokens`` short of free blocks costs by preempting a running
+    request there: it waits while the blocks it lost serve the newcomer (a prefill of that
+    many tokens), then redoes its KV, by recompute, or, on a replica with a lower tier,
+    where its evicted blocks land, by a load when that is cheaper (module docstring)."""
+    redo = recompute = c.prefill_s(tokens)
+    for tier in c.tier_bytes_per_s:  # the tiers it has: evicted blocks go there
+        per = c.tier_load_s_per_token(tier)
+        if per is not None and tokens * per < redo:
+            redo = tokens * per
+    return recompute + redo
+
+
 def price(
     c: CostCoefficients,
     view: LoadView,
@@ -247,7 +270,7 @@ def price(
         prefill=compute,
         evict=(n - hit - loaded) * c.prefill_s_per_token * reuse,
         decode=decode,
-        capacity=2.0 * c.prefill_s(short * block_size) if short > 0 else 0.0,
+        capacity=preemption_s(c, short * block_size) if short > 0 else 0.0,
         load=load_s,
         work=PREFILL_WORK * compute,
     )
@@ -427,7 +450,7 @@ class KVPolicy(Policy):
             if adapter is not None:
                 cost += self._adapter_s(c, r, adapter, decode, decoding, now)
             if left < 0:  # short of blocks: preemption
-                cost += 2.0 * c.prefill_s(-left * bs)
+                cost += preemption_s(c, -left * bs)
             if cost < best or (cost == best and count < fewest):
                 best, fewest, tied = cost, count, [r]
             elif cost == best and count == fewest:

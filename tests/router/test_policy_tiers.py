@@ -15,7 +15,7 @@ from kvroute.events.load import DEFAULT_TIER_LOAD_SHARE, REFERENCE_COEFFICIENTS
 from kvroute.router.baselines import KVTierBlind
 from kvroute.router.index import PrefixIndex
 from kvroute.router.policies import POLICIES, make_policy
-from kvroute.router.policy import PREFILL_WORK, KVPolicy, RequestView
+from kvroute.router.policy import PREFILL_WORK, KVPolicy, RequestView, price
 
 BS = 16
 HASHER = BlockHasher(block_size=BS)
@@ -102,6 +102,22 @@ def test_an_unknown_medium_is_credited_nothing_unless_the_replica_prices_it():
     reporting = msgspec.structs.replace(TIERED, tier_bytes_per_s={"lmcache-disk": 5e9})
     costs = fleet(coefficients=reporting, medium="lmcache-disk").costs(view(PROMPT), REPS, 0.0)
     assert costs["device"] < costs["lower"] < costs["none"]
+
+
+def test_a_preemption_on_a_tiered_replica_is_a_wait_and_a_reload_not_two_recomputes():
+    """The request a short placement preempts loses its blocks to the lower tier, loads
+    them back, and waits meanwhile as it would for a recompute."""
+    need = -(-(1000 + 200) // BS)
+    short = 10 * BS  # tokens in blocks beyond the free ones
+    tight = (0, 0, 0, 0, need - 10, 0)
+    assert price(C, tight, 1000, 0, 200, BS).capacity == pytest.approx(2 * C.prefill_s(short))
+    reload = short * C.kv_bytes_per_token / 25e9  # the faster of TIERED's two tiers
+    assert reload < C.prefill_s(short)
+    got = price(TIERED, tight, 1000, 0, 200, BS).capacity
+    assert got == pytest.approx(C.prefill_s(short) + reload)
+    # a tier slower than a recompute: the recompute
+    slow = msgspec.structs.replace(C, tier_bytes_per_s={"STORAGE": 1e6})
+    assert price(slow, tight, 1000, 0, 200, BS).capacity == pytest.approx(2 * C.prefill_s(short))
 
 
 def test_tier_blind_counts_lower_tier_copies_as_device_hits():
