@@ -102,6 +102,7 @@ class DataPlaneServer:
         # by a send from inside the I/O thread's own handling.
         self._lock = threading.RLock()
         self._heartbeat_due = 0.0  # no front door is due a heartbeat before this
+        self._load_moves_until = 0.0  # a request or abort came: the load moves (short sleeps)
         self._load_clients: set[bytes] = set()  # front doors that read LOAD (version >= 2)
         self._load_sent: LoadReport | None = None  # the engine's last report sent, and when
         self._load_sent_at = 0.0
@@ -151,10 +152,8 @@ class DataPlaneServer:
         poller.register(self._fd, zmq.POLLIN)
         poller.register(self._waker.fd, zmq.POLLIN)
         interval = dp.HEARTBEAT_INTERVAL_S
-        received = False  # since the last sleep: a request may have come, the load will move
         while self._running:
             frames = self._receive()
-            received |= frames > 0
             self._send_load()
             self._send_heartbeats(interval)
             with self._lock:  # after this thread's own sends: see the module's docstring
@@ -163,13 +162,13 @@ class DataPlaneServer:
                 waiting = self._sock.getsockopt(zmq.EVENTS) & zmq.POLLIN
             if frames or waiting:
                 continue  # more may be queued: look again before sleeping
-            # An idle replica's load changes only once the engine takes what just came: a
-            # short sleep then, or a request that starts and ends within a heartbeat is
-            # never reported (the router would see an idle replica that is busy).
-            changed = received or self.engine.load is not self._load_sent
-            received = False
+            # An idle replica's load changes only once the engine takes a request that just
+            # came: short sleeps until then, or one that starts and ends within a heartbeat
+            # is never reported (the router would see an idle replica that is busy).
+            now = time.monotonic()
+            changed = now < self._load_moves_until or self.engine.load is not self._load_sent
             wait = dp.LOAD_INTERVAL_S if changed else interval
-            wait = min(wait, self._heartbeat_due - time.monotonic())  # the earliest heartbeat
+            wait = min(wait, self._heartbeat_due - now)  # the earliest heartbeat
             ready = dict(poller.poll(max(0, math.ceil(wait * 1000))))
             if self._waker.fd in ready:
                 self._waker.drain()
@@ -199,6 +198,8 @@ class DataPlaneServer:
         if len(frames) != 3:
             raise ValueError(f"expected 3 frames, got {len(frames)}")
         client, kind, payload = frames
+        if kind in (dp.ADD, dp.ABORT):
+            self._load_moves_until = time.monotonic() + dp.HEARTBEAT_INTERVAL_S
         if kind == dp.ADD:
             self._add(client, payload)
         elif kind == dp.ABORT:

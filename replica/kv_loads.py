@@ -26,8 +26,9 @@ Invariants:
 - ``loading`` maps each request whose load is in flight to that request and the blocks it
   holds (its device hit, then the load's targets, in chain order); such a request is in
   neither the scheduler's waiting queue nor its running list;
-- a request loads at most once (``kv_load_tried``): after a failed or partial load it
-  recomputes what did not arrive.
+- a request loads at most once per admission (``kv_load_tried``): after a failed or
+  partial load it recomputes what did not arrive; a preemption clears the flag, since what
+  the device evicts of a preempted request meanwhile goes to the lower tiers.
 """
 
 from __future__ import annotations

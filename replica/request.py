@@ -79,7 +79,8 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-hit tokens at first scheduling
         # Of those, the tokens a load brought from a lower tier, by medium ("CPU",
-        # "STORAGE"); the rest were device hits. kv_load_tried: a load was started (once).
+        # "STORAGE"); the rest were device hits. kv_load_tried: a load was started (once
+        # per admission: a preemption clears it).
         self.tier_cached_tokens: dict[str, int] = {}
         self.kv_load_tried = False
         self.num_preemptions = 0

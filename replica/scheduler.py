@@ -415,6 +415,7 @@ class Scheduler(DecodeRuns):
         self.kv_cache_manager.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.kv_load_tried = False  # what the device evicts of it meanwhile, a lower tier keeps
         if counted:
             req.num_preemptions += 1
             self.num_preemptions += 1

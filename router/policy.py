@@ -29,6 +29,7 @@ requests holding ``C`` KV tokens, ``F`` free blocks of ``T``)::
                                                       running request, which waits
                                                       meanwhile, then redoes its KV:
                                                       redo = prefill_s(s), its recompute
+                                                      (tiered: or a load, below)
 
 Lower KV tiers (host memory, local disk): the index reports, beyond a replica's device hit
 of ``h`` tokens, ``l_t`` more tokens it holds in tier ``t``
@@ -52,13 +53,14 @@ what falls out of the last), the term loses the pressure signal it also carries:
 useful, more preemptions and tiered kv below device-only kv (18.0 against 19.6 req/s,
 2026-11-29; 1.5x the preemptions for plain reloads, 2026-11-28), so it was not kept.
 A preempted request's blocks stay cached, and on a tiered replica the blocks evicted to
-make room go to its lower tier, so it loads them back: ``redo`` in ``capacity`` is the
-cheaper of the recompute and that load (:func:`preemption_s`). Its wait is still priced as
-a recompute: it ends when the blocks it lost are free again, not when its own load would.
-Both as recomputes (as before) were too pessimistic on a tiered replica: kv sent agents'
-turns off the replica holding their prefix more often than tier-blind kv (773 against 600
-of 4,000 at 1x, 500-block devices); both as loads priced a preemption at almost nothing and
-cost conversation turns their TTFT at 8.3 req/s (BENCHMARKS.md, host-tier section).
+make room go to its lower tier, so it loads them back (the engine lets a preempted request
+load again): ``redo`` in ``capacity`` is the cheaper of the recompute and that load, from
+the fastest tier the replica reports a bandwidth for (:func:`preemption_s`). Its wait is
+still a recompute's time: it ends when the blocks it lost are free again, not when its own
+load would. Both as recomputes (as before), kv met the SLO at its limit on ``agents``
+(500-block devices, 5.35 req/s) in 1 of 7 runs against tier-blind kv's 4; priced so, 4
+against 3. Both as loads priced a preemption at almost nothing and cost conversation turns
+their TTFT at 8.3 req/s (BENCHMARKS.md, host-tier section).
 A tier the replica's coefficients give no load cost for (an unknown medium) is credited
 nothing: its tokens are priced as uncached. ``kv_tier_blind`` is kv as it was before tiers
 were told apart: every lower-tier copy counted as a device hit (the baseline the peers'
@@ -232,9 +234,9 @@ def lower_credit(c: CostCoefficients, lower: Lower, block_size: int) -> tuple[in
 
 def preemption_s(c: CostCoefficients, tokens: int) -> float:
     """Seconds a placement ``tokens`` short of free blocks costs by preempting a running
-    request there: it waits while the blocks it lost serve the newcomer (a prefill of that
-    many tokens), then redoes its KV, by recompute, or, on a replica with a lower tier,
-    where its evicted blocks land, by a load when that is cheaper (module docstring)."""
+    request there: it waits a recompute's time for room, then redoes its KV, by recompute,
+    or, where the replica reports a lower tier's bandwidth (its evicted blocks land there),
+    by a load from the fastest such tier when that is cheaper (module docstring)."""
     redo = recompute = c.prefill_s(tokens)
     for tier in c.tier_bytes_per_s:  # the tiers it has: evicted blocks go there
         per = c.tier_load_s_per_token(tier)

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvroute.replica import LLMEngine, kv_loads
+from kvroute.replica import EngineConfig, LLMEngine, SamplingParams, kv_loads
 
 from . import test_kv_tiers
-from .test_kv_tiers import BLOCK_BYTES, GREEDY, HIT, engine, prompts, run
+from .test_kv_tiers import BLOCK, BLOCK_BYTES, GREEDY, HIT, engine, prompts, run
 
 uncached = test_kv_tiers.uncached  # each prompt's output with room for all (a fixture)
 
@@ -86,3 +86,31 @@ def test_the_engine_times_its_steps_for_the_rule(
     eng, _ = warm
     loads = eng.scheduler.kv_loads
     assert loads is not None and loads.step_seconds > 0.0
+
+
+def test_a_preempted_request_loads_its_evicted_blocks_again(
+    warm: tuple[LLMEngine, list[list[int]]],
+) -> None:
+    """A request loaded from the host tier, then preempted, whose blocks the device evicts
+    (to the host tier) while it waits: it loads them again, as the router prices a
+    preemption on a tiered replica, and its output is still the uncached run's."""
+    eng, ps = warm
+    grow = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    longer = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ref = LLMEngine(EngineConfig(model="tiny", dtype="float32", block_size=BLOCK, num_blocks=256))
+    ref.add_request("ref", ps[0], longer)
+    expected = None
+    while ref.has_unfinished_requests():
+        expected = next((o for o in ref.step() if o.finished), expected)
+    assert expected is not None
+    # 20 blocks and 16: more than the pool's 24 together
+    eng.add_request("grows", ps[3], grow)
+    eng.step()
+    eng.add_request("again", ps[0], longer)  # admitted last: the preemption's victim
+    outs, loads = {}, []
+    while eng.has_unfinished_requests():
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+        loads.append(eng.stats()["kv_tier_loaded"])
+    assert outs["again"].outputs[0].token_ids == expected.outputs[0].token_ids
+    assert eng.scheduler.num_preemptions >= 1
+    assert loads[-1] > HIT // BLOCK  # more than its first load: it loaded again

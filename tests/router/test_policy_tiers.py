@@ -115,6 +115,11 @@ def test_a_preemption_on_a_tiered_replica_is_a_wait_and_a_reload_not_two_recompu
     assert reload < C.prefill_s(short)
     got = price(TIERED, tight, 1000, 0, 200, BS).capacity
     assert got == pytest.approx(C.prefill_s(short) + reload)
+    # a tier whose bandwidth comes without a KV size: the conservative share of a prefill
+    sized = msgspec.structs.replace(TIERED, kv_bytes_per_token=0)
+    share = DEFAULT_TIER_LOAD_SHARE["CPU"] * C.prefill_s_per_token * short
+    got = price(sized, tight, 1000, 0, 200, BS).capacity
+    assert got == pytest.approx(C.prefill_s(short) + min(share, C.prefill_s(short)))
     # a tier slower than a recompute: the recompute
     slow = msgspec.structs.replace(C, tier_bytes_per_s={"STORAGE": 1e6})
     assert price(slow, tight, 1000, 0, 200, BS).capacity == pytest.approx(2 * C.prefill_s(short))
