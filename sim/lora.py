@@ -152,22 +152,29 @@ class SimLoRA:
 def adapter_metrics(done: Sequence[Any], slot_loads: int, reads: int) -> dict[str, Any]:
     """A run's adapter figures: slot loads and disk reads per 1,000 completed requests, and
     TTFT per adapter (p50, p99), with the worst adapter's p99 over the median adapter's
-    (every adapter that completed a request counts). ``done``: completed requests (``spec``,
-    ``first_s``)."""
+    (every adapter that completed a request counts), and its p99 wait before a first step
+    (``queued_p99``: a wait for a slot or behind other prefills, not its own prefill).
+    ``done``: completed requests (``spec``, ``first_s``, ``scheduled_s``)."""
     ttfts: dict[str, list[float]] = {}
+    queued: dict[str, list[float]] = {}
     for r in done:
-        if r.spec.lora_name is not None:
-            ttfts.setdefault(r.spec.lora_name, []).append(r.first_s - r.spec.arrival_s)
+        name = r.spec.lora_name
+        if name is not None:
+            ttfts.setdefault(name, []).append(r.first_s - r.spec.arrival_s)
+            at = r.scheduled_s if r.scheduled_s is not None else r.first_s  # a retry: none
+            queued.setdefault(name, []).append(at - r.spec.arrival_s)
     per = {
         name: {
             "requests": len(xs),
             "p50": float(np.percentile(xs, 50)),
             "p99": float(np.percentile(xs, 99)),
+            "queued_p99": float(np.percentile(queued[name], 99)),
         }
         for name, xs in sorted(ttfts.items())
     }
     p99s = [d["p99"] for d in per.values()]
     median = float(np.median(p99s)) if p99s else float("nan")
+    worst = max(per.values(), key=lambda d: d["p99"], default=None)
     k = 1000.0 / max(len(done), 1)
     return {
         "adapter_loads_per_1k": slot_loads * k,
@@ -175,5 +182,6 @@ def adapter_metrics(done: Sequence[Any], slot_loads: int, reads: int) -> dict[st
         "ttft_by_adapter": per,
         "adapter_p99_median_s": median,
         "adapter_p99_worst_s": max(p99s, default=float("nan")),
+        "adapter_worst_queued_p99_s": worst["queued_p99"] if worst else float("nan"),
         "adapter_p99_spread": max(p99s) / median if p99s and median > 0 else float("nan"),
     }

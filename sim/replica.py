@@ -85,6 +85,7 @@ class SimRequest(Request):
         )
         self.idx, self.spec = idx, spec
         self.host_hit = 0  # of its hit (at first admission), the tokens loaded from the host
+        self.scheduled_s: float | None = None  # its first step's start (queued until then)
         self.first_s: float | None = None
         self.done_s: float | None = None
         self.replica = -1
@@ -260,6 +261,8 @@ class SimReplica:
         tokens = ctx = prefill = decode = pos = 0
         pairs = 0.0
         for sr in out.scheduled:
+            if sr.request.scheduled_s is None:  # type: ignore[attr-defined]
+                sr.request.scheduled_s = now  # type: ignore[attr-defined]
             n, p0 = sr.num_new_tokens, sr.num_computed_tokens
             tokens += n
             pairs += n * p0 + n * (n - 1) / 2

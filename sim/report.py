@@ -259,13 +259,15 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(
             f"LoRA adapters ({lo['max_loras']} slots, {lo['max_cpu_loras']} in host memory per "
             f"replica, rank {lo['rank']}): loads into slots and reads from disk per 1,000 "
-            "requests; TTFT p99 per adapter, the median adapter's and the worst's:"
+            "requests; TTFT p99 per adapter, the median adapter's and the worst's (and the "
+            "worst's p99 wait before its first step):"
         )
         for name, m in result["policies"].items():
             lines.append(
                 f"  {name:<13}loads {m['adapter_loads_per_1k']:7.1f}  reads "
                 f"{m['adapter_reads_per_1k']:6.1f}  p99 median {m['adapter_p99_median_s']:6.2f}s"
-                f"  worst {m['adapter_p99_worst_s']:6.2f}s ({m['adapter_p99_spread']:.2f}x)"
+                f"  worst {m['adapter_p99_worst_s']:6.2f}s ({m['adapter_p99_spread']:.2f}x;"
+                f" queued {m['adapter_worst_queued_p99_s']:.2f}s)"
             )
     lines.append("work share per replica (prefill + decode tokens computed):")
     for name, m in result["policies"].items():
