@@ -55,7 +55,7 @@ async def test_past_the_budget_the_oldest_waiter_gets_the_freed_slot() -> None:
         adm.release(ticket)
 
     waiters = [asyncio.create_task(wait("w1")), asyncio.create_task(wait("w2"))]
-    await wait_until(lambda: adm.waiting == 2, 5, "both waiters queued")
+    await wait_until(lambda: adm.waiting == 2, 20, "both waiters queued")
     with pytest.raises(OverloadedError, match="waiting"):  # the queue is full: refused
         await adm.admit(a)
     adm.release(first)

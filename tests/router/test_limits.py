@@ -115,7 +115,7 @@ def test_the_queue_serves_waiters_first_come_first_served_and_holds_their_slots(
             order.append(i)
 
         tasks = [asyncio.create_task(request(i)) for i in range(3)]
-        await wait_until(lambda: q.waiting == 3, 5, "three queued")
+        await wait_until(lambda: q.waiting == 3, 20, "three queued")
         assert order == []
         with pytest.raises(OverloadedError, match="3 waiting"):  # the queue is full
             await q.wait(room, budget)
@@ -123,11 +123,11 @@ def test_the_queue_serves_waiters_first_come_first_served_and_holds_their_slots(
         q.wake(room)
         assert q.reserved == 1 and q.waiting == 2
         late = asyncio.create_task(request(99))  # a newcomer queues behind the others
-        await wait_until(lambda: order == [0] and q.waiting == 3, 5, "the oldest let in")
+        await wait_until(lambda: order == [0] and q.waiting == 3, 20, "the oldest let in")
         assert q.reserved == 0
         running["n"] -= 2
         q.wake(room)
-        await wait_until(lambda: len(order) == 3, 5, "two more let in")
+        await wait_until(lambda: len(order) == 3, 20, "two more let in")
         assert order == [0, 1, 2]
         running["n"] -= 1
         q.wake(room)

@@ -127,11 +127,11 @@ def test_an_unload_through_the_other_front_door_is_a_404_and_stays_unloaded(
 ) -> None:
     path = make_adapter(tmp_path / "x2", 32, **SHAPES[4])
     on_loop(fleet.a, fleet.a.door.load_lora("x2", path))
-    wait_for(lambda: "x2" in models(fleet.b), 5, "B lists x2")
+    wait_for(lambda: "x2" in models(fleet.b), 20, "B lists x2")
     on_loop(fleet.b, fleet.b.door.unload_lora("x2"))
     passes(4)  # A's resync ran: with a registry of its own it put x2 back everywhere
     assert not any("x2" in names for names in fleet.held().values()), fleet.held()
-    wait_for(lambda: complete(fleet.a, "x2").status_code == 404, 5, "A answers x2 with 404")
+    wait_for(lambda: complete(fleet.a, "x2").status_code == 404, 20, "A answers x2 with 404")
     assert "x2" not in models(fleet.a)
 
 
@@ -144,7 +144,7 @@ def test_an_unload_through_one_front_door_fails_none_of_the_others_requests(
     knows, refused as unknown (404): none fails on a replica that lost its adapter."""
     path = make_adapter(tmp_path / "x4", 36, **SHAPES[4])
     on_loop(fleet.a, fleet.a.door.load_lora("x4", path))
-    wait_for(lambda: "x4" in models(fleet.b), 5, "B lists x4")
+    wait_for(lambda: "x4" in models(fleet.b), 20, "B lists x4")
     statuses: list[int] = []
     bodies: list[str] = []
     stop = threading.Event()
@@ -184,7 +184,7 @@ def test_no_sync_touches_an_adapter_another_front_door_is_loading(
     assert "mid" in fleet.held()["s1"]
     assert "mid" not in models(fleet.a) | models(fleet.b)  # not routable before its end
     ray.get(fleet.shared.end_load.remote("mid", None), timeout=30)
-    wait_for(lambda: "mid" not in fleet.held()["s1"], 5, "mid removed from s1")
+    wait_for(lambda: "mid" not in fleet.held()["s1"], 20, "mid removed from s1")
 
 
 def test_a_front_door_started_later_takes_the_shared_registry(fleet: Fleet, tmp_path: Path) -> None:
@@ -232,7 +232,7 @@ def test_a_registry_restarted_empty_is_seeded_again_and_strips_no_replica(
     assert models(fleet.a) - {"tiny"} == loaded == models(fleet.b) - {"tiny"}
     path = make_adapter(tmp_path / "x3", 35, **SHAPES[4])
     on_loop(fleet.b, fleet.b.door.load_lora("x3", path))
-    wait_for(lambda: "x3" in models(fleet.a), 5, "A lists x3")
+    wait_for(lambda: "x3" in models(fleet.a), 20, "A lists x3")
     assert complete(fleet.a, "x3").status_code == 200
 
 

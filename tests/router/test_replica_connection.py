@@ -84,16 +84,16 @@ def test_a_failing_callback_fails_its_request_alone_and_reading_goes_on() -> Non
             send(dp.LOAD, load(0))
 
             try:
-                await asyncio.wait_for(reader, 5)
+                await asyncio.wait_for(reader, 20)
                 raise AssertionError("the failing request should have failed")
             except ValueError as exc:
                 assert "own failure" in str(exc)
-            first, last = await asyncio.wait_for(good.next(), 5), None
+            first, last = await asyncio.wait_for(good.next(), 20), None
             if not first.finished:
-                last = await asyncio.wait_for(good.next(), 5)
+                last = await asyncio.wait_for(good.next(), 20)
             ids = first.delta_token_ids + (last.delta_token_ids if last else [])
             assert ids == [0, 1]  # the other request, same batch and after, is whole
-            frames = await asyncio.wait_for(recv(), 5)
+            frames = await asyncio.wait_for(recv(), 20)
             assert frames[1] == dp.ABORT and dp.decode_abort(frames[2]) == ["bad"]
             for _ in range(100):
                 if len(loads) == 2:

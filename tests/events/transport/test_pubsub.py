@@ -496,6 +496,6 @@ def test_garbage_sent_to_the_replay_socket_is_counted_and_ignored():
             assert [unpack_seq(r[2]) for r in reply] == [0, -1]
             assert pub.malformed_requests == len(garbage)
             # Counted by the publisher's thread just after the end marker went out.
-            assert poll(lambda: pub.replays_served == 1, timeout=5)
+            assert poll(lambda: pub.replays_served == 1, timeout=20)
         finally:
             dealer.close(0)
