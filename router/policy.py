@@ -53,14 +53,14 @@ what falls out of the last), the term loses the pressure signal it also carries:
 useful, more preemptions and tiered kv below device-only kv (18.0 against 19.6 req/s,
 2026-11-29; 1.5x the preemptions for plain reloads, 2026-11-28), so it was not kept.
 A preempted request's blocks stay cached, and on a tiered replica the blocks evicted to
-make room go to its lower tier, so it loads them back (the engine lets a preempted request
-load again): ``redo`` in ``capacity`` is the cheaper of the recompute and that load, from
-the fastest tier the replica reports a bandwidth for (:func:`preemption_s`). Its wait is
-still a recompute's time: it ends when the blocks it lost are free again, not when its own
-load would. Both as recomputes (as before), kv met the SLO at its limit on ``agents``
-(500-block devices, 5.35 req/s) in 1 of 7 runs against tier-blind kv's 4; priced so, 4
-against 3. Both as loads priced a preemption at almost nothing and cost conversation turns
-their TTFT at 8.3 req/s (BENCHMARKS.md, host-tier section).
+make room go to the replica's lower tier, so it loads them back (the engine lets a
+preempted request load again): ``redo`` in ``capacity`` is the cheaper of the recompute and
+that load, from the fastest tier the replica reports a bandwidth for (:func:`preemption_s`).
+Its wait for room stays priced at ``prefill_s(s)``; a fast tier shortens only the redo.
+Both as recomputes (as before), kv met the SLO at its limit on ``agents`` (500-block
+devices, 5.35 req/s) in 1 of 7 runs against tier-blind kv's 4; priced so, 4 against 3.
+Pricing both as loads made a preemption almost free and cost conversation turns their
+TTFT at 8.3 req/s (3 of 5 runs against 4; BENCHMARKS.md, host-tier section).
 A tier the replica's coefficients give no load cost for (an unknown medium) is credited
 nothing: its tokens are priced as uncached. ``kv_tier_blind`` is kv as it was before tiers
 were told apart: every lower-tier copy counted as a device hit (the baseline the peers'
