@@ -36,7 +36,7 @@ everything running can always make progress by preempting others.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +49,7 @@ from .decode_run import DecodeRuns
 from .fair_queue import FairQueue, TenantUsage
 from .kv_cache_manager import KVCacheManager
 from .kv_loads import KVLoads, clamp_tiers
+from .load_report import load_report
 from .request import Request, RequestStatus
 from .scheduler_types import (
     RequestTooLongError,
@@ -516,32 +517,3 @@ def _charge_share(shares: dict[str | None, int] | None, req: Request, num_new: i
 def _tenant_of(req: Request) -> str | None:
     """The fair queue's group: the request's tenant (None: the group of tenantless ones)."""
     return req.tenant
-
-
-def load_report(waiting: Iterable[Any], running: Sequence[Any], kv: KVCacheManager) -> LoadReport:
-    """Load as routers price it: prefill still to compute (waiting requests net of what
-    their prefix lookup would hit now, and running prefills' remainder), decode context,
-    free blocks. Requests need ``num_tokens``, ``num_computed_tokens`` and
-    ``num_output_tokens``: the engine's, and the simulator's, which reports through this
-    same function."""
-    queued, n_waiting = 0, 0
-    for r in waiting:
-        queued += r.num_tokens - kv.peek_cached_tokens(r)
-        n_waiting += 1
-    decoding = context = 0
-    for r in running:
-        pending = r.num_tokens - r.num_computed_tokens
-        if pending <= 1 and r.num_output_tokens:
-            decoding += 1
-            context += r.num_tokens
-        else:
-            queued += pending
-    return LoadReport(
-        num_waiting=n_waiting,
-        num_running=len(running),
-        num_decoding=decoding,
-        queued_prefill_tokens=queued,
-        decode_context_tokens=context,
-        free_blocks=kv.get_num_free_blocks(),
-        total_blocks=kv.block_pool.num_blocks,
-    )

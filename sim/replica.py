@@ -41,8 +41,9 @@ from kvroute.events.load import LoadReport
 from kvroute.events.replica_api import SamplingParams
 from kvroute.replica.cost_model import CostModel
 from kvroute.replica.kv_cache_manager import KVCacheManager
+from kvroute.replica.load_report import load_report
 from kvroute.replica.request import Request
-from kvroute.replica.scheduler import Scheduler, load_report
+from kvroute.replica.scheduler import Scheduler
 from kvroute.replica.scheduler_types import SchedulerConfig, SchedulerOutput
 
 from .host_tier import TieredKVCacheManager
