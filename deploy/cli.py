@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from .serve import add_arguments
+    from .serve_args import add_arguments
 
     serve = sub.add_parser("serve", help="start replicas and the OpenAI-compatible front door")
     add_arguments(serve)

@@ -14,7 +14,6 @@ import argparse
 import json
 import logging
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -22,158 +21,19 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from .lora_args import LoRAFlagError, add_lora_arguments, lora_settings
+from .lora_args import LoRAFlagError, lora_settings
 from .router import (
     RAY_NAMESPACE,
     REPLICA_ACTOR_PREFIX,
-    add_front_door_arguments,
     build_app,
     describe_tenants,
     front_door_tenants,
     serve_app,
 )
+from .startup_cause import StartupError, root_cause
 
 if TYPE_CHECKING:
     from kvroute.router.tenants import TenantsFile
-
-
-def add_arguments(serve: argparse.ArgumentParser) -> None:
-    serve.add_argument(
-        "--model",
-        default="smollm2-135m",
-        help="smollm2-135m (the default) or tiny, built in; a local Hugging Face folder; or "
-        "sim:<profile> for cost-model replicas (sim:h100-8b)",
-    )
-    serve.add_argument(
-        "--engine",
-        choices=("kvroute", "vllm"),
-        default="kvroute",
-        help="the engine inside each replica: kvroute's own, or vLLM's AsyncLLM (needs vLLM "
-        "installed: see docs/serving.md); same actors, data plane and router either way",
-    )
-    serve.add_argument(
-        "--dtype", default=None, help="weights' dtype, e.g. float32 (default: fp32 on CPU)"
-    )
-    serve.add_argument(
-        "--max-model-len", type=int, default=None, help="longest prompt + output per request"
-    )
-    serve.add_argument(
-        "--model-impl",
-        choices=("auto", "kvroute", "transformers"),
-        default="auto",
-        help="kvroute's engine: its own decoder for Llama/Mistral/Qwen2/Qwen3 ('kvroute', "
-        "the default for those) or transformers' modules ('transformers', any other "
-        "architecture); see docs/models.md",
-    )
-    serve.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        help="kvroute's engine on CUDA: run decode steps eager, not from captured CUDA graphs",
-    )
-    serve.add_argument(
-        "--vllm-args",
-        default=None,
-        metavar="JSON",
-        help="--engine vllm: more vLLM engine arguments (AsyncEngineArgs fields), e.g. "
-        "'{\"max_num_seqs\": 64}'",
-    )
-    serve.add_argument(
-        "--replicas", type=int, default=None, help="default: 2 locally, one per GPU on a cluster"
-    )
-    serve.add_argument("--address", default=None, help="Ray cluster address (e.g. auto)")
-    serve.add_argument(
-        "--num-cpus-per-replica",
-        type=float,
-        default=None,
-        help="Ray CPUs each replica reserves (default: 1; 0 for sim: replicas, which sleep)",
-    )
-    serve.add_argument(
-        "--time-scale",
-        type=float,
-        default=1.0,
-        help="sim: replicas only: wall seconds per modelled second of each step (e.g. 4: "
-        "every step 4x slower, so a small CPU keeps up; divide latencies by it)",
-    )
-    serve.add_argument(
-        "--num-gpus-per-replica", type=float, default=None, help="default: 1 if GPUs, else 0"
-    )
-    serve.add_argument(
-        "--resources-per-replica",
-        default=None,
-        metavar="JSON",
-        help="Ray custom resources each replica needs, e.g. '{\"kvroute_replica\": 1}' to "
-        "place one replica per node that offers one",
-    )
-    serve.add_argument(
-        "--runtime-env",
-        default=None,
-        metavar="JSON",
-        help='Ray runtime_env for the replicas, e.g. \'{"env_vars": {"HF_HOME": '
-        "\"/models/hf\"}}' or pip/working_dir fields; default: none (the nodes' own image, "
-        "which must hold the same kvroute and the model files: see docs/operating.md)",
-    )
-    serve.add_argument("--num-blocks", type=int, default=None, help="KV blocks per replica")
-    serve.add_argument(
-        "--kv-host-bytes",
-        type=int,
-        default=0,
-        help="host memory per replica for KV blocks its device cache evicts (0: none); a "
-        "prefix found there is loaded back instead of recomputed (docs/kv-tiers.md)",
-    )
-    serve.add_argument(
-        "--kv-disk-path",
-        default=None,
-        help="a local folder for KV blocks evicted past the host tier (or from the device, "
-        "without one); each replica uses <path>/<replica id>, wiped when it starts",
-    )
-    serve.add_argument(
-        "--kv-disk-bytes", type=int, default=0, help="disk bytes per replica for KV blocks"
-    )
-    serve.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=None,
-        help="at most this many tokens in one engine step (default 2048, vLLM's for a server): "
-        "on a CPU replica a smaller one (512) gives a burst of prompts its first tokens "
-        "sooner and stalls running streams for less, for a longer time per output token",
-    )
-    serve.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=None,
-        help="at most this many requests running in one engine (default 128)",
-    )
-    serve.add_argument(
-        "--long-prefill-token-threshold",
-        type=int,
-        default=0,
-        help="at most this many prompt tokens of one request per engine step (0: no cap): "
-        "shorter steps, so a newcomer's first token waits less, for some throughput",
-    )
-    serve.add_argument(
-        "--max-num-partial-prefills",
-        type=int,
-        default=0,
-        help="at most this many requests of one tenant part-way through their prompt at once "
-        "(0: no limit); with --long-prefill-token-threshold it bounds every step, which keeps "
-        "one tenant's long prompts from delaying another's first token (see docs/serving.md)",
-    )
-    serve.add_argument(
-        "--block-size",
-        type=int,
-        default=None,
-        help="tokens per KV block (default: 16; 32 with --engine vllm, as its CPU attention "
-        "wants a multiple of 32)",
-    )
-    serve.add_argument(
-        "--routers",
-        type=int,
-        default=1,
-        help="front-door processes sharing --port (SO_REUSEPORT); each admits "
-        "--max-in-flight on its own (default: 1)",
-    )
-    add_front_door_arguments(serve)
-    add_lora_arguments(serve)
 
 
 def _say(msg: str) -> None:
@@ -265,56 +125,6 @@ def run(args: argparse.Namespace) -> int:
                 proc.kill()
         if ray.is_initialized():
             ray.shutdown()
-
-
-class StartupError(RuntimeError):
-    """The fleet could not start for a reason one line can say."""
-
-
-_CAUSED = "The above exception was the direct cause of the following exception:"
-_CHAIN = re.compile(
-    rf"^({re.escape(_CAUSED)}|During handling of the above exception, another exception "
-    r"occurred:)$",
-    re.M,
-)
-_EXCEPTION_LINE = re.compile(r"[A-Za-z_][\w.]*(: |:?$)")  # "pkg.mod.SomeError: message"
-_COLOUR = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its "ray::Actor.method()" headers
-_PYDANTIC_LINK = "For further information visit "
-_PYDANTIC_INPUT = re.compile(r"\s*\[type=\w+, input_value=.*, input_type=[\w.]+\]$")
-CAUSE_CHARS = 400  # a root cause's line is cut here
-
-
-def root_cause(text: str) -> str:
-    """The root exception of a Python traceback's text (Ray's error for a task or an actor
-    whose creation failed carries only that text), on one line: ``Type: message``.
-
-    The root is the raised exception's innermost explicit cause (``raise ... from``; an
-    exception merely being handled when it was raised is not its cause). Its message's
-    lines are joined; pydantic's link and input echo are dropped. Text with no exception
-    in it gives its last line."""
-    parts = _CHAIN.split(_COLOUR.sub("", text))  # blocks, a chained one after its separator
-    i = len(parts) - 1
-    while i >= 2 and parts[i - 1] == _CAUSED:
-        i -= 2
-    lines = parts[i].strip("\n").splitlines()
-    # The exception's line comes after the frames, unindented (a message may quote a
-    # traceback of its own: vLLM's "Error raised in subprocess: ..."). Ray gives a cause
-    # no frames: there it is the first line that reads as one, after Ray's header.
-    frame = next((n for n, line in enumerate(lines) if line.startswith("  File ")), None)
-    if frame is not None:
-        start = next((n for n in range(frame, len(lines)) if lines[n][:1].strip()), None)
-    else:
-        start = next((n for n, line in enumerate(lines) if _EXCEPTION_LINE.match(line)), None)
-    if start is None:
-        return next((line.strip() for line in reversed(lines) if line.strip()), text.strip())
-    kind, _, first = lines[start].partition(": ")
-    message = first.strip()
-    for more in lines[start + 1 :]:
-        more = _PYDANTIC_INPUT.sub("", more.strip())
-        if more and not more.startswith(_PYDANTIC_LINK):
-            message += more if not message else (" " if message.endswith(":") else "; ") + more
-    line = kind.rstrip(":").rsplit(".", 1)[-1] + (f": {message}" if message else "")
-    return line if len(line) <= CAUSE_CHARS else line[: CAUSE_CHARS - 3] + "..."
 
 
 def _port_in_use(host: str, port: int) -> str | None:

@@ -1,4 +1,4 @@
-"""The one line ``kvroute serve`` prints when a replica fails to start (deploy/serve.py).
+"""The one line ``kvroute serve`` prints when a replica fails to start (deploy/startup_cause.py).
 
 Ray hands the driver only the text of an actor's failed creation: its header, the
 traceback, the exception. What it proves, on Ray's real text: the line is the root
@@ -16,7 +16,7 @@ import pydantic
 import pytest
 import ray
 
-from kvroute.deploy.serve import root_cause
+from kvroute.deploy.startup_cause import root_cause
 
 from ..ray_session import local_ray
 
