@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     key.add_argument("--hash", action="store_true", help="hash a key read from stdin")
 
-    from .router import add_arguments as add_router_arguments
+    from .router_args import add_arguments as add_router_arguments
 
     router = sub.add_parser(
         "router", help="one more front door for a running fleet (joins its Ray cluster)"
@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_router_arguments(router)
 
     stop = sub.add_parser("stop", help="stop every replica of a fleet on a Ray cluster")
-    from .router import add_stop_arguments
+    from .router_args import add_stop_arguments
 
     add_stop_arguments(stop)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from .lora_args import add_lora_arguments
-from .router import add_front_door_arguments
+from .router_args import add_front_door_arguments
 
 
 def add_arguments(serve: argparse.ArgumentParser) -> None:
