@@ -49,7 +49,7 @@ class EngineConfig:
     dtype: str | None = None  # "float32", "bfloat16", ... None: bf16 on CUDA, fp32 on CPU
     device: str | None = None
     seed: int = 0
-    # "kvroute": own decoder (Llama, Mistral, Qwen2, Qwen3); "transformers": transformers'
+    # "kvroute": own decoder (Llama, Mistral, Qwen2, Qwen3, Gemma3); "transformers": transformers'
     # modules over the paged kernels; "auto": the first where it applies (model_runner)
     model_impl: str = "auto"
     # CUDA: decode batches run eager instead of replaying captured graphs (cuda_graphs)

@@ -2,7 +2,7 @@
 
 Two model implementations (``model_impl``, as vLLM's ``--model-impl``):
 
-* ``kvroute`` -- the Llama family (Llama, Mistral, Qwen2, Qwen3) through kvroute's own
+* ``kvroute`` -- the Llama family (Llama, Mistral, Qwen2, Qwen3, Gemma3) through kvroute's own
   decoder (:mod:`.decoder`): fused projections, attention on the paged cache directly.
   The default for those families.
 * ``transformers`` -- any other decoder: transformers' own modules, which call the
