@@ -48,7 +48,8 @@ def add_front_door_arguments(p: argparse.ArgumentParser) -> None:
         "--policy",
         default="kv",
         help="how requests are routed: kv (cached prefix and load, the default), "
-        "approx_text, least_loaded, round_robin or random",
+        "approx_text, least_loaded, round_robin or random (or a simulator baseline: "
+        "kv_tier_blind, lora_affinity, kv:lora_blind)",
     )
     p.add_argument(
         "--served-model-name",
