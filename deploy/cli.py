@@ -26,6 +26,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .router import stop as stop_fleet
 
         return stop_fleet(args)
+    if args.command == "scale":
+        from .scale import run as run_scale
+
+        return run_scale(args)
     if args.command == "events":
         return _events(args)
     if args.command == "simulate":
@@ -114,6 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
     from .router_args import add_stop_arguments
 
     add_stop_arguments(stop)
+
+    from .scale import add_arguments as add_scale_arguments
+
+    scale = sub.add_parser(
+        "scale",
+        help="grow or shrink a running fleet (new replicas like the others; retired ones "
+        "drained first)",
+    )
+    add_scale_arguments(scale)
 
     from .simulate_cli import add_parser as add_simulate
 

@@ -97,6 +97,18 @@ def discover(timeout_s: float = 120.0) -> list[tuple[Any, Any]]:
     return list(zip(actors, infos, strict=True))
 
 
+async def find_replicas() -> dict[str, Any]:
+    """Replica id -> actor, for every replica named in this driver's namespace now (the
+    fleet's membership: ``kvroute scale`` starts and retires them)."""
+    import ray
+
+    def named() -> dict[str, Any]:
+        names = [n for n in ray.util.list_named_actors() if n.startswith(REPLICA_ACTOR_PREFIX)]
+        return {n.removeprefix(REPLICA_ACTOR_PREFIX): ray.get_actor(n) for n in names}
+
+    return await asyncio.to_thread(named)
+
+
 def build_app(
     args: argparse.Namespace, replicas: list[tuple[Any, Any]], spec: TenantsFile | None
 ) -> Any:
@@ -117,10 +129,18 @@ def build_app(
         from kvroute.replica.models import resolve_model
 
         tokenizer = AutoTokenizer.from_pretrained(resolve_model(replicas[0][1].model))
-    max_in_flight = args.max_in_flight or 128 * len(replicas)
-    per_tenant = args.max_in_flight_per_tenant
-    if per_tenant is None and spec is not None and len(spec.tenants) > 1:
-        per_tenant = max(1, max_in_flight // 2)  # a flooding tenant leaves the others half
+
+    def admission_for(n: int) -> tuple[int | None, int | None, int]:
+        """Admission's limits for a fleet of ``n`` replicas (what was not given grows and
+        shrinks with it)."""
+        max_in_flight = args.max_in_flight or 128 * max(n, 1)
+        per_tenant = args.max_in_flight_per_tenant
+        if per_tenant is None and spec is not None and len(spec.tenants) > 1:
+            per_tenant = max(1, max_in_flight // 2)  # a flood leaves the others half
+        queue = args.admission_queue if args.admission_queue is not None else 8 * max_in_flight
+        return max_in_flight, per_tenant, queue
+
+    max_in_flight, per_tenant, queue = admission_for(len(replicas))
     if args.log_requests:
         import logging
 
@@ -148,10 +168,10 @@ def build_app(
         tokenizer=tokenizer,
         max_in_flight=max_in_flight,
         max_in_flight_per_tenant=per_tenant,
-        admission_queue=(
-            args.admission_queue if args.admission_queue is not None else 8 * max_in_flight
-        ),
+        admission_queue=queue,
         admission_timeout_s=args.admission_timeout,
+        find_replicas=None if getattr(args, "backend", None) else find_replicas,
+        admission_for=admission_for,
     )
     tenants = Tenants(spec, resolve_fleet_secret(args.fleet_secret))
     return create_app(

@@ -385,12 +385,22 @@ def _run(
         f"ready: model {name!r} on http://{args.host}:{args.port}/v1 "
         f"({n} replicas, policy {args.policy}{doors}, {auth}); Ctrl-C stops"
     )
+    import ray
+
+    scale = f"kvroute scale --address {ray.get_runtime_context().gcs_address} --replicas N"
+    if not args.address and os.environ.get("RAY_AUTH_MODE", "token") == "token":
+        scale = "RAY_AUTH_MODE=token " + scale  # another shell must send the token too
+
+    def announce() -> None:
+        _say(message)
+        _say(f"resize the fleet while it serves: {scale}")
+
     serve_app(
         app,
         args.host,
         args.port,
         args.routers > 1,
-        lambda: _say(message),
+        announce,
         args.body_timeout,
         say=_say,
     )

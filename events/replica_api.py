@@ -140,6 +140,9 @@ class ReplicaInfo(msgspec.Struct, kw_only=True, frozen=True):
     # Prompts longer than this hash with hashing.regime_salt (a rotary that switches
     # regime there: longrope); None: no switch.
     long_prompt_after: int | None = None
+    # Draining (``kvroute scale`` retires it): routers send it nothing new, and what runs
+    # there ends before the actor does.
+    draining: bool = False
 
     @property
     def hash_config(self) -> HashConfig:

@@ -33,6 +33,7 @@ import warnings
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
+import msgspec
 import ray
 
 from kvroute.events.load import LoadReport
@@ -44,7 +45,7 @@ from .replica_engine import EngineDeadError, ReplicaEngine
 if TYPE_CHECKING:  # the engine pulls in torch; a router creating actors need not
     from .engine import EngineConfig
 
-__all__ = ["ReplicaActor", "ReplicaServer", "start_replica"]
+__all__ = ["ReplicaActor", "ReplicaLaunch", "ReplicaServer", "start_replica"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -67,12 +68,21 @@ class ReplicaServer:
         engine_config: EngineConfig | dict[str, Any],
         events_host: str = "127.0.0.1",
         torch_threads: int | None = None,
+        launch: dict[str, Any] | None = None,
     ) -> None:
         quiet_progress_bars()
         from .dataplane_server import DataPlaneServer
         from .vllm_adapt import is_vllm_config
 
         self.replica_id = replica_id
+        # How it was started, for ``kvroute scale`` to start more like it (:meth:`launch_spec`).
+        self._launch = ReplicaLaunch(
+            replica_id,
+            dict(engine_config) if isinstance(engine_config, dict) else engine_config,
+            events_host,
+            torch_threads,
+            dict(launch or {}),
+        )
         node_ip = ray.util.get_node_ip_address()
         bind = "*" if events_host in _WILDCARD_HOSTS else events_host
         advertised = node_ip if bind == "*" else events_host
@@ -129,6 +139,18 @@ class ReplicaServer:
 
     def info(self) -> ReplicaInfo:
         return self._info
+
+    def launch_spec(self) -> ReplicaLaunch:
+        """How this replica was started: a new one started so is its twin (same engine, same
+        Ray resources), but for its id and name."""
+        return self._launch
+
+    def drain(self) -> None:
+        """Retire: routers stop sending new requests once they read ``draining`` in
+        :meth:`info` (their next poll); what already runs here goes on to its end."""
+        if not self._info.draining:
+            log.info("replica %s: draining", self.replica_id)
+            self._info = msgspec.structs.replace(self._info, draining=True)
 
     def abort(self, request_id: str) -> None:
         """Ends a request (its stream finishes with ``finish_reason="abort"``); unknown or
@@ -284,7 +306,48 @@ def start_replica(
         max_task_retries=0,
         **options,
     )
-    return actor_cls.remote(replica_id, engine_config, events_host, torch_threads)
+    launch = {"num_cpus": num_cpus, "num_gpus": num_gpus, "max_restarts": max_restarts}
+    launch.update((k, v) for k, v in options.items() if k != "name")
+    return actor_cls.remote(replica_id, engine_config, events_host, torch_threads, launch)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReplicaLaunch:
+    """A replica's start as :func:`start_replica` made it: the engine's configuration, the
+    event sockets' host, torch's threads, and the Ray options (resources, runtime_env,
+    lifetime, restarts; not the name, which is each replica's own)."""
+
+    replica_id: str
+    engine_config: Any  # EngineConfig or its dict, as given
+    events_host: str
+    torch_threads: int | None
+    options: dict[str, Any]
+
+    def start(self, replica_id: str, name: str, **options: Any) -> Any:
+        """Another replica like this one, ``replica_id`` named ``name``: its handle. A KV
+        disk folder named after this replica (``kvroute serve``: ``<path>/<replica id>``,
+        wiped at start) is named after the new one instead. ``options`` override Ray's."""
+        opts = {**self.options, **options}
+        config = self.engine_config
+        folder = _config_value(config, "kv_disk_path")
+        if folder and os.path.basename(os.path.normpath(folder)) == self.replica_id:
+            own = os.path.join(os.path.dirname(os.path.normpath(folder)), replica_id)
+            config = (
+                {**config, "kv_disk_path": own}
+                if isinstance(config, dict)
+                else dataclasses.replace(config, kv_disk_path=own)
+            )
+        return start_replica(
+            replica_id,
+            config,
+            num_cpus=opts.pop("num_cpus", 1),
+            num_gpus=opts.pop("num_gpus", 0),
+            max_restarts=opts.pop("max_restarts", -1),
+            events_host=self.events_host,
+            torch_threads=self.torch_threads,
+            name=name,
+            **opts,
+        )
 
 
 def _was_reconstructed() -> bool:
@@ -362,3 +425,7 @@ def _start_vllm(
         os.environ["OMP_NUM_THREADS"] = str(torch_threads)
     engine = VllmEngine(config, events_host=advertised, topic=replica_id)
     return _Started(engine, None, config.model, engine.events_endpoint, engine.replay_endpoint)
+
+
+def _config_value(config: Any, key: str) -> Any:
+    return config.get(key) if isinstance(config, dict) else getattr(config, key, None)

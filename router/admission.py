@@ -113,6 +113,16 @@ class Admission:
         self.charge(ticket, output_tokens)
         self.queue.wake(self._has_room)
 
+    def resize(
+        self, max_in_flight: int | None, max_in_flight_per_tenant: int | None, queue: int
+    ) -> None:
+        """New limits (the fleet grew or shrank; see :meth:`__init__`). Requests already
+        admitted stay; a larger budget hands its room to the waiters now."""
+        self.max_in_flight = max_in_flight
+        self.shares.cap = max_in_flight_per_tenant
+        self.queue.max_waiting = queue
+        self.queue.wake(self._has_room)
+
     def tenant_in_flight(self, tenant_id: str) -> int:
         return self.shares.in_flight(tenant_id)
 

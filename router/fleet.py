@@ -113,6 +113,7 @@ class Fleet:
         self.load = LoadTracker()
         self.replicas: dict[str, ReplicaHandle] = {}
         self.cordoned: set[str] = set()
+        self.draining: set[str] = set()  # retiring (kvroute scale): cordoned, then gone
         # This front door's name on every replica's data plane (outputs come back to it).
         self.client_id = f"fd-{uuid.uuid4().hex[:12]}"
         self.subscriber = ZmqEventSubscriber(self._on_events)
@@ -132,7 +133,15 @@ class Fleet:
         # Awaited before a replica that joins or restarts is routed to (its LoRA adapters
         # put in place: router/lora.py); a failure there is logged, not fatal.
         self.prepare: Callable[[Any, ReplicaInfo], Awaitable[None]] | None = None
+        # The replicas that exist now, by id (Ray's named actors: :mod:`kvroute.deploy.
+        # router`), read every ``monitor_interval_s``: one not here yet joins, one here that
+        # is gone and dead is removed (``kvroute scale``). None: the fleet is fixed.
+        self.find_replicas: Callable[[], Awaitable[dict[str, Any]]] | None = None
+        # Called with the number of replicas after one joined or was removed.
+        self.on_members: list[Callable[[int], object]] = []
+        self._refused: set[str] = set()  # incarnations refused a join (said once)
         self._monitor: asyncio.Task[None] | None = None
+        self._finder: asyncio.Task[None] | None = None
         for actor, info in replicas:
             self.add(actor, info)
 
@@ -201,7 +210,32 @@ class Fleet:
         await self._prepare(actor, info)
         self.add(actor, info)
         self.connection(info.replica_id)
+        self._members_changed()
         return info.replica_id
+
+    def remove(self, rid: str) -> None:
+        """The replica is gone for good (retired by ``kvroute scale``, or its actor killed):
+        forgotten, not waited for. Its requests, if any were left, fail over."""
+        rep = self.replicas.get(rid)
+        if rep is None:
+            return
+        if rep.alive:
+            rep.alive = False
+            self._forget(rid)
+        if rep.conn is not None:
+            rep.conn.close()
+        del self.replicas[rid]
+        self.cordoned.discard(rid)
+        retired = rid in self.draining
+        self.draining.discard(rid)
+        self.load.forget(rid)
+        self.translators.pop(rid, None)
+        log.warning("replica %s %s", rid, "retired" if retired else "removed from the fleet")
+        self._members_changed()
+
+    def _members_changed(self) -> None:
+        for callback in self.on_members:
+            callback(len(self.replicas))
 
     async def _prepare(self, actor: Any, info: ReplicaInfo) -> None:
         if self.prepare is None:
@@ -277,7 +311,8 @@ class Fleet:
             self.load.report(rid, report, time.monotonic())
 
     def _on_lost(self, rid: str, why: str) -> None:
-        self.errors["connection_lost"] += 1
+        if rid not in self.draining:
+            self.errors["connection_lost"] += 1
         self.fail(rid)
 
     def _forget(self, rid: str) -> None:
@@ -306,6 +341,9 @@ class Fleet:
         """The replica failed: stop routing to it until the monitor sees it back."""
         rep = self.replicas.get(rid)
         if rep is None or not rep.alive:
+            return
+        if rid in self.draining:  # retired as planned (kvroute scale), not failed
+            self.remove(rid)
             return
         rep.alive = False
         rep.failures += 1
@@ -377,12 +415,15 @@ class Fleet:
                 self.connection(rid)
         if self._monitor is None:
             self._monitor = asyncio.get_running_loop().create_task(self._watch())
+        if self.find_replicas is not None and self._finder is None:
+            self._finder = asyncio.get_running_loop().create_task(self._find())
 
     async def close(self) -> None:
-        if self._monitor is not None:
-            self._monitor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._monitor
+        for task in (self._monitor, self._finder):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for rep in self.replicas.values():
             if rep.conn is not None:
                 rep.conn.close()
@@ -413,6 +454,43 @@ class Fleet:
                 last_poll = time.monotonic()
                 await asyncio.gather(*(self._poll(rid) for rid in list(self.replicas)))
 
+    async def _find(self) -> None:
+        """Every ``monitor_interval_s``: replicas started since (scale-up) join; replicas
+        that no longer exist and no longer answer (retired, killed) are removed. A failed
+        look changes nothing: a replica is removed only when it is both unlisted and dead."""
+        assert self.find_replicas is not None
+        while True:
+            await asyncio.sleep(self.monitor_interval_s)
+            try:
+                found = await self.find_replicas()
+            except Exception:  # Ray's listing failed: look again next time
+                self.errors["find_replicas_failed"] += 1
+                continue
+            for rid in [r for r, rep in self.replicas.items() if not rep.alive]:
+                if rid not in found and not self.replicas[rid].info.data_endpoint.startswith(
+                    ("http://", "https://")
+                ):
+                    self.remove(rid)
+            for rid, actor in found.items():
+                if rid not in self.replicas:
+                    await self._join_found(rid, actor)
+
+    async def _join_found(self, rid: str, actor: Any) -> None:
+        try:
+            info = await asyncio.wait_for(actor.info.remote(), self.monitor_interval_s * 5)
+        except Exception:  # still loading its model, or failed: looked at again next time
+            return
+        if info.incarnation in self._refused or info.draining:
+            return
+        try:
+            await self.join(actor, info)
+        except FleetMismatchError as exc:
+            self._refused.add(info.incarnation)
+            self.errors["replica_refused"] += 1
+            log.error("a replica that joined is refused: %s", exc)
+            return
+        log.warning("replica %s joined the fleet (%d replicas)", rid, len(self.replicas))
+
     async def _load_report(self, rid: str) -> None:
         rep = self.replicas.get(rid)
         if rep is None:
@@ -430,10 +508,14 @@ class Fleet:
         try:
             info = await asyncio.wait_for(rep.actor.info.remote(), self.monitor_interval_s * 5)
         except Exception as exc:
-            if rep.alive:
+            if rep.alive and rid not in self.draining:
                 log.warning("replica %s does not answer (%s)", rid, type(exc).__name__)
             self.fail(rid)
             return
+        if info.draining and rid not in self.draining:
+            log.warning("replica %s is draining: no new requests go to it", rid)
+            self.draining.add(rid)
+            self.cordoned.add(rid)
         if info.incarnation != rep.info.incarnation:
             log.warning("replica %s restarted: following its new endpoints", rid)
             rep.alive = False  # not routed to while it is prepared

@@ -37,7 +37,7 @@ import contextlib
 import dataclasses
 import logging
 from collections import Counter
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -84,6 +84,8 @@ class FrontDoor:
         lora_holders: Mapping[str, Collection[str]] | None = None,
         lora_resync_s: float = LORA_RESYNC_S,
         lora_shared: Any = None,
+        find_replicas: Callable[[], Awaitable[dict[str, Any]]] | None = None,
+        admission_for: Callable[[int], tuple[int | None, int | None, int]] | None = None,
     ) -> None:
         """Admission's limits: see :class:`Admission`; the intervals: see :class:`Fleet`.
         ``lora_adapters``: the fleet's adapters at start (name -> folder, as the replicas
@@ -93,7 +95,10 @@ class FrontDoor:
         never); ``lora_shared``: the fleet's registry actor, shared with the other front
         doors (:mod:`.lora_shared`; None: this front door's own). ``served_model``: the
         name clients call the base model by (the fleet's own is accepted too); neither may
-        name an adapter."""
+        name an adapter. ``find_replicas``: the replicas that exist now, by id, read every
+        ``monitor_interval_s`` (replicas join and leave a running fleet: ``kvroute scale``);
+        ``admission_for``: admission's limits (in flight, per tenant, queue) for a fleet of
+        n replicas, applied whenever n changes (None: the limits given stay)."""
         self.counters: Counter[str] = Counter()  # requests, retries, failovers
         self.run_errors: Counter[str] = Counter()  # the runs' own (no replica, invalid)
         self.fleet = fleet = Fleet(
@@ -119,6 +124,9 @@ class FrontDoor:
             errors=self.run_errors,
         )
         fleet.on_removed.append(lambda rid: self.policy.on_replica_removed(rid))
+        fleet.find_replicas = find_replicas
+        if admission_for is not None:
+            fleet.on_members.append(lambda n: self.admission.resize(*admission_for(n)))
         adapters = dict(lora_adapters or {})
         if lora_holders is None:
             lora_holders = {name: list(fleet.replicas) for name in adapters}

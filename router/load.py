@@ -138,6 +138,11 @@ class LoadTracker:
         if not load.total_blocks:
             load.total_blocks = report.total_blocks
 
+    def forget(self, replica: str) -> None:
+        """A replica gone for good: nothing of it is kept (see :meth:`drop_replica`)."""
+        self.drop_replica(replica)
+        self._loads.pop(replica, None)
+
     def drop_replica(self, replica: str) -> list[str]:
         """Forget a replica's load (not its coefficients: it may come back); returns the ids
         of the requests that were in flight there."""

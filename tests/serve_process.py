@@ -27,15 +27,17 @@ def kvroute_serve(
     *,
     env: Mapping[str, str] | None = None,
     cwd: Path | None = None,
+    log: list[str] | None = None,
 ) -> Iterator[str]:
     """``kvroute serve ARGS --port PORT`` until the block ends (then Ctrl-C, as a user
     stops it); yields its base URL once it printed ``ready:``. ``env`` and ``cwd``: the
-    process's environment and directory (default: this one's)."""
+    process's environment and directory (default: this one's); ``log``: gets every line it
+    prints, as it prints them."""
+    lines: list[str] = log if log is not None else []
     port = free_port() if port is None else port
     cmd = [*KVROUTE, "serve", *args, "--port", str(port)]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
     assert proc.stderr is not None
-    lines: list[str] = []
     try:
         for line in proc.stderr:
             lines.append(line)
@@ -44,7 +46,8 @@ def kvroute_serve(
         else:
             raise AssertionError(f"kvroute serve exited {proc.wait()}:\n{''.join(lines)}")
         # Its log must be read on, or a full pipe would stall the server.
-        threading.Thread(target=proc.stderr.read, daemon=True).start()
+        stderr = proc.stderr
+        threading.Thread(target=lambda: lines.extend(stderr), daemon=True).start()
         yield f"http://127.0.0.1:{port}"
     finally:
         if proc.poll() is None:

@@ -1,0 +1,202 @@
+"""``kvroute scale --replicas N``: grow or shrink a running fleet, with no restart.
+
+Why here and not in the front door: replicas are Ray actors named ``replica-<id>`` in the
+fleet's namespace, and every front door (``kvroute serve``'s, each ``kvroute router``)
+reads that list every few seconds (:meth:`kvroute.router.fleet.Fleet._find`). So a
+replica started anywhere under that name joins every front door: it is given the fleet's
+LoRA adapters, then routed to; and one whose actor is gone leaves them. This command only
+starts and retires actors.
+
+- Up: each new replica is a twin of a running one (its engine configuration and Ray
+  options, :meth:`~kvroute.replica.actor.ReplicaServer.launch_spec`), named with the
+  smallest free ``r<i>``, detached (it outlives this command, as ``kvroute serve
+  --address`` starts them; ``kvroute stop`` ends them). On a Ray cluster with an
+  autoscaler, its GPU request brings up a node.
+- Down: the replicas with the highest ids are drained (routers see ``draining`` at their
+  next poll and send them nothing new), their running requests end, and only then are they
+  killed. A replica still busy after ``--drain-timeout`` is killed anyway: its requests
+  fail over to other replicas (the front doors replay them), none is lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from typing import Any
+
+from .router import RAY_NAMESPACE, REPLICA_ACTOR_PREFIX
+
+# Routers poll each replica's info() this often (Fleet's monitor interval) ...
+ROUTER_POLL_S = 2.0
+# ... so a drained replica is idle for good once this long has passed since the drain.
+SETTLE_S = 3 * ROUTER_POLL_S
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--replicas", type=int, required=True, help="the fleet's new size (>= 1)")
+    p.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
+    p.add_argument("--namespace", default=RAY_NAMESPACE, help="where the replicas are named")
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a retired replica's running requests get to end before it is killed "
+        "(they fail over then; default: 300)",
+    )
+    p.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=900.0,
+        help="seconds new replicas get to load their model (default: 900)",
+    )
+
+
+def _say(msg: str) -> None:
+    print(f"kvroute scale: {msg}", file=sys.stderr, flush=True)
+
+
+def _order(rid: str) -> tuple[int, str]:
+    """``r10`` after ``r9``: numbered ids by number, others after them by name."""
+    m = re.fullmatch(r"r(\d+)", rid)
+    return (int(m.group(1)), "") if m else (sys.maxsize, rid)
+
+
+def _free_ids(taken: set[str], n: int) -> list[str]:
+    out, i = [], 0
+    while len(out) < n:
+        if f"r{i}" not in taken:
+            out.append(f"r{i}")
+        i += 1
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.replicas < 1:
+        _say("--replicas must be >= 1 (kvroute stop ends a fleet)")
+        return 2
+    import ray
+
+    try:
+        ray.init(address=args.address, namespace=args.namespace, logging_level="warning")
+    except ConnectionError as exc:
+        _say(f"{exc}; kvroute serve prints the address to give (and, on its own local Ray, "
+             "RAY_AUTH_MODE=token: its token is in ~/.ray/auth_token)")  # fmt: skip
+        return 1
+    try:
+        names = [n for n in ray.util.list_named_actors() if n.startswith(REPLICA_ACTOR_PREFIX)]
+        fleet = {n.removeprefix(REPLICA_ACTOR_PREFIX): ray.get_actor(n) for n in names}
+        if not fleet:
+            _say(f"no replicas in namespace {args.namespace!r}: start a fleet with kvroute serve")
+            return 1
+        ids = sorted(fleet, key=_order)
+        if args.replicas > len(ids):
+            return _grow(fleet, ids, args)
+        if args.replicas < len(ids):
+            return _shrink(fleet, ids, args)
+        _say(f"the fleet already has {len(ids)} replica(s): {', '.join(ids)}")
+        return 0
+    finally:
+        ray.shutdown()
+
+
+def _grow(fleet: dict[str, Any], ids: list[str], args: argparse.Namespace) -> int:
+    import ray
+
+    spec = None
+    for rid in ids:  # the first that answers is the template
+        try:
+            spec = ray.get(fleet[rid].launch_spec.remote(), timeout=30)
+            break
+        except Exception as exc:  # dead, or a replica from before launch_spec
+            _say(f"replica {rid} cannot describe its start ({type(exc).__name__}); next")
+    if spec is None:
+        _say("no running replica could say how it was started")
+        return 1
+    new = _free_ids(set(ids), args.replicas - len(ids))
+    _say(f"starting {', '.join(new)} like {spec.replica_id} ...")
+    # Detached: owned by no driver, so they outlive this command (on kvroute serve's own
+    # local Ray they still end with it).
+    started = {rid: spec.start(rid, REPLICA_ACTOR_PREFIX + rid, lifetime="detached") for rid in new}
+    t0 = time.monotonic()
+    pending = {actor.info.remote(): rid for rid, actor in started.items()}
+    failed = 0
+    while pending:
+        left = args.ready_timeout - (time.monotonic() - t0)
+        if left <= 0:
+            _say(f"not ready after {args.ready_timeout:g} s: {', '.join(pending.values())}")
+            return 1
+        done, _ = ray.wait(list(pending), num_returns=1, timeout=min(left, 15))
+        for ref in done:
+            rid = pending.pop(ref)
+            try:
+                ray.get(ref)
+                _say(f"replica {rid} ready after {time.monotonic() - t0:.0f} s")
+            except Exception as exc:
+                failed += 1
+                _say(f"replica {rid} failed to start: {type(exc).__name__}: {exc}")
+                ray.kill(started[rid], no_restart=True)
+        if not done:
+            short = _short_of(spec.options)
+            _say(f"... {len(started) - len(pending)}/{len(started)} ready" + (
+                f"; each needs {short}: a Ray autoscaler adds a node for it, a local "
+                "kvroute serve has only its own machine's" if short else ""
+            ))  # fmt: skip
+    if failed:
+        return 1
+    _say(f"{len(ids) + len(new)} replicas; front doors route to the new ones within seconds")
+    return 0
+
+
+def _shrink(fleet: dict[str, Any], ids: list[str], args: argparse.Namespace) -> int:
+    import ray
+
+    retired = ids[args.replicas :]
+    _say(f"draining {', '.join(retired)} ...")
+    for rid in retired:
+        try:
+            ray.get(fleet[rid].drain.remote(), timeout=30)
+        except Exception as exc:  # dead already: nothing runs there
+            _say(f"replica {rid} does not answer ({type(exc).__name__}): stopping it")
+    t0 = time.monotonic()
+    time.sleep(SETTLE_S)  # every front door has read `draining` by now
+    busy = set(retired)
+    while busy and time.monotonic() - t0 < args.drain_timeout:
+        for rid in sorted(busy):
+            if _idle(fleet[rid]):
+                busy.discard(rid)
+        if busy:
+            time.sleep(0.5)
+    if busy:
+        _say(f"still busy after {args.drain_timeout:g} s: {', '.join(sorted(busy))}; their "
+             "requests fail over")  # fmt: skip
+    for rid in retired:
+        ray.kill(fleet[rid], no_restart=True)
+        _say(f"replica {rid} stopped")
+    _say(f"{args.replicas} replica(s): {', '.join(ids[: args.replicas])}")
+    return 0
+
+
+def _short_of(options: dict[str, Any]) -> str:
+    """What a replica started with ``options`` needs and the cluster has not free now
+    ('' when it has it all: the replicas are loading their model)."""
+    import ray
+
+    need = {"CPU": options.get("num_cpus", 1), "GPU": options.get("num_gpus", 0)}
+    need.update(options.get("resources") or {})
+    free = ray.available_resources()
+    return ", ".join(
+        f"{k} {v:g} ({free.get(k, 0):g} free)" for k, v in need.items() if v and free.get(k, 0) < v
+    )
+
+
+def _idle(actor: Any) -> bool:
+    """No request waiting or running there (or it does not answer: nothing to wait for)."""
+    import ray
+
+    try:
+        load = ray.get(actor.load.remote(), timeout=10)
+    except Exception:
+        return True
+    return load.num_waiting + load.num_running == 0

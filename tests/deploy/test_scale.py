@@ -1,0 +1,184 @@
+"""``kvroute scale`` on a running ``kvroute serve --routers 2`` with a LoRA adapter, as a user
+runs it from another shell: real Ray, real replica actors, both front doors over HTTP.
+
+What it proves: a replica started by ``kvroute scale --replicas 2`` is a twin of the running
+one, joins both front doors (each lists it and counts it among the adapter's holders:
+a scaled-up replica is given the fleet's adapters before it is routed to), and serves
+requests, the adapter's included. ``kvroute scale --replicas 1`` while streams run on
+both replicas lets the retired replica's streams run to their last token before it is
+stopped (none fails, none is cut), then both front doors drop it, and the fleet serves on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from ..lora_adapters import SHAPES, make_adapter
+from ..prom import scrape, value
+from ..ray_session import shutdown
+from ..serve_process import KVROUTE, kvroute_serve
+from ..waiting import poll, wait_for
+
+pytestmark = pytest.mark.slow
+
+FRESH = 16  # new connections per check: both front doors answer some (1 in 2**15 not)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    shutdown()  # kvroute serve starts a Ray of its own: none of this process's may linger
+    root = tmp_path_factory.mktemp("scale")
+    ad0 = make_adapter(root / "ad0", 7, **SHAPES[1])
+    log: list[str] = []
+    args = ["--model", "tiny", "--replicas", "1", "--routers", "2", "--lora-modules",
+            f"ad0={ad0}", "--fleet-secret", "scale-test"]  # fmt: skip
+    with kvroute_serve(args, log=log) as url:
+        wait_for(lambda: any("kvroute scale" in line for line in log), 20, "the scale hint")
+        hint = next(line for line in log if "kvroute scale" in line)
+        address = re.search(r"--address (\S+)", hint)
+        assert address is not None, hint
+        yield {"url": url, "address": address.group(1), "log": log}
+
+
+def scale(served: dict[str, Any], n: int) -> str:
+    """``kvroute scale --replicas n`` as printed by kvroute serve; its output."""
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}  # as the hint says for serve's own Ray
+    cmd = [*KVROUTE, "scale", "--address", served["address"], "--replicas", str(n)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    return done.stderr
+
+
+def every_door(url: str, check: Any) -> bool:
+    """``check(client)`` holds on ``FRESH`` new connections in a row (no keep-alive)."""
+    for _ in range(FRESH):
+        with httpx.Client(base_url=url, timeout=60, headers={"connection": "close"}) as c:
+            if not check(c):
+                return False
+    return True
+
+
+def replicas(c: httpx.Client) -> list[str]:
+    return sorted(c.get("/health").json()["replicas"])
+
+
+def metric(c: httpx.Client, name: str, **labels: str) -> float:
+    """This front door's ``name`` (0 when it has none)."""
+    return value(scrape(str(c.base_url).rstrip("/")), name, **labels) or 0.0
+
+
+def holders(c: httpx.Client) -> float:
+    return metric(c, "kvroute:lora_adapter_replicas", adapter="ad0")
+
+
+@dataclass
+class Stream:
+    prompt: str
+    replica: str = ""
+    tokens: int = 0
+    finish: str | None = None
+    error: str | None = None
+    started: threading.Event = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        self.started = threading.Event()
+
+
+def read_stream(url: str, s: Stream, max_tokens: int) -> None:
+    body = {"model": "tiny", "prompt": s.prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+            s.replica = r.headers.get("x-kvroute-replica", "")
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    s.error = str(chunk["error"])
+                    continue
+                s.started.set()
+                s.tokens += 1
+                s.finish = chunk["choices"][0]["finish_reason"] or s.finish
+    except Exception as exc:  # the test reports it
+        s.error = repr(exc)
+    finally:
+        s.started.set()
+
+
+def test_a_new_replica_joins_every_front_door_with_the_adapters(served: dict[str, Any]) -> None:
+    url = served["url"]
+    assert every_door(url, lambda c: replicas(c) == ["r0"])
+    out = scale(served, 2)
+    assert "replica r1 ready" in out, out
+    wait_for(lambda: every_door(url, lambda c: replicas(c) == ["r0", "r1"]), 30,
+             "both front doors list r1")  # fmt: skip
+    wait_for(lambda: every_door(url, lambda c: holders(c) == 2), 60,
+             "both front doors count r1 among ad0's holders")  # fmt: skip
+    # A burst under the adapter: once its holder r0 is busy, the new holder takes some.
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    served_by: list[str] = []
+
+    def one(i: int) -> None:
+        raw = client.completions.with_raw_response.create(
+            model="ad0", prompt=f"burst {i} " + "x " * 30, max_tokens=200, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        if raw.parse().choices[0].finish_reason == "length":
+            served_by.append(raw.headers["x-kvroute-replica"])
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert len(served_by) == 12, served_by
+    assert "r1" in served_by, f"no ad0 request reached the new replica: {served_by}"
+
+
+def test_a_retired_replica_finishes_its_streams_then_leaves(served: dict[str, Any]) -> None:
+    url = served["url"]
+    if every_door(url, lambda c: replicas(c) == ["r0"]):
+        scale(served, 2)  # run alone: grow first
+        wait_for(lambda: every_door(url, lambda c: replicas(c) == ["r0", "r1"]), 30, "r1")
+    max_tokens = 1500  # long enough to outlast the drain's settling time on a busy host
+    streams = [Stream(f"Document {i}: " + " ".join(f"w{i}x{j}" for j in range(20)))
+               for i in range(6)]  # fmt: skip
+    threads = [threading.Thread(target=read_stream, args=(url, s, max_tokens), daemon=True)
+               for s in streams]  # fmt: skip
+    for t in threads:
+        t.start()
+    assert poll(lambda: all(s.started.is_set() for s in streams), 120)
+    on_r1 = [s for s in streams if s.replica == "r1" and s.finish is None]
+    assert on_r1, f"no stream runs on r1: {[(s.replica, s.tokens) for s in streams]}"
+    out = scale(served, 1)
+    assert "replica r1 stopped" in out, out
+    for t in threads:
+        t.join(300)
+    assert not any(t.is_alive() for t in threads), "a stream hangs"
+    for s in streams:
+        assert s.error is None, f"stream on {s.replica} failed: {s.error}"
+        assert (s.tokens, s.finish) == (max_tokens, "length"), (s.replica, s.tokens, s.finish)
+    # Each ran where it started: no front door moved a stream (a replica killed mid-stream
+    # has its streams continued elsewhere, or failed), and none counts a replica failure.
+    assert every_door(url, lambda c: metric(c, "kvroute:failovers_total") == 0)
+    assert every_door(url, lambda c: metric(c, "kvroute:errors_total", kind="replica_failure") == 0)
+    wait_for(lambda: every_door(url, lambda c: replicas(c) == ["r0"]), 30,
+             "both front doors drop r1")  # fmt: skip
+    log = "".join(served["log"])
+    assert "replica r1 retired" in log
+    assert "replica r1 failed" not in log  # a planned retirement is no failure
+    r = httpx.post(url + "/v1/completions", timeout=60,
+                   json={"model": "tiny", "prompt": "after", "max_tokens": 4})  # fmt: skip
+    assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "r0", r.text
