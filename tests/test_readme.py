@@ -32,7 +32,8 @@ a block, replaces those two literal strings in its text by the test server's add
 Beside the examples: every link in those two pages leads to a file of the repository; the
 README's serve and test commands are in the README itself; the figure
 is one BENCHMARKS.md shows and the command beside it is the one BENCHMARKS.md says made it;
-every flag of ``kvroute serve``, ``router``, ``stop`` and ``key`` is named in docs/serving.md;
+every flag of ``kvroute serve``, ``router``, ``stop``, ``scale`` and ``key`` is named in
+docs/serving.md;
 every series family on the test server's ``/metrics`` is named in docs/operating.md.
 """
 
@@ -346,7 +347,7 @@ def test_serving_doc_names_every_flag():
     doc = (ROOT / "docs" / "serving.md").read_text()
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    for name in ("serve", "router", "stop", "key"):
+    for name in ("serve", "router", "stop", "scale", "key"):
         for action in sub.choices[name]._actions:
             for flag in action.option_strings:
                 if flag.startswith("--") and flag != "--help":

@@ -93,3 +93,24 @@ def test_the_most_a_tenant_can_ever_hold_is_its_cap_or_the_budget() -> None:
     assert Admission(max_in_flight=8).concurrency_cap(tenant("a", max_concurrent=3)) == 3
     assert Admission(max_in_flight=8, max_in_flight_per_tenant=4).concurrency_cap(tenant("a")) == 4
     assert Admission(max_in_flight=2).concurrency_cap(tenant("a", max_concurrent=5)) == 2
+
+
+async def test_a_fleet_that_grows_lets_its_waiters_in_and_one_that_shrinks_admits_less() -> None:
+    """resize (kvroute scale): a larger budget hands its room to the queued requests at
+    once; a smaller one keeps what is admitted and admits no more until below it."""
+    adm = Admission(max_in_flight=1, max_in_flight_per_tenant=1, queue=4, timeout_s=20.0)
+    a, b = tenant("a"), tenant("b")
+    held = await adm.admit(a)
+    waiter = asyncio.create_task(adm.admit(b))
+    await wait_until(lambda: adm.waiting == 1, 20, "b queued")
+    adm.resize(3, 2, 8)
+    second = await asyncio.wait_for(waiter, 5)  # let in without any release
+    assert adm.in_flight == 2 and adm.shares.cap == 2 and adm.queue.max_waiting == 8
+    await adm.admit(a)  # the tenant cap grew with it: a holds two
+    adm.resize(1, 1, 4)
+    assert adm.in_flight == 3  # nothing admitted is taken back
+    with pytest.raises(OverloadedError):
+        await adm.admit(b)  # b holds its (new) cap of one
+    adm.release(held)
+    adm.release(second)
+    assert adm.in_flight == 1
