@@ -180,6 +180,9 @@ class Fleet:
         if old is not None:
             self._forget(rid)
         rep = self.replicas[rid] = ReplicaHandle(info, actor)
+        if info.draining:  # found while it retires: never routed to
+            self.draining.add(rid)
+            self.cordoned.add(rid)
         if old is not None:  # a restart: its counters go on from where they were
             rep.routed, rep.failures = old.routed, old.failures
             rep.restarts = old.restarts + (info.incarnation != old.info.incarnation)

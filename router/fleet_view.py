@@ -38,6 +38,7 @@ def fleet_view(
                 "incarnation": info.incarnation,
                 "healthy": rep.alive,
                 "cordoned": rid in fleet.cordoned,
+                "draining": rid in fleet.draining,
                 "model": info.model,
                 "max_model_len": info.max_model_len,
                 "hash": {
