@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import ipaddress
 import logging
+import re
 import socket
 import sys
 import threading
@@ -91,22 +92,30 @@ def discover(timeout_s: float = 120.0) -> list[tuple[Any, Any]]:
     """(actor, info) of every replica named in this driver's namespace, started or not."""
     import ray
 
-    names = sorted(n for n in ray.util.list_named_actors() if n.startswith(REPLICA_ACTOR_PREFIX))
-    actors = [ray.get_actor(n) for n in names]
+    actors = list(named_replicas().values())
     infos = ray.get([a.info.remote() for a in actors], timeout=timeout_s)
     return list(zip(actors, infos, strict=True))
 
 
-async def find_replicas() -> dict[str, Any]:
-    """Replica id -> actor, for every replica named in this driver's namespace now (the
-    fleet's membership: ``kvroute scale`` starts and retires them)."""
+def named_replicas() -> dict[str, Any]:
+    """Replica id -> actor, for every replica named in this driver's namespace, in id order
+    (the fleet's membership: ``kvroute scale`` starts and retires them)."""
     import ray
 
-    def named() -> dict[str, Any]:
-        names = [n for n in ray.util.list_named_actors() if n.startswith(REPLICA_ACTOR_PREFIX)]
-        return {n.removeprefix(REPLICA_ACTOR_PREFIX): ray.get_actor(n) for n in names}
+    names = [n for n in ray.util.list_named_actors() if n.startswith(REPLICA_ACTOR_PREFIX)]
+    found = {n.removeprefix(REPLICA_ACTOR_PREFIX): ray.get_actor(n) for n in names}
+    return {rid: found[rid] for rid in sorted(found, key=_order)}
 
-    return await asyncio.to_thread(named)
+
+def _order(rid: str) -> tuple[int, str]:
+    """``r10`` after ``r9``: numbered ids by number, others after them by name."""
+    m = re.fullmatch(r"r(\d+)", rid)
+    return (int(m.group(1)), "") if m else (sys.maxsize, rid)
+
+
+async def find_replicas() -> dict[str, Any]:
+    """:func:`named_replicas`, off the event loop (Ray's calls block)."""
+    return await asyncio.to_thread(named_replicas)
 
 
 def build_app(

@@ -21,12 +21,12 @@ starts and retires actors.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
-from .router import RAY_NAMESPACE, REPLICA_ACTOR_PREFIX
+from .router import RAY_NAMESPACE, REPLICA_ACTOR_PREFIX, named_replicas
 
 # Routers poll each replica's info() this often (Fleet's monitor interval) ...
 ROUTER_POLL_S = 2.0
@@ -57,12 +57,6 @@ def _say(msg: str) -> None:
     print(f"kvroute scale: {msg}", file=sys.stderr, flush=True)
 
 
-def _order(rid: str) -> tuple[int, str]:
-    """``r10`` after ``r9``: numbered ids by number, others after them by name."""
-    m = re.fullmatch(r"r(\d+)", rid)
-    return (int(m.group(1)), "") if m else (sys.maxsize, rid)
-
-
 def _free_ids(taken: set[str], n: int) -> list[str]:
     out, i = [], 0
     while len(out) < n:
@@ -85,23 +79,29 @@ def run(args: argparse.Namespace) -> int:
              "RAY_AUTH_MODE=token: its token is in ~/.ray/auth_token)")  # fmt: skip
         return 1
     try:
-        names = [n for n in ray.util.list_named_actors() if n.startswith(REPLICA_ACTOR_PREFIX)]
-        fleet = {n.removeprefix(REPLICA_ACTOR_PREFIX): ray.get_actor(n) for n in names}
-        if not fleet:
-            _say(f"no replicas in namespace {args.namespace!r}: start a fleet with kvroute serve")
-            return 1
-        ids = sorted(fleet, key=_order)
-        if args.replicas > len(ids):
-            return _grow(fleet, ids, args)
-        if args.replicas < len(ids):
-            return _shrink(fleet, ids, args)
-        _say(f"the fleet already has {len(ids)} replica(s): {', '.join(ids)}")
-        return 0
+        return resize(args.replicas, args.ready_timeout, args.drain_timeout, _say)
     finally:
         ray.shutdown()
 
 
-def _grow(fleet: dict[str, Any], ids: list[str], args: argparse.Namespace) -> int:
+def resize(n: int, ready_timeout: float, drain_timeout: float, say: Callable[[str], None]) -> int:
+    """The fleet on this driver's Ray made ``n`` replicas (module docstring); an exit code."""
+    fleet = named_replicas()
+    if not fleet:
+        say("no replicas in this namespace: start a fleet with kvroute serve")
+        return 1
+    ids = list(fleet)
+    if n > len(ids):
+        return _grow(fleet, ids, n, ready_timeout, say)
+    if n < len(ids):
+        return _shrink(fleet, ids, n, drain_timeout, say)
+    say(f"the fleet already has {len(ids)} replica(s): {', '.join(ids)}")
+    return 0
+
+
+def _grow(
+    fleet: dict[str, Any], ids: list[str], n: int, timeout: float, say: Callable[[str], None]
+) -> int:
     import ray
 
     spec = None
@@ -110,12 +110,12 @@ def _grow(fleet: dict[str, Any], ids: list[str], args: argparse.Namespace) -> in
             spec = ray.get(fleet[rid].launch_spec.remote(), timeout=30)
             break
         except Exception as exc:  # dead, or a replica from before launch_spec
-            _say(f"replica {rid} cannot describe its start ({type(exc).__name__}); next")
+            say(f"replica {rid} cannot describe its start ({type(exc).__name__}); next")
     if spec is None:
-        _say("no running replica could say how it was started")
+        say("no running replica could say how it was started")
         return 1
-    new = _free_ids(set(ids), args.replicas - len(ids))
-    _say(f"starting {', '.join(new)} like {spec.replica_id} ...")
+    new = _free_ids(set(ids), n - len(ids))
+    say(f"starting {', '.join(new)} like {spec.replica_id} ...")
     # Detached: owned by no driver, so they outlive this command (on kvroute serve's own
     # local Ray they still end with it).
     started = {rid: spec.start(rid, REPLICA_ACTOR_PREFIX + rid, lifetime="detached") for rid in new}
@@ -123,58 +123,60 @@ def _grow(fleet: dict[str, Any], ids: list[str], args: argparse.Namespace) -> in
     pending = {actor.info.remote(): rid for rid, actor in started.items()}
     failed = 0
     while pending:
-        left = args.ready_timeout - (time.monotonic() - t0)
+        left = timeout - (time.monotonic() - t0)
         if left <= 0:
-            _say(f"not ready after {args.ready_timeout:g} s: {', '.join(pending.values())}")
+            say(f"not ready after {timeout:g} s: {', '.join(pending.values())}")
             return 1
         done, _ = ray.wait(list(pending), num_returns=1, timeout=min(left, 15))
         for ref in done:
             rid = pending.pop(ref)
             try:
                 ray.get(ref)
-                _say(f"replica {rid} ready after {time.monotonic() - t0:.0f} s")
+                say(f"replica {rid} ready after {time.monotonic() - t0:.0f} s")
             except Exception as exc:
                 failed += 1
-                _say(f"replica {rid} failed to start: {type(exc).__name__}: {exc}")
+                say(f"replica {rid} failed to start: {type(exc).__name__}: {exc}")
                 ray.kill(started[rid], no_restart=True)
         if not done:
             short = _short_of(spec.options)
-            _say(f"... {len(started) - len(pending)}/{len(started)} ready" + (
+            say(f"... {len(started) - len(pending)}/{len(started)} ready" + (
                 f"; each needs {short}: a Ray autoscaler adds a node for it, a local "
                 "kvroute serve has only its own machine's" if short else ""
             ))  # fmt: skip
     if failed:
         return 1
-    _say(f"{len(ids) + len(new)} replicas; front doors route to the new ones within seconds")
+    say(f"{len(ids) + len(new)} replicas; front doors route to the new ones within seconds")
     return 0
 
 
-def _shrink(fleet: dict[str, Any], ids: list[str], args: argparse.Namespace) -> int:
+def _shrink(
+    fleet: dict[str, Any], ids: list[str], n: int, timeout: float, say: Callable[[str], None]
+) -> int:
     import ray
 
-    retired = ids[args.replicas :]
-    _say(f"draining {', '.join(retired)} ...")
+    retired = ids[n:]
+    say(f"draining {', '.join(retired)} ...")
     for rid in retired:
         try:
             ray.get(fleet[rid].drain.remote(), timeout=30)
         except Exception as exc:  # dead already: nothing runs there
-            _say(f"replica {rid} does not answer ({type(exc).__name__}): stopping it")
+            say(f"replica {rid} does not answer ({type(exc).__name__}): stopping it")
     t0 = time.monotonic()
     time.sleep(SETTLE_S)  # every front door has read `draining` by now
     busy = set(retired)
-    while busy and time.monotonic() - t0 < args.drain_timeout:
+    while busy and time.monotonic() - t0 < timeout:
         for rid in sorted(busy):
             if _idle(fleet[rid]):
                 busy.discard(rid)
         if busy:
             time.sleep(0.5)
     if busy:
-        _say(f"still busy after {args.drain_timeout:g} s: {', '.join(sorted(busy))}; their "
+        say(f"still busy after {timeout:g} s: {', '.join(sorted(busy))}; their "
              "requests fail over")  # fmt: skip
     for rid in retired:
         ray.kill(fleet[rid], no_restart=True)
-        _say(f"replica {rid} stopped")
-    _say(f"{args.replicas} replica(s): {', '.join(ids[: args.replicas])}")
+        say(f"replica {rid} stopped")
+    say(f"{n} replica(s): {', '.join(ids[:n])}")
     return 0
 
 
