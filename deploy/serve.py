@@ -52,6 +52,29 @@ def run(args: argparse.Namespace) -> int:
     if args.routers < 1:
         _say("--routers must be >= 1")
         return 2
+    if args.max_replicas is not None:
+        from .autoscale import AutoscaleConfig
+
+        args.autoscale = AutoscaleConfig(
+            args.min_replicas if args.min_replicas is not None else (args.replicas or 1),
+            args.max_replicas,
+            args.target_ongoing_requests,
+            args.upscale_delay,
+            args.downscale_delay,
+        )
+        if why := args.autoscale.check():
+            _say(why)
+            return 2
+        if args.replicas is None:
+            args.replicas = args.autoscale.min_replicas
+        if not args.autoscale.min_replicas <= args.replicas <= args.autoscale.max_replicas:
+            _say("--replicas must lie between --min-replicas and --max-replicas")
+            return 2
+    elif args.min_replicas is not None:
+        _say("--min-replicas needs --max-replicas (autoscaling)")
+        return 2
+    else:
+        args.autoscale = None
     for flag in ("max_num_batched_tokens", "max_num_seqs"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             _say(f"--{flag.replace('_', '-')} must be >= 1")
@@ -394,7 +417,20 @@ def _run(
     def announce() -> None:
         _say(message)
         _say(f"resize the fleet while it serves: {scale}")
+        if args.autoscale is not None:
+            c = args.autoscale
+            _say(f"autoscaling: {c.min_replicas}-{c.max_replicas} replicas, "
+                 f"{c.target_ongoing_requests:g} requests ongoing per replica")  # fmt: skip
+            threading.Thread(
+                target=run_autoscaler,
+                args=(c, _say, stop_autoscaler),
+                name="kvroute-autoscaler",
+                daemon=True,
+            ).start()
 
+    from .autoscale import run_autoscaler
+
+    stop_autoscaler = threading.Event()
     serve_app(
         app,
         args.host,
@@ -404,6 +440,7 @@ def _run(
         args.body_timeout,
         say=_say,
     )
+    stop_autoscaler.set()
     if args.address:
         _say("stopped; the replicas keep running (detached): `kvroute stop` ends them")
     else:

@@ -148,5 +148,41 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
         help="front-door processes sharing --port (SO_REUSEPORT); each admits "
         "--max-in-flight on its own (default: 1)",
     )
+    scale = serve.add_argument_group(
+        "autoscaling (deploy/autoscale.py)",
+        "the fleet's size follows its load, as Ray Serve's autoscaling does: about "
+        "--target-ongoing-requests per replica, between --min-replicas and --max-replicas",
+    )
+    scale.add_argument(
+        "--max-replicas",
+        type=int,
+        default=None,
+        help="turns autoscaling on, up to this many replicas (default: off, --replicas fixed)",
+    )
+    scale.add_argument(
+        "--min-replicas",
+        type=int,
+        default=None,
+        help="autoscaling never goes below this (default: --replicas)",
+    )
+    scale.add_argument(
+        "--target-ongoing-requests",
+        type=float,
+        default=32.0,
+        help="requests running or waiting per replica that autoscaling aims for (default: 32)",
+    )
+    scale.add_argument(
+        "--upscale-delay",
+        type=float,
+        default=30.0,
+        help="seconds the load must call for more replicas before they are added (default: 30)",
+    )
+    scale.add_argument(
+        "--downscale-delay",
+        type=float,
+        default=600.0,
+        help="seconds the load must call for fewer replicas before they are drained and "
+        "stopped (default: 600)",
+    )
     add_front_door_arguments(serve)
     add_lora_arguments(serve)

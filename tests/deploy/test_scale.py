@@ -11,13 +11,11 @@ stopped (none fails, none is cut), then both front doors drop it, and the fleet 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -25,10 +23,10 @@ import openai
 import pytest
 
 from ..lora_adapters import SHAPES, make_adapter
-from ..prom import scrape, value
 from ..ray_session import shutdown
 from ..serve_process import KVROUTE, kvroute_serve
 from ..waiting import poll, wait_for
+from .streaming import Stream, metric, read_stream
 
 pytestmark = pytest.mark.slow
 
@@ -73,48 +71,8 @@ def replicas(c: httpx.Client) -> list[str]:
     return sorted(c.get("/health").json()["replicas"])
 
 
-def metric(c: httpx.Client, name: str, **labels: str) -> float:
-    """This front door's ``name`` (0 when it has none)."""
-    return value(scrape(str(c.base_url).rstrip("/")), name, **labels) or 0.0
-
-
 def holders(c: httpx.Client) -> float:
     return metric(c, "kvroute:lora_adapter_replicas", adapter="ad0")
-
-
-@dataclass
-class Stream:
-    prompt: str
-    replica: str = ""
-    tokens: int = 0
-    finish: str | None = None
-    error: str | None = None
-    started: threading.Event = None  # type: ignore[assignment]
-
-    def __post_init__(self) -> None:
-        self.started = threading.Event()
-
-
-def read_stream(url: str, s: Stream, max_tokens: int) -> None:
-    body = {"model": "tiny", "prompt": s.prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
-    try:
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
-            s.replica = r.headers.get("x-kvroute-replica", "")
-            for line in r.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    s.error = str(chunk["error"])
-                    continue
-                s.started.set()
-                s.tokens += 1
-                s.finish = chunk["choices"][0]["finish_reason"] or s.finish
-    except Exception as exc:  # the test reports it
-        s.error = repr(exc)
-    finally:
-        s.started.set()
 
 
 def test_a_new_replica_joins_every_front_door_with_the_adapters(served: dict[str, Any]) -> None:

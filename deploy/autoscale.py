@@ -1,0 +1,123 @@
+"""Autoscaling for ``kvroute serve --max-replicas N``: the fleet's size follows its load.
+
+The rule is Ray Serve's, which the people running kvroute know: each replica should hold
+about ``--target-ongoing-requests`` requests (running or waiting in its engine), so the
+fleet wants ``ceil(ongoing / target)`` replicas, within ``--min-replicas`` and
+``--max-replicas``. The ongoing count is averaged over the last ``LOOK_BACK_S`` (one burst
+is not a trend), and a change is made only after the wish has pointed the same way for
+``--upscale-delay`` (default 30 s) or ``--downscale-delay`` (600 s): a replica costs a
+model load to add, and one removed too soon is paid for again at the next burst. The change
+itself is ``kvroute scale``'s (:func:`kvroute.deploy.scale.resize`): new replicas are twins
+of the running ones, retired ones are drained first, so no request is lost to a decision.
+
+:class:`Autoscaler` is the decision alone (no Ray: tested with a clock and numbers);
+:func:`run_autoscaler` polls the replicas' load reports and applies it, on a thread of
+``kvroute serve``'s process (the only one that scales: extra front doors do not).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+LOOK_BACK_S = 30.0  # ongoing requests are averaged over this long (Ray Serve's default)
+POLL_S = 2.0  # the replicas' loads are read this often
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscaleConfig:
+    min_replicas: int
+    max_replicas: int
+    target_ongoing_requests: float
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 600.0
+
+    def check(self) -> str | None:
+        """What is wrong with it (None: nothing)."""
+        if self.min_replicas < 1:
+            return "--min-replicas must be >= 1"
+        if self.max_replicas < self.min_replicas:
+            return "--max-replicas must be >= --min-replicas"
+        if self.target_ongoing_requests <= 0:
+            return "--target-ongoing-requests must be > 0"
+        if self.upscale_delay_s < 0 or self.downscale_delay_s < 0:
+            return "--upscale-delay and --downscale-delay must be >= 0"
+        return None
+
+
+class Autoscaler:
+    """The fleet size to move to, given samples of its ongoing requests over time."""
+
+    def __init__(self, config: AutoscaleConfig, look_back_s: float = LOOK_BACK_S) -> None:
+        self.config = config
+        self.look_back_s = look_back_s
+        self._samples: deque[tuple[float, float]] = deque()
+        self._since: float | None = None  # when the wish first pointed the current way
+        self._direction = 0  # +1 up, -1 down, 0 none
+
+    def desired(self, ongoing: float) -> int:
+        c = self.config
+        want = math.ceil(ongoing / c.target_ongoing_requests - 1e-9)
+        return min(max(want, c.min_replicas), c.max_replicas)
+
+    def decide(self, now: float, replicas: int, ongoing: float) -> int | None:
+        """A new size once the wish held for its delay (None: stay). ``replicas``: the
+        fleet's size now; ``ongoing``: its requests running or waiting, now."""
+        self._samples.append((now, ongoing))
+        while self._samples and self._samples[0][0] < now - self.look_back_s:
+            self._samples.popleft()
+        mean = sum(v for _, v in self._samples) / len(self._samples)
+        want = self.desired(mean)
+        direction = (want > replicas) - (want < replicas)
+        if direction != self._direction:
+            self._direction, self._since = direction, now
+        if direction == 0 or self._since is None:
+            return None
+        delay = self.config.upscale_delay_s if direction > 0 else self.config.downscale_delay_s
+        if now - self._since < delay:
+            return None
+        self.reset()
+        return want
+
+    def reset(self) -> None:
+        """Forget the history (after a resize: the new fleet's load is what counts)."""
+        self._samples.clear()
+        self._direction, self._since = 0, None
+
+
+def run_autoscaler(
+    config: AutoscaleConfig,
+    say: Callable[[str], None],
+    stop: threading.Event,
+    ready_timeout: float = 900.0,
+    drain_timeout: float = 300.0,
+) -> None:
+    """Until ``stop``: reads every replica's load (Ray, this driver's namespace) every
+    ``POLL_S`` and resizes the fleet as :class:`Autoscaler` decides."""
+    import ray
+
+    from .router import named_replicas
+    from .scale import resize
+
+    scaler = Autoscaler(config)
+    while not stop.wait(POLL_S):
+        try:
+            fleet = named_replicas()
+            loads = ray.get([a.load.remote() for a in fleet.values()], timeout=10)
+        except Exception:  # a replica restarting, Ray busy: the next poll decides
+            continue
+        ongoing = sum(load.num_running + load.num_waiting for load in loads)
+        want = scaler.decide(time.monotonic(), len(fleet), ongoing)
+        if want is None:
+            continue
+        say(f"autoscaling {len(fleet)} -> {want} replicas ({ongoing} requests ongoing, "
+            f"target {config.target_ongoing_requests:g} per replica)")  # fmt: skip
+        try:
+            resize(want, ready_timeout, drain_timeout, say)
+        except Exception as exc:  # a failed resize is said; the loop goes on
+            say(f"autoscaling failed: {type(exc).__name__}: {exc}")
+        scaler.reset()

@@ -1,0 +1,119 @@
+"""The autoscaler's decision (deploy/autoscale.py), with a clock and numbers: the size Ray
+Serve's rule asks for (ongoing requests over the target, within the bounds), averaged over
+the look-back window, and made only once the wish held for its delay."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from kvroute.deploy.autoscale import AutoscaleConfig, Autoscaler
+
+from ..ray_session import shutdown
+from ..serve_process import kvroute_serve
+from ..waiting import wait_for
+from .streaming import Stream, metric, read_stream
+
+CONFIG = AutoscaleConfig(1, 4, 8.0, upscale_delay_s=10.0, downscale_delay_s=60.0)
+
+
+def replicas(url: str) -> list[str]:
+    return sorted(httpx.get(url + "/health", timeout=10).json()["replicas"])
+
+
+def feed(scaler: Autoscaler, replicas: int, ongoing: float, start: float, end: float):
+    """Samples every 2 s from ``start`` to ``end``; the first decision made (time, size)."""
+    t = start
+    while t <= end:
+        got = scaler.decide(t, replicas, ongoing)
+        if got is not None:
+            return t, got
+        t += 2.0
+    return None
+
+
+def test_the_size_is_ongoing_over_the_target_within_the_bounds() -> None:
+    s = Autoscaler(CONFIG)
+    assert [s.desired(x) for x in (0, 1, 8, 8.5, 16, 17, 100)] == [1, 1, 1, 2, 2, 3, 4]
+
+
+def test_more_replicas_once_the_load_held_for_the_upscale_delay() -> None:
+    s = Autoscaler(CONFIG)
+    assert feed(s, 1, 4.0, 0, 100) is None  # within one replica's target: no change
+    t, n = feed(s, 1, 20.0, 102, 200)  # type: ignore[misc]
+    # The mean over the window must first rise past 8 (a burst is not a trend), then the
+    # wish must hold 10 s.
+    assert n >= 2 and 112 <= t <= 140, (t, n)
+
+
+def test_a_burst_shorter_than_the_delay_changes_nothing() -> None:
+    s = Autoscaler(CONFIG)
+    feed(s, 1, 4.0, 0, 60)
+    assert feed(s, 1, 12.0, 62, 68) is None  # over one replica's target, for 8 s
+    assert feed(s, 1, 0.0, 70, 200) is None  # and gone
+
+
+def test_fewer_replicas_only_after_the_downscale_delay_and_never_below_the_minimum() -> None:
+    s = Autoscaler(CONFIG)
+    t, n = feed(s, 4, 0.0, 0, 500)  # type: ignore[misc]
+    assert (n, t) == (1, 60.0)  # the minimum, after 60 s of asking for it
+    assert feed(s, 1, 0.0, 62, 500) is None
+
+
+def test_a_wish_that_turns_around_starts_its_delay_again() -> None:
+    s = Autoscaler(CONFIG, look_back_s=0.0)  # no averaging: each sample is the load
+    assert feed(s, 2, 0.0, 0, 40) is None  # 40 s of "down" (needs 60)
+    assert feed(s, 2, 12.0, 42, 44) is None  # back at two replicas' worth: the wish resets
+    assert feed(s, 2, 0.0, 46, 100) is None  # "down" again from 46: not before 106
+    assert feed(s, 2, 0.0, 102, 110) == (106.0, 1)
+
+
+@pytest.mark.parametrize(
+    ("config", "why"),
+    [
+        (AutoscaleConfig(0, 2, 8.0), "--min-replicas"),
+        (AutoscaleConfig(3, 2, 8.0), "--max-replicas"),
+        (AutoscaleConfig(1, 2, 0.0), "--target-ongoing-requests"),
+        (AutoscaleConfig(1, 2, 8.0, -1.0), "--upscale-delay"),
+    ],
+)
+def test_bad_settings_are_named(config: AutoscaleConfig, why: str) -> None:
+    assert why in (config.check() or "")
+
+
+@pytest.mark.slow
+def test_a_live_fleet_grows_under_load_and_shrinks_when_idle() -> None:
+    """``kvroute serve --max-replicas 2`` (short delays): six long streams on one replica
+    bring up a second, which then serves; when the load is gone the second is drained and
+    stopped. Every stream runs to its last token where it started."""
+    shutdown()  # kvroute serve starts a Ray of its own: none of this process's may linger
+    log: list[str] = []
+    args = ["--model", "tiny", "--replicas", "1", "--max-replicas", "2",
+            "--target-ongoing-requests", "2", "--upscale-delay", "2", "--downscale-delay", "4",
+            "--fleet-secret", "autoscale-test"]  # fmt: skip
+    with kvroute_serve(args, log=log) as url:
+        streams = [Stream(f"Document {i}: " + " ".join(f"w{i}x{j}" for j in range(20)))
+                   for i in range(6)]  # fmt: skip
+        threads = [threading.Thread(target=read_stream, args=(url, s, 1500), daemon=True)
+                   for s in streams]  # fmt: skip
+        for t in threads:
+            t.start()
+        wait_for(lambda: replicas(url) == ["r0", "r1"], 120, "a second replica")
+        assert any("autoscaling 1 -> 2" in line for line in log), "".join(log)
+        later = [Stream(f"Later {i}: " + " ".join(f"v{i}y{j}" for j in range(20)))
+                 for i in range(4)]  # fmt: skip
+        more = [threading.Thread(target=read_stream, args=(url, s, 64), daemon=True)
+                for s in later]  # fmt: skip
+        for t in more:
+            t.start()
+        for t in threads + more:
+            t.join(300)
+        for s in streams + later:
+            assert s.error is None and s.finish == "length", (s.replica, s.error, s.tokens)
+        assert "r1" in {s.replica for s in later}, [s.replica for s in later]
+        wait_for(lambda: replicas(url) == ["r0"], 180, "back to one replica when idle")
+        assert any("autoscaling 2 -> 1" in line for line in log), "".join(log)
+        with httpx.Client(base_url=url, timeout=10) as c:
+            assert metric(c, "kvroute:failovers_total") == 0
