@@ -104,13 +104,26 @@ def run_autoscaler(
     from .scale import resize
 
     scaler = Autoscaler(config)
+    failures = 0
     while not stop.wait(POLL_S):
         try:
             fleet = named_replicas()
-            loads = ray.get([a.load.remote() for a in fleet.values()], timeout=10)
-        except Exception:  # a replica restarting, Ray busy: the next poll decides
+            refs = [a.load.remote() for a in fleet.values()]
+            # What answers in time counts; a replica loading or restarting adds nothing.
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5)
+            ongoing = 0
+            for ref in ready:
+                try:
+                    load = ray.get(ref)
+                except Exception:  # a failed replica adds nothing
+                    continue
+                ongoing += load.num_running + load.num_waiting
+            failures = 0
+        except Exception as exc:  # Ray's listing failed: the next poll decides
+            failures += 1
+            if failures == 10:  # said once, not every poll
+                say(f"autoscaling cannot read the fleet ({type(exc).__name__}: {exc})")
             continue
-        ongoing = sum(load.num_running + load.num_waiting for load in loads)
         want = scaler.decide(time.monotonic(), len(fleet), ongoing)
         if want is None:
             continue

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ipaddress
 import logging
 import re
@@ -89,12 +90,21 @@ def describe_tenants(spec: TenantsFile | None) -> str:
 
 
 def discover(timeout_s: float = 120.0) -> list[tuple[Any, Any]]:
-    """(actor, info) of every replica named in this driver's namespace, started or not."""
+    """(actor, info) of the replicas named in this driver's namespace that answer within
+    ``timeout_s`` (every one, if all do); one still loading or failing is left to the
+    front door's finder, which adds it once it answers. TimeoutError: none answered."""
     import ray
 
     actors = list(named_replicas().values())
-    infos = ray.get([a.info.remote() for a in actors], timeout=timeout_s)
-    return list(zip(actors, infos, strict=True))
+    refs = {a.info.remote(): a for a in actors}
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    found = []
+    for ref in [r for r in refs if r in set(ready)]:  # in id order
+        with contextlib.suppress(Exception):  # a failed replica: the finder decides later
+            found.append((refs[ref], ray.get(ref)))
+    if actors and not found:
+        raise TimeoutError(f"no replica answered within {timeout_s:g} s")
+    return found
 
 
 def named_replicas() -> dict[str, Any]:

@@ -12,10 +12,13 @@ starts and retires actors.
   smallest free ``r<i>``, detached (it outlives this command, as ``kvroute serve
   --address`` starts them; ``kvroute stop`` ends them). On a Ray cluster with an
   autoscaler, its GPU request brings up a node.
-- Down: the replicas with the highest ids are drained (routers see ``draining`` at their
-  next poll and send them nothing new), their running requests end, and only then are they
-  killed. A replica still busy after ``--drain-timeout`` is killed anyway: its requests
-  fail over to other replicas (the front doors replay them), none is lost.
+- Down: the replicas that do not answer, then those with the highest ids, are drained
+  (routers see ``draining`` at their next poll and send them nothing new), their running
+  requests end, and only then are they killed: a replica is stopped once nothing runs
+  there and no request has reached it for ``SETTLE_S`` (a front door that had not yet
+  read ``draining`` resets that clock). One
+  still busy after ``--drain-timeout`` is stopped anyway: its requests fail over as after
+  any replica's loss (continued elsewhere, within the front doors' retry bounds).
 """
 
 from __future__ import annotations
@@ -114,18 +117,26 @@ def _grow(
     if spec is None:
         say("no running replica could say how it was started")
         return 1
-    new = _free_ids(set(ids), n - len(ids))
-    say(f"starting {', '.join(new)} like {spec.replica_id} ...")
-    # Detached: owned by no driver, so they outlive this command (on kvroute serve's own
-    # local Ray they still end with it).
-    started = {rid: spec.start(rid, REPLICA_ACTOR_PREFIX + rid, lifetime="detached") for rid in new}
+    say(f"starting {n - len(ids)} replica(s) like {spec.replica_id} ...")
+    started: dict[str, Any] = {}
+    taken = set(ids)
+    while len(started) < n - len(ids):
+        rid = _free_ids(taken, 1)[0]
+        taken.add(rid)
+        try:  # detached: they outlive this command (on serve's own local Ray, not it)
+            started[rid] = spec.start(rid, REPLICA_ACTOR_PREFIX + rid, lifetime="detached")
+        except ValueError:  # the name was taken meanwhile (another scale): the next one
+            continue
+    say(f"started {', '.join(started)}; loading the model ...")
     t0 = time.monotonic()
     pending = {actor.info.remote(): rid for rid, actor in started.items()}
     failed = 0
     while pending:
         left = timeout - (time.monotonic() - t0)
         if left <= 0:
-            say(f"not ready after {timeout:g} s: {', '.join(pending.values())}")
+            say(f"not ready after {timeout:g} s, stopped: {', '.join(pending.values())}")
+            for rid in pending.values():
+                ray.kill(started[rid], no_restart=True)
             return 1
         done, _ = ray.wait(list(pending), num_returns=1, timeout=min(left, 15))
         for ref in done:
@@ -145,7 +156,7 @@ def _grow(
             ))  # fmt: skip
     if failed:
         return 1
-    say(f"{len(ids) + len(new)} replicas; front doors route to the new ones within seconds")
+    say(f"{len(ids) + len(started)} replicas; front doors route to the new ones within seconds")
     return 0
 
 
@@ -154,30 +165,74 @@ def _shrink(
 ) -> int:
     import ray
 
-    retired = ids[n:]
+    retired = _retirees(fleet, ids, n)
     say(f"draining {', '.join(retired)} ...")
     for rid in retired:
         try:
             ray.get(fleet[rid].drain.remote(), timeout=30)
         except Exception as exc:  # dead already: nothing runs there
             say(f"replica {rid} does not answer ({type(exc).__name__}): stopping it")
+    # Stopped once nothing runs there and no request has arrived for SETTLE_S: every front
+    # door has read `draining` by then, and one that had not would have reset the clock.
     t0 = time.monotonic()
-    time.sleep(SETTLE_S)  # every front door has read `draining` by now
+    quiet: dict[str, tuple[int, float]] = {}  # rid -> (requests received, since when)
     busy = set(retired)
     while busy and time.monotonic() - t0 < timeout:
         for rid in sorted(busy):
-            if _idle(fleet[rid]):
+            status = _drain_status(fleet[rid])
+            now = time.monotonic()
+            if status is None:  # gone: nothing to wait for
+                busy.discard(rid)
+                continue
+            ongoing, received = status
+            if quiet.get(rid, (None, 0.0))[0] != received:
+                quiet[rid] = (received, now)
+            if ongoing == 0 and now - quiet[rid][1] >= SETTLE_S:
                 busy.discard(rid)
         if busy:
             time.sleep(0.5)
     if busy:
         say(f"still busy after {timeout:g} s: {', '.join(sorted(busy))}; their "
-             "requests fail over")  # fmt: skip
+            "requests fail over")  # fmt: skip
     for rid in retired:
         ray.kill(fleet[rid], no_restart=True)
         say(f"replica {rid} stopped")
-    say(f"{n} replica(s): {', '.join(ids[:n])}")
+    kept = [rid for rid in ids if rid not in retired]
+    say(f"{len(kept)} replica(s): {', '.join(kept)}")
     return 0
+
+
+def _retirees(fleet: dict[str, Any], ids: list[str], n: int) -> list[str]:
+    """The ``len(ids) - n`` replicas to retire: those that do not answer first (failed,
+    restarting, still loading), then the highest ids."""
+    import ray
+
+    refs = {fleet[rid].info.remote(): rid for rid in ids}
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=10)
+    answered = set()
+    for ref in ready:
+        try:
+            ray.get(ref)
+            answered.add(refs[ref])
+        except Exception:  # a replica that fails to answer is retired first
+            continue
+    order = [rid for rid in ids if rid not in answered] + [
+        rid for rid in reversed(ids) if rid in answered
+    ]
+    return sorted(order[: len(ids) - n], key=ids.index)
+
+
+def _drain_status(actor: Any) -> tuple[int, int] | None:
+    """(ongoing, received) of a draining replica; None when it is gone. One that does not
+    answer in time counts as busy (it may be mid-step under load)."""
+    import ray
+
+    try:
+        return tuple(ray.get(actor.drain_status.remote(), timeout=10))  # type: ignore[return-value]
+    except ray.exceptions.GetTimeoutError:
+        return (1, -1)
+    except Exception:
+        return None
 
 
 def _short_of(options: dict[str, Any]) -> str:
@@ -191,14 +246,3 @@ def _short_of(options: dict[str, Any]) -> str:
     return ", ".join(
         f"{k} {v:g} ({free.get(k, 0):g} free)" for k, v in need.items() if v and free.get(k, 0) < v
     )
-
-
-def _idle(actor: Any) -> bool:
-    """No request waiting or running there (or it does not answer: nothing to wait for)."""
-    import ray
-
-    try:
-        load = ray.get(actor.load.remote(), timeout=10)
-    except Exception:
-        return True
-    return load.num_waiting + load.num_running == 0

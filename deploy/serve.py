@@ -189,7 +189,8 @@ def _start_ray(args: argparse.Namespace) -> tuple[int, float, str]:
         )  # fmt: skip
         return n, num_gpus, "0.0.0.0"
     n = args.replicas or 2
-    cpus = max(os.cpu_count() or 1, int(n * args.num_cpus_per_replica + 0.999))
+    most = max(n, args.max_replicas or 0)  # autoscaling's room on this machine's own Ray
+    cpus = max(os.cpu_count() or 1, int(most * args.num_cpus_per_replica + 0.999))
     # Ray (2.5x) turns token authentication on for a new local cluster and warns about it,
     # in words that read like a problem. It is the secure default: say so once ourselves.
     auth = os.environ.get("RAY_AUTH_MODE", "token")

@@ -145,6 +145,13 @@ class ReplicaServer:
         Ray resources), but for its id and name."""
         return self._launch
 
+    def drain_status(self) -> tuple[int, int]:
+        """(requests waiting or running in the engine, requests received so far): a
+        draining replica may stop once the first is 0 and the second stopped moving (no
+        front door still sends it work)."""
+        load = self.engine.load
+        return load.num_waiting + load.num_running, self.dataplane.requests
+
     def drain(self) -> None:
         """Retire: routers stop sending new requests once they read ``draining`` in
         :meth:`info` (their next poll); what already runs here goes on to its end."""

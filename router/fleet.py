@@ -142,6 +142,7 @@ class Fleet:
         self._refused: set[str] = set()  # incarnations refused a join (said once)
         self._monitor: asyncio.Task[None] | None = None
         self._finder: asyncio.Task[None] | None = None
+        self._joining: dict[str, asyncio.Task[None]] = {}  # replicas being joined now
         for actor, info in replicas:
             self.add(actor, info)
 
@@ -183,6 +184,9 @@ class Fleet:
         if info.draining:  # found while it retires: never routed to
             self.draining.add(rid)
             self.cordoned.add(rid)
+        elif rid in self.draining:  # a new process under a retired one's name
+            self.draining.discard(rid)
+            self.cordoned.discard(rid)
         if old is not None:  # a restart: its counters go on from where they were
             rep.routed, rep.failures = old.routed, old.failures
             rep.restarts = old.restarts + (info.incarnation != old.info.incarnation)
@@ -422,7 +426,7 @@ class Fleet:
             self._finder = asyncio.get_running_loop().create_task(self._find())
 
     async def close(self) -> None:
-        for task in (self._monitor, self._finder):
+        for task in (self._monitor, self._finder, *self._joining.values()):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -442,41 +446,60 @@ class Fleet:
         last_poll = time.monotonic()
         while True:
             await asyncio.sleep(min(self.load_interval_s, self.monitor_interval_s))
-            now = time.monotonic()
-            polled = []  # replicas whose load does not come over the data plane (yet)
-            for rid in self.alive():
-                rep = self.replicas[rid]
-                if rep.conn is None and rep.info.data_endpoint:
-                    self.connection(rid)  # every front door connects to every replica
-                if rep.conn is not None:
-                    rep.conn.check_silence(now)
-                if rep.conn is None or rep.conn.lost is not None or not rep.conn.loads:
-                    polled.append(rid)
-            await asyncio.gather(*(self._load_report(rid) for rid in polled))
-            if time.monotonic() - last_poll >= self.monitor_interval_s:
-                last_poll = time.monotonic()
-                await asyncio.gather(*(self._poll(rid) for rid in list(self.replicas)))
+            try:
+                last_poll = await self._watch_round(last_poll)
+            except Exception:  # one round's surprise must not end the monitor
+                self.errors["monitor_failed"] += 1
+                log.exception("the fleet monitor's round failed")
+
+    async def _watch_round(self, last_poll: float) -> float:
+        """One round of :meth:`_watch`; returns when replicas were last polled."""
+        now = time.monotonic()
+        polled = []  # replicas whose load does not come over the data plane (yet)
+        for rid in self.alive():
+            rep = self.replicas[rid]
+            if rep.conn is None and rep.info.data_endpoint:
+                self.connection(rid)  # every front door connects to every replica
+            if rep.conn is not None:
+                rep.conn.check_silence(now)
+            if rep.conn is None or rep.conn.lost is not None or not rep.conn.loads:
+                polled.append(rid)
+        await asyncio.gather(*(self._load_report(rid) for rid in polled))
+        if time.monotonic() - last_poll >= self.monitor_interval_s:
+            last_poll = time.monotonic()
+            await asyncio.gather(*(self._poll(rid) for rid in list(self.replicas)))
+        return last_poll
 
     async def _find(self) -> None:
         """Every ``monitor_interval_s``: replicas started since (scale-up) join; replicas
-        that no longer exist and no longer answer (retired, killed) are removed. A failed
-        look changes nothing: a replica is removed only when it is both unlisted and dead."""
-        assert self.find_replicas is not None
+        that no longer exist and no longer answer (retired, killed) are removed, as is one
+        whose name now belongs to another actor (the old one is gone: names are unique). A
+        failed look changes nothing: a replica is removed only when it is unlisted and dead."""
         while True:
             await asyncio.sleep(self.monitor_interval_s)
             try:
-                found = await self.find_replicas()
+                await self._find_round()
             except Exception:  # Ray's listing failed: look again next time
                 self.errors["find_replicas_failed"] += 1
-                continue
-            for rid in [r for r, rep in self.replicas.items() if not rep.alive]:
-                if rid not in found and not self.replicas[rid].info.data_endpoint.startswith(
-                    ("http://", "https://")
-                ):
-                    self.remove(rid)
-            for rid, actor in found.items():
-                if rid not in self.replicas:
-                    await self._join_found(rid, actor)
+                log.debug("listing the replicas failed", exc_info=True)
+
+    async def _find_round(self) -> None:
+        assert self.find_replicas is not None
+        found = await self.find_replicas()
+        for rid, rep in list(self.replicas.items()):
+            if rep.info.data_endpoint.startswith(("http://", "https://")):
+                continue  # a vllm serve backend: not Ray's to list
+            listed = found.get(rid)
+            if listed is None and not rep.alive:
+                self.remove(rid)
+            elif listed is not None and _actor_id(listed) != _actor_id(rep.actor):
+                log.warning("replica %s is a new actor under the old name", rid)
+                self.remove(rid)
+        for rid, actor in found.items():
+            if rid not in self.replicas and rid not in self._joining:
+                task = asyncio.get_running_loop().create_task(self._join_found(rid, actor))
+                self._joining[rid] = task  # joined on its own: a slow one holds up nothing
+                task.add_done_callback(lambda _, rid=rid: self._joining.pop(rid, None))
 
     async def _join_found(self, rid: str, actor: Any) -> None:
         try:
@@ -485,12 +508,18 @@ class Fleet:
             return
         if info.incarnation in self._refused or info.draining:
             return
+        if rid in self.replicas:  # added meanwhile (a front door's own start, a restart)
+            return
         try:
             await self.join(actor, info)
         except FleetMismatchError as exc:
             self._refused.add(info.incarnation)
             self.errors["replica_refused"] += 1
             log.error("a replica that joined is refused: %s", exc)
+            return
+        except Exception:  # its preparation or connection failed: tried again next round
+            self.errors["replica_join_failed"] += 1
+            log.exception("replica %s could not join", rid)
             return
         log.warning("replica %s joined the fleet (%d replicas)", rid, len(self.replicas))
 
@@ -507,14 +536,24 @@ class Fleet:
             self.load.report(rid, report, time.monotonic())
 
     async def _poll(self, rid: str) -> None:
-        rep = self.replicas[rid]
+        rep = self.replicas.get(rid)
+        if rep is None:
+            return
         try:
             info = await asyncio.wait_for(rep.actor.info.remote(), self.monitor_interval_s * 5)
         except Exception as exc:
+            if self.replicas.get(rid) is not rep:  # removed (or replaced) meanwhile
+                return
             if rep.alive and rid not in self.draining:
                 log.warning("replica %s does not answer (%s)", rid, type(exc).__name__)
             self.fail(rid)
             return
+        if self.replicas.get(rid) is not rep:  # removed (or replaced) while it answered
+            return
+        if not info.draining and rid in self.draining:  # drained, then taken back
+            self.draining.discard(rid)
+            self.cordoned.discard(rid)
+            log.warning("replica %s is no longer draining", rid)
         if info.draining and rid not in self.draining:
             log.warning("replica %s is draining: no new requests go to it", rid)
             self.draining.add(rid)
@@ -523,6 +562,8 @@ class Fleet:
             log.warning("replica %s restarted: following its new endpoints", rid)
             rep.alive = False  # not routed to while it is prepared
             await self._prepare(rep.actor, info)
+            if self.replicas.get(rid) is not rep:
+                return
             try:
                 self.add(rep.actor, info)
             except FleetMismatchError as exc:
@@ -535,9 +576,16 @@ class Fleet:
                 await asyncio.wait_for(rep.actor.health.remote(), self.monitor_interval_s * 5)
             except Exception:
                 return
+            if self.replicas.get(rid) is not rep:
+                return
             rep.alive = True  # the same process, healthy again (a transient failure)
             self.connection(rid)
             self.subscriber.add_publisher(
                 rid, info.events_endpoint, info.replay_endpoint, info.topic
             )
             log.info("replica %s is back", rid)
+
+
+def _actor_id(actor: Any) -> Any:
+    """A Ray actor's id (None for what is not a Ray actor handle: an HTTP backend, a test's)."""
+    return getattr(actor, "_actor_id", None)

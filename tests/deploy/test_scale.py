@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -78,10 +79,14 @@ def holders(c: httpx.Client) -> float:
 def test_a_new_replica_joins_every_front_door_with_the_adapters(served: dict[str, Any]) -> None:
     url = served["url"]
     assert every_door(url, lambda c: replicas(c) == ["r0"])
+    t0 = time.monotonic()
     out = scale(served, 2)
+    t_ready = time.monotonic() - t0
     assert "replica r1 ready" in out, out
     wait_for(lambda: every_door(url, lambda c: replicas(c) == ["r0", "r1"]), 30,
              "both front doors list r1")  # fmt: skip
+    print(f"\nscale up: kvroute scale returned after {t_ready:.1f} s (r1 loaded), both "
+          f"front doors list r1 {time.monotonic() - t0:.1f} s after the command")  # fmt: skip
     wait_for(lambda: every_door(url, lambda c: holders(c) == 2), 60,
              "both front doors count r1 among ad0's holders")  # fmt: skip
     # A burst under the adapter: once its holder r0 is busy, the new holder takes some.
@@ -120,10 +125,16 @@ def test_a_retired_replica_finishes_its_streams_then_leaves(served: dict[str, An
     assert poll(lambda: all(s.started.is_set() for s in streams), 120)
     on_r1 = [s for s in streams if s.replica == "r1" and s.finish is None]
     assert on_r1, f"no stream runs on r1: {[(s.replica, s.tokens) for s in streams]}"
+    at_drain = [s.tokens for s in on_r1]
+    t0 = time.monotonic()
     out = scale(served, 1)
+    t_stopped = time.monotonic() - t0
     assert "replica r1 stopped" in out, out
     for t in threads:
         t.join(300)
+    print(f"\nscale down: {len(on_r1)} of {len(streams)} streams on r1, at {min(at_drain)}-"
+          f"{max(at_drain)} of {max_tokens} tokens when the drain began; r1 stopped "
+          f"{t_stopped:.1f} s after the command")  # fmt: skip
     assert not any(t.is_alive() for t in threads), "a stream hangs"
     for s in streams:
         assert s.error is None, f"stream on {s.replica} failed: {s.error}"

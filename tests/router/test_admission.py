@@ -107,10 +107,12 @@ async def test_a_fleet_that_grows_lets_its_waiters_in_and_one_that_shrinks_admit
     second = await asyncio.wait_for(waiter, 5)  # let in without any release
     assert adm.in_flight == 2 and adm.shares.cap == 2 and adm.queue.max_waiting == 8
     await adm.admit(a)  # the tenant cap grew with it: a holds two
-    adm.resize(1, 1, 4)
+    adm.resize(1, 1, 0)
     assert adm.in_flight == 3  # nothing admitted is taken back
-    with pytest.raises(OverloadedError):
+    with pytest.raises(OverloadedError, match="this tenant"):
         await adm.admit(b)  # b holds its (new) cap of one
+    with pytest.raises(OverloadedError, match="0 waiting"):
+        await adm.admit(tenant("c"))  # a newcomer finds the smaller budget full, no queue
     adm.release(held)
     adm.release(second)
     assert adm.in_flight == 1

@@ -1,0 +1,157 @@
+"""The fleet's membership at runtime (router/fleet.py: the finder, join, remove, draining),
+with stand-in actors whose calls answer after a chosen delay: what Ray's named actors do
+when ``kvroute scale`` starts and retires replicas, without Ray.
+
+What it proves: a replica that appears in the listing joins (prepared first); one that
+drains is never routed to and leaves as retired, not failed; one removed while the monitor
+awaits its answer stays removed and the monitor lives on; a failed listing removes
+nothing; a new actor under a known name replaces the old one; membership changes reach
+``on_members``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+from kvroute.events.replica_api import ReplicaInfo
+from kvroute.router.fleet import Fleet
+
+from ..waiting import wait_until
+
+_ids = itertools.count()
+
+
+def info(rid: str, draining: bool = False, incarnation: str | None = None) -> ReplicaInfo:
+    return ReplicaInfo(
+        replica_id=rid, model="m", model_path="/m", hash_algo="xxh3_128", hash_seed="s",
+        hash_form="bytes", block_size=16, num_blocks=100, max_model_len=100,
+        data_endpoint="tcp://127.0.0.1:9", events_endpoint="tcp://127.0.0.1:9",
+        replay_endpoint=None, topic=rid, node_ip="x", pid=1,
+        incarnation=incarnation or f"inc-{rid}", restarted=False, draining=draining,
+    )  # fmt: skip
+
+
+class Call:
+    """``actor.method.remote()``: an awaitable answering ``fn()`` after ``delay`` s."""
+
+    def __init__(self, fn: Any, delay: float = 0.0) -> None:
+        self.fn, self.delay = fn, delay
+        self.asked = 0  # calls made so far
+
+    def remote(self, *args: Any) -> Any:
+        self.asked += 1
+
+        async def answer() -> Any:
+            await asyncio.sleep(self.delay)
+            return self.fn()
+
+        return answer()
+
+
+class Actor:
+    """A replica actor as the fleet calls it; ``_actor_id`` as Ray's handles have one."""
+
+    def __init__(self, rid: str, delay: float = 0.0) -> None:
+        self.rid, self.draining, self.dead = rid, False, False
+        self._actor_id = next(_ids)
+        self.info = Call(self._info, delay)
+        self.health = Call(lambda: True)
+        self.load = Call(self._fail)
+
+    def _info(self) -> ReplicaInfo:
+        if self.dead:
+            raise RuntimeError("the actor died")
+        return info(self.rid, self.draining, f"inc-{self.rid}-{self._actor_id}")
+
+    def _fail(self) -> None:
+        raise TimeoutError
+
+
+def fleet_of(*actors: Actor) -> tuple[Fleet, dict[str, Actor], list[int]]:
+    listed = {a.rid: a for a in actors}
+    fleet = Fleet([(a, a._info()) for a in actors], monitor_interval_s=0.05)
+    prepared: list[str] = []
+    sizes: list[int] = []
+
+    async def prepare(actor: Any, info: ReplicaInfo) -> None:
+        prepared.append(info.replica_id)
+
+    async def find() -> dict[str, Any]:
+        return dict(listed)
+
+    fleet.prepare = prepare
+    fleet.find_replicas = find
+    fleet.on_members.append(sizes.append)
+    fleet.prepared = prepared  # type: ignore[attr-defined]
+    return fleet, listed, sizes
+
+
+async def test_a_listed_replica_joins_prepared_and_a_retired_one_leaves() -> None:
+    r0 = Actor("r0")
+    fleet, listed, sizes = fleet_of(r0)
+    fleet.start()
+    try:
+        r1 = listed["r1"] = Actor("r1")
+        await wait_until(lambda: "r1" in fleet.routable(), 5, "r1 joined")
+        assert fleet.prepared == ["r1"]  # type: ignore[attr-defined]
+        assert sizes == [2]
+        r1.draining = True
+        await wait_until(lambda: "r1" in fleet.draining, 5, "r1 draining")
+        assert fleet.routable() == ["r0"]
+        r1.dead = True
+        del listed["r1"]
+        await wait_until(lambda: "r1" not in fleet.replicas, 5, "r1 gone")
+        assert sizes == [2, 1]
+        assert fleet.errors["replica_failure"] == 0  # retired, not failed
+        assert not fleet.draining and not fleet.cordoned
+    finally:
+        await fleet.close()
+
+
+async def test_a_replica_removed_while_the_monitor_awaits_it_stays_removed() -> None:
+    slow = Actor("r1", delay=0.2)  # its info() is still on the way when it is removed
+    slow.draining = True
+    fleet, listed, _ = fleet_of(Actor("r0"), slow)
+    fleet.start()
+    try:
+        await wait_until(lambda: slow.info.asked > 0, 5, "a poll of r1 on its way")
+        fleet.fail("r1")  # a draining replica's loss: removed while the poll awaits it
+        del listed["r1"]
+        await asyncio.sleep(0.8)  # the stale answer arrives, and more rounds run
+        assert "r1" not in fleet.replicas
+        assert "r1" not in fleet.draining and "r1" not in fleet.cordoned
+        assert fleet._monitor is not None and not fleet._monitor.done()
+        assert fleet.errors["monitor_failed"] == 0
+    finally:
+        await fleet.close()
+
+
+async def test_a_failed_listing_removes_nothing() -> None:
+    fleet, _, sizes = fleet_of(Actor("r0"), Actor("r1"))
+    fleet.fail("r1")  # dead, but the listing cannot say whether it is gone
+
+    async def broken() -> dict[str, Any]:
+        raise ConnectionError("Ray is busy")
+
+    fleet.find_replicas = broken
+    fleet.start()
+    try:
+        await wait_until(lambda: fleet.errors["find_replicas_failed"] >= 3, 5, "three looks")
+        assert sorted(fleet.replicas) == ["r0", "r1"] and sizes == []
+    finally:
+        await fleet.close()
+
+
+async def test_a_new_actor_under_a_known_name_replaces_the_old_one() -> None:
+    old = Actor("r1")
+    fleet, listed, _ = fleet_of(Actor("r0"), old)
+    fleet.start()
+    try:
+        new = listed["r1"] = Actor("r1")  # the old one retired, a new one took its name
+        await wait_until(lambda: fleet.replicas.get("r1") is not None
+                         and fleet.replicas["r1"].actor is new, 5, "the new r1")  # fmt: skip
+        assert "r1" in fleet.routable()
+    finally:
+        await fleet.close()
