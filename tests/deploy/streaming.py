@@ -25,6 +25,7 @@ class Stream:
     finish: str | None = None
     error: str | None = None
     started: threading.Event = field(default_factory=threading.Event)
+    t0: float = 0.0  # when it was sent (time.monotonic)
 
 
 def read_stream(url: str, s: Stream, max_tokens: int) -> None:

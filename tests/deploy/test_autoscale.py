@@ -5,6 +5,7 @@ the look-back window, and made only once the wish held for its delay."""
 from __future__ import annotations
 
 import threading
+import time
 
 import httpx
 import pytest
@@ -83,37 +84,62 @@ def test_bad_settings_are_named(config: AutoscaleConfig, why: str) -> None:
     assert why in (config.check() or "")
 
 
+class Load:
+    """``n`` streams at all times (a new one as each ends) until stopped: the load a busy
+    fleet sees, however fast its replicas are."""
+
+    def __init__(self, url: str, n: int, max_tokens: int) -> None:
+        self.url, self.max_tokens = url, max_tokens
+        self.streams: list[Stream] = []
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._keep, args=(i,)) for i in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _keep(self, slot: int) -> None:
+        k = 0
+        while not self.stop.is_set():
+            s = Stream(
+                f"Slot {slot} stream {k}: " + " ".join(f"w{slot}x{k}y{j}" for j in range(20))
+            )
+            s.t0 = time.monotonic()
+            self.streams.append(s)
+            read_stream(self.url, s, self.max_tokens)
+            k += 1
+
+    def close(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(300)
+
+
 @pytest.mark.slow
 def test_a_live_fleet_grows_under_load_and_shrinks_when_idle() -> None:
-    """``kvroute serve --max-replicas 2`` (short delays): six long streams on one replica
-    bring up a second, which then serves; when the load is gone the second is drained and
-    stopped. Every stream runs to its last token where it started."""
+    """``kvroute serve --max-replicas 2`` (short delays, a target of 2 requests): six
+    streams kept running on one replica bring up a second, to which new streams then go;
+    once the load is gone the second is drained and stopped. No stream fails or moves."""
     shutdown()  # kvroute serve starts a Ray of its own: none of this process's may linger
     log: list[str] = []
     args = ["--model", "tiny", "--replicas", "1", "--max-replicas", "2",
             "--target-ongoing-requests", "2", "--upscale-delay", "2", "--downscale-delay", "4",
             "--fleet-secret", "autoscale-test"]  # fmt: skip
     with kvroute_serve(args, log=log) as url:
-        streams = [Stream(f"Document {i}: " + " ".join(f"w{i}x{j}" for j in range(20)))
-                   for i in range(6)]  # fmt: skip
-        threads = [threading.Thread(target=read_stream, args=(url, s, 1500), daemon=True)
-                   for s in streams]  # fmt: skip
-        for t in threads:
-            t.start()
-        wait_for(lambda: replicas(url) == ["r0", "r1"], 120, "a second replica")
-        assert any("autoscaling 1 -> 2" in line for line in log), "".join(log)
-        later = [Stream(f"Later {i}: " + " ".join(f"v{i}y{j}" for j in range(20)))
-                 for i in range(4)]  # fmt: skip
-        more = [threading.Thread(target=read_stream, args=(url, s, 64), daemon=True)
-                for s in later]  # fmt: skip
-        for t in more:
-            t.start()
-        for t in threads + more:
-            t.join(300)
-        for s in streams + later:
+        load = Load(url, 6, 400)
+        try:
+            wait_for(lambda: replicas(url) == ["r0", "r1"], 120, "a second replica")
+            joined = time.monotonic()
+            assert any("autoscaling 1 -> 2" in line for line in log), "".join(log)
+            wait_for(
+                lambda: any(s.replica == "r1" and s.t0 > joined for s in load.streams),
+                60,
+                "new streams on the second replica",
+            )  # type: ignore[attr-defined]
+        finally:
+            load.close()
+        for s in load.streams:
             assert s.error is None and s.finish == "length", (s.replica, s.error, s.tokens)
-        assert "r1" in {s.replica for s in later}, [s.replica for s in later]
         wait_for(lambda: replicas(url) == ["r0"], 180, "back to one replica when idle")
         assert any("autoscaling 2 -> 1" in line for line in log), "".join(log)
         with httpx.Client(base_url=url, timeout=10) as c:
             assert metric(c, "kvroute:failovers_total") == 0
+            assert metric(c, "kvroute:errors_total", kind="replica_failure") == 0
