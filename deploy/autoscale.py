@@ -1,14 +1,15 @@
 """Autoscaling for ``kvroute serve --max-replicas N``: the fleet's size follows its load.
 
-The rule is Ray Serve's, which the people running kvroute know: each replica should hold
-about ``--target-ongoing-requests`` requests (running or waiting in its engine), so the
+The rule is Ray Serve's, which the people running kvroute know (its default target is
+not: an engine batches, so 32 here, not 2): each replica should hold about
+``--target-ongoing-requests`` requests (running or waiting in its engine), so the
 fleet wants ``ceil(ongoing / target)`` replicas, within ``--min-replicas`` and
 ``--max-replicas``. The ongoing count is averaged over the last ``LOOK_BACK_S`` (one burst
 is not a trend), and a change is made only after the wish has pointed the same way for
 ``--upscale-delay`` (default 30 s) or ``--downscale-delay`` (600 s): a replica costs a
 model load to add, and one removed too soon is paid for again at the next burst. The change
 itself is ``kvroute scale``'s (:func:`kvroute.deploy.scale.resize`): new replicas are twins
-of the running ones, retired ones are drained first, so no request is lost to a decision.
+of the running ones, retired ones are drained first, so a decision cuts no request short.
 
 :class:`Autoscaler` is the decision alone (no Ray: tested with a clock and numbers);
 :func:`run_autoscaler` polls the replicas' load reports and applies it, on a thread of

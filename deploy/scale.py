@@ -2,7 +2,7 @@
 
 Why here and not in the front door: replicas are Ray actors named ``replica-<id>`` in the
 fleet's namespace, and every front door (``kvroute serve``'s, each ``kvroute router``)
-reads that list every few seconds (:meth:`kvroute.router.fleet.Fleet._find`). So a
+reads that list every few seconds (:class:`kvroute.router.membership.Membership`). So a
 replica started anywhere under that name joins every front door: it is given the fleet's
 LoRA adapters, then routed to; and one whose actor is gone leaves them. This command only
 starts and retires actors.

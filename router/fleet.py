@@ -133,16 +133,10 @@ class Fleet:
         # Awaited before a replica that joins or restarts is routed to (its LoRA adapters
         # put in place: router/lora.py); a failure there is logged, not fatal.
         self.prepare: Callable[[Any, ReplicaInfo], Awaitable[None]] | None = None
-        # The replicas that exist now, by id (Ray's named actors: :mod:`kvroute.deploy.
-        # router`), read every ``monitor_interval_s``: one not here yet joins, one here that
-        # is gone and dead is removed (``kvroute scale``). None: the fleet is fixed.
-        self.find_replicas: Callable[[], Awaitable[dict[str, Any]]] | None = None
-        # Called with the number of replicas after one joined or was removed.
+        # Called with the number of replicas after one joined or was removed (joins and
+        # removals at runtime: :class:`~.membership.Membership`).
         self.on_members: list[Callable[[int], object]] = []
-        self._refused: set[str] = set()  # incarnations refused a join (said once)
         self._monitor: asyncio.Task[None] | None = None
-        self._finder: asyncio.Task[None] | None = None
-        self._joining: dict[str, asyncio.Task[None]] = {}  # replicas being joined now
         for actor, info in replicas:
             self.add(actor, info)
 
@@ -422,15 +416,12 @@ class Fleet:
                 self.connection(rid)
         if self._monitor is None:
             self._monitor = asyncio.get_running_loop().create_task(self._watch())
-        if self.find_replicas is not None and self._finder is None:
-            self._finder = asyncio.get_running_loop().create_task(self._find())
 
     async def close(self) -> None:
-        for task in (self._monitor, self._finder, *self._joining.values()):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
         for rep in self.replicas.values():
             if rep.conn is not None:
                 rep.conn.close()
@@ -469,59 +460,6 @@ class Fleet:
             last_poll = time.monotonic()
             await asyncio.gather(*(self._poll(rid) for rid in list(self.replicas)))
         return last_poll
-
-    async def _find(self) -> None:
-        """Every ``monitor_interval_s``: replicas started since (scale-up) join; replicas
-        that no longer exist and no longer answer (retired, killed) are removed, as is one
-        whose name now belongs to another actor (the old one is gone: names are unique). A
-        failed look changes nothing: a replica is removed only when it is unlisted and dead."""
-        while True:
-            await asyncio.sleep(self.monitor_interval_s)
-            try:
-                await self._find_round()
-            except Exception:  # Ray's listing failed: look again next time
-                self.errors["find_replicas_failed"] += 1
-                log.debug("listing the replicas failed", exc_info=True)
-
-    async def _find_round(self) -> None:
-        assert self.find_replicas is not None
-        found = await self.find_replicas()
-        for rid, rep in list(self.replicas.items()):
-            if rep.info.data_endpoint.startswith(("http://", "https://")):
-                continue  # a vllm serve backend: not Ray's to list
-            listed = found.get(rid)
-            if listed is None and not rep.alive:
-                self.remove(rid)
-            elif listed is not None and _actor_id(listed) != _actor_id(rep.actor):
-                log.warning("replica %s is a new actor under the old name", rid)
-                self.remove(rid)
-        for rid, actor in found.items():
-            if rid not in self.replicas and rid not in self._joining:
-                task = asyncio.get_running_loop().create_task(self._join_found(rid, actor))
-                self._joining[rid] = task  # joined on its own: a slow one holds up nothing
-                task.add_done_callback(lambda _, rid=rid: self._joining.pop(rid, None))
-
-    async def _join_found(self, rid: str, actor: Any) -> None:
-        try:
-            info = await asyncio.wait_for(actor.info.remote(), self.monitor_interval_s * 5)
-        except Exception:  # still loading its model, or failed: looked at again next time
-            return
-        if info.incarnation in self._refused or info.draining:
-            return
-        if rid in self.replicas:  # added meanwhile (a front door's own start, a restart)
-            return
-        try:
-            await self.join(actor, info)
-        except FleetMismatchError as exc:
-            self._refused.add(info.incarnation)
-            self.errors["replica_refused"] += 1
-            log.error("a replica that joined is refused: %s", exc)
-            return
-        except Exception:  # its preparation or connection failed: tried again next round
-            self.errors["replica_join_failed"] += 1
-            log.exception("replica %s could not join", rid)
-            return
-        log.warning("replica %s joined the fleet (%d replicas)", rid, len(self.replicas))
 
     async def _load_report(self, rid: str) -> None:
         rep = self.replicas.get(rid)
@@ -584,8 +522,3 @@ class Fleet:
                 rid, info.events_endpoint, info.replay_endpoint, info.topic
             )
             log.info("replica %s is back", rid)
-
-
-def _actor_id(actor: Any) -> Any:
-    """A Ray actor's id (None for what is not a Ray actor handle: an HTTP backend, a test's)."""
-    return getattr(actor, "_actor_id", None)

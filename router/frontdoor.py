@@ -48,6 +48,7 @@ from .errors import new_id
 from .fleet import Fleet, FleetMismatchError
 from .lora import Adapter, HolderReplicas, LoRARegistry, not_found
 from .lora_shared import LORA_POLL_S
+from .membership import Membership
 from .metrics import FleetCollector, Metrics
 from .policies import make_policy
 from .policy import Policy, RequestView
@@ -124,7 +125,7 @@ class FrontDoor:
             errors=self.run_errors,
         )
         fleet.on_removed.append(lambda rid: self.policy.on_replica_removed(rid))
-        fleet.find_replicas = find_replicas
+        self.membership = Membership(fleet, find_replicas) if find_replicas else None
         if admission_for is not None:
             fleet.on_members.append(lambda n: self.admission.resize(*admission_for(n)))
         adapters = dict(lora_adapters or {})
@@ -162,8 +163,11 @@ class FrontDoor:
 
     def start(self) -> None:
         """Connects to the fleet and starts its monitor (and the adapters' periodic sync)
-        on the running loop."""
+        on the running loop, and, given ``find_replicas``, the watch for replicas joining
+        and leaving."""
         self.fleet.start()
+        if self.membership is not None:
+            self.membership.start()
         wanted = self.lora_resync_s > 0 or self.loras.shared is not None
         if wanted and self._resync is None:
             self._resync = asyncio.get_running_loop().create_task(self._resync_loras())
@@ -173,6 +177,8 @@ class FrontDoor:
             self._resync.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._resync
+        if self.membership is not None:
+            await self.membership.close()
         await self.fleet.close()
 
     # -- parts ---------------------------------------------------------------------------------

@@ -12,11 +12,15 @@ nothing; a new actor under a known name replaces the old one; membership changes
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvroute.events.replica_api import ReplicaInfo
 from kvroute.router.fleet import Fleet
+from kvroute.router.membership import Membership
 
 from ..waiting import wait_until
 
@@ -69,89 +73,90 @@ class Actor:
         raise TimeoutError
 
 
-def fleet_of(*actors: Actor) -> tuple[Fleet, dict[str, Actor], list[int]]:
+@dataclass
+class Watched:
+    """A fleet, its membership watch over a listing the test edits, and what they did."""
+
+    fleet: Fleet
+    membership: Membership
+    listed: dict[str, Actor]
+    prepared: list[str] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
+
+
+@contextlib.asynccontextmanager
+async def watched(*actors: Actor) -> AsyncIterator[Watched]:
+    """The fleet of ``actors``, started with a membership watch over their listing."""
     listed = {a.rid: a for a in actors}
     fleet = Fleet([(a, a._info()) for a in actors], monitor_interval_s=0.05)
-    prepared: list[str] = []
-    sizes: list[int] = []
-
-    async def prepare(actor: Any, info: ReplicaInfo) -> None:
-        prepared.append(info.replica_id)
 
     async def find() -> dict[str, Any]:
         return dict(listed)
 
+    w = Watched(fleet, Membership(fleet, find), listed)
+
+    async def prepare(actor: Any, info: ReplicaInfo) -> None:
+        w.prepared.append(info.replica_id)
+
     fleet.prepare = prepare
-    fleet.find_replicas = find
-    fleet.on_members.append(sizes.append)
-    fleet.prepared = prepared  # type: ignore[attr-defined]
-    return fleet, listed, sizes
+    fleet.on_members.append(w.sizes.append)
+    fleet.start()
+    w.membership.start()
+    try:
+        yield w
+    finally:
+        await w.membership.close()
+        await fleet.close()
 
 
 async def test_a_listed_replica_joins_prepared_and_a_retired_one_leaves() -> None:
-    r0 = Actor("r0")
-    fleet, listed, sizes = fleet_of(r0)
-    fleet.start()
-    try:
-        r1 = listed["r1"] = Actor("r1")
+    async with watched(Actor("r0")) as w:
+        fleet = w.fleet
+        r1 = w.listed["r1"] = Actor("r1")
         await wait_until(lambda: "r1" in fleet.routable(), 5, "r1 joined")
-        assert fleet.prepared == ["r1"]  # type: ignore[attr-defined]
-        assert sizes == [2]
+        assert w.prepared == ["r1"]
+        assert w.sizes == [2]
         r1.draining = True
         await wait_until(lambda: "r1" in fleet.draining, 5, "r1 draining")
         assert fleet.routable() == ["r0"]
         r1.dead = True
-        del listed["r1"]
+        del w.listed["r1"]
         await wait_until(lambda: "r1" not in fleet.replicas, 5, "r1 gone")
-        assert sizes == [2, 1]
+        assert w.sizes == [2, 1]
         assert fleet.errors["replica_failure"] == 0  # retired, not failed
         assert not fleet.draining and not fleet.cordoned
-    finally:
-        await fleet.close()
 
 
 async def test_a_replica_removed_while_the_monitor_awaits_it_stays_removed() -> None:
     slow = Actor("r1", delay=0.2)  # its info() is still on the way when it is removed
     slow.draining = True
-    fleet, listed, _ = fleet_of(Actor("r0"), slow)
-    fleet.start()
-    try:
+    async with watched(Actor("r0"), slow) as w:
+        fleet = w.fleet
         await wait_until(lambda: slow.info.asked > 0, 5, "a poll of r1 on its way")
         fleet.fail("r1")  # a draining replica's loss: removed while the poll awaits it
-        del listed["r1"]
+        del w.listed["r1"]
         await asyncio.sleep(0.8)  # the stale answer arrives, and more rounds run
         assert "r1" not in fleet.replicas
         assert "r1" not in fleet.draining and "r1" not in fleet.cordoned
         assert fleet._monitor is not None and not fleet._monitor.done()
         assert fleet.errors["monitor_failed"] == 0
-    finally:
-        await fleet.close()
 
 
 async def test_a_failed_listing_removes_nothing() -> None:
-    fleet, _, sizes = fleet_of(Actor("r0"), Actor("r1"))
-    fleet.fail("r1")  # dead, but the listing cannot say whether it is gone
+    async with watched(Actor("r0"), Actor("r1")) as w:
+        w.fleet.fail("r1")  # dead, but the listing cannot say whether it is gone
 
-    async def broken() -> dict[str, Any]:
-        raise ConnectionError("Ray is busy")
+        async def broken() -> dict[str, Any]:
+            raise ConnectionError("Ray is busy")
 
-    fleet.find_replicas = broken
-    fleet.start()
-    try:
-        await wait_until(lambda: fleet.errors["find_replicas_failed"] >= 3, 5, "three looks")
-        assert sorted(fleet.replicas) == ["r0", "r1"] and sizes == []
-    finally:
-        await fleet.close()
+        w.membership.find = broken
+        await wait_until(lambda: w.fleet.errors["find_replicas_failed"] >= 3, 5, "three looks")
+        assert sorted(w.fleet.replicas) == ["r0", "r1"] and w.sizes == []
 
 
 async def test_a_new_actor_under_a_known_name_replaces_the_old_one() -> None:
-    old = Actor("r1")
-    fleet, listed, _ = fleet_of(Actor("r0"), old)
-    fleet.start()
-    try:
-        new = listed["r1"] = Actor("r1")  # the old one retired, a new one took its name
-        await wait_until(lambda: fleet.replicas.get("r1") is not None
-                         and fleet.replicas["r1"].actor is new, 5, "the new r1")  # fmt: skip
-        assert "r1" in fleet.routable()
-    finally:
-        await fleet.close()
+    async with watched(Actor("r0"), Actor("r1")) as w:
+        new = w.listed["r1"] = Actor("r1")  # the old one retired, a new one took its name
+        await wait_until(lambda: w.fleet.replicas.get("r1") is not None
+                         and w.fleet.replicas["r1"].actor is new, 5, "the new r1")  # fmt: skip
+        assert "r1" in w.fleet.routable()
