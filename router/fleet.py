@@ -143,7 +143,14 @@ class Fleet:
     # -- membership ------------------------------------------------------------------------
     def check(self, info: ReplicaInfo) -> None:
         """Raises :class:`FleetMismatchError` unless the replica hashes and serves as the
-        fleet does (a token-indexed replica: unless its blocks are the fleet's size)."""
+        fleet does (a token-indexed replica: unless its blocks are the fleet's size), and
+        holds the fleet's longest request (the front door admits up to the shortest
+        ``max_model_len`` it started with; a replica joining later may not lower it)."""
+        if info.max_model_len < self.max_model_len:
+            raise FleetMismatchError(
+                f"replica {info.replica_id}: max_model_len {info.max_model_len} < the "
+                f"fleet's {self.max_model_len}"
+            )
         if not reproducible(info.hash_algo):
             if info.block_size != self.hasher.block_size:
                 raise FleetMismatchError(

@@ -27,10 +27,12 @@ from ..waiting import wait_until
 _ids = itertools.count()
 
 
-def info(rid: str, draining: bool = False, incarnation: str | None = None) -> ReplicaInfo:
+def info(
+    rid: str, draining: bool = False, incarnation: str | None = None, max_model_len: int = 100
+) -> ReplicaInfo:
     return ReplicaInfo(
         replica_id=rid, model="m", model_path="/m", hash_algo="xxh3_128", hash_seed="s",
-        hash_form="bytes", block_size=16, num_blocks=100, max_model_len=100,
+        hash_form="bytes", block_size=16, num_blocks=100, max_model_len=max_model_len,
         data_endpoint="tcp://127.0.0.1:9", events_endpoint="tcp://127.0.0.1:9",
         replay_endpoint=None, topic=rid, node_ip="x", pid=1,
         incarnation=incarnation or f"inc-{rid}", restarted=False, draining=draining,
@@ -57,8 +59,9 @@ class Call:
 class Actor:
     """A replica actor as the fleet calls it; ``_actor_id`` as Ray's handles have one."""
 
-    def __init__(self, rid: str, delay: float = 0.0) -> None:
+    def __init__(self, rid: str, delay: float = 0.0, max_model_len: int = 100) -> None:
         self.rid, self.draining, self.dead = rid, False, False
+        self.max_model_len = max_model_len
         self._actor_id = next(_ids)
         self.info = Call(self._info, delay)
         self.health = Call(lambda: True)
@@ -67,7 +70,8 @@ class Actor:
     def _info(self) -> ReplicaInfo:
         if self.dead:
             raise RuntimeError("the actor died")
-        return info(self.rid, self.draining, f"inc-{self.rid}-{self._actor_id}")
+        incarnation = f"inc-{self.rid}-{self._actor_id}"
+        return info(self.rid, self.draining, incarnation, self.max_model_len)
 
     def _fail(self) -> None:
         raise TimeoutError
@@ -160,3 +164,13 @@ async def test_a_new_actor_under_a_known_name_replaces_the_old_one() -> None:
         await wait_until(lambda: w.fleet.replicas.get("r1") is not None
                          and w.fleet.replicas["r1"].actor is new, 5, "the new r1")  # fmt: skip
         assert "r1" in w.fleet.routable()
+
+
+async def test_a_replica_that_would_shorten_the_fleets_requests_is_refused_once() -> None:
+    """The front door admits requests up to the fleet's max_model_len: a joining replica
+    that holds less is refused (said once), not routed requests it would fail."""
+    async with watched(Actor("r0")) as w:
+        w.listed["r1"] = Actor("r1", max_model_len=50)
+        await wait_until(lambda: w.fleet.errors["replica_refused"] == 1, 5, "r1 refused")
+        await asyncio.sleep(0.3)  # more looks: refused once, never joined
+        assert w.fleet.errors["replica_refused"] == 1 and "r1" not in w.fleet.replicas
