@@ -128,6 +128,7 @@ def test_a_live_fleet_grows_under_load_and_shrinks_when_idle() -> None:
     # cores shared with six streams looks slow).
     with kvroute_serve(args, log=log) as url:
         load = Load(url, 6, 400)
+        t0 = time.monotonic()
         try:
             wait_for(lambda: replicas(url) == ["r0", "r1"], 120, "a second replica")
             joined = time.monotonic()
@@ -141,9 +142,14 @@ def test_a_live_fleet_grows_under_load_and_shrinks_when_idle() -> None:
             )
         finally:
             load.close()
+        idle = time.monotonic()
         for s in load.streams:
             assert s.error is None and s.finish == "length", (s.replica, s.error, s.tokens)
         wait_for(lambda: replicas(url) == ["r0"], 180, "back to one replica when idle")
+        on_r1 = sum(s.replica == "r1" for s in load.streams)
+        print(f"\nautoscale: r1 listed {joined - t0:.1f} s after the load began; "
+              f"{on_r1} of {len(load.streams)} streams on r1; back to one replica "
+              f"{time.monotonic() - idle:.1f} s after the load ended")  # fmt: skip
         assert any("autoscaling 2 -> 1" in line for line in log), "".join(log)
         with httpx.Client(base_url=url, timeout=10) as c:
             assert metric(c, "kvroute:failovers_total") == 0
