@@ -21,7 +21,8 @@ def metric(c: httpx.Client, name: str, **labels: str) -> float:
 class Stream:
     prompt: str
     replica: str = ""
-    tokens: int = 0
+    tokens: int = 0  # generated, from the final usage chunk
+    chunks: int = 0  # received so far (progress; a chunk holds a step's tokens)
     finish: str | None = None
     error: str | None = None
     started: threading.Event = field(default_factory=threading.Event)
@@ -30,7 +31,8 @@ class Stream:
 
 def read_stream(url: str, s: Stream, max_tokens: int) -> None:
     body = {"model": "tiny", "prompt": s.prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}  # fmt: skip
+            "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
     try:
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
             s.replica = r.headers.get("x-kvroute-replica", "")
@@ -42,8 +44,11 @@ def read_stream(url: str, s: Stream, max_tokens: int) -> None:
                     s.error = str(chunk["error"])
                     continue
                 s.started.set()
-                s.tokens += 1
-                s.finish = chunk["choices"][0]["finish_reason"] or s.finish
+                if chunk.get("usage"):  # the last chunk: the tokens generated, all told
+                    s.tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices"):  # one chunk may carry several tokens (one step's)
+                    s.chunks += 1
+                    s.finish = chunk["choices"][0]["finish_reason"] or s.finish
     except Exception as exc:  # the test reports it
         s.error = repr(exc)
     finally:

@@ -144,7 +144,7 @@ def test_a_live_fleet_grows_under_load_and_shrinks_when_idle() -> None:
             load.close()
         idle = time.monotonic()
         for s in load.streams:
-            assert s.error is None and s.finish == "length", (s.replica, s.error, s.tokens)
+            assert (s.error, s.tokens, s.finish) == (None, 400, "length"), s.replica
         wait_for(lambda: replicas(url) == ["r0"], 180, "back to one replica when idle")
         on_r1 = sum(s.replica == "r1" for s in load.streams)
         print(f"\nautoscale: r1 listed {joined - t0:.1f} s after the load began; "

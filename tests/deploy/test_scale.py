@@ -124,8 +124,8 @@ def test_a_retired_replica_finishes_its_streams_then_leaves(served: dict[str, An
         t.start()
     assert poll(lambda: all(s.started.is_set() for s in streams), 120)
     on_r1 = [s for s in streams if s.replica == "r1" and s.finish is None]
-    assert on_r1, f"no stream runs on r1: {[(s.replica, s.tokens) for s in streams]}"
-    at_drain = [s.tokens for s in on_r1]
+    assert on_r1, f"no stream runs on r1: {[(s.replica, s.chunks) for s in streams]}"
+    at_drain = [s.chunks for s in on_r1]
     t0 = time.monotonic()
     out = scale(served, 1)
     t_stopped = time.monotonic() - t0
@@ -133,7 +133,7 @@ def test_a_retired_replica_finishes_its_streams_then_leaves(served: dict[str, An
     for t in threads:
         t.join(300)
     print(f"\nscale down: {len(on_r1)} of {len(streams)} streams on r1, at {min(at_drain)}-"
-          f"{max(at_drain)} of {max_tokens} tokens when the drain began; r1 stopped "
+          f"{max(at_drain)} chunks of {max_tokens} tokens when the drain began; r1 stopped "
           f"{t_stopped:.1f} s after the command")  # fmt: skip
     assert not any(t.is_alive() for t in threads), "a stream hangs"
     for s in streams:
