@@ -24,9 +24,10 @@ starts and retires actors.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .router import RAY_NAMESPACE, REPLICA_ACTOR_PREFIX, named_replicas
@@ -89,17 +90,40 @@ def run(args: argparse.Namespace) -> int:
 
 def resize(n: int, ready_timeout: float, drain_timeout: float, say: Callable[[str], None]) -> int:
     """The fleet on this driver's Ray made ``n`` replicas (module docstring); an exit code."""
+    import ray
+
     fleet = named_replicas()
     if not fleet:
         say("no replicas in this namespace: start a fleet with kvroute serve")
         return 1
-    ids = list(fleet)
+    # Replicas left draining (a scale interrupted mid-drain) are not the fleet's: a grow
+    # takes them back first (no model to load), a shrink finishes them off.
+    draining = [rid for rid, info in _infos(fleet).items() if info is not None and info.draining]
+    ids = [rid for rid in fleet if rid not in draining]
+    while n > len(ids) and draining:
+        rid = draining.pop(0)
+        ray.get(fleet[rid].undrain.remote(), timeout=30)
+        ids = sorted([*ids, rid], key=list(fleet).index)
+        say(f"replica {rid} was left draining: taken back")
     if n > len(ids):
         return _grow(fleet, ids, n, ready_timeout, say)
-    if n < len(ids):
-        return _shrink(fleet, ids, n, drain_timeout, say)
+    if n < len(ids) or draining:
+        return _shrink(fleet, ids, n, drain_timeout, say, draining)
     say(f"the fleet already has {len(ids)} replica(s): {', '.join(ids)}")
     return 0
+
+
+def _infos(fleet: dict[str, Any]) -> dict[str, Any]:
+    """Each replica's ReplicaInfo, or None when it does not answer within 10 s."""
+    import ray
+
+    refs = {fleet[rid].info.remote(): rid for rid in fleet}
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=10)
+    out: dict[str, Any] = dict.fromkeys(fleet)
+    for ref in ready:
+        with contextlib.suppress(Exception):  # a failed replica: None
+            out[refs[ref]] = ray.get(ref)
+    return out
 
 
 def _grow(
@@ -119,7 +143,7 @@ def _grow(
         return 1
     say(f"starting {n - len(ids)} replica(s) like {spec.replica_id} ...")
     started: dict[str, Any] = {}
-    taken = set(ids)
+    taken = set(fleet)
     while len(started) < n - len(ids):
         rid = _free_ids(taken, 1)[0]
         taken.add(rid)
@@ -161,11 +185,18 @@ def _grow(
 
 
 def _shrink(
-    fleet: dict[str, Any], ids: list[str], n: int, timeout: float, say: Callable[[str], None]
+    fleet: dict[str, Any],
+    ids: list[str],
+    n: int,
+    timeout: float,
+    say: Callable[[str], None],
+    draining: Sequence[str] = (),
 ) -> int:
+    """Retires ``len(ids) - n`` of ``ids``, and finishes off ``draining`` (left so)."""
     import ray
 
-    retired = _retirees(fleet, ids, n)
+    retired = _retirees(fleet, ids, n) if n < len(ids) else []
+    retired += [rid for rid in draining if rid not in retired]
     say(f"draining {', '.join(retired)} ...")
     for rid in retired:
         try:
@@ -205,20 +236,9 @@ def _shrink(
 def _retirees(fleet: dict[str, Any], ids: list[str], n: int) -> list[str]:
     """The ``len(ids) - n`` replicas to retire: those that do not answer first (failed,
     restarting, still loading), then the highest ids."""
-    import ray
-
-    refs = {fleet[rid].info.remote(): rid for rid in ids}
-    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=10)
-    answered = set()
-    for ref in ready:
-        try:
-            ray.get(ref)
-            answered.add(refs[ref])
-        except Exception:  # a replica that fails to answer is retired first
-            continue
-    order = [rid for rid in ids if rid not in answered] + [
-        rid for rid in reversed(ids) if rid in answered
-    ]
+    infos = _infos({rid: fleet[rid] for rid in ids})
+    order = [rid for rid in ids if infos[rid] is None]
+    order += [rid for rid in reversed(ids) if infos[rid] is not None]
     return sorted(order[: len(ids) - n], key=ids.index)
 
 

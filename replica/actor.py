@@ -152,6 +152,13 @@ class ReplicaServer:
         load = self.engine.load
         return load.num_waiting + load.num_running, self.dataplane.requests
 
+    def undrain(self) -> None:
+        """Taken back from draining (a retirement that was interrupted): routers route to
+        it again from their next poll."""
+        if self._info.draining:
+            log.info("replica %s: no longer draining", self.replica_id)
+            self._info = msgspec.structs.replace(self._info, draining=False)
+
     def drain(self) -> None:
         """Retire: routers stop sending new requests once they read ``draining`` in
         :meth:`info` (their next poll); what already runs here goes on to its end."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import threading
 import time
@@ -151,3 +152,33 @@ def test_a_retired_replica_finishes_its_streams_then_leaves(served: dict[str, An
     r = httpx.post(url + "/v1/completions", timeout=60,
                    json={"model": "tiny", "prompt": "after", "max_tokens": 4})  # fmt: skip
     assert r.status_code == 200 and r.headers["x-kvroute-replica"] == "r0", r.text
+
+
+def fleet_view(c: httpx.Client) -> dict[str, dict[str, Any]]:
+    """/fleet's replicas by id (open to anyone on a loopback server without keys)."""
+    return {r["replica_id"]: r for r in c.get("/fleet").json()["replicas"]}
+
+
+def test_a_drain_left_behind_is_taken_back_by_the_next_scale(served: dict[str, Any]) -> None:
+    """A ``kvroute scale`` stopped mid-drain (Ctrl-C) leaves its replica draining: the next
+    ``kvroute scale`` up takes it back (no model to load), and front doors route to it."""
+    url = served["url"]
+    if every_door(url, lambda c: replicas(c) == ["r0"]):
+        scale(served, 2)
+    wait_for(lambda: every_door(url, lambda c: replicas(c) == ["r0", "r1"]), 30, "r1")
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    cmd = [*KVROUTE, "scale", "--address", served["address"], "--replicas", "1"]
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    for line in proc.stderr:
+        if "draining r1" in line:
+            break
+    proc.send_signal(signal.SIGINT)  # before the drain's quiet time is up
+    proc.wait(60)
+    wait_for(lambda: every_door(url, lambda c: fleet_view(c)["r1"]["draining"]), 30,
+             "every front door sees r1 draining")  # fmt: skip
+    out = scale(served, 2)
+    assert "replica r1 was left draining: taken back" in out, out
+    assert "starting" not in out  # no twin was needed
+    wait_for(lambda: every_door(url, lambda c: not fleet_view(c)["r1"]["cordoned"]), 30,
+             "every front door routes to r1 again")  # fmt: skip
