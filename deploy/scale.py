@@ -50,6 +50,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(they fail over then; default: 300)",
     )
     p.add_argument(
+        "--drain-quiet",
+        type=float,
+        default=SETTLE_S,
+        help="seconds a retiring replica must go without running or receiving a request "
+        f"before it is stopped (default: {SETTLE_S:g}; at least a few front-door polls, 2 s "
+        "each)",
+    )
+    p.add_argument(
         "--ready-timeout",
         type=float,
         default=900.0,
@@ -83,12 +91,18 @@ def run(args: argparse.Namespace) -> int:
              "RAY_AUTH_MODE=token: its token is in ~/.ray/auth_token)")  # fmt: skip
         return 1
     try:
-        return resize(args.replicas, args.ready_timeout, args.drain_timeout, _say)
+        return resize(args.replicas, args.ready_timeout, args.drain_timeout, _say, args.drain_quiet)
     finally:
         ray.shutdown()
 
 
-def resize(n: int, ready_timeout: float, drain_timeout: float, say: Callable[[str], None]) -> int:
+def resize(
+    n: int,
+    ready_timeout: float,
+    drain_timeout: float,
+    say: Callable[[str], None],
+    quiet_s: float = SETTLE_S,
+) -> int:
     """The fleet on this driver's Ray made ``n`` replicas (module docstring); an exit code."""
     import ray
 
@@ -108,7 +122,7 @@ def resize(n: int, ready_timeout: float, drain_timeout: float, say: Callable[[st
     if n > len(ids):
         return _grow(fleet, ids, n, ready_timeout, say)
     if n < len(ids) or draining:
-        return _shrink(fleet, ids, n, drain_timeout, say, draining)
+        return _shrink(fleet, ids, n, drain_timeout, say, draining, quiet_s)
     say(f"the fleet already has {len(ids)} replica(s): {', '.join(ids)}")
     return 0
 
@@ -191,6 +205,7 @@ def _shrink(
     timeout: float,
     say: Callable[[str], None],
     draining: Sequence[str] = (),
+    quiet_s: float = SETTLE_S,
 ) -> int:
     """Retires ``len(ids) - n`` of ``ids``, and finishes off ``draining`` (left so)."""
     import ray
@@ -203,7 +218,7 @@ def _shrink(
             ray.get(fleet[rid].drain.remote(), timeout=30)
         except Exception as exc:  # dead already: nothing runs there
             say(f"replica {rid} does not answer ({type(exc).__name__}): stopping it")
-    # Stopped once nothing runs there and no request has arrived for SETTLE_S: every front
+    # Stopped once nothing runs there and no request has arrived for quiet_s: every front
     # door has read `draining` by then, and one that had not would have reset the clock.
     t0 = time.monotonic()
     quiet: dict[str, tuple[int, float]] = {}  # rid -> (requests received, since when)
@@ -218,7 +233,7 @@ def _shrink(
             ongoing, received = status
             if quiet.get(rid, (None, 0.0))[0] != received:
                 quiet[rid] = (received, now)
-            if ongoing == 0 and now - quiet[rid][1] >= SETTLE_S:
+            if ongoing == 0 and now - quiet[rid][1] >= quiet_s:
                 busy.discard(rid)
         if busy:
             time.sleep(0.5)

@@ -167,16 +167,16 @@ def test_a_drain_left_behind_is_taken_back_by_the_next_scale(served: dict[str, A
         scale(served, 2)
     wait_for(lambda: every_door(url, lambda c: replicas(c) == ["r0", "r1"]), 30, "r1")
     env = {**os.environ, "RAY_AUTH_MODE": "token"}
-    cmd = [*KVROUTE, "scale", "--address", served["address"], "--replicas", "1"]
+    cmd = [*KVROUTE, "scale", "--address", served["address"], "--replicas", "1",
+           "--drain-quiet", "120"]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
-    assert proc.stderr is not None
-    for line in proc.stderr:
-        if "draining r1" in line:
-            break
-    proc.send_signal(signal.SIGINT)  # before the drain's quiet time is up
-    proc.wait(60)
-    wait_for(lambda: every_door(url, lambda c: fleet_view(c)["r1"]["draining"]), 30,
-             "every front door sees r1 draining")  # fmt: skip
+    try:
+        wait_for(lambda: every_door(url, lambda c: fleet_view(c)["r1"]["draining"]), 60,
+                 "every front door sees r1 draining")  # fmt: skip
+        assert proc.poll() is None, "the scale ended before it was interrupted"
+    finally:
+        proc.send_signal(signal.SIGINT)  # within the drain's quiet time: r1 is left draining
+        proc.communicate(timeout=60)
     out = scale(served, 2)
     assert "replica r1 was left draining: taken back" in out, out
     assert "starting" not in out  # no twin was needed
