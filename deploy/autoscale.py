@@ -99,9 +99,7 @@ def run_autoscaler(
 ) -> None:
     """Until ``stop``: reads every replica's load (Ray, this driver's namespace) every
     ``POLL_S`` and resizes the fleet as :class:`Autoscaler` decides."""
-    import ray
-
-    from .router import named_replicas
+    from .router import answers, named_replicas
     from .scale import resize
 
     scaler = Autoscaler(config)
@@ -109,16 +107,9 @@ def run_autoscaler(
     while not stop.wait(POLL_S):
         try:
             fleet = named_replicas()
-            refs = [a.load.remote() for a in fleet.values()]
             # What answers in time counts; a replica loading or restarting adds nothing.
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=5)
-            ongoing = 0
-            for ref in ready:
-                try:
-                    load = ray.get(ref)
-                except Exception:  # a failed replica adds nothing
-                    continue
-                ongoing += load.num_running + load.num_waiting
+            loads = answers({rid: a.load.remote() for rid, a in fleet.items()}, 5).values()
+            ongoing = sum(r.num_running + r.num_waiting for r in loads if r is not None)
             failures = 0
         except Exception as exc:  # Ray's listing failed: the next poll decides
             failures += 1

@@ -93,18 +93,27 @@ def discover(timeout_s: float = 120.0) -> list[tuple[Any, Any]]:
     """(actor, info) of the replicas named in this driver's namespace that answer within
     ``timeout_s`` (every one, if all do); one still loading or failing is left to the
     front door's finder, which adds it once it answers. TimeoutError: none answered."""
-    import ray
-
-    actors = list(named_replicas().values())
-    refs = {a.info.remote(): a for a in actors}
-    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-    found = []
-    for ref in [r for r in refs if r in set(ready)]:  # in id order
-        with contextlib.suppress(Exception):  # a failed replica: the finder decides later
-            found.append((refs[ref], ray.get(ref)))
-    if actors and not found:
+    fleet = named_replicas()
+    infos = answers({rid: a.info.remote() for rid, a in fleet.items()}, timeout_s)
+    found = [(fleet[rid], info) for rid, info in infos.items() if info is not None]
+    if fleet and not found:
         raise TimeoutError(f"no replica answered within {timeout_s:g} s")
     return found
+
+
+def answers(refs: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """Each key's Ray call result, or None where it failed or did not answer within
+    ``timeout_s`` (a replica loading, restarting or dead), in ``refs``' order."""
+    import ray
+
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    done = set(ready)
+    out: dict[str, Any] = dict.fromkeys(refs)
+    for key, ref in refs.items():
+        if ref in done:
+            with contextlib.suppress(Exception):  # failed: None
+                out[key] = ray.get(ref)
+    return out
 
 
 def named_replicas() -> dict[str, Any]:

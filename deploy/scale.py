@@ -24,13 +24,12 @@ starts and retires actors.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .router import RAY_NAMESPACE, REPLICA_ACTOR_PREFIX, named_replicas
+from .router import RAY_NAMESPACE, REPLICA_ACTOR_PREFIX, answers, named_replicas
 
 # Routers poll each replica's info() this often (Fleet's monitor interval) ...
 ROUTER_POLL_S = 2.0
@@ -112,7 +111,8 @@ def resize(
         return 1
     # Replicas left draining (a scale interrupted mid-drain) are not the fleet's: a grow
     # takes them back first (no model to load), a shrink finishes them off.
-    draining = [rid for rid, info in _infos(fleet).items() if info is not None and info.draining]
+    infos = answers({rid: a.info.remote() for rid, a in fleet.items()}, 10)
+    draining = [rid for rid, info in infos.items() if info is not None and info.draining]
     ids = [rid for rid in fleet if rid not in draining]
     while n > len(ids) and draining:
         rid = draining.pop(0)
@@ -122,22 +122,9 @@ def resize(
     if n > len(ids):
         return _grow(fleet, ids, n, ready_timeout, say)
     if n < len(ids) or draining:
-        return _shrink(fleet, ids, n, drain_timeout, say, draining, quiet_s)
+        return _shrink(fleet, ids, n, drain_timeout, say, infos, draining, quiet_s)
     say(f"the fleet already has {len(ids)} replica(s): {', '.join(ids)}")
     return 0
-
-
-def _infos(fleet: dict[str, Any]) -> dict[str, Any]:
-    """Each replica's ReplicaInfo, or None when it does not answer within 10 s."""
-    import ray
-
-    refs = {fleet[rid].info.remote(): rid for rid in fleet}
-    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=10)
-    out: dict[str, Any] = dict.fromkeys(fleet)
-    for ref in ready:
-        with contextlib.suppress(Exception):  # a failed replica: None
-            out[refs[ref]] = ray.get(ref)
-    return out
 
 
 def _grow(
@@ -204,13 +191,14 @@ def _shrink(
     n: int,
     timeout: float,
     say: Callable[[str], None],
+    infos: dict[str, Any],
     draining: Sequence[str] = (),
     quiet_s: float = SETTLE_S,
 ) -> int:
     """Retires ``len(ids) - n`` of ``ids``, and finishes off ``draining`` (left so)."""
     import ray
 
-    retired = _retirees(fleet, ids, n) if n < len(ids) else []
+    retired = _retirees(ids, n, infos) if n < len(ids) else []
     retired += [rid for rid in draining if rid not in retired]
     say(f"draining {', '.join(retired)} ...")
     for rid in retired:
@@ -248,12 +236,11 @@ def _shrink(
     return 0
 
 
-def _retirees(fleet: dict[str, Any], ids: list[str], n: int) -> list[str]:
-    """The ``len(ids) - n`` replicas to retire: those that do not answer first (failed,
-    restarting, still loading), then the highest ids."""
-    infos = _infos({rid: fleet[rid] for rid in ids})
-    order = [rid for rid in ids if infos[rid] is None]
-    order += [rid for rid in reversed(ids) if infos[rid] is not None]
+def _retirees(ids: list[str], n: int, infos: dict[str, Any]) -> list[str]:
+    """The ``len(ids) - n`` replicas to retire: those that did not answer (``infos``: None;
+    failed, restarting, still loading) first, then the highest ids."""
+    order = [rid for rid in ids if infos.get(rid) is None]
+    order += [rid for rid in reversed(ids) if infos.get(rid) is not None]
     return sorted(order[: len(ids) - n], key=ids.index)
 
 
