@@ -49,24 +49,46 @@ def front_door_tenants(args: argparse.Namespace) -> TenantsFile | None:
     """The tenants (None: anonymous) once the front-door arguments check out; a ValueError
     says what is wrong, in one line, before anything starts."""
     from kvroute.router.policies import POLICIES
-    from kvroute.router.tenants import load_api_keys, load_tenants, tenants_from_api_keys
+    from kvroute.router.tenants import (
+        hash_key,
+        load_api_keys,
+        load_tenants,
+        tenants_from_api_keys,
+    )
 
     if args.policy not in POLICIES:
         raise ValueError(f"unknown policy {args.policy!r}; choose from {', '.join(POLICIES)}")
+    metrics_key = front_door_metrics_key(args)  # read now: a missing file fails at once
     try:
+        spec = None
         if args.tenants:
-            return load_tenants(args.tenants)
-        if args.api_keys:
-            return tenants_from_api_keys(load_api_keys(args.api_keys))
+            spec = load_tenants(args.tenants)
+        elif args.api_keys:
+            spec = tenants_from_api_keys(load_api_keys(args.api_keys))
     except (OSError, ValueError) as exc:
         flag = "--tenants" if args.tenants else "--api-keys"
         raise ValueError(f"{flag}: {exc}") from None
+    if spec is not None:
+        taken = {k.lower() for t in spec.tenants for k in t.keys}
+        if metrics_key and hash_key(metrics_key) in taken:
+            raise ValueError("--metrics-key: it is also a tenant's key; give it one of its own")
+        return spec
     if not is_loopback(args.host) and not args.allow_anonymous:
         raise ValueError(
             f"refusing to serve anonymously on {args.host}: give --tenants FILE, or "
             "--allow-anonymous to let anyone who can reach this address use the fleet"
         )
     return None
+
+
+def front_door_metrics_key(args: argparse.Namespace) -> str | None:
+    """The key that may read ``/metrics`` (``--metrics-key``, ``--metrics-key-file`` or
+    ``$KVROUTE_METRICS_KEY``), or None; a ValueError says what is wrong."""
+    from kvroute.router.tenants import resolve_metrics_key
+
+    return resolve_metrics_key(
+        getattr(args, "metrics_key", None), getattr(args, "metrics_key_file", None)
+    )
 
 
 def is_loopback(host: str) -> bool:
@@ -106,6 +128,8 @@ def answers(refs: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     ``timeout_s`` (a replica loading, restarting or dead), in ``refs``' order."""
     import ray
 
+    if not refs:  # Ray refuses to wait for nothing
+        return {}
     ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
     done = set(ready)
     out: dict[str, Any] = dict.fromkeys(refs)
@@ -201,7 +225,7 @@ def build_app(
         find_replicas=None if getattr(args, "backend", None) else find_replicas,
         admission_for=admission_for,
     )
-    tenants = Tenants(spec, resolve_fleet_secret(args.fleet_secret))
+    tenants = Tenants(spec, resolve_fleet_secret(args.fleet_secret), front_door_metrics_key(args))
     return create_app(
         door,
         tenants,

@@ -44,6 +44,22 @@ def add_front_door_arguments(p: argparse.ArgumentParser) -> None:
         help="serve without API keys on a non-loopback --host (refused otherwise)",
     )
     p.add_argument("--fleet-secret", default=None, help="default: $KVROUTE_FLEET_SECRET")
+    metrics_key = p.add_mutually_exclusive_group()
+    metrics_key.add_argument(
+        "--metrics-key",
+        default=None,
+        help="a key that reads /metrics and nothing else, for Prometheus (Authorization: "
+        "Bearer KEY); admin keys read it too. With keys configured, no other key may "
+        "(default: $KVROUTE_METRICS_KEY; prefer it or --metrics-key-file: a value here "
+        "shows in the process list)",
+    )
+    metrics_key.add_argument(
+        "--metrics-key-file",
+        default=None,
+        metavar="FILE",
+        help="--metrics-key read from FILE's first line (the file Prometheus' "
+        "credentials_file can read too)",
+    )
     p.add_argument(
         "--policy",
         default="kv",

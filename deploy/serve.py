@@ -343,6 +343,8 @@ def _start_routers(args: argparse.Namespace, routers: list[subprocess.Popen[byte
     """N-1 more front doors on the same port; each reports ready on its stderr."""
     import ray
 
+    from kvroute.router.tenants import METRICS_KEY_ENV
+
     address = ray.get_runtime_context().gcs_address
     same = [
         "--host", args.host, "--port", str(args.port), "--policy", args.policy,
@@ -357,6 +359,7 @@ def _start_routers(args: argparse.Namespace, routers: list[subprocess.Popen[byte
         ("--tenants", args.tenants),
         ("--api-keys", args.api_keys),
         ("--fleet-secret", args.fleet_secret),
+        ("--metrics-key-file", args.metrics_key_file),
         ("--served-model-name", args.served_model_name),
         ("--max-in-flight", args.max_in_flight),
         ("--max-in-flight-per-tenant", args.max_in_flight_per_tenant),
@@ -367,8 +370,11 @@ def _start_routers(args: argparse.Namespace, routers: list[subprocess.Popen[byte
             same += [flag, str(value)]
     cmd = [sys.executable, "-m", "kvroute.deploy.cli", "router", "--address", address]
     cmd += ["--namespace", RAY_NAMESPACE, "--reuse-port", *same]
+    env = None  # --metrics-key by the environment: off their command lines
+    if args.metrics_key is not None:
+        env = {**os.environ, METRICS_KEY_ENV: args.metrics_key}
     for _ in range(args.routers - 1):
-        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, env=env)
         routers.append(proc)
         assert proc.stderr is not None
         for raw in proc.stderr:

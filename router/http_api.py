@@ -157,7 +157,23 @@ async def models(request: Request, tenant: TenantDep) -> ModelList:
 
 
 async def metrics(request: Request) -> Response:
-    return Response(request.app.state.metrics_text(), media_type=METRICS_CONTENT_TYPE)
+    """An admin key or the metrics key (``--metrics-key``): 401 without a known key, 403
+    for a tenant's -- the series name every tenant and LoRA adapter, with its traffic,
+    which no tenant may learn of another. A server without any key answers anyone."""
+    state = request.app.state
+    try:
+        allowed = state.tenants.may_scrape(request.headers.get("authorization"))
+    except AuthError as exc:
+        state.errors["auth"] += 1
+        raise APIError(401, str(exc), "invalid_request_error", code="invalid_api_key") from None
+    if not allowed:
+        raise APIError(
+            403,
+            "/metrics needs an admin key or the metrics key (--metrics-key)",
+            "permission_error",
+            code="not_admin",
+        )
+    return Response(state.metrics_text(), media_type=METRICS_CONTENT_TYPE)
 
 
 async def completions(request: Request, tenant: TenantDep) -> Response:

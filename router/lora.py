@@ -51,6 +51,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import APIError, one_line
 from .lora_shared import LORA_POLL_S
+from .names import control_char
 from .tenants import Tenant
 
 if TYPE_CHECKING:
@@ -265,6 +266,9 @@ class LoRARegistry:
         skipped (it gets the adapter from :meth:`sync` when it is back)."""
         if not name:
             raise APIError(400, "`lora_name` must be given", "BadRequestError", "lora_name")
+        if (bad := control_char(name)) is not None:  # it becomes a /metrics label, log words
+            why = f"`lora_name` must not hold a control character ({bad})"
+            raise APIError(400, why, "BadRequestError", "lora_name")
         if not path:
             raise APIError(400, "`lora_path` must be given", "BadRequestError", "lora_path")
         if name in self.base_names:

@@ -19,6 +19,7 @@ process; none touches the global one).
 
 from __future__ import annotations
 
+import re
 import time
 from bisect import bisect_left
 from collections import Counter, deque
@@ -396,10 +397,28 @@ class FleetCollector(Collector):
         yield lag
 
 
+# Every C0 control but the newline (which prometheus-client escapes, and which ends each
+# line), and DEL: bytes that no UTF-8 sequence holds but as themselves.
+_RAW_CONTROL = re.compile(rb"[\x00-\x09\x0b-\x1f\x7f]")
+
+
+def _visible(found: re.Match[bytes]) -> bytes:
+    return b"\\\\x%02x" % found.group()[0]
+
+
 def render_metrics(
     metrics: Metrics, fleet: FleetCollector, events: dict[str, ReplicaStats] | None = None
 ) -> bytes:
     """The exposition text of ``metrics``' registry, ``fleet`` registered in it
-    (``events``: the subscriber's stats, taken on the loop)."""
+    (``events``: the subscriber's stats, taken on the loop).
+
+    Why the pass after prometheus-client: it escapes a label value's backslash, double
+    quote and newline, as the text format asks, but writes any other control character
+    raw (a NUL in an adapter's name went out as a NUL byte); the format has no escape for
+    them. Each is written as the text ``\\xNN`` (a backslash, escaped, then ``xNN``),
+    which every parser reads back as those four characters. Names with control characters
+    are refused where they are made (:mod:`.names`); this covers any that came another way
+    (a ``vllm serve`` backend's adapters)."""
     fleet.events = events or {}
-    return generate_latest(metrics.registry)
+    text = generate_latest(metrics.registry)
+    return _RAW_CONTROL.sub(_visible, text) if _RAW_CONTROL.search(text) else text

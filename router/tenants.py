@@ -29,10 +29,12 @@ from pathlib import Path
 import msgspec
 
 from .limits import Limits
+from .names import check_name
 
 log = logging.getLogger(__name__)
 
 FLEET_SECRET_ENV = "KVROUTE_FLEET_SECRET"
+METRICS_KEY_ENV = "KVROUTE_METRICS_KEY"
 DEV_FLEET_SECRET = "kvroute-dev-fleet-secret"  # a documented development value
 DEFAULT_TENANT = "default"
 
@@ -141,6 +143,12 @@ def load_tenants(path: str | os.PathLike[str]) -> TenantsFile:
         where = f"{path}: tenants[{n}] ({t.id!r})"
         if not t.id or t.id in seen_ids:
             raise ValueError(f"{where}: a tenant id must be non-empty and unique")
+        try:  # ids and adapter names become /metrics labels and log words
+            check_name(t.id, "tenant id")
+            for a in t.adapters:
+                check_name(a, "adapter name")
+        except ValueError as exc:
+            raise ValueError(f"{path}: tenants[{n}]: {exc}") from None
         if not t.keys:
             raise ValueError(f"{where}: needs at least one key")
         seen_ids.add(t.id)
@@ -171,6 +179,8 @@ def load_api_keys(path: str | os.PathLike[str]) -> dict[str, str]:
             isinstance(k, str) and isinstance(v, str) and k and v for k, v in data.items()
         ):
             raise ValueError(f"{path}: expected a JSON object of non-empty strings")
+        for tenant in data.values():
+            _check_tenant_id(tenant, str(path))
         return dict(data)
     keys: dict[str, str] = {}
     for n, line in enumerate(text.splitlines(), 1):
@@ -180,8 +190,42 @@ def load_api_keys(path: str | os.PathLike[str]) -> dict[str, str]:
         key, sep, tenant = line.rpartition(":")
         if not sep or not key.strip() or not tenant.strip():
             raise ValueError(f"{path}:{n}: expected 'key:tenant'")
+        _check_tenant_id(tenant.strip(), f"{path}:{n}")
         keys[key.strip()] = tenant.strip()
     return keys
+
+
+def _check_tenant_id(tenant_id: str, where: str) -> None:
+    try:
+        check_name(tenant_id, "tenant id")
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def resolve_metrics_key(key: str | None, key_file: str | None) -> str | None:
+    """The key that may read ``/metrics`` (besides admin keys): ``--metrics-key``, else
+    the first line of ``--metrics-key-file`` (the file a Prometheus ``credentials_file``
+    can read too), else ``$KVROUTE_METRICS_KEY``, else None. Why a file and a variable: a
+    value on the command line is readable by anyone who can list processes. A ValueError
+    says what is wrong."""
+    if key is not None and key_file is not None:
+        raise ValueError("give --metrics-key or --metrics-key-file, not both")
+    where = "--metrics-key"
+    if key_file is not None:
+        where = f"--metrics-key-file {key_file}"
+        try:
+            lines = Path(key_file).read_text().splitlines()
+        except OSError as exc:
+            raise ValueError(f"{where}: {exc.strerror or exc}") from None
+        key = lines[0] if lines else ""
+    elif key is None:
+        key = os.environ.get(METRICS_KEY_ENV)
+        if key is None:
+            return None
+        where = f"${METRICS_KEY_ENV}"
+    if len(key.split()) != 1:
+        raise ValueError(f"{where}: a metrics key must be one non-empty word")
+    return key.strip()
 
 
 def tenants_from_api_keys(api_keys: Mapping[str, str]) -> TenantsFile:
@@ -197,12 +241,17 @@ def tenants_from_api_keys(api_keys: Mapping[str, str]) -> TenantsFile:
 
 class Tenants:
     """Authenticates a request's bearer token by its hash; salts are computed once per
-    tenant. ``spec`` None: one anonymous tenant, no key needed."""
+    tenant. ``spec`` None: one anonymous tenant, no key needed. ``metrics_key``: a key
+    that reads ``/metrics`` and nothing else (a Prometheus scraper's), which then needs it
+    or an admin key even on a server without tenant keys; a ValueError if it is a tenant's."""
 
-    def __init__(self, spec: TenantsFile | None, fleet_secret: str) -> None:
+    def __init__(
+        self, spec: TenantsFile | None, fleet_secret: str, metrics_key: str | None = None
+    ) -> None:
         self._secret = fleet_secret
         self._by_key: dict[str, Tenant] = {}
         self._admin = frozenset(k.lower() for k in (spec.admin_keys if spec else ()))
+        self._metrics = frozenset([hash_key(metrics_key)] if metrics_key else [])
         self.tenants: dict[str, Tenant] = {}
         for t in spec.tenants if spec else ():
             salt = tenant_salt(fleet_secret, t.id)
@@ -214,6 +263,8 @@ class Tenants:
         )
         if not self.tenants:
             self.tenants[DEFAULT_TENANT] = self.default
+        if self._metrics & self._by_key.keys():
+            raise ValueError("the metrics key is also a tenant's key: give it a key of its own")
 
     @property
     def open(self) -> bool:
@@ -236,6 +287,8 @@ class Tenants:
         if tenant is None:
             if digest in self._admin:  # a right key on the wrong door: say so
                 raise AuthError("an admin key reads /fleet only; send a tenant's key")
+            if digest in self._metrics:
+                raise AuthError("the metrics key reads /metrics only; send a tenant's key")
             raise AuthError("incorrect API key provided")
         return tenant
 
@@ -246,6 +299,20 @@ class Tenants:
             return True
         digest = self._bearer(authorization)
         if digest in self._admin:
+            return True
+        if digest not in self._by_key and digest not in self._metrics:
+            raise AuthError("incorrect API key provided")
+        return False
+
+    def may_scrape(self, authorization: str | None) -> bool:
+        """``/metrics``: an admin key or the metrics key; anyone on a server with neither
+        tenant keys nor a metrics key (whose one tenant has nothing to hide from itself).
+        False for a tenant's key: the series name every tenant and adapter, and each one's
+        traffic. Raises :class:`AuthError` when no key or an unknown one is sent."""
+        if self.open and not self._metrics:
+            return True
+        digest = self._bearer(authorization)
+        if digest in self._metrics or digest in self._admin:
             return True
         if digest not in self._by_key:
             raise AuthError("incorrect API key provided")

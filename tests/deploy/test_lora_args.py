@@ -43,6 +43,8 @@ def test_both_forms_of_lora_modules_reach_the_engine_config() -> None:
         (["--lora-modules", '{"name": "a", "path": "/x", "base_model_name": "llama"}'],
          "--lora-modules"),
         (["--lora-modules", "a=/x", "a=/y"], "--lora-modules"),
+        (["--lora-modules", "a\x00b=/x"], "--lora-modules"),  # a /metrics label
+        (["--lora-modules", '{"name": "a\\u001bb", "path": "/x"}'], "--lora-modules"),
         (["--max-loras", "2"], "--max-loras"),  # without --enable-lora
         (["--enable-lora", "--max-loras", "0"], "--max-loras"),
         (["--enable-lora", "--max-loras", "4", "--max-cpu-loras", "2"], "--max-cpu-loras"),

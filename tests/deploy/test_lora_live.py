@@ -107,7 +107,8 @@ def test_a_repeated_prefix_hits_under_its_adapter_only(served: dict[str, Any]) -
 
 
 def lora_requests(served: dict[str, Any], adapter: str) -> float:
-    metrics = httpx.get(served["url"] + "/metrics").text
+    admin = {"authorization": "Bearer key-admin"}  # /metrics: an admin key (or the metrics key)
+    metrics = httpx.get(served["url"] + "/metrics", headers=admin).text
     found = re.search(rf'^kvroute:lora_requests_total{{adapter="{adapter}"}} (\S+)$', metrics, re.M)
     return float(found.group(1)) if found else 0.0
 

@@ -20,6 +20,7 @@ from kvroute.router.frontdoor import FrontDoor
 from kvroute.router.http_api import create_app
 from kvroute.router.tenants import Tenants, tenants_from_api_keys
 
+from ..prom import METRICS_KEY
 from ..ray_session import local_ray
 from ..waiting import wait_for
 
@@ -53,7 +54,8 @@ def serve(
         infos = ray.get([a.info.remote() for a in actors], timeout=120)
     kw: dict[str, Any] = {"monitor_interval_s": 0.5, **(door_kw or {})}
     door = FrontDoor(list(zip(actors, infos, strict=True)), **kw)
-    app = create_app(door, Tenants(tenants_from_api_keys(KEYS), "test-secret"), **app_kw)
+    tenants = Tenants(tenants_from_api_keys(KEYS), "test-secret", METRICS_KEY)
+    app = create_app(door, tenants, **app_kw)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -25,12 +25,13 @@ import pytest
 from kvroute.events.replica_api import SEED_MAX, SEED_MIN
 from kvroute.replica.actor import start_replica
 
-from ..prom import scrape, value
+from ..prom import METRICS_KEY, scrape, value
 from ..ray_session import local_ray
 from .fleet import MODEL, Served, assert_clean_error, serve
 
 CONFIG = {"model": MODEL, "block_size": 16, "num_blocks": 64}
 AUTH = {"Authorization": "Bearer key-a", "content-type": "application/json"}
+METRICS = {"Authorization": f"Bearer {METRICS_KEY}"}
 BODY_CAP = 1 << 20
 BODY_TIMEOUT = 1.0  # and the request head's
 IDLE_TIMEOUT = 3.0  # a fresh connection that sends nothing (kvroute serve: 75 s, as keep-alive)
@@ -183,7 +184,7 @@ def test_authentication_comes_before_the_body(served: Served) -> None:
 def test_every_response_carries_a_request_id(served: Served) -> None:
     ids = [
         httpx.get(served.url + "/health").headers["x-request-id"],
-        httpx.get(served.url + "/metrics").headers["x-request-id"],
+        httpx.get(served.url + "/metrics", headers=METRICS).headers["x-request-id"],
         httpx.get(served.url + "/v1/models", headers=AUTH).headers["x-request-id"],
         httpx.get(served.url + "/v1/nope", headers=AUTH).headers["x-request-id"],
         post(served, C, completion()).headers["x-request-id"],

@@ -41,7 +41,7 @@ from kvroute.router.tenants import (
 
 from ..deploy.test_grafana import load as load_dashboard
 from ..deploy.test_grafana import queried_series
-from ..prom import scrape, value
+from ..prom import METRICS_KEY, scrape, value
 from ..ray_session import local_ray
 from ..waiting import wait_for
 from .fleet import assert_clean_error
@@ -63,7 +63,7 @@ def fleet() -> Iterator[dict[str, Any]]:
         started.extend(actors)
         infos = ray.get([a.info.remote() for a in actors], timeout=120)
         door = FrontDoor(list(zip(actors, infos, strict=True)), monitor_interval_s=0.5)
-        app = create_app(door, Tenants(tenants_from_api_keys(KEYS), "test-secret"))
+        app = create_app(door, Tenants(tenants_from_api_keys(KEYS), "test-secret", METRICS_KEY))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]

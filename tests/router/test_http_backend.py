@@ -36,7 +36,7 @@ import httpx
 
 from kvroute.replica.models import tiny_model_path
 
-from ..prom import scrape, value
+from ..prom import METRICS_KEY, scrape, value
 from ..serve_process import free_port
 from ..waiting import poll, wait_for
 
@@ -149,10 +149,13 @@ def serve_backends(tmp: Path, hash_algo: str = "sha256_cbor") -> Iterator[Fleet]
             backends[i] = wait_healthy(tmp, backends[i], f"vllm-{i}", hash_algo)
         keys = tmp / "keys.json"
         keys.write_text(json.dumps(KEYS))
+        metrics_key = tmp / "metrics.key"  # /metrics needs it (tests/prom.py sends it)
+        metrics_key.write_text(METRICS_KEY + "\n")
         port = free_port()
         cmd = [
             sys.executable, "-m", "kvroute.deploy.cli", "router", "--port", str(port),
             "--api-keys", str(keys), "--fleet-secret", "test-secret", "--events-topic", "kv",
+            "--metrics-key-file", str(metrics_key),
         ]  # fmt: skip
         for b in backends:
             cmd += ["--backend", b.spec]

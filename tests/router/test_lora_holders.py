@@ -31,6 +31,7 @@ from kvroute.router.policies import make_policy
 from kvroute.router.responses import REPLICA_HEADER
 
 from ..lora_adapters import SHAPES, make_adapter
+from ..prom import METRICS_KEY
 from ..ray_session import local_ray
 from ..waiting import wait_for
 from .fleet import Served, assert_clean_error, serve
@@ -78,7 +79,8 @@ def spread(served: Served, model: str, n: int) -> list[str]:
 
 
 def holders_gauge(served: Served) -> dict[str, float]:
-    text = httpx.get(served.url + "/metrics", timeout=30).text
+    auth = {"authorization": f"Bearer {METRICS_KEY}"}
+    text = httpx.get(served.url + "/metrics", headers=auth, timeout=30).text
     found = re.findall(r'^kvroute:lora_adapter_replicas\{adapter="([^"]+)"\} (\S+)$', text, re.M)
     return {name: float(n) for name, n in found}
 

@@ -10,7 +10,9 @@ from kvroute.router.limits import Limits
 from kvroute.router.tenants import (
     AuthError,
     Tenants,
+    TenantsFile,
     hash_key,
+    load_api_keys,
     load_tenants,
     tenant_salt,
     tenants_from_api_keys,
@@ -111,3 +113,48 @@ def test_a_tenants_file_grants_adapters_by_name_or_all(tmp_path: Path) -> None:
     path.write_text(f'[[tenants]]\nid = "a"\nkeys = ["{hash_key("ka")}"]\nadapters = [""]\n')
     with pytest.raises(ValueError, match="adapters"):
         load_tenants(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "name"),
+    [
+        ('[[tenants]]\nid = "a\\u0000b"\n' + KEY_K, "tenant id"),
+        ('[[tenants]]\nid = "a\\nb"\n' + KEY_K, "tenant id"),
+        ('[[tenants]]\nid = "a"\n' + KEY_K + 'adapters = ["x\\u001b[2J"]\n', "adapter name"),
+    ],
+    ids=["nul-id", "newline-id", "esc-adapter"],
+)
+def test_a_name_with_a_control_character_is_refused(tmp_path: Path, text: str, name: str) -> None:
+    """Tenant ids and adapter names become /metrics labels and log words: the exposition
+    format cannot escape a NUL, and an ESC in a log hides what follows."""
+    path = tmp_path / "tenants.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=rf"tenants\.toml: tenants\[0\]: {name} .*control") as info:
+        load_tenants(path)
+    assert "\x00" not in str(info.value) and "\x1b" not in str(info.value)
+    keys = tmp_path / "keys"
+    for body in ('{"k": "t\\u0000"}', "k:t\x07x\n"):
+        keys.write_text(body)
+        with pytest.raises(ValueError, match=r"tenant id .*control character"):
+            load_api_keys(keys)
+
+
+def test_metrics_need_an_admin_or_the_metrics_key_once_any_key_is_set() -> None:
+    spec = tenants_from_api_keys({"key-a": "alpha"})
+    spec = TenantsFile(spec.tenants, admin_keys=[hash_key("key-admin")])
+    keyed = Tenants(spec, "s", metrics_key="key-m")
+    assert keyed.may_scrape("Bearer key-m") and keyed.may_scrape("Bearer key-admin")
+    assert not keyed.may_scrape("Bearer key-a")  # a tenant: 403
+    for bad in (None, "Bearer nope", "Basic key-m"):
+        with pytest.raises(AuthError):
+            keyed.may_scrape(bad)
+    assert not keyed.is_admin("Bearer key-m")  # /fleet: 403, not 401
+    with pytest.raises(AuthError, match="/metrics only"):
+        keyed.authenticate("Bearer key-m")
+    assert Tenants(None, "s").may_scrape(None)  # nothing configured: open, as before
+    only_metrics = Tenants(None, "s", metrics_key="key-m")
+    assert only_metrics.may_scrape("Bearer key-m") and only_metrics.authenticate(None)
+    with pytest.raises(AuthError):
+        only_metrics.may_scrape(None)
+    with pytest.raises(ValueError, match="also a tenant's key"):
+        Tenants(spec, "s", metrics_key="key-a")
