@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from kvroute.deploy.cli import build_parser
-from kvroute.router.tenants import load_tenants
+from kvroute.router.tenants import METRICS_KEY_ENV, load_tenants
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
@@ -145,6 +145,11 @@ def test_front_door_command_service_secret_and_scrape(
     pm = manifests["PodMonitor"]["spec"]
     assert pm["selector"]["matchLabels"].items() <= labels.items()
     assert pm["podMetricsEndpoints"][0]["path"] == "/metrics"
+    # With a tenants file /metrics needs an admin or the metrics key: the PodMonitor sends
+    # the Secret's key the front door reads as $KVROUTE_METRICS_KEY.
+    read = next(e for e in door["env"] if e["name"] == METRICS_KEY_ENV)["valueFrom"]
+    auth = pm["podMetricsEndpoints"][0]["authorization"]
+    assert auth["type"] == "Bearer" and auth["credentials"] == read["secretKeyRef"]
 
 
 def test_the_start_commands_run_with_help() -> None:
