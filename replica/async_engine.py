@@ -381,6 +381,7 @@ class AsyncLLMEngine:
                 applied = self._drain(block=not scheduler.has_unfinished_requests())
                 if applied is None:
                     self._fail_all(EngineDeadError("the engine is shut down"))
+                    self._close_engine()
                     return
                 # The load changes only by a command or a step. It is read every 0.1 s at
                 # most (the data plane's push, Ray polls), and a report walks every waiting
@@ -410,7 +411,16 @@ class AsyncLLMEngine:
                 self._deliver(rid, err, last=True)
             self._fail_queued(EngineDeadError(f"engine step failed: {exc!r}"))
             self._flush()
+            self._close_engine()
             self._failed.set()
+
+    def _close_engine(self) -> None:
+        """The engine thread's last act: the engine's threads stop and its KV disk folder
+        (tenants' data) is removed. Its own failure is logged, never raised."""
+        try:
+            self.llm_engine.close()
+        except Exception:
+            log.exception("closing the engine failed")
 
     def _flush(self) -> None:
         touched = self._touched

@@ -540,7 +540,7 @@ class LLMEngine:
             s.update(runner_stats())
         if self.kv_tiers is not None:
             t = self.kv_tiers
-            s.update({f"kv_tier_{k}": v for k, v in t.stats.items()})
+            s.update({f"kv_tier_{k}": v for k, v in t.counters().items()})
             s["kv_host_blocks"] = len(t.host)
             s["kv_disk_blocks"] = len(t.disk_meta)
             s["kv_tier_loads_inline"] = self.scheduler.kv_loads.num_inline  # type: ignore[union-attr]
@@ -548,7 +548,9 @@ class LLMEngine:
         return s
 
     def close(self) -> None:
-        """Stops the KV tiers' loader and disk writer threads (the engine is not used after)."""
+        """Stops the KV tiers' threads and removes the disk tier's folder (tenants' data);
+        the engine is not used after. :class:`.async_engine.AsyncEngine` calls it when its
+        thread ends."""
         if self.kv_tiers is not None:
             self.kv_tiers.close()
 

@@ -71,6 +71,11 @@ class EngineConfig:
     kv_host_bytes: int = 0
     kv_disk_path: str | None = None
     kv_disk_bytes: int = 0
+    # The disk folder holds tenants' prompts in KV form: its blocks are sealed (AES-GCM,
+    # a key in memory only; replica/kv_seal.py) unless this is False, and a disk read that
+    # does not answer within kv_disk_read_timeout_s is recomputed (replica/kv_disk_reads.py).
+    kv_disk_encrypt: bool = True
+    kv_disk_read_timeout_s: float = 2.0
 
     @property
     def lora_enabled(self) -> bool:
@@ -93,6 +98,8 @@ def build_kv_tiers(config: EngineConfig, runner: Any, kv: KVCacheManager) -> KVT
         host_bytes=config.kv_host_bytes,
         disk_path=config.kv_disk_path,
         disk_bytes=config.kv_disk_bytes,
+        disk_encrypt=config.kv_disk_encrypt,
+        disk_read_timeout_s=config.kv_disk_read_timeout_s,
     )
     tiers.attach(kv.block_pool)
     return tiers

@@ -30,21 +30,42 @@ Invariants:
 - a failed write is reported once, by :meth:`poll` on the engine thread, unless the block
   was evicted or discarded since (then there is nothing left to report).
 
+Folder lost: the writer thread checks that the store's folder is still there and still
+its own (:meth:`.kv_disk.DiskStore.folder_lost`) after a write fails and at least every
+``FOLDER_CHECK_S``. Once it is not, ``lost`` says why and the writer writes nothing more
+(its writes fail, so none lands in a folder moved elsewhere); the engine's poll turns the
+tier off (:meth:`.kv_tiers.KVTiers.poll`).
+
+Stop: :meth:`close` has the writer thread close the store last (its files and folder are
+removed: they are tenants' data), after the write under way; a process that exits without
+closing its writers (SIGTERM in a Ray worker raises ``SystemExit``) closes them at exit.
+
 Thread-safety: :meth:`put`, :meth:`touch`, :meth:`discard`, :meth:`clear`, :meth:`poll`
-and :meth:`close` are the engine thread's; :meth:`read` runs on any thread (the loader).
-The writer thread touches the store only through its file-system methods.
+and :meth:`close` are the engine thread's; :meth:`read` runs on any thread (the disk
+readers). The writer thread touches the store only through its file-system methods.
 """
 
 from __future__ import annotations
 
+import atexit
+import errno
+import logging
 import threading
+import time
+import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from .kv_disk import DiskStore, checksum
 
+log = logging.getLogger(__name__)
+
 DEFAULT_QUEUE_BYTES = 64 << 20  # 32 blocks of an 8B model, 4096 of tiny
+# How often, at the least, the writer thread checks that the folder is still its own.
+FOLDER_CHECK_S = 1.0
+_LIVE: weakref.WeakSet[DiskWriter] = weakref.WeakSet()
 
 
 @dataclass(slots=True, eq=False)
@@ -73,8 +94,11 @@ class DiskWriter:
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self.stats = {"written": 0, "write_failures": 0, "dropped": 0}
+        self.lost: str | None = None  # why the folder no longer serves (the writer's)
+        self._checked_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="kv-disk-writer", daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     # -- the store's face (for KVTiers and tests) ----------------------------------------
     @property
@@ -167,14 +191,24 @@ class DiskWriter:
             return self._cv.wait_for(lambda: not self._ops and not self._busy, timeout)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Cancels the writes not started and stops the thread after the one under way (the
-        next store to open the folder wipes what is left)."""
+        """Cancels the writes not started; the writer thread, after the one under way,
+        removes the store's files and folder and stops. A writer stuck on a disk that does
+        not answer is left (logged): the next store to open the root wipes what is left."""
+        if self.store.closed or not self._thread.is_alive():
+            return
         with self._cv:
             for h in list(self._pending):
                 self._cancel(h)
             self._ops.append(None)
             self._cv.notify_all()
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning(
+                "KV disk writer did not stop within %.0f s; %s is left for the next start "
+                "to wipe (its blocks are sealed under a key that dies with this process)",
+                timeout,
+                self.store.path,
+            )
 
     def _cancel(self, block_hash: bytes) -> None:
         """(under the lock) Cancels the block's pending write, if any."""
@@ -189,41 +223,62 @@ class DiskWriter:
             write.data = None
 
     # -- any thread ---------------------------------------------------------------------
-    def read(self, block_hash: bytes, expected_size: int) -> bytes | None:
+    def read(
+        self,
+        block_hash: bytes,
+        expected_size: int,
+        file_read: Callable[[bytes, int], bytes | None] | None = None,
+    ) -> bytes | None:
         """The block's verified bytes: from memory while its write is pending, else from
-        its file; None if either fails a check."""
+        its file (through ``file_read``, the engine's bounded reads, when given); None if
+        either fails a check."""
         with self._lock:
             write = self._pending.get(block_hash)
             data = write.data if write is not None else None
         if write is None or data is None:
-            return self.store.read(block_hash, expected_size)
+            return (file_read or self.store.read)(block_hash, expected_size)
         if len(data) != expected_size or checksum(data) != write.digest:
             return None
         return bytes(data)
 
     # -- the writer thread ----------------------------------------------------------------
+    def _check_folder(self) -> None:
+        """(writer thread) Notes, once, that the folder is gone or no longer its own."""
+        self._checked_at = time.monotonic()
+        if self.lost is None:
+            self.lost = self.store.folder_lost()
+
     def _run(self) -> None:
         while True:
             data: memoryview | None = None
             ok = False
             with self._cv:
-                self._cv.wait_for(lambda: bool(self._ops))
-                op = self._ops.popleft()
-                if op is None:
-                    self._cv.notify_all()
-                    return
-                if isinstance(op, _Write):
-                    if op.cancelled:
+                if not self._cv.wait_for(lambda: bool(self._ops), FOLDER_CHECK_S):
+                    op: _Write | bytes | None = b""  # idle: only the folder check below
+                else:
+                    op = self._ops.popleft()
+                    if op is None:
                         self._cv.notify_all()
-                        continue
-                    op.state = "writing"
-                    data = op.data
-                self._busy = True
+                    elif isinstance(op, _Write):
+                        if op.cancelled:
+                            self._cv.notify_all()
+                            continue
+                        op.state = "writing"
+                        data = op.data
+                    self._busy = op is not None
+            if op is None:
+                self.store.close()
+                return
+            if time.monotonic() - self._checked_at >= FOLDER_CHECK_S:
+                self._check_folder()
             if isinstance(op, bytes):
-                self.store.remove_file(op)
-            else:
+                if op:
+                    self.store.remove_file(op)
+            elif self.lost is None:
                 assert data is not None
                 ok = self.store.write_file(op.block_hash, data, op.digest)
+                if not ok and self.store.last_errno in (errno.ENOENT, errno.ESTALE):
+                    self._check_folder()
             with self._cv:
                 self._busy = False
                 if isinstance(op, _Write):
@@ -234,3 +289,11 @@ class DiskWriter:
                     self.stats["written" if ok else "write_failures"] += 1
                     self._landed.append(op)
                 self._cv.notify_all()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """A process leaving without closing its engine (a Ray worker on SIGTERM): its disk
+    tiers' folders go with it all the same."""
+    for writer in list(_LIVE):
+        writer.close(timeout=2.0)

@@ -24,6 +24,15 @@ enqueued when the load started (a copy-out of the very blocks the load writes, a
 others). Writing the copy to disk is slower and needs no device: the writer thread does
 it, the bytes held in memory (and loadable from there) until the file is in place.
 
+Disk reads never run on the engine thread nor unbounded (issue 50): a load with disk blocks
+has them read first by :class:`.kv_disk_reads.DiskFetcher`, each within a deadline, and
+only then goes to the loader thread, so a host load never waits behind a disk that does not
+answer. A read past its deadline fails its block like a bad checksum; with every reader
+stuck the disk is unresponsive and :meth:`KVTiers.lookup` offers no disk blocks until one
+answers. A disk folder deleted or replaced under the store turns the disk tier off at the
+next :meth:`KVTiers.poll`: a warning, ``disk_folder_lost``, and a ``BlockRemoved`` STORAGE
+for everything it held, so routers stop crediting it.
+
 Events: the tiers speak through the pool's event list (:meth:`BlockPool.emit`), in the order
 things happen: ``BlockStored``/``BlockRemoved`` with ``medium`` "CPU" (host) or "STORAGE"
 (disk), each block with its own parent hash and tokens, as the device's events give them.
@@ -46,7 +55,11 @@ Invariants:
   which the scheduler holds (refcount > 0, no hash) until the job lands, and the digest of
   host entries it seals (queued at copy-out, ahead of any load of them);
 - the disk writer thread touches only files and its own queue (see :mod:`.kv_disk_writer`);
-  every tier structure here, and every event, is the engine thread's.
+  the disk fetcher and its readers touch only files, the writer's pending bytes and the
+  ``fetched`` list of the job in hand; every tier structure here, and every event, is the
+  engine thread's;
+- ``disk`` is None once the tier is off (never configured, or its folder was lost); then
+  ``disk_meta`` is empty.
 """
 
 from __future__ import annotations
@@ -54,13 +67,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import queue
-import tempfile
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -68,7 +79,9 @@ import torch
 from kvroute.events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored, to_external
 
 from .kv_disk import DiskStore, checksum
+from .kv_disk_reads import READ_DEADLINE_S, DiskFetcher, DiskReads
 from .kv_disk_writer import DEFAULT_QUEUE_BYTES, DiskWriter
+from .kv_tier_costs import measure_tiers
 
 if TYPE_CHECKING:
     from .block_pool import BlockPool
@@ -112,6 +125,7 @@ class LoadJob:
     hashes: list[bytes]
     host_entries: list[HostEntry | None]
     after: torch.cuda.Event | None = None  # CUDA: the step's stream when the load started
+    fetched: list[bytes | None] = field(default_factory=list)  # disk blocks' bytes, read
     num_ok: int = 0  # leading blocks copied and verified
     failed: bytes | None = None  # the hash that stopped the load, if one did
     seconds: float = 0.0
@@ -129,6 +143,8 @@ class KVTiers:
         disk_path: str | None = None,
         disk_bytes: int = 0,
         disk_queue_bytes: int = DEFAULT_QUEUE_BYTES,
+        disk_encrypt: bool = True,
+        disk_read_timeout_s: float = READ_DEADLINE_S,
         measure: bool = True,
     ) -> None:
         if host_bytes < 0 or disk_bytes < 0:
@@ -144,11 +160,14 @@ class KVTiers:
         if host_bytes and not self.host_capacity:
             raise ValueError(f"kv_host_bytes {host_bytes} holds no block of {self.block_bytes}")
         self.host: OrderedDict[bytes, HostEntry] = OrderedDict()
-        self.disk = (
-            DiskWriter(DiskStore(disk_path, disk_bytes), disk_queue_bytes)
-            if disk_path is not None
-            else None
-        )
+        self.disk: DiskWriter | None = None
+        self.disk_reads: DiskReads | None = None
+        self._fetcher: DiskFetcher | None = None
+        if disk_path is not None:
+            store = DiskStore(disk_path, disk_bytes, encrypt=disk_encrypt)
+            self.disk = DiskWriter(store, disk_queue_bytes)
+            self.disk_reads = DiskReads(lambda h, n: store.read(h, n), disk_read_timeout_s)
+            self._fetcher = DiskFetcher(self.disk, self.disk_reads, self.block_bytes, self._hand)
         self.disk_meta: OrderedDict[bytes, BlockMeta] = OrderedDict()
         self.device_meta: dict[bytes, BlockMeta] = {}
         self.pool: BlockPool | None = None  # set by attach
@@ -159,9 +178,10 @@ class KVTiers:
             "load_failures": 0,
             "disk_dropped": 0,  # refused by the writer's full queue
             "disk_write_failures": 0,
+            "disk_folder_lost": 0,  # 1 once the folder was deleted or replaced (tier off)
         }
         self.offload_seconds = 0.0
-        self.bytes_per_s: dict[str, float] = self._measure() if measure else {}
+        self.bytes_per_s: dict[str, float] = measure_tiers(self) if measure else {}
         self._jobs: queue.SimpleQueue[LoadJob | HostEntry | None] = queue.SimpleQueue()
         self._done: list[LoadJob] = []
         self._done_lock = threading.Lock()
@@ -234,10 +254,11 @@ class KVTiers:
         """The media of the run of blocks ``hashes[start:stop]`` the lower tiers hold,
         stopping at the first they lack."""
         out: list[str] = []
+        on_disk = self.disk_meta if self.disk_reads and not self.disk_reads.unresponsive else ()
         for h in hashes[start:stop]:
             if h in self.host:
                 out.append(MEDIUM_CPU)
-            elif h in self.disk_meta:
+            elif h in on_disk:
                 out.append(MEDIUM_STORAGE)
             else:
                 break
@@ -266,17 +287,64 @@ class KVTiers:
         if self.cuda:  # copy-outs of these blocks enqueued on the step's stream go first
             job.after = torch.cuda.Event()
             job.after.record()
+        job.fetched = [None] * len(job.hashes)
+        if self._fetcher is not None and MEDIUM_STORAGE in job.media:
+            self._fetcher.submit(job)  # its disk blocks first, then the loader
+        else:
+            self._jobs.put(job)
+
+    def _hand(self, job: LoadJob) -> None:
+        """(the disk fetcher) A job whose disk blocks were read, on to the loader."""
         self._jobs.put(job)
 
     def poll(self) -> None:
         """Announces the disk writes that failed since the last call (engine thread, each
-        step): they leave the tier with a ``BlockRemoved`` STORAGE, in order with the rest."""
+        step): they leave the tier with a ``BlockRemoved`` STORAGE, in order with the rest;
+        and turns the disk tier off once its folder is lost."""
         if self.disk is None:
+            return
+        if self.disk.lost is not None:
+            self._disk_off(self.disk.lost)
             return
         failed = [h for h in self.disk.poll() if self.disk_meta.pop(h, None) is not None]
         if failed:
             self.stats["disk_write_failures"] += len(failed)
             self._emit(BlockRemoved([self._ext(h) for h in failed], MEDIUM_STORAGE))
+
+    def _disk_off(self, why: str) -> None:
+        """The folder was deleted or replaced: the tier stops, says so once, and withdraws
+        what it held (a router must not credit blocks no load can bring back)."""
+        assert self.disk is not None
+        log.warning(
+            "KV disk tier off: its folder %s was %s; %d blocks withdrawn, evicted blocks are "
+            "no longer kept on disk",
+            self.disk.path,
+            why,
+            len(self.disk_meta),
+        )
+        self.stats["disk_folder_lost"] = 1
+        held = list(self.disk_meta)
+        self.disk_meta.clear()
+        if held:
+            self._emit(BlockRemoved([self._ext(h) for h in held], MEDIUM_STORAGE))
+        self.disk.clear()
+        self.disk.close()
+        self.disk = None
+        self.bytes_per_s.pop(MEDIUM_STORAGE, None)
+
+    def counters(self) -> dict[str, int]:
+        """``stats`` and the disk's live figures: what the engine's stats and load report
+        carry (and the router's /metrics)."""
+        out = dict(self.stats)
+        reads = self.disk_reads
+        if reads is not None:
+            store = self._fetcher.disk.store  # type: ignore[union-attr]
+            out["disk_read_timeouts"] = reads.timeouts
+            out["disk_readers_stuck"] = reads.stuck
+            out["disk_unresponsive"] = int(reads.unresponsive)
+            out["disk_refused_files"] = store.num_refused  # FIFOs, devices: never opened
+            out["disk_unauthentic"] = store.num_unauthentic  # failed authentication
+        return out
 
     def take_done(self) -> list[LoadJob]:
         """Loads that landed since the last call, each exactly once."""
@@ -305,8 +373,11 @@ class KVTiers:
             self._emit(BlockRemoved([self._ext(h)], MEDIUM_STORAGE))
 
     def close(self) -> None:
-        """Stops the loader and the disk writer (its writes not yet started are dropped)."""
+        """Stops the loader, the disk reads and the disk writer (its writes not yet started
+        are dropped; its files and folder are removed: tenants' data ends with the engine)."""
         self._jobs.put(None)
+        if self._fetcher is not None:
+            self._fetcher.close()
         if self.disk is not None:
             self.disk.close()
 
@@ -410,7 +481,7 @@ class KVTiers:
             if stream is not None and job.after is not None:
                 stream.wait_event(job.after)
             for i, (h, entry) in enumerate(zip(job.hashes, job.host_entries, strict=True)):
-                data = self._fetch(h, entry)
+                data = self._fetch(entry, job.fetched[i] if job.fetched else None)
                 if data is None:
                     job.failed = h
                     break
@@ -419,9 +490,9 @@ class KVTiers:
         if stream is not None:
             stream.synchronize()  # the blocks are in before the job says so
 
-    def _fetch(self, h: bytes, entry: HostEntry | None) -> torch.Tensor | None:
-        """A block's verified bytes from the host or the disk (or, while its write is
-        pending, the writer's memory); None if they fail a check."""
+    def _fetch(self, entry: HostEntry | None, raw: bytes | None) -> torch.Tensor | None:
+        """A block's verified bytes from its host entry, or the disk's as the fetcher read
+        them (verified there); None if they fail a check or were not read."""
         if entry is not None:
             data = entry.data
             if data.numel() != self.block_bytes or checksum(data.numpy()) != entry.seal():
@@ -429,42 +500,7 @@ class KVTiers:
             if self.cuda and not data.is_pinned():
                 data = data.pin_memory()
             return data
-        if self.disk is None:
-            return None
-        raw = self.disk.read(h, self.block_bytes)
-        if raw is None:
+        if raw is None or len(raw) != self.block_bytes:
             return None
         data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         return data.pin_memory() if self.cuda else data
-
-    # -- costs ------------------------------------------------------------------------
-    def _measure(self) -> dict[str, float]:
-        """Load bandwidth (bytes/s) into the device cache from each configured tier, from
-        one quick copy of 4 MiB (a few ms): what the replica reports to routers."""
-        n = 4 << 20
-        src = torch.randint(0, 255, (n,), dtype=torch.uint8)
-        dst = torch.empty(n, dtype=torch.uint8, device=self.device)
-        out: dict[str, float] = {}
-        if self.cuda:
-            src = src.pin_memory()
-        dst.copy_(src)  # warm
-        if self.host_capacity:
-            t0 = time.perf_counter()
-            digest = checksum(src.numpy())
-            dst.copy_(src, non_blocking=self.cuda)
-            if self.cuda:
-                torch.cuda.synchronize(self.device)
-            out[MEDIUM_CPU] = n / max(time.perf_counter() - t0, 1e-9)
-            del digest
-        if self.disk is not None:
-            with tempfile.NamedTemporaryFile(dir=self.disk.path, suffix=".probe") as f:
-                f.write(src.numpy().tobytes())
-                f.flush()
-                t0 = time.perf_counter()
-                raw = Path(f.name).read_bytes()
-                checksum(raw)
-                dst.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
-                if self.cuda:
-                    torch.cuda.synchronize(self.device)
-                out[MEDIUM_STORAGE] = n / max(time.perf_counter() - t0, 1e-9)
-        return out

@@ -99,9 +99,10 @@ def test_capacity_holds_and_files_match_entries_under_many_writes(tmp_path: Path
         if step == 300:
             gate.open()
     assert writer.flush(10)
-    assert files(tmp_path) == {store.file_of(k).name for k in store.entries}
-    on_disk = sum(store.file_of(k).stat().st_size - 20 for k in store.entries)
-    assert on_disk == store.used_bytes <= 1000
+    assert files(store.path) == {store.file_of(k).name for k in store.entries}
+    on_disk = sum(store.file_of(k).stat().st_size for k in store.entries)
+    assert on_disk == sum(store.file_bytes(n) for n in store.entries.values())
+    assert store.used_bytes <= 1000
     for k, size in store.entries.items():
         assert writer.read(k, size) == block(k[-1], size)
     writer.close()
@@ -120,7 +121,7 @@ def test_a_block_evicted_while_its_write_is_pending_leaves_no_file(tmp_path: Pat
     assert store.used_bytes == 300
     gate.open()
     assert writer.flush(10)
-    assert files(tmp_path) == {store.file_of(h(i)).name for i in (3, 4, 5)}
+    assert files(store.path) == {store.file_of(h(i)).name for i in (3, 4, 5)}
     assert writer.poll() == []  # the cancelled writes report nothing
     writer.close()
 
@@ -135,7 +136,7 @@ def test_a_full_queue_drops_the_block_and_keeps_no_entry(tmp_path: Path) -> None
     gate.open()
     assert writer.flush(10)
     assert put(writer, 3) == []  # room again once the writer caught up
-    assert writer.flush(10) and len(files(tmp_path)) == 4
+    assert writer.flush(10) and len(files(store.path)) == 4
     writer.close()
 
 
@@ -143,7 +144,7 @@ def test_a_failed_write_is_reported_once_and_forgotten(tmp_path: Path) -> None:
     """A real failure: a folder where the write's temporary file must go."""
     store = DiskStore(tmp_path, 1000)
     writer = DiskWriter(store)
-    (tmp_path / (store.file_of(h(2)).name + ".tmp")).mkdir()
+    (store.path / (store.file_of(h(2)).name + ".tmp")).mkdir()
     for i in range(3):
         put(writer, i)
     assert writer.flush(10)
@@ -153,7 +154,7 @@ def test_a_failed_write_is_reported_once_and_forgotten(tmp_path: Path) -> None:
     assert h(2) not in writer and store.used_bytes == 200
     assert writer.stats == {"written": 2, "write_failures": 1, "dropped": 0}
     # a failure the engine already acted on (a load missed it and discarded it): silent
-    (tmp_path / (store.file_of(h(7)).name + ".tmp")).mkdir()
+    (store.path / (store.file_of(h(7)).name + ".tmp")).mkdir()
     put(writer, 7)
     assert writer.flush(10)
     assert writer.discard(h(7)) and writer.flush(10)
@@ -173,8 +174,8 @@ def test_clear_with_writes_pending_leaves_no_entry_and_no_file(tmp_path: Path) -
     assert writer.read(h(5), 100) is None
     gate.open()
     assert writer.flush(10)
-    assert files(tmp_path) == set()
+    assert files(store.path) == set()
     assert writer.poll() == []
     put(writer, 1)  # a put after the clear is kept
-    assert writer.flush(10) and files(tmp_path) == {store.file_of(h(1)).name}
+    assert writer.flush(10) and files(store.path) == {store.file_of(h(1)).name}
     writer.close()

@@ -5,7 +5,6 @@ answer or a failed request."""
 
 from __future__ import annotations
 
-import os
 import random
 import threading
 import time
@@ -231,30 +230,33 @@ def test_a_host_load_on_cuda_runs_on_the_side_stream_and_matches() -> None:
     assert again.outputs[0].token_ids == run(ref, "ref", ps[0]).outputs[0].token_ids
 
 
-def stall(eng: LLMEngine, block_hash: bytes) -> Callable[[], None]:
-    """Makes the disk tier's file of ``block_hash`` a FIFO with no writer yet, so that a load
-    reaching it blocks (a disk that does not answer); the function returned gives it its
-    original bytes, from another thread."""
+def stall(eng: LLMEngine, block_hash: bytes, *, miss: bool = False) -> Callable[[], None]:
+    """Holds the disk read of ``block_hash``'s file until the function returned is called
+    (a slow disk: the engines here read with a deadline longer than the hold); released,
+    the read gives the file's bytes, or a miss with ``miss``."""
     assert eng.kv_tiers.disk.flush(10)  # the writer thread has put the file in place
-    path = eng.kv_tiers.disk.file_of(block_hash)
-    raw = path.read_bytes()
-    path.unlink()
-    os.mkfifo(path)
+    store = eng.kv_tiers.disk.store
+    gate = threading.Event()
+    real = store.read
 
-    def release() -> None:
-        def write() -> None:
-            with open(path, "wb") as f:  # opening for writing unblocks the reader
-                f.write(raw)
+    def slow(h: bytes, size: int) -> bytes | None:
+        if h == block_hash:
+            assert gate.wait(60)  # a bound: a test that never releases fails, not hangs
+            if miss:
+                return None
+        return real(h, size)
 
-        threading.Thread(target=write, daemon=True).start()
+    store.read = slow  # type: ignore[method-assign]
+    return gate.set
 
-    return release
+
+SLOW_DISK = {"kv_disk_bytes": 64 * BLOCK_BYTES, "kv_disk_read_timeout_s": 60.0}
 
 
 def test_a_request_aborted_while_its_blocks_load_releases_them(
     uncached: list[list[int]], tmp_path: Path
 ) -> None:
-    eng = engine(kv_disk_path=str(tmp_path / "kv"), kv_disk_bytes=64 * BLOCK_BYTES)
+    eng = engine(kv_disk_path=str(tmp_path / "kv"), **SLOW_DISK)
     ps = prompts()
     for i, p in enumerate(ps):
         run(eng, f"a{i}", p)
@@ -279,31 +281,14 @@ def test_a_request_aborted_while_its_blocks_load_releases_them(
 def test_a_slow_load_holds_up_neither_the_step_nor_the_other_requests(
     uncached: list[list[int]], tmp_path: Path
 ) -> None:
-    """The block's file is a FIFO with no writer yet: the loader thread's read blocks (a
-    disk that does not answer). Meanwhile the step loop runs another request to its end;
-    only then does the FIFO get its (wrong) bytes, the load fails its check, and the
-    waiting request recomputes, with the uncached output."""
-    folder = tmp_path / "kv"
-    eng = engine(kv_disk_path=str(folder), kv_disk_bytes=64 * BLOCK_BYTES)
+    """The first block's read is held (a disk that is slow to answer). Meanwhile the step
+    loop runs another request to its end; only then does the read answer, with a miss:
+    the load fails, and the waiting request recomputes, with the uncached output."""
+    eng = engine(kv_disk_path=str(tmp_path / "kv"), **SLOW_DISK)
     ps = prompts()
     for i, p in enumerate(ps):
         run(eng, f"a{i}", p)
-    hashes = eng.hasher.hash_blocks(ps[0])
-    assert eng.kv_tiers.disk.flush(10)  # written: the FIFO below replaces the file
-    stuck = eng.kv_tiers.disk.file_of(hashes[0])
-    stuck.unlink()
-    os.mkfifo(stuck)
-    order: list[str] = []
-    released = threading.Event()
-
-    def release() -> None:  # a watchdog: if the other request never finishes, unblock anyway
-        released.wait(60)
-        order.append("released")
-        with open(stuck, "wb") as f:  # opening for writing unblocks the reader
-            f.write(b"not a block")
-
-    writer = threading.Thread(target=release, daemon=True)
-    writer.start()
+    release = stall(eng, eng.hasher.hash_blocks(ps[0])[0], miss=True)
     eng.add_request("slow", ps[0], GREEDY)
     eng.step()
     assert "slow" in eng.scheduler.loading  # its load is under way, it is out of the queue
@@ -311,16 +296,13 @@ def test_a_slow_load_holds_up_neither_the_step_nor_the_other_requests(
     other = None
     while other is None:
         other = next((o for o in eng.step() if o.request_id == "other" and o.finished), None)
-    order.append("other done")
     assert "slow" in eng.scheduler.loading
-    released.set()
+    release()
     final = None
     while eng.has_unfinished_requests():
         for out in eng.step():
             if out.request_id == "slow" and out.finished:
                 final = out
-    writer.join(10)
-    assert order == ["other done", "released"]
     assert other.outputs[0].token_ids == uncached[3]
     assert final is not None and final.outputs[0].token_ids == uncached[0]
     assert final.num_tier_cached_tokens == {} and eng.stats()["kv_tier_load_failures"] == 1

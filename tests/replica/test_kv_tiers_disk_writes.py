@@ -65,7 +65,7 @@ def test_a_held_disk_holds_up_no_step_and_blocks_load_before_and_after_their_wri
     # every eviction only queued its write: the writer is stuck inside the first (30 s)
     assert time.perf_counter() - t0 < 20 and eng.kv_tiers.offload_seconds < 2
     assert gate.entered.is_set() and not gate.opened.is_set()
-    assert not list(folder.glob("*.kvb")) and disk.num_pending == len(eng.kv_tiers.disk_meta)
+    assert not list(disk.path.glob("*.kvb")) and disk.num_pending == len(eng.kv_tiers.disk_meta)
     assert eng.stats()["kv_disk_pending"] > HIT // BLOCK
     hashes = eng.hasher.hash_blocks(ps[0])
     # announced when queued, and loadable from memory
@@ -75,7 +75,7 @@ def test_a_held_disk_holds_up_no_step_and_blocks_load_before_and_after_their_wri
     again = run(eng, "again", ps[0])
     assert again.outputs[0].token_ids == uncached[0]
     assert again.num_tier_cached_tokens == {MEDIUM_STORAGE: HIT}
-    assert not list(folder.glob("*.kvb"))  # all of it came from the writer's memory
+    assert not list(disk.path.glob("*.kvb"))  # all of it came from the writer's memory
     gate.open()
     assert disk.flush(30) and disk.num_pending == 0
     assert all(disk.file_of(h).exists() for h in hashes[:9])
@@ -101,7 +101,8 @@ def test_a_failed_write_is_announced_and_its_block_recomputed(
     eng = disk_engine(folder, events)
     ps = prompts()
     hashes = eng.hasher.hash_blocks(ps[0])
-    (folder / (eng.kv_tiers.disk.file_of(hashes[3]).name + ".tmp")).mkdir()
+    disk = eng.kv_tiers.disk
+    (disk.path / (disk.file_of(hashes[3]).name + ".tmp")).mkdir()
     for i, p in enumerate(ps):
         run(eng, f"a{i}", p)
     assert eng.kv_tiers.disk.flush(10)
@@ -137,7 +138,7 @@ def test_a_reset_with_writes_pending_leaves_no_entry_and_no_file(
     assert not eng.kv_tiers.disk_meta and len(disk) == 0 and disk.num_pending == 0
     gate.open()  # the write in flight lands after the reset, and is removed
     assert disk.flush(10)
-    assert not list(folder.iterdir())
+    assert not list(disk.path.iterdir())
     again = run(eng, "again", ps[0])  # nothing below the device any more: computed
     assert again.outputs[0].token_ids == uncached[0] and not again.num_tier_cached_tokens
     eng.close()

@@ -92,7 +92,7 @@ def test_the_index_holds_every_tier_of_the_engine_after_loss_and_a_late_join(
         for index in (lossy, late):
             assert poll(lambda i=index: all(not i.counts(RID, t) for t in TIERS), timeout=30)
         assert engine.kv_tiers.disk.flush(10)  # the removals are the writer thread's
-        assert not list((tmp_path / "kv").glob("*.kvb*"))
+        assert not list(engine.kv_tiers.disk.path.glob("*.kvb*"))
     finally:
         for sub in subs:
             sub.close()
@@ -126,13 +126,14 @@ def test_a_restarted_replica_leaves_no_stale_lower_tier_entry(tmp_path: Path) ->
         serve(first, convs, "a")
         assert poll(lambda: synced(index, first), timeout=60)
         old_disk = index.counts(RID, MEDIUM_STORAGE)
-        assert old_disk and list(folder.glob("*.kvb"))
+        assert old_disk and list(first.kv_tiers.disk.path.glob("*.kvb"))
         pub.close()
+        first.kv_tiers.disk.store.close = lambda: None  # type: ignore[method-assign]  # killed
         first.close()
 
         pub = ZmqEventPublisher(*endpoints, topic=RID, heartbeat_interval=0.05)
         second = tiered_engine(folder, pub.publish)
-        assert not list(folder.glob("*.kvb"))  # wiped at start
+        assert not list(folder.rglob("*.kvb"))  # wiped at start
         serve(second, conversations(4, seed=3), "b")  # churn of its own
         assert poll(lambda: synced(index, second), timeout=60), sub.stats()
         assert not set(index.counts(RID, MEDIUM_STORAGE)) & set(old_disk)
