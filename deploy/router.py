@@ -334,7 +334,11 @@ def run(args: argparse.Namespace) -> int:
 
     from kvroute.router.frontdoor import FleetMismatchError
 
+    from .serve_checks import check_front_door
+
     try:
+        if why := check_front_door(args):
+            raise ValueError(why)
         spec = front_door_tenants(args)
     except ValueError as exc:
         say(str(exc))
@@ -400,7 +404,11 @@ def run_backends(args: argparse.Namespace) -> int:
     """``kvroute router --backend ...``: the front door over ``vllm serve`` processes."""
     from kvroute.router.frontdoor import FleetMismatchError
 
+    from .serve_checks import check_front_door
+
     try:
+        if why := check_front_door(args):
+            raise ValueError(why)
         spec = front_door_tenants(args)
         backends = describe_backends(args)
         app = build_app(args, backends, spec)

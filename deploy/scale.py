@@ -10,25 +10,35 @@ starts and retires actors.
 - Up: each new replica is a twin of a running one (its engine configuration and Ray
   options, :meth:`~kvroute.replica.actor.ReplicaServer.launch_spec`), named with the
   smallest free ``r<i>``, detached (it outlives this command, as ``kvroute serve
-  --address`` starts them; ``kvroute stop`` ends them). On a Ray cluster with an
-  autoscaler, its GPU request brings up a node.
-- Down: the replicas that do not answer, then those with the highest ids, are drained
-  (routers see ``draining`` at their next poll and send them nothing new), their running
-  requests end, and only then are they killed: a replica is stopped once nothing runs
-  there and no request has reached it for ``SETTLE_S`` (a front door that had not yet
-  read ``draining`` resets that clock). One
-  still busy after ``--drain-timeout`` is stopped anyway: its requests fail over as after
-  any replica's loss (continued elsewhere, within the front doors' retry bounds).
+  --address`` starts them; ``kvroute stop`` ends them). A size the cluster cannot hold is
+  refused before any starts (:mod:`.capacity`: an autoscaler's limit counts, and
+  ``--wait-for-resources`` waits for nodes anyway). They start in batches (``BATCH``, or
+  as many as fit now), each ready before the next, so at most a batch ever waits for
+  resources; a grow interrupted (Ctrl-C, SIGTERM) or timed out stops the ones it started
+  that are not ready, so none is left waiting.
+- Down: the replicas that do not answer, then those with the highest ids, retire. One not
+  running yet (waiting for resources, loading its model, restarting) has served nothing:
+  it is killed at once. The others are drained, together (routers see ``draining`` at
+  their next poll and send them nothing new), their running requests end, and only then
+  are they killed: a replica is stopped once nothing runs there and no request has
+  reached it for ``SETTLE_S`` (a front door that had not yet read ``draining`` resets
+  that clock). One still busy after ``--drain-timeout`` is stopped anyway: its requests
+  fail over as after any replica's loss (continued elsewhere, within the front doors'
+  retry bounds).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from .capacity import BATCH, need_of, not_running, room_for
 from .router import RAY_NAMESPACE, REPLICA_ACTOR_PREFIX, answers, named_replicas
 
 # Routers poll each replica's info() this often (Fleet's monitor interval) ...
@@ -60,12 +70,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--ready-timeout",
         type=float,
         default=900.0,
-        help="seconds new replicas get to load their model (default: 900)",
+        help="seconds each batch of new replicas gets to be placed and load its model; "
+        "those not ready then are stopped (default: 900)",
+    )
+    p.add_argument(
+        "--wait-for-resources",
+        action="store_true",
+        help="grow past what the cluster holds now (and past its autoscaler's known "
+        "limit): the new replicas wait, a batch at a time, for nodes that are coming",
     )
 
 
 def _say(msg: str) -> None:
     print(f"kvroute scale: {msg}", file=sys.stderr, flush=True)
+
+
+def check_arguments(args: argparse.Namespace) -> str | None:
+    """What is wrong with ``kvroute scale``'s flags (None: nothing), before Ray."""
+    if args.replicas < 1:
+        return "--replicas must be >= 1 (kvroute stop ends a fleet)"
+    if not args.ready_timeout > 0:
+        return "--ready-timeout must be > 0"
+    if not args.drain_timeout >= 0 or not args.drain_quiet >= 0:
+        return "--drain-timeout and --drain-quiet must be >= 0"
+    return None
 
 
 def _free_ids(taken: set[str], n: int) -> list[str]:
@@ -77,21 +105,38 @@ def _free_ids(taken: set[str], n: int) -> list[str]:
     return out
 
 
+def _interrupted(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # SIGTERM as Ctrl-C: the grow's cleanup runs either way
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.replicas < 1:
-        _say("--replicas must be >= 1 (kvroute stop ends a fleet)")
+    if why := check_arguments(args):
+        _say(why)
         return 2
     import ray
 
+    previous = signal.getsignal(signal.SIGTERM)
     try:
-        ray.init(address=args.address, namespace=args.namespace, logging_level="warning")
-    except ConnectionError as exc:
-        _say(f"{exc}; kvroute serve prints the address to give (and, on its own local Ray, "
-             "RAY_AUTH_MODE=token: its token is in ~/.ray/auth_token)")  # fmt: skip
-        return 1
-    try:
-        return resize(args.replicas, args.ready_timeout, args.drain_timeout, _say, args.drain_quiet)
+        try:
+            ray.init(address=args.address, namespace=args.namespace, logging_level="warning")
+        except ConnectionError as exc:
+            _say(f"{exc}; kvroute serve prints the address to give (and, on its own local "
+                 "Ray, RAY_AUTH_MODE=token: its token is in ~/.ray/auth_token)")  # fmt: skip
+            return 1
+        signal.signal(signal.SIGTERM, _interrupted)  # after ray.init, which sets its own
+        return resize(
+            args.replicas,
+            args.ready_timeout,
+            args.drain_timeout,
+            _say,
+            args.drain_quiet,
+            wait_for_resources=args.wait_for_resources,
+        )
+    except KeyboardInterrupt:
+        _say("interrupted")
+        return 130
     finally:
+        signal.signal(signal.SIGTERM, previous or signal.SIG_DFL)
         ray.shutdown()
 
 
@@ -101,17 +146,24 @@ def resize(
     drain_timeout: float,
     say: Callable[[str], None],
     quiet_s: float = SETTLE_S,
+    *,
+    wait_for_resources: bool = False,
+    stop: threading.Event | None = None,
 ) -> int:
-    """The fleet on this driver's Ray made ``n`` replicas (module docstring); an exit code."""
+    """The fleet on this driver's Ray made ``n`` replicas (module docstring); an exit code.
+    ``stop`` (set): a grow under way gives up, stopping the replicas not ready yet."""
     import ray
 
     fleet = named_replicas()
     if not fleet:
         say("no replicas in this namespace: start a fleet with kvroute serve")
         return 1
+    # Only running actors are asked: a call to one waiting for resources would wait too.
+    pending = not_running(fleet)
+    infos = answers({rid: a.info.remote() for rid, a in fleet.items() if rid not in pending}, 10)
+    infos.update(dict.fromkeys(pending))
     # Replicas left draining (a scale interrupted mid-drain) are not the fleet's: a grow
     # takes them back first (no model to load), a shrink finishes them off.
-    infos = answers({rid: a.info.remote() for rid, a in fleet.items()}, 10)
     draining = [rid for rid, info in infos.items() if info is not None and info.draining]
     ids = [rid for rid in fleet if rid not in draining]
     while n > len(ids) and draining:
@@ -120,69 +172,124 @@ def resize(
         ids = sorted([*ids, rid], key=list(fleet).index)
         say(f"replica {rid} was left draining: taken back")
     if n > len(ids):
-        return _grow(fleet, ids, n, ready_timeout, say)
+        return _grow(fleet, ids, n, ready_timeout, say, infos, wait_for_resources, stop)
     if n < len(ids) or draining:
-        return _shrink(fleet, ids, n, drain_timeout, say, infos, draining, quiet_s)
+        return _shrink(fleet, ids, n, drain_timeout, say, infos, draining, quiet_s, pending=pending)
     say(f"the fleet already has {len(ids)} replica(s): {', '.join(ids)}")
     return 0
 
 
+def template(
+    fleet: dict[str, Any], infos: dict[str, Any], say: Callable[[str], None]
+) -> Any | None:
+    """The launch spec of a running replica (the first in id order that answers), which a
+    new one copies; None: none could say how it was started."""
+    asked = [rid for rid in fleet if infos.get(rid) is not None]
+    if not asked:
+        say("no replica is running to copy (each is waiting, loading or not answering)")
+        return None
+    specs = answers({rid: fleet[rid].launch_spec.remote() for rid in asked}, 30)
+    for rid, spec in specs.items():
+        if spec is not None:
+            return spec
+        say(f"replica {rid} cannot describe its start (a replica from before launch_spec?)")
+    say("no running replica could say how it was started")
+    return None
+
+
 def _grow(
-    fleet: dict[str, Any], ids: list[str], n: int, timeout: float, say: Callable[[str], None]
+    fleet: dict[str, Any],
+    ids: list[str],
+    n: int,
+    timeout: float,
+    say: Callable[[str], None],
+    infos: dict[str, Any],
+    wait_for_resources: bool = False,
+    stop: threading.Event | None = None,
 ) -> int:
+    spec = template(fleet, infos, say)
+    if spec is None:
+        return 1
+    need = need_of(spec.options)
+    more = n - len(ids)
+    room = room_for(need)
+    why = room.refusal(more)
+    if why and not wait_for_resources:
+        say(why)
+        return 1
+    say(f"starting {more} replica(s) like {spec.replica_id} ...")
+    taken = set(fleet)
+    ready: list[str] = []
+    starting: dict[str, Any] = {}  # started, not ready: stopped if this grow ends early
+    try:
+        while len(ready) < more:
+            if ready:  # nodes may have come (or gone) meanwhile
+                room = room_for(need)
+            size = min(more - len(ready), max(BATCH, room.now or 0))
+            while len(starting) < size:
+                rid = _free_ids(taken, 1)[0]
+                taken.add(rid)
+                try:  # detached: they outlive this command (on serve's own Ray, not it)
+                    starting[rid] = spec.start(rid, REPLICA_ACTOR_PREFIX + rid, lifetime="detached")
+                except ValueError:  # the name was taken meanwhile (another scale): the next
+                    continue
+            say(f"started {', '.join(starting)}; loading the model ...")
+            if not _await_ready(starting, ready, timeout, say, spec.options, stop):
+                return 1
+    finally:
+        if starting:  # interrupted, timed out or failed: none is left waiting
+            with _uninterrupted():
+                for actor in starting.values():
+                    with contextlib.suppress(Exception):
+                        ray_kill(actor)
+            say(f"stopped {len(starting)} replica(s) not ready: {_listed(starting)}")
+    say(f"{len(ids) + len(ready)} replicas; front doors route to the new ones within seconds")
+    return 0
+
+
+def _await_ready(
+    starting: dict[str, Any],
+    ready: list[str],
+    timeout: float,
+    say: Callable[[str], None],
+    options: dict[str, Any],
+    stop: threading.Event | None,
+) -> bool:
+    """Waits until every replica in ``starting`` is ready (moved to ``ready``); False when
+    one failed, ``timeout`` passed or ``stop`` was set (the rest stay in ``starting``)."""
     import ray
 
-    spec = None
-    for rid in ids:  # the first that answers is the template
-        try:
-            spec = ray.get(fleet[rid].launch_spec.remote(), timeout=30)
-            break
-        except Exception as exc:  # dead, or a replica from before launch_spec
-            say(f"replica {rid} cannot describe its start ({type(exc).__name__}); next")
-    if spec is None:
-        say("no running replica could say how it was started")
-        return 1
-    say(f"starting {n - len(ids)} replica(s) like {spec.replica_id} ...")
-    started: dict[str, Any] = {}
-    taken = set(fleet)
-    while len(started) < n - len(ids):
-        rid = _free_ids(taken, 1)[0]
-        taken.add(rid)
-        try:  # detached: they outlive this command (on serve's own local Ray, not it)
-            started[rid] = spec.start(rid, REPLICA_ACTOR_PREFIX + rid, lifetime="detached")
-        except ValueError:  # the name was taken meanwhile (another scale): the next one
-            continue
-    say(f"started {', '.join(started)}; loading the model ...")
-    t0 = time.monotonic()
-    pending = {actor.info.remote(): rid for rid, actor in started.items()}
+    t0 = said = time.monotonic()
+    waiting = {actor.info.remote(): rid for rid, actor in starting.items()}
     failed = 0
-    while pending:
+    while waiting:
         left = timeout - (time.monotonic() - t0)
         if left <= 0:
-            say(f"not ready after {timeout:g} s, stopped: {', '.join(pending.values())}")
-            for rid in pending.values():
-                ray.kill(started[rid], no_restart=True)
-            return 1
-        done, _ = ray.wait(list(pending), num_returns=1, timeout=min(left, 15))
+            say(f"not ready after {timeout:g} s: {_listed(waiting.values())}")
+            return False
+        if stop is not None and stop.is_set():
+            return False
+        # Short waits: Ctrl-C, SIGTERM and ``stop`` are seen within 2 s.
+        done, _ = ray.wait(list(waiting), num_returns=1, timeout=min(left, 2))
         for ref in done:
-            rid = pending.pop(ref)
+            rid = waiting.pop(ref)
             try:
                 ray.get(ref)
-                say(f"replica {rid} ready after {time.monotonic() - t0:.0f} s")
             except Exception as exc:
                 failed += 1
                 say(f"replica {rid} failed to start: {type(exc).__name__}: {exc}")
-                ray.kill(started[rid], no_restart=True)
-        if not done:
-            short = _short_of(spec.options)
-            say(f"... {len(started) - len(pending)}/{len(started)} ready" + (
+                continue  # still in starting: stopped with the rest
+            ready.append(rid)
+            del starting[rid]
+            say(f"replica {rid} ready after {time.monotonic() - t0:.0f} s")
+        if not done and time.monotonic() - said >= 14.5:  # a line every 15 s of waiting
+            said = time.monotonic()
+            short = _short_of(options)
+            say(f"... {len(ready)} ready, {len(waiting)} loading" + (
                 f"; each needs {short}: a Ray autoscaler adds a node for it, a local "
                 "kvroute serve has only its own machine's" if short else ""
             ))  # fmt: skip
-    if failed:
-        return 1
-    say(f"{len(ids) + len(started)} replicas; front doors route to the new ones within seconds")
-    return 0
+    return failed == 0
 
 
 def _shrink(
@@ -194,27 +301,47 @@ def _shrink(
     infos: dict[str, Any],
     draining: Sequence[str] = (),
     quiet_s: float = SETTLE_S,
+    *,
+    pending: set[str] | frozenset[str] = frozenset(),
 ) -> int:
     """Retires ``len(ids) - n`` of ``ids``, and finishes off ``draining`` (left so)."""
-    import ray
-
     retired = _retirees(ids, n, infos) if n < len(ids) else []
     retired += [rid for rid in draining if rid not in retired]
-    say(f"draining {', '.join(retired)} ...")
+    now = [rid for rid in retired if rid in pending]  # nothing runs there: no drain
+    for rid in now:
+        ray_kill(fleet[rid])
+    if now:
+        say(f"stopped {len(now)} replica(s) not running yet: {_listed(now)}")
+    drained = [rid for rid in retired if rid not in pending]
+    if drained:
+        _drain(fleet, drained, timeout, say, quiet_s)
+    kept = [rid for rid in ids if rid not in retired]
+    say(f"{len(kept)} replica(s): {_listed(kept)}")
+    return 0
+
+
+def _drain(
+    fleet: dict[str, Any],
+    retired: list[str],
+    timeout: float,
+    say: Callable[[str], None],
+    quiet_s: float,
+) -> None:
+    """Drains ``retired`` together, waits until each is idle (or ``timeout``), kills them."""
+    say(f"draining {_listed(retired)} ...")
+    done = answers({rid: fleet[rid].drain.remote() for rid in retired}, 30)
     for rid in retired:
-        try:
-            ray.get(fleet[rid].drain.remote(), timeout=30)
-        except Exception as exc:  # dead already: nothing runs there
-            say(f"replica {rid} does not answer ({type(exc).__name__}): stopping it")
+        if done[rid] is None:  # dead already (nothing runs there), or stuck
+            say(f"replica {rid} does not answer its drain: stopping it")
     # Stopped once nothing runs there and no request has arrived for quiet_s: every front
     # door has read `draining` by then, and one that had not would have reset the clock.
     t0 = time.monotonic()
     quiet: dict[str, tuple[int, float]] = {}  # rid -> (requests received, since when)
     busy = set(retired)
     while busy and time.monotonic() - t0 < timeout:
-        for rid in sorted(busy):
-            status = _drain_status(fleet[rid])
-            now = time.monotonic()
+        statuses = _drain_statuses({rid: fleet[rid] for rid in busy})
+        now = time.monotonic()
+        for rid, status in statuses.items():
             if status is None:  # gone: nothing to wait for
                 busy.discard(rid)
                 continue
@@ -229,11 +356,8 @@ def _shrink(
         say(f"still busy after {timeout:g} s: {', '.join(sorted(busy))}; their "
             "requests fail over")  # fmt: skip
     for rid in retired:
-        ray.kill(fleet[rid], no_restart=True)
+        ray_kill(fleet[rid])
         say(f"replica {rid} stopped")
-    kept = [rid for rid in ids if rid not in retired]
-    say(f"{len(kept)} replica(s): {', '.join(kept)}")
-    return 0
 
 
 def _retirees(ids: list[str], n: int, infos: dict[str, Any]) -> list[str]:
@@ -244,17 +368,52 @@ def _retirees(ids: list[str], n: int, infos: dict[str, Any]) -> list[str]:
     return sorted(order[: len(ids) - n], key=ids.index)
 
 
-def _drain_status(actor: Any) -> tuple[int, int] | None:
-    """(ongoing, received) of a draining replica; None when it is gone. One that does not
-    answer in time counts as busy (it may be mid-step under load)."""
+def _drain_statuses(actors: dict[str, Any], timeout_s: float = 10) -> dict[str, Any]:
+    """(ongoing, received) of each draining replica, asked together; None where it is
+    gone. One that does not answer in time counts as busy (it may be mid-step)."""
     import ray
 
+    refs = {rid: a.drain_status.remote() for rid, a in actors.items()}
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    done = set(ready)
+    out: dict[str, Any] = {}
+    for rid, ref in refs.items():
+        if ref not in done:
+            out[rid] = (1, -1)
+            continue
+        try:
+            out[rid] = tuple(ray.get(ref))
+        except Exception:
+            out[rid] = None
+    return out
+
+
+def ray_kill(actor: Any) -> None:
+    import ray
+
+    ray.kill(actor, no_restart=True)
+
+
+def _listed(ids: Any, most: int = 12) -> str:
+    """``ids`` joined, the first ``most`` of a long list and how many more."""
+    ids = list(ids)
+    shown = ", ".join(ids[:most])
+    return shown + (f" and {len(ids) - most} more" if len(ids) > most else "")
+
+
+@contextlib.contextmanager
+def _uninterrupted() -> Iterator[None]:
+    """Ctrl-C and SIGTERM held off (on the main thread) while a cleanup runs: a second
+    Ctrl-C must not leave half the not-ready replicas behind."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return tuple(ray.get(actor.drain_status.remote(), timeout=10))  # type: ignore[return-value]
-    except ray.exceptions.GetTimeoutError:
-        return (1, -1)
-    except Exception:
-        return None
+        yield
+    finally:
+        for s, handler in held.items():
+            signal.signal(s, handler)
 
 
 def _short_of(options: dict[str, Any]) -> str:
@@ -262,9 +421,8 @@ def _short_of(options: dict[str, Any]) -> str:
     ('' when it has it all: the replicas are loading their model)."""
     import ray
 
-    need = {"CPU": options.get("num_cpus", 1), "GPU": options.get("num_gpus", 0)}
-    need.update(options.get("resources") or {})
+    need = need_of(options)
     free = ray.available_resources()
     return ", ".join(
-        f"{k} {v:g} ({free.get(k, 0):g} free)" for k, v in need.items() if v and free.get(k, 0) < v
+        f"{k} {v:g} ({free.get(k, 0):g} free)" for k, v in need.items() if free.get(k, 0) < v
     )

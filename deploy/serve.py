@@ -41,7 +41,11 @@ def _say(msg: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .serve_checks import check_front_door, check_serve
+
     try:
+        if why := check_front_door(args):
+            raise ValueError(why)
         spec = front_door_tenants(args)
     except ValueError as exc:
         _say(str(exc))
@@ -126,6 +130,9 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             _say(f"{flag}: {exc}")
             return 2
+    if why := check_serve(args, simulated, lambda m: _say(f"warning: {m}")):
+        _say(why)
+        return 2
 
     import ray
 
@@ -314,6 +321,8 @@ def engine_config(args: argparse.Namespace) -> dict[str, Any]:
             if not (args.kv_disk_path and args.kv_disk_bytes):
                 raise StartupError("--kv-disk-path and --kv-disk-bytes go together")
             config["kv_disk_bytes"] = args.kv_disk_bytes
+            if not getattr(args, "kv_disk_encrypt", True):
+                config["kv_disk_encrypt"] = False
         config.update(getattr(args, "lora", None) or {})
     return config
 
@@ -428,16 +437,19 @@ def _run(
             c = args.autoscale
             _say(f"autoscaling: {c.min_replicas}-{c.max_replicas} replicas, "
                  f"{c.target_ongoing_requests:g} requests ongoing per replica")  # fmt: skip
-            threading.Thread(
+            autoscaler.append(threading.Thread(
                 target=run_autoscaler,
                 args=(c, _say, stop_autoscaler),
+                kwargs={"wait_for_resources": args.wait_for_resources},
                 name="kvroute-autoscaler",
                 daemon=True,
-            ).start()
+            ))  # fmt: skip
+            autoscaler[0].start()
 
     from .autoscale import run_autoscaler
 
     stop_autoscaler = threading.Event()
+    autoscaler: list[threading.Thread] = []
     serve_app(
         app,
         args.host,
@@ -448,6 +460,8 @@ def _run(
         say=_say,
     )
     stop_autoscaler.set()
+    for thread in autoscaler:  # a grow under way stops its replicas not ready yet
+        thread.join(15)
     if args.address:
         _say("stopped; the replicas keep running (detached): `kvroute stop` ends them")
     else:

@@ -11,6 +11,7 @@ import argparse
 
 from .lora_args import add_lora_arguments
 from .router_args import add_front_door_arguments
+from .serve_checks import byte_size
 
 
 def add_arguments(serve: argparse.ArgumentParser) -> None:
@@ -91,10 +92,11 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--num-blocks", type=int, default=None, help="KV blocks per replica")
     serve.add_argument(
         "--kv-host-bytes",
-        type=int,
+        type=byte_size,
         default=0,
-        help="host memory per replica for KV blocks its device cache evicts (0: none); a "
-        "prefix found there is loaded back instead of recomputed (docs/kv-tiers.md)",
+        help="host memory per replica for KV blocks its device cache evicts, e.g. 8GiB "
+        "(0: none); a prefix found there is loaded back instead of recomputed "
+        "(docs/kv-tiers.md)",
     )
     serve.add_argument(
         "--kv-disk-path",
@@ -103,7 +105,17 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
         "without one); each replica uses <path>/<replica id>, wiped when it starts",
     )
     serve.add_argument(
-        "--kv-disk-bytes", type=int, default=0, help="disk bytes per replica for KV blocks"
+        "--kv-disk-bytes",
+        type=byte_size,
+        default=0,
+        help="disk bytes per replica for KV blocks, e.g. 100GiB",
+    )
+    serve.add_argument(
+        "--kv-disk-encrypt",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="seal the disk tier's blocks (tenants' prompts in KV form) with AES-GCM under a "
+        "key held only in the replica's memory (default: on; docs/kv-tiers.md)",
     )
     serve.add_argument(
         "--max-num-batched-tokens",
@@ -183,6 +195,12 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
         default=600.0,
         help="seconds the load must call for fewer replicas before they are drained and "
         "stopped (default: 600)",
+    )
+    scale.add_argument(
+        "--wait-for-resources",
+        action="store_true",
+        help="grow past what the Ray cluster holds now (and past its autoscaler's known "
+        "limit), for nodes that are coming; default: a grow stops at what it holds",
     )
     add_front_door_arguments(serve)
     add_lora_arguments(serve)

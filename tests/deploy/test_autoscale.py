@@ -24,11 +24,16 @@ def replicas(url: str) -> list[str]:
     return sorted(httpx.get(url + "/health", timeout=10).json()["replicas"])
 
 
-def feed(scaler: Autoscaler, replicas: int, ongoing: float, start: float, end: float):
-    """Samples every 2 s from ``start`` to ``end``; the first decision made (time, size)."""
+def feed(scaler: Autoscaler, replicas: int, ongoing: float, start: float, end: float, room=None):
+    """Samples every 2 s from ``start`` to ``end``; the first decision made (time, size).
+    ``room``: the largest fleet the cluster holds (``Autoscaler.decide``'s)."""
     t = start
     while t <= end:
-        got = scaler.decide(t, replicas, ongoing)
+        got = (
+            scaler.decide(t, replicas, ongoing, room)
+            if room
+            else scaler.decide(t, replicas, ongoing)
+        )
         if got is not None:
             return t, got
         t += 2.0
@@ -69,6 +74,29 @@ def test_a_wish_that_turns_around_starts_its_delay_again() -> None:
     assert feed(s, 2, 12.0, 42, 44) is None  # back at two replicas' worth: the wish resets
     assert feed(s, 2, 0.0, 46, 100) is None  # "down" again from 46: not before 106
     assert feed(s, 2, 0.0, 102, 110) == (106.0, 1)
+
+
+def test_a_grow_is_cut_to_what_the_cluster_holds() -> None:
+    """The load asks for 4 replicas; the cluster holds 2: the grow goes to 2, not to 4
+    replicas of which 2 would wait for resources. At the limit the wish stands but no
+    decision comes; once room appears (a node joined), the grow goes on."""
+    s = Autoscaler(CONFIG, look_back_s=0.0)
+    holds = {"most": 2}
+    asked: list[tuple[float, int]] = []
+
+    def room(replicas: int) -> int:
+        asked.append((replicas, holds["most"]))
+        return holds["most"]
+
+    assert feed(s, 1, 40.0, 0, 100, room) == (10.0, 2)
+    assert s.limited == 4  # what the load asked for, for the log line
+    assert asked == [(1, 2)]  # asked once, only when the grow was due
+    assert feed(s, 2, 40.0, 12, 60, room) is None  # nothing fits: no decision ...
+    assert s.limited == 4 and len(asked) > 1  # ... asked again each sample, cut each time
+    holds["most"] = 3
+    assert feed(s, 2, 40.0, 62, 100, room) == (62.0, 3)
+    assert feed(s, 3, 0.0, 102, 300, room) == (162.0, 1)  # a shrink never asks
+    assert asked[-1] == (2, 3) and s.limited is None
 
 
 @pytest.mark.parametrize(

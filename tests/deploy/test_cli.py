@@ -16,6 +16,12 @@ from kvroute.events.transport import ZmqEventPublisher
 KVROUTE = [sys.executable, "-m", "kvroute.deploy.cli"]
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def test_serve_refuses_bad_arguments_before_starting_anything():
     for args, why in (
         (["--api-keys", "/nonexistent/keys"], "--api-keys"),
@@ -28,6 +34,9 @@ def test_serve_refuses_bad_arguments_before_starting_anything():
         (["--model", "gpt2"], "neither a built-in model"),  # no hub downloads: a folder
         (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1"),
         (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+        (["--port", "70000"], "--port must be 0-65535"),
+        (["--model", "tiny", "--dtype", "fp16"], "--dtype fp16: not one of"),
+        (["--model", "sim:h100-8b", "--kv-host-bytes", "1GiB"], "sim: replicas are cost models"),
     ):
         out = subprocess.run([*KVROUTE, "serve", *args], capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and why in out.stderr, (args, out.stderr)
@@ -42,6 +51,50 @@ def test_serve_refuses_bad_arguments_before_starting_anything():
         )  # fmt: skip
     assert out.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in out.stderr, out.stderr
     assert "starting" not in out.stderr, out.stderr
+
+
+def refused_fast(args: list[str]) -> tuple[int, str, float]:
+    """``kvroute serve ARGS``: (exit status, stderr, seconds). One still running after 60 s
+    started a fleet: it is stopped with Ctrl-C (so its Ray ends with it) and fails."""
+    t0 = time.monotonic()
+    cmd = [*KVROUTE, "serve", "--model", "tiny", "--port", str(free_port()), *args]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        raise AssertionError(f"kvroute serve {args} was not refused:\n{err}") from None
+    return proc.returncode, err, time.monotonic() - t0
+
+
+def test_serve_refuses_impossible_tiers_before_ray_starts(tmp_path):
+    """A negative tier size, a disk "folder" that is a file, a host tier larger than the
+    machine: one line, exit status 2, in about the time Python takes to start (not a Ray
+    traceback tens of seconds later, nor a fleet started anyway)."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    for args, why in (
+        (["--kv-host-bytes", "-1"], "--kv-host-bytes must be >= 0, not -1"),
+        (["--kv-disk-path", str(a_file), "--kv-disk-bytes", "1GiB"], "is not a folder"),
+        (["--kv-host-bytes", "1000000000000000"], "GiB of memory"),
+    ):
+        code, err, took = refused_fast(args)
+        print(f"{args}: exit {code} after {took:.1f} s: {err.strip()}")
+        assert code == 2 and err.startswith("kvroute serve: --kv-") and why in err, (args, err)
+        assert len(err.strip().splitlines()) == 1, err  # one line: no Ray, no traceback
+        assert took < 15, took  # a local Ray and a replica take 20 s or more here
+
+
+def test_byte_sizes_read_as_operators_write_them():
+    from kvroute.deploy.serve_checks import byte_size
+
+    sizes = ("1000", "64GiB", "1.5G", "512Mi", "2tb")
+    assert [byte_size(s) for s in sizes] == [1000, 64 << 30, 1_500_000_000, 512 << 20, 2 * 10**12]
+    out = subprocess.run(
+        [*KVROUTE, "serve", "--kv-host-bytes", "10**15"], capture_output=True, text=True
+    )
+    assert out.returncode == 2 and "'10**15' is not a size in bytes" in out.stderr
 
 
 def new_key() -> tuple[str, str]:

@@ -11,10 +11,12 @@ stopped (none fails, none is cut), then both front doors drop it, and the fleet 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -182,3 +184,116 @@ def test_a_drain_left_behind_is_taken_back_by_the_next_scale(served: dict[str, A
     assert "starting" not in out  # no twin was needed
     wait_for(lambda: every_door(url, lambda c: not fleet_view(c)["r1"]["cordoned"]), 30,
              "every front door routes to r1 again")  # fmt: skip
+
+
+# A driver of its own on the fleet's Ray (serve's, with its token): the replicas' names,
+# once they equal EXPECT (JSON, if given; killed actors leave the list within moments),
+# and, given MORE, that many twins of r0 started detached first, as a scale killed with
+# SIGKILL leaves them: on this 2-CPU Ray each waits for a CPU (or loads its model).
+NAMES = """
+import json, sys, time, ray
+from kvroute.deploy.router import REPLICA_ACTOR_PREFIX, named_replicas
+ray.init(address=sys.argv[1], namespace="kvroute", logging_level="error")
+fleet = named_replicas()
+if sys.argv[3] != "0":
+    spec = ray.get(fleet["r0"].launch_spec.remote(), timeout=60)
+    for i in range(int(sys.argv[3])):
+        spec.start(f"r{90 + i}", f"{REPLICA_ACTOR_PREFIX}r{90 + i}", lifetime="detached")
+expect, deadline = json.loads(sys.argv[2]), time.monotonic() + 15
+while expect is not None and sorted(named_replicas()) != expect and time.monotonic() < deadline:
+    time.sleep(0.2)
+print(json.dumps(sorted(fleet) if sys.argv[3] != "0" else sorted(named_replicas())))
+"""
+
+
+def names(served: dict[str, Any], expect: list[str] | None = None, more: int = 0) -> list[str]:
+    """The fleet's replica ids (see NAMES), read by a driver of its own."""
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    cmd = [sys.executable, "-c", NAMES, served["address"], json.dumps(expect), str(more)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def scale_cmd(served: dict[str, Any], *args: str) -> list[str]:
+    return [*KVROUTE, "scale", "--address", served["address"], *args]
+
+
+def run_scale(served: dict[str, Any], *args: str, timeout: float = 90) -> tuple[int, str, float]:
+    """``kvroute scale ARGS``: (exit status, its lines, seconds); one still running after
+    ``timeout`` is interrupted (Ctrl-C) and fails the test."""
+    env = {**os.environ, "RAY_AUTH_MODE": "token"}
+    t0 = time.monotonic()
+    proc = subprocess.Popen(scale_cmd(served, *args), env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+        raise AssertionError(
+            f"kvroute scale {args} still running after {timeout} s:\n{err}"
+        ) from None
+    return proc.returncode, err, time.monotonic() - t0
+
+
+def said(err: str) -> list[str]:
+    """kvroute scale's own lines (not Ray's)."""
+    return [line for line in err.splitlines() if line.startswith("kvroute scale:")]
+
+
+def test_a_size_the_cluster_cannot_hold_is_refused_before_anything_starts(
+    served: dict[str, Any],
+) -> None:
+    """On serve's own 2-CPU Ray, 1000 replicas of 1 CPU each: one line, nothing started."""
+    before = names(served)
+    code, err, took = run_scale(served, "--replicas", "1000")
+    print(f"\nrefused in {took:.1f} s: {said(err)}")
+    assert code == 1 and len(said(err)) == 1, err
+    assert f"{1000 - len(before)} more replica(s) need CPU 1 each" in err, err
+    assert "room for" in err and "--wait-for-resources" in err and "Traceback" not in err
+    assert names(served) == before
+
+
+@pytest.mark.parametrize(
+    "how", ["timeout", signal.SIGINT, signal.SIGTERM], ids=["timeout", "SIGINT", "SIGTERM"]
+)
+def test_a_grow_that_waits_for_resources_leaves_none_behind(
+    served: dict[str, Any], how: Any
+) -> None:
+    """``--wait-for-resources``: at most a batch waits at once, and a grow that times out
+    or is stopped (Ctrl-C, SIGTERM) stops every replica it started that is not ready."""
+    before = names(served)
+    args = ["--replicas", "1000", "--wait-for-resources"]
+    if how == "timeout":
+        code, err, _ = run_scale(served, *args, "--ready-timeout", "3")
+    else:
+        env = {**os.environ, "RAY_AUTH_MODE": "token"}
+        proc = subprocess.Popen(
+            scale_cmd(served, *args), env=env, stderr=subprocess.PIPE, text=True
+        )
+        assert proc.stderr is not None
+        lines = []
+        for line in proc.stderr:
+            lines.append(line)
+            if "loading the model" in line:
+                break
+        proc.send_signal(how)
+        _, rest = proc.communicate(timeout=60)
+        code, err = proc.returncode, "".join(lines) + rest
+    print(f"\n{how}: {said(err)}")
+    started = next(line for line in said(err) if "started" in line)
+    assert len(started.split(",")) <= 8, started  # one batch, not 998 replicas
+    assert code == (1 if how == "timeout" else 130), err
+    assert "stopped 8 replica(s) not ready" in err, err
+    assert names(served, before) == before
+
+
+def test_replicas_left_waiting_are_stopped_at_once(served: dict[str, Any]) -> None:
+    """Twins left pending (a scale killed with SIGKILL) are killed by the next scale down,
+    not drained one after another (which took 30 s each for a replica that never answers)."""
+    before = names(served, more=4)
+    code, err, took = run_scale(served, "--replicas", str(len(before)))
+    print(f"\n4 replicas left waiting stopped in {took:.1f} s (kvroute scale's whole run)")
+    assert code == 0 and "stopped 4 replica(s) not running yet" in err, err
+    assert took < 30, err  # was 4 x 30 s of drain timeouts, then their status polls
+    assert names(served, before) == before
