@@ -293,7 +293,8 @@ class Tenants:
         return tenant
 
     def is_admin(self, authorization: str | None) -> bool:
-        """An admin key (``admin_keys``), or any request when the server is open. Raises
+        """An admin key (``admin_keys``), or any request when the server is open; False for
+        a tenant's key or the metrics key (a 403: known, not allowed). Raises
         :class:`AuthError` when no key or an unknown one is sent."""
         if self.open:
             return True
