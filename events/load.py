@@ -125,6 +125,10 @@ class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
     lora_resident: tuple[str, ...] = ()  # adapters in device slots now
     lora_running: tuple[str, ...] = ()  # of those, the ones running requests hold
     lora_host: tuple[str, ...] = ()  # adapters in host memory (a slot load away)
+    # Adapter reads that failed here (unreadable, changed since registered, or past their
+    # deadline), in total; and those abandoned at their deadline whose thread still hangs.
+    lora_read_failures: int = 0
+    lora_reads_hung: int = 0
 
 
 # One adapter's load for a replica that reports none: Llama-3.1-8B, rank 16 on all seven

@@ -190,10 +190,18 @@ class AsyncLLMEngine:
 
     async def add_lora(self, name: str, path: str) -> str:
         """Registers an adapter between steps; returns its folder as registered (what its
-        blocks are hashed with). A refusal is a ValueError naming the field."""
+        blocks are hashed with). A refusal is a ValueError naming the field.
+
+        The folder is checked on a reader thread under a deadline (``lora.inspect``), and
+        only its result is handed to the engine thread: a folder on a hung mount (or a
+        FIFO for a file) fails this call alone, never the steps of every request."""
+        store = self.llm_engine.lora
+        spec = None
+        if store is not None:
+            spec = await asyncio.wrap_future(store.inspect(str(path)))
 
         def add(engine: LLMEngine) -> str:
-            engine.add_lora(name, path)
+            engine.add_lora(name, path, spec)
             return engine.list_loras()[name]
 
         return await self.call(add)

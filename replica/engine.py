@@ -29,7 +29,7 @@ import msgspec
 from kvroute.events import BlockHasher, HashConfig, KVCacheEvent, regime_salt
 from kvroute.events.bounds import check_prompt_token_ids, check_text
 from kvroute.events.load import CostCoefficients
-from kvroute.events.replica_api import Resume, SamplingParams
+from kvroute.events.replica_api import GenerateDelta, Resume, SamplingParams
 
 from .cost_model import attention_weight, fair_share_floor, sim_profile
 from .detokenizer import IncrementalDetokenizer
@@ -42,6 +42,7 @@ from .scheduler_types import SchedulerConfig
 from .structured import StructuredOutputCompiler
 
 if TYPE_CHECKING:  # torch: a cost-model replica never imports it
+    from .lora import AdapterSpec
     from .lora_store import LoRAStore
 
 log = logging.getLogger(__name__)
@@ -315,12 +316,14 @@ class LLMEngine:
         return req
 
     # -- LoRA adapters -------------------------------------------------------------------
-    def add_lora(self, name: str, path: str) -> None:
-        """Registers a PEFT adapter folder under ``name`` (checked now; read into memory
-        when a request first needs it). LoRAError (a ValueError) names what is refused."""
+    def add_lora(self, name: str, path: str, spec: AdapterSpec | None = None) -> None:
+        """Registers a PEFT adapter folder under ``name`` (checked now, or ``spec``: checked
+        already, off this thread, by ``lora.inspect``; read into memory when a request
+        first needs it). LoRAError (a ValueError) names what is refused."""
         if self.lora is None:
             raise ValueError("this engine serves no LoRA adapters (enable_lora is off)")
-        self.lora.register(name, str(path))
+        self._pin_running()  # between steps: what runs now keeps its adapter in memory
+        self.lora.register(name, str(path), spec)
 
     def remove_lora(self, name: str) -> bool:
         """Unregisters an adapter: new requests cannot name it; those already queued or
@@ -336,7 +339,11 @@ class LLMEngine:
             raise ValueError(
                 f"lora_name {name!r}: this engine serves no LoRA adapters (enable_lora is off)"
             )
-        return self.lora.path_of(name)
+        path = self.lora.path_of(name)
+        broken = self.lora.unavailable(name, path)
+        if broken is not None:  # a read of it failed since it was registered: fail fast
+            raise ValueError(f"model: {broken}")
+        return path
 
     def _lora_ready(self, req: Request) -> bool:
         name, path = req.lora_name, req.lora_path
@@ -351,20 +358,30 @@ class LLMEngine:
         """Ends the waiting requests whose adapter could not be read (each alone, an
         error output); pins the running requests' adapters in memory for this step."""
         assert self.lora is not None
+        self._pin_running()  # first: a read settled below must not push out a running one
         outputs: list[EngineOutput] = []
         for (name, path), exc in self.lora.take_failures().items():
             for rid, state in list(self._states.items()):
                 req = state.request
                 if req.lora_name == name and req.lora_path == path and not req.is_finished:
-                    outputs.append(self._fail(rid, "LoRA adapter load", exc))
-        self.lora.pin(
-            {
-                (r.lora_name, r.lora_path)
-                for r in self.scheduler.running
-                if r.lora_name is not None and r.lora_path is not None
-            }
-        )
+                    outputs.append(self._fail_lora(rid, exc))
         return outputs
+
+    def _pin_running(self) -> None:
+        """The running requests' adapters, kept in memory until the next call."""
+        assert self.lora is not None
+        keys = {(r.lora_name, r.lora_path) for r in self.scheduler.running}
+        self.lora.pin({(n, p) for n, p in keys if n is not None and p is not None})
+
+    def _fail_lora(self, request_id: str, exc: Exception) -> EngineOutput:
+        """Ends a request whose adapter cannot be served here (its read failed, or what it
+        read is not what was registered): the client's 400 naming the adapter, as for an
+        adapter refused when the request came, not a failure of the replica."""
+        self._states[request_id].request.error = f"model: {exc}"
+        out = self._fail(request_id, "LoRA adapter", None)
+        if isinstance(out, GenerateDelta):  # the data plane: a refusal, not an engine fault
+            return msgspec.structs.replace(out, failure="invalid")
+        return out
 
     def abort_requests(self, request_ids: Sequence[str]) -> list[EngineOutput]:
         """Frees the requests' blocks now; returns their final (aborted) outputs."""
@@ -414,7 +431,9 @@ class LLMEngine:
                 self.scheduler.kv_loads.note_step(time.perf_counter() - t0)
         sampled: dict[str, SampledToken] = {}
         for rid, result in results.items():
-            if isinstance(result, RequestFailure):
+            if isinstance(result, RequestFailure) and result.stage == "LoRA adapter":
+                outputs.append(self._fail_lora(rid, result.error))
+            elif isinstance(result, RequestFailure):
                 outputs.append(self._fail(rid, result.stage, result.error))
             else:
                 sampled[rid] = result

@@ -4,6 +4,9 @@ Three tiers, as vLLM's (``--max-loras``, ``--max-cpu-loras``):
 
 - registered: name -> folder, checked when registered (:func:`~.lora.inspect_adapter`:
   config and tensor shapes; a bad adapter is refused then, not when a request needs it);
+  an adapter whose read fails later (its file rewritten at another rank, truncated, or
+  hung) is unavailable here until registered again: its requests fail with the reason,
+  as a 400, and the engine steps on for everyone else;
 - host memory: up to ``max_cpu_loras`` adapters read into memory, least recently used
   out first (never one that sits in a slot);
 - device slots: ``max_loras`` rows of stacked weight tensors per layer and projection,
@@ -12,10 +15,13 @@ Three tiers, as vLLM's (``--max-loras``, ``--max-cpu-loras``):
   a slot copies it from host memory into the least recently used slot it does not need.
 
 Why reads run on a thread of their own: reading an adapter from disk takes as long as its
-file is large, and the engine's step must not wait for it while other requests are ready.
-:meth:`LoRAStore.ready` answers the scheduler at once (and starts the read); the request
-waits in the queue, not the step. A slot copy is a memory copy of one adapter, done on the
-step that first needs it.
+file is large -- forever, on a hung mount -- and the engine's step must not wait for it
+while other requests are ready. :meth:`LoRAStore.ready` answers the scheduler at once (and
+starts the read, under a deadline: :mod:`.lora_reads`); the request waits in the queue, not
+the step. What a read brings is checked against the registration before it is kept, and
+again before a slot is written (:meth:`LoRAStore._check`), so no adapter's shape can raise
+on the step. A slot copy is a memory copy of one adapter, done on the step that first
+needs it.
 
 Slot tensors are sized for the adapters they have held: the largest rank so far, and per
 layer and projection the span of targets any of them had (an adapter of q and v also
@@ -26,6 +32,7 @@ copying the slotted adapters over, when an adapter needs more; they never shrink
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -46,6 +53,7 @@ from .lora import (
     inspect_adapter,
     load_adapter,
 )
+from .lora_reads import READ_TIMEOUT_S, AdapterReads
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +96,7 @@ class LoRAStats:
     host_evictions: int = 0
     resizes: int = 0  # slot tensors grown
     load_seconds: float = 0.0  # reading adapters from disk, in total (on the loader threads)
+    read_failures: int = 0  # reads that failed, timed out or brought a changed adapter
 
 
 class LoRAStore:
@@ -103,6 +112,7 @@ class LoRAStore:
         max_lora_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        read_timeout_s: float = READ_TIMEOUT_S,
     ) -> None:
         if max_loras < 1:
             raise ValueError(f"max_loras must be >= 1, got {max_loras}")
@@ -125,9 +135,12 @@ class LoRAStore:
         self._registry: dict[str, AdapterSpec] = {}
         self._host: OrderedDict[LoRAKey, LoRAAdapter] = OrderedDict()  # oldest use first
         self._loading: dict[LoRAKey, cf.Future[LoRAAdapter]] = {}
-        self._failed: dict[LoRAKey, Exception] = {}
-        # A few readers: one large or slow adapter must not hold up the reads of others.
-        self._pool = cf.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvroute-lora")
+        self._failed: dict[LoRAKey, Exception] = {}  # not yet taken by the engine
+        self._broken: dict[LoRAKey, LoRAError] = {}  # unavailable until registered again
+        # A few readers, each read under a deadline: one large, slow or hung adapter must
+        # not hold up the reads of others, nor the step.
+        self.reads = AdapterReads(read_timeout_s)
+        self.step_failures: dict[LoRAKey, LoRAError] = {}  # the last step's (see step)
         self._slots: list[LoRAKey | None] = [None] * max_loras
         self._slot_use: OrderedDict[int, None] = OrderedDict((s, None) for s in range(max_loras))
         self._rank = 0
@@ -136,19 +149,41 @@ class LoRAStore:
             [None] * len(self.groups) for _ in range(num_layers)
         ]
         self._pinned: set[LoRAKey] = set()  # adapters of running requests
+        self._claimed: set[LoRAKey] = set()  # said ready since the last pin: maybe admitted
         self.stats = LoRAStats()
 
     # -- registry ----------------------------------------------------------------------
-    def register(self, name: str, path: str) -> AdapterSpec:
-        """Checks the adapter and names it; LoRAError says what it cannot serve."""
+    def inspect(self, path: str) -> cf.Future[AdapterSpec]:
+        """Checks an adapter folder on a reader thread, under the deadline: what
+        :meth:`register` takes, so that the engine's thread never reads the folder."""
+        return self.reads.submit(f"LoRA adapter folder {path}", functools.partial(
+            inspect_adapter, path, self._shapes, self.num_layers, self.max_lora_rank
+        ))  # fmt: skip
+
+    def register(self, name: str, path: str, spec: AdapterSpec | None = None) -> AdapterSpec:
+        """Names the adapter ``spec`` (:meth:`inspect`'s; None: inspected now, waiting for
+        it under the deadline); LoRAError says what it cannot serve. Registering again
+        makes an adapter that failed here available again, and what is in memory of it
+        is dropped (unless requests run on it): it is read anew, as registered now."""
         if not name:
             raise LoRAError("lora_name must not be empty")
         old = self._registry.get(name)
         if old is not None and old.path != str(path):
             raise LoRAError(f"LoRA adapter {name!r} is already registered from {old.path}")
-        spec = inspect_adapter(path, self._shapes, self.num_layers, self.max_lora_rank)
+        if spec is None:
+            spec = self.inspect(str(path)).result()
         self._registry[name] = spec
+        key = (name, spec.path)
+        self._broken.pop(key, None)
+        if key not in self._pinned and key not in self._claimed:
+            self._loading.pop(key, None)  # a read begun before: its result is not wanted
+            self._evict(key)
         return spec
+
+    def unavailable(self, name: str, path: str) -> LoRAError | None:
+        """Why the registered adapter cannot serve requests here (a read of it failed since
+        it was registered); None when it can."""
+        return self._broken.get((name, path))
 
     def unregister(self, name: str) -> bool:
         """Forgets a name: new requests cannot use it; requests already queued or running
@@ -157,6 +192,7 @@ class LoRAStore:
         if spec is None:
             return False
         key = (name, spec.path)
+        self._broken.pop(key, None)
         if key not in self._slots and key not in self._pinned:
             self._host.pop(key, None)
         return True
@@ -187,6 +223,8 @@ class LoRAStore:
             "lora_resident": tuple(k[0] for k in slotted),
             "lora_running": tuple(sorted(running)),
             "lora_host": tuple(k[0] for k in self._host),
+            "lora_read_failures": self.stats.read_failures,
+            "lora_reads_hung": self.reads.hung,
         }
 
     def measure_load(self, name: str) -> tuple[float, float]:
@@ -199,7 +237,8 @@ class LoRAStore:
         if key in self._host or key in self._slots or self._pinned:
             raise RuntimeError("measure_load is for an engine that served nothing yet")
         t0 = time.perf_counter()
-        adapter = self._read(name, key[1], self._registry[name])
+        what = f"LoRA adapter {name!r} ({key[1]})"
+        adapter = self.reads.result(what, lambda: self._read(name, key[1], self._registry[name]))
         read_s = time.perf_counter() - t0
         self.stats.loads -= 1  # a measurement, not a load a request needed
         self._host[key] = adapter
@@ -218,44 +257,88 @@ class LoRAStore:
     # -- host memory -------------------------------------------------------------------
     def ready(self, name: str, path: str) -> bool:
         """True when the adapter is in memory (a step can use it now); else starts reading
-        it on the loader thread, if not under way, and says False. Never waits."""
+        it on a reader thread, if not under way, and says False. Never waits."""
         key = (name, path)
         if key in self._host:
             self._host.move_to_end(key)
+            self._claimed.add(key)
             return True
+        if key in self._broken:
+            return False  # its requests fail (take_failures), new ones are refused
         fut = self._loading.get(key)
         if fut is None:
-            if key in self._failed:
-                return False  # the engine takes the failure first (take_failures)
             spec = self._registry.get(name)
             if spec is None or spec.path != path:
                 spec = None  # unregistered since: inspect it again on the thread
-            self._loading[key] = self._pool.submit(self._read, name, path, spec)
+            read = functools.partial(self._read, name, path, spec)
+            self._loading[key] = self.reads.submit(f"LoRA adapter {name!r} ({path})", read)
             return False
-        if not fut.done():
-            return False
-        del self._loading[key]
+        if fut.done() and self._settle(key):
+            self._claimed.add(key)
+            return True
+        return False
+
+    def _settle(self, key: LoRAKey) -> bool:
+        """A finished read: its adapter kept in memory (True), or its failure recorded."""
         try:
-            adapter = fut.result()
+            adapter = self._loading.pop(key).result()
+            self._check(adapter)
         except Exception as exc:
-            log.warning("LoRA adapter %r from %s failed to load: %s", name, path, exc)
-            self._failed[key] = exc
+            self._fail(key, exc)
             return False
         self._host[key] = adapter
         self._trim_host()
         return True
 
+    def _fail(self, key: LoRAKey, exc: Exception) -> None:
+        """The adapter is unavailable here until registered again; its waiting requests
+        fail with ``exc`` (one line, naming it) at the engine's next take_failures."""
+        name, path = key
+        log.error("LoRA adapter %r from %s: %s", name, path, exc)
+        if isinstance(exc, LoRAError):  # what the client reads: the folder is the server's
+            text = str(exc).replace(path, "<adapter folder>")
+        else:
+            text = f"LoRA adapter {name!r} failed to load ({type(exc).__name__})"
+        err = LoRAError(f"{text}; it is unavailable on this replica until it is loaded again")
+        self.stats.read_failures += 1
+        self._failed[key] = self._broken[key] = err
+        self._host.pop(key, None)
+
     def _read(self, name: str, path: str, spec: AdapterSpec | None) -> LoRAAdapter:
+        """On a reader thread: the adapter read and checked against its registration."""
         t0 = time.perf_counter()
         if spec is None:
             spec = inspect_adapter(path, self._shapes, self.num_layers, self.max_lora_rank)
         adapter = load_adapter(name, spec, self.dtype)
+        self._check(adapter)
         self.stats.loads += 1
         self.stats.load_seconds += time.perf_counter() - t0
         return adapter
 
+    def _check(self, adapter: LoRAAdapter) -> None:
+        """LoRAError unless every weight has the shape and dtype the slots take: a weight
+        that does not must never reach :meth:`_copy_into` (it would raise on the step)."""
+        spec, name = adapter.spec, adapter.name
+        same_keys = adapter.weights.keys() == spec.tensors.keys()
+        if not 1 <= spec.rank <= self.max_lora_rank or not same_keys:
+            raise LoRAError(f"LoRA adapter {name!r}: its weights do not match its registration")
+        for (layer, target), (a, b) in adapter.weights.items():
+            if target not in self._shapes or not 0 <= layer < self.num_layers:
+                raise LoRAError(f"LoRA adapter {name!r}: layer {layer} {target} is not served")
+            fan_in, fan_out = self._shapes[target]
+            want = ((fan_in, spec.rank), (spec.rank, fan_out))
+            if (tuple(a.shape), tuple(b.shape)) != want or {a.dtype, b.dtype} != {self.dtype}:
+                raise LoRAError(
+                    f"LoRA adapter {name!r}: layer {layer} {target} has weights "
+                    f"{list(a.shape)} x {list(b.shape)} ({a.dtype}), the slots take "
+                    f"{list(want[0])} x {list(want[1])} ({self.dtype})"
+                )
+
     def take_failures(self) -> dict[LoRAKey, Exception]:
-        """Adapters whose read failed since the last call (their requests cannot run)."""
+        """Adapters whose read failed since the last call (their requests cannot run); a
+        read that ended meanwhile is settled first, so a failure is never left unseen."""
+        for key in [k for k, fut in self._loading.items() if fut.done()]:
+            self._settle(key)
         failed, self._failed = self._failed, {}
         return failed
 
@@ -267,20 +350,30 @@ class LoRAStore:
         if self._loading:
             cf.wait(list(self._loading.values()), timeout, cf.FIRST_COMPLETED)
 
-    def _trim_host(self) -> None:
-        keep = self._pinned.union(self._slots)
+    def _trim_host(self, keep: Collection[LoRAKey] = ()) -> None:
+        """Host memory back to ``max_cpu_loras``, least recently used out first, never a
+        running request's adapter nor one of ``keep``. An idle adapter in a slot may go
+        too (its slot with it): an adapter just read must stay until its request is
+        admitted, since nothing is read on the step any more."""
+        keep = self._pinned.union(self._claimed, keep)
         for key in list(self._host):
             if len(self._host) <= self.max_cpu_loras:
                 return
             if key not in keep:
-                del self._host[key]
+                self._evict(key)
                 self.stats.host_evictions += 1
+
+    def _evict(self, key: LoRAKey) -> None:
+        """Out of host memory, and out of its slot if it has one."""
+        self._host.pop(key, None)
+        if key in self._slots:
+            self._slots[self._slots.index(key)] = None
 
     def pin(self, keys: set[LoRAKey]) -> None:
         """The adapters of the running requests (the engine's, each step): kept in host
         memory, and their slots given up last, so a running request that sits out a step
-        never finds its adapter gone."""
-        self._pinned = keys
+        never finds its adapter gone. Called before the step's reads are settled."""
+        self._pinned, self._claimed = keys, set()
 
     # -- device slots ------------------------------------------------------------------
     def step(self, requests: Sequence[tuple[LoRAKey | None, int]]) -> LoRAStep | None:
@@ -288,6 +381,7 @@ class LoRAStore:
         scheduled request's adapter key (None: the base model) and token count, in batch
         order. None when no request uses an adapter."""
         needed = {key for key, _ in requests if key is not None}
+        self.step_failures = {}
         if not needed:
             return None
         if len(needed) > self.max_loras:
@@ -296,25 +390,33 @@ class LoRAStore:
             )
         slot_of = {key: s for s, key in enumerate(self._slots) if key in needed}
         for key in needed - slot_of.keys():
-            slot_of[key] = self._activate(key, needed)
+            try:
+                slot_of[key] = self._activate(key, needed)
+            except LoRAError as exc:  # checked before any slot changed: its requests alone
+                self.step_failures[key] = exc
+                if key in self._host:  # its weights failed the check: unavailable here
+                    self._fail(key, exc)
+                else:  # admitted, then gone from memory: a bookkeeping fault, not the file's
+                    log.error("%s", exc)
         for s in slot_of.values():
             self._slot_use.move_to_end(s)
         spans: list[tuple[int, int, int]] = []
         row = 0
         for key, count in requests:
-            if key is not None:
+            if key is not None and key in slot_of:
                 spans.append((slot_of[key], row, count))
             row += count
         mapping = LoRAMapping.build(spans, self.max_loras, self.device, self.kernel, self.dtype)
         return None if mapping is None else LoRAStep(self._layers, mapping)
 
     def _activate(self, key: LoRAKey, needed: set[LoRAKey]) -> int:
+        """A slot holding the adapter; LoRAError, with no slot touched, when it cannot be."""
         adapter = self._host.get(key)
         if adapter is None:
             # The scheduler admits requests whose adapter is in memory, and running ones'
-            # stay pinned there; read it here (on the step) rather than fail the step.
-            log.warning("LoRA adapter %r read on the step path", key[0])
-            adapter = self._host[key] = self._read(key[0], key[1], None)
+            # stay pinned there; never read a file on the step: fail its requests instead.
+            raise LoRAError(f"LoRA adapter {key[0]!r} is not in memory when its step came")
+        self._check(adapter)
         slots, pinned = self._slots, self._pinned
         free = [s for s in self._slot_use if slots[s] is None]
         idle = [s for s in self._slot_use if slots[s] not in needed and slots[s] not in pinned]
@@ -326,7 +428,7 @@ class LoRAStore:
         self._copy_into(slot, adapter)
         self._slots[slot] = key
         self.stats.slot_loads += 1
-        self._trim_host()  # the adapter it replaced may leave host memory now
+        self._trim_host(needed)  # the adapter it replaced may leave host memory now
         return slot
 
     def _resize(self, rank: int, keys: set[tuple[int, str]]) -> None:

@@ -420,6 +420,11 @@ class ModelRunner:
                 self._prompt_logprobs(req, hidden, row, first, stop)
             except Exception as exc:  # this request's alone: the others' tokens stand
                 out[req.request_id] = RequestFailure("prompt logprobs", exc)
+        if self.lora is not None and self.lora.step_failures:
+            for item in sched.scheduled:  # an adapter that failed its check: ran as the base
+                err = self.lora.step_failures.get(_lora_key(item.request))
+                if err is not None:
+                    out[item.request.request_id] = RequestFailure("LoRA adapter", err)
         return out
 
     def _forward(

@@ -241,7 +241,8 @@ def validation_error(errors: list[Any]) -> APIError:
 
 FAILED = "the replica serving this request failed; the request id finds it in the server log"
 # A replica's refusal that names the request field at fault, as ``field: why``
-_NAMED = re.compile(r"(?:request rejected: )?(structured_outputs|prompt_logprobs|prompt):")
+# (``model``: the LoRA adapter it names cannot be served there, e.g. changed on disk)
+_NAMED = re.compile(r"(?:request rejected: )?(structured_outputs|prompt_logprobs|prompt|model):")
 
 
 def status_of(rid: str, exc: BaseException) -> BaseException:

@@ -358,6 +358,17 @@ class FleetCollector(Collector):
         yield gauge("num_requests_running", "Requests running on the replica (every front "
                     "door's), as its latest load report said.",
                     [(r, float(rep.num_running)) for r, rep in reports])  # fmt: skip
+        if any(rep.lora_slots for _, rep in reports):
+            failed = CounterMetricFamily(PREFIX + "lora_read_failures", "LoRA adapter reads "
+                                         "that failed on the replica (unreadable, changed "
+                                         "since loaded, or past their deadline), since it "
+                                         "started.", labels=["replica"])  # fmt: skip
+            for r, rep in reports:
+                failed.add_metric([r], rep.lora_read_failures)
+            yield failed
+            yield gauge("lora_reads_hung", "LoRA adapter reads abandoned at their deadline "
+                        "whose thread still hangs (a stuck mount), per replica.",
+                        [(r, float(rep.lora_reads_hung)) for r, rep in reports])  # fmt: skip
         if self.lora_holders is not None:
             held = GaugeMetricFamily(PREFIX + "lora_adapter_replicas", "Live replicas that "
                                      "hold each LoRA adapter (requests naming it are routed "
