@@ -9,6 +9,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from kvroute.events import BlockHasher, BlockStored, regime_salt
 from kvroute.events.transport import ZmqEventPublisher
@@ -68,22 +69,26 @@ def refused_fast(args: list[str]) -> tuple[int, str, float]:
     return proc.returncode, err, time.monotonic() - t0
 
 
-def test_serve_refuses_impossible_tiers_before_ray_starts(tmp_path):
+@pytest.mark.parametrize(
+    ("args", "why"),
+    [
+        (["--kv-host-bytes", "-1"], "--kv-host-bytes must be >= 0, not -1"),
+        (["--kv-disk-path", "{file}", "--kv-disk-bytes", "1GiB"], "is not a folder"),
+        (["--kv-host-bytes", "1000000000000000"], "GiB of memory"),
+    ],
+    ids=["negative", "disk-path-a-file", "host-tier-past-memory"],
+)
+def test_serve_refuses_impossible_tiers_before_ray_starts(tmp_path, args, why):
     """A negative tier size, a disk "folder" that is a file, a host tier larger than the
     machine: one line, exit status 2, in about the time Python takes to start (not a Ray
     traceback tens of seconds later, nor a fleet started anyway)."""
     a_file = tmp_path / "a-file"
     a_file.write_text("not a folder")
-    for args, why in (
-        (["--kv-host-bytes", "-1"], "--kv-host-bytes must be >= 0, not -1"),
-        (["--kv-disk-path", str(a_file), "--kv-disk-bytes", "1GiB"], "is not a folder"),
-        (["--kv-host-bytes", "1000000000000000"], "GiB of memory"),
-    ):
-        code, err, took = refused_fast(args)
-        print(f"{args}: exit {code} after {took:.1f} s: {err.strip()}")
-        assert code == 2 and err.startswith("kvroute serve: --kv-") and why in err, (args, err)
-        assert len(err.strip().splitlines()) == 1, err  # one line: no Ray, no traceback
-        assert took < 15, took  # a local Ray and a replica take 20 s or more here
+    code, err, took = refused_fast([a.format(file=a_file) for a in args])
+    print(f"{args}: exit {code} after {took:.1f} s: {err.strip()}")
+    assert code == 2 and err.startswith("kvroute serve: --kv-") and why in err, (args, err)
+    assert len(err.strip().splitlines()) == 1, err  # one line: no Ray, no traceback
+    assert took < 15, took  # a local Ray and a replica take 20 s or more here
 
 
 def test_byte_sizes_read_as_operators_write_them():
