@@ -155,6 +155,10 @@ def run(args: argparse.Namespace) -> int:
                 proc.kill()
         if ray.is_initialized():
             ray.shutdown()
+        if getattr(args, "kv_disk_path", None) and not args.address:  # local replicas, ended
+            from kvroute.replica.kv_disk import wipe_replica_folders
+
+            wipe_replica_folders(args.kv_disk_path)  # their KV disk folders: tenants' data
 
 
 def _port_in_use(host: str, port: int) -> str | None:

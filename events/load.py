@@ -129,6 +129,16 @@ class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
     # deadline), in total; and those abandoned at their deadline whose thread still hangs.
     lora_read_failures: int = 0
     lora_reads_hung: int = 0
+    # The disk KV tier's health (replica/kv_disk_reads.py, docs/kv-tiers.md): one of the
+    # DISK_* states, and its reads abandoned at their deadline, in total.
+    kv_disk_state: int = 0
+    kv_disk_read_timeouts: int = 0
+
+
+# LoadReport.kv_disk_state: no disk tier (or not reported); serving; unresponsive (every
+# reader stuck in a read that did not answer: no disk loads until one does); off (its
+# folder was deleted or replaced: what it held was withdrawn).
+DISK_NONE, DISK_OK, DISK_UNRESPONSIVE, DISK_OFF = 0, 1, 2, 3
 
 
 # One adapter's load for a replica that reports none: Llama-3.1-8B, rank 16 on all seven

@@ -15,7 +15,8 @@ token is a function of the token alone). So the store keeps it theirs (issue 50)
 - **Sealed** (:mod:`.kv_seal`, on by default): AES-256-GCM under a key held in memory
   only, the block hash and length as associated data. A file that fails authentication --
   another process's, another block's renamed, tampered -- reads as a miss. Without
-  encryption a file carries an xxh3-64 of its payload instead, checked the same way.
+  encryption a file carries an xxh3-64 of its payload (xor that of its hash, so a renamed
+  file fails too) instead, checked the same way.
 - **Removed** when the store closes (a clean stop) and, for a store that could not close
   (a killed process), by the next store to open on the same root.
 
@@ -60,7 +61,7 @@ import xxhash
 
 from .kv_seal import NONCE_BYTES, TAG_BYTES, Sealer
 
-MAGIC = b"KVB1"  # plain: magic, payload length, xxh3_64 of the payload
+MAGIC = b"KVB2"  # plain: magic, payload length, xxh3_64 of the payload ^ that of the hash
 MAGIC_SEALED = b"KVE1"  # sealed: magic, payload length, nonce; then ciphertext and tag
 _HEADER = struct.Struct("<4sQQ")
 _SEALED_HEADER = struct.Struct(f"<4sQ{NONCE_BYTES}s")
@@ -110,6 +111,23 @@ def wipe_root(root: Path) -> int:
             elif SUFFIX in entry.name and not entry.is_dir(follow_symlinks=False):
                 os.unlink(entry.path)
                 n += 1
+    return n
+
+
+def wipe_replica_folders(path: str | os.PathLike[str]) -> int:
+    """After a fleet stopped (its replicas' processes gone, as Ray ends them: killed, with
+    no close): what its replicas' stores left under their folders ``path/<replica id>``,
+    and those folders when that empties them. ``kvroute serve`` calls it at its stop."""
+    try:
+        with os.scandir(path) as it:
+            folders = [e.path for e in it if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return 0
+    n = 0
+    for folder in folders:
+        n += wipe_root(Path(folder))
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)  # only if that emptied it
     return n
 
 
@@ -241,7 +259,7 @@ class DiskStore:
                 sealed,
             ]
         else:
-            parts = [_HEADER.pack(MAGIC, len(data), digest), data]
+            parts = [_HEADER.pack(MAGIC, len(data), digest ^ checksum(block_hash)), data]
         try:
             fd = os.open(tmp, _NEW_FLAGS, 0o600, dir_fd=self._fd)
         except OSError as exc:  # EEXIST: something else has the temporary name; not ours
@@ -334,7 +352,8 @@ class DiskStore:
         else:
             magic, size, digest = _HEADER.unpack_from(raw)
             payload = view[header.size :]
-            ok = magic == MAGIC and size == expected_size and checksum(payload) == digest
+            ok = magic == MAGIC and size == expected_size
+            ok = ok and checksum(payload) ^ checksum(block_hash) == digest
             out = bytes(payload) if ok else None
         if out is None:
             self._count("num_unauthentic")

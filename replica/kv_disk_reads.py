@@ -5,12 +5,15 @@ for regular files. Before this, the one loader thread blocked in such a read and
 behind it, host loads included, waited with it; the requests held their blocks in
 ``loading`` for good while /health said ok.
 
-So a load is split in two (:class:`DiskFetcher`): its disk blocks are read first, on a
-thread of their own, each through :class:`DiskReads` with a deadline; then the job goes to
+So a load is split in two (:class:`DiskFetcher`): its disk blocks are read first, by one of
+a few fetch threads, each through :class:`DiskReads` with a deadline; then the job goes to
 the loader thread, which only copies and verifies, so host loads never queue behind a disk
-read. A read that does not answer by its deadline fails its block: the load stops there and
-the request recomputes the rest, as after a failed checksum. Its reader thread, stuck in
-the system call, is abandoned (nothing can interrupt it) and counted. Readers are made as
+read. Jobs are fetched side by side: one hung read holds up its own job only, and another
+job whose disk blocks are still in the writer's memory, or whose files answer, lands.
+
+A read that does not answer by its deadline fails its block: the load stops there and the
+request recomputes the rest, as after a failed checksum. Its reader thread, stuck in the
+system call, is abandoned (nothing can interrupt it) and counted. Readers are made as
 needed, at most ``max_readers``; once all of them are stuck, the disk is *unresponsive*:
 reads are refused at once and the tiers offer no disk loads (:meth:`.kv_tiers.KVTiers.
 lookup`) until a stuck read returns. Each episode logs a warning when it starts, when the
@@ -20,7 +23,9 @@ Invariants:
 - ``stuck`` counts the reader threads inside a read whose caller gave up on it, ``<=
   max_readers``; the disk is unresponsive exactly when it equals ``max_readers``;
 - a caller waits at most ``deadline_s`` per read, and not at all when unresponsive;
-- the fetcher hands every job it takes to the loader, exactly once, whatever its reads did.
+- the fetcher hands every job it takes to the loader, exactly once, whatever its reads did;
+  a job waits for a fetch thread at most as long as the jobs ahead of it wait for reads,
+  each bounded by the deadline (or not at all once the disk is unresponsive).
 
 Thread-safety: :meth:`DiskReads.read` may be called from any thread (the fetcher, and the
 start-up probe); its counters are under its lock. :attr:`DiskReads.unresponsive` is read
@@ -176,9 +181,10 @@ class DiskReads:
 
 
 class DiskFetcher:
-    """The disk half of each load, on its own thread: reads the job's disk blocks in chain
-    order (from the writer's memory while pending, else through ``reads``), stopping at the
-    first that fails, then hands the job on (to the loader thread, which copies)."""
+    """The disk half of each load, on fetch threads (as many as ``reads`` has readers):
+    reads the job's disk blocks in chain order (from the writer's memory while pending,
+    else through ``reads``), stopping at the first that fails, then hands the job on (to
+    the loader thread, which copies)."""
 
     def __init__(
         self,
@@ -192,14 +198,19 @@ class DiskFetcher:
         self.block_bytes = block_bytes
         self._handoff = handoff
         self._jobs: queue.SimpleQueue[LoadJob | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="kv-disk-fetch", daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._run, name="kv-disk-fetch", daemon=True)
+            for _ in range(reads.max_readers)
+        ]
+        for t in self._threads:
+            t.start()
 
     def submit(self, job: LoadJob) -> None:
         self._jobs.put(job)
 
     def close(self) -> None:
-        self._jobs.put(None)
+        for _ in self._threads:
+            self._jobs.put(None)
         self.reads.close()
 
     def _run(self) -> None:

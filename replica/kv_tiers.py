@@ -77,6 +77,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvroute.events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored, to_external
+from kvroute.events.load import DISK_NONE, DISK_OFF, DISK_OK, DISK_UNRESPONSIVE
 
 from .kv_disk import DiskStore, checksum
 from .kv_disk_reads import READ_DEADLINE_S, DiskFetcher, DiskReads
@@ -331,6 +332,16 @@ class KVTiers:
         self.disk.close()
         self.disk = None
         self.bytes_per_s.pop(MEDIUM_STORAGE, None)
+
+    def disk_state(self) -> tuple[int, int]:
+        """The disk tier's state (``events.load.DISK_*``) and its reads past their deadline,
+        for the load report (and so the router's /metrics)."""
+        reads = self.disk_reads
+        if reads is None:
+            return DISK_NONE, 0
+        if self.disk is None:
+            return DISK_OFF, reads.timeouts
+        return (DISK_UNRESPONSIVE if reads.unresponsive else DISK_OK), reads.timeouts
 
     def counters(self) -> dict[str, int]:
         """``stats`` and the disk's live figures: what the engine's stats and load report

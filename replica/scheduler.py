@@ -482,6 +482,12 @@ class Scheduler(DecodeRuns):
         if self.lora_residency is not None:
             lora = self.lora_residency(self._running_loras())
             report = msgspec.structs.replace(report, **lora)
+        if self.kv_loads is not None:
+            state, timeouts = self.kv_loads.tiers.disk_state()
+            if state:
+                report = msgspec.structs.replace(
+                    report, kv_disk_state=state, kv_disk_read_timeouts=timeouts
+                )
         return report
 
     def stats(self) -> dict[str, int | float]:

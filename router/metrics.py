@@ -369,6 +369,21 @@ class FleetCollector(Collector):
             yield gauge("lora_reads_hung", "LoRA adapter reads abandoned at their deadline "
                         "whose thread still hangs (a stuck mount), per replica.",
                         [(r, float(rep.lora_reads_hung)) for r, rep in reports])  # fmt: skip
+        disks = [(r, rep) for r, rep in reports if rep.kv_disk_state != DISK_NONE]
+        if disks:  # replicas with a disk KV tier (docs/kv-tiers.md)
+            yield gauge("kv_disk_up", "1 while the replica's disk KV tier serves loads; 0 while "
+                        "it is unresponsive (reads stuck) or off (its folder was lost).",
+                        [(r, float(rep.kv_disk_state == DISK_OK)) for r, rep in disks])  # fmt: skip
+            lost = [(r, float(rep.kv_disk_state == DISK_OFF)) for r, rep in disks]
+            yield gauge("kv_disk_folder_lost", "1 once the replica's disk KV folder was deleted "
+                        "or replaced: its disk tier is off until it restarts.", lost)  # fmt: skip
+            timeouts = CounterMetricFamily(PREFIX + "kv_disk_read_timeouts", "Disk KV reads "
+                                           "that did not answer within their deadline (each "
+                                           "recomputed), since the replica started.",
+                                           labels=["replica"])  # fmt: skip
+            for r, rep in disks:
+                timeouts.add_metric([r], rep.kv_disk_read_timeouts)
+            yield timeouts
         if self.lora_holders is not None:
             held = GaugeMetricFamily(PREFIX + "lora_adapter_replicas", "Live replicas that "
                                      "hold each LoRA adapter (requests naming it are routed "

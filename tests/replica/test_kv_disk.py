@@ -1,5 +1,5 @@
-"""The disk tier's store alone: LRU within its bytes, every damage read as a miss, its own
-files wiped when it opens (a restarted replica starts empty)."""
+"""The disk tier's store alone: LRU within its bytes, every damage read as a miss (sealed
+or not), its own files wiped when it opens (a restarted replica starts empty)."""
 
 from __future__ import annotations
 
@@ -32,9 +32,10 @@ def test_lru_within_capacity(tmp_path: Path) -> None:
     assert store.used_bytes == 300
 
 
+@pytest.mark.parametrize("encrypt", [True, False])
 @pytest.mark.parametrize("damage", ["truncate", "flip", "delete", "size", "foreign"])
-def test_every_damage_reads_as_a_miss(tmp_path: Path, damage: str) -> None:
-    store = DiskStore(tmp_path, 1000)
+def test_every_damage_reads_as_a_miss(tmp_path: Path, damage: str, encrypt: bool) -> None:
+    store = DiskStore(tmp_path, 1000, encrypt=encrypt)
     put(store, 1)
     f = store.file_of(h(1))
     raw = bytearray(f.read_bytes())
