@@ -38,6 +38,8 @@ from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
+from kvroute.events.load import DISK_NONE, DISK_OFF, DISK_OK
+
 if TYPE_CHECKING:
     from kvroute.events.transport import ReplicaStats
 
