@@ -99,7 +99,7 @@ def check_serve(
     line (None: nothing); ``warn`` gets what may be wrong on a cluster's other nodes."""
     for flag, least in (
         ("num_blocks", 1),
-        ("max_model_len", 1),
+        ("max_model_len", 2),  # a prompt token and one generated
         ("block_size", 1),
         ("long_prefill_token_threshold", 0),
         ("max_num_partial_prefills", 0),

@@ -91,6 +91,14 @@ def test_serve_refuses_impossible_tiers_before_ray_starts(tmp_path, args, why):
     assert took < 15, took  # a local Ray and a replica take 20 s or more here
 
 
+def test_router_refuses_bad_front_door_numbers_before_joining_ray():
+    # An address where no Ray listens: a router that got past its checks would hang there.
+    cmd = [*KVROUTE, "router", "--address", "127.0.0.1:1", "--max-in-flight", "0"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.strip() == "kvroute router: --max-in-flight must be >= 1", out.stderr
+
+
 def test_byte_sizes_read_as_operators_write_them():
     from kvroute.deploy.serve_checks import byte_size
 
