@@ -220,8 +220,9 @@ class FrontDoor:
         ``lora``: the adapter it runs under (None: the base model). Raises
         :class:`~.quarantine.QueryOfDeathError` for a quarantined request."""
         fp = None
+        adapter = None if lora is None else (lora.name, lora.path)
         if self.quarantine:  # nothing to check against (the usual case): no hashing
-            fp = fingerprint(prompt_token_ids, sampling)
+            fp = fingerprint(prompt_token_ids, sampling, tenant.tenant_id, adapter)
             self.quarantine.check(fp)
         request_id = request_id or new_id()
         salt = tenant.salt_for(request_salt)
@@ -251,7 +252,7 @@ class FrontDoor:
             lora_name=lora_name,
         )
         if lora_name is None:
-            return RequestRun(self._services, ticket, view, request, fp)
+            return RequestRun(self._services, ticket, view, request, fp, adapter)
         loras = self.loras
         if not loras.serves(lora):  # unloaded while this request waited for its ticket
             raise not_found(lora_name)
@@ -269,7 +270,7 @@ class FrontDoor:
         # Routed (and failed over) only among the replicas that hold the adapter.
         holding = HolderReplicas(self.fleet, loras, lora_name)
         services = dataclasses.replace(self._services, replicas=holding, release=release_lora)
-        return RequestRun(services, ticket, view, request, fp)
+        return RequestRun(services, ticket, view, request, fp, adapter)
 
     # -- LoRA adapters -----------------------------------------------------------------------
     async def _prepare_replica(self, actor: Any, info: ReplicaInfo) -> None:

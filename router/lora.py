@@ -41,11 +41,12 @@ tenant may not use is, to that tenant, an adapter that does not exist (same 404)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Collection, Mapping
+from collections.abc import AsyncIterator, Collection, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -149,7 +150,13 @@ class LoRARegistry:
         self._refused: set[tuple[str, str]] = set()  # (replica, adapter) logged as refused
         self.in_flight: Counter[str] = Counter()  # this front door's requests, by adapter
         self.errors: Counter[str] = Counter()  # sync failures (summed into /metrics)
-        self._lock = asyncio.Lock()  # one load or unload at a time
+        # Loads and unloads run side by side, one at a time per name (``_busy``: a second
+        # call for a name under way is answered at once); their replica calls (``_calls``
+        # of them running) never overlap a sync, which compares replicas with the registry
+        # and holds ``_sync_lock`` while it runs.
+        self._busy: set[str] = set()
+        self._calls = 0
+        self._sync_lock = asyncio.Lock()
         self._idle: dict[str, asyncio.Event] = {}  # set when an adapter's requests end
 
     # -- reading ---------------------------------------------------------------------------
@@ -278,19 +285,44 @@ class LoRARegistry:
                 "BadRequestError",
                 "lora_name",
             )
-        async with self._lock:
+        async with self._name(name):
             why_not = "loaded" if name in self._adapters else None
             if self.shared is not None:  # the fleet's registry decides, not this copy
                 why_not = await self.shared.begin_load.remote(name)
             if why_not is not None:
                 raise _taken(name, why_not)
             try:
-                adapter = await self._load(name, path, replicas)
+                async with self._replica_calls():
+                    adapter = await self._load(name, path, replicas)
             except BaseException:
                 await asyncio.shield(self._end_load(name, None, ()))
                 raise
             await self._end_load(name, adapter, self._holders[name])
             return adapter
+
+    @contextlib.asynccontextmanager
+    async def _name(self, name: str) -> AsyncIterator[None]:
+        """``name`` is this call's while it runs: another load or unload of it is refused
+        at once (400), never queued behind one that may wait minutes on a stream; calls
+        for other names go on beside it."""
+        if name in self._busy:
+            raise _taken(name, "busy")
+        self._busy.add(name)
+        try:
+            yield
+        finally:
+            self._busy.discard(name)
+
+    @contextlib.asynccontextmanager
+    async def _replica_calls(self) -> AsyncIterator[None]:
+        """A change's calls to the replicas: after any sync under way, and none begins
+        until they end (:meth:`resync`)."""
+        async with self._sync_lock:
+            self._calls += 1
+        try:
+            yield
+        finally:
+            self._calls -= 1
 
     async def _load(self, name: str, path: str, replicas: Mapping[str, Any]) -> Adapter:
         """:meth:`load`'s calls to the replicas, once the name is this front door's."""
@@ -327,7 +359,7 @@ class LoRARegistry:
         """Takes ``name`` out of the registry (new requests: 404), waits for this front
         door's requests on it to end (at most ``unload_wait_s``), then unregisters it on
         every replica. An unknown name: :class:`APIError` 404 naming ``lora_name``."""
-        async with self._lock:
+        async with self._name(name):
             why_not = None if name in self._adapters else "unknown"
             if self.shared is not None:  # pending there until its replicas dropped it
                 lease = self.unload_wait_s + RESYNC_TIMEOUT_S * 2
@@ -376,9 +408,10 @@ class LoRARegistry:
                 await asyncio.sleep(LORA_POLL_S / 4)
         self._holders.pop(name, None)  # only now: its requests' failovers needed them
         self._refused = {(r, n) for r, n in self._refused if n != name}
-        results = await asyncio.gather(
-            *(a.remove_lora.remote(name) for a in replicas.values()), return_exceptions=True
-        )
+        async with self._replica_calls():
+            results = await asyncio.gather(
+                *(a.remove_lora.remote(name) for a in replicas.values()), return_exceptions=True
+            )
         for rid, res in zip(replicas, results, strict=True):
             if isinstance(res, BaseException):  # it syncs when it is back
                 self.errors["lora_unload_failed"] += 1
@@ -399,15 +432,18 @@ class LoRARegistry:
         have: dict[str, str] = await actor.list_loras.remote()
         want = self.paths()
         for name, path in have.items():
-            if want.get(name) != path and name not in self._pending:
-                self._record(name, want.get(name, ""), rid, False)  # before it goes
+            if name in self._busy or name in self._pending:  # its load or unload decides
+                continue
+            now = self._adapters.get(name)  # as of now: a load may have ended meanwhile
+            if now is None or now.path != path:
+                self._record(name, now.path if now else "", rid, False)  # before it goes
                 if self.shared is not None:
                     await self.shared.remove_unlisted.remote(actor, name, path)
                 else:
                     await actor.remove_lora.remote(name)
         lacking = []
         for name, path in want.items():
-            if name in self._pending:
+            if name in self._pending or name in self._busy or name not in self._adapters:
                 continue
             if have.get(name) != path:
                 try:
@@ -442,9 +478,11 @@ class LoRARegistry:
         time under the lock (a load or unload changes what sync compares against), so an
         admin call waits one replica's sync at most; the pass stops while one runs."""
         for rid, actor in replicas.items():
-            if self._lock.locked() or not (self._adapters or self.shared is not None):
+            if self._calls or not (self._adapters or self.shared is not None):
                 return
-            async with self._lock:
+            async with self._sync_lock:
+                if self._calls:  # a change got its turn first
+                    return
                 try:
                     await asyncio.wait_for(self.sync(actor, rid), timeout_s)
                 except Exception as exc:  # a dying replica: the fleet's monitor sees it

@@ -3,12 +3,22 @@
 Why: a request that crashes an engine would, replayed, crash the next replica too, and the
 next -- one client taking a fleet down. The front door therefore never replays a request
 that may have caused a replica's failure (see :func:`not_caused_by`), and remembers it by
-fingerprint -- a hash of its tokens and sampling parameters, the same whoever sends it -- so
+fingerprint -- a hash of its tokens, sampling parameters, tenant and LoRA adapter -- so
 that the client's own retry is refused (:class:`QueryOfDeathError`, HTTP 400) instead of
 being risked on another replica. An engine that names the request as in its failing step
 is two strikes (refused at once); a process that died with no word strikes the one request
 the data plane holds answerable (the most recently sent there): one strike, or two when it
 was the only one in flight.
+
+Why the tenant and the adapter are in the fingerprint: a quarantine keyed on the content
+alone lets one tenant get chosen prompts refused for everyone -- a grant to a broken
+adapter, or any crash it can provoke, and the same prompt from every other tenant, on the
+base model too, is a 400 for ten minutes. Keyed per tenant and adapter, a prompt struck
+for one tenant never refuses another, nor the same tenant's base-model request when the
+adapter was the suspect. The cost: a prompt that crashes whatever sends it may strike once
+per tenant (and adapter) before each is refused. That is bounded -- each tenant's strikes
+quarantine it for that tenant, so no tenant can crash more than the first replica or two
+with it -- and it is the price of not letting a tenant deny service to the others.
 """
 
 from __future__ import annotations
@@ -35,10 +45,17 @@ class QueryOfDeathError(RuntimeError):
     for a while rather than replayed onto another replica (HTTP 400)."""
 
 
-def fingerprint(prompt_token_ids: Sequence[int], sampling: SamplingParams) -> str:
-    """What identifies a request's content across retries and tenants: its tokens and
-    sampling parameters (a query of death is one whoever sends it)."""
-    data = msgspec.msgpack.encode([list(prompt_token_ids), sampling])
+def fingerprint(
+    prompt_token_ids: Sequence[int],
+    sampling: SamplingParams,
+    tenant: str | None = None,
+    adapter: tuple[str, str] | None = None,
+) -> str:
+    """What identifies a request across its retries: its tokens and sampling parameters,
+    whose it is and the LoRA adapter it runs under (name, folder; None: the base model).
+    Another tenant's request, or the base model's, is another fingerprint (module
+    docstring)."""
+    data = msgspec.msgpack.encode([list(prompt_token_ids), sampling, tenant, adapter])
     return hashlib.sha256(data).hexdigest()[:16]
 
 

@@ -110,13 +110,16 @@ class RequestRun:
         view: RequestView,
         request: GenerateRequest,
         fingerprint: str | None = None,
+        adapter: tuple[str, str] | None = None,
     ) -> None:
-        """``fingerprint``: the request's, when already computed (else made on demand)."""
+        """``fingerprint``: the request's, when already computed (else made on demand);
+        ``adapter``: its LoRA adapter's (name, folder), part of the fingerprint."""
         self.services = services
         self.ticket = ticket
         self.view = view
         self.request = request
         self._fingerprint = fingerprint
+        self._adapter = adapter
         self.request_id = view.request_id
         self.tenant = ticket.tenant_id
         self.replica = ""  # where it runs now
@@ -139,7 +142,9 @@ class RequestRun:
         """What the quarantine knows the request by (computed only when it is needed)."""
         if self._fingerprint is None:
             req = self.request
-            self._fingerprint = fingerprint(req.prompt_token_ids, req.sampling)
+            self._fingerprint = fingerprint(
+                req.prompt_token_ids, req.sampling, req.tenant, self._adapter
+            )
         return self._fingerprint
 
     # -- routing -------------------------------------------------------------------------------

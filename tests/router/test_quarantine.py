@@ -17,13 +17,39 @@ from kvroute.events.replica_api import (
 from kvroute.router.quarantine import Quarantine, QueryOfDeathError, fingerprint, not_caused_by
 
 
-def test_fingerprint_is_the_content_not_the_sender() -> None:
+def test_fingerprint_is_the_content_the_tenant_and_the_adapter() -> None:
     spec = SamplingParams(max_tokens=5, temperature=0.5, seed=3)
-    fp = fingerprint([1, 2, 3], spec)
-    assert fp == fingerprint((1, 2, 3), SamplingParams(max_tokens=5, temperature=0.5, seed=3))
-    assert fp != fingerprint([1, 2, 4], spec)
-    assert fp != fingerprint([1, 2, 3], SamplingParams(max_tokens=5, temperature=0.5, seed=4))
+    fp = fingerprint([1, 2, 3], spec, "acme", ("support", "/a/support"))
+    same = SamplingParams(max_tokens=5, temperature=0.5, seed=3)
+    assert fp == fingerprint((1, 2, 3), same, "acme", ("support", "/a/support"))
     assert len(fp) == 16
+    others = [
+        fingerprint([1, 2, 4], spec, "acme", ("support", "/a/support")),
+        fingerprint([1, 2, 3], SamplingParams(max_tokens=5, temperature=0.5, seed=4), "acme",
+                    ("support", "/a/support")),
+        fingerprint([1, 2, 3], spec, "globex", ("support", "/a/support")),  # another tenant
+        fingerprint([1, 2, 3], spec, "acme", None),  # the same tenant's base model
+        fingerprint([1, 2, 3], spec, "acme", ("legal", "/a/support")),  # another adapter
+        fingerprint([1, 2, 3], spec, "acme", ("support", "/a/support-v2")),  # loaded anew
+    ]  # fmt: skip
+    assert len({fp, *others}) == 1 + len(others)
+
+
+def test_a_prompt_struck_for_one_tenant_refuses_no_other() -> None:
+    """One tenant with a grant to a broken adapter must not get chosen prompts refused for
+    everyone: its strikes quarantine the prompt for it, under that adapter, only."""
+    q = Quarantine()
+    spec = SamplingParams(max_tokens=4)
+    mine = fingerprint([7, 8, 9], spec, "acme", ("broken", "/a/broken"))
+    q.strike(mine, "req-1", "r0", strikes=2)
+    with pytest.raises(QueryOfDeathError):
+        q.check(
+            fingerprint([7, 8, 9], SamplingParams(max_tokens=4), "acme", ("broken", "/a/broken"))
+        )
+    q.check(fingerprint([7, 8, 9], spec, "globex", None))  # another tenant, the base model
+    q.check(fingerprint([7, 8, 9], spec, "globex", ("broken", "/a/broken")))  # its adapter too
+    q.check(fingerprint([7, 8, 9], spec, "acme", None))  # acme's own base-model request
+    assert q.refused() == 1 and q.errors["quarantined"] == 1
 
 
 def test_two_strikes_refuse_until_the_time_is_up() -> None:
