@@ -329,15 +329,15 @@ def _drain(
 ) -> None:
     """Drains ``retired`` together, waits until each is idle (or ``timeout``), kills them."""
     say(f"draining {_listed(retired)} ...")
-    done = answers({rid: fleet[rid].drain.remote() for rid in retired}, 30)
+    done = _succeeded({rid: fleet[rid].drain.remote() for rid in retired}, 30)
     for rid in retired:
-        if done[rid] is None:  # dead already (nothing runs there), or stuck
+        if rid not in done:  # dead already (nothing runs there), or stuck: not waited for
             say(f"replica {rid} does not answer its drain: stopping it")
     # Stopped once nothing runs there and no request has arrived for quiet_s: every front
     # door has read `draining` by then, and one that had not would have reset the clock.
     t0 = time.monotonic()
     quiet: dict[str, tuple[int, float]] = {}  # rid -> (requests received, since when)
-    busy = set(retired)
+    busy = set(done)
     while busy and time.monotonic() - t0 < timeout:
         statuses = _drain_statuses({rid: fleet[rid] for rid in busy})
         now = time.monotonic()
@@ -358,6 +358,21 @@ def _drain(
     for rid in retired:
         ray_kill(fleet[rid])
         say(f"replica {rid} stopped")
+
+
+def _succeeded(refs: dict[str, Any], timeout_s: float) -> set[str]:
+    """The keys of ``refs`` whose Ray call returned (whatever it returned, None too) within
+    ``timeout_s``, asked together."""
+    import ray
+
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    done, ok = set(ready), set()
+    for key, ref in refs.items():
+        if ref in done:
+            with contextlib.suppress(Exception):
+                ray.get(ref)
+                ok.add(key)
+    return ok
 
 
 def _retirees(ids: list[str], n: int, infos: dict[str, Any]) -> list[str]:
