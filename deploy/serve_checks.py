@@ -111,6 +111,8 @@ def check_serve(
         value = getattr(args, flag, None)
         if value is not None and not value >= least:
             return f"--{flag.replace('_', '-')} must be >= {least}, not {value:g}"
+    if getattr(args, "wait_for_resources", False) and args.max_replicas is None:
+        return "--wait-for-resources applies to autoscaling (--max-replicas)"
     vllm = args.engine == "vllm"
     dtypes = VLLM_DTYPES if vllm else KVROUTE_DTYPES
     if args.dtype and args.dtype not in dtypes:

@@ -36,6 +36,7 @@ def test_serve_refuses_bad_arguments_before_starting_anything():
         (["--max-num-batched-tokens", "0"], "--max-num-batched-tokens must be >= 1"),
         (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
         (["--port", "70000"], "--port must be 0-65535"),
+        (["--model", "tiny", "--wait-for-resources"], "--wait-for-resources applies to"),
         (["--model", "tiny", "--dtype", "fp16"], "--dtype fp16: not one of"),
         (["--model", "sim:h100-8b", "--kv-host-bytes", "1GiB"], "sim: replicas are cost models"),
     ):
