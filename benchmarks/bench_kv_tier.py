@@ -22,6 +22,14 @@ with a host tier whose loads always wait a step to land (``KVROUTE_KV_INLINE_LOA
 and with a host tier as it runs by default (replica/kv_loads.py), each repeated
 ``--chat-repeats`` times in turn (the machine's load drifts): TTFT, hit rate by tier,
 errors, and the fleet's CPU seconds (from /proc) side by side.
+
+    python benchmarks/bench_kv_tier.py --disk-cost
+
+The disk tier's encryption at rest (issue 50) beside what it costs to write and load a
+block, without and with it, per block of tiny and of an 8B model: the writer thread's
+write, a load's read + authentication + copy into the cache (its page-cache copy warm, and
+cold after dropping it), and AES-GCM's own seal and open, in CPU time of the thread doing
+them; its share of each.
 """
 
 from __future__ import annotations
@@ -362,6 +370,73 @@ def copy_cost(blocks: int = 64) -> None:
         tiers.close()
 
 
+def disk_cost(root: Path, rounds: int = 7) -> None:
+    """Per block, in the thread's CPU microseconds (the least of ``rounds`` passes: the
+    pass others' work disturbed least): a disk write and a disk load, plain and sealed,
+    and AES-GCM's part of each (see the module doc). Cold loads are timed in wall
+    microseconds (the read waits on the device)."""
+    import torch
+
+    from kvroute.replica.kv_disk import DiskStore, checksum
+    from kvroute.replica.kv_seal import Sealer
+
+    def per_block(fn: Any, n: int, clock: Any = time.thread_time) -> float:
+        times = []
+        for _ in range(rounds):
+            t0 = clock()
+            for i in range(n):
+                fn(i)
+            times.append((clock() - t0) / n * 1e6)
+        return min(times)
+
+    def drop_cache(store: DiskStore, n: int) -> None:
+        for i in range(n):
+            fd = os.open(store.file_of(i.to_bytes(16, "big")), os.O_RDONLY)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+
+    def shape_costs(name: str, size: int, n: int) -> None:
+        blocks = [torch.randint(0, 256, (size,), dtype=torch.uint8).numpy() for _ in range(n)]
+        keys = [i.to_bytes(16, "big") for i in range(n)]
+        digests = [checksum(b) for b in blocks]
+        cache = torch.empty(size, dtype=torch.uint8)
+        sealer = Sealer()
+        sealed = [sealer.seal(k, b) for k, b in zip(keys, blocks, strict=True)]
+        seal_us = per_block(lambda i: sealer.seal(keys[i], blocks[i]), n)
+        open_us = per_block(lambda i: sealer.open(keys[i], *sealed[i], size), n)
+        for encrypt in (False, True):
+            store = DiskStore(root, 1 << 40, encrypt=encrypt)
+
+            def load(i: int, store: DiskStore = store) -> None:  # as KVTiers' loader does
+                raw = store.read(keys[i], size)
+                assert raw is not None
+                cache.copy_(torch.frombuffer(raw, dtype=torch.uint8))
+
+            write_us = per_block(lambda i, s=store: s.write_file(keys[i], blocks[i], digests[i]), n)
+            warm_us = per_block(load, n)
+            colds = []
+            for _ in range(rounds):
+                drop_cache(store, n)
+                colds.append(per_block(load, n, time.perf_counter))
+            cold_us = min(colds)
+            store.close()
+            aes = ("-", "-", "-")
+            if encrypt:
+                seal, opened = f"{seal_us:.0f} ({seal_us / write_us:.0%})", f"{open_us:.0f}"
+                aes = (seal, f"{opened} ({open_us / warm_us:.0%})", f"{open_us / cold_us:.0%}")
+            mode = "sealed" if encrypt else "plain"
+            print(f"| {name} | {size:,} | {mode} | {write_us:.0f} | {aes[0]} | {warm_us:.0f} | "
+                  f"{aes[1]} | {cold_us:.0f} | {aes[2]} |")  # fmt: skip
+
+    say(f"disk cost under {root}: the least of {rounds} passes")
+    print("| shape | block bytes | mode | write us | AES seal us (share) | load us, warm | "
+          "AES open us (share) | load us, cold (wall) | open's share |")  # fmt: skip
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    shape_costs("tiny fp32", 4 * 2 * 16 * 4 * 32 * 4, 256)  # layers, K+V, tokens, heads, dim, fp32
+    shape_costs("8B bf16", 32 * 2 * 16 * 8 * 128 * 2, 32)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="benchmarks/live/kv_tier")
@@ -377,6 +452,9 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma-separated fleets: none,host,disk")
     ap.add_argument("--disk-path", default="/tmp/kvroute_bench_kv_disk")
     ap.add_argument("--copy-cost", action="store_true", help="only the per-block copy costs")
+    ap.add_argument(
+        "--disk-cost", action="store_true", help="only the disk tier's costs, with encryption"
+    )
     ap.add_argument("--chat", action="store_true", help="short prompts: kvroute bench chat")
     ap.add_argument(
         "--chat-engine", action="store_true", help="short prompts in one engine, in process"
@@ -397,6 +475,11 @@ def main() -> int:
         return chat_main(args, out)
     if args.copy_cost:
         copy_cost()
+        return 0
+    if args.disk_cost:
+        root = Path(args.disk_path)
+        root.mkdir(parents=True, exist_ok=True)
+        disk_cost(root)
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

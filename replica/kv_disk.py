@@ -315,8 +315,9 @@ class DiskStore:
                     os.rmdir(self.root)
 
     # -- any thread -----------------------------------------------------------------------
-    def read(self, block_hash: bytes, expected_size: int) -> bytes | None:
-        """The block's verified bytes, or None if its file is missing, not a regular file,
+    def read(self, block_hash: bytes, expected_size: int) -> bytearray | None:
+        """The block's verified bytes (a buffer of their own: the loader wraps it without a
+        copy), or None if its file is missing, not a regular file,
         of the wrong size, foreign, tampered with or corrupt. Opening never blocks (a FIFO
         is refused on its ``fstat``); reading a regular file may, on a disk that hangs,
         which is why the engine reads through :class:`.kv_disk_reads.DiskReads`."""
@@ -343,18 +344,20 @@ class DiskStore:
             return None
         finally:
             os.close(fd)
-        view = memoryview(raw)
+        out: bytearray | None = None
         if sealed:
             magic, size, nonce = _SEALED_HEADER.unpack_from(raw)
-            out = None
             if magic == MAGIC_SEALED and size == expected_size:
-                out = self.sealer.open(block_hash, nonce, view[header.size :], size)  # type: ignore[union-attr]
+                with memoryview(raw) as view:
+                    out = self.sealer.open(block_hash, nonce, view[header.size :], size)  # type: ignore[union-attr]
         else:
             magic, size, digest = _HEADER.unpack_from(raw)
-            payload = view[header.size :]
-            ok = magic == MAGIC and size == expected_size
-            ok = ok and checksum(payload) ^ checksum(block_hash) == digest
-            out = bytes(payload) if ok else None
+            with memoryview(raw) as view:
+                ok = magic == MAGIC and size == expected_size
+                ok = ok and checksum(view[header.size :]) ^ checksum(block_hash) == digest
+            if ok:
+                del raw[: header.size]  # the payload, in place (no second buffer)
+                out = raw
         if out is None:
             self._count("num_unauthentic")
         return out

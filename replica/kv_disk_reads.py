@@ -62,7 +62,7 @@ class _Read:
     block_hash: bytes
     size: int
     done: threading.Event = field(default_factory=threading.Event)
-    result: bytes | None = None
+    result: bytearray | None = None
     started: bool = False
     abandoned: bool = False
 
@@ -72,7 +72,7 @@ class DiskReads:
 
     def __init__(
         self,
-        read: Callable[[bytes, int], bytes | None],
+        read: Callable[[bytes, int], bytearray | None],
         deadline_s: float = READ_DEADLINE_S,
         max_readers: int = MAX_READERS,
     ) -> None:
@@ -95,7 +95,7 @@ class DiskReads:
     def unresponsive(self) -> bool:
         return self.stuck >= self.max_readers
 
-    def read(self, block_hash: bytes, size: int) -> bytes | None:
+    def read(self, block_hash: bytes, size: int) -> bytearray | None:
         """The block's bytes as ``read`` gives them, or None: it gave None, it raised, it
         did not answer within the deadline, or the disk is unresponsive."""
         req = _Read(block_hash, size)

@@ -227,8 +227,8 @@ class DiskWriter:
         self,
         block_hash: bytes,
         expected_size: int,
-        file_read: Callable[[bytes, int], bytes | None] | None = None,
-    ) -> bytes | None:
+        file_read: Callable[[bytes, int], bytearray | None] | None = None,
+    ) -> bytearray | None:
         """The block's verified bytes: from memory while its write is pending, else from
         its file (through ``file_read``, the engine's bounded reads, when given); None if
         either fails a check."""
@@ -239,7 +239,7 @@ class DiskWriter:
             return (file_read or self.store.read)(block_hash, expected_size)
         if len(data) != expected_size or checksum(data) != write.digest:
             return None
-        return bytes(data)
+        return bytearray(data)
 
     # -- the writer thread ----------------------------------------------------------------
     def _check_folder(self) -> None:

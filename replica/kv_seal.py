@@ -64,12 +64,15 @@ class Sealer:
 
     def open(
         self, block_hash: bytes, nonce: bytes, sealed: bytes | memoryview, size: int
-    ) -> bytes | None:
-        """The block's bytes, or None when they fail authentication: another key (another
-        process), another block's file, a wrong length, a flipped bit."""
+    ) -> bytearray | None:
+        """The block's bytes (in a buffer of their own, the caller's to keep), or None when
+        they fail authentication: another key (another process), another block's file, a
+        wrong length, a flipped bit."""
         if len(sealed) != size + TAG_BYTES or len(nonce) != NONCE_BYTES:
             return None
+        out = bytearray(size)
         try:
-            return self._aead.decrypt(nonce, sealed, self._aad(block_hash, size))
+            self._aead.decrypt_into(nonce, sealed, self._aad(block_hash, size), out)
         except InvalidTag:
             return None
+        return out

@@ -54,7 +54,7 @@ def measure_tiers(tiers: KVTiers) -> dict[str, float]:
             t0 = time.perf_counter()
             raw = tiers.disk_reads.read(_PROBE_HASH, n)
             if raw is not None:
-                dst.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+                dst.copy_(torch.frombuffer(raw, dtype=torch.uint8))
                 out[MEDIUM_STORAGE] = timed(t0)
             store.remove_file(_PROBE_HASH)
     return out

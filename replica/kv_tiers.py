@@ -126,7 +126,7 @@ class LoadJob:
     hashes: list[bytes]
     host_entries: list[HostEntry | None]
     after: torch.cuda.Event | None = None  # CUDA: the step's stream when the load started
-    fetched: list[bytes | None] = field(default_factory=list)  # disk blocks' bytes, read
+    fetched: list[bytearray | None] = field(default_factory=list)  # disk blocks, as read
     num_ok: int = 0  # leading blocks copied and verified
     failed: bytes | None = None  # the hash that stopped the load, if one did
     seconds: float = 0.0
@@ -501,7 +501,7 @@ class KVTiers:
         if stream is not None:
             stream.synchronize()  # the blocks are in before the job says so
 
-    def _fetch(self, entry: HostEntry | None, raw: bytes | None) -> torch.Tensor | None:
+    def _fetch(self, entry: HostEntry | None, raw: bytearray | None) -> torch.Tensor | None:
         """A block's verified bytes from its host entry, or the disk's as the fetcher read
         them (verified there); None if they fail a check or were not read."""
         if entry is not None:
@@ -513,5 +513,5 @@ class KVTiers:
             return data
         if raw is None or len(raw) != self.block_bytes:
             return None
-        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+        data = torch.frombuffer(raw, dtype=torch.uint8)  # the fetcher's own buffer
         return data.pin_memory() if self.cuda else data

@@ -26,10 +26,10 @@ class HungDisk:
     def __init__(self) -> None:
         self.released = threading.Event()
 
-    def __call__(self, block_hash: bytes, size: int) -> bytes | None:
+    def __call__(self, block_hash: bytes, size: int) -> bytearray | None:
         if block_hash != b"ok":
             assert self.released.wait(30)  # a bound: a test that never releases fails
-        return b"x" * size
+        return bytearray(b"x" * size)
 
 
 def warnings_of(caplog: pytest.LogCaptureFixture, text: str) -> int:
@@ -92,7 +92,7 @@ def tiers_with_a_hung_disk(tmp_path: Path) -> tuple[KVTiers, list[bytes], HungDi
     disk = HungDisk()
     real = tiers.disk.store.read
 
-    def hung(block_hash: bytes, size: int) -> bytes | None:
+    def hung(block_hash: bytes, size: int) -> bytearray | None:
         disk(b"", size)  # hangs until released
         return real(block_hash, size)
 

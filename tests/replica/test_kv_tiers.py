@@ -239,7 +239,7 @@ def stall(eng: LLMEngine, block_hash: bytes, *, miss: bool = False) -> Callable[
     gate = threading.Event()
     real = store.read
 
-    def slow(h: bytes, size: int) -> bytes | None:
+    def slow(h: bytes, size: int) -> bytearray | None:
         if h == block_hash:
             assert gate.wait(60)  # a bound: a test that never releases fails, not hangs
             if miss:

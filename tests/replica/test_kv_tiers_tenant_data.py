@@ -170,7 +170,7 @@ def test_a_hung_disk_read_is_recomputed_after_its_deadline_and_delays_no_other_l
     real = tiers.disk.store.read
     stuck = set(eng.hasher.hash_blocks(ps[0]))
 
-    def hung(block_hash: bytes, size: int) -> bytes | None:
+    def hung(block_hash: bytes, size: int) -> bytearray | None:
         if block_hash in stuck:
             released.wait(60)  # files that do not answer (a bound: never a hung test)
         return real(block_hash, size)
