@@ -73,6 +73,7 @@ _REFUSED: dict[str, str] = {
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 _TORCH_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit on a header
+MAX_CONFIG_BYTES = 1 << 20  # an adapter_config.json is a few hundred bytes
 # model.layers.<i>.<self_attn|mlp>.<target>.lora_<A|B>.weight, under any prefix
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.([a-z_]+)\.lora_([AB])\.weight$")
 
@@ -144,7 +145,10 @@ def read_regular(file: Path, limit: int | None = None) -> bytes:
 def _config(folder: Path) -> dict[str, Any]:
     file = folder / CONFIG_FILE
     try:
-        cfg = json.loads(read_regular(file))
+        raw = read_regular(file, MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            raise LoRAError(f"{file}: larger than {MAX_CONFIG_BYTES} bytes")
+        cfg = json.loads(raw)
     except LoRAError:
         raise
     except FileNotFoundError:

@@ -8,7 +8,7 @@ Three tiers, as vLLM's (``--max-loras``, ``--max-cpu-loras``):
   hung) is unavailable here until registered again: its requests fail with the reason,
   as a 400, and the engine steps on for everyone else;
 - host memory: up to ``max_cpu_loras`` adapters read into memory, least recently used
-  out first (never one that sits in a slot);
+  out first (never a running request's; an idle one in a slot goes, its slot with it);
 - device slots: ``max_loras`` rows of stacked weight tensors per layer and projection,
   which the grouped kernels (:mod:`kvroute.kernels.lora`) index by slot. One step mixes at
   most ``max_loras`` adapters (the scheduler's rule); a step that needs an adapter not in
@@ -302,7 +302,7 @@ class LoRAStore:
         err = LoRAError(f"{text}; it is unavailable on this replica until it is loaded again")
         self.stats.read_failures += 1
         self._failed[key] = self._broken[key] = err
-        self._host.pop(key, None)
+        self._evict(key)
 
     def _read(self, name: str, path: str, spec: AdapterSpec | None) -> LoRAAdapter:
         """On a reader thread: the adapter read and checked against its registration."""

@@ -12,6 +12,7 @@ refused at once instead of blocking.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import re
 import shutil
@@ -27,6 +28,7 @@ from kvroute.replica.async_engine import AsyncLLMEngine
 from kvroute.replica.engine import EngineConfig, LLMEngine
 from kvroute.replica.lora import CONFIG_FILE, WEIGHTS_FILE, LoRAError, inspect_adapter
 from kvroute.replica.lora_reads import AdapterReads, ReadTimeoutError
+from kvroute.replica.lora_store import LoRAStore
 
 from ..lora_adapters import make_adapter
 
@@ -94,6 +96,46 @@ def test_an_adapter_rewritten_at_another_rank_fails_its_requests_alone(
     shutil.copy(Path(made["rank4"]) / WEIGHTS_FILE, victim / WEIGHTS_FILE)
     delta = _run(engine, {"wire": "victim"}, deltas=True)["wire"]
     assert delta.failure == "invalid" and delta.error.startswith("model: LoRA adapter 'victim'")
+
+
+def test_a_bad_adapter_in_memory_fails_its_requests_not_the_step(
+    made: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The last check, before a slot is written: an adapter whose weights got into host
+    memory unchecked (simulated: the reader's checks bypassed) fails its own requests,
+    and the step goes on for the others (the slot copy would have raised on it)."""
+    llm = LLM("tiny", dtype="float32", num_blocks=128, max_loras=2,
+              lora_modules={"victim": made["victim"]})  # fmt: skip
+    real_load, real_check, real_activate = (
+        lora_store_module.load_adapter,
+        LoRAStore._check,
+        LoRAStore._activate,
+    )
+    stepping: list[bool] = []
+
+    def unchecked_load(name, spec, dtype):  # type: ignore[no-untyped-def]
+        rank4 = dataclasses.replace(spec, path=made["rank4"], shapes={})  # r=4 as if r=8
+        return real_load(name, rank4, dtype)
+
+    def check_on_the_step_only(self, adapter):  # type: ignore[no-untyped-def]
+        if stepping:
+            real_check(self, adapter)
+
+    def activate(self, key, needed):  # type: ignore[no-untyped-def]
+        stepping.append(True)
+        try:
+            return real_activate(self, key, needed)
+        finally:
+            stepping.pop()
+
+    monkeypatch.setattr(lora_store_module, "load_adapter", unchecked_load)
+    monkeypatch.setattr(LoRAStore, "_check", check_on_the_step_only)
+    monkeypatch.setattr(LoRAStore, "_activate", activate)
+    done = _run(llm.llm_engine, {"bad": "victim", "base": None})
+    bad = done["bad"].outputs[0]
+    assert bad.finish_reason == "error" and "the slots take [256, 8] x [8, " in bad.error
+    assert done["base"].outputs[0].finish_reason == "length"
+    assert llm.llm_engine.lora.unavailable("victim", made["victim"]) is not None  # type: ignore[union-attr]
 
 
 def test_a_hung_read_is_abandoned_at_its_deadline_and_starves_no_other(
