@@ -8,11 +8,15 @@
    a disk read that hangs costs one after its deadline, and a host-tier load beside it
    does not wait for it;
 3. a deleted folder turns the tier off with a warning, a stat and a BlockRemoved STORAGE
-   for what it held, and the engine serves on.
+   for what it held, and the engine serves on;
+
+and the engine thread's end (a replica's shutdown, or its engine's failure) removes the
+folder: the tenants' blocks do not outlive the engine that holds them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import shutil
@@ -25,7 +29,7 @@ import pytest
 
 from kvroute.events import MEDIUM_STORAGE, BlockRemoved, BlockStored
 from kvroute.events.load import DISK_OFF, DISK_OK
-from kvroute.replica import EngineConfig, LLMEngine
+from kvroute.replica import AsyncLLMEngine, EngineConfig, EngineDeadError, LLMEngine
 from kvroute.replica.engine import EngineOutput
 from kvroute.replica.kv_seal import Sealer
 
@@ -244,3 +248,28 @@ def test_a_deleted_folder_turns_the_tier_off_with_a_warning_and_a_stat(
     again = run_within(eng, "again", ps[0], 30)  # no tier below: computed, the same tokens
     assert again.outputs[0].token_ids == uncached[0] and not again.num_tier_cached_tokens
     eng.close()
+
+
+@pytest.mark.parametrize("end", ["shutdown", "failure"])
+def test_the_engine_thread_s_end_removes_the_disk_folder(tmp_path: Path, end: str) -> None:
+    eng = engine(kv_disk_path=str(tmp_path / "kv"), kv_disk_bytes=64 * BLOCK_BYTES)
+    ps = prompts()
+    for i, p in enumerate(ps):
+        run(eng, f"a{i}", p)
+    assert eng.kv_tiers.disk.flush(10)
+    folder = eng.kv_tiers.disk.path
+    assert list(folder.glob("*.kvb"))
+    hosted = AsyncLLMEngine(eng)  # as a replica hosts it
+    if end == "shutdown":
+        hosted.shutdown()
+    else:
+        hosted.inject_failure("injected")
+
+        async def ask() -> None:
+            with pytest.raises(EngineDeadError):
+                async for _ in hosted.generate(ps[0], GREEDY):
+                    pass
+
+        asyncio.run(ask())
+        assert hosted.wait_failed(10)
+    assert not folder.exists() and not (tmp_path / "kv").exists()
