@@ -160,6 +160,7 @@ class DiskStore:
         self.last_errno = 0  # the writer's last failed write (ENOENT: the folder is gone)
         self.closed = False
         self._count_lock = threading.Lock()
+        self._scratch = threading.local()  # each thread's ciphertext buffer, reused
         self.num_refused = 0  # reads of a file that is not a regular one (FIFO, device)
         self.num_unauthentic = 0  # reads that failed authentication or checksum
 
@@ -252,14 +253,6 @@ class DiskStore:
         OSError (its errno kept in ``last_errno``), leaving no file."""
         name = self.name_of(block_hash)
         tmp = name + ".tmp"
-        if self.sealer is not None:
-            nonce, sealed = self.sealer.seal(block_hash, data)
-            parts: list[bytes | memoryview] = [
-                _SEALED_HEADER.pack(MAGIC_SEALED, len(data), nonce),
-                sealed,
-            ]
-        else:
-            parts = [_HEADER.pack(MAGIC, len(data), digest ^ checksum(block_hash)), data]
         try:
             fd = os.open(tmp, _NEW_FLAGS, 0o600, dir_fd=self._fd)
         except OSError as exc:  # EEXIST: something else has the temporary name; not ours
@@ -267,7 +260,16 @@ class DiskStore:
             return False
         try:
             try:
-                _write_all(fd, parts)
+                if self.sealer is not None:
+                    with memoryview(self._buffer(len(data) + TAG_BYTES)) as buf:
+                        sealed = buf[: len(data) + TAG_BYTES]
+                        nonce = self.sealer.seal_into(block_hash, data, sealed)
+                        header = _SEALED_HEADER.pack(MAGIC_SEALED, len(data), nonce)
+                        _write_all(fd, [header, sealed])
+                        sealed.release()
+                else:
+                    header = _HEADER.pack(MAGIC, len(data), digest ^ checksum(block_hash))
+                    _write_all(fd, [header, data])
             finally:
                 os.close(fd)
             os.replace(tmp, name, src_dir_fd=self._fd, dst_dir_fd=self._fd)
@@ -277,6 +279,14 @@ class DiskStore:
                 os.unlink(tmp, dir_fd=self._fd)
             return False
         return True
+
+    def _buffer(self, size: int) -> bytearray:
+        """This thread's scratch buffer, at least ``size`` bytes: sealed bytes pass through
+        it on their way to or from a file, never leaving this module."""
+        buf: bytearray | None = getattr(self._scratch, "buf", None)
+        if buf is None or len(buf) < size:
+            buf = self._scratch.buf = bytearray(size)
+        return buf
 
     def remove_file(self, block_hash: bytes) -> None:
         """Removes the block's file if there is one."""
@@ -337,9 +347,10 @@ class DiskStore:
                 return None
             if st.st_size != want:
                 return None
-            raw = bytearray(want)
-            if _read_all(fd, raw) != want:
-                return None
+            raw = self._buffer(want) if sealed else bytearray(want)  # plain: it is returned
+            with memoryview(raw) as view:
+                if _read_all(fd, view[:want]) != want:
+                    return None
         except OSError:
             return None
         finally:
@@ -349,7 +360,9 @@ class DiskStore:
             magic, size, nonce = _SEALED_HEADER.unpack_from(raw)
             if magic == MAGIC_SEALED and size == expected_size:
                 with memoryview(raw) as view:
-                    out = self.sealer.open(block_hash, nonce, view[header.size :], size)  # type: ignore[union-attr]
+                    ct = view[header.size : want]
+                    out = self.sealer.open(block_hash, nonce, ct, size)  # type: ignore[union-attr]
+                    ct.release()
         else:
             magic, size, digest = _HEADER.unpack_from(raw)
             with memoryview(raw) as view:
@@ -384,9 +397,9 @@ def _write_all(fd: int, parts: list[bytes | memoryview]) -> None:
             views[0] = views[0][n:]
 
 
-def _read_all(fd: int, buf: bytearray) -> int:
-    view, got = memoryview(buf), 0
-    while got < len(buf):
+def _read_all(fd: int, view: memoryview) -> int:
+    got = 0
+    while got < len(view):
         n = os.readv(fd, [view[got:]])
         if n == 0:
             break

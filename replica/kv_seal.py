@@ -62,6 +62,13 @@ class Sealer:
         nonce = self._nonce()
         return nonce, self._aead.encrypt(nonce, data, self._aad(block_hash, len(data)))
 
+    def seal_into(self, block_hash: bytes, data: bytes | memoryview, out: memoryview) -> bytes:
+        """Seals into ``out`` (``len(data) + TAG_BYTES`` bytes: a buffer the writer reuses,
+        sparing a fresh allocation per block); returns the nonce."""
+        nonce = self._nonce()
+        self._aead.encrypt_into(nonce, data, self._aad(block_hash, len(data)), out)
+        return nonce
+
     def open(
         self, block_hash: bytes, nonce: bytes, sealed: bytes | memoryview, size: int
     ) -> bytearray | None:
