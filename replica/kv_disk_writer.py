@@ -28,7 +28,8 @@ Invariants:
 - ``_queued_bytes`` sums the bytes of writes neither finished nor cancelled while queued,
   ``<= max_queue_bytes`` (one block over when a single block is larger);
 - a failed write is reported once, by :meth:`poll` on the engine thread, unless the block
-  was evicted or discarded since (then there is nothing left to report).
+  was evicted or discarded since (then there is nothing left to report);
+- once ``lost`` is set no write starts (each later one fails, and is reported as such).
 
 Folder lost: the writer thread checks that the store's folder is still there and still
 its own (:meth:`.kv_disk.DiskStore.folder_lost`) after a write fails and at least every
@@ -37,8 +38,10 @@ its own (:meth:`.kv_disk.DiskStore.folder_lost`) after a write fails and at leas
 tier off (:meth:`.kv_tiers.KVTiers.poll`).
 
 Stop: :meth:`close` has the writer thread close the store last (its files and folder are
-removed: they are tenants' data), after the write under way; a process that exits without
-closing its writers (SIGTERM in a Ray worker raises ``SystemExit``) closes them at exit.
+removed: they are tenants' data), after the write under way. A process that leaves through
+Python without closing its engine closes its writers at exit; one that is killed (as Ray
+ends replicas) cannot: ``kvroute serve`` wipes its local replicas' folders once they are
+gone, and the next store to open a folder wipes what an earlier one left.
 
 Thread-safety: :meth:`put`, :meth:`touch`, :meth:`discard`, :meth:`clear`, :meth:`poll`
 and :meth:`close` are the engine thread's; :meth:`read` runs on any thread (the disk
@@ -293,7 +296,7 @@ class DiskWriter:
 
 @atexit.register
 def _close_at_exit() -> None:
-    """A process leaving without closing its engine (a Ray worker on SIGTERM): its disk
-    tiers' folders go with it all the same."""
+    """A process leaving through Python without closing its engine: its disk tiers'
+    folders go with it all the same."""
     for writer in list(_LIVE):
         writer.close(timeout=2.0)

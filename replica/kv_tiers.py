@@ -24,14 +24,10 @@ enqueued when the load started (a copy-out of the very blocks the load writes, a
 others). Writing the copy to disk is slower and needs no device: the writer thread does
 it, the bytes held in memory (and loadable from there) until the file is in place.
 
-Disk reads never run on the engine thread nor unbounded (issue 50): a load with disk blocks
-has them read first by :class:`.kv_disk_reads.DiskFetcher`, each within a deadline, and
-only then goes to the loader thread, so a host load never waits behind a disk that does not
-answer. A read past its deadline fails its block like a bad checksum; with every reader
-stuck the disk is unresponsive and :meth:`KVTiers.lookup` offers no disk blocks until one
-answers. A disk folder deleted or replaced under the store turns the disk tier off at the
-next :meth:`KVTiers.poll`: a warning, ``disk_folder_lost``, and a ``BlockRemoved`` STORAGE
-for everything it held, so routers stop crediting it.
+Disk reads run neither on the engine thread nor unbounded (issue 50): a load's disk blocks
+are read first, within a deadline (:mod:`.kv_disk_reads`), then the loader copies, so no
+host load waits behind a hung disk. A disk folder deleted or replaced turns the disk tier
+off at the next :meth:`KVTiers.poll`, withdrawing what it held (``BlockRemoved`` STORAGE).
 
 Events: the tiers speak through the pool's event list (:meth:`BlockPool.emit`), in the order
 things happen: ``BlockStored``/``BlockRemoved`` with ``medium`` "CPU" (host) or "STORAGE"
@@ -51,9 +47,10 @@ Invariants:
 - every lower-tier entry was published with a ``BlockStored`` of its medium and not yet
   with a ``BlockRemoved``; a hash may sit in both lower tiers (a disk copy outlives the
   block's return to the device and its next eviction to the host), each published apart;
-- the loader thread reads lower-tier copies and writes only the device blocks of its job,
-  which the scheduler holds (refcount > 0, no hash) until the job lands, and the digest of
-  host entries it seals (queued at copy-out, ahead of any load of them);
+- the loader thread reads host copies and the disk bytes the fetcher read for its job (it
+  opens no file), and writes only the device blocks of its job, which the scheduler holds
+  (refcount > 0, no hash) until the job lands, and the digest of host entries it seals
+  (queued at copy-out, ahead of any load of them);
 - the disk writer thread touches only files and its own queue (see :mod:`.kv_disk_writer`);
   the disk fetcher and its readers touch only files, the writer's pending bytes and the
   ``fetched`` list of the job in hand; every tier structure here, and every event, is the
@@ -316,15 +313,11 @@ class KVTiers:
         """The folder was deleted or replaced: the tier stops, says so once, and withdraws
         what it held (a router must not credit blocks no load can bring back)."""
         assert self.disk is not None
+        held, path = list(self.disk_meta), self.disk.path
         log.warning(
-            "KV disk tier off: its folder %s was %s; %d blocks withdrawn, evicted blocks are "
-            "no longer kept on disk",
-            self.disk.path,
-            why,
-            len(self.disk_meta),
+            "KV disk tier off: its folder %s was %s; %d blocks withdrawn", path, why, len(held)
         )
         self.stats["disk_folder_lost"] = 1
-        held = list(self.disk_meta)
         self.disk_meta.clear()
         if held:
             self._emit(BlockRemoved([self._ext(h) for h in held], MEDIUM_STORAGE))
