@@ -5,7 +5,7 @@ fleet it measures, and what the client spends between a chunk's arrival and its 
 lands in every latency it reports. httpx spends milliseconds of CPU per streamed request
 (httpcore's state machine, h11, anyio's cancel scopes and a decoder per chunk), which showed
 up in every TTFT (BENCHMARKS.md, "Serving path"); the front door's own
-client for ``vllm serve`` (:mod:`kvroute.router.http_wire`) hands each body line to a
+client for ``vllm serve`` (:mod:`kvroute.router.backends.wire`) hands each body line to a
 callback inside the protocol, so a chunk is timed when it arrives. Every failure (HTTP
 status, timeout, refused connection, an ``error`` event in the stream) becomes a record
 with an error kind, never an exception out of :func:`run_load`.
@@ -25,8 +25,13 @@ from typing import Any
 import httpx
 import msgspec
 
-from kvroute.router.http_wire import BackendPool, ConnectFailedError, Connection, StreamBrokenError
-from kvroute.router.responses import REPLICA_HEADER
+from kvroute.router.api.responses import REPLICA_HEADER
+from kvroute.router.backends.wire import (
+    BackendPool,
+    ConnectFailedError,
+    Connection,
+    StreamBrokenError,
+)
 
 from .sources import Planned
 
@@ -64,7 +69,7 @@ class StreamError(Exception):
 
 
 class SSEReader:
-    """Cuts a response body's lines (from :mod:`kvroute.router.http_wire`, one call per
+    """Cuts a response body's lines (from :mod:`kvroute.router.backends.wire`, one call per
     line, without its newline) into server-sent events: ``on_event(data)`` per event's
     ``data`` (multi-line data joined by newlines) until ``[DONE]``, comment lines to
     ``on_comment``; an ``event: error`` event raises :class:`StreamError`."""

@@ -60,7 +60,7 @@ def start_vllm(model_dir: str, port: int, log: Path, kv_mib: int) -> subprocess.
         "MKL_NUM_THREADS": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     }
-    cmd = [sys.executable, "-m", "kvroute.replica.vllm_cli", "serve", model_dir]
+    cmd = [sys.executable, "-m", "kvroute.replica.vllm.cli", "serve", model_dir]
     cmd += ["--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port)]
     cmd += ["--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN)]
     cmd += ["--block-size", str(BLOCK_SIZE), "--kv-cache-memory-bytes", str(kv_mib << 20)]
@@ -97,7 +97,7 @@ def measure(
 
 def bench_vllm(args: argparse.Namespace, runner: Runner, tmp: Path) -> list[dict[str, Any]]:
     """vLLM's rows: its API server is one process, its engine core a child."""
-    from kvroute.replica.models import tiny_model_path
+    from kvroute.replica.model.models import tiny_model_path
 
     url = f"http://127.0.0.1:{args.port}"
     proc = start_vllm(str(tiny_model_path()), args.port, tmp / "vllm.log", args.kv_mib)

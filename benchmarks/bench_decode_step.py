@@ -7,7 +7,7 @@
 ``before`` is the engine as it was before kvroute's own decoder (transformers' modules,
 the torch reference's decode attention, unpacked CPU weights, no CUDA graphs),
 ``transformers`` the same modules with today's kernels, ``kvroute-eager`` kvroute's own
-decoder (replica/decoder.py) without CUDA graphs, ``kvroute`` with them (on CUDA).
+decoder (replica/model/decoder.py) without CUDA graphs, ``kvroute`` with them (on CUDA).
 
 ``llama-8b`` is a folder written on first use under ``$TMPDIR``: Llama-3.1-8B's layer shapes
 (32 layers, hidden 4,096, 32 query / 8 KV heads of 128, MLP 14,336) with seeded random bf16
@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from kvroute.replica import LLM, SamplingParams, tiny_model
-from kvroute.replica.models import tiny_model_path
+from kvroute.replica.model.models import tiny_model_path
 
 CUDA = torch.cuda.is_available()
 PROMPT_TOKENS = 512

@@ -28,7 +28,7 @@ import random
 import time
 
 from kvroute.events.replica_api import SamplingParams
-from kvroute.replica.engine import EngineConfig, LLMEngine
+from kvroute.replica.engine.llm_engine import EngineConfig, LLMEngine
 
 SETTINGS = {
     "one queue": (False, 0, 0),

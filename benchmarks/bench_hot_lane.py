@@ -46,11 +46,11 @@ def best_of(fn: Any, n: int, repeat: int = 5) -> float:
 
 
 def lane_us(n: int) -> float:
-    from kvroute.router import http_api
-    from kvroute.router.errors import read_body
-    from kvroute.router.metrics import Metrics
-    from kvroute.router.sse import SSEResponse
-    from kvroute.router.tenants import Tenants
+    from kvroute.router.api import app as http_api
+    from kvroute.router.api.errors import read_body
+    from kvroute.router.api.metrics import Metrics
+    from kvroute.router.api.sse import SSEResponse
+    from kvroute.router.fleet.tenants import Tenants
 
     async def handler(request: Any, tenant: Any) -> Any:
         await read_body(request, 1 << 20, 30.0)
@@ -131,7 +131,7 @@ def ids_us(n: int) -> tuple[float, float]:
             f"cmpl-{uuid.uuid4().hex}"
 
     try:
-        from kvroute.router.errors import new_id
+        from kvroute.router.api.errors import new_id
     except ImportError:
         return best_of(uuids, n), float("nan")
 
@@ -146,7 +146,7 @@ def ids_us(n: int) -> tuple[float, float]:
 def check_ids_us(n: int) -> float:
     import inspect
 
-    from kvroute.router.intake import Intake
+    from kvroute.router.api.intake import Intake
 
     info = SimpleNamespace(vocab_size=128_256)
     replicas = {f"r{i}": SimpleNamespace(info=info) for i in range(2)}

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode_step import write_llama_8b
 
 from kvroute.replica import EngineConfig, LLMEngine, SamplingParams
-from kvroute.replica.models import resolve_model
+from kvroute.replica.model.models import resolve_model
 
 CUDA = torch.cuda.is_available()
 BLOCK = 16

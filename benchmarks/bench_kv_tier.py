@@ -19,7 +19,7 @@ hits by tier close each fleet. Progress to stderr, the table to stdout, JSON to 
 Short prompts instead: ``kvroute bench --workload chat`` (``--chat-requests`` closed-loop
 at concurrency 4) on fleets of ``--chat-blocks`` device blocks a replica: without a tier,
 with a host tier whose loads always wait a step to land (``KVROUTE_KV_INLINE_LOADS=0``),
-and with a host tier as it runs by default (replica/kv_loads.py), each repeated
+and with a host tier as it runs by default (replica/core/kv_loads.py), each repeated
 ``--chat-repeats`` times in turn (the machine's load drifts): TTFT, hit rate by tier,
 errors, and the fleet's CPU seconds (from /proc) side by side.
 
@@ -227,12 +227,13 @@ def chat_engine(args: argparse.Namespace) -> int:
     ``--chat-blocks`` device blocks, a 64 MiB host tier), ``--chat-sessions`` conversations
     of ``--chat-turns`` turns (each turn 48-160 new tokens, 24 out, the prompt cut to its
     last ``--chat-context`` tokens), 4 at a time in a closed loop; the same conversations
-    with the landing rule (replica/kv_loads.py) and with every load landing a step later,
+    with the landing rule (replica/core/kv_loads.py) and with every load landing a step later,
     alternated ``--chat-repeats`` times. Per run: TTFT of all turns and of those that loaded
     from the host tier, in steps and in ms, and CPU seconds of the run."""
     import torch
 
-    from kvroute.replica import EngineConfig, LLMEngine, SamplingParams, kv_loads
+    from kvroute.replica import EngineConfig, LLMEngine, SamplingParams
+    from kvroute.replica.core import kv_loads
 
     torch.set_num_threads(1)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -329,8 +330,8 @@ def copy_cost(blocks: int = 64) -> None:
     import torch
 
     from kvroute.events import BlockStored
-    from kvroute.replica.block_pool import BlockPool
-    from kvroute.replica.kv_tiers import KVTiers
+    from kvroute.replica.core.block_pool import BlockPool
+    from kvroute.replica.kv_tiers.tiers import KVTiers
 
     print("| shape | block bytes | copy-out, engine thread us/block | with its xxh3 (loader "
           "thread) us/block | host load us/block | clone us/block |")  # fmt: skip
@@ -377,8 +378,8 @@ def disk_cost(root: Path, rounds: int = 7) -> None:
     microseconds (the read waits on the device)."""
     import torch
 
-    from kvroute.replica.kv_disk import DiskStore, checksum
-    from kvroute.replica.kv_seal import Sealer
+    from kvroute.replica.kv_tiers.disk import DiskStore, checksum
+    from kvroute.replica.kv_tiers.seal import Sealer
 
     def per_block(fn: Any, n: int, clock: Any = time.thread_time) -> float:
         times = []

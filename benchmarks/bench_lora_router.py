@@ -19,8 +19,8 @@ import random
 import time
 
 from kvroute.events import BlockHasher
-from kvroute.router.lora import LoRARegistry
-from kvroute.router.tenants import Tenant
+from kvroute.router.fleet.tenants import Tenant
+from kvroute.router.lora.registry import LoRARegistry
 
 
 def per_request_us(fn: object, reps: int) -> float:

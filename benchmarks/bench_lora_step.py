@@ -38,7 +38,7 @@ import torch
 from safetensors.torch import save_file
 
 from kvroute.replica import LLM, SamplingParams
-from kvroute.replica.models import resolve_model
+from kvroute.replica.model.models import resolve_model
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TARGETS = {"all": ALL, "qv": ("q_proj", "v_proj")}

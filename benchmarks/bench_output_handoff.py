@@ -10,7 +10,7 @@ Two ways for a replica's step outputs to leave, side by side in one run:
   holds the GIL, which the engine thread gives up only when it blocks or when the switch
   interval (5 ms) forces it: on a GPU, whose eager forward holds the GIL while it launches
   kernels, every delta of the step waited that long.
-- *direct send* (now, replica/dataplane_server.py): the engine thread encodes the message and
+- *direct send* (now, replica/serve/dataplane_server.py): the engine thread encodes the message and
   hands it to ZeroMQ itself, whose I/O thread is native and needs no GIL.
 
 What runs: 64 sequences of 256 prompt tokens decode through ``LLMEngine.step`` in a loop;

@@ -27,7 +27,7 @@ def cpu():
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
 import kvroute.replica  # first: hides a broken torchvision before transformers
-from kvroute.replica.models import smollm2_path
+from kvroute.replica.model.models import smollm2_path
 if which == "kvroute":
     import torch
     torch.set_num_threads(1)

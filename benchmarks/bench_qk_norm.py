@@ -4,7 +4,7 @@ replace, one run.
     OMP_NUM_THREADS=1 python benchmarks/bench_qk_norm.py [--repeat 200]
 
 Between its QKV projection and attention a Qwen3 layer normalizes each q and k head
-(``q_norm``, ``k_norm``) and rotates them. The torch path (replica/decoder.py without the C
+(``q_norm``, ``k_norm``) and rotates them. The torch path (replica/model/decoder.py without the C
 ops) is two fused RMSNorms, a concatenation and the half-split rotation, ~10 ops a layer;
 the C path is two in-place passes (``rms_norm_heads_``) and the in-place rotary over the
 QKV rows. Shapes: Qwen3-0.6B's attention (16 heads, 8 KV heads, head_dim 128; 28 layers),

@@ -73,9 +73,9 @@ def client(endpoint: str, streams: int, tokens: int, first_id: int) -> None:
 def measure(streams: int, tokens: int, time_scale: float, first_id: int, tree: str | None) -> float:
     """CPU microseconds per output token in the replica process, first arrival to last send."""
     from kvroute.events.transport import ZmqEventPublisher
-    from kvroute.replica.async_engine import AsyncLLMEngine
-    from kvroute.replica.dataplane_server import DataPlaneServer
-    from kvroute.replica.engine import EngineConfig, LLMEngine
+    from kvroute.replica.engine.async_engine import AsyncLLMEngine
+    from kvroute.replica.engine.llm_engine import EngineConfig, LLMEngine
+    from kvroute.replica.serve.dataplane_server import DataPlaneServer
 
     publisher = ZmqEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", topic="bench")
     config = EngineConfig(model="sim:h100-8b", time_scale=time_scale)

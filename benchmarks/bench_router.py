@@ -29,8 +29,8 @@ import sys
 import time
 
 from kvroute.events import BlockHasher, BlockRemoved, BlockStored, EventBatch
-from kvroute.router.index import PrefixIndex, prediction_stride
-from kvroute.router.policy import KVPolicy, RequestView
+from kvroute.router.routing.index import PrefixIndex, prediction_stride
+from kvroute.router.routing.policy import KVPolicy, RequestView
 
 BS = 16
 

@@ -63,9 +63,9 @@ def measure(streams: int, tokens: int, time_scale: float, first_id: int) -> floa
     """CPU microseconds per output token of ``streams`` concurrent requests, start to end."""
     from kvroute.events import dataplane_wire as dp
     from kvroute.events.replica_api import SamplingParams
-    from kvroute.replica.async_engine import AsyncLLMEngine
-    from kvroute.replica.dataplane_server import _FrontDoorSink
-    from kvroute.replica.engine import EngineConfig, LLMEngine
+    from kvroute.replica.engine.async_engine import AsyncLLMEngine
+    from kvroute.replica.engine.llm_engine import EngineConfig, LLMEngine
+    from kvroute.replica.serve.dataplane_server import _FrontDoorSink
 
     class EncodingServer:
         """The data plane's share without the socket: one encoded message per step."""

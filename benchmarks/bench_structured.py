@@ -18,7 +18,7 @@ import statistics
 import time
 
 from kvroute.events.replica_api import SamplingParams, StructuredOutputs
-from kvroute.replica.engine import EngineConfig, LLMEngine
+from kvroute.replica.engine.llm_engine import EngineConfig, LLMEngine
 
 
 def run_once(

@@ -85,7 +85,7 @@ def floor_server(port: int, fleet_url: str) -> None:
     import uvicorn
 
     from kvroute.events.replica_api import GenerateRequest, SamplingParams
-    from kvroute.router.replica_connection import ReplicaConnection
+    from kvroute.router.fleet.replica_connection import ReplicaConnection
 
     class Body(msgspec.Struct):
         prompt: list[int]

@@ -79,10 +79,10 @@ $PY -c "import kvroute.kernels, kvroute.replica, kvroute.events; print('kvroute 
 if [ "$PHASE" != bench ]; then
   say "GPU tests (log: $OUT_DIR/gpu_tests.log)"
   timeout 240 $PY -m pytest -q -rfE -p no:cacheprovider \
-    tests/replica/test_cuda_graphs.py tests/kernels/test_triton.py \
+    tests/replica/model/test_cuda_graphs.py tests/kernels/test_triton.py \
     tests/kernels/test_sliding_window.py tests/kernels/test_lora_triton.py \
-    tests/replica/test_model_families.py tests/replica/test_engine_vs_transformers.py \
-    tests/replica/test_kv_tiers.py > "$OUT_DIR/gpu_tests.log" 2>&1
+    tests/replica/model/test_model_families.py tests/replica/model/test_engine_vs_transformers.py \
+    tests/replica/kv_tiers/test_kv_tiers.py > "$OUT_DIR/gpu_tests.log" 2>&1
   say "pytest exit $?"
   grep -E "^(FAILED|ERROR)|passed|failed|error" "$OUT_DIR/gpu_tests.log" | tail -30
 fi

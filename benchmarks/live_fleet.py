@@ -126,7 +126,7 @@ def run_live(args: argparse.Namespace, policy: str, out: Path) -> dict[str, Any]
 
 
 def run_sim(args: argparse.Namespace) -> dict[str, Any]:
-    from kvroute.replica.cost_model import PROFILES
+    from kvroute.replica.model.cost_model import PROFILES
     from kvroute.sim.report import simulate
     from kvroute.sim.simulator import SimConfig
     from kvroute.sim.traces import load_mooncake, specs_from_trace

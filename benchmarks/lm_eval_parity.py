@@ -39,7 +39,7 @@ def main() -> None:
     from lm_eval.models.openai_completions import LocalCompletionsAPI
     from transformers import AutoModelForCausalLM
 
-    from kvroute.replica.models import resolve_model
+    from kvroute.replica.model.models import resolve_model
 
     path = str(resolve_model(args.model))
     lm = LocalCompletionsAPI(

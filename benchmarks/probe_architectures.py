@@ -38,8 +38,8 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from kvroute.replica import LLM, SamplingParams
-from kvroute.replica.model_runner import UnsupportedModelError
-from kvroute.replica.models import tiny_model_path
+from kvroute.replica.model.model_runner import UnsupportedModelError
+from kvroute.replica.model.models import tiny_model_path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.replica.hf_reference import hf_greedy

@@ -363,7 +363,7 @@ def main() -> int:
     p.add_argument("--fake", action="append", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.model_dir is None:
-        from kvroute.replica.models import smollm2_path
+        from kvroute.replica.model.models import smollm2_path
 
         a.model_dir = str(smollm2_path())
     if a.fake:

@@ -4,7 +4,7 @@ now, and how many its autoscaler could ever make room for.
 Why: a Ray actor whose resources no node has is not refused; it waits, pending, for ever
 (``kvroute scale --replicas 1000`` on a 2-CPU Ray made 998 such detached actors). So
 ``kvroute scale`` and ``kvroute serve --max-replicas`` ask first, from the twin's Ray
-options (:meth:`kvroute.replica.actor.ReplicaServer.launch_spec`), and refuse or clamp a
+options (:meth:`kvroute.replica.serve.actor.ReplicaServer.launch_spec`), and refuse or clamp a
 size the cluster cannot hold, unless the operator says nodes are coming
 (``--wait-for-resources``).
 

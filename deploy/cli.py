@@ -269,7 +269,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _key(args: argparse.Namespace) -> int:
     import secrets
 
-    from kvroute.router.tenants import hash_key
+    from kvroute.router.fleet.tenants import hash_key
 
     if args.hash:
         key = sys.stdin.readline().strip()

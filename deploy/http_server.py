@@ -9,7 +9,7 @@ for as long as it likes, and enough of them exhaust the server's file descriptor
   idle one is (the same keep-alive a load balancer relies on);
 - once the first byte of a request head arrives, the whole head must arrive within
   ``head_timeout_s``, or the connection is closed;
-- the body then has its own deadline in the app (a 408: :mod:`kvroute.router.intake`);
+- the body then has its own deadline in the app (a 408: :mod:`kvroute.router.api.intake`);
 - a connection whose response ended incomplete is aborted, not closed: its unsent data is
   discarded rather than waited on.
 
@@ -113,7 +113,7 @@ if HttpToolsProtocol is not None:
 class _AbortIfIncomplete:
     """A request's transport whose ``close`` discards unsent data when its response is
     incomplete. uvicorn closes the connection of a response that ended early (a client
-    dropped for not reading, :mod:`kvroute.router.send_deadline`); a plain close waits to
+    dropped for not reading, :mod:`kvroute.router.api.send_deadline`); a plain close waits to
     flush the buffer to a client that never reads, keeping the socket forever. Bound to the
     request, not the connection: with httptools a pipelined request replaces the protocol's
     ``cycle`` while the response before it is still being written (and may end in a close

@@ -14,7 +14,7 @@ import json
 from collections.abc import Collection
 from typing import Any
 
-from kvroute.router.names import CONTROL_CHARS
+from kvroute.router.fleet.names import CONTROL_CHARS
 
 
 class LoRAFlagError(ValueError):
@@ -88,7 +88,9 @@ def parse_lora_module(text: str, base_models: Collection[str] = ()) -> tuple[str
         raise LoRAFlagError(f"--lora-modules {text[:80]!r}: the name is empty")
     if not isinstance(path, str) or not path.strip():
         raise LoRAFlagError(f"--lora-modules {text[:80]!r}: the path is empty")
-    if CONTROL_CHARS.search(name.strip()):  # it becomes a /metrics label (kvroute.router.names)
+    if CONTROL_CHARS.search(
+        name.strip()
+    ):  # it becomes a /metrics label (kvroute.router.fleet.names)
         raise LoRAFlagError(f"--lora-modules {text[:80]!r}: the name holds a control character")
     return name.strip(), path.strip()
 

@@ -12,9 +12,9 @@ port with ``SO_REUSEPORT``: the kernel spreads connections over them.
 
 ``kvroute router --backend URL=EVENTS_ENDPOINT[,REPLAY_ENDPOINT] ...`` fronts ``vllm serve``
 processes kvroute did not start, with no Ray: each backend is read once at start-up
-(served model, block size, hash algorithm: :mod:`kvroute.router.http_control`), its KV
+(served model, block size, hash algorithm: :mod:`kvroute.router.backends.control`), its KV
 events indexed, its requests streamed over its own HTTP API
-(:mod:`kvroute.router.http_backend`).
+(:mod:`kvroute.router.backends.connection`).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvroute.router.lora import FleetLoRAs
-    from kvroute.router.tenants import TenantsFile
+    from kvroute.router.fleet.tenants import TenantsFile
+    from kvroute.router.lora.registry import FleetLoRAs
 
 RAY_NAMESPACE = "kvroute"
 REPLICA_ACTOR_PREFIX = "replica-"  # actor name = prefix + replica id
@@ -48,13 +48,13 @@ def say(msg: str) -> None:
 def front_door_tenants(args: argparse.Namespace) -> TenantsFile | None:
     """The tenants (None: anonymous) once the front-door arguments check out; a ValueError
     says what is wrong, in one line, before anything starts."""
-    from kvroute.router.policies import POLICIES
-    from kvroute.router.tenants import (
+    from kvroute.router.fleet.tenants import (
         hash_key,
         load_api_keys,
         load_tenants,
         tenants_from_api_keys,
     )
+    from kvroute.router.routing.policies import POLICIES
 
     if args.policy not in POLICIES:
         raise ValueError(f"unknown policy {args.policy!r}; choose from {', '.join(POLICIES)}")
@@ -84,7 +84,7 @@ def front_door_tenants(args: argparse.Namespace) -> TenantsFile | None:
 def front_door_metrics_key(args: argparse.Namespace) -> str | None:
     """The key that may read ``/metrics`` (``--metrics-key``, ``--metrics-key-file`` or
     ``$KVROUTE_METRICS_KEY``), or None; a ValueError says what is wrong."""
-    from kvroute.router.tenants import resolve_metrics_key
+    from kvroute.router.fleet.tenants import resolve_metrics_key
 
     return resolve_metrics_key(
         getattr(args, "metrics_key", None), getattr(args, "metrics_key_file", None)
@@ -103,7 +103,7 @@ def is_loopback(host: str) -> bool:
 def describe_tenants(spec: TenantsFile | None) -> str:
     if spec is None:
         return "anonymous: one tenant 'default', no API key needed"
-    from kvroute.router.limits import Limits
+    from kvroute.router.fleet.limits import Limits
 
     limited = sum(t.limits != Limits() for t in spec.tenants)
     return (
@@ -165,9 +165,9 @@ def build_app(
     args: argparse.Namespace, replicas: list[tuple[Any, Any]], spec: TenantsFile | None
 ) -> Any:
     """The front door over ``replicas`` and its FastAPI app."""
+    from kvroute.router.api.app import create_app
+    from kvroute.router.fleet.tenants import Tenants, resolve_fleet_secret
     from kvroute.router.frontdoor import FrontDoor
-    from kvroute.router.http_api import create_app
-    from kvroute.router.tenants import Tenants, resolve_fleet_secret
 
     tokenizer = None
     folder = getattr(args, "tokenizer", None)
@@ -178,7 +178,7 @@ def build_app(
     elif not Path(replicas[0][1].model_path).is_dir():  # the replicas live on another node
         from transformers import AutoTokenizer
 
-        from kvroute.replica.models import resolve_model
+        from kvroute.replica.model.models import resolve_model
 
         tokenizer = AutoTokenizer.from_pretrained(resolve_model(replicas[0][1].model))
 
@@ -204,7 +204,7 @@ def build_app(
         request_log.propagate = False
     shared = None
     if not getattr(args, "backend", None):  # Ray's replicas: the fleet's one registry
-        from kvroute.router.lora_shared import shared_registry
+        from kvroute.router.lora.shared import shared_registry
 
         # On a cluster it outlives this front door, as the replicas do (kvroute stop ends
         # both); on kvroute serve's own local Ray it lives as long as that Ray.
@@ -240,12 +240,12 @@ def build_app(
 def _fleet_adapters(replicas: list[tuple[Any, Any]], shared: Any = None) -> FleetLoRAs:
     """The LoRA adapters the replicas hold (or, once a front door started, the ones the
     fleet's ``shared`` registry lists), every replica made to hold all of them, and which
-    did (:func:`kvroute.router.lora.prepare_fleet`); replicas without LoRA calls (``vllm
+    did (:func:`kvroute.router.lora.registry.prepare_fleet`); replicas without LoRA calls (``vllm
     serve`` backends) are left out. Raises FleetMismatchError on a name held twice."""
     import asyncio
 
     from kvroute.router.frontdoor import FleetMismatchError
-    from kvroute.router.lora import AdapterConflictError, prepare_fleet
+    from kvroute.router.lora.registry import AdapterConflictError, prepare_fleet
 
     actors = {info.replica_id: a for a, info in replicas if hasattr(a, "list_loras")}
     try:
@@ -371,7 +371,12 @@ def run(args: argparse.Namespace) -> int:
 def describe_backends(args: argparse.Namespace) -> list[tuple[Any, Any]]:
     """(control, info) of every ``--backend``, once each answers; a ValueError says, in
     one line, which cannot be fronted and why."""
-    from kvroute.router.http_control import VLLM_DEFAULT_SEED, BackendError, BackendSpec, describe
+    from kvroute.router.backends.control import (
+        VLLM_DEFAULT_SEED,
+        BackendError,
+        BackendSpec,
+        describe,
+    )
 
     specs = [BackendSpec.parse(text) for text in args.backend]
     urls = [s.url for s in specs]
@@ -436,7 +441,7 @@ def stop(args: argparse.Namespace) -> int:
     registry (the next fleet starts from its replicas' ``--lora-modules``)."""
     import ray
 
-    from kvroute.router.lora_shared import LORA_REGISTRY_ACTOR
+    from kvroute.router.lora.shared import LORA_REGISTRY_ACTOR
 
     ray.init(address=args.address, namespace=args.namespace, logging_level="warning")
     try:

@@ -2,13 +2,13 @@
 
 Why here and not in the front door: replicas are Ray actors named ``replica-<id>`` in the
 fleet's namespace, and every front door (``kvroute serve``'s, each ``kvroute router``)
-reads that list every few seconds (:class:`kvroute.router.membership.Membership`). So a
+reads that list every few seconds (:class:`kvroute.router.fleet.membership.Membership`). So a
 replica started anywhere under that name joins every front door: it is given the fleet's
 LoRA adapters, then routed to; and one whose actor is gone leaves them. This command only
 starts and retires actors.
 
 - Up: each new replica is a twin of a running one (its engine configuration and Ray
-  options, :meth:`~kvroute.replica.actor.ReplicaServer.launch_spec`), named with the
+  options, :meth:`~kvroute.replica.serve.actor.ReplicaServer.launch_spec`), named with the
   smallest free ``r<i>``, detached (it outlives this command, as ``kvroute serve
   --address`` starts them; ``kvroute stop`` ends them). A size the cluster cannot hold is
   refused before any starts (:mod:`.capacity`: an autoscaler's limit counts, and

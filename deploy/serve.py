@@ -33,7 +33,7 @@ from .router import (
 from .startup_cause import StartupError, root_cause
 
 if TYPE_CHECKING:
-    from kvroute.router.tenants import TenantsFile
+    from kvroute.router.fleet.tenants import TenantsFile
 
 
 def _say(msg: str) -> None:
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             _say(f"--{flag.replace('_', '-')} must be >= 1")
             return 2
-    from kvroute.replica.cost_model import sim_profile
+    from kvroute.replica.model.cost_model import sim_profile
 
     try:
         simulated = sim_profile(args.model) is not None
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         _say(str(exc))
         return 2
     if not simulated and not args.address:  # a local fleet: the model is on this machine
-        from kvroute.replica.models import check_model_name
+        from kvroute.replica.model.models import check_model_name
 
         try:
             check_model_name(args.model)
@@ -156,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
         if ray.is_initialized():
             ray.shutdown()
         if getattr(args, "kv_disk_path", None) and not args.address:  # local replicas, ended
-            from kvroute.replica.kv_disk import wipe_replica_folders
+            from kvroute.replica.kv_tiers.disk import wipe_replica_folders
 
             wipe_replica_folders(args.kv_disk_path)  # their KV disk folders: tenants' data
 
@@ -188,7 +188,7 @@ def _start_ray(args: argparse.Namespace) -> tuple[int, float, str]:
     """(replicas, GPUs each, event bind host) once Ray is up."""
     import ray
 
-    from kvroute.replica.cost_model import sim_profile
+    from kvroute.replica.model.cost_model import sim_profile
 
     if args.address:
         _say(f"joining the Ray cluster at {args.address}")
@@ -234,7 +234,7 @@ def _start_replicas(args: argparse.Namespace, n: int, num_gpus: float, events_ho
     name; those already running are reused, not restarted. ``kvroute stop`` ends them."""
     import ray
 
-    from kvroute.replica.actor import start_replica
+    from kvroute.replica.serve.actor import start_replica
 
     detached = bool(args.address)
     existing = set(ray.util.list_named_actors()) if detached else set()
@@ -332,7 +332,7 @@ def engine_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _vllm_settings(args: argparse.Namespace) -> dict[str, Any]:
-    """A vLLM replica's config keys (replica/vllm_adapt.py): kvroute's flags that vLLM has
+    """A vLLM replica's config keys (replica/vllm/adapt.py): kvroute's flags that vLLM has
     under its own names go into its engine arguments."""
     settings: dict[str, Any] = {"engine": "vllm"}
     if args.num_blocks:
@@ -356,7 +356,7 @@ def _start_routers(args: argparse.Namespace, routers: list[subprocess.Popen[byte
     """N-1 more front doors on the same port; each reports ready on its stderr."""
     import ray
 
-    from kvroute.router.tenants import METRICS_KEY_ENV
+    from kvroute.router.fleet.tenants import METRICS_KEY_ENV
 
     address = ray.get_runtime_context().gcs_address
     same = [

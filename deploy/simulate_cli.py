@@ -181,8 +181,8 @@ def run(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from kvroute.replica.cost_model import PROFILES
-    from kvroute.router.policies import POLICIES
+    from kvroute.replica.model.cost_model import PROFILES
+    from kvroute.router.routing.policies import POLICIES
     from kvroute.sim.lora import LoRAConfig
     from kvroute.sim.report import format_table, simulate, stderr_progress, to_json
     from kvroute.sim.simulator import POOLED, SimConfig, split_policy

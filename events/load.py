@@ -88,7 +88,7 @@ class CostCoefficients(msgspec.Struct, frozen=True, kw_only=True):
         """Seconds to load one token's KV from ``tier`` (a
         :func:`~kvroute.events.wire.tier_name`) into device memory; None where a copy there
         earns no credit: a tier of unknown cost this replica reports no bandwidth for
-        (``kvroute.router.index_tiers`` says why)."""
+        (``kvroute.router.routing.index_tiers`` says why)."""
         bw = self.tier_bytes_per_s.get(tier)
         if bw is not None and bw > 0 and self.kv_bytes_per_token > 0:
             return self.kv_bytes_per_token / bw
@@ -129,7 +129,7 @@ class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
     # deadline), in total; and those abandoned at their deadline whose thread still hangs.
     lora_read_failures: int = 0
     lora_reads_hung: int = 0
-    # The disk KV tier's health (replica/kv_disk_reads.py, docs/kv-tiers.md): one of the
+    # The disk KV tier's health (replica/kv_tiers/disk_reads.py, docs/kv-tiers.md): one of the
     # DISK_* states, and its reads abandoned at their deadline, in total.
     kv_disk_state: int = 0
     kv_disk_read_timeouts: int = 0
@@ -150,7 +150,7 @@ DEFAULT_LORA_LOAD_S = 84e6 / 25e9
 DEFAULT_LORA_READ_S = 84e6 / 2e9
 
 # For a replica that reports no coefficients (an older kvroute, a vLLM engine): an 8B model
-# in bf16 on one H100 SXM, the figures of kvroute.replica.cost_model's ``h100-8b`` profile
+# in bf16 on one H100 SXM, the figures of kvroute.replica.model.cost_model's ``h100-8b`` profile
 # (a test keeps the two equal). Only ratios between replicas matter for a uniform fleet.
 REFERENCE_COEFFICIENTS = CostCoefficients(
     prefill_s_per_token=2 * 8.03e9 / (0.45 * 989e12),

@@ -22,8 +22,8 @@ process) and :mod:`kvroute.router` (the front door's tokenizer) -- and so does t
 ``kvroute`` command's ``main`` before it parses anything. The contract, :mod:`kvroute.events`,
 does not: importing it changes no process state (a library that only hashes blocks or
 decodes events has no business editing ``sys.modules``). vLLM's engine-core process,
-spawned by a vLLM replica, gets it from its main module (:mod:`kvroute.replica.vllm_cli`).
-Any other Python process that a vLLM replica or ``python -m kvroute.replica.vllm_cli``
+spawned by a vLLM replica, gets it from its main module (:mod:`kvroute.replica.vllm.cli`).
+Any other Python process that a vLLM replica or ``python -m kvroute.replica.vllm.cli``
 starts gets it from :func:`hide_in_subprocesses` (below). Standard library only: it runs
 before anything else of kvroute.
 

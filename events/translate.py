@@ -11,7 +11,7 @@ index the result: the router's request hashes then match (Dynamo's router does t
 How extra keys become kvroute's: vLLM 0.32 hashes its extra keys tagged by source (LoRA
 ``("lora", name, path)`` on every block, then multimodal keys, then ``("cache_salt",
 salt)`` on block 0 only) and publishes them untagged per block (``[name, ..., salt]``).
-kvroute's router passes a request's salt (its tenant's, see ``router/tenants.py``) to the
+kvroute's router passes a request's salt (its tenant's, see ``router/fleet/tenants.py``) to the
 engine as vLLM's ``cache_salt`` and hashes the request with that salt on block 0 and the
 LoRA name on every block. So a block whose untagged keys are, after the event's
 ``lora_name`` when set, either nothing or (on the chain's block 0) one string is hashed as

@@ -15,7 +15,7 @@ alternatives tried on CPU were slower: gathering each row's adapter weights for 
 matrix-vector product (BGMV as such; it copies every row's weights) and a Python loop over
 slots. ``benchmarks/bench_lora_step.py`` measures this path against ``dense`` (below).
 
-Layout (one layer's projection group, e.g. the fused QKV; see ``replica/lora_store.py``):
+Layout (one layer's projection group, e.g. the fused QKV; see ``replica/model/lora_store.py``):
 ``a`` is ``[slots, in, targets * rank]`` -- each target's ``A.T`` side by side, so the
 group's targets share one shrink -- and ``bs`` holds per target ``[slots, rank, out_t]``
 (``B.T`` times the adapter's scaling); the expand outputs of the group's targets are its

@@ -3,7 +3,7 @@
 Offline use mirrors vLLM: ``LLM(model="tiny").generate(prompts, SamplingParams(...))``;
 online use is :class:`AsyncLLMEngine`, which streams per-request outputs.
 
-Names are imported lazily: ``kvroute.replica.models`` or ``.block_pool`` alone must not pay
+Names are imported lazily: ``kvroute.replica.model.models`` or ``.block_pool`` alone must not pay
 for importing torch and transformers' model code (seconds).
 """
 
@@ -19,17 +19,17 @@ from kvroute.events.torch_wheels import hide_broken
 hide_broken()
 
 _EXPORTS = {
-    "AsyncLLMEngine": ".async_engine",
-    "EngineDeadError": ".replica_engine",
-    "ReplicaEngine": ".replica_engine",
-    "EngineConfig": ".engine",
-    "LLMEngine": ".engine",
-    "LLM": ".llm",
-    "BUILTIN_MODELS": ".models",
-    "resolve_model": ".models",
-    "tiny_model_path": ".models",
-    "CompletionOutput": ".outputs",
-    "RequestOutput": ".outputs",
+    "AsyncLLMEngine": ".engine.async_engine",
+    "EngineDeadError": ".engine.replica_engine",
+    "ReplicaEngine": ".engine.replica_engine",
+    "EngineConfig": ".engine.llm_engine",
+    "LLMEngine": ".engine.llm_engine",
+    "LLM": ".engine.llm",
+    "BUILTIN_MODELS": ".model.models",
+    "resolve_model": ".model.models",
+    "tiny_model_path": ".model.models",
+    "CompletionOutput": ".core.outputs",
+    "RequestOutput": ".core.outputs",
     "SamplingParams": "kvroute.events.replica_api",
 }
 
@@ -51,12 +51,12 @@ __all__ = [
 if TYPE_CHECKING:
     from kvroute.events.replica_api import SamplingParams
 
-    from .async_engine import AsyncLLMEngine
-    from .engine import EngineConfig, LLMEngine
-    from .llm import LLM
-    from .models import BUILTIN_MODELS, resolve_model, tiny_model_path
-    from .outputs import CompletionOutput, RequestOutput
-    from .replica_engine import EngineDeadError, ReplicaEngine
+    from .core.outputs import CompletionOutput, RequestOutput
+    from .engine.async_engine import AsyncLLMEngine
+    from .engine.llm import LLM
+    from .engine.llm_engine import EngineConfig, LLMEngine
+    from .engine.replica_engine import EngineDeadError, ReplicaEngine
+    from .model.models import BUILTIN_MODELS, resolve_model, tiny_model_path
 
 
 def __getattr__(name: str) -> Any:

@@ -1,12 +1,8 @@
-"""What runs in a front-door process: prefix index, routing policy, load view, tenants, HTTP.
-
-:mod:`.index` (prefix index from KV events), :mod:`.policy` (``kv``), :mod:`.baselines`
-(what kv is measured against), :mod:`.policies` (any by name), :mod:`.load` (the load
-view: replicas' reports plus in-flight accounting), :mod:`.tenants` and :mod:`.limits` (who
-may send what), :mod:`.frontdoor` (replicas, event streams, admission, retries and
-failover), :mod:`.http_api` (the OpenAI-compatible HTTP API, with :mod:`.intake`,
-:mod:`.responses` and :mod:`.errors`), :mod:`.metrics` and :mod:`.fleet` (the operator's
-view). Depends on :mod:`kvroute.events` alone.
+"""What runs in a front-door process, in rooms: :mod:`.api` (the OpenAI-compatible HTTP
+front door), :mod:`.fleet` (replicas, connections, a request's run, admission, tenants),
+:mod:`.backends` (external ``vllm serve`` processes), :mod:`.lora` (the fleet's adapters),
+:mod:`.routing` (prefix index, load view, policies); :mod:`.frontdoor` ties them into one
+runtime. Depends on :mod:`kvroute.events` alone.
 """
 
 from kvroute.events.torch_wheels import hide_broken

@@ -43,18 +43,18 @@ from typing import Any
 
 from kvroute.events.replica_api import GenerateRequest, ReplicaInfo, SamplingParams
 
-from .admission import Admission, Ticket
-from .errors import new_id
-from .fleet import Fleet, FleetMismatchError
-from .lora import Adapter, HolderReplicas, LoRARegistry, not_found
-from .lora_shared import LORA_POLL_S
-from .membership import Membership
-from .metrics import FleetCollector, Metrics
-from .policies import make_policy
-from .policy import Policy, RequestView
-from .quarantine import Quarantine, fingerprint
-from .request_run import RequestRun, RunServices
-from .tenants import Tenant
+from .api.errors import new_id
+from .api.metrics import FleetCollector, Metrics
+from .fleet.admission import Admission, Ticket
+from .fleet.fleet import Fleet, FleetMismatchError
+from .fleet.membership import Membership
+from .fleet.quarantine import Quarantine, fingerprint
+from .fleet.request_run import RequestRun, RunServices
+from .fleet.tenants import Tenant
+from .lora.registry import Adapter, HolderReplicas, LoRARegistry, not_found
+from .lora.shared import LORA_POLL_S
+from .routing.policies import make_policy
+from .routing.policy import Policy, RequestView
 
 __all__ = ["FleetMismatchError", "FrontDoor"]
 

@@ -52,8 +52,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from kvroute.events import BlockHasher
-from kvroute.replica.cost_model import CostModel, Profile
-from kvroute.replica.kv_cache_manager import KVCacheManager
+from kvroute.replica.core.kv_cache_manager import KVCacheManager
+from kvroute.replica.model.cost_model import CostModel, Profile
 
 from .workloads import RequestSpec, TokenSource
 

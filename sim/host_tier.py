@@ -4,7 +4,7 @@ on in host memory, and a prefix found there is loaded back instead of recomputed
 Why in the simulator, and why this shape: a fleet's hit rate is bounded by what its caches
 hold; a host tier several times the device's keeps the long contexts of conversations and
 agents that no longer fit, and the router must know a host copy costs a load, not nothing
-(:mod:`kvroute.router.index_tiers`). What is modelled is what routing sees and pays:
+(:mod:`kvroute.router.routing.index_tiers`). What is modelled is what routing sees and pays:
 
 - capacity: ``host_blocks`` hashes in an LRU (no data moves in a simulation);
 - the copy: a block whose last device copy is evicted (its slot reused, the engine's lazy
@@ -34,8 +34,8 @@ from collections.abc import Sequence
 
 from kvroute.events import MEDIUM_CPU, BlockHasher, BlockRemoved, BlockStored, KVCacheEvent
 from kvroute.events.hashing import to_external
-from kvroute.replica.block_pool import BlockHash, BlockPool, KVCacheBlock
-from kvroute.replica.kv_cache_manager import CacheRequest, KVCacheManager
+from kvroute.replica.core.block_pool import BlockHash, BlockPool, KVCacheBlock
+from kvroute.replica.core.kv_cache_manager import CacheRequest, KVCacheManager
 
 
 class _EvictingPool(BlockPool):

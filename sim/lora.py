@@ -5,7 +5,7 @@ What is modelled is what routing sees and pays, inside the engine's own schedule
 not in memory is passed over while it is read):
 
 - device slots: ``max_loras`` adapters, least recently used out first, never one a running
-  request holds (as :class:`~kvroute.replica.lora_store.LoRAStore`); a step whose requests
+  request holds (as :class:`~kvroute.replica.model.lora_store.LoRAStore`); a step whose requests
   need an adapter not in a slot copies it in from host memory, on the step, which lasts
   ``load_s`` longer per copy (the engine copies before the forward pass);
 - host memory: ``max_cpu_loras`` adapters, least recently used out first, never one in a
@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from kvroute.replica.cost_model import Profile
+from kvroute.replica.model.cost_model import Profile
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 DTYPE_BYTES = 2  # bf16, as the profiles' weights

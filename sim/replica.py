@@ -39,12 +39,12 @@ import msgspec
 from kvroute.events import MEDIUM_CPU, BlockHasher, KVCacheEvent
 from kvroute.events.load import LoadReport
 from kvroute.events.replica_api import SamplingParams
-from kvroute.replica.cost_model import CostModel
-from kvroute.replica.kv_cache_manager import KVCacheManager
-from kvroute.replica.load_report import load_report
-from kvroute.replica.request import Request
-from kvroute.replica.scheduler import Scheduler
-from kvroute.replica.scheduler_types import SchedulerConfig, SchedulerOutput
+from kvroute.replica.core.kv_cache_manager import KVCacheManager
+from kvroute.replica.core.load_report import load_report
+from kvroute.replica.core.request import Request
+from kvroute.replica.core.scheduler import Scheduler
+from kvroute.replica.core.scheduler_types import SchedulerConfig, SchedulerOutput
+from kvroute.replica.model.cost_model import CostModel
 
 from .host_tier import TieredKVCacheManager
 from .lora import SimLoRA

@@ -1,19 +1,19 @@
 """Discrete-event simulation of a fleet: real schedulers, block pools, events, index and policy.
 
-Each replica is the engine's own :class:`~kvroute.replica.scheduler.Scheduler` over its own
-:class:`~kvroute.replica.kv_cache_manager.KVCacheManager` (:mod:`.replica`): the fair queue,
+Each replica is the engine's own :class:`~kvroute.replica.core.scheduler.Scheduler` over its own
+:class:`~kvroute.replica.core.kv_cache_manager.KVCacheManager` (:mod:`.replica`): the fair queue,
 tenant shares, chunked prefill, partial-prefill limits and preemption are the engine's code,
-stepped by this simulation's clock. Step times come from :mod:`kvroute.replica.cost_model`
+stepped by this simulation's clock. Step times come from :mod:`kvroute.replica.model.cost_model`
 for the batch the scheduler produced. After each step the pool's events go out as a real
 ``EventBatch`` over a per-replica FIFO channel (``event_delay_s``; a batch lost with
 probability ``event_loss`` arrives ``recovery_s`` late, as a replay would, and later batches
 wait behind it, as the subscriber applies in order) into the real
-:class:`~kvroute.router.index.PrefixIndex` that the real policy reads.
+:class:`~kvroute.router.routing.index.PrefixIndex` that the real policy reads.
 
 Speed (the full Mooncake trace must fit in minutes): blocks are 512 tokens by default (the
 trace's own granularity -- it records no finer sharing); segment tokens are generated once;
 and a run of pure decode steps that leaves the pool and the queues as they are
-(:meth:`~kvroute.replica.scheduler.Scheduler.decode_run_after`) is advanced in one event
+(:meth:`~kvroute.replica.core.scheduler.Scheduler.decode_run_after`) is advanced in one event
 whose step times are summed in numpy, cut short if a request arrives meanwhile; the block
 events and load reports its steps would publish go out at those steps' ends. Results are
 per-step exact (up to float rounding of the summed times).
@@ -46,17 +46,17 @@ from typing import Any
 import msgspec
 
 from kvroute.events import MEDIUM_CPU, AllBlocksCleared, BlockHasher, EventBatch
-from kvroute.replica.cost_model import (
+from kvroute.replica.core.scheduler_types import SchedulerConfig
+from kvroute.replica.model.cost_model import (
     H100_8B,
     CostModel,
     Profile,
     attention_weight,
     fair_share_floor,
 )
-from kvroute.replica.scheduler_types import SchedulerConfig
-from kvroute.router.index import PrefixIndex, prediction_stride
-from kvroute.router.policies import make_policy
-from kvroute.router.policy import Policy, RequestView
+from kvroute.router.routing.index import PrefixIndex, prediction_stride
+from kvroute.router.routing.policies import make_policy
+from kvroute.router.routing.policy import Policy, RequestView
 
 from .lora import LoRAConfig, SimLoRA
 from .replica import SimReplica, SimRequest

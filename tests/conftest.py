@@ -15,7 +15,7 @@ import torch
 from kvroute.events.torch_wheels import hide_broken
 
 if TYPE_CHECKING:
-    from kvroute.replica.engine import LLMEngine
+    from kvroute.replica.engine.llm_engine import LLMEngine
 
 # Without CUDA, Triton's interpreter runs the GPU kernels' tests on the CPU. Triton reads
 # the variable when a kernel is decorated, so it is set here, before any test module
@@ -48,7 +48,7 @@ def pytest_sessionfinish() -> None:
 
 @pytest.fixture(scope="session")
 def _shared_tiny_engine() -> LLMEngine:
-    from kvroute.replica.engine import EngineConfig, LLMEngine
+    from kvroute.replica.engine.llm_engine import EngineConfig, LLMEngine
 
     return LLMEngine(EngineConfig(model="tiny", num_blocks=64))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvroute.events.replica_api import GenerateDelta, GenerateRequest, ReplicaInfo
-from kvroute.router.replica_connection import ReplicaConnection
+from kvroute.router.fleet.replica_connection import ReplicaConnection
 
 
 async def connect(replica: Any) -> ReplicaConnection:

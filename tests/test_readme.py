@@ -54,7 +54,7 @@ import httpx
 import pytest
 
 from kvroute.deploy.cli import build_parser
-from kvroute.replica import models
+from kvroute.replica.model import models
 
 from .serve_process import kvroute_serve
 
@@ -229,7 +229,7 @@ def test_examples_say_the_defaults_of_kvroute_serve():
     assert f"http://{args.host}:{args.port}" == DEFAULT_BASE
     assert args.model == DEFAULT_MODEL and args.served_model_name is None
     assert args.tenants is None and args.api_keys is None  # no API key needed
-    from kvroute.replica.models import BUILTIN_MODELS
+    from kvroute.replica.model.models import BUILTIN_MODELS
 
     assert DEFAULT_MODEL in BUILTIN_MODELS and TEST_MODEL in BUILTIN_MODELS
     text = readme()

@@ -1,5 +1,5 @@
 """``kvroute bench`` against real parts: a local Ray, two ``tiny`` replica actors and the real
-front door under uvicorn (:func:`tests.router.fleet.serve`), driven through the CLI's own
+front door under uvicorn (:func:`tests.router.served.serve`), driven through the CLI's own
 ``main`` as a user would run it.
 
 Why real parts: what the load generator must get right lives in the server's answers -- the
@@ -19,10 +19,10 @@ import pytest
 
 from kvroute.bench.report import load_result
 from kvroute.deploy.cli import main
-from kvroute.replica.actor import start_replica
+from kvroute.replica.serve.actor import start_replica
 
 from ..ray_session import local_ray
-from ..router.fleet import KEYS, Served, serve
+from ..router.served import KEYS, Served, serve
 
 CONFIG = {"model": "tiny", "block_size": 16, "num_blocks": 160}
 TINY = ["--vocab-size", "256", "--no-progress"]

@@ -33,8 +33,8 @@ from kvroute.bench.sources import (
     tokens_to_text,
 )
 from kvroute.deploy.cli import main
-from kvroute.router.http_wire import BackendPool
-from kvroute.router.responses import REPLICA_HEADER
+from kvroute.router.api.responses import REPLICA_HEADER
+from kvroute.router.backends.wire import BackendPool
 from kvroute.sim.traces import TraceRequest, prompt_tokens, specs_from_trace
 from kvroute.sim.workloads import RequestSpec, TokenSource, make_workload
 
@@ -173,7 +173,7 @@ def test_text_prompts_map_one_char_per_token() -> None:
     assert tokens_to_text(every) == text  # deterministic
     from transformers import AutoTokenizer
 
-    from kvroute.replica.models import tiny_model_path
+    from kvroute.replica.model.models import tiny_model_path
 
     tok = AutoTokenizer.from_pretrained(tiny_model_path())
     assert tok(text).input_ids == [ord(c) for c in text]  # tiny: characters are tokens
@@ -221,7 +221,7 @@ def test_requests_fit_the_context_and_skip_avoided_ids() -> None:
 
 def test_a_tokenizer_folder_gives_vocabulary_context_and_special_ids() -> None:
     from kvroute.bench.command import _tokenizer_facts
-    from kvroute.replica.models import tiny_model_path
+    from kvroute.replica.model.models import tiny_model_path
 
     vocab, context, special = _tokenizer_facts(str(tiny_model_path()))
     assert (vocab, context, sorted(special)) == (261, 8192, [256, 257, 258, 259, 260])
@@ -242,7 +242,7 @@ def test_breaker_trips_on_failures_in_a_row_only() -> None:
 
 # -- SSE and one request --------------------------------------------------------------------
 def events_of(raw: bytes) -> list[str]:
-    """Body lines as :mod:`kvroute.router.http_wire` hands them over (no newline, no CR)."""
+    """Body lines as :mod:`kvroute.router.backends.wire` hands them over (no newline, no CR)."""
     out: list[str] = []
     sse = SSEReader(out.append)
     for line in raw.split(b"\n"):

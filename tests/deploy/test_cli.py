@@ -227,7 +227,7 @@ def test_serve_passes_the_step_limits_to_either_engine():
     vLLM replica's engine arguments under vLLM's own names (--vllm-args wins)."""
     from kvroute.deploy.cli import build_parser
     from kvroute.deploy.serve import engine_config
-    from kvroute.replica.engine_config import EngineConfig
+    from kvroute.replica.engine.config import EngineConfig
 
     limits = ["--max-num-batched-tokens", "512", "--max-num-seqs", "8"]
     own = engine_config(build_parser().parse_args(["serve", "--model", "tiny", *limits]))

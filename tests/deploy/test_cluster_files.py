@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from kvroute.deploy.cli import build_parser
-from kvroute.router.tenants import METRICS_KEY_ENV, load_tenants
+from kvroute.router.fleet.tenants import METRICS_KEY_ENV, load_tenants
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 

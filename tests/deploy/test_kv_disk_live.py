@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from kvroute.router.tenants import hash_key
+from kvroute.router.fleet.tenants import hash_key
 
 from ..prom import scrape, value
 from ..ray_session import shutdown

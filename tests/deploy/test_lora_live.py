@@ -24,8 +24,8 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from kvroute.replica.models import tiny_model_path
-from kvroute.router.tenants import hash_key
+from kvroute.replica.model.models import tiny_model_path
+from kvroute.router.fleet.tenants import hash_key
 
 from ..lora_adapters import make_adapter, make_adapters, peft_reference
 from ..ray_session import shutdown

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvroute.router.tenants import hash_key
+from kvroute.router.fleet.tenants import hash_key
 
 from ..lora_adapters import SHAPES, make_adapter
 from ..ray_session import shutdown

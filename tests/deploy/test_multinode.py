@@ -27,7 +27,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from kvroute.deploy.router import RAY_NAMESPACE, REPLICA_ACTOR_PREFIX
-from kvroute.router.lora_shared import LORA_REGISTRY_ACTOR
+from kvroute.router.lora.shared import LORA_REGISTRY_ACTOR
 
 from ..ray_session import shutdown
 from ..waiting import poll

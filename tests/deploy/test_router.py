@@ -19,7 +19,7 @@ import pytest
 import ray
 
 from kvroute.deploy.router import RAY_NAMESPACE, REPLICA_ACTOR_PREFIX
-from kvroute.replica.actor import start_replica
+from kvroute.replica.serve.actor import start_replica
 
 from ..ray_session import shutdown
 from ..waiting import wait_for

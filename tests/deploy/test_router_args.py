@@ -13,7 +13,7 @@ import pytest
 
 from kvroute.deploy.cli import build_parser
 from kvroute.deploy.router import front_door_metrics_key, front_door_tenants
-from kvroute.router.tenants import METRICS_KEY_ENV
+from kvroute.router.fleet.tenants import METRICS_KEY_ENV
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from kvroute.kernels import cpu_linear
-from kvroute.replica.linear import Linear
+from kvroute.replica.model.linear import Linear
 
 pytestmark = pytest.mark.skipif(cpu_linear.isa() is None, reason="C linear kernel not built")
 

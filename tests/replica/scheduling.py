@@ -8,9 +8,9 @@ from typing import Any
 
 from kvroute.events import BlockHasher, BlockSet
 from kvroute.events.replica_api import SamplingParams
-from kvroute.replica.kv_cache_manager import KVCacheManager
-from kvroute.replica.request import Request, RequestStatus
-from kvroute.replica.scheduler import (
+from kvroute.replica.core.kv_cache_manager import KVCacheManager
+from kvroute.replica.core.request import Request, RequestStatus
+from kvroute.replica.core.scheduler import (
     ScheduledRequest,
     Scheduler,
     SchedulerConfig,

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from kvroute.deploy.cli import main
-from kvroute.replica.cost_model import A100_8B, H100_8B
+from kvroute.replica.model.cost_model import A100_8B, H100_8B
 from kvroute.sim.bounds import ceiling_hits, least_work_s, work_ceiling
 from kvroute.sim.report import router_hashes, simulate
 from kvroute.sim.simulator import SimConfig

@@ -12,8 +12,8 @@ import pytest
 from kvroute.deploy.cli import main
 from kvroute.events import BlockHasher, BlockRemoved, BlockStored, to_external
 from kvroute.events.replica_api import SamplingParams
-from kvroute.replica.cost_model import H100_8B, CostModel
-from kvroute.replica.request import Request
+from kvroute.replica.core.request import Request
+from kvroute.replica.model.cost_model import H100_8B, CostModel
 from kvroute.sim.host_tier import TieredKVCacheManager
 from kvroute.sim.report import router_hashes, simulate
 from kvroute.sim.simulator import Fault, SimConfig, SimRun, split_policy

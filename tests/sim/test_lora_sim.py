@@ -10,7 +10,7 @@ import json
 import pytest
 
 from kvroute.deploy.cli import main
-from kvroute.replica.cost_model import H100_8B
+from kvroute.replica.model.cost_model import H100_8B
 from kvroute.sim import lora as sim_lora
 from kvroute.sim.lora import LoRAConfig, adapter_bytes, projection_shapes
 from kvroute.sim.report import router_hashes

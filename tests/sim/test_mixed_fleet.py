@@ -7,7 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from kvroute.replica.cost_model import A100_8B, H100_8B, CostModel
+from kvroute.replica.model.cost_model import A100_8B, H100_8B, CostModel
 from kvroute.sim.report import router_hashes, summarize
 from kvroute.sim.simulator import SimConfig, SimRun
 from kvroute.sim.workloads import TokenSource, make_workload

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from kvroute.events import BlockHasher
-from kvroute.replica.cost_model import CostModel
-from kvroute.replica.kv_cache_manager import KVCacheManager
-from kvroute.replica.scheduler import Scheduler, SchedulerOutput
+from kvroute.replica.core.kv_cache_manager import KVCacheManager
+from kvroute.replica.core.scheduler import Scheduler, SchedulerOutput
+from kvroute.replica.model.cost_model import CostModel
 from kvroute.sim.replica import SimRequest
 from kvroute.sim.report import router_hashes
 from kvroute.sim.simulator import SimConfig, SimRun

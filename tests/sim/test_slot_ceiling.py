@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from kvroute.replica.cost_model import A100_8B, H100_8B, CostModel
+from kvroute.replica.model.cost_model import A100_8B, H100_8B, CostModel
 from kvroute.sim.bounds import least_step_s, slot_ceiling
 from kvroute.sim.lora import LoRAConfig
 from kvroute.sim.report import router_hashes, simulate

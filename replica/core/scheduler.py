@@ -1,0 +1,525 @@
+"""Continuous-batching scheduler over a :class:`KVCacheManager` (vLLM v1's design).
+
+One step = one call to :meth:`Scheduler.schedule`, one forward pass of the model runner,
+one call to :meth:`Scheduler.update_from_output`. Per step:
+
+1. running requests, oldest admitted first: a decode costs 1 token, a partially prefilled
+   request continues its prompt with as many tokens as the budget leaves (chunked prefill);
+   when the pool runs out of blocks, the newest running request is preempted (recompute:
+   its blocks are freed, it goes back to the FRONT of its tenant's queue, outputs kept);
+2. if nobody was preempted, waiting requests in fair-queue order (:mod:`.fair_queue`:
+   round-robin across tenants, FCFS within one; requests with no tenant are one group): a
+   prefix-cache lookup, then slots for the rest of the prompt (or the first chunk of it).
+   A request that does not fit stops admission for this step (no skipping).
+
+While two or more tenants have prompt tokens to compute, a step's prompt tokens are bounded
+and go to the least-served tenant first (:meth:`Scheduler._prefill_shares`,
+:class:`~.fair_queue.TenantUsage`); ``max_num_partial_prefills`` bounds how many prompts of
+one tenant are part-way at once. Decodes are never held back for fairness. The threshold is
+counted in cost (``attention_weight``): a chunk deep in a long prompt attends to more, so it
+is shorter, and no step of it takes longer than the threshold's tokens at a prompt's start.
+
+``num_computed_tokens`` advances at schedule time, so the runner reads the pre-step value
+from :class:`ScheduledRequest`. No request holds blocks while waiting.
+
+Clock: none. Nothing here reads time; a request's ``arrival_time`` is stamped by whoever
+creates it, so the engine steps this scheduler in real time and the fleet simulator
+(``kvroute.sim``) in its own virtual time, on the same code. For the simulator,
+:mod:`.decode_run` advances runs of pure decode steps at once, to the same state.
+
+Liveness: ``max_model_len`` is capped to what the whole cache holds (and, without chunked
+prefill, to the token budget), prompts beyond it are rejected at :meth:`add_request`, and a
+request finishes with ``length`` at it. So a request alone in the engine always fits, and
+everything running can always make progress by preempting others.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from kvroute.events.load import LoadReport
+
+from .block_pool import KVCacheBlock
+from .decode_run import DecodeRuns
+from .fair_queue import FairQueue, TenantUsage
+from .kv_cache_manager import KVCacheManager
+from .kv_loads import KVLoads, clamp_tiers
+from .load_report import load_report
+from .request import Request, RequestStatus
+from .scheduler_types import (
+    RequestTooLongError,
+    ScheduledRequest,
+    SchedulerConfig,
+    SchedulerOutput,
+)
+
+if TYPE_CHECKING:
+    from ..kv_tiers.tiers import KVTiers
+
+log = logging.getLogger(__name__)
+_NO_LOADS: Mapping[str, Any] = MappingProxyType({})
+_RUNNING = RequestStatus.RUNNING  # an enum member read from its class costs a lookup per use
+
+
+class Scheduler(DecodeRuns):
+    """Decides, each step, which requests run and how many tokens each feeds."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        lora_ready: Callable[[Request], bool] | None = None,
+        lora_residency: Callable[[set[str]], dict[str, Any]] | None = None,
+    ) -> None:
+        """``lora_ready(request)``: whether its adapter is in memory, so a step can use it
+        (it may start reading it; it never waits). None: every adapter is.
+        ``lora_residency(running)``: the ``LoadReport`` fields saying where adapters are
+        (``LoRAStore.residency``; ``running``: the running requests' adapters), added to
+        each load report; None: no adapters."""
+        self.config = config
+        self.lora_ready = lora_ready
+        self.lora_residency = lora_residency
+        self.kv_cache_manager = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        capacity = kv_cache_manager.block_pool.num_blocks * self.block_size
+        limit = min(config.max_model_len, capacity)
+        if not config.enable_chunked_prefill:
+            # A (re)computed prompt must fit one step's budget, or it would wait forever.
+            limit = min(limit, config.max_num_batched_tokens)
+        if limit < 2:
+            raise ValueError(f"the KV cache / token budget allow only {limit} token(s)")
+        self.max_model_len = limit  # the effective limit: prompt + outputs < this + 1
+        self.requests: dict[str, Request] = {}  # live (unfinished) requests by id
+        self.waiting: FairQueue[Request] = FairQueue(_tenant_of)
+        self.running: list[Request] = []  # in admission order: preemption takes the last
+        self.finished_req_ids: set[str] = set()  # since the last schedule()
+        # ended by the scheduler because they can never fit; the engine owes each an output
+        self.unfit_req_ids: list[str] = []
+        self.num_preemptions = 0  # total, over the scheduler's life
+        self.usage = TenantUsage()  # who is served first when tenants compete
+        # Lower KV tiers (kv_loads): a waiting request whose prefix goes on there has it
+        # loaded first, out of the queue and holding its blocks, until the load lands.
+        self.kv_loads: KVLoads | None = None
+
+    def use_tiers(self, tiers: KVTiers) -> None:
+        """Loads prefixes found in these lower KV tiers instead of recomputing them."""
+        self.kv_loads = KVLoads(tiers, self.kv_cache_manager, self.waiting)
+
+    @property
+    def loading(self) -> Mapping[str, tuple[Request, list[KVCacheBlock]]]:
+        """Requests whose lower-tier load is in flight (out of ``waiting``, holding blocks)."""
+        return self.kv_loads.loading if self.kv_loads is not None else _NO_LOADS
+
+    # -- requests in and out -----------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queues a request, or rejects it at once if it could never run here."""
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"duplicate request id {rid!r}")
+        if request.status != RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"request {rid!r} is not fresh ({request.status.name})")
+        n = request.num_tokens
+        if n + 1 > self.max_model_len:
+            cfg = self.config
+            capacity = self.kv_cache_manager.block_pool.num_blocks * self.block_size
+            why = f"max_model_len={cfg.max_model_len}"
+            if capacity < cfg.max_model_len:
+                why += f", whole KV cache={capacity} tokens"
+            if not cfg.enable_chunked_prefill:
+                why += f", max_num_batched_tokens={cfg.max_num_batched_tokens} (no chunking)"
+            raise RequestTooLongError(
+                f"request {rid!r}: {n} prompt tokens + 1 output exceed the limit of "
+                f"{self.max_model_len} tokens ({why})"
+            )
+        self.requests[rid] = request
+        self.waiting.append(request)
+        self.usage.arrived(request.tenant)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Ends live requests (stop string, abort); frees their blocks now. Unknown or
+        already finished ids are ignored: a client may abort a request that just ended."""
+        if not RequestStatus.is_finished(status):
+            raise ValueError(f"{status.name} is not a finished status")
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            elif rid not in self.loading:  # a load in flight lands, then is dropped
+                self.waiting.remove(req)
+            self._finish(req, status)
+
+    def abort_requests(self, request_ids: str | Iterable[str]) -> None:
+        """A client went away: its blocks go back to the pool at once."""
+        self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        """Bookkeeping for a request already taken out of ``waiting``/``running``."""
+        req.status = status
+        self.kv_cache_manager.free(req)
+        del self.requests[req.request_id]
+        self.finished_req_ids.add(req.request_id)
+        self.usage.left(req.tenant)
+
+    # -- one step ----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        if self.kv_loads is not None:
+            self.kv_loads.poll()  # landed loads and failed disk writes, on this thread
+        partial = self._partial_prefills()
+        shares = self._prefill_shares(partial)
+        scheduled, preempted = self._schedule(shares, partial)
+        if shares is not None and not scheduled and not preempted:
+            # The shares went to a tenant that could not run after all (its request did not
+            # fit): rather than a step that does nothing, schedule as if alone. Liveness.
+            scheduled, preempted = self._schedule(None, partial)
+        charge, num_tokens = self.usage.charge, 0
+        for sr in scheduled:
+            charge(sr.request.tenant, sr.num_new_tokens)
+            num_tokens += sr.num_new_tokens
+        finished = sorted(self.finished_req_ids) if self.finished_req_ids else []
+        self.finished_req_ids = set()
+        return SchedulerOutput(
+            scheduled=scheduled,
+            num_scheduled_tokens=num_tokens,
+            preempted_request_ids=[r.request_id for r in preempted],
+            finished_request_ids=finished,
+        )
+
+    def _schedule(
+        self, shares: dict[str | None, int] | None, partial: dict[str | None, int] | None
+    ) -> tuple[list[ScheduledRequest], list[Request]]:
+        """One step's chunks and preemptions, within ``shares`` (see :meth:`_prefill_shares`)
+        and the partial-prefill limit (``partial``: prompts part-way per tenant, not changed)."""
+        cfg = self.config
+        kv = self.kv_cache_manager
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        partial = None if partial is None else dict(partial)  # counts this step's starts
+
+        # 1. Running requests: decodes and unfinished prefill chunks.
+        i, running = 0, self.running
+        while i < len(running) and budget > 0:
+            req = running[i]
+            num_new = len(req.all_token_ids) - req.num_computed_tokens
+            if num_new > 1:  # a prompt chunk (decodes are never capped, budget > 0)
+                limit = cfg.chunk_limit(req.num_computed_tokens)
+                if 0 < limit < num_new:
+                    num_new = limit
+                if num_new > budget:
+                    num_new = budget
+                if shares is not None:
+                    num_new = _within_share(shares, req, num_new)
+            if num_new <= 0:  # nothing to feed yet, or its tenant's share is spent
+                i += 1
+                continue
+            while kv.allocate_slots(req, num_new) is None:
+                victim = self.running.pop()  # the newest; req itself when it is the last
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status != _RUNNING:
+                break  # req preempted itself: nothing after it is running any more
+            scheduled.append(self._scheduled(req, num_new))
+            budget -= num_new
+            if shares is not None:
+                _charge_share(shares, req, num_new)
+            i += 1
+
+        # 2. Waiting requests, tenants in turn, unless this step already had to preempt.
+        if not preempted:
+            skipped = 0  # tenants passed over in a row (their share of this step is spent)
+            loras = self._running_loras() if cfg.max_loras else None
+            held: list[Request] = []  # passed over for their adapter; back in front after
+            while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+                if kv.get_num_free_blocks() == 0 and self.running:
+                    break  # admission always needs a new block (a hit stops before the end)
+                req = self.waiting.peek()
+                if loras is not None and not self._lora_admits(req, loras):
+                    held.append(self.waiting.popleft())
+                    continue
+                hit_blocks, num_hit, num_new = self._first_chunk(req, budget)
+                loads = self.kv_loads
+                if loads is not None and loads.start(req, hit_blocks, alone=not scheduled):
+                    continue
+                if not num_new:
+                    break  # the whole prompt must fit one step, and it does not
+                num_new = _within_share(shares, req, num_new)
+                starts_partial = partial is not None and num_new < req.num_tokens - num_hit
+                if starts_partial and partial.get(req.tenant, 0) >= cfg.max_num_partial_prefills:
+                    num_new = 0  # its tenant has enough prompts under way
+                if num_new <= 0:  # its tenant's share of this step is spent: the next one
+                    if skipped >= self.waiting.num_groups:
+                        break
+                    self.waiting.rotate()
+                    skipped += 1
+                    continue
+                if kv.allocate_slots(req, num_new, num_hit, hit_blocks) is None:
+                    if self.loading:  # KV loads hold blocks: they land soon and free them
+                        break
+                    if not self.running:  # should not happen given max_model_len; if it
+                        # does, the request fails alone, with an output (never a hang)
+                        self.waiting.popleft()
+                        req.error = "kv cache capacity: its blocks do not fit an empty cache"
+                        self._finish(req, RequestStatus.FINISHED_ERROR)
+                        self.unfit_req_ids.append(req.request_id)
+                        continue
+                    break
+                kv.count_lookup(req, num_hit)
+                self.waiting.popleft()
+                if loras is not None and req.lora_name is not None:
+                    loras.add(req.lora_name)
+                self.running.append(req)
+                req.status = RequestStatus.RUNNING
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_hit
+                    if req.tier_cached_tokens:  # what its load brought, within its hit
+                        clamp_tiers(req.tier_cached_tokens, num_hit)
+                req.num_computed_tokens = num_hit
+                scheduled.append(self._scheduled(req, num_new))
+                budget -= num_new
+                skipped = 0
+                if starts_partial:
+                    partial[req.tenant] = partial.get(req.tenant, 0) + 1
+                _charge_share(shares, req, num_new)
+            for req in reversed(held):
+                self.waiting.appendleft(req)
+        return scheduled, preempted
+
+    def _running_loras(self) -> set[str]:
+        """The distinct adapters of the running requests: each holds a device slot."""
+        return {r.lora_name for r in self.running if r.lora_name is not None}
+
+    def _lora_admits(self, req: Request, loras: set[str]) -> bool:
+        """Whether admitting ``req`` keeps the running requests' adapters within
+        ``max_loras`` and its adapter is in memory (vLLM's rule, plus the second part:
+        an adapter still being read keeps its requests waiting, not the step)."""
+        name = req.lora_name
+        if name is None:
+            return True
+        if name not in loras and len(loras) >= self.config.max_loras:
+            return False
+        return self.lora_ready is None or self.lora_ready(req)
+
+    def _first_chunk(self, req: Request, budget: int) -> tuple[list[KVCacheBlock], int, int]:
+        """A waiting request's cached prefix (blocks, tokens) and the tokens its first step
+        would compute within ``budget``; 0 of them when chunked prefill is off and its
+        prompt does not fit. The lookup is not counted: a request passed over, or stuck at
+        the head, must not inflate the hit-rate counters step after step."""
+        cfg = self.config
+        hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req, count=False)
+        num_new = req.num_tokens - num_hit
+        limit = cfg.chunk_limit(num_hit)
+        if 0 < limit < num_new:
+            num_new = limit
+        if num_new > budget:
+            num_new = budget if cfg.enable_chunked_prefill else 0
+        return hit_blocks, num_hit, num_new
+
+    def _prefill_shares(
+        self, partial: dict[str | None, int] | None
+    ) -> dict[str | None, int] | None:
+        """Prompt tokens each tenant may compute this step, when two or more have some to
+        compute (None otherwise: one tenant, or none, schedules as before).
+
+        Why: a step lasts as long as all its tokens take, so a short request that shares a
+        step with another tenant's long prompt chunk waits for that chunk. While tenants
+        compete, a step computes at most ``long_prefill_token_threshold`` prompt tokens (or,
+        without one, the smallest pending need per competing tenant), and the least-served
+        tenant (:class:`TenantUsage`) takes its need first; never fewer than
+        ``min_prefill_share_tokens``, what a step costs anyway. A newcomer's short prompt thus
+        gets a step of about its own length; the long prompt goes on at full size as soon
+        as nobody else waits, and catches up in turn when it is the least served. Decodes
+        are never capped."""
+        if not self.config.enable_chunked_prefill or self.usage.num_live_tenants < 2:
+            return None  # a capped prompt would be a chunk; or nobody to compete with
+        pending: dict[str | None, int] = {}
+        for req in self.running:
+            left = req.num_tokens - req.num_computed_tokens
+            if left > 1:
+                pending[req.tenant] = pending.get(req.tenant, 0) + left
+        heads = self.waiting.heads() if len(self.running) < self.config.max_num_seqs else []
+        if len(pending.keys() | {req.tenant for req in heads}) < 2:
+            return None  # one tenant at most: no prefix lookups for nothing
+        for req in heads:  # only those that could be admitted now
+            need = self._admissible_need(req, partial)
+            if need:
+                pending[req.tenant] = pending.get(req.tenant, 0) + need
+        if len(pending) < 2:
+            return None
+        cap = self.config.long_prefill_token_threshold or max(
+            min(pending.values()) * len(pending), self.config.min_prefill_share_tokens
+        )
+        shares: dict[str | None, int] = {}
+        # Ties (a newcomer is lifted to the least count) go to the tenant with less in the
+        # engine, then to the smaller need.
+        order = sorted(pending, key=lambda t: (self.usage.count(t), self.usage.live(t), pending[t]))
+        for tenant in order:
+            shares[tenant] = min(pending[tenant], cap)
+            cap -= shares[tenant]
+        return shares
+
+    def _admissible_need(self, req: Request, partial: dict[str | None, int] | None) -> int:
+        """Prompt tokens a waiting request would compute, 0 when it could not be admitted
+        this step (its first chunk's blocks are not free, or its tenant has enough prompts
+        part-way): a share reserved for it would only hold the others back."""
+        kv, cfg = self.kv_cache_manager, self.config
+        if cfg.max_loras and not self._lora_admits(req, self._running_loras()):
+            return 0
+        num_hit = kv.peek_cached_tokens(req)
+        need = req.num_tokens - num_hit
+        chunk = min(need, cfg.chunk_limit(num_hit) or need, cfg.max_num_batched_tokens)
+        # Conservative: its cached blocks may sit in the free queue too, and come out of it.
+        if -(-(num_hit + chunk) // self.block_size) > kv.get_num_free_blocks():
+            return 0
+        limit = cfg.max_num_partial_prefills
+        at_limit = partial is not None and partial.get(req.tenant, 0) >= limit
+        return 0 if chunk < need and at_limit else need
+
+    def _partial_prefills(self) -> dict[str | None, int] | None:
+        """Running requests part-way through their prompt, per tenant (None: no limit)."""
+        cfg = self.config
+        if not (cfg.max_num_partial_prefills and cfg.enable_chunked_prefill):
+            return None
+        partial: dict[str | None, int] = {}
+        for req in self.running:
+            if req.num_tokens - req.num_computed_tokens > 1:
+                partial[req.tenant] = partial.get(req.tenant, 0) + 1
+        return partial
+
+    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+        """Records the chunk and advances ``num_computed_tokens`` (blocks are allocated)."""
+        ids = self.kv_cache_manager.get_block_ids(req.request_id)
+        sr = ScheduledRequest(req, req.num_computed_tokens, num_new, ids, len(req.all_token_ids))
+        req.num_computed_tokens += num_new
+        return sr
+
+    def recompute(self, req: Request) -> None:
+        """Drops a running request's KV to compute it again from its first token, its tokens
+        kept, first in its queue: for a model whose every key changes once a sequence
+        reaches some length (transformers' Phi-3 at its rotary switch). Not counted as a
+        preemption."""
+        self.running.remove(req)
+        self._preempt(req, counted=False)
+
+    def _preempt(self, req: Request, counted: bool = True) -> None:
+        """Recompute preemption: drop the KV, keep the tokens, queue it first."""
+        self.kv_cache_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.kv_load_tried = False  # what the device evicts of it meanwhile, a lower tier keeps
+        if counted:
+            req.num_preemptions += 1
+            self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update_from_output(
+        self, output: SchedulerOutput, sampled_token_ids: dict[str, int]
+    ) -> list[Request]:
+        """Appends the sampled tokens and applies token-level stops.
+
+        Returns the requests that got a token this step (finished ones included). Requests
+        finished or aborted since ``output`` was scheduled are skipped.
+        """
+        changed: list[Request] = []
+        for sr in output.scheduled:
+            req = sr.request  # below: sr.samples, inline (read per request per step)
+            if req.status != _RUNNING or sr.num_computed_tokens + sr.num_new_tokens < sr.num_tokens:
+                continue
+            rid = req.request_id
+            if rid not in sampled_token_ids:
+                raise KeyError(f"no sampled token for request {rid!r}, which samples")
+            try:  # this request's own data: a fault here ends it alone (FINISHED_ERROR)
+                req.append_output_token(sampled_token_ids[rid])
+                status = self._check_stop(req)
+            except Exception as exc:
+                log.warning("request %s: stop check failed", rid, exc_info=True)
+                req.error = f"stop check failed: {type(exc).__name__}"
+                status = RequestStatus.FINISHED_ERROR
+            if status is not None:
+                self.running.remove(req)
+                self._finish(req, status)
+            changed.append(req)
+        return changed
+
+    def _check_stop(self, req: Request) -> RequestStatus | None:
+        """Token-level stops; a stop token wins over length when both apply."""
+        sp, output_ids = req.sampling_params, req.output_token_ids
+        if len(output_ids) >= sp.min_tokens:
+            last = output_ids[-1]
+            if not sp.ignore_eos and last == req.eos_token_id:
+                return RequestStatus.FINISHED_STOPPED
+            if last in sp.stop_token_ids:
+                req.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if len(output_ids) >= sp.max_tokens or len(req.all_token_ids) >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    # -- observation -------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running or self.loading)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def load_report(self) -> LoadReport:
+        report = load_report(self.waiting, self.running, self.kv_cache_manager)
+        if self.lora_residency is not None:
+            lora = self.lora_residency(self._running_loras())
+            report = msgspec.structs.replace(report, **lora)
+        if self.kv_loads is not None:
+            state, timeouts = self.kv_loads.tiers.disk_state()
+            if state:
+                report = msgspec.structs.replace(
+                    report, kv_disk_state=state, kv_disk_read_timeouts=timeouts
+                )
+        return report
+
+    def stats(self) -> dict[str, int | float]:
+        """The load report's figures (one definition of load) plus the cache counters."""
+        load, kv = self.load_report(), self.kv_cache_manager
+        return {
+            "num_waiting": load.num_waiting,
+            "num_running": load.num_running,
+            "num_decoding": load.num_decoding,
+            "num_queued_prefill_tokens": load.queued_prefill_tokens,
+            "kv_cache_usage": kv.usage,
+            "num_free_blocks": load.free_blocks,
+            "prefix_cache_queries": kv.prefix_cache_queries,
+            "prefix_cache_hits": kv.prefix_cache_hits,
+            "num_preemptions": self.num_preemptions,
+            "num_loading_kv": len(self.loading),  # waiting for blocks from a lower KV tier
+        }
+
+
+def _within_share(shares: dict[str | None, int] | None, req: Request, num_new: int) -> int:
+    """``num_new`` capped by what is left of the request's tenant's prefill share (decodes,
+    and every request when no shares apply, are never capped)."""
+    if shares is None or num_new <= 1:
+        return num_new
+    return min(num_new, shares.get(req.tenant, num_new))
+
+
+def _charge_share(shares: dict[str | None, int] | None, req: Request, num_new: int) -> None:
+    if shares is not None and num_new > 1:
+        shares[req.tenant] = shares.get(req.tenant, num_new) - num_new
+
+
+def _tenant_of(req: Request) -> str | None:
+    """The fair queue's group: the request's tenant (None: the group of tenantless ones)."""
+    return req.tenant

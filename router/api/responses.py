@@ -1,0 +1,388 @@
+"""From a routed request's runs to the HTTP response: one JSON body, or SSE.
+
+Why the shape: a request is routed before the response starts (:mod:`.intake`) and its
+first token awaited here before the status goes out, so errors before it get a real status
+(:func:`~.errors.status_of`); a failure after it ends the SSE stream with an ``error``
+event, then ``[DONE]`` -- never a silently cut stream. A stream's response is made before
+its first token and its head sent after, so making it is off the time to first token. When
+the client goes away, the SSE writer is cancelled (streaming) or the handler notices
+(non-streaming); closing the :class:`RequestRun` cancels the request on the replica.
+
+Where it sits on a request's path (see :mod:`.http_api`): last. :mod:`.http_api` hands it
+the runs :mod:`.intake` started, with a :class:`ResponseContext` (the tokenizer, /metrics'
+series, the HTTP layer's error counts, the send deadline); it reads each run
+(:mod:`.request_run`), puts an echoed prompt ahead (:mod:`.echo`), writes (:mod:`.sse`),
+and records the request's end. Several choices are :mod:`.choices`' (same parts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from kvroute.events.replica_api import GenerateDelta
+
+from ..fleet.request_run import REPLICA_FAILURES, RequestRun
+from .errors import FAILED, INTERNAL_ERROR, APIError, new_id, one_line, request_failed, status_of
+from .openai_api import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    TopLogprob,
+    error_body,
+    make_choice,
+    make_response,
+    make_usage,
+)
+from .sse import DONE, ChunkEncoder, Emit, SSEResponse, data_line, encode_json
+
+if TYPE_CHECKING:
+    from .echo import Echo
+    from .metrics import Metrics
+
+log = logging.getLogger(__name__)
+# One line per finished request (INFO): tenant, replica, tokens, TTFT, status. Off unless
+# that logger's level lets INFO through (`kvroute serve --log-requests`).
+request_log = logging.getLogger("kvroute.requests")
+
+
+@dataclass(frozen=True, slots=True)
+class ResponseContext:
+    """What answering needs of the app, made once: the tokenizer (logprobs' token names),
+    /metrics' per-request series, the HTTP layer's error counts, the send deadline."""
+
+    tokenizer: Any
+    metrics: Metrics
+    errors: Counter[str]
+    send_timeout_s: float | None = None
+
+
+def end_request(
+    metrics: Metrics,
+    rid: str,
+    run: RequestRun,
+    last: Any,
+    ttft_s: float | None,
+    status: str,
+    arrival: float | None,
+) -> None:
+    """A request's end: its metrics (when it ran to its end) and its log line."""
+    if status.startswith("200") and last is not None and last.finished:
+        e2e = None if arrival is None else time.perf_counter() - arrival
+        metrics.finished(run.tenant, run.replica, ttft_s, e2e, last)
+    if not request_log.isEnabledFor(logging.INFO):
+        return
+    request_log.info(
+        "request %s tenant=%s replica=%s prompt=%s cached=%s output=%s ttft_ms=%s status=%s",
+        rid,
+        run.tenant,
+        run.replica,
+        getattr(last, "num_prompt_tokens", None),
+        getattr(last, "num_cached_tokens", None),
+        getattr(last, "num_output_tokens", None),
+        "-" if ttft_s is None else f"{ttft_s * 1000:.1f}",
+        status,
+    )
+
+
+REPLICA_HEADER = "x-kvroute-replica"
+FLOOR = -9999.0  # the least logprob a response shows (a forbidden token's is -inf)
+DISCONNECT_POLL_S = 0.5
+
+
+class Logprobs:
+    """The engine's logprobs (per token: ``{token id: logprob}``, the sampled token and the
+    top alternatives) in OpenAI's two shapes, for one request (it keeps the text offset)."""
+
+    def __init__(self, tokenizer: Any, top: int, names: dict[int, str] | None = None) -> None:
+        """``names``: token names already decoded, shared by the choices of one request."""
+        self.tokenizer = tokenizer
+        self.top = top
+        self.offset = 0  # characters of the completion's tokens so far (``text_offset``)
+        self._names: dict[int, str] = {} if names is None else names
+
+    def _name(self, token_id: int) -> str:
+        name = self._names.get(token_id)
+        if name is None:
+            name = self._names[token_id] = self.tokenizer.decode([token_id])
+        return name
+
+    def _entries(
+        self, ids: list[int], entries: list[dict[int, float] | None] | None
+    ) -> list[tuple[int, float | None, list[tuple[int, float]] | None]]:
+        """Per token: its id, logprob and top alternatives; an entry of None (an echoed
+        prompt's first token) gives None for both."""
+        out: list[tuple[int, float | None, list[tuple[int, float]] | None]] = []
+        for i, tid in enumerate(ids):
+            entry = entries[i] if entries is not None and i < len(entries) else {}
+            if entry is None:
+                out.append((tid, None, None))
+                continue
+            best = sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[: self.top]
+            # The engine always reports the sampled token; -9999 (OpenAI's "very unlikely")
+            # only if an entry was lost, and for a token a structured output forbade (-inf,
+            # which JSON cannot carry), as vLLM's server clamps it.
+            best = [(t, v if v > FLOOR else FLOOR) for t, v in best]
+            lp = entry.get(tid, FLOOR)
+            out.append((tid, lp if lp > FLOOR else FLOOR, best))
+        return out
+
+    def completion(
+        self, ids: list[int], entries: list[dict[int, float] | None] | None
+    ) -> CompletionLogprobs:
+        lp = CompletionLogprobs()
+        for tid, logprob, best in self._entries(ids, entries):
+            name = self._name(tid)
+            lp.tokens.append(name)
+            lp.token_logprobs.append(logprob)
+            top: dict[str, float] | None = None if best is None else {}
+            for t, v in best or ():  # likeliest first: a name two tokens share keeps the higher
+                top.setdefault(self._name(t), v)  # type: ignore[union-attr]
+            lp.top_logprobs.append(top)
+            lp.text_offset.append(self.offset)
+            self.offset += len(name)
+        return lp
+
+    def chat(self, ids: list[int], entries: list[dict[int, float]] | None) -> ChatLogprobs:
+        content = []
+        for tid, logprob, best in self._entries(ids, entries):  # never None: no echo in chat
+            name = self._name(tid)
+            top = [TopLogprob(token=self._name(t), logprob=v, bytes=_bytes(self._name(t)))
+                   for t, v in best or ()]  # fmt: skip
+            content.append(
+                ChatTokenLogprob(token=name, logprob=logprob, bytes=_bytes(name), top_logprobs=top)
+            )
+        return ChatLogprobs(content=content)
+
+
+def _bytes(text: str) -> list[int]:
+    return list(text.encode("utf-8", "replace"))
+
+
+class Collected:
+    """A run's answer as it arrives: text pieces, token ids, logprob entries, last delta."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.ids: list[int] = []
+        self.entries: list[dict[int, float] | None] = []
+        self.last: Any = None
+
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    async def collect(self, run: RequestRun) -> None:
+        """Every delta of ``run`` from its first (which must be in) to its last."""
+        d = run.first
+        while d is not None:
+            self.parts.append(d.delta_text)
+            self.ids.extend(d.delta_token_ids)
+            self.entries.extend(d.logprobs or [{} for _ in d.delta_token_ids])
+            self.last = d
+            d = None if d.finished else await run.next()
+
+
+def response_id(chat: bool) -> str:
+    """The id of a request's answer (its chunks' and its body's ``id``)."""
+    return f"{'chatcmpl' if chat else 'cmpl'}-{new_id()}"
+
+
+async def await_first_delta(run: RequestRun, rid: str, echo: Echo | None = None) -> None:
+    """Waits for the run's first delta, so that everything that can go wrong before it (a
+    bad request, a dead replica) is settled while an HTTP status can still say so; every
+    failure a status, the run closed. ``echo``: the prompt put ahead of it."""
+    try:
+        first = await run.first_delta()
+        if first.finish_reason == "error":  # failed before its first token: a status
+            raise request_failed(rid, first)
+    except BaseException as exc:
+        run.close()
+        raise status_of(rid, exc) from None
+    if echo is not None:
+        echo.put_ahead(run)
+
+
+async def respond(
+    ctx: ResponseContext,
+    request: Request,
+    rid: str,
+    body: Any,
+    run: RequestRun,
+    arrival: float | None = None,
+    echo: Echo | None = None,
+) -> Response:
+    """One run's answer: one body, or an SSE stream of its chunks. ``run`` has been sent;
+    its first delta is awaited here (:func:`await_first_delta`), before the status goes
+    out. ``rid``: the request's id; ``arrival``: ``perf_counter()`` when the handler
+    began, for the added-latency figure; ``echo``: the prompt to put ahead. ``body``: the
+    request's, checked (:mod:`.openai_api`'s or its :mod:`.openai_wire` twin)."""
+    chat = body.chat
+    resp_id = response_id(chat)
+    model: str = body.model
+    n = body.num_logprobs()
+    logprobs = None  # one shaper for the whole stream: ``text_offset`` runs on
+    if n is not None:
+        shapes = Logprobs(ctx.tokenizer, n)
+        logprobs = shapes.chat if chat else shapes.completion
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        encoder = ChunkEncoder(chat, resp_id, int(time.time()), model)
+
+        async def write(emit: Emit) -> None:
+            await _write_sse(ctx, run, rid, encoder, include_usage, chat, logprobs, arrival, emit)
+
+        async def first() -> None:
+            try:
+                await await_first_delta(run, rid, echo)
+            except asyncio.CancelledError:  # the client left before its first token
+                ctx.errors["client_gone"] += 1
+                end_request(ctx.metrics, rid, run, None, None, "499 client_gone", arrival)
+                raise
+
+        return SSEResponse(
+            write,
+            lambda: {REPLICA_HEADER: run.replica},  # where the first delta came from
+            ctx.send_timeout_s,
+            on_close=run.close,
+            ready=first,
+        )
+    await await_first_delta(run, rid, echo)
+    headers = {REPLICA_HEADER: run.replica}
+    ttft_s = None if arrival is None else time.perf_counter() - arrival  # first delta is in
+    got = Collected()
+    got.last = run.first
+    task = asyncio.ensure_future(got.collect(run))
+    try:
+        # Starlette does not cancel a handler whose client left: watch for it, so an
+        # abandoned request stops using the replica.
+        while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
+            if await request.is_disconnected():
+                ctx.errors["client_gone"] += 1
+                return Response(status_code=499)  # nobody reads it
+        await task
+    except REPLICA_FAILURES as exc:
+        log.warning("request %s: replica failed mid-request: %s", rid, one_line(str(exc)))
+        end_request(ctx.metrics, rid, run, got.last, ttft_s, "503 replica_failed", arrival)
+        raise APIError(503, FAILED, "service_unavailable", code="replica_failed") from None
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        run.close()  # cancels the request on the replica if it still runs
+    last = got.last
+    finish = None if last is None else last.finish_reason
+    if finish == "error":
+        end_request(ctx.metrics, rid, run, last, ttft_s, "500 request_failed", arrival)
+        raise request_failed(rid, last)
+    usage = _usage(last)
+    end_request(ctx.metrics, rid, run, last, ttft_s, f"200 {finish}", arrival)
+    shaped = logprobs(got.ids, got.entries) if logprobs is not None else None
+    choice = make_choice(chat, 0, got.text(), finish, shaped)
+    return JSONResponse(make_response(chat, resp_id, model, [choice], usage), headers=headers)
+
+
+def _usage(last: Any) -> Any:
+    if last is None:
+        return None
+    return make_usage(
+        last.num_prompt_tokens,
+        last.num_output_tokens,
+        last.num_cached_tokens,
+        getattr(last, "num_tier_cached_tokens", None),
+    )
+
+
+async def _write_sse(
+    ctx: ResponseContext,
+    run: RequestRun,
+    rid: str,
+    encoder: ChunkEncoder,
+    include_usage: bool,
+    role_first: bool,
+    logprobs: Callable[[list[int], list[dict[int, float]] | None], Any] | None,
+    arrival: float | None,
+    emit: Emit,
+) -> None:
+    """``data: {json}\\n\\n`` per delta, ``data: [DONE]`` last, whatever happens.
+
+    Before ``[DONE]``, an SSE comment (clients ignore it) gives the replica's own TTFT and
+    the front door's: ``: kvroute-timing {"replica_ttft_s": ..., "router_ttft_s": ...}``,
+    so a load generator can tell the router's added latency from the replica's."""
+    last = None
+    timing: dict[str, float] | None = None
+    status = "200"
+    tail: list[bytes] = []  # sent after the loop with [DONE]: the end costs one write
+
+    def chunk(d: GenerateDelta, finish: str | None = None) -> bytes:
+        shaped = None
+        if logprobs is not None and d.delta_token_ids:
+            shaped = logprobs(list(d.delta_token_ids), d.logprobs)
+        return encoder.chunk(d.delta_text, finish, shaped)
+
+    def push(d: GenerateDelta) -> bool:
+        """A delta between the first and the last, as the loop below writes it, straight
+        from the replica connection's callback (see :meth:`RequestRun.stream_to`). Only
+        while the loop waits in ``run.next()``: never before the first chunk is out."""
+        return emit.now(chunk(d)) if d.delta_token_ids or d.delta_text else True
+
+    try:
+        if role_first:
+            await emit(encoder.chunk("", None, role=True))
+        d = run.first
+        if d is not None and arrival is not None and d.replica_ttft_s is not None:
+            timing = ctx.metrics.time_first_delta(time.perf_counter() - arrival, d.replica_ttft_s)
+        run.stream_to(push)
+        while d is not None:
+            last = d
+            if d.finish_reason == "error":
+                status = "500 request_failed (in stream)"
+                err = request_failed(rid, d)
+                await emit(
+                    data_line(error_body(err.message, err.type, 500, code=err.code, request_id=rid))
+                )
+                break
+            if d.finished:  # the last chunk leaves with the tail, in one write
+                tail.append(chunk(d, d.finish_reason))
+                break
+            if d.delta_token_ids or d.delta_text:  # as vLLM: a token that completes no
+                # character yet still gets its (empty) chunk, so the first one is never late
+                await emit(chunk(d))
+            d = await run.next()
+        if last is not None and last.finished and last.finish_reason != "error":
+            usage = _usage(last)
+            if include_usage and usage is not None:
+                tail.append(encoder.usage(usage.model_dump()))
+    except REPLICA_FAILURES as exc:
+        status = "503 replica_failed (in stream)"
+        ctx.errors["stream_failure"] += 1
+        log.warning("request %s: replica failed mid-stream: %s", rid, one_line(str(exc)))
+        body = error_body(FAILED, "service_unavailable", 503, code="replica_failed", request_id=rid)
+        await emit(data_line(body))
+    except Exception:  # never a silently cut stream: say so, then [DONE]
+        log.exception("request %s: stream failed", rid)
+        status = "500 internal_error (in stream)"
+        ctx.errors["internal"] += 1
+        body = error_body(
+            INTERNAL_ERROR, "server_error", 500, code="internal_error", request_id=rid
+        )
+        await emit(data_line(body))
+    finally:
+        run.close()
+        ttft = None if timing is None else timing["router_ttft_s"]
+        if status == "200":  # no [DONE] reached the client: it went away mid-stream
+            status = f"200 {last.finish_reason}" if last and last.finished else "499 client_gone"
+        end_request(ctx.metrics, rid, run, last, ttft, status, arrival)
+    if timing is not None:
+        tail.append(b": kvroute-timing " + encode_json(timing) + b"\n\n")
+    tail.append(DONE)
+    await emit(b"".join(tail), True)

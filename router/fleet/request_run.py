@@ -1,0 +1,315 @@
+"""RequestRun: one request from routing to its end -- routed, streaming, failing over, done.
+
+Why one object: a request holds shared resources from admission to its end -- its
+:class:`~.admission.Ticket` (the tenant's share and rates, a slot in the router's budget),
+its flight on a replica's connection, its place in the policy's load view -- and every way
+it can end (finished, client gone, replica failed, cancelled) must give them back exactly
+once. :meth:`RequestRun.close` is that one place, and it is synchronous: nothing can
+interrupt it halfway.
+
+Why no generator chain: per streamed token the front door does little, so the layers
+around it are the cost. :meth:`RequestRun.next` awaits the replica connection's
+:class:`~.replica_connection.InFlightRequest` directly (deltas that arrived while the caller
+was busy come merged), and the HTTP layer awaits it directly: one wake-up per delta, no
+async generator in between. Once a stream is under way even that wake-up goes:
+:meth:`RequestRun.stream_to` hands each delta that arrives while the stream waits straight
+to its socket, from the connection's callback, as long as the client keeps up.
+
+Failures: a replica that fails is dropped from routing (:meth:`Fleet.fail`). The request
+goes on once on another replica -- from scratch before its first token, from the tokens
+already streamed after it (:class:`Resume`; greedy and seeded requests continue exactly)
+-- but only when the failure cannot have been its own doing (:func:`not_caused_by`).
+Otherwise it may be a query of death: it is struck in :mod:`.quarantine` and the failure
+raised. So exactly one request per process death fails, and none is replayed blindly.
+
+Why :class:`RunServices` and not the front door: a run needs a few of the front door's
+parts -- some of the fleet's methods (:class:`Replicas`), the policy, the quarantine,
+admission's release, the counters -- and is handed exactly those, once per front door, so
+what a run can touch is read here and a run can be built without a front door.
+
+Where a request goes next: :mod:`.responses` reads its deltas (``first_delta``, ``next``,
+``stream_to``) and ends it (``close``); nothing here calls back up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import msgspec
+
+from kvroute.events.replica_api import (
+    GenerateDelta,
+    GenerateRequest,
+    InvalidRequestError,
+    ReplicaDeadError,
+    ReplicaLostError,
+    Resume,
+    delta_error,
+)
+
+from ..routing.policy import NoReplicaError, Policy, RequestView
+from .quarantine import Quarantine, fingerprint, not_caused_by
+
+if TYPE_CHECKING:
+    from ..api.metrics import Metrics
+    from ..backends.connection import HttpReplicaConnection
+    from .admission import Ticket
+    from .replica_connection import InFlightRequest, ReplicaConnection
+
+log = logging.getLogger(__name__)
+
+# How a replica's failure reaches a request: its engine's word, or its process gone.
+REPLICA_FAILURES: tuple[type[BaseException], ...] = (ReplicaDeadError, ReplicaLostError)
+MAX_RESENDS = 1  # another replica gets a request at most this often
+
+
+class Replicas(Protocol):
+    """What a run needs of the fleet (:class:`~.fleet.Fleet` is one)."""
+
+    def routable(self, exclude: Collection[str] = ()) -> list[str]: ...
+
+    def connection(self, rid: str) -> ReplicaConnection | HttpReplicaConnection: ...
+
+    def fail(self, rid: str) -> None: ...
+
+    def mark_routed(self, rid: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RunServices:
+    """What every run of one front door shares, made once by the front door."""
+
+    replicas: Replicas
+    policy: Policy
+    quarantine: Quarantine
+    release: Callable[[Ticket, int], None]  # admission's: the run's ticket back, once
+    metrics: Metrics  # routing decisions, inter-token latency
+    counters: Counter[str]  # requests, retries, failovers
+    errors: Counter[str]  # no_replica, invalid_request
+
+    def route(self, view: RequestView, candidates: list[str], now: float) -> str:
+        """The policy's choice, counted in /metrics with its reason."""
+        decision = self.policy.route(view, candidates, now)
+        self.metrics.routing.labels(decision.replica, decision.reason).inc()
+        return decision.replica
+
+
+class RequestRun:
+    """One routed request. ``start`` once, then ``next`` until a finished delta, then (or
+    whenever it must end) ``close``."""
+
+    def __init__(
+        self,
+        services: RunServices,
+        ticket: Ticket,
+        view: RequestView,
+        request: GenerateRequest,
+        fingerprint: str | None = None,
+        adapter: tuple[str, str] | None = None,
+    ) -> None:
+        """``fingerprint``: the request's, when already computed (else made on demand);
+        ``adapter``: its LoRA adapter's (name, folder), part of the fingerprint."""
+        self.services = services
+        self.ticket = ticket
+        self.view = view
+        self.request = request
+        self._fingerprint = fingerprint
+        self._adapter = adapter
+        self.request_id = view.request_id
+        self.tenant = ticket.tenant_id
+        self.replica = ""  # where it runs now
+        self.num_output_tokens = 0  # as the replica counts them (cumulative)
+        self.first: GenerateDelta | None = None
+        self._tried: set[str] = set()
+        self._resends = 0
+        self._conn: ReplicaConnection | None = None
+        self._flight: InFlightRequest | None = None
+        self._output_ids: list[int] = []  # streamed so far: what a failover resumes from
+        self._sent_chars = 0
+        self._awaiting_first = True  # of the current replica (the policy times it)
+        self._itl: Any = None  # this run's inter-token histogram, once labelled
+        self._last_at = 0.0
+        self._closed = False
+        self._writer: Callable[[GenerateDelta], bool] | None = None  # see stream_to
+
+    @property
+    def fingerprint(self) -> str:
+        """What the quarantine knows the request by (computed only when it is needed)."""
+        if self._fingerprint is None:
+            req = self.request
+            self._fingerprint = fingerprint(
+                req.prompt_token_ids, req.sampling, req.tenant, self._adapter
+            )
+        return self._fingerprint
+
+    # -- routing -------------------------------------------------------------------------------
+    def _send(self) -> None:
+        """Routes the request among the replicas it has not tried and sends it there."""
+        s = self.services
+        candidates = s.replicas.routable(self._tried)
+        if not candidates:
+            s.errors["no_replica"] += 1
+            lora = self.view.lora_name
+            if lora is None:
+                raise NoReplicaError("no replica is available")
+            # Only replicas holding the adapter are candidates (router/lora/registry.py).
+            raise NoReplicaError(
+                f"No replica that holds the LoRA adapter `{lora[:100]}` is available; "
+                "retry later.", "lora_adapter_unavailable", "model",
+            )  # fmt: skip
+        rid = s.route(self.view, candidates, time.monotonic())
+        self._tried.add(rid)
+        req = self.request
+        if self._resends:  # a fresh id: the old replica may still know the old one
+            resume = None
+            if self._output_ids:
+                resume = Resume(
+                    output_token_ids=list(self._output_ids), sent_chars=self._sent_chars
+                )
+            req = msgspec.structs.replace(
+                req, request_id=f"{req.request_id}-{self._resends}", resume=resume
+            )
+        self.replica = rid
+        self._awaiting_first = True
+        self._conn = s.replicas.connection(rid)
+        self._flight = self._conn.submit(req)
+        if self._writer is not None:
+            self._flight.push = self._push
+
+    async def start(self) -> GenerateDelta:
+        """Routes the request and waits for its first delta, so that everything that can go
+        wrong before it (a bad request, a dead replica) is settled while an HTTP status can
+        still say so. Raises :class:`InvalidRequestError` (the client's fault),
+        :class:`NoReplicaError`, or the replica's failure when it was not retried."""
+        self.submit()
+        return await self.first_delta()
+
+    def submit(self) -> None:
+        """The first half of :meth:`start`: routed and sent (raises
+        :class:`NoReplicaError`), so the caller can get ready while the replica computes."""
+        self.services.counters["requests"] += 1
+        self._send()
+
+    async def first_delta(self) -> GenerateDelta:
+        """The second half of :meth:`start`."""
+        first = await self.next()
+        self.first = first
+        return first
+
+    # -- streaming ---------------------------------------------------------------------------
+    async def next(self) -> GenerateDelta:
+        """The deltas since the last call, merged; the last one is ``finished``. A failure
+        of the replica is failed over when it may be, else raised."""
+        while True:
+            flight = self._flight
+            assert flight is not None, "start() first"
+            try:
+                delta = await flight.next()
+                exc = delta_error(delta, self.replica)
+                if exc is not None:
+                    raise exc
+            except REPLICA_FAILURES as exc:
+                self._conn = self._flight = None
+                if not self._fail_over(exc):
+                    raise
+                continue
+            except InvalidRequestError:
+                self._flight = None
+                self.services.errors["invalid_request"] += 1
+                raise
+            self._record_delta(delta)
+            return delta
+
+    def stream_to(self, writer: Callable[[GenerateDelta], bool]) -> None:
+        """From now on, a delta that arrives while :meth:`next` waits goes to ``writer`` at
+        once, on the connection's callback, if it takes it (True): no task wakes and no
+        future is made per token while the client keeps up. The rest (the last delta,
+        failures, deltas ``writer`` refuses) still come out of :meth:`next`, in order."""
+        self._writer = writer
+        if self._flight is not None:
+            self._flight.push = self._push
+
+    def _push(self, delta: GenerateDelta) -> bool:
+        writer = self._writer
+        if writer is None:
+            return False
+        try:
+            if not writer(delta):
+                return False
+        except Exception:  # on the connection's callback: never let it raise there
+            log.exception("request %s: a delta failed on the direct path", self.request_id)
+            self._writer = None
+            return False
+        self._record_delta(delta)
+        return True
+
+    def _record_delta(self, delta: GenerateDelta) -> None:
+        """Bookkeeping per delta: what a failover resumes from, the policy's first-token
+        time, inter-token latency for /metrics."""
+        ids = delta.delta_token_ids
+        self._output_ids += ids
+        self._sent_chars += len(delta.delta_text)
+        self.num_output_tokens = delta.num_output_tokens
+        if delta.finished:
+            self._flight = None  # the connection forgot it already
+        now = time.perf_counter()
+        if self._awaiting_first:
+            self._awaiting_first = False
+            self.services.policy.on_first_token(self.request_id, time.monotonic())
+            self.services.replicas.mark_routed(self.replica)
+        elif ids:
+            if self._itl is None:
+                m = self.services.metrics
+                self._itl = m.itl.labels(m.tenant(self.tenant), self.replica)
+            self._itl.observe((now - self._last_at) / len(ids))
+        if ids:
+            self._last_at = now
+
+    def _fail_over(self, exc: BaseException) -> bool:
+        """The replica failed under this request: drop it, and resend the request when the
+        failure cannot have been its doing and it has a resend left (True). Else strike it
+        when it may have been (False: the caller raises)."""
+        s = self.services
+        failed = self.replica
+        s.replicas.fail(failed)
+        innocent = not_caused_by(exc)
+        if innocent is not True:
+            strikes = 2 if innocent is None or getattr(exc, "alone", False) else 1
+            s.quarantine.strike(self.fingerprint, self.request_id, failed, strikes)
+            return False
+        if self._resends >= MAX_RESENDS or not s.replicas.routable(self._tried):
+            return False
+        s.policy.on_finished(self.request_id, time.monotonic())
+        self._resends += 1
+        self._send()
+        if self._output_ids or self.first is not None:
+            s.counters["failovers"] += 1
+            log.warning(
+                "request %s: replica %s failed after %d tokens; continuing on %s",
+                self.request_id, failed, len(self._output_ids), self.replica,
+            )  # fmt: skip
+        else:
+            s.counters["retries"] += 1
+            log.warning("request %s: replica %s failed, retrying on %s",
+                        self.request_id, failed, self.replica)  # fmt: skip
+        return True
+
+    # -- the end -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Ends the request: cancels it on its replica if it still runs, gives back its
+        ticket and its place in the load view. Idempotent, synchronous."""
+        if self._closed:
+            return
+        self._closed = True
+        self._writer = None
+        if self._flight is not None and self._conn is not None:
+            self._conn.abort(self._flight.request_id)
+            self._flight = None
+        s = self.services
+        s.policy.on_finished(self.request_id, time.monotonic(), self.num_output_tokens)
+        s.release(self.ticket, self.num_output_tokens)
