@@ -67,16 +67,17 @@ def _case(layers: int, specs: list[tuple[int, int]], seed: int = 0):  # type: ig
 
 
 def _time(
-    query, caches, kwargs, repeat: int, clock=time.process_time
+    query, caches, kwargs, repeat: int, clock=time.process_time, **switches
 ) -> tuple[float, torch.Tensor]:  # type: ignore[no-untyped-def]
+    """``switches``: cpu.paged_attention's ``decode_kernel`` / ``prefill_kernel``."""
     out = None
     for k, v in caches:  # warm-up: plans, allocator
-        out = cpu.paged_attention(query, k, v, **kwargs)
+        out = cpu.paged_attention(query, k, v, **kwargs, **switches)
     best = float("inf")
     for _ in range(repeat):
         t0 = clock()
         for k, v in caches:
-            out = cpu.paged_attention(query, k, v, **kwargs)
+            out = cpu.paged_attention(query, k, v, **kwargs, **switches)
         best = min(best, clock() - t0)
     assert out is not None
     return best, out
@@ -113,10 +114,8 @@ def main() -> None:
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for kind, name, specs in cases:
         query, caches, kwargs, pairs = _case(args.layers, specs)
-        env = "KVROUTE_CPU_PREFILL_KERNEL" if kind == "prefill" else "KVROUTE_CPU_DECODE_KERNEL"
-        os.environ[env] = "0"
-        slow, want = _time(query, caches, kwargs, args.repeat)
-        os.environ[env] = "1"
+        off = {"prefill_kernel" if kind == "prefill" else "decode_kernel": False}
+        slow, want = _time(query, caches, kwargs, args.repeat, **off)
         fast, got = _time(query, caches, kwargs, args.repeat)
         flops = 4 * HEADS * HEAD_DIM * pairs * args.layers
         diff = (got - want).abs().max().item()

@@ -41,7 +41,8 @@ from pathlib import Path
 
 import torch
 
-from kvroute.replica import LLM, SamplingParams, tiny_model
+from kvroute.replica import LLM, SamplingParams
+from kvroute.replica.model import tiny_model
 from kvroute.replica.model.models import tiny_model_path
 
 CUDA = torch.cuda.is_available()

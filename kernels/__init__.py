@@ -1,13 +1,12 @@
 """Paged-attention and KV-store kernels: a plain-torch reference (the definition, tests),
-the CPU path (the reference with a C decode kernel) and Triton (GPU).
+the CPU path (the reference with C decode and prefill kernels) and Triton (GPU).
 
-``store_kv`` and ``paged_attention`` dispatch on the tensors: CUDA tensors go to the Triton
-kernels when Triton imports, CPU tensors to :mod:`.cpu`. All paths share one signature.
-``KVROUTE_KERNELS_BACKEND=torch`` forces the reference everywhere (to bisect a kernel bug);
-``=triton`` makes a missing Triton an error instead of a silent fallback.
-
-Triton is imported lazily and only when CUDA is available: importing it (and its autotuner)
-on a machine without a GPU can fail.
+The engine's model runner picks one :class:`~kvroute.kernels.backends.KernelBackend` when it
+is built (:func:`select_backend`, the only reader of ``KVROUTE_KERNELS_BACKEND``,
+``KVROUTE_CPU_DECODE_KERNEL`` and ``KVROUTE_CPU_PREFILL_KERNEL``) and every layer calls its
+methods. The module-level ``store_kv`` and ``paged_attention`` (tests, benchmarks) use
+:func:`default_backend` for the tensors' device type, chosen at its first call. All paths
+share one signature.
 """
 
 from __future__ import annotations
@@ -21,60 +20,44 @@ if __name__ != "kvroute.kernels":
     sys.modules[__name__] = None  # type: ignore[assignment]
 
 import functools
-import os
-from types import ModuleType
 
 import torch
 from torch import Tensor
 
-from kvroute.kernels import cpu, reference
+from kvroute.kernels import backends, cpu, reference
+from kvroute.kernels.backends import KernelBackend, select_backend
 from kvroute.kernels.metadata import AttentionMetadata
 
 __all__ = [
     "AttentionMetadata",
+    "KernelBackend",
     "available_backends",
+    "backends",
+    "cpu",
+    "default_backend",
     "paged_attention",
     "reference",
+    "select_backend",
     "store_kv",
 ]
-
-_ENV = "KVROUTE_KERNELS_BACKEND"
-
-
-_triton_error: list[BaseException] = []  # why Triton is unusable, for the error message
-
-
-@functools.cache
-def _triton_module() -> ModuleType | None:
-    """The Triton kernels module, or None where CUDA or Triton is missing or broken."""
-    if not torch.cuda.is_available():
-        return None
-    try:
-        from kvroute.kernels import triton_kernels
-    except Exception as exc:  # not only ImportError: a broken install can raise anything
-        _triton_error.append(exc)
-        return None
-    return triton_kernels
 
 
 def available_backends() -> list[str]:
     """Backends usable in this process: always "torch", plus "triton" with CUDA and Triton."""
-    return ["torch"] + (["triton"] if _triton_module() is not None else [])
+    return ["torch"] + (["triton"] if backends._triton_module() is not None else [])
 
 
-def _backend(t: Tensor) -> ModuleType:
-    choice = os.environ.get(_ENV, "").strip().lower()
-    if choice == "torch":
-        return reference
-    if not t.is_cuda:
-        return cpu
-    mod = _triton_module()
-    if mod is None:
-        if choice == "triton":
-            why = f": {_triton_error[0]!r}" if _triton_error else ""
-            raise RuntimeError(f"{_ENV}=triton but Triton is not usable{why}")
-        return reference
-    return mod
+@functools.cache
+def default_backend(device_type: str) -> KernelBackend:
+    """The backend the module-level functions use for tensors on ``device_type``: chosen
+    by :func:`select_backend` at the first call for that device type, then kept (the
+    engine's model runner chooses its own when it is built; ``default_backend.cache_clear()``
+    makes the next call choose again)."""
+    return select_backend(torch.device(device_type))
+
+
+def _backend(t: Tensor) -> KernelBackend:
+    return default_backend(t.device.type)
 
 
 def store_kv(

@@ -9,7 +9,6 @@ caches, contiguous rows -- and falls back to the reference for anything else.
 
 from __future__ import annotations
 
-import os
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -39,18 +38,16 @@ try:
 except ImportError:  # pragma: no cover - a build without a compiler
     _cpu_prefill = None
 
-_DISABLE_ENV = "KVROUTE_CPU_DECODE_KERNEL"  # "0": decodes through the torch reference
-_DISABLE_PREFILL_ENV = "KVROUTE_CPU_PREFILL_KERNEL"  # "0": prefills through torch's SDPA
-
 
 def decode_kernel_available() -> bool:
-    """Whether decodes may go through the C kernel in this process."""
-    return _cpu_attention is not None and os.environ.get(_DISABLE_ENV, "1") != "0"
+    """Whether the C decode kernel is built in this install. Whether the engine uses it is
+    :class:`kvroute.kernels.backends.CpuBackend`'s (``KVROUTE_CPU_DECODE_KERNEL=0``: no)."""
+    return _cpu_attention is not None
 
 
 def prefill_kernel_available() -> bool:
-    """Whether prefills (and chunks) may go through the C kernel in this process."""
-    return _cpu_prefill is not None and os.environ.get(_DISABLE_PREFILL_ENV, "1") != "0"
+    """Whether the C prefill kernel is built (``KVROUTE_CPU_PREFILL_KERNEL=0``: unused)."""
+    return _cpu_prefill is not None
 
 
 def _fits(query: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor) -> bool:
@@ -267,9 +264,17 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     sliding_window: int | None = None,
+    decode_kernel: bool = True,
+    prefill_kernel: bool = True,
 ) -> Tensor:
-    """Same contract as :func:`kvroute.kernels.reference.paged_attention`."""
-    if not (decode_kernel_available() and _fits(query, k_cache, v_cache, block_tables)):
+    """Same contract as :func:`kvroute.kernels.reference.paged_attention`. ``decode_kernel``
+    False: everything through the reference; ``prefill_kernel`` False: prefills through
+    torch's SDPA (each kernel is used only where it is built)."""
+    if not (
+        decode_kernel
+        and _cpu_attention is not None
+        and _fits(query, k_cache, v_cache, block_tables)
+    ):
         return reference.paged_attention(
             query,
             k_cache,
@@ -296,8 +301,7 @@ def paged_attention(
     out = torch.empty(query.shape, dtype=query.dtype)
     out[plan.qsl[-1] :].zero_()
     torch_prefills = plan.windowed
-    if plan.prefills and prefill_kernel_available() and query.shape[2] % 16 == 0:
-        assert _cpu_prefill is not None
+    if plan.prefills and prefill_kernel and _cpu_prefill is not None and query.shape[2] % 16 == 0:
         _run(
             _cpu_prefill.prefill,
             plan.prefill_seqs,

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import Tensor, nn
 
-from kvroute.kernels import AttentionMetadata, cpu_ops, paged_attention, store_kv
+from kvroute.kernels import AttentionMetadata, KernelBackend, cpu_ops, select_backend
 
 from .linear import Linear
 from .lora_adapter import ProjectionGroup
@@ -130,7 +130,7 @@ class PagedDecoder:
     now live here, fused); the embedding, final norm and rotary module stay shared.
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, kernels: KernelBackend | None = None) -> None:
         why = unsupported(model.config)
         if why is not None:
             raise ValueError(f"PagedDecoder cannot run this model: {why}")
@@ -160,6 +160,8 @@ class PagedDecoder:
         weight = self.embed.weight
         # On a CPU in fp32: norms, rotary and SiLU-times-up in C (kernels/cpu_ops.py).
         self.c_ops = cpu_ops.usable(weight.device, weight.dtype)
+        # store_kv and paged attention: the runner's backend, else chosen here, once.
+        self.kernels = kernels if kernels is not None else select_backend(weight.device)
         self.layers: list[_Layer] = []
         self.intermediate_size = base.layers[0].mlp.gate_proj.out_features if base.layers else 0
         for i in range(len(base.layers)):
@@ -233,7 +235,7 @@ class PagedDecoder:
             cos, sin = self.rotary(hidden, *args)
             ropes[rope] = (cos[0], sin[0])  # [T, D]
         h, hk, d = self.num_heads, self.num_kv_heads, self.head_dim
-        attn_kw = meta.attention_kwargs()
+        kernels = self.kernels
         residual = hidden
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             cos, sin = ropes[layer.rope]
@@ -256,15 +258,8 @@ class PagedDecoder:
             else:
                 qk = _rotate(qkv[:, : (h + hk) * d].view(t, h + hk, d), cos[:, None], sin[:, None])
             q, k = qk[:, :h], qk[:, h:]
-            store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            o = paged_attention(
-                q,
-                k_cache,
-                v_cache,
-                scale=self.scale,
-                sliding_window=layer.window,
-                **attn_kw,  # type: ignore[arg-type]
-            )
+            kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            o = kernels.attend(q, k_cache, v_cache, meta, self.scale, layer.window)
             o = o.view(t, h * d)
             hidden = layer.o(o)
             if lora is not None:

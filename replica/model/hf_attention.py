@@ -4,12 +4,13 @@ registers with transformers, and what it refuses.
 transformers' decoders (``model_impl="transformers"``) call a registered attention function
 (``AttentionInterface``) with each layer's Q/K/V after rotary embedding. kvroute registers
 ``"kvroute_paged"``: it writes the step's K/V into the paged cache and attends over it with
-:mod:`kvroute.kernels`; the step's metadata reaches it through a context variable
-(:data:`FORWARD_CONTEXT`, set by the runner around each forward), as vLLM's forward
-context does. Anything it cannot compute exactly -- an attention argument the kernels do not
-implement, a mask or bias of the model's own, K/V of another shape than the cache's -- is
-raised as :class:`UnsupportedModelError`, which the runner's load probe turns into a
-refusal before the replica serves anything (``ModelRunner._probe_transformers_path``).
+:mod:`kvroute.kernels`; the step's metadata and the runner's kernel backend reach it
+through a context variable (:data:`FORWARD_CONTEXT`, set by the runner around each
+forward), as vLLM's forward context does. Anything it cannot compute exactly -- an
+attention argument the kernels do not implement, a mask or bias of the model's own, K/V of
+another shape than the cache's -- is raised as :class:`UnsupportedModelError`, which the
+runner's load probe turns into a refusal before the replica serves anything
+(``ModelRunner._probe_transformers_path``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from transformers import PretrainedConfig
 from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import AttentionInterface
 
-from kvroute.kernels import AttentionMetadata, paged_attention, store_kv
+from kvroute.kernels import AttentionMetadata, KernelBackend
 
 ATTN_IMPLEMENTATION = "kvroute_paged"
 
@@ -35,6 +36,7 @@ class UnsupportedModelError(ValueError):
 class ForwardContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     meta: AttentionMetadata
+    kernels: KernelBackend  # the runner's, chosen when it was built
     calls: int = 0  # attention calls this forward (the load probe counts them)
 
 
@@ -107,19 +109,12 @@ def _paged_attention_forward(
             "num_key_value_heads x head_dim (e.g. latent attention)"
         )
     q = query[0].transpose(0, 1)
-    store_kv(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, meta.slot_mapping)
-    out = paged_attention(
-        q,
-        k_cache,
-        v_cache,
-        block_tables=meta.block_tables,
-        seq_lens=meta.seq_lens,
-        query_start_loc=meta.query_start_loc,
-        scale=scaling if scaling is not None else q.shape[-1] ** -0.5,
-        max_query_len=meta.max_query_len,
-        max_seq_len=meta.max_seq_len,
-        sliding_window=sliding_window,
+    kernels = ctx.kernels
+    kernels.store_kv(
+        key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, meta.slot_mapping
     )
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    out = kernels.attend(q, k_cache, v_cache, meta, scale, sliding_window)
     return out.unsqueeze(0), None  # [1, tokens, heads, head_dim], no weights
 
 

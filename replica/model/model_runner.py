@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from kvroute.events import MEDIUM_GPU
 from kvroute.events.load import CostCoefficients
 from kvroute.events.replica_api import SamplingParams
-from kvroute.kernels import AttentionMetadata
+from kvroute.kernels import AttentionMetadata, select_backend
 
 from ..core.outputs import RequestFailure, SampledToken
 from ..core.scheduler_types import SchedulerOutput
@@ -137,7 +137,11 @@ class ModelRunner:
         self.model_impl = "kvroute" if use_own else "transformers"
         self.decoder = self.model.get_decoder()
         self.rope_spans = self._per_sequence_rope(cfg)
-        self.paged_decoder = PagedDecoder(self.model) if use_own else None
+        # The kernels, chosen once (the only read of KVROUTE_KERNELS_BACKEND and
+        # KVROUTE_CPU_*_KERNEL): no step looks at the environment.
+        self.kernels = select_backend(self.device)
+        log.info("kernel backend: %r", self.kernels)
+        self.paged_decoder = PagedDecoder(self.model, self.kernels) if use_own else None
         self.decode_graphs: DecodeGraphs | None = None
         if use_own and self.device.type == "cuda":
             torch.cuda.empty_cache()  # the unfused weights' blocks back to the driver
@@ -254,7 +258,7 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             [blocks], [tokens], [tokens], self.block_size, device=self.device
         )
-        ctx = ForwardContext(self.kv_caches, meta)
+        ctx = ForwardContext(self.kv_caches, meta, self.kernels)
         token = FORWARD_CONTEXT.set(ctx)
         try:
             with torch.inference_mode():
@@ -443,7 +447,7 @@ class ModelRunner:
                 return hidden
         if self.paged_decoder is not None:
             return self.paged_decoder(ids, pos, self.kv_caches, meta, lora)
-        token = FORWARD_CONTEXT.set(ForwardContext(self.kv_caches, meta))
+        token = FORWARD_CONTEXT.set(ForwardContext(self.kv_caches, meta, self.kernels))
         try:
             return self.decoder(
                 input_ids=ids[None], position_ids=pos[None], use_cache=False

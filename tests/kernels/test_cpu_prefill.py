@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from kvroute.kernels import cpu, reference
+from kvroute.kernels import KernelBackend, cpu, reference, select_backend
 
 from .batches import dense_attention, make_batch, tolerance
 
@@ -23,11 +23,12 @@ pytestmark = pytest.mark.skipif(
 SPECS = [(0, 2), (0, 7), (0, 8), (0, 9), (0, 33), (0, 64), (31, 9), (32, 8), (33, 40), (5, 1)]
 
 
-def _run(batch) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _run(batch, backend: KernelBackend | None = None) -> torch.Tensor:  # type: ignore[no-untyped-def]
     reference.store_kv(
         batch.new_keys, batch.new_values, batch.k_cache, batch.v_cache, batch.slot_mapping
     )
-    return cpu.paged_attention(batch.query, batch.k_cache, batch.v_cache, **batch.kwargs())
+    attend = cpu.paged_attention if backend is None else backend.paged_attention
+    return attend(batch.query, batch.k_cache, batch.v_cache, **batch.kwargs())
 
 
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
@@ -76,7 +77,7 @@ def test_prefills_take_the_kernel_and_the_switch_turns_it_off(
     fast = _run(batch)
     assert entered == []
     monkeypatch.setenv("KVROUTE_CPU_PREFILL_KERNEL", "0")
-    slow = _run(batch)
+    slow = _run(batch, select_backend("cpu"))
     assert entered == [1]
     torch.testing.assert_close(fast, slow, **tolerance(torch.float32))
 

@@ -246,24 +246,29 @@ def test_backends_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_dispatch_rules(monkeypatch: pytest.MonkeyPatch) -> None:
-    """CUDA tensors go to Triton when it is usable, CPU tensors to the CPU path; the env var
-    forces either side."""
+    """CUDA goes to Triton when it is usable, the CPU to the CPU path; the env var forces
+    either side (read by select_backend, once)."""
     import types
 
-    import kvroute.kernels as kernels
+    from kvroute.kernels import backends
 
     fake_triton = types.ModuleType("fake_triton")
-    cuda_tensor = types.SimpleNamespace(is_cuda=True)
-    monkeypatch.setattr(kernels, "_triton_module", lambda: fake_triton)
-    monkeypatch.delenv("KVROUTE_KERNELS_BACKEND", raising=False)
-    assert kernels._backend(cuda_tensor) is fake_triton
-    assert kernels._backend(torch.zeros(1)) is kernels.cpu
-    monkeypatch.setenv("KVROUTE_KERNELS_BACKEND", "torch")
-    assert kernels._backend(cuda_tensor) is ref
-    assert kernels._backend(torch.zeros(1)) is ref
-    monkeypatch.setattr(kernels, "_triton_module", lambda: None)
-    monkeypatch.delenv("KVROUTE_KERNELS_BACKEND")
-    assert kernels._backend(cuda_tensor) is ref  # silent fallback by default...
-    monkeypatch.setenv("KVROUTE_KERNELS_BACKEND", "triton")
+    fake_triton.store_kv = ref.store_kv  # type: ignore[attr-defined]
+    fake_triton.paged_attention = ref.paged_attention  # type: ignore[attr-defined]
+    monkeypatch.setattr(backends, "_triton_module", lambda: fake_triton)
+    chosen = backends.select_backend("cuda", {})
+    assert isinstance(chosen, backends.TritonBackend) and chosen.module is fake_triton
+    assert isinstance(backends.select_backend("cpu", {}), backends.CpuBackend)
+    torch_env = {"KVROUTE_KERNELS_BACKEND": "torch"}
+    assert isinstance(backends.select_backend("cuda", torch_env), backends.TorchBackend)
+    assert isinstance(backends.select_backend("cpu", torch_env), backends.TorchBackend)
+    monkeypatch.setattr(backends, "_triton_module", lambda: None)
+    # silent fallback by default...
+    assert isinstance(backends.select_backend("cuda", {}), backends.TorchBackend)
     with pytest.raises(RuntimeError, match="not usable"):  # ...an error when asked for
-        kernels._backend(cuda_tensor)
+        backends.select_backend("cuda", {"KVROUTE_KERNELS_BACKEND": "triton"})
+    # triton asked for on a CPU: the CPU path, as before
+    cpu_triton = backends.select_backend("cpu", {"KVROUTE_KERNELS_BACKEND": "triton"})
+    assert isinstance(cpu_triton, backends.CpuBackend)
+    with pytest.raises(ValueError, match="KVROUTE_KERNELS_BACKEND"):
+        backends.select_backend("cpu", {"KVROUTE_KERNELS_BACKEND": "cuda"})
