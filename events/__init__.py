@@ -12,6 +12,8 @@ Both sides must agree on these, byte for byte:
 - :mod:`.bounds` -- request bounds, checked by the front door and the engine alike
 - :mod:`.replica_api` -- requests, deltas, sampling parameters, replica info, errors
 - :mod:`.dataplane_wire` -- the data plane's frame kinds, messages and intervals
+- :mod:`.kv_transfer` -- KV between replicas: a handoff's lease, its source, the transfer
+  plane's messages
 
 Transport -- :mod:`.transport`: the ZeroMQ publisher and subscriber of the event stream,
 the data plane's socket options, and their threading aids. The data plane's two ends (a

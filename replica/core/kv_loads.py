@@ -42,6 +42,8 @@ from .kv_cache_manager import KVCacheManager
 from .request import Request
 
 if TYPE_CHECKING:
+    from kvroute.events.kv_transfer import KVSource
+
     from ..kv_tiers.tiers import KVTiers, LoadJob
 
 # A load waited for in its own step may lengthen that step by at most this fraction: the
@@ -86,26 +88,41 @@ class KVLoads:
 
     def start(self, req: Request, hit: list[KVCacheBlock], *, alone: bool) -> bool:
         """Starts loading the lower-tier run of blocks after ``req``'s device hit (``req``
-        is at the front of the queue), when there is one and room for it. True: the request
-        left the queue, or it is back at its front with the blocks landed (a short load, or
-        any load when ``alone``: nothing else is in this step)."""
+        is at the front of the queue), when there is one and room for it; a request with a
+        ``kv_source`` (its prompt computed on another replica) pulls from there what its own
+        tiers lack. True: the request left the queue, or it is back at its front with the
+        blocks landed (a short load, or any load when ``alone``: nothing else is in this
+        step)."""
+        source, req.kv_source = req.kv_source, None  # one pull per request, at most
         kv = self.kv
         if req.kv_load_tried or req.skip_reading_prefix_cache or not kv.enable_caching:
-            return False
+            return self._unused(source)
         hashes = kv.block_hashes(req)
         max_blocks = max(req.num_tokens - 1, 0) // self.block_size
         tiers = self.tiers
         media = tiers.lookup(hashes, len(hit), max_blocks)
-        if not media:
-            return False
+        num_remote = 0
+        if source is not None:
+            num_remote = max(min(source.num_blocks, max_blocks) - len(hit) - len(media), 0)
+        num_load = len(media) + num_remote
+        if not num_load:
+            return self._unused(source)
         pool = kv.block_pool
         evictable = sum(1 for b in hit if b.ref_cnt == 0)
-        if len(media) + 1 > pool.get_num_free_blocks() - evictable:
-            return False  # no room now: it computes them (never waits on a load)
+        if num_load + 1 > pool.get_num_free_blocks() - evictable:
+            return self._unused(source)  # no room now: it computes them (never waits)
         req.kv_load_tried = True
-        job = tiers.prepare(req.request_id, hashes[len(hit) : len(hit) + len(media)])
+        job = tiers.prepare(
+            req.request_id,
+            hashes[len(hit) : len(hit) + num_load],
+            start=len(hit),
+            num_remote=num_remote,
+            source=source,
+        )
+        if source is not None and not num_remote:
+            tiers.release_remote(source)  # its own tiers hold all it needs
         pool.touch(hit)  # the device prefix stays while the rest loads
-        new = pool.get_new_blocks(len(media))
+        new = pool.get_new_blocks(num_load)
         self.waiting.popleft()
         self.loading[req.request_id] = (req, [*hit, *new])
         tiers.start(job, [b.block_id for b in new])
@@ -116,6 +133,17 @@ class KVLoads:
             self.num_inline += 1
             self.land()
         return True
+
+    def _unused(self, source: KVSource | None) -> bool:
+        """A request that loads nothing: its source's lease, if it had one, is freed."""
+        if source is not None:
+            self.tiers.release_remote(source)
+        return False
+
+    def drop_source(self, req: Request) -> None:
+        """``req`` ended before it could pull (aborted while waiting): free its lease."""
+        source, req.kv_source = req.kv_source, None
+        self._unused(source)
 
     def estimate(self, job: LoadJob) -> float:
         """Seconds the load should take: its bytes over each tier's measured bandwidth

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvroute.events.kv_transfer import KVHandoff
 from kvroute.events.replica_api import GenerateDelta
 
 if TYPE_CHECKING:
@@ -18,7 +19,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None: running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "handoff"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[dict[int, float]] | None = None  # per token: {token_id: logprob, ...}
     error: str | None = None  # with finish_reason "error": what failed, one line
@@ -45,6 +46,9 @@ class RequestOutput:
     # When asked: entry i is prompt token i's ``{token id: logprob}`` given the tokens
     # before it, the top alternatives included; None for the first token (as vLLM's).
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # With finish_reason "handoff": the lease on its prompt blocks, for the replica that
+    # decodes it (events.kv_transfer).
+    kv_handoff: KVHandoff | None = None
 
 
 # What a step hands back for one request: a RequestOutput (offline, asyncio callers) or, for

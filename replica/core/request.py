@@ -12,6 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvroute.events.kv_transfer import KVSource
 from kvroute.events.replica_api import SamplingParams
 
 
@@ -25,6 +26,9 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_ERROR = enum.auto()  # this request's own data failed a stage; others run on
+    # Its prompt done here, its decode goes on on another replica (a P/D handoff): its
+    # prompt blocks are leased to that replica (:mod:`..kv_transfer.leases`).
+    FINISHED_HANDOFF = enum.auto()
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -37,6 +41,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
+    RequestStatus.FINISHED_HANDOFF: "handoff",
 }
 
 
@@ -60,8 +65,13 @@ class Request:
         arrival_time: float | None = None,
         output_token_ids: Sequence[int] = (),
         tenant: str | None = None,
+        kv_handoff: bool = False,
+        kv_source: KVSource | None = None,
     ) -> None:
-        """``output_token_ids``: tokens generated elsewhere before (a failover's resume).
+        """``kv_handoff``: ends after its first token here (``FINISHED_HANDOFF``), its
+        prompt blocks leased for the replica that decodes it. ``kv_source``: its prompt was
+        computed on another replica, which holds the blocks for it to pull.
+        ``output_token_ids``: tokens generated elsewhere before (a failover's resume).
         ``tenant``: whose request it is; the scheduler takes tenants in turn. ``lora_name``:
         its LoRA adapter (None: the base model), from the folder ``lora_path``."""
         if not prompt_token_ids:
@@ -83,6 +93,8 @@ class Request:
         # per admission: a preemption clears it).
         self.tier_cached_tokens: dict[str, int] = {}
         self.kv_load_tried = False
+        self.kv_handoff = kv_handoff
+        self.kv_source = kv_source  # cleared once its pull starts, or is given up
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None  # the stop token id or stop string

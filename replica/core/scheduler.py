@@ -60,6 +60,7 @@ from .scheduler_types import (
 
 if TYPE_CHECKING:
     from ..kv_tiers.tiers import KVTiers
+    from ..kv_transfer.leases import Lease, Leases
 
 log = logging.getLogger(__name__)
 _NO_LOADS: Mapping[str, Any] = MappingProxyType({})
@@ -105,6 +106,12 @@ class Scheduler(DecodeRuns):
         # Lower KV tiers (kv_loads): a waiting request whose prefix goes on there has it
         # loaded first, out of the queue and holding its blocks, until the load lands.
         self.kv_loads: KVLoads | None = None
+        # P/D: the prompt blocks of handed-off requests, held for the replicas decoding them.
+        self.leases: Leases | None = None
+
+    def use_leases(self, leases: Leases) -> None:
+        """Requests with ``kv_handoff`` end after their first token, their blocks leased."""
+        self.leases = leases
 
     def use_tiers(self, tiers: KVTiers) -> None:
         """Loads prefixes found in these lower KV tiers instead of recomputing them."""
@@ -164,6 +171,8 @@ class Scheduler(DecodeRuns):
     def _finish(self, req: Request, status: RequestStatus) -> None:
         """Bookkeeping for a request already taken out of ``waiting``/``running``."""
         req.status = status
+        if req.kv_source is not None and self.kv_loads is not None:
+            self.kv_loads.drop_source(req)  # ended before its pull: its lease goes now
         self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
         self.finished_req_ids.add(req.request_id)
@@ -173,6 +182,8 @@ class Scheduler(DecodeRuns):
     def schedule(self) -> SchedulerOutput:
         if self.kv_loads is not None:
             self.kv_loads.poll()  # landed loads and failed disk writes, on this thread
+        if self.leases is not None:
+            self.leases.poll()  # released and expired leases give their blocks back
         partial = self._partial_prefills()
         shares = self._prefill_shares(partial)
         scheduled, preempted = self._schedule(shares, partial)
@@ -222,6 +233,8 @@ class Scheduler(DecodeRuns):
                 i += 1
                 continue
             while kv.allocate_slots(req, num_new) is None:
+                if self.leases is not None and self.leases.revoke_oldest():
+                    continue  # a lease goes before a running request is preempted
                 victim = self.running.pop()  # the newest; req itself when it is the last
                 self._preempt(victim)
                 preempted.append(victim)
@@ -241,7 +254,7 @@ class Scheduler(DecodeRuns):
             loras = self._running_loras() if cfg.max_loras else None
             held: list[Request] = []  # passed over for their adapter; back in front after
             while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
-                if kv.get_num_free_blocks() == 0 and self.running:
+                if kv.get_num_free_blocks() == 0 and self.running and not self.leases:
                     break  # admission always needs a new block (a hit stops before the end)
                 req = self.waiting.peek()
                 if loras is not None and not self._lora_admits(req, loras):
@@ -264,6 +277,8 @@ class Scheduler(DecodeRuns):
                     skipped += 1
                     continue
                 if kv.allocate_slots(req, num_new, num_hit, hit_blocks) is None:
+                    if self.leases is not None and self.leases.revoke_oldest():
+                        continue  # a lease's blocks are free again: its puller recomputes
                     if self.loading:  # KV loads hold blocks: they land soon and free them
                         break
                     if not self.running:  # should not happen given max_model_len; if it
@@ -451,6 +466,22 @@ class Scheduler(DecodeRuns):
             changed.append(req)
         return changed
 
+    def hand_off(self, req: Request) -> Lease | None:
+        """Ends a running ``kv_handoff`` request after its first token: its computed full
+        prompt blocks are leased (None: it has none) before its own hold is released, so
+        they stay cached for the replica that pulls them."""
+        kv = self.kv_cache_manager
+        lease = None
+        if self.leases is None:
+            raise RuntimeError("hand_off needs leases (kv_transfer)")
+        num_full = min(req.num_computed_tokens, req.num_prompt_tokens) // self.block_size
+        num_full = min(num_full, kv.num_cached_block.get(req.request_id, 0))
+        if num_full:
+            lease = self.leases.grant(req.request_id, kv.req_to_blocks[req.request_id][:num_full])
+        self.running.remove(req)
+        self._finish(req, RequestStatus.FINISHED_HANDOFF)
+        return lease
+
     def _check_stop(self, req: Request) -> RequestStatus | None:
         """Token-level stops; a stop token wins over length when both apply."""
         sp, output_ids = req.sampling_params, req.output_token_ids
@@ -504,6 +535,7 @@ class Scheduler(DecodeRuns):
             "prefix_cache_hits": kv.prefix_cache_hits,
             "num_preemptions": self.num_preemptions,
             "num_loading_kv": len(self.loading),  # waiting for blocks from a lower KV tier
+            "num_leased_blocks": self.leases.num_blocks if self.leases is not None else 0,
         }
 
 

@@ -13,6 +13,7 @@ import msgspec
 
 from kvroute.events import DEFAULT_SEED
 from kvroute.events.hashing import HashForm
+from kvroute.events.kv_transfer import DEFAULT_LEASE_S
 
 from ..core.kv_cache_manager import KVCacheManager
 from ..model.cost_model import sim_profile
@@ -20,6 +21,7 @@ from ..model.models import resolve_model
 
 if TYPE_CHECKING:  # torch: a cost-model replica never imports it
     from ..kv_tiers.tiers import KVTiers
+    from ..kv_transfer.fetcher import KVLink
 
 
 @dataclass
@@ -76,21 +78,32 @@ class EngineConfig:
     # does not answer within kv_disk_read_timeout_s is recomputed (replica/kv_tiers/disk_reads.py).
     kv_disk_encrypt: bool = True
     kv_disk_read_timeout_s: float = 2.0
+    # KV between replicas (replica/kv_transfer/): a request with kv_handoff ends after its first
+    # token, its prompt blocks leased for kv_lease_s to the replica that decodes it; one with
+    # a kv_source pulls them from there. replica_id: who this engine is to other replicas
+    # (None: a random id).
+    kv_transfer: bool = False
+    kv_lease_s: float = DEFAULT_LEASE_S
+    replica_id: str | None = None
 
     @property
     def lora_enabled(self) -> bool:
         return self.enable_lora or bool(self.lora_modules)
 
 
-def build_kv_tiers(config: EngineConfig, runner: Any, kv: KVCacheManager) -> KVTiers | None:
+def build_kv_tiers(
+    config: EngineConfig, runner: Any, kv: KVCacheManager, link: KVLink | None = None
+) -> KVTiers | None:
     """The host/disk tiers under the device pool, when asked for and there is a KV cache
-    to copy (a cost-model replica has none)."""
-    if not (config.kv_host_bytes or config.kv_disk_path):
+    to copy (a cost-model replica has none); with kv_transfer, the tiers' loader also lands
+    the blocks pulled over ``link`` from other replicas."""
+    if not (config.kv_host_bytes or config.kv_disk_path or config.kv_transfer):
         return None
+    what = "kv_transfer" if config.kv_transfer else "kv_host_bytes / kv_disk_path"
     if not hasattr(runner, "kv_caches"):
-        raise ValueError("kv_host_bytes / kv_disk_path need a model; this replica is a cost model")
+        raise ValueError(f"{what} need a model; this replica is a cost model")
     if not config.enable_prefix_caching:
-        raise ValueError("kv_host_bytes / kv_disk_path need prefix caching")
+        raise ValueError(f"{what} need prefix caching")
     from ..kv_tiers.tiers import KVTiers
 
     tiers = KVTiers(
@@ -100,6 +113,7 @@ def build_kv_tiers(config: EngineConfig, runner: Any, kv: KVCacheManager) -> KVT
         disk_bytes=config.kv_disk_bytes,
         disk_encrypt=config.kv_disk_encrypt,
         disk_read_timeout_s=config.kv_disk_read_timeout_s,
+        link=link if config.kv_transfer else None,
     )
     tiers.attach(kv.block_pool)
     return tiers

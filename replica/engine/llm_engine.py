@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,7 @@ import msgspec
 
 from kvroute.events import BlockHasher, HashConfig, KVCacheEvent, regime_salt
 from kvroute.events.bounds import check_prompt_token_ids, check_text
+from kvroute.events.kv_transfer import KVHandoff, KVSource
 from kvroute.events.load import CostCoefficients
 from kvroute.events.replica_api import GenerateDelta, Resume, SamplingParams
 
@@ -42,6 +44,8 @@ from ..model.cost_model import attention_weight, fair_share_floor, sim_profile
 from .config import EngineConfig, build_kv_tiers, build_runner, eos_token_ids
 
 if TYPE_CHECKING:  # torch: a cost-model replica never imports it
+    from ..kv_transfer.fetcher import KVLink
+    from ..kv_transfer.sender import KVSender
     from ..model.lora_adapter import AdapterSpec
     from ..model.lora_store import LoRAStore
 
@@ -59,6 +63,7 @@ class _RequestState:
         "deltas",
         "detok",
         "detokenizes",
+        "handoff",
         "logprobs",
         "prompt",
         "request",
@@ -81,6 +86,7 @@ class _RequestState:
         self.deltas = deltas  # outputs are GenerateDelta (see LLMEngine.add_request)
         self.sent_tokens = request.num_output_tokens  # a resumed request's are sent already
         self.resumed_chars = 0  # text of those tokens the client already has
+        self.handoff: KVHandoff | None = None  # set when it ends with "handoff"
         self.logprobs: list[dict[int, float]] | None = (
             [{} for _ in range(self.sent_tokens)]
             if request.sampling_params.logprobs is not None
@@ -91,7 +97,14 @@ class _RequestState:
 class LLMEngine:
     """One replica's engine: requests in, token deltas and KV events out."""
 
-    def __init__(self, config: EngineConfig, event_sinks: Sequence[EventSink] = ()) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        event_sinks: Sequence[EventSink] = (),
+        kv_link: KVLink | None = None,
+    ) -> None:
+        """``kv_link``: how this engine reaches other replicas' leased blocks (kv_transfer;
+        None: it pulls none)."""
         profile = sim_profile(config.model)
         if profile is not None:  # fill the batch limits with the modelled engine's own
             config = dataclasses.replace(
@@ -115,7 +128,7 @@ class LLMEngine:
             hash_form=config.hash_form,
             medium=self.runner.medium,
         )
-        self.kv_tiers = build_kv_tiers(config, self.runner, self.kv_cache_manager)
+        self.kv_tiers = build_kv_tiers(config, self.runner, self.kv_cache_manager, kv_link)
         rope = getattr(self.runner, "rope_spans", None)  # a longrope model (rope_spans)
         # Prompts longer than this are of the long rotary regime, their blocks salted apart
         # (:func:`~kvroute.events.hashing.regime_salt`); None: no switch.
@@ -168,6 +181,15 @@ class LLMEngine:
         )
         if self.kv_tiers is not None:
             self.scheduler.use_tiers(self.kv_tiers)
+        self.kv_sender: KVSender | None = None
+        if config.kv_transfer:
+            from ..kv_transfer.leases import Leases
+            from ..kv_transfer.sender import BlockReader, KVSender
+
+            leases = Leases(self.kv_cache_manager.block_pool, config.kv_lease_s)
+            self.scheduler.use_leases(leases)
+            replica_id = config.replica_id or f"engine-{os.urandom(6).hex()}"
+            self.kv_sender = KVSender(leases, BlockReader(self.runner.kv_caches), replica_id)
         self.event_sinks: list[EventSink] = list(event_sinks)
         self.eos_token_id, self.extra_eos_token_ids = eos_token_ids(path, self.tokenizer)
         # Structured outputs compile against the tokenizer, for the logits' width; a cost
@@ -236,6 +258,8 @@ class LLMEngine:
         resume: Resume | None = None,
         tenant: str | None = None,
         deltas: bool = False,
+        kv_handoff: bool = False,
+        kv_source: KVSource | None = None,
     ) -> Request:
         """Queues a request; raises ValueError (nothing queued) if it can never run.
 
@@ -245,9 +269,17 @@ class LLMEngine:
         (None: the group of requests without one). ``deltas``: its outputs are the data
         plane's :class:`GenerateDelta` (what the step added), not :class:`RequestOutput`: a
         replica sends only increments, so nothing cumulative is copied per token for it.
+        ``kv_handoff``: prefill here, decode elsewhere: it ends after its first token with
+        ``finish_reason="handoff"`` and a :class:`KVHandoff` (unless that token ended it).
+        ``kv_source``: the replica whose lease holds its prompt blocks (with ``resume``,
+        the first token generated there): it pulls what it does not hold.
         """
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if kv_handoff and self.kv_sender is None:
+            raise ValueError("kv_handoff needs a replica with kv_transfer")
+        if kv_source is not None and (self.kv_tiers is None or self.kv_tiers.remote is None):
+            raise ValueError("kv_source needs a replica with kv_transfer and a link to pull over")
         params = params or SamplingParams()
         if self.extra_eos_token_ids and not params.ignore_eos:
             # generation_config.json may name several EOS tokens (chat models often do).
@@ -293,6 +325,8 @@ class LLMEngine:
             arrival_time=arrival_time,
             output_token_ids=prior,
             tenant=tenant,
+            kv_handoff=kv_handoff,
+            kv_source=kv_source,
         )
         if params.structured_outputs is not None:
             if self.structured is None:
@@ -401,6 +435,8 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     def reset_prefix_cache(self) -> bool:
+        if self.scheduler.leases is not None:
+            self.scheduler.leases.clear()  # leased blocks would keep the reset from happening
         ok = self.kv_cache_manager.reset_prefix_cache()
         self._publish_events()
         return ok
@@ -516,14 +552,31 @@ class LLMEngine:
                     req.status = RequestStatus.FINISHED_STOPPED  # the string wins (vLLM)
                 else:
                     self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+        if req.kv_handoff and not req.is_finished:  # its first token: decode goes elsewhere
+            state.handoff = self._hand_off(req)
         out = self._output(state, new_ids, delta)
         if req.is_finished:
             self._forget(req.request_id)
         return out
 
+    def _hand_off(self, req: Request) -> KVHandoff:
+        """Ends ``req`` here with its prompt blocks leased (see :meth:`Scheduler.hand_off`)."""
+        sender = self.kv_sender
+        assert sender is not None
+        lease = self.scheduler.hand_off(req)
+        return KVHandoff(
+            replica_id=sender.replica_id,
+            endpoint=sender.endpoint,
+            lease=lease.lease_id if lease is not None else b"",
+            num_blocks=len(lease.blocks) if lease is not None else 0,
+            expires_in_s=self.config.kv_lease_s,
+        )
+
     def _output(self, state: _RequestState, new_ids: list[int], delta: str) -> EngineOutput:
         req = state.request
-        finished = req.is_finished
+        # A handoff is no end of the text: held-back text (a stop string's possible start)
+        # stays held, and the replica that goes on sends it, or the whole text at its end.
+        finished = req.is_finished and state.handoff is None
         text = ""
         if state.detokenizes:
             if finished:
@@ -535,8 +588,13 @@ class LLMEngine:
             delta = text[state.resumed_chars :]  # a resumed request's client has the rest
         logprobs, stop_reason = state.logprobs, req.stop_reason
         if state.deltas:
-            return step_delta(req, new_ids, delta, logprobs, stop_reason)
-        return request_output(req, state.prompt, text, new_ids, delta, logprobs, stop_reason)
+            out = step_delta(req, new_ids, delta, logprobs, stop_reason)
+            if state.handoff is not None:
+                out.kv_handoff = state.handoff
+            return out
+        out = request_output(req, state.prompt, text, new_ids, delta, logprobs, stop_reason)
+        out.kv_handoff = state.handoff
+        return out
 
     def _forget(self, request_id: str) -> None:
         self._states.pop(request_id, None)
@@ -557,6 +615,12 @@ class LLMEngine:
         runner_stats = getattr(self.runner, "stats", None)
         if runner_stats is not None:
             s.update(runner_stats())
+        if self.kv_sender is not None:
+            s.update({f"kv_send_{k}": v for k, v in self.kv_sender.stats.items()})
+            leases = self.kv_sender.leases
+            s.update({f"kv_leases_{k}": v for k, v in leases.stats.items()})
+        if self.kv_tiers is not None and self.kv_tiers.remote is not None:
+            s.update({f"kv_pull_{k}": v for k, v in self.kv_tiers.remote.stats.items()})
         if self.kv_tiers is not None:
             t = self.kv_tiers
             s.update({f"kv_tier_{k}": v for k, v in t.counters().items()})

@@ -74,6 +74,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvroute.events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored, to_external
+from kvroute.events.kv_transfer import MEDIUM_REMOTE, KVSource
 from kvroute.events.load import DISK_NONE, DISK_OFF, DISK_OK, DISK_UNRESPONSIVE
 
 from .disk import DiskStore, checksum
@@ -83,6 +84,7 @@ from .tier_costs import measure_tiers
 
 if TYPE_CHECKING:
     from ..core.block_pool import BlockPool
+    from ..kv_transfer.fetcher import KVLink
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +125,9 @@ class LoadJob:
     hashes: list[bytes]
     host_entries: list[HostEntry | None]
     after: torch.cuda.Event | None = None  # CUDA: the step's stream when the load started
-    fetched: list[bytearray | None] = field(default_factory=list)  # disk blocks, as read
+    fetched: list[bytearray | None] = field(default_factory=list)  # disk/remote blocks, as read
+    start: int = 0  # the chain position of hashes[0] (of block_ids[0])
+    source: KVSource | None = None  # where its REMOTE blocks (a suffix) are pulled from
     num_ok: int = 0  # leading blocks copied and verified
     failed: bytes | None = None  # the hash that stopped the load, if one did
     seconds: float = 0.0
@@ -144,6 +148,7 @@ class KVTiers:
         disk_encrypt: bool = True,
         disk_read_timeout_s: float = READ_DEADLINE_S,
         measure: bool = True,
+        link: KVLink | None = None,
     ) -> None:
         if host_bytes < 0 or disk_bytes < 0:
             raise ValueError("kv_host_bytes and kv_disk_bytes must be >= 0")
@@ -168,6 +173,11 @@ class KVTiers:
             self._fetcher = DiskFetcher(self.disk, self.disk_reads, self.block_bytes, self._hand)
         self.disk_meta: OrderedDict[bytes, BlockMeta] = OrderedDict()
         self.device_meta: dict[bytes, BlockMeta] = {}
+        self.remote: RemoteFetcher | None = None
+        if link is not None:  # blocks pulled from other replicas (kv_transfer)
+            from ..kv_transfer.fetcher import RemoteFetcher
+
+            self.remote = RemoteFetcher(link, self.block_bytes, self._hand)
         self.pool: BlockPool | None = None  # set by attach
         self.stats = {
             "offloaded": 0,
@@ -203,6 +213,8 @@ class KVTiers:
         lora_name: str | None,
     ) -> None:
         """Blocks just cached on the device: remembers what their events would say."""
+        if not self.host_capacity and self.disk is None:
+            return  # no lower tier to evict them to (remote loads only)
         meta = self.device_meta
         for i, h in enumerate(hashes):
             toks = tuple(int(t) for t in token_ids[i * block_size : (i + 1) * block_size])
@@ -262,12 +274,22 @@ class KVTiers:
                 break
         return out
 
-    def prepare(self, request_id: str, hashes: Sequence[bytes]) -> LoadJob:
-        """A load of ``hashes`` (all found by :meth:`lookup`), their host copies taken now:
-        the device blocks it needs are allocated next, and the evictions that makes may
-        push these very blocks down a tier. Each is touched (most recently used)."""
+    def prepare(
+        self,
+        request_id: str,
+        hashes: Sequence[bytes],
+        start: int = 0,
+        num_remote: int = 0,
+        source: KVSource | None = None,
+    ) -> LoadJob:
+        """A load of ``hashes`` (chain positions ``start`` on; all but the last
+        ``num_remote`` found by :meth:`lookup`, those pulled from ``source``), their host
+        copies taken now: the device blocks it needs are allocated next, and the evictions
+        that makes may push these very blocks down a tier. Each is touched (most recently
+        used)."""
         media, entries = [], []
-        for h in hashes:
+        num_local = len(hashes) - num_remote
+        for h in hashes[:num_local]:
             entry = self.host.get(h)
             if entry is not None:
                 self.host.move_to_end(h)
@@ -277,7 +299,11 @@ class KVTiers:
                 self.disk.touch(h)  # type: ignore[union-attr]
                 media.append(MEDIUM_STORAGE)
             entries.append(entry)
-        return LoadJob(request_id, [], media, list(hashes), entries)
+        media += [MEDIUM_REMOTE] * num_remote
+        entries += [None] * num_remote
+        job = LoadJob(request_id, [], media, list(hashes), entries, start=start)
+        job.source = source if num_remote else None
+        return job
 
     def start(self, job: LoadJob, block_ids: Sequence[int]) -> None:
         """Hands a prepared job to the loader thread, into these (held) device blocks."""
@@ -287,13 +313,22 @@ class KVTiers:
             job.after.record()
         job.fetched = [None] * len(job.hashes)
         if self._fetcher is not None and MEDIUM_STORAGE in job.media:
-            self._fetcher.submit(job)  # its disk blocks first, then the loader
+            self._fetcher.submit(job)  # its disk blocks first, then its remote ones
         else:
-            self._jobs.put(job)
+            self._hand(job)
 
     def _hand(self, job: LoadJob) -> None:
-        """(the disk fetcher) A job whose disk blocks were read, on to the loader."""
+        """A job whose disk blocks were read (by the disk fetcher, if it had any): its
+        remote blocks are pulled next, if it has any, then on to the loader."""
+        if job.source is not None and self.remote is not None:
+            self.remote.submit(job)  # hands it back here, its source cleared
+            return
         self._jobs.put(job)
+
+    def release_remote(self, source: KVSource) -> None:
+        """A request with a source that will not pull from it: its lease is freed."""
+        if self.remote is not None:
+            self.remote.release(source)
 
     def poll(self) -> None:
         """Announces the disk writes that failed since the last call (engine thread, each
@@ -382,6 +417,8 @@ class KVTiers:
         self._jobs.put(None)
         if self._fetcher is not None:
             self._fetcher.close()
+        if self.remote is not None:
+            self.remote.close()
         if self.disk is not None:
             self.disk.close()
 
@@ -490,6 +527,8 @@ class KVTiers:
                     job.failed = h
                     break
                 self._copy_in(job.block_ids[i], data)
+                if job.fetched:  # copied (on CUDA into pinned memory first): the disk
+                    job.fetched[i] = None  # fetcher's buffer goes back for reuse
                 job.num_ok = i + 1
         if stream is not None:
             stream.synchronize()  # the blocks are in before the job says so

@@ -28,6 +28,7 @@ CONTRACT = [
     "hashing",
     "load",
     "replica_api",
+    "kv_transfer",
     "translate",
     "wire",
 ]

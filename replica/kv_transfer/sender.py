@@ -1,0 +1,134 @@
+"""The source's side of a pull: leased blocks read out of the KV cache, each with its
+checksum, for whoever holds the lease.
+
+:class:`KVSender` is the transport-free core: it checks a pull against the lease, copies
+each block's bytes (every layer's K and V, in the tiers' layout: :class:`BlockReader`) and
+hands them to a sink with their xxh3-64. The transfer plane serves it over ZeroMQ
+(:mod:`.plane`); :class:`LocalLink` calls it in process (two engines in one process: tests,
+and the simulator's exactness checks).
+
+Why reading off the engine thread is safe: see :mod:`.leases` (a leased block is never
+rewritten; a lease being read is never ended). On CUDA the copy runs on this thread's own
+stream and is waited for before its checksum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kvroute.events.kv_transfer import PULL_FAILED, PULL_OK, KVSource
+
+from ..kv_tiers.disk import checksum
+from .leases import Leases
+
+# A sink takes (index in the pull, the block's bytes, their xxh3-64) and says whether to go
+# on. The bytes are valid only during the call (the reader reuses its buffer).
+BlockSink = Callable[[int, memoryview, int], bool]
+
+
+class BlockReader:
+    """Copies one block of every layer's K and V into one host buffer (reused)."""
+
+    def __init__(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.tensors = [t for kv in kv_caches for t in kv]
+        self.sizes = [t[0].numel() * t.element_size() for t in self.tensors]
+        self.block_bytes = sum(self.sizes)
+        device = self.tensors[0].device
+        self.cuda = device.type == "cuda"
+        self._stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def buffer(self) -> torch.Tensor:
+        """A host buffer for one block (pinned on CUDA): one per reading thread."""
+        return torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=self.cuda)
+
+    def read_into(self, block_id: int, out: torch.Tensor) -> None:
+        off = 0
+        if self._stream is not None:
+            with torch.cuda.stream(self._stream):
+                for t, n in zip(self.tensors, self.sizes, strict=True):
+                    out[off : off + n].copy_(t[block_id].reshape(-1).view(torch.uint8), True)
+                    off += n
+            self._stream.synchronize()
+            return
+        for t, n in zip(self.tensors, self.sizes, strict=True):
+            out[off : off + n].copy_(t[block_id].reshape(-1).view(torch.uint8))
+            off += n
+
+
+class KVSender:
+    """Serves pulls of one engine's leased blocks (any thread; one buffer per call)."""
+
+    def __init__(self, leases: Leases, reader: BlockReader, replica_id: str) -> None:
+        self.leases = leases
+        self.reader = reader
+        self.replica_id = replica_id
+        self.endpoint = ""  # set once a transfer plane serves it
+        self.stats = {"pulls": 0, "blocks_sent": 0, "bytes_sent": 0, "pulls_refused": 0}
+
+    def serve(
+        self, lease: bytes, start: int, hashes: Sequence[bytes], sink: BlockSink
+    ) -> tuple[int, str]:
+        """Sends the lease's blocks ``hashes`` (from position ``start``) to ``sink`` in
+        order; (blocks sent, why it ended: ``PULL_OK`` or a refusal's reason)."""
+        ids = self.leases.open(lease, start, hashes)
+        if isinstance(ids, str):
+            self.stats["pulls_refused"] += 1
+            return 0, ids
+        self.stats["pulls"] += 1
+        sent = 0
+        try:
+            buf = self.reader.buffer()
+            view = memoryview(buf.numpy())
+            for i, block_id in enumerate(ids):
+                try:
+                    self.reader.read_into(block_id, buf)
+                    digest = checksum(view)
+                except Exception:
+                    return sent, PULL_FAILED
+                if not sink(i, view, digest):
+                    break
+                sent += 1
+            self.stats["blocks_sent"] += sent
+            self.stats["bytes_sent"] += sent * self.reader.block_bytes
+            return sent, PULL_OK
+        finally:
+            self.leases.close(lease)
+
+    def keep(self, lease: bytes, extend_s: float) -> bool:
+        return self.leases.keep(lease, extend_s)
+
+    def done(self, lease: bytes) -> None:
+        self.leases.release(lease)
+
+
+class LocalLink:
+    """A link to senders in this process, by replica id: the puller's side of a pull
+    without a socket (see :class:`~.fetcher.KVLink`)."""
+
+    def __init__(self, senders: dict[str, KVSender] | None = None) -> None:
+        self.senders: dict[str, KVSender] = dict(senders or {})
+
+    def pull(
+        self,
+        source: KVSource,
+        start: int,
+        hashes: Sequence[bytes],
+        sink: BlockSink,
+        deadline_s: float,
+    ) -> tuple[int, str]:
+        sender = self.senders.get(source.replica_id)
+        if sender is None:
+            return 0, "unreachable"
+        return sender.serve(source.lease, start, hashes, sink)
+
+    def keep(self, source: KVSource, extend_s: float) -> None:
+        sender = self.senders.get(source.replica_id)
+        if sender is not None:
+            sender.keep(source.lease, extend_s)
+
+    def done(self, source: KVSource) -> None:
+        sender = self.senders.get(source.replica_id)
+        if sender is not None:
+            sender.done(source.lease)
