@@ -12,7 +12,7 @@ imports neither torch, transformers nor ray: only msgspec.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -51,6 +51,7 @@ __all__ = [
     "SEED_MIN",
     "TOKEN_ID_MAX",
     "BoundsError",
+    "DeltaCounts",
     "GenerateDelta",
     "GenerateRequest",
     "InvalidRequestError",
@@ -65,6 +66,7 @@ __all__ = [
     "check_text",
     "delta_error",
     "merge_deltas",
+    "next_delta",
 ]
 
 
@@ -290,6 +292,36 @@ class GenerateDelta(msgspec.Struct, kw_only=True, array_like=True):
     # memory, "STORAGE": local disk); the rest were device hits. None: none were. Last, for
     # the same reason as the field above.
     num_tier_cached_tokens: dict[str, int] | None = None
+
+
+class DeltaCounts(Protocol):
+    """A request relayed from another engine's stream (a vLLM replica's ``AsyncLLM``, a
+    fronted ``vllm serve``), as :func:`next_delta` counts it."""
+
+    request_id: str
+    num_prompt: int
+    num_output: int  # generated so far, resumed tokens included
+    pending_text: str  # a resumed request's text the client has not had yet
+
+
+def next_delta(
+    req: DeltaCounts, ids: list[int], text: str, reason: str | None, error: str | None = None
+) -> GenerateDelta:
+    """The request's next GenerateDelta: ``ids`` counted into ``req.num_output``, the text
+    held back (``req.pending_text``) first; a ``reason`` finishes it."""
+    req.num_output += len(ids)
+    if req.pending_text:
+        text, req.pending_text = req.pending_text + text, ""
+    return GenerateDelta(
+        request_id=req.request_id,
+        delta_token_ids=ids,
+        delta_text=text,
+        finished=reason is not None,
+        finish_reason=reason,
+        error=error,
+        num_prompt_tokens=req.num_prompt,
+        num_output_tokens=req.num_output,
+    )
 
 
 def merge_deltas(first: GenerateDelta, then: GenerateDelta) -> GenerateDelta:

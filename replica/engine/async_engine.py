@@ -37,7 +37,7 @@ from kvroute.events.transport.threads import name_native_thread
 
 from ..core.outputs import EngineOutput, RequestOutput
 from .llm_engine import EngineConfig, EventSink, LLMEngine
-from .replica_engine import EngineDeadError, EngineFacts, OutputSink
+from .replica_engine import EngineDeadError, EngineFacts, OutputSink, ReplicaEngine, Submission
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "OutputSink"]
 
@@ -69,18 +69,6 @@ class _QueueSink:
 
 
 @dataclass(slots=True)
-class _Add:
-    request_id: str
-    prompt: str | Sequence[int]
-    params: SamplingParams
-    cache_salt: str | None
-    lora_name: str | None
-    resume: Resume | None
-    tenant: str | None
-    sink: OutputSink
-
-
-@dataclass(slots=True)
 class _Abort:
     request_id: str
 
@@ -99,13 +87,13 @@ class _Call:
     loop: asyncio.AbstractEventLoop
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(ReplicaEngine):
     """Thread-hosted :class:`LLMEngine` with an async streaming ``generate``; a replica's
     :class:`~.replica_engine.ReplicaEngine` (``llm_engine`` is the engine it hosts)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.llm_engine = engine
-        self._commands: queue.SimpleQueue[_Add | _Abort | _AbortSink | _Call | None] = (
+        self._commands: queue.SimpleQueue[Submission | _Abort | _AbortSink | _Call | None] = (
             queue.SimpleQueue()
         )
         self._sinks: dict[str, OutputSink] = {}
@@ -126,7 +114,7 @@ class AsyncLLMEngine:
         self.load: LoadReport = engine.scheduler.load_report()
         # Requests whose new structured-output constraint compiles on a worker thread first
         # (see submit); an abort meanwhile drops them there.
-        self._compiling: dict[str, _Add] = {}
+        self._compiling: dict[str, Submission] = {}
         self._compiling_lock = threading.Lock()
         self._compile_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._thread = threading.Thread(target=self._run, name="kvr-engine", daemon=True)
@@ -273,23 +261,10 @@ class AsyncLLMEngine:
             if not finished:
                 self._commands.put(_Abort(rid))
 
-    def submit(
-        self,
-        request_id: str,
-        prompt: str | Sequence[int],
-        params: SamplingParams,
-        sink: OutputSink,
-        *,
-        cache_salt: str | None = None,
-        lora_name: str | None = None,
-        resume: Resume | None = None,
-        tenant: str | None = None,
-    ) -> None:
-        """Queues a request from any thread; its outputs (or the error that refuses or ends
-        it) go to ``sink``. Never blocks, except on a failed or stopping engine (below)."""
-        if self._refused_dead(request_id, sink):
+    def _queue(self, add: Submission) -> None:
+        if self._refused_dead(add.request_id, add.sink):
             return
-        add = _Add(request_id, prompt, params, cache_salt, lora_name, resume, tenant, sink)
+        request_id, params = add.request_id, add.params
         so, compiler = params.structured_outputs, self.llm_engine.structured
         if so is not None and compiler is not None and not compiler.is_compiled(so):
             with self._compiling_lock:
@@ -315,7 +290,7 @@ class AsyncLLMEngine:
         sink.flush()
         return True
 
-    def _compile_then_add(self, add: _Add) -> None:
+    def _compile_then_add(self, add: Submission) -> None:
         """Compiles the request's constraint off the engine thread, then queues it (unless
         it was aborted meanwhile). A constraint that does not compile is queued all the
         same: the engine refuses it with the compiler's reason, as for any bad request."""
@@ -464,7 +439,7 @@ class AsyncLLMEngine:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(cmd, _Add):
+            if isinstance(cmd, Submission):
                 cmd.sink.deliver(cmd.request_id, err)
                 self._touched.add(cmd.sink)
             elif isinstance(cmd, _Call):

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
     from ..core.outputs import EngineOutput
 
-__all__ = ["EngineDeadError", "EngineFacts", "OutputSink", "ReplicaEngine"]
+__all__ = ["EngineDeadError", "EngineFacts", "OutputSink", "ReplicaEngine", "Submission"]
 
 
 class EngineDeadError(RuntimeError):
@@ -82,8 +82,23 @@ class EngineFacts:
     long_prompt_after: int | None = None  # see ReplicaInfo.long_prompt_after
 
 
+@dataclass(slots=True)
+class Submission:
+    """One request as :meth:`ReplicaEngine.submit` takes it, for the engine to queue."""
+
+    request_id: str
+    prompt: str | Sequence[int]
+    params: SamplingParams
+    cache_salt: str | None
+    lora_name: str | None
+    resume: Resume | None
+    tenant: str | None
+    sink: OutputSink
+
+
 class ReplicaEngine(Protocol):
-    """A started engine, as a replica drives it (see the module docstring)."""
+    """A started engine, as a replica drives it (see the module docstring). An engine
+    subclasses it for ``submit``, and queues each request in its own ``_queue``."""
 
     # The scheduler's load as of its latest step or intake: a new object on every change.
     load: LoadReport
@@ -110,8 +125,16 @@ class ReplicaEngine(Protocol):
         resume: Resume | None = None,
         tenant: str | None = None,
     ) -> None:
-        """Queues a request; its outputs (or the error that refuses or ends it) go to
-        ``sink``. A dead or stopped engine refuses it at once with :class:`EngineDeadError`."""
+        """Queues a request from any thread; its outputs (or the error that refuses or ends
+        it) go to ``sink``. Never blocks, except on a failed or stopping engine: that refuses
+        it at once with :class:`EngineDeadError` (once its own thread has failed its
+        requests and flushed their sinks)."""
+        self._queue(
+            Submission(request_id, prompt, params, cache_salt, lora_name, resume, tenant, sink)
+        )
+
+    def _queue(self, sub: Submission) -> None:
+        """``submit``'s work, the engine's own: it queues (or refuses) the request."""
         ...
 
     def abort(self, request_id: str) -> None:

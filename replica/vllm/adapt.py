@@ -20,6 +20,7 @@ from kvroute.events.replica_api import (
     GenerateDelta,
     SamplingParams,
     StructuredOutputs,
+    next_delta,
 )
 from kvroute.events.translate import from_vllm_hash_algo
 
@@ -240,7 +241,7 @@ def from_vllm_output(live: LiveRequest, out: Any) -> GenerateDelta:
     if out.finished:
         raw = c.finish_reason if c is not None else "abort"
         reason = _FINISH.get(str(raw), "stop")  # vLLM's "repetition" ends it as a stop
-    delta = make_delta(live, ids, c.text if c is not None else "", out.finished, reason)
+    delta = next_delta(live, ids, c.text if c is not None else "", reason)
     delta.num_cached_tokens = min(out.num_cached_tokens or 0, live.num_prompt)
     if out.finished and c is not None:
         delta.stop_reason = c.stop_reason
@@ -252,23 +253,6 @@ def from_vllm_output(live: LiveRequest, out: Any) -> GenerateDelta:
             for d in out.prompt_logprobs
         ]
     return delta
-
-
-def make_delta(
-    live: LiveRequest, ids: list[int], text: str, finished: bool, reason: str | None
-) -> GenerateDelta:
-    live.num_output += len(ids)
-    if live.pending_text:
-        text, live.pending_text = live.pending_text + text, ""
-    return GenerateDelta(
-        request_id=live.request_id,
-        delta_token_ids=ids,
-        delta_text=text,
-        finished=finished,
-        finish_reason=reason,
-        num_prompt_tokens=live.num_prompt,
-        num_output_tokens=live.num_output,
-    )
 
 
 def idle_load(total: int) -> LoadReport:

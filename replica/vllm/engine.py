@@ -46,10 +46,16 @@ from pathlib import Path
 from typing import Any
 
 from kvroute.events.load import CostCoefficients, LoadReport
-from kvroute.events.replica_api import GenerateDelta, Resume, SamplingParams
+from kvroute.events.replica_api import GenerateDelta, Resume, SamplingParams, next_delta
 from kvroute.events.transport.threads import name_native_thread
 
-from ..engine.replica_engine import EngineDeadError, EngineFacts, OutputSink
+from ..engine.replica_engine import (
+    EngineDeadError,
+    EngineFacts,
+    OutputSink,
+    ReplicaEngine,
+    Submission,
+)
 from .adapt import (
     HASH_ALGO,
     VLLM_DEFAULT_SEED,
@@ -60,7 +66,6 @@ from .adapt import (
     estimate_load,
     from_vllm_output,
     idle_load,
-    make_delta,
     prepare_environment,
     reported_hash_algo,
     to_vllm_sampling,
@@ -77,7 +82,7 @@ IDLE_POLL_S = 0.5  # and this often while none do (engine death is noticed here 
 LOAD_CALL_TIMEOUT_S = 5.0  # a load poll unanswered this long (a dead engine core) is skipped
 
 
-class VllmEngine:
+class VllmEngine(ReplicaEngine):
     """``AsyncLLM`` on a loop of its own thread: a replica's
     :class:`~.replica_engine.ReplicaEngine`."""
 
@@ -112,20 +117,9 @@ class VllmEngine:
     def errored(self) -> bool:
         return self.error is not None
 
-    def submit(
-        self,
-        request_id: str,
-        prompt: str | Sequence[int],
-        params: SamplingParams,
-        sink: OutputSink,
-        *,
-        cache_salt: str | None = None,
-        lora_name: str | None = None,
-        resume: Resume | None = None,
-        tenant: str | None = None,
-    ) -> None:
-        """Queues a request; its deltas (or the error that ends it) go to ``sink``.
-        ``tenant`` is not used: vLLM's scheduler has no per-tenant turns."""
+    def _queue(self, sub: Submission) -> None:
+        """``tenant`` is not used: vLLM's scheduler has no per-tenant turns."""
+        request_id, sink = sub.request_id, sub.sink
         if self.error is not None or self._stopped:
             # The loop may still be failing its requests and flushing their sinks, this one
             # among them: a sink is filled and flushed by one thread at a time.
@@ -135,7 +129,7 @@ class VllmEngine:
             sink.deliver(request_id, EngineDeadError(why))
             sink.flush()
             return
-        args = (request_id, prompt, params, sink, cache_salt, resume, lora_name)
+        args = (request_id, sub.prompt, sub.params, sink, sub.cache_salt, sub.resume, sub.lora_name)
         self._loop.call_soon_threadsafe(self._start_request, *args)
 
     def abort(self, request_id: str) -> None:
@@ -407,7 +401,7 @@ class VllmEngine:
         try:
             sampling = to_vllm_sampling(params, live.num_output)
             if sampling is None:  # a resume that already reached max_tokens
-                self._finish(live, make_delta(live, [], "", True, "length"))
+                self._finish(live, next_delta(live, [], "", "length"))
                 return
             prompt: dict[str, Any] = {"prompt_token_ids": tokens}
             if salt:
@@ -422,7 +416,7 @@ class VllmEngine:
                 self._deliver(live, delta)
         except asyncio.CancelledError:  # abort(): vLLM has aborted it in generate()
             if self._live.get(rid) is live:
-                self._finish(live, make_delta(live, [], "", True, "abort"))
+                self._finish(live, next_delta(live, [], "", "abort"))
         except VllmDeadError as exc:
             self._died(exc)
         except Exception as exc:  # vLLM refused it (too long, bad parameters): a 4xx
@@ -431,7 +425,7 @@ class VllmEngine:
                 self._deliver_to(live.sink, rid, ValueError(f"request rejected: {exc}"))
         else:  # generate() ended without a finished output (it does not): end it anyway
             if self._live.get(rid) is live:
-                self._finish(live, make_delta(live, [], "", True, "abort"))
+                self._finish(live, next_delta(live, [], "", "abort"))
         finally:
             if self.llm.errored and self.error is None and not self._stopped:
                 self._died(self.llm.dead_error)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -50,12 +49,11 @@ from kvroute.events.replica_api import (
     GenerateRequest,
     ReplicaDeadError,
     ReplicaLostError,
+    next_delta,
 )
 
-from ..fleet.replica_connection import InFlightRequest, fail_flights
+from ..fleet.replica_connection import InFlightRequest, ReplicaConnectionBase
 from .wire import BackendPool, ConnectFailedError, StreamBrokenError
-
-log = logging.getLogger(__name__)
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
 TOKEN_ID_PREFIX = "token_id:"  # vLLM's logprob token names with return_tokens_as_token_ids
@@ -141,7 +139,7 @@ class ChunkReader:
             self.finished = True
             held, self._held = self._held, None
             if held is None:  # ended with no finish reason: say so rather than hang
-                return self._delta([], "", "error", error="the backend ended the stream early")
+                return next_delta(self, [], "", "error", error="the backend ended the stream early")
             return held
         try:
             chunk = _decode_chunk(data)
@@ -151,7 +149,7 @@ class ChunkReader:
             self.finished = True
             self._held = None
             err = chunk.error
-            delta = self._delta([], "", "error", error=err.message or "backend error")
+            delta = next_delta(self, [], "", "error", error=err.message or "backend error")
             if str(err.code).isdigit() and 400 <= int(str(err.code)) < 500:
                 delta.failure = "invalid"  # vLLM refused it (e.g. a token out of vocabulary)
             return delta
@@ -170,7 +168,7 @@ class ChunkReader:
         reason = None
         if c.finish_reason is not None:
             reason = _FINISH.get(c.finish_reason, "stop")  # "repetition" ends as a stop
-        delta = self._delta(ids, c.text, reason)
+        delta = next_delta(self, ids, c.text, reason)
         if c.logprobs is not None and c.logprobs.top_logprobs is not None:
             delta.logprobs = [_logprob_ids(d or {}) for d in c.logprobs.top_logprobs]
         if reason is None:
@@ -178,23 +176,6 @@ class ChunkReader:
         delta.stop_reason = c.stop_reason
         self._held = delta
         return None
-
-    def _delta(
-        self, ids: list[int], text: str, reason: str | None, error: str | None = None
-    ) -> GenerateDelta:
-        self.num_output += len(ids)
-        if self.pending_text:
-            text, self.pending_text = self.pending_text + text, ""
-        return GenerateDelta(
-            request_id=self.request_id,
-            delta_token_ids=ids,
-            delta_text=text,
-            finished=reason is not None,
-            finish_reason=reason,
-            error=error,
-            num_prompt_tokens=self.num_prompt,
-            num_output_tokens=self.num_output,
-        )
 
 
 def _logprob_ids(top: dict[str, float]) -> dict[int, float]:
@@ -303,8 +284,11 @@ def completion_body(req: GenerateRequest, model: str) -> dict[str, Any] | None:
 _conn_ids = itertools.count()
 
 
-class HttpReplicaConnection:
-    """One ``vllm serve`` as a replica connection; used from one event loop only."""
+class HttpReplicaConnection(ReplicaConnectionBase):
+    """One ``vllm serve`` as a replica connection; used from one event loop only. Lost
+    (:meth:`~ReplicaConnectionBase.mark_lost`), it closes every stream."""
+
+    lost_noun = "backend"
 
     def __init__(
         self,
@@ -349,12 +333,12 @@ class HttpReplicaConnection:
         elif req.sampling.structured_outputs and req.resume and req.resume.output_token_ids:
             why = "a structured output cannot be resumed on a fronted vllm serve"
         if why is not None:
-            delta = reader._delta([], "", "error", error=why)
+            delta = next_delta(reader, [], "", "error", error=why)
             delta.failure = "invalid"
             flight.put(delta)
             return flight
         if body is None:  # a resume that already made max_tokens: it ends here
-            flight.put(reader._delta([], "", "length"))
+            flight.put(next_delta(reader, [], "", "length"))
             return flight
         self.flights[req.request_id] = flight
         task = self._loop.create_task(self._run(body, reader, flight))
@@ -439,18 +423,6 @@ class HttpReplicaConnection:
     def check_silence(self, now: float) -> None:
         """Nothing to check: an HTTP stream has no heartbeat, and a request waiting in
         vLLM's queue streams nothing. A hung backend is the monitor's (its /metrics)."""
-
-    def mark_lost(self, why: str, notify: bool = True) -> None:
-        """The backend is gone: every flight fails (the youngest marked as the possible
-        cause, as :meth:`ReplicaConnection.mark_lost`), every stream is closed."""
-        if self.lost is not None:
-            return
-        self.lost = why
-        n = fail_flights(self.flights, self.replica_id, why)
-        log.warning("backend %s lost (%s); %d request(s) in flight", self.replica_id, why, n)
-        self.close()
-        if notify:
-            self.on_lost(self.replica_id, why)
 
     def close(self) -> None:
         """Closes every stream and connection."""

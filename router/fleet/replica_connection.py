@@ -121,10 +121,40 @@ def fail_flights(flights: dict[str, InFlightRequest], replica_id: str, why: str)
     return len(lost)
 
 
+class ReplicaConnectionBase:
+    """What every kind of replica connection (this module's, and
+    :class:`~kvroute.router.backends.connection.HttpReplicaConnection`) shares: how it is
+    lost. A subclass sets these attributes and closes its own transport in ``close``."""
+
+    replica_id: str
+    lost: str | None  # why, once lost
+    flights: dict[str, InFlightRequest]
+    on_lost: Callable[[str, str], None]
+    lost_noun = "replica"  # what the log line calls it
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def mark_lost(self, why: str, notify: bool = True) -> None:
+        """The replica is gone: every flight fails (one marked as the possible cause), the
+        connection is closed; ``notify``: call ``on_lost`` (not when the front door itself
+        drops the replica)."""
+        if self.lost is not None:
+            return
+        self.lost = why
+        n = fail_flights(self.flights, self.replica_id, why)
+        logging.getLogger(type(self).__module__).warning(
+            "%s %s lost (%s); %d request(s) in flight", self.lost_noun, self.replica_id, why, n
+        )
+        self.close()
+        if notify:
+            self.on_lost(self.replica_id, why)
+
+
 _connection_ids = itertools.count()
 
 
-class ReplicaConnection:
+class ReplicaConnection(ReplicaConnectionBase):
     """One DEALER to one replica's data plane; used from one event loop only."""
 
     def __init__(
@@ -207,18 +237,6 @@ class ReplicaConnection:
         """Lost when nothing (not even a heartbeat) came for ``SILENCE_TIMEOUT_S``."""
         if self.lost is None and now - self.last_heard > dp.SILENCE_TIMEOUT_S:
             self.mark_lost(f"silent for {now - self.last_heard:.1f} s")
-
-    def mark_lost(self, why: str, notify: bool = True) -> None:
-        """The replica is gone: every flight fails (one marked as the possible cause);
-        ``notify``: call ``on_lost`` (not when the front door itself drops the replica)."""
-        if self.lost is not None:
-            return
-        self.lost = why
-        n = fail_flights(self.flights, self.replica_id, why)
-        log.warning("replica %s lost (%s); %d request(s) in flight", self.replica_id, why, n)
-        self.close()
-        if notify:
-            self.on_lost(self.replica_id, why)
 
     def close(self) -> None:
         for sock in (self._sock, self._monitor):
