@@ -224,6 +224,7 @@ def build_app(
         admission_timeout_s=args.admission_timeout,
         find_replicas=None if getattr(args, "backend", None) else find_replicas,
         admission_for=admission_for,
+        pd_split=getattr(args, "pd_split", "priced"),
     )
     tenants = Tenants(spec, resolve_fleet_secret(args.fleet_secret), front_door_metrics_key(args))
     return create_app(

@@ -68,6 +68,14 @@ def add_front_door_arguments(p: argparse.ArgumentParser) -> None:
         "kv_tier_blind, lora_affinity, kv:lora_blind)",
     )
     p.add_argument(
+        "--pd-split",
+        choices=("priced", "always"),
+        default="priced",
+        help="with prefill and decode replicas: split a request only where the price says "
+        "it pays (priced, the default), or every request that can be (always, as vLLM's P/D "
+        "proxies do)",
+    )
+    p.add_argument(
         "--served-model-name",
         default=None,
         help="the model's name in the API (default: --model as given)",

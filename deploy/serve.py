@@ -50,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         _say(str(exc))
         return 2
+    if why := _pd_roles(args):
+        _say(why)
+        return 2
     if args.replicas is not None and args.replicas < 1:
         _say("--replicas must be >= 1")
         return 2
@@ -256,6 +259,8 @@ def _start_replicas(args: argparse.Namespace, n: int, num_gpus: float, events_ho
         if args.runtime_env:
             extra["runtime_env"] = args.runtime_env
         own = dict(config)
+        if getattr(args, "roles", None):
+            own["role"] = args.roles[i]
         if args.engine != "vllm" and args.kv_disk_path:  # a folder each: wiped at its start
             own["kv_disk_path"] = os.path.join(args.kv_disk_path, f"r{i}")
         actors.append(
@@ -283,10 +288,32 @@ def _start_replicas(args: argparse.Namespace, n: int, num_gpus: float, events_ho
             raise StartupError(f"a replica failed to start: {root_cause(str(exc))}") from exc
         infos[refs[done[0]]] = info
         _say(
-            f"replica {info.replica_id} ready on {info.node_ip} ({info.num_blocks} KV blocks, "
+            f"replica {info.replica_id}{'' if info.role == 'both' else f' ({info.role})'} ready "
+            f"on {info.node_ip} ({info.num_blocks} KV blocks, "
             f"max_model_len {info.max_model_len}) after {time.monotonic() - t0:.0f} s"
         )
     return [(a, infos[a]) for a in actors]
+
+
+def _pd_roles(args: argparse.Namespace) -> str | None:
+    """``--prefill-replicas``/``--decode-replicas``: each replica's role (``args.roles``,
+    prefill ones first) and their total in ``args.replicas``; or why the flags are wrong."""
+    p, d = getattr(args, "prefill_replicas", 0) or 0, getattr(args, "decode_replicas", 0) or 0
+    args.roles = None
+    if not (p or d):
+        return None
+    if p < 1 or d < 1:
+        return "--prefill-replicas and --decode-replicas go together, each >= 1"
+    if args.engine == "vllm":
+        return "--prefill-replicas/--decode-replicas: kvroute's engine only (vLLM's P/D: not yet)"
+    if args.max_replicas is not None:
+        return "--prefill-replicas/--decode-replicas do not autoscale yet: drop --max-replicas"
+    if args.model.startswith("sim:"):
+        return "--prefill-replicas/--decode-replicas need a model (KV moves between them)"
+    both = args.replicas or 0
+    args.roles = ["prefill"] * p + ["decode"] * d + ["both"] * both
+    args.replicas = p + d + both
+    return None
 
 
 def engine_config(args: argparse.Namespace) -> dict[str, Any]:

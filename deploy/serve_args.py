@@ -57,6 +57,22 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--replicas", type=int, default=None, help="default: 2 locally, one per GPU on a cluster"
     )
+    serve.add_argument(
+        "--prefill-replicas",
+        type=int,
+        default=0,
+        metavar="N",
+        help="P/D: N replicas that compute prompts and hand each request's decode to a "
+        "--decode-replicas one, with the prompt's KV (docs/disaggregation.md); --replicas "
+        "then adds whole-request replicas beside them (default: none)",
+    )
+    serve.add_argument(
+        "--decode-replicas",
+        type=int,
+        default=0,
+        metavar="M",
+        help="P/D: M replicas that decode requests handed off by the prefill replicas",
+    )
     serve.add_argument("--address", default=None, help="Ray cluster address (e.g. auto)")
     serve.add_argument(
         "--num-cpus-per-replica",

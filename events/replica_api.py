@@ -35,6 +35,7 @@ from .bounds import (  # the shared request bounds, part of this contract
     check_text,
 )
 from .hashing import HashConfig
+from .kv_transfer import KVHandoff, KVSource
 from .load import CostCoefficients
 
 __all__ = [
@@ -145,6 +146,12 @@ class ReplicaInfo(msgspec.Struct, kw_only=True, frozen=True):
     # Draining (``kvroute scale`` retires it): routers send it nothing new, and what runs
     # there ends before the actor does.
     draining: bool = False
+    # P/D (events.kv_transfer): "prefill" replicas compute prompts and hand their decode
+    # off, "decode" replicas take handed-off requests, "both" do whole requests (and either
+    # part). kv_transfer_endpoint: where other replicas pull its leased blocks (None: it
+    # serves none).
+    role: str = "both"
+    kv_transfer_endpoint: str | None = None
 
     @property
     def hash_config(self) -> HashConfig:
@@ -258,6 +265,10 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     resume: Resume | None = None  # a failover: continue from these outputs
     tenant: str | None = None  # whose request: the engine's queue takes tenants in turn
     lora_name: str | None = None  # the replica's LoRA adapter to serve it with (None: base)
+    # P/D (events.kv_transfer): prefill here and end after the first token with a lease on
+    # the prompt's blocks (``kv_handoff``); or pull the prompt's blocks from ``kv_source``.
+    kv_handoff: bool = False
+    kv_source: KVSource | None = None
 
 
 class GenerateDelta(msgspec.Struct, kw_only=True, array_like=True):
@@ -269,7 +280,7 @@ class GenerateDelta(msgspec.Struct, kw_only=True, array_like=True):
     delta_token_ids: list[int]
     delta_text: str = ""
     finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "handoff"
     stop_reason: int | str | None = None  # the stop token id or string that ended it
     error: str | None = None  # with "error": the request's own stage that failed, one line
     num_prompt_tokens: int = 0
@@ -292,6 +303,9 @@ class GenerateDelta(msgspec.Struct, kw_only=True, array_like=True):
     # memory, "STORAGE": local disk); the rest were device hits. None: none were. Last, for
     # the same reason as the field above.
     num_tier_cached_tokens: dict[str, int] | None = None
+    # With finish_reason "handoff" (a ``kv_handoff`` request): the lease on its prompt
+    # blocks, for the replica that decodes it. Last, as above.
+    kv_handoff: KVHandoff | None = None
 
 
 class DeltaCounts(Protocol):

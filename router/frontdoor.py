@@ -87,6 +87,7 @@ class FrontDoor:
         lora_shared: Any = None,
         find_replicas: Callable[[], Awaitable[dict[str, Any]]] | None = None,
         admission_for: Callable[[int], tuple[int | None, int | None, int]] | None = None,
+        pd_split: str = "priced",
     ) -> None:
         """Admission's limits: see :class:`Admission`; the intervals: see :class:`Fleet`.
         ``lora_adapters``: the fleet's adapters at start (name -> folder, as the replicas
@@ -99,7 +100,11 @@ class FrontDoor:
         name an adapter. ``find_replicas``: the replicas that exist now, by id, read every
         ``monitor_interval_s`` (replicas join and leave a running fleet: ``kvroute scale``);
         ``admission_for``: admission's limits (in flight, per tenant, queue) for a fleet of
-        n replicas, applied whenever n changes (None: the limits given stay)."""
+        n replicas, applied whenever n changes (None: the limits given stay). ``pd_split``:
+        with prefill and decode replicas, "priced" splits a request only where it pays,
+        "always" splits every request that can be (routing/disagg.py)."""
+        if pd_split not in ("priced", "always"):
+            raise ValueError(f"pd_split must be priced or always, got {pd_split!r}")
         self.counters: Counter[str] = Counter()  # requests, retries, failovers
         self.run_errors: Counter[str] = Counter()  # the runs' own (no replica, invalid)
         self.fleet = fleet = Fleet(
@@ -123,6 +128,7 @@ class FrontDoor:
             metrics=self.metrics,
             counters=self.counters,
             errors=self.run_errors,
+            pd_priced=pd_split == "priced",
         )
         fleet.on_removed.append(lambda rid: self.policy.on_replica_removed(rid))
         self.membership = Membership(fleet, find_replicas) if find_replicas else None

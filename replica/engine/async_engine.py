@@ -155,6 +155,8 @@ class AsyncLLMEngine(ReplicaEngine):
             vocab_size=engine.vocab_size,
             cost=engine.cost_coefficients(),
             long_prompt_after=engine.long_prompt_after,
+            role=engine.config.role,
+            kv_transfer_endpoint=engine.kv_sender.endpoint or None if engine.kv_sender else None,
         )
 
     async def stats(self) -> dict[str, Any]:
@@ -493,6 +495,8 @@ class AsyncLLMEngine(ReplicaEngine):
                     resume=cmd.resume,
                     tenant=cmd.tenant,
                     deltas=cmd.sink.deltas,
+                    kv_handoff=cmd.kv_handoff,
+                    kv_source=cmd.kv_source,
                 )
             except Exception as exc:  # a bad request fails alone
                 self._deliver(cmd.request_id, exc, last=True)

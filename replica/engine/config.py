@@ -85,6 +85,15 @@ class EngineConfig:
     kv_transfer: bool = False
     kv_lease_s: float = DEFAULT_LEASE_S
     replica_id: str | None = None
+    # Its P/D role (ReplicaInfo.role): "prefill", "decode" or "both"; any but "both" turns
+    # kv_transfer on (see __post_init__).
+    role: str = "both"
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode", "both"):
+            raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
+        if self.role != "both":
+            self.kv_transfer = True
 
     @property
     def lora_enabled(self) -> bool:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from kvroute.events.kv_transfer import KVSource
     from kvroute.events.load import CostCoefficients, LoadReport
     from kvroute.events.replica_api import Resume, SamplingParams
 
@@ -80,6 +81,8 @@ class EngineFacts:
     vocab_size: int
     cost: CostCoefficients
     long_prompt_after: int | None = None  # see ReplicaInfo.long_prompt_after
+    role: str = "both"  # see ReplicaInfo.role
+    kv_transfer_endpoint: str | None = None  # where its leased blocks are pulled (P/D)
 
 
 @dataclass(slots=True)
@@ -94,6 +97,8 @@ class Submission:
     resume: Resume | None
     tenant: str | None
     sink: OutputSink
+    kv_handoff: bool = False  # P/D: end after the first token, the prompt's blocks leased
+    kv_source: KVSource | None = None  # P/D: pull the prompt's blocks from there
 
 
 class ReplicaEngine(Protocol):
@@ -124,13 +129,26 @@ class ReplicaEngine(Protocol):
         lora_name: str | None = None,
         resume: Resume | None = None,
         tenant: str | None = None,
+        kv_handoff: bool = False,
+        kv_source: KVSource | None = None,
     ) -> None:
         """Queues a request from any thread; its outputs (or the error that refuses or ends
         it) go to ``sink``. Never blocks, except on a failed or stopping engine: that refuses
         it at once with :class:`EngineDeadError` (once its own thread has failed its
         requests and flushed their sinks)."""
         self._queue(
-            Submission(request_id, prompt, params, cache_salt, lora_name, resume, tenant, sink)
+            Submission(
+                request_id,
+                prompt,
+                params,
+                cache_salt,
+                lora_name,
+                resume,
+                tenant,
+                sink,
+                kv_handoff,
+                kv_source,
+            )
         )
 
     def _queue(self, sub: Submission) -> None:

@@ -125,6 +125,12 @@ class ReplicaServer:
             vocab_size=facts.vocab_size,
             cost=facts.cost,
             long_prompt_after=facts.long_prompt_after,
+            role=facts.role,
+            kv_transfer_endpoint=(
+                _advertise(facts.kv_transfer_endpoint, advertised)
+                if facts.kv_transfer_endpoint
+                else None
+            ),
             node_id=ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
         )
         threading.Thread(target=self._watch, name="kvroute-replica-watchdog", daemon=True).start()
@@ -402,6 +408,8 @@ def _start_kvroute(
     config = (
         engine_config if isinstance(engine_config, EngineConfig) else EngineConfig(**engine_config)
     )
+    if config.kv_transfer:  # other replicas know it by its id; its blocks are served on bind
+        config = dataclasses.replace(config, replica_id=replica_id)
     if torch_threads is not None and sim_profile(config.model) is None:
         import torch  # a cost-model replica never imports it
 

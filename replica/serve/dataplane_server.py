@@ -247,6 +247,8 @@ class DataPlaneServer:
             lora_name=req.lora_name,
             resume=req.resume,
             tenant=req.tenant,
+            kv_handoff=req.kv_handoff,
+            kv_source=req.kv_source,
         )
 
     def _send(self, client: bytes, kind: bytes, payload: bytes) -> None:

@@ -313,6 +313,8 @@ class FleetCollector(Collector):
                     c["retries"])  # fmt: skip
         yield count("failovers", "Streams continued on another replica mid-stream.",
                     c["failovers"])  # fmt: skip
+        yield count("pd_handoffs", "Requests prefilled on a prefill replica and continued on "
+                    "a decode replica (P/D).", c["handoffs"])  # fmt: skip
         errors = CounterMetricFamily(PREFIX + "errors", "Errors by kind.", labels=["kind"])
         for kind, n in sorted(self.errors().items()):
             errors.add_metric([kind], n)

@@ -366,6 +366,11 @@ class Fleet:
         if rep is not None:
             rep.routed += 1
 
+    def role(self, rid: str) -> str:
+        """The replica's P/D role ("prefill", "decode" or "both"; routing/disagg.py)."""
+        rep = self.replicas.get(rid)
+        return rep.info.role if rep is not None else "both"
+
     def vocab_size(self) -> int | None:
         """The fleet's smallest vocabulary (None: no replica says): a token id past it
         would fail on some replica."""

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
+from kvroute.events.kv_transfer import KVSource
 from kvroute.events.replica_api import (
     GenerateDelta,
     GenerateRequest,
@@ -52,6 +53,7 @@ from kvroute.events.replica_api import (
     delta_error,
 )
 
+from ..routing.disagg import plan
 from ..routing.policy import NoReplicaError, Policy, RequestView
 from .quarantine import Quarantine, fingerprint, not_caused_by
 
@@ -79,6 +81,8 @@ class Replicas(Protocol):
 
     def mark_routed(self, rid: str) -> None: ...
 
+    def role(self, rid: str) -> str: ...
+
 
 @dataclass(frozen=True, slots=True)
 class RunServices:
@@ -91,6 +95,7 @@ class RunServices:
     metrics: Metrics  # routing decisions, inter-token latency
     counters: Counter[str]  # requests, retries, failovers
     errors: Counter[str]  # no_replica, invalid_request
+    pd_priced: bool = True  # P/D: split only where it pays (routing/disagg.py); else always
 
     def route(self, view: RequestView, candidates: list[str], now: float) -> str:
         """The policy's choice, counted in /metrics with its reason."""
@@ -127,6 +132,8 @@ class RequestRun:
         self.first: GenerateDelta | None = None
         self._tried: set[str] = set()
         self._resends = 0
+        self._sends = 0  # sends so far: each after the first has an id of its own
+        self._source: KVSource | None = None  # the lease a handed-off request pulls from
         self._conn: ReplicaConnection | None = None
         self._flight: InFlightRequest | None = None
         self._output_ids: list[int] = []  # streamed so far: what a failover resumes from
@@ -162,18 +169,34 @@ class RequestRun:
                 f"No replica that holds the LoRA adapter `{lora[:100]}` is available; "
                 "retry later.", "lora_adapter_unavailable", "model",
             )  # fmt: skip
-        rid = s.route(self.view, candidates, time.monotonic())
+        # P/D (routing/disagg.py): its prefill on a prefill replica, which hands off after
+        # the first token; then the rest on a replica that decodes, pulling the prompt's KV.
+        now = time.monotonic()
+        part = plan(
+            self.request,
+            candidates,
+            s.replicas.role,
+            decoding=bool(self._output_ids),
+            view=self.view,
+            policy=s.policy if s.pd_priced else None,
+            now=now,
+        )
+        rid = s.route(self.view, part.candidates, now)
         self._tried.add(rid)
         req = self.request
-        if self._resends:  # a fresh id: the old replica may still know the old one
+        self._sends += 1
+        if self._sends > 1:  # a fresh id: the old replica may still know the old one
             resume = None
             if self._output_ids:
                 resume = Resume(
                     output_token_ids=list(self._output_ids), sent_chars=self._sent_chars
                 )
             req = msgspec.structs.replace(
-                req, request_id=f"{req.request_id}-{self._resends}", resume=resume
+                req, request_id=f"{req.request_id}-{self._sends - 1}", resume=resume
             )
+        if part.handoff or self._source is not None:
+            req = msgspec.structs.replace(req, kv_handoff=part.handoff, kv_source=self._source)
+            self._source = None  # one pull per lease
         self.replica = rid
         self._awaiting_first = True
         self._conn = s.replicas.connection(rid)
@@ -222,8 +245,25 @@ class RequestRun:
                 self._flight = None
                 self.services.errors["invalid_request"] += 1
                 raise
+            if delta.finish_reason == "handoff":
+                return self._hand_off(delta)
             self._record_delta(delta)
             return delta
+
+    def _hand_off(self, delta: GenerateDelta) -> GenerateDelta:
+        """The prefill replica made the first token and leased the prompt's blocks: the
+        client gets the token as any, and the request goes on on a decode replica."""
+        handoff = delta.kv_handoff
+        plain = msgspec.structs.replace(delta, finished=False, finish_reason=None, kv_handoff=None)
+        self._record_delta(plain)
+        s = self.services
+        s.counters["handoffs"] += 1
+        s.policy.on_finished(self.request_id, time.monotonic(), self.num_output_tokens)
+        if handoff is not None and handoff.num_blocks:
+            self._source = KVSource.of(handoff)
+        self._conn = self._flight = None
+        self._send()
+        return plain
 
     def stream_to(self, writer: Callable[[GenerateDelta], bool]) -> None:
         """From now on, a delta that arrives while :meth:`next` waits goes to ``writer`` at

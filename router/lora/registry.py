@@ -513,6 +513,9 @@ class HolderReplicas:
     def mark_routed(self, rid: str) -> None:
         self._fleet.mark_routed(rid)
 
+    def role(self, rid: str) -> str:
+        return self._fleet.role(rid)
+
 
 async def fleet_adapters(actors: Mapping[str, Any]) -> dict[str, str]:
     """The adapters the replicas hold at start (their ``--lora-modules``), as one map;

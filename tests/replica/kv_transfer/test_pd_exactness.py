@@ -152,7 +152,8 @@ def run_split(
     assert first.handoff is not None and len(first.token_ids) == 1
     resume = Resume(output_token_ids=first.token_ids, sent_chars=len(first.text))
     source = KVSource.of(first.handoff)
-    pair.d.add_request(f"{rid}-d", ids, params, resume=resume, kv_source=source, **(kw if d_kw is None else d_kw))
+    d_kw = kw if d_kw is None else d_kw
+    pair.d.add_request(f"{rid}-d", ids, params, resume=resume, kv_source=source, **d_kw)
     rest = drive(pair.d, f"{rid}-d")
     return first, rest
 
@@ -206,7 +207,7 @@ def test_prompt_of_whole_blocks(pair: Pair, unified: LLMEngine) -> None:
 def test_prefix_cached_on_prefill_side(pair: Pair, unified: LLMEngine) -> None:
     ids = prompt(120, 3)
     run_unified(pair.p, ids[:70], GREEDY)  # 4 blocks cached on P
-    first, rest = check_same(pair, unified, ids, GREEDY)
+    _, rest = check_same(pair, unified, ids, GREEDY)
     assert rest.remote_tokens == 7 * BS
 
 
@@ -214,7 +215,7 @@ def test_prefix_cached_on_decode_side_pulls_only_the_rest(pair: Pair, unified: L
     ids = prompt(120, 4)
     run_unified(pair.d, ids[:50], GREEDY)  # 3 blocks cached on D
     settle(pair)
-    first, rest = check_same(pair, unified, ids, GREEDY)
+    _, rest = check_same(pair, unified, ids, GREEDY)
     assert rest.remote_tokens == (7 - 3) * BS
 
 
@@ -224,7 +225,7 @@ def test_seeded_sampling(pair: Pair, unified: LLMEngine) -> None:
 
 def test_salted_tenants(pair: Pair, unified: LLMEngine) -> None:
     ids = prompt(80, 6)
-    first, rest = check_same(pair, unified, ids, GREEDY, cache_salt="tenant-a")
+    _, rest = check_same(pair, unified, ids, GREEDY, cache_salt="tenant-a")
     assert rest.remote_tokens == 5 * BS
 
 
@@ -299,7 +300,7 @@ def test_failed_transfer_recomputes_the_same_tokens(
     inner = remote.link
     remote.link = _Tamper(inner, bad_block)
     try:
-        first, rest = check_same(pair, unified, prompt(100, 11), GREEDY)
+        _, rest = check_same(pair, unified, prompt(100, 11), GREEDY)
     finally:
         remote.link = inner
     # corrupted: the blocks before the bad one were used; lost: none

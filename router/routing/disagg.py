@@ -1,0 +1,177 @@
+"""Disaggregated prefill and decode: whether a request splits, and where each part goes.
+
+A replica has a role (``ReplicaInfo.role``): ``prefill`` replicas compute prompts and hand
+the decode off with a lease on the prompt's blocks; ``decode`` replicas take a handed-off
+request and pull those blocks (:mod:`kvroute.events.kv_transfer`); ``both`` do whole
+requests, as every replica of a unified fleet does. A fleet of only ``both`` never splits.
+
+**Conditional, priced rather than thresholded.** The peers split by a fixed rule: llm-d
+when a prompt's uncached tokens reach ``nonCachedTokens``, Dynamo by an input-length
+bound. Here a splittable request (more than one token to generate, no prompt logprobs,
+not a failover's resume) splits only when splitting costs fewer seconds than running it
+whole on the best replica that decodes, in the policy's own seconds
+(:class:`~.policy.KVPolicy`, :func:`~.policy.price`), plus one term the unified price
+leaves out because there it is the same wherever the request goes:
+
+    stall_r(c) = D_r * max(c - k * headroom_r, 0)
+                               the D_r requests decoding on r each wait out the part of
+                               this prefill's c seconds of compute that its k chunks do
+                               not hide in their steps: a decode step is memory-bound
+                               on a GPU, so a chunk rides along for free up to
+                               headroom_r = memory_s - compute_s of r's decode step
+                               (0 on a CPU, compute-bound: every second stalls)
+
+    whole(r)   = price_r.total + stall_r(prefill_r)                   r decodes (not prefill)
+    split(p,d) = P(p) + xfer(p -> d) + Dside(d)                       p prefill, d decodes
+    P(p)       = price_p.total - price_p.decode + stall_p(prefill_p)  its prefill, no decode
+    xfer       = (nb - h_d / bs) * bs * kv_bytes_per_token / link + RTT
+    Dside(d)   = price_d.(wait + decode + evict + capacity)
+                 + prefill_s_d(tail) + stall_d(prefill_s_d(tail))     the tail it computes
+
+with ``nb`` the prompt's full blocks, ``h_d`` the decode replica's own hit (not pulled),
+``tail`` the prompt tokens past the last full block plus the first token, and ``link`` the
+decode replica's reported link bandwidth, else :data:`DEFAULT_LINK_BYTES_PER_S`. So a short
+or mostly cached prompt, an idle decode replica or a slow link keeps a request whole; a long
+prompt headed for a replica full of decoders splits. With a policy that does not price
+(a baseline), every splittable request splits, as vLLM's P/D proxies do.
+
+Which replica within a pool is the policy's choice, as for a whole request: the prefill
+part is routed among the prefill replicas, the decode part (after the handoff) among the
+replicas that decode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvroute.events.replica_api import GenerateRequest
+
+if TYPE_CHECKING:
+    from kvroute.events.load import CostCoefficients
+
+    from .policy import Policy, RequestView
+
+ROLE_PREFILL = "prefill"
+ROLE_DECODE = "decode"
+ROLE_BOTH = "both"
+ROLES = (ROLE_PREFILL, ROLE_DECODE, ROLE_BOTH)
+
+# A link whose speed the decode replica has not reported: 1 GB/s, loopback TCP's floor on
+# the 2-vCPU VM (benchmarks/bench_kv_transfer.py); never free.
+DEFAULT_LINK_BYTES_PER_S = 1e9
+# One round trip of the handoff: the pull's request and the decode request's send.
+HANDOFF_RTT_S = 1e-3
+
+
+def can_split(request: GenerateRequest) -> bool:
+    """Whether the request has a decode to hand off."""
+    sp = request.sampling
+    return sp.max_tokens > 1 and sp.prompt_logprobs is None and request.resume is None
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """One send of a request: the replicas it may go to, and whether it hands off."""
+
+    candidates: list[str]
+    handoff: bool
+
+
+def plan(
+    request: GenerateRequest,
+    candidates: Sequence[str],
+    role_of: Callable[[str], str],
+    *,
+    decoding: bool,
+    view: RequestView | None = None,
+    policy: Policy | None = None,
+    now: float = 0.0,
+) -> Part:
+    """The part of ``request`` to send now. ``decoding``: its first token was made (by a
+    prefill replica, or before a failover): it goes to a replica that decodes. ``view``,
+    ``policy``: price whether a splittable request splits (module docstring)."""
+    decoders = [c for c in candidates if role_of(c) != ROLE_PREFILL]
+    if decoding:
+        return Part(decoders or list(candidates), False)
+    prefill = [c for c in candidates if role_of(c) == ROLE_PREFILL]
+    if prefill and decoders and can_split(request):
+        if view is None or policy is None or split_pays(view, policy, prefill, decoders, now):
+            return Part(prefill, True)
+        return Part(decoders, False)
+    whole = [c for c in candidates if role_of(c) == ROLE_BOTH]
+    return Part(whole or decoders or list(candidates), False)
+
+
+def split_pays(
+    view: RequestView,
+    policy: Policy,
+    prefill: Sequence[str],
+    decoders: Sequence[str],
+    now: float,
+) -> bool:
+    """Whether the cheapest split costs fewer seconds than the cheapest whole run (module
+    docstring). True for a policy that does not price (no ``breakdown``)."""
+    breakdown = getattr(policy, "breakdown", None)
+    if breakdown is None:
+        return True
+    load = policy.load
+    parts = breakdown(view, [*prefill, *decoders], now)
+    n, bs = view.num_prompt_tokens, view.block_size
+    full = (n // bs) * bs
+    tail = n - full + 1
+
+    default = getattr(policy, "default_coefficients", None)
+
+    def stall(r: str, compute: float, tokens: int) -> float:
+        c = load.coefficients(r) or default
+        _, context, decoding, _, _, _ = load.get(r, now)
+        return stall_s(c, decoding, context, compute, tokens) if c is not None else 0.0
+
+    whole = min(parts[d].total + stall(d, parts[d].prefill, n) for d in decoders)
+    pside = min(parts[p].total - parts[p].decode + stall(p, parts[p].prefill, n) for p in prefill)
+    hits = _device_hits(view, policy, decoders, now)
+    best_split = float("inf")
+    for d in decoders:
+        c = load.coefficients(d) or default
+        if c is None:
+            return True
+        q = parts[d]
+        moved = max(full - hits.get(d, 0), 0)
+        link = DEFAULT_LINK_BYTES_PER_S
+        xfer = moved * c.kv_bytes_per_token / link + HANDOFF_RTT_S
+        dside = q.wait + q.decode + q.evict + q.capacity
+        tail_s = c.prefill_s(tail, n - tail + 1)
+        dside += tail_s + stall(d, tail_s, tail)
+        best_split = min(best_split, pside + xfer + dside)
+    return best_split < whole
+
+
+def stall_s(
+    c: CostCoefficients, decoding: int, context: int, compute_s: float, tokens: int
+) -> float:
+    """Seconds the ``decoding`` requests on a replica (``context`` tokens of KV) wait, all
+    told, for a prefill of ``compute_s`` seconds over ``tokens`` tokens: what its chunks
+    add to their steps past the step's own roofline (module docstring)."""
+    if decoding <= 0 or compute_s <= 0.0:
+        return 0.0
+    compute = decoding * c.prefill_s_per_token + context * c.attention_s_per_pair
+    memory = c.weights_read_s + context * c.kv_read_s_per_token
+    headroom = memory - compute if memory > compute else 0.0
+    chunks = -(-tokens // max(c.max_batched_tokens, 1))
+    extra = compute_s - chunks * headroom
+    return decoding * extra if extra > 0.0 else 0.0
+
+
+def _device_hits(
+    view: RequestView, policy: Policy, replicas: Sequence[str], now: float
+) -> dict[str, int]:
+    """Prompt tokens each replica holds in its device cache (a decode replica pulls only
+    the rest)."""
+    index = getattr(policy, "index", None)
+    cap = max(view.num_prompt_tokens - 1, 0) // view.block_size
+    if index is None or not cap or not view.reads_cache:
+        return {}
+    matched = index.match(list(view.block_hashes[:cap]), now)
+    return {r: matched.get(r, 0) * view.block_size for r in replicas}
