@@ -385,6 +385,8 @@ class AsyncLLMEngine(ReplicaEngine):
                     now = time.monotonic()
                     if ended or now - load_at >= LOAD_REFRESH_S:
                         self.load, load_at = scheduler.load_report(), now
+                elif scheduler.leases is not None:  # idle (no step): a lease released by
+                    scheduler.leases.poll()  # its puller, or expired, frees its blocks now
                 self._flush()
         except BaseException as exc:
             batch = engine.current_batch  # None: it failed before the batch was known

@@ -81,8 +81,11 @@ class EngineConfig:
     # KV between replicas (replica/kv_transfer/): a request with kv_handoff ends after its first
     # token, its prompt blocks leased for kv_lease_s to the replica that decodes it; one with
     # a kv_source pulls them from there. replica_id: who this engine is to other replicas
-    # (None: a random id).
+    # (None: a random id). Without a kv_link given, the blocks go over ZeroMQ TCP: the
+    # engine serves its leases at kv_transfer_bind (replica/kv_transfer/plane.py; a port of
+    # * is picked by the OS) and pulls through a PlaneLink.
     kv_transfer: bool = False
+    kv_transfer_bind: str = "tcp://127.0.0.1:*"
     kv_lease_s: float = DEFAULT_LEASE_S
     replica_id: str | None = None
     # Its P/D role (ReplicaInfo.role): "prefill", "decode" or "both"; any but "both" turns

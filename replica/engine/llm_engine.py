@@ -45,6 +45,7 @@ from .config import EngineConfig, build_kv_tiers, build_runner, eos_token_ids
 
 if TYPE_CHECKING:  # torch: a cost-model replica never imports it
     from ..kv_transfer.fetcher import KVLink
+    from ..kv_transfer.plane import KVPlaneServer, PlaneLink
     from ..kv_transfer.sender import KVSender
     from ..model.lora_adapter import AdapterSpec
     from ..model.lora_store import LoRAStore
@@ -128,6 +129,11 @@ class LLMEngine:
             hash_form=config.hash_form,
             medium=self.runner.medium,
         )
+        self._kv_plane_link: PlaneLink | None = None
+        if config.kv_transfer and kv_link is None:  # over ZeroMQ (kv_transfer/plane.py)
+            from ..kv_transfer.plane import PlaneLink
+
+            kv_link = self._kv_plane_link = PlaneLink()
         self.kv_tiers = build_kv_tiers(config, self.runner, self.kv_cache_manager, kv_link)
         rope = getattr(self.runner, "rope_spans", None)  # a longrope model (rope_spans)
         # Prompts longer than this are of the long rotary regime, their blocks salted apart
@@ -190,6 +196,11 @@ class LLMEngine:
             self.scheduler.use_leases(leases)
             replica_id = config.replica_id or f"engine-{os.urandom(6).hex()}"
             self.kv_sender = KVSender(leases, BlockReader(self.runner.kv_caches), replica_id)
+        self.kv_plane: KVPlaneServer | None = None
+        if self.kv_sender is not None and self._kv_plane_link is not None:
+            from ..kv_transfer.plane import KVPlaneServer
+
+            self.kv_plane = KVPlaneServer(self.kv_sender, config.kv_transfer_bind)
         self.event_sinks: list[EventSink] = list(event_sinks)
         self.eos_token_id, self.extra_eos_token_ids = eos_token_ids(path, self.tokenizer)
         # Structured outputs compile against the tokenizer, for the logits' width; a cost
@@ -621,6 +632,10 @@ class LLMEngine:
             s.update({f"kv_leases_{k}": v for k, v in leases.stats.items()})
         if self.kv_tiers is not None and self.kv_tiers.remote is not None:
             s.update({f"kv_pull_{k}": v for k, v in self.kv_tiers.remote.stats.items()})
+        if self.kv_plane is not None:  # the transfer plane's server and link (ZeroMQ)
+            s.update({f"kv_plane_{k}": v for k, v in self.kv_plane.stats.items()})
+        if self._kv_plane_link is not None:
+            s.update({f"kv_link_{k}": v for k, v in self._kv_plane_link.stats.items()})
         if self.kv_tiers is not None:
             t = self.kv_tiers
             s.update({f"kv_tier_{k}": v for k, v in t.counters().items()})
@@ -636,6 +651,10 @@ class LLMEngine:
         thread ends."""
         if self.kv_tiers is not None:
             self.kv_tiers.close()
+        if self._kv_plane_link is not None:
+            self._kv_plane_link.close()
+        if self.kv_plane is not None:
+            self.kv_plane.close()
 
 
 def _stopped_by_token(req: Request) -> bool:

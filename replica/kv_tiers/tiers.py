@@ -125,7 +125,7 @@ class LoadJob:
     hashes: list[bytes]
     host_entries: list[HostEntry | None]
     after: torch.cuda.Event | None = None  # CUDA: the step's stream when the load started
-    fetched: list[bytearray | None] = field(default_factory=list)  # disk/remote blocks, as read
+    fetched: list[bytearray | memoryview | None] = field(default_factory=list)  # disk/remote, read
     start: int = 0  # the chain position of hashes[0] (of block_ids[0])
     source: KVSource | None = None  # where its REMOTE blocks (a suffix) are pulled from
     num_ok: int = 0  # leading blocks copied and verified
@@ -533,7 +533,9 @@ class KVTiers:
         if stream is not None:
             stream.synchronize()  # the blocks are in before the job says so
 
-    def _fetch(self, entry: HostEntry | None, raw: bytearray | None) -> torch.Tensor | None:
+    def _fetch(
+        self, entry: HostEntry | None, raw: bytearray | memoryview | None
+    ) -> torch.Tensor | None:
         """A block's verified bytes from its host entry, or the disk's as the fetcher read
         them (verified there); None if they fail a check or were not read."""
         if entry is not None:

@@ -65,6 +65,12 @@ class KVLink(Protocol):
     def done(self, source: KVSource) -> None: ...
 
 
+def durable_blocks(link: KVLink) -> bool:
+    """Whether ``link`` hands its sink bytes that stay valid after the call (a received
+    frame of its own: kept as is), rather than a buffer it reuses (copied out)."""
+    return bool(getattr(link, "durable_blocks", False))
+
+
 class RemoteFetcher:
     """Pulls the REMOTE blocks of each load, on one thread, then hands the job on."""
 
@@ -133,13 +139,14 @@ class RemoteFetcher:
         size = self.block_bytes
         got = 0
         failed = False
+        keep = durable_blocks(self.link)
 
         def sink(i: int, data: memoryview, digest: int) -> bool:
             nonlocal got, failed
             if i != got or len(data) != size or checksum(data) != digest:
                 failed = True
                 return False
-            job.fetched[first + i] = bytearray(data)
+            job.fetched[first + i] = data if keep else bytearray(data)
             got += 1
             return True
 

@@ -24,7 +24,8 @@ from ..kv_tiers.disk import checksum
 from .leases import Leases
 
 # A sink takes (index in the pull, the block's bytes, their xxh3-64) and says whether to go
-# on. The bytes are valid only during the call (the reader reuses its buffer).
+# on. The bytes are valid only during the call (the reader reuses its buffer), unless the
+# pull was served with ``buffers``.
 BlockSink = Callable[[int, memoryview, int], bool]
 
 
@@ -38,6 +39,11 @@ class BlockReader:
         device = self.tensors[0].device
         self.cuda = device.type == "cuda"
         self._stream = torch.cuda.Stream(device) if self.cuda else None
+        # On the CPU, each tensor's bytes as one flat view: a block's copy is then a slice
+        # assignment per tensor (about a microsecond) where a torch copy_ costs several.
+        self._flat: list[memoryview] | None = None
+        if not self.cuda and all(t.is_contiguous() for t in self.tensors):
+            self._flat = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in self.tensors]
 
     def buffer(self) -> torch.Tensor:
         """A host buffer for one block (pinned on CUDA): one per reading thread."""
@@ -51,6 +57,12 @@ class BlockReader:
                     out[off : off + n].copy_(t[block_id].reshape(-1).view(torch.uint8), True)
                     off += n
             self._stream.synchronize()
+            return
+        if self._flat is not None:
+            dst = memoryview(out.numpy())
+            for src, n in zip(self._flat, self.sizes, strict=True):
+                dst[off : off + n] = src[block_id * n : (block_id + 1) * n]
+                off += n
             return
         for t, n in zip(self.tensors, self.sizes, strict=True):
             out[off : off + n].copy_(t[block_id].reshape(-1).view(torch.uint8))
@@ -68,10 +80,17 @@ class KVSender:
         self.stats = {"pulls": 0, "blocks_sent": 0, "bytes_sent": 0, "pulls_refused": 0}
 
     def serve(
-        self, lease: bytes, start: int, hashes: Sequence[bytes], sink: BlockSink
+        self,
+        lease: bytes,
+        start: int,
+        hashes: Sequence[bytes],
+        sink: BlockSink,
+        buffers: Callable[[], torch.Tensor] | None = None,
     ) -> tuple[int, str]:
         """Sends the lease's blocks ``hashes`` (from position ``start``) to ``sink`` in
-        order; (blocks sent, why it ended: ``PULL_OK`` or a refusal's reason)."""
+        order; (blocks sent, why it ended: ``PULL_OK`` or a refusal's reason). ``buffers``:
+        each block read into the next buffer it gives (of ``reader.buffer()``'s size and
+        kind), which the sink may keep (a zero-copy send); None: one buffer, reused."""
         ids = self.leases.open(lease, start, hashes)
         if isinstance(ids, str):
             self.stats["pulls_refused"] += 1
@@ -79,9 +98,12 @@ class KVSender:
         self.stats["pulls"] += 1
         sent = 0
         try:
-            buf = self.reader.buffer()
+            buf = self.reader.buffer() if buffers is None else buffers()
             view = memoryview(buf.numpy())
             for i, block_id in enumerate(ids):
+                if buffers is not None and i:
+                    buf = buffers()
+                    view = memoryview(buf.numpy())
                 try:
                     self.reader.read_into(block_id, buf)
                     digest = checksum(view)
