@@ -448,7 +448,11 @@ def stop(args: argparse.Namespace) -> int:
     try:
         named = ray.util.list_named_actors()
         names = [n for n in named if n.startswith(REPLICA_ACTOR_PREFIX)]
-        for name in names + [n for n in named if n == LORA_REGISTRY_ACTOR]:
+        from .scale import stop_replicas
+
+        # each replica closes its engine first (its KV disk folder goes), then is killed
+        stop_replicas([ray.get_actor(name) for name in names])
+        for name in [n for n in named if n == LORA_REGISTRY_ACTOR]:
             ray.kill(ray.get_actor(name), no_restart=True)
         print(f"kvroute stop: stopped {len(names)} replica(s) in namespace {args.namespace!r}",
               file=sys.stderr)  # fmt: skip

@@ -409,7 +409,9 @@ def _start_kvroute(
         engine_config if isinstance(engine_config, EngineConfig) else EngineConfig(**engine_config)
     )
     if config.kv_transfer:  # other replicas know it by its id; its blocks are served on bind
-        config = dataclasses.replace(config, replica_id=replica_id)
+        config = dataclasses.replace(
+            config, replica_id=replica_id, kv_transfer_bind=f"tcp://{bind}:*"
+        )
     if torch_threads is not None and sim_profile(config.model) is None:
         import torch  # a cost-model replica never imports it
 
@@ -420,6 +422,9 @@ def _start_kvroute(
     except BaseException:
         publisher.close()
         raise
+    sender = engine.llm_engine.kv_sender
+    if sender is not None and sender.endpoint:  # handoffs name the address others reach
+        sender.endpoint = _advertise(sender.endpoint, advertised)
     replay = publisher.replay_endpoint
     return _Started(
         engine,

@@ -71,7 +71,8 @@ def stats(served: Served, rid: str) -> dict[str, Any]:
 def test_split_text_equals_unified(fleets: tuple[Served, Served], stream: bool) -> None:
     split, whole = fleets
     pulled = stats(split, "d0").get("kv_pull_blocks", 0)
-    for prompt in PROMPTS:
+    for prompt in PROMPTS:  # fresh prompts: what d0 already holds it does not pull again
+        prompt = f"{'streamed' if stream else 'whole'}: {prompt}"
         assert completion(split, prompt, stream) == completion(whole, prompt, stream)
     assert stats(split, "d0")["kv_pull_blocks"] > pulled  # blocks did move
     assert split.door.fleet.role("p0") == "prefill"
