@@ -133,6 +133,11 @@ class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
     # DISK_* states, and its reads abandoned at their deadline, in total.
     kv_disk_state: int = 0
     kv_disk_read_timeouts: int = 0
+    # P/D (events/kv_transfer.py): the bytes per second its pulls from other replicas took,
+    # measured (a running mean; 0: none yet), and the prompt blocks it holds leased for
+    # replicas that decode its handed-off requests.
+    kv_link_bytes_per_s: float = 0.0
+    kv_leased_blocks: int = 0
 
 
 # LoadReport.kv_disk_state: no disk tier (or not reported); serving; unresponsive (every

@@ -519,6 +519,11 @@ class Scheduler(DecodeRuns):
                 report = msgspec.structs.replace(
                     report, kv_disk_state=state, kv_disk_read_timeouts=timeouts
                 )
+            remote = self.kv_loads.tiers.remote
+            if remote is not None and remote.bytes_per_s:
+                report = msgspec.structs.replace(report, kv_link_bytes_per_s=remote.bytes_per_s)
+        if self.leases is not None and len(self.leases):
+            report = msgspec.structs.replace(report, kv_leased_blocks=self.leases.num_blocks)
         return report
 
     def stats(self) -> dict[str, int | float]:

@@ -139,7 +139,9 @@ def split_pays(
             return True
         q = parts[d]
         moved = max(full - hits.get(d, 0), 0)
-        link = DEFAULT_LINK_BYTES_PER_S
+        report = load.last_report(d)
+        link = report.kv_link_bytes_per_s if report is not None else 0.0
+        link = link if link > 0 else DEFAULT_LINK_BYTES_PER_S
         xfer = moved * c.kv_bytes_per_token / link + HANDOFF_RTT_S
         dside = q.wait + q.decode + q.evict + q.capacity
         tail_s = c.prefill_s(tail, n - tail + 1)

@@ -9,6 +9,7 @@ replica, stays whole; a policy that does not price splits everything splittable.
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from kvroute.events import BlockHasher
@@ -126,3 +127,14 @@ def test_unsplittable_requests_run_whole(req: GenerateRequest) -> None:
 def test_unified_fleet_never_splits() -> None:
     part = plan(request(8000), ["a", "b"], lambda r: "both", decoding=False)
     assert part == Part(["a", "b"], False)
+
+
+def test_slow_reported_link_keeps_a_request_whole() -> None:
+    """The decode replica's measured link (LoadReport.kv_link_bytes_per_s) prices the
+    transfer: over a slow one, moving the prompt costs more than the stall it spares."""
+    policy, _ = fleet({"d0": 64})
+    assert split_pays(view(8000), policy, ["p0"], ["d0"], 0.0)
+    report = policy.load.last_report("d0")
+    slow = msgspec.structs.replace(report, kv_link_bytes_per_s=1e7)  # 10 MB/s
+    policy.load.report("d0", slow, 0.0)
+    assert not split_pays(view(8000), policy, ["p0"], ["d0"], 0.0)
