@@ -70,9 +70,8 @@ class Pair:
 
 def make_engine(name: str, link: LocalLink, **kw: Any) -> tuple[LLMEngine, Replayed]:
     sink = Replayed()
-    cfg = EngineConfig(
-        model="tiny", kv_transfer=True, replica_id=name, num_blocks=kw.pop("num_blocks", 96), **kw
-    )
+    kw = {"model": "tiny", "num_blocks": 96, **kw}
+    cfg = EngineConfig(kv_transfer=True, replica_id=name, **kw)
     engine = LLMEngine(cfg, [sink], kv_link=link)
     assert engine.kv_sender is not None
     link.senders[name] = engine.kv_sender
@@ -421,3 +420,26 @@ def test_pull_of_a_released_lease_is_refused(pair: Pair) -> None:
     pair.p.step()
     assert sender.serve(lease, 0, hashes, lambda i, d, h: True) == (0, "unknown")
     settle(pair)
+
+
+@pytest.mark.slow
+def test_smollm2_split_equals_one_engine() -> None:
+    """A real pretrained model: cold, and with the prefix cached on the decode side."""
+    link = LocalLink()
+    kw = {"model": "smollm2-135m", "num_blocks": 64}
+    p, p_sink = make_engine("p", link, **kw)
+    d, d_sink = make_engine("d", link, **kw)
+    pair = Pair(p, d, link, {"p": p_sink, "d": d_sink})
+    ref_engine = LLMEngine(EngineConfig(**kw))
+    text = "Disaggregated serving computes the prompt on one replica and decodes elsewhere. " * 3
+    ids = ref_engine.tokenize(text)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    _, rest = check_same(pair, ref_engine, ids, params)
+    assert rest.remote_tokens == (len(ids) // BS) * BS
+    other = ref_engine.tokenize("A different opening. " + text)
+    # two blocks cached on the decode side (one output token: a greedy continuation of
+    # this repetitive text could fill a third block with the prompt's own next tokens)
+    run_unified(d, other[:32], SamplingParams(temperature=0.0, max_tokens=1))
+    settle(pair)
+    _, rest = check_same(pair, ref_engine, other, params)
+    assert rest.remote_tokens == (len(other) // BS - 2) * BS
