@@ -261,6 +261,9 @@ class RequestRun:
         s.policy.on_finished(self.request_id, time.monotonic(), self.num_output_tokens)
         if handoff is not None and handoff.num_blocks:
             self._source = KVSource.of(handoff)
+        # The prefill replica did its part without failing: a failover of the decode may
+        # go there (the only replica left that can take it, in a 1 + 1 fleet).
+        self._tried.discard(self.replica)
         self._conn = self._flight = None
         self._send()
         return plain

@@ -122,3 +122,22 @@ def test_client_gone_mid_decode_frees_the_lease(fleets: tuple[Served, Served]) -
     wait_for(lambda: stats(split, "d0")["num_running"] == 0, 20, "the decode aborted")
     wait_for(lambda: stats(split, "p0")["num_leased_blocks"] == 0, 20, "leases released")
     time.sleep(0.1)
+
+
+def test_decode_replica_failing_mid_stream_fails_over(fleets: tuple[Served, Served]) -> None:
+    """The decode replica's engine fails mid-decode (no request of it in the failing
+    step): the stream goes on from the tokens it sent, on the replica left, whole."""
+    split, whole = fleets
+    prompt = "failover: " + PROMPTS[2]
+    eos = {"extra_body": {"ignore_eos": True}}
+    want = completion(whole, prompt, True, max_tokens=120, **eos)
+    params: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 120,
+                              "temperature": 0.0, "stream": True, **eos}  # fmt: skip
+    failovers = split.door.counters["failovers"]
+    got = []
+    for i, ev in enumerate(client(split).completions.create(**params)):
+        got.append(ev.choices[0].text)
+        if i == 10:
+            ray.get(split.actors["d0"].inject_engine_failure.remote(), timeout=30)
+    assert "".join(got) == want
+    assert split.door.counters["failovers"] == failovers + 1
