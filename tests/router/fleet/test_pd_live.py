@@ -124,6 +124,24 @@ def test_client_gone_mid_decode_frees_the_lease(fleets: tuple[Served, Served]) -
     time.sleep(0.1)
 
 
+def test_structured_output_across_the_handoff(fleets: tuple[Served, Served]) -> None:
+    """The grammar's state goes on on the decode replica from the first token (Resume)."""
+    split, whole = fleets
+    handoffs = split.door.counters["handoffs"]
+    outs = []
+    for served in (split, whole):
+        r = client(served).chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Pick a colour: " + PROMPTS[0]}],
+            max_tokens=12,
+            temperature=0.0,
+            extra_body={"structured_outputs": {"choice": ["red", "green", "blue sky"]}},
+        )
+        outs.append(r.choices[0].message.content)
+    assert outs[0] == outs[1] and outs[0] in ("red", "green", "blue sky")
+    assert split.door.counters["handoffs"] == handoffs + 1
+
+
 def test_decode_replica_failing_mid_stream_fails_over(fleets: tuple[Served, Served]) -> None:
     """The decode replica's engine fails mid-decode (no request of it in the failing
     step): the stream goes on from the tokens it sent, on the replica left, whole."""
