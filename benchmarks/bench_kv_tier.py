@@ -29,7 +29,11 @@ The disk tier's encryption at rest (issue 50) beside what it costs to write and 
 block, without and with it, per block of tiny and of an 8B model: the writer thread's
 write, a load's read + authentication + copy into the cache (its page-cache copy warm, and
 cold after dropping it), and AES-GCM's own seal and open, in CPU time of the thread doing
-them; its share of each.
+them; its share of each. Then a load of a run of 16 blocks (a returning conversation's
+prefix) through the engine's own path (``KVTiers``: the disk fetcher's pipelined, bounded
+reads, then the loader's copy into the cache), plain and sealed alternating, warm and cold,
+without read-ahead and with it: wall and CPU us per block and the sealed share
+(``--run-only`` for that part alone, ``--run-rounds`` passes of each).
 """
 
 from __future__ import annotations
@@ -438,6 +442,104 @@ def disk_cost(root: Path, rounds: int = 7) -> None:
     shape_costs("8B bf16", 32 * 2 * 16 * 8 * 128 * 2, 32)
 
 
+def run_cost(root: Path, rounds: int = 7, blocks: int = 16) -> None:
+    """A load of a run of ``blocks`` disk blocks (a returning conversation's prefix) through
+    the engine's own path: ``KVTiers.start`` of a job whose blocks are all on disk, its
+    fetch thread reading them through the bounded reads (pipelined: ``READ_AHEAD`` reads
+    ahead of the block it opens) and the loader copying them into the cache. Per block:
+    wall us to the fetcher's handoff and to the job landing, and the process's CPU us (every
+    thread) to landing; plain and sealed side by side, also without read-ahead (``ahead
+    0``: each block read, then opened, in turn) and with one more; warm, and cold after
+    dropping the files' pages. The least of ``rounds`` passes each."""
+    import numpy as np
+    import torch
+
+    from kvroute.events import MEDIUM_STORAGE
+    from kvroute.replica.kv_tiers.disk import checksum
+    from kvroute.replica.kv_tiers.disk_reads import READ_AHEAD
+    from kvroute.replica.kv_tiers.tiers import KVTiers, LoadJob
+
+    def drop_cache(store: Any, hashes: list[bytes]) -> None:
+        for h in hashes:
+            fd = os.open(store.file_of(h), os.O_RDONLY)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+
+    def one(tiers: KVTiers, hashes: list[bytes], tag: str) -> tuple[float, float, float]:
+        fetcher = tiers._fetcher
+        assert fetcher is not None
+        handed: list[float] = []
+        real = tiers._hand
+        fetcher._handoff = lambda job: (handed.append(time.perf_counter()), real(job))
+        n = len(hashes)
+        job = LoadJob(tag, [], [MEDIUM_STORAGE] * n, list(hashes), [None] * n)
+        c0, t0 = time.process_time(), time.perf_counter()
+        tiers.start(job, list(range(n)))
+        assert job.done.wait(60)
+        t1, c1 = time.perf_counter(), time.process_time()
+        fetcher._handoff = real
+        assert job.num_ok == n, f"{tag}: {job.num_ok} of {n} loaded"
+        return ((handed[0] - t0) / n * 1e6, (t1 - t0) / n * 1e6, (c1 - c0) / n * 1e6)
+
+    def best(runs: list[tuple[float, float, float]]) -> list[float]:
+        return [min(r[k] for r in runs) for k in range(3)]
+
+    aheads = (0, READ_AHEAD, READ_AHEAD + 1)  # none (serial), the default, one more
+    rows = []
+    for name, layers, heads, dim, dtype in (
+        ("tiny fp32", 4, 4, 32, torch.float32),
+        ("8B bf16", 32, 8, 128, torch.bfloat16),
+    ):
+        shape = (blocks, 16, heads, dim)
+        kv = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+              for _ in range(layers)]  # fmt: skip
+        rng = np.random.default_rng(5)
+        hashes = [(1000 + i).to_bytes(16, "big") for i in range(blocks)]
+        both: dict[str, KVTiers] = {}
+        for mode in ("plain", "sealed"):  # both at once: their passes alternate
+            tiers = KVTiers(kv, disk_path=str(root / mode), disk_bytes=1 << 40,
+                            disk_encrypt=mode == "sealed", measure=False)  # fmt: skip
+            assert tiers.disk is not None and tiers._fetcher is not None
+            size = tiers.block_bytes
+            datas = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(blocks)]
+            for h, d in zip(hashes, datas, strict=True):
+                assert tiers.disk.store.write_file(h, d, checksum(d))
+            one(tiers, hashes, "check")
+            for i, d in enumerate(datas):  # the blocks landed whole, in their places
+                got = torch.cat([t[i].reshape(-1).view(torch.uint8) for t in tiers.tensors])
+                assert bytes(got.numpy()) == d.tobytes(), f"{name} {mode}: block {i} differs"
+            both[mode] = tiers
+        for temp in ("warm", "cold"):
+            runs: dict[tuple[int, str], list[tuple[float, float, float]]] = {
+                (a, m): [] for a in aheads for m in both
+            }
+            for _ in range(rounds):  # every variant in turn, each pass: drift hits them alike
+                for ahead in aheads:
+                    for mode, tiers in both.items():
+                        tiers._fetcher.ahead = ahead  # type: ignore[union-attr]
+                        if temp == "cold":
+                            drop_cache(tiers.disk.store, hashes)  # type: ignore[union-attr]
+                        runs[ahead, mode].append(one(tiers, hashes, temp))
+            for ahead in aheads:
+                plain, sealed = best(runs[ahead, "plain"]), best(runs[ahead, "sealed"])
+                share = [(s - p) / s for p, s in zip(plain, sealed, strict=True)]
+                med = [statistics.median(r[1] for r in runs[ahead, m]) for m in both]
+                rows.append((name, size, ahead, temp, plain, sealed, share, med))
+        for tiers in both.values():
+            tiers.close()
+    print(f"\nA load of a run of {blocks} disk blocks through KVTiers (fetch + loader copy), "
+          f"per block, the least of {rounds} passes (every variant in turn, each pass); sealed "
+          "share = (sealed - plain) / sealed")  # fmt: skip
+    print("| shape | block bytes | read-ahead | page cache | fetched, wall us plain / sealed "
+          "(share) | landed, wall us plain / sealed (share) | CPU us plain / sealed "
+          "(share) | landed, median of passes |")  # fmt: skip
+    print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
+    for name, size, ahead, temp, plain, sealed, share, med in rows:
+        cells = " | ".join(f"{plain[k]:.0f} / {sealed[k]:.0f} ({share[k]:.0%})" for k in range(3))
+        print(f"| {name} | {size:,} | {ahead} | {temp} | {cells} | {med[0]:.0f} / {med[1]:.0f} |")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="benchmarks/live/kv_tier")
@@ -455,6 +557,12 @@ def main() -> int:
     ap.add_argument("--copy-cost", action="store_true", help="only the per-block copy costs")
     ap.add_argument(
         "--disk-cost", action="store_true", help="only the disk tier's costs, with encryption"
+    )
+    ap.add_argument(
+        "--run-only", action="store_true", help="--disk-cost: only the run-of-blocks loads"
+    )
+    ap.add_argument(
+        "--run-rounds", type=int, default=15, help="--disk-cost: passes of each run load"
     )
     ap.add_argument("--chat", action="store_true", help="short prompts: kvroute bench chat")
     ap.add_argument(
@@ -480,7 +588,12 @@ def main() -> int:
     if args.disk_cost:
         root = Path(args.disk_path)
         root.mkdir(parents=True, exist_ok=True)
-        disk_cost(root)
+        load0 = os.getloadavg()
+        if not args.run_only:
+            disk_cost(root)
+        run_cost(root, args.run_rounds)
+        print(f"\nload average at start {load0[0]:.2f}, at end {os.getloadavg()[0]:.2f} "
+              f"({os.cpu_count()} cores)")  # fmt: skip
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

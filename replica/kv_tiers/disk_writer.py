@@ -44,8 +44,9 @@ ends replicas) cannot: ``kvroute serve`` wipes its local replicas' folders once 
 gone, and the next store to open a folder wipes what an earlier one left.
 
 Thread-safety: :meth:`put`, :meth:`touch`, :meth:`discard`, :meth:`clear`, :meth:`poll`
-and :meth:`close` are the engine thread's; :meth:`read` runs on any thread (the disk
-readers). The writer thread touches the store only through its file-system methods.
+and :meth:`close` are the engine thread's; :meth:`read` and :meth:`read_pending` run on any
+thread (the disk fetchers and readers). The writer thread touches the store only through its
+file-system methods.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .disk import DiskStore, checksum
 
@@ -243,6 +245,21 @@ class DiskWriter:
         if len(data) != expected_size or checksum(data) != write.digest:
             return None
         return bytearray(data)
+
+    def read_pending(self, block_hash: bytes, out: Any) -> bool | None:
+        """Copies a block whose write is still pending into ``out`` (a writable buffer of
+        the block's size), checked against its xxh3-64: True, or False when it fails the
+        check; None when no write of it is pending (its file is to be read instead)."""
+        with self._lock:
+            write = self._pending.get(block_hash)
+            data = write.data if write is not None else None
+        if write is None or data is None:
+            return None
+        dst = memoryview(out).cast("B")
+        if len(data) != len(dst) or checksum(data) != write.digest:
+            return False
+        dst[:] = memoryview(data).cast("B")
+        return True
 
     # -- the writer thread ----------------------------------------------------------------
     def _check_folder(self) -> None:

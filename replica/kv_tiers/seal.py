@@ -19,8 +19,16 @@ Invariants:
 - the associated data binds a ciphertext to its block hash and plaintext length: a file
   renamed to another block's name, or cut and padded to another size, fails to open.
 
-Thread-safety: :meth:`Sealer.seal` and :meth:`Sealer.open` run on any thread (the disk
-writer seals, the disk readers open); ``AESGCM`` holds no per-call state.
+Cost (issue 50): AES-GCM runs at ~9 GB/s here (~220 us for an 8B model's 2 MiB block) and
+``cryptography`` holds the GIL while it runs; a file read releases it. So the disk fetcher
+opens a block while the next one's read is under way on a reader thread (:mod:`.disk_reads`),
+straight into the buffer the loader copies from (:meth:`Sealer.open_into`). That hides the
+open behind reads that wait on the disk, and behind reads from the page cache only where a
+core is free for them: the CPU it costs is moved, not removed (BENCHMARKS, issue 50).
+
+Thread-safety: :meth:`Sealer.seal`, :meth:`Sealer.seal_into`, :meth:`Sealer.open` and
+:meth:`Sealer.open_into` run on any thread (the disk writer seals, the disk fetchers and
+readers open); ``AESGCM`` holds no per-call state.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from __future__ import annotations
 import os
 import struct
 import threading
+from typing import Any
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -75,11 +84,21 @@ class Sealer:
         """The block's bytes (in a buffer of their own, the caller's to keep), or None when
         they fail authentication: another key (another process), another block's file, a
         wrong length, a flipped bit."""
-        if len(sealed) != size + TAG_BYTES or len(nonce) != NONCE_BYTES:
-            return None
         out = bytearray(size)
+        return out if self.open_into(block_hash, nonce, sealed, out) else None
+
+    def open_into(
+        self, block_hash: bytes, nonce: bytes, sealed: bytes | memoryview, out: Any
+    ) -> bool:
+        """Opens into ``out`` (a writable buffer of exactly the block's size: the one the
+        loader copies from, sparing a copy); False when the bytes fail authentication (as
+        :meth:`open`). On False ``out`` may hold unauthenticated bytes: the caller drops it,
+        never hands it on."""
+        size = memoryview(out).nbytes
+        if len(sealed) != size + TAG_BYTES or len(nonce) != NONCE_BYTES:
+            return False
         try:
             self._aead.decrypt_into(nonce, sealed, self._aad(block_hash, size), out)
         except InvalidTag:
-            return None
-        return out
+            return False
+        return True

@@ -90,13 +90,13 @@ def tiers_with_a_hung_disk(tmp_path: Path) -> tuple[KVTiers, list[bytes], HungDi
     assert tiers.disk is not None and tiers.disk.flush(10)
     assert tiers.lookup(hashes, 0, 4) == [MEDIUM_STORAGE] * 2 + [MEDIUM_CPU] * 2
     disk = HungDisk()
-    real = tiers.disk.store.read
+    real = tiers.disk.store.read_file
 
-    def hung(block_hash: bytes, size: int) -> bytearray | None:
+    def hung(block_hash: bytes, size: int, body: memoryview, reading=None) -> bytes | None:
         disk(b"", size)  # hangs until released
-        return real(block_hash, size)
+        return real(block_hash, size, body, reading)
 
-    tiers.disk.store.read = hung  # type: ignore[method-assign]
+    tiers.disk.store.read_file = hung  # type: ignore[method-assign]
     return tiers, hashes, disk
 
 

@@ -237,16 +237,16 @@ def stall(eng: LLMEngine, block_hash: bytes, *, miss: bool = False) -> Callable[
     assert eng.kv_tiers.disk.flush(10)  # the writer thread has put the file in place
     store = eng.kv_tiers.disk.store
     gate = threading.Event()
-    real = store.read
+    real = store.read_file
 
-    def slow(h: bytes, size: int) -> bytearray | None:
+    def slow(h: bytes, size: int, body: memoryview, reading=None) -> bytes | None:
         if h == block_hash:
             assert gate.wait(60)  # a bound: a test that never releases fails, not hangs
             if miss:
                 return None
-        return real(h, size)
+        return real(h, size, body, reading)
 
-    store.read = slow  # type: ignore[method-assign]
+    store.read_file = slow  # type: ignore[method-assign]
     return gate.set
 
 

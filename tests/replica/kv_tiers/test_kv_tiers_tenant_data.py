@@ -31,6 +31,7 @@ from kvroute.events import MEDIUM_STORAGE, BlockRemoved, BlockStored
 from kvroute.events.load import DISK_OFF, DISK_OK
 from kvroute.replica import AsyncLLMEngine, EngineConfig, EngineDeadError, LLMEngine
 from kvroute.replica.engine.llm_engine import EngineOutput
+from kvroute.replica.kv_tiers.disk import HEADER_BYTES
 from kvroute.replica.kv_tiers.seal import Sealer
 
 from . import test_kv_tiers
@@ -68,10 +69,10 @@ def v0_of_token() -> np.ndarray:
 
 def recover(raw: bytes, table: np.ndarray) -> tuple[int, ...] | None:
     """A block's tokens from its file's bytes, as the review's script did: past a header
-    (either format's size, 20 or 24 bytes) and layer 0's K, each V row is matched to the
-    nearest row of the table; None unless every row matches."""
+    (either format's size: 64 bytes now, 20 or 24 before) and layer 0's K, each V row is
+    matched to the nearest row of the table; None unless every row matches."""
     span = WIDE * ROW * 4
-    for header in (20, 24):
+    for header in (20, 24, HEADER_BYTES):
         v = np.frombuffer(raw[header + span : header + 2 * span], dtype=np.float32)
         if v.size != WIDE * ROW:
             continue
@@ -171,15 +172,15 @@ def test_a_hung_disk_read_is_recomputed_after_its_deadline_and_delays_no_other_l
     assert tiers.lookup(eng.hasher.hash_blocks(ps[0]), 0, 9) == ["CPU"] + [MEDIUM_STORAGE] * 8
     assert tiers.lookup(eng.hasher.hash_blocks(ps[1]), 0, 9) == ["CPU"] * 9
     released = threading.Event()
-    real = tiers.disk.store.read
+    real = tiers.disk.store.read_file
     stuck = set(eng.hasher.hash_blocks(ps[0]))
 
-    def hung(block_hash: bytes, size: int) -> bytearray | None:
+    def hung(block_hash: bytes, size: int, body: memoryview, reading=None) -> bytes | None:
         if block_hash in stuck:
             released.wait(60)  # files that do not answer (a bound: never a hung test)
-        return real(block_hash, size)
+        return real(block_hash, size, body, reading)
 
-    tiers.disk.store.read = hung  # type: ignore[method-assign]
+    tiers.disk.store.read_file = hung  # type: ignore[method-assign]
     eng.add_request("returning", ps[0], GREEDY)
     eng.step()
     assert "returning" in eng.scheduler.loading  # waits on the disk, out of the queue
@@ -196,9 +197,10 @@ def test_a_hung_disk_read_is_recomputed_after_its_deadline_and_delays_no_other_l
     assert final.outputs[0].token_ids == uncached[0]
     assert final.num_tier_cached_tokens == {"CPU": BLOCK}  # the host head, then recomputed
     stats = eng.stats()
-    assert stats["kv_tier_disk_read_timeouts"] == 1 and stats["kv_tier_load_failures"] == 1
+    # the first disk block's read, and the next one's (read ahead, beside it): both hung
+    assert stats["kv_tier_disk_read_timeouts"] == 2 and stats["kv_tier_load_failures"] == 1
     report = eng.scheduler.load_report()  # what routers (and their /metrics) are told
-    assert (report.kv_disk_state, report.kv_disk_read_timeouts) == (DISK_OK, 1)
+    assert (report.kv_disk_state, report.kv_disk_read_timeouts) == (DISK_OK, 2)
     released.set()
     eng.close()
 
