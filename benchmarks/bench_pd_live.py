@@ -9,8 +9,9 @@ prompt (``--stream-prompt`` tokens, ``--stream-tokens`` out) and send the next w
 ends; every ``--long-every`` seconds a ``--long-tokens``-token prompt arrives (distinct
 tokens: no cache hits) asking for ``--long-out`` tokens. Reported per fleet:
 
-- ITL p50/p99 of the streams: the gap between consecutive chunks of a stream (one per
-  engine step it got tokens in: what a long prefill sharing the streams' steps stretches);
+- ITL p50/p99/p99.9/max of the streams: the gap between consecutive chunks of a stream
+  (one per engine step it got tokens in: what a long prefill sharing the streams' steps
+  stretches; a stall is one gap per stream however long, so it shows in the tail's end);
 - TTFT p50/p90 of the long prompts; TTFT p50 of the streams;
 - output tokens per second over the run (all requests), and how many requests split
   (``kvroute:pd_handoffs_total``).
@@ -175,6 +176,8 @@ def run_fleet(name: str, args: argparse.Namespace, logdir: Path) -> dict[str, fl
     return {
         "itl_p50_ms": 1e3 * pct(out.itl, 50),
         "itl_p99_ms": 1e3 * pct(out.itl, 99),
+        "itl_p999_ms": 1e3 * pct(out.itl, 99.9),
+        "itl_max_ms": 1e3 * max(out.itl, default=float("nan")),
         "stream_ttft_p50_s": pct(out.stream_ttft, 50),
         "long_ttft_p50_s": pct(out.long_ttft, 50),
         "long_ttft_p90_s": pct(out.long_ttft, 90),
