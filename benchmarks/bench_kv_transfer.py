@@ -54,7 +54,7 @@ def block_bytes(shape: str) -> int:
 
 
 # -- the source process ----------------------------------------------------------------------
-def serve(shape: str, num_blocks: int) -> None:
+def serve(shape: str, num_blocks: int, device: str = "cpu") -> None:
     import torch
 
     from kvroute.replica.core.block_pool import BlockPool
@@ -65,7 +65,10 @@ def serve(shape: str, num_blocks: int) -> None:
     torch.set_num_threads(1)
     layers, heads, dim, dtype, _ = SHAPES[shape]
     kv = [
-        tuple(torch.randn(num_blocks, BS, heads, dim).to(getattr(torch, dtype)) for _ in range(2))
+        tuple(
+            torch.randn(num_blocks, BS, heads, dim).to(device=device, dtype=getattr(torch, dtype))
+            for _ in range(2)
+        )
         for _ in range(layers)
     ]
     pool = BlockPool(num_blocks, enable_kv_cache_events=False)
@@ -114,9 +117,12 @@ MODES = {
 class Source:
     """The source process, and its CPU time on request."""
 
-    def __init__(self, shape: str, blocks: int) -> None:
+    def __init__(self, shape: str, blocks: int, device: str = "cpu") -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--serve", shape, "--blocks", str(blocks)],
+            [
+                *(sys.executable, __file__, "--serve", shape),
+                *("--blocks", str(blocks), "--device", device),
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -137,7 +143,9 @@ class Source:
         self.proc.wait(10)
 
 
-def measure(src: Source, mode: str, shape: str, blocks: int, repeats: int) -> dict[str, Any]:
+def measure(
+    src: Source, mode: str, shape: str, blocks: int, repeats: int, device: str = "cpu"
+) -> dict[str, Any]:
     from kvroute.events.kv_transfer import PULL_OK, KVSource
     from kvroute.replica.kv_tiers.disk import checksum
     from kvroute.replica.kv_transfer.plane import PlaneLink
@@ -153,10 +161,17 @@ def measure(src: Source, mode: str, shape: str, blocks: int, repeats: int) -> di
     )
     link = PlaneLink()
     out: list[Any] = []
+    landing = None
+    if device != "cpu":  # each block lands in device memory, as the tiers' loader copies it
+        import torch
+
+        landing = torch.empty(size, dtype=torch.uint8, device=device)
 
     def sink(i: int, data: memoryview, digest: int) -> bool:  # RemoteFetcher's checks
         if len(data) != size or checksum(data) != digest:
             raise AssertionError(f"block {i} arrived wrong")
+        if landing is not None:
+            landing.copy_(torch.frombuffer(data, dtype=torch.uint8))
         out.append(data if keep else bytearray(data))
         return True
 
@@ -193,10 +208,10 @@ def measure(src: Source, mode: str, shape: str, blocks: int, repeats: int) -> di
     }
 
 
-def pull_rows(shape: str, blocks: int, repeats: int) -> list[dict[str, Any]]:
-    src = Source(shape, blocks)
+def pull_rows(shape: str, blocks: int, repeats: int, device: str = "cpu") -> list[dict[str, Any]]:
+    src = Source(shape, blocks, device)
     try:
-        return [measure(src, mode, shape, blocks, repeats) for mode in MODES]
+        return [measure(src, mode, shape, blocks, repeats, device) for mode in MODES]
     finally:
         src.close()
 
@@ -232,14 +247,21 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--no-recompute", action="store_true")
     ap.add_argument("--out", type=Path)
+    ap.add_argument(
+        "--device",
+        default="cpu",
+        help="cuda: the source's KV cache on the device (a pinned D2H per block) and each "
+        "pulled block copied to the device (gpu_check.sh)",
+    )
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated")
     args = ap.parse_args()
     if args.serve:
-        serve(args.serve, args.blocks)
+        serve(args.serve, args.blocks, args.device)
         return
     rows = []
-    for shape in SHAPES:
+    for shape in args.shapes.split(","):
         blocks = args.blocks or (64 << 20) // block_bytes(shape)
-        rows += pull_rows(shape, blocks, args.repeats)
+        rows += pull_rows(shape, blocks, args.repeats, args.device)
     recompute = None if args.no_recompute else recompute_s_per_1k()
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     print(f"# two processes over loopback TCP; {os.cpu_count()} CPUs, load average {load}")

@@ -78,11 +78,12 @@ $PY -c "import kvroute.kernels, kvroute.replica, kvroute.events; print('kvroute 
 
 if [ "$PHASE" != bench ]; then
   say "GPU tests (log: $OUT_DIR/gpu_tests.log)"
-  timeout 240 $PY -m pytest -q -rfE -p no:cacheprovider \
+  timeout 300 $PY -m pytest -q -rfE -p no:cacheprovider -k "not smollm2" \
     tests/replica/model/test_cuda_graphs.py tests/kernels/test_triton.py \
     tests/kernels/test_sliding_window.py tests/kernels/test_lora_triton.py \
     tests/replica/model/test_model_families.py tests/replica/model/test_engine_vs_transformers.py \
-    tests/replica/kv_tiers/test_kv_tiers.py > "$OUT_DIR/gpu_tests.log" 2>&1
+    tests/replica/kv_tiers/test_kv_tiers.py tests/replica/kv_transfer/test_pd_exactness.py \
+    tests/replica/kv_transfer/test_plane.py > "$OUT_DIR/gpu_tests.log" 2>&1
   say "pytest exit $?"
   grep -E "^(FAILED|ERROR)|passed|failed|error" "$OUT_DIR/gpu_tests.log" | tail -30
 fi
@@ -100,5 +101,8 @@ if [ "$PHASE" != tests ]; then
   say "KV host tier: load against recompute, decode beside the load (llama-8b shapes, bf16)"
   timeout 120 $PY benchmarks/bench_kv_load.py --model llama-8b --prefix 2048 --decoders 16 \
     --steps 20 2>&1 | grep -vE '^(Loading|writing)'
+  say "KV transfer between two processes on the device: 8B blocks, pinned D2H, loopback TCP, H2D"
+  timeout 90 $PY benchmarks/bench_kv_transfer.py --device cuda --shapes 8B --repeats 5 \
+    --no-recompute 2>&1 | grep -E '^(#|shape|8B)|Error|error'
 fi
 say "done"
