@@ -94,6 +94,38 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="adapters' rank, on all 7 projections (their load's bytes)")  # fmt: skip
     sim.add_argument("--no-bounds", action="store_true", help="skip ceiling and pooled bound")
     sim.add_argument(
+        "--prefill-replicas",
+        type=int,
+        default=0,
+        metavar="N",
+        help="P/D: the first N replicas only prefill, handing each request off after its "
+        "first token (default 0: no roles)",
+    )
+    sim.add_argument(
+        "--decode-replicas",
+        type=int,
+        default=0,
+        metavar="M",
+        help="P/D: the next M replicas only decode requests handed off to them (pulling the "
+        "prompt's blocks); the rest of --replicas do both",
+    )
+    sim.add_argument(
+        "--pd-split",
+        choices=("priced", "always"),
+        default="priced",
+        help="P/D: split a request only when the router's price says it pays (priced: "
+        "conditional disaggregation), or every one that can split (always)",
+    )
+    sim.add_argument(
+        "--link-gbps",
+        type=float,
+        default=50.0,
+        help="P/D: each replica's link for KV pulls, GB/s each way (default 50: one 400 Gb/s "
+        "NIC per GPU)",
+    )
+    sim.add_argument("--link-latency-ms", type=float, default=1.0,
+                     help="P/D: a pull's latency on top of its bytes (default 1 ms)")  # fmt: skip
+    sim.add_argument(
         "--long-prefill-token-threshold",
         type=int,
         default=0,
@@ -226,6 +258,13 @@ def run(args: argparse.Namespace) -> int:
         if args.max_loras < 1 or args.max_cpu_loras < args.max_loras or args.lora_rank < 1:
             raise ValueError("--max-loras must be >= 1, --max-cpu-loras >= --max-loras, "
                              "--lora-rank >= 1")  # fmt: skip
+        if min(args.prefill_replicas, args.decode_replicas) < 0 or (
+            args.prefill_replicas + args.decode_replicas > args.replicas
+        ):
+            raise ValueError("--prefill-replicas and --decode-replicas must be >= 0 and "
+                             "together at most --replicas")  # fmt: skip
+        if args.link_gbps <= 0 or args.link_latency_ms < 0:
+            raise ValueError("--link-gbps must be > 0 and --link-latency-ms >= 0")
         if args.trace:
             trace_specs = specs_from_trace(load_mooncake(args.trace, args.limit), args.speed)
             specs = _with_adapters(args, trace_specs)
@@ -259,6 +298,11 @@ def run(args: argparse.Namespace) -> int:
         lora=LoRAConfig(args.max_loras, args.max_cpu_loras, args.lora_rank)
         if args.adapters or args.workload == "lora"
         else None,
+        prefill_replicas=args.prefill_replicas,
+        decode_replicas=args.decode_replicas,
+        pd_split=args.pd_split,
+        link_bytes_per_s=args.link_gbps * 1e9,
+        link_latency_s=args.link_latency_ms / 1000.0,
     )
     show = args.progress if args.progress is not None else sys.stderr.isatty()
     if args.sweep_speed:

@@ -135,32 +135,7 @@ def find_limits(
             rows.append(_sweep_row(policy, speed, specs, m, slo_ttft_s, slo_itl_s))
             return _counts(rows[-1], sustained)
 
-        ok_speed: float | None = None
-        fail_speed: float | None = None
-        speed = start
-        if meets(speed):
-            ok_speed = speed
-            while ok_speed < MAX_SPEED:
-                speed = min(ok_speed * 2, MAX_SPEED)
-                if not meets(speed):
-                    fail_speed = speed
-                    break
-                ok_speed = speed
-        else:
-            fail_speed = speed
-            while fail_speed > MIN_SPEED:
-                speed = fail_speed / 2
-                if meets(speed):
-                    ok_speed = speed
-                    break
-                fail_speed = speed
-        if ok_speed is not None and fail_speed is not None:
-            while fail_speed / ok_speed > 1 + tolerance:
-                mid = (ok_speed * fail_speed) ** 0.5
-                if meets(mid):
-                    ok_speed = mid
-                else:
-                    fail_speed = mid
+        ok_speed, fail_speed = search_limit(meets, start, tolerance)
         limits[policy] = {
             "speed_ok": ok_speed,
             "speed_fail": fail_speed,  # None: it still met the SLO at MAX_SPEED
@@ -172,6 +147,41 @@ def find_limits(
     return {"slo": _slo(slo_ttft_s, slo_itl_s, sustained), "rows": rows,
             "goodput_rps": goodput, "limits": limits,
             "ceiling": _ceiling(base, cfg), "slot_ceiling": slot_ceiling(base, cfg)}  # fmt: skip
+
+
+def search_limit(
+    meets: Callable[[float], bool], start: float = 1.0, tolerance: float = LIMIT_TOLERANCE
+) -> tuple[float | None, float | None]:
+    """(the highest speed found to meet, the lowest found to miss; None: none) by
+    :func:`find_limits`' search: double (or halve) from ``start`` until ``meets`` flips,
+    then bisect geometrically to within ``tolerance``."""
+    ok_speed: float | None = None
+    fail_speed: float | None = None
+    speed = start
+    if meets(speed):
+        ok_speed = speed
+        while ok_speed < MAX_SPEED:
+            speed = min(ok_speed * 2, MAX_SPEED)
+            if not meets(speed):
+                fail_speed = speed
+                break
+            ok_speed = speed
+    else:
+        fail_speed = speed
+        while fail_speed > MIN_SPEED:
+            speed = fail_speed / 2
+            if meets(speed):
+                ok_speed = speed
+                break
+            fail_speed = speed
+    if ok_speed is not None and fail_speed is not None:
+        while fail_speed / ok_speed > 1 + tolerance:
+            mid = (ok_speed * fail_speed) ** 0.5
+            if meets(mid):
+                ok_speed = mid
+            else:
+                fail_speed = mid
+    return ok_speed, fail_speed
 
 
 def format_sweep(result: dict[str, Any]) -> str:

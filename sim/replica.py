@@ -16,7 +16,11 @@ What the engine's model runner would do is done here without a model:
   engine thread drains its command queue between steps;
 - a host KV tier, when the fleet has one (``host_blocks``): :mod:`.host_tier`'s manager in
   place of the engine's, and the step lasts at least as long as the block copies it made
-  to and from host memory (``CostModel.transfer_s``).
+  to and from host memory (``CostModel.transfer_s``);
+- a replica of a P/D fleet (``attach``): its scheduler gets the engine's leases (prefill)
+  or its pulls (decode, :mod:`.disagg`); a ``kv_handoff`` request that got its first token
+  is handed off with :meth:`Scheduler.hand_off`, as the engine does after that step, and
+  :mod:`.disagg` takes it from :attr:`SimReplica.handoffs`.
 
 The scheduler reads no clock: time enters only as a request's ``arrival_time``, which the
 fleet stamps with its own. A step that starts a run of pure decode steps
@@ -30,7 +34,7 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -44,6 +48,7 @@ from kvroute.replica.core.load_report import load_report
 from kvroute.replica.core.request import Request
 from kvroute.replica.core.scheduler import Scheduler
 from kvroute.replica.core.scheduler_types import SchedulerConfig, SchedulerOutput
+from kvroute.replica.kv_transfer.leases import Lease
 from kvroute.replica.model.cost_model import CostModel
 
 from .host_tier import TieredKVCacheManager
@@ -70,6 +75,11 @@ class SimRequest(Request):
     """The engine's :class:`Request`, tokens kept as uint32 arrays (4 bytes a token, not a
     list of int objects: thousands of long prompts queue at once past saturation), plus what
     a run records: where it went, its first token and its end in simulated seconds."""
+
+    # True while a P/D request's decode part waits for its first token on its decode
+    # replica (:class:`.disagg.HandedOff`): the client has its first token; the router's
+    # load view is told of that replica's first one all the same.
+    resumed = False
 
     def __init__(
         self, idx: int, spec: RequestSpec, tokens: array, arrival_s: float, tenant: bool = True
@@ -139,11 +149,13 @@ class SimReplica:
 
     __slots__ = (
         "alive",
+        "attach",
         "busy_s",
         "cost",
         "decode_tokens",
         "epoch",
         "fast_decode",
+        "handoffs",
         "hasher",
         "host_blocks",
         "id",
@@ -156,6 +168,7 @@ class SimReplica:
         "num_runs",
         "preemptions",
         "prefill_tokens",
+        "resumed",
         "routed",
         "run",
         "sched_config",
@@ -176,8 +189,13 @@ class SimReplica:
         fast_decode: bool = True,
         host_blocks: int = 0,
         lora: SimLoRA | None = None,
+        attach: Callable[[Scheduler], None] | None = None,
     ) -> None:
+        """``attach``: called with each new scheduler (at start, after a crash): a P/D
+        fleet's leases and pulls (:meth:`.disagg.Disagg.attach`)."""
         self.id = f"replica-{i}"
+        self.attach = attach
+        self.handoffs: list[tuple[SimRequest, Lease | None]] = []  # since the last step
         self.lora = lora  # its adapters' slots and host LRU (None: it serves none)
         self.sched_config, self.num_blocks, self.hasher = sched_config, num_blocks, hasher
         self.host_blocks = host_blocks  # 0: no host tier
@@ -190,6 +208,7 @@ class SimReplica:
         self.run: DecodeRun | None = None  # a run of decode steps in flight
         self.version = self.epoch = self.routed = self.prefill_tokens = self.decode_tokens = 0
         self.preemptions = self.num_runs = 0
+        self.resumed = 0  # P/D decode parts here before their first token (see start_step)
         self.busy_s, self.last_deliver, self.last_report = 0.0, 0.0, -1.0
         self.alive = True
 
@@ -200,8 +219,12 @@ class SimReplica:
             kv = KVCacheManager(self.num_blocks, self.hasher)
         lora = self.lora
         if lora is None:
-            return Scheduler(self.sched_config, kv)
-        return Scheduler(self.sched_config, kv, lora.ready)
+            sched = Scheduler(self.sched_config, kv)
+        else:
+            sched = Scheduler(self.sched_config, kv, lora.ready)
+        if self.attach is not None:
+            self.attach(sched)
+        return sched
 
     @property
     def kv(self) -> KVCacheManager:
@@ -225,6 +248,12 @@ class SimReplica:
             report = msgspec.structs.replace(
                 report, decode_context_tokens=report.decode_context_tokens + extra
             )
+        if sched.kv_loads is not None or sched.leases is not None:  # P/D, as the engine's
+            link = getattr(sched.kv_loads, "bytes_per_s", 0.0)  # its pulls' measured rate
+            if link:
+                report = msgspec.structs.replace(report, kv_link_bytes_per_s=link)
+            if sched.leases is not None and len(sched.leases):
+                report = msgspec.structs.replace(report, kv_leased_blocks=sched.leases.num_blocks)
         return report
 
     def crash(self) -> list[SimRequest]:
@@ -239,6 +268,8 @@ class SimReplica:
             lora.reading.clear()
         self.scheduler = self._new_scheduler()
         self.inbox = []
+        self.handoffs = []
+        self.resumed = 0
         self.step = self.run = None
         self.version += 1
         return orphans
@@ -250,6 +281,8 @@ class SimReplica:
         sched = self.scheduler
         for req in self.inbox:
             sched.add_request(req)
+            if req.resumed:
+                self.resumed += 1
         self.inbox.clear()
         if not sched.has_unfinished_requests():
             return None  # an engine with nothing to do waits for its queue
@@ -278,8 +311,11 @@ class SimReplica:
         self.version += 1
         transfer = self._transfers() if self.host_blocks else 0.0
         adapter_s = self._adapter_copies(out) if self.lora is not None else 0.0
-        # A run is not taken while adapters are read: a read's end may admit a request.
+        # A run is not taken while adapters are read: a read's end may admit a request; nor
+        # while a P/D decode part awaits its first token here: the router hears of it at
+        # that step's end, not the run's.
         plain = not transfer and not adapter_s and not (self.lora and self.lora.reading)
+        plain = plain and not self.resumed
         more = sched.decode_run_after(out) if self.fast_decode and plain else 0
         if more:  # this step and ``more`` like it: one event
             self.num_runs += 1
@@ -348,8 +384,15 @@ class SimReplica:
         for req in sched.update_from_output(out, _SAMPLED):  # type: ignore[assignment]
             if req.first_s is None:
                 first.append(req)
+            elif req.resumed:  # its first token here (the client had one from elsewhere)
+                first.append(req)
+                self.resumed -= 1
             if req.is_finished:
                 finished.append(req)
+        if sched.leases is not None:  # the engine hands off after the step's first tokens
+            for req in first:
+                if req.kv_handoff and not req.is_finished:
+                    self.handoffs.append((req, sched.hand_off(req)))
         if run is not None:
             self.busy_s += run.ends[run.steps - 1] - run.t0
             if run.steps > 1:

@@ -19,8 +19,9 @@ import numpy as np
 from kvroute.events import BlockHasher
 
 from .bounds import bounds, describe_slot_ceiling, least_work_s
+from .disagg import HandedOff
 from .lora import adapter_metrics
-from .simulator import POOLED, SimConfig, SimRequest, SimRun, split_policy
+from .simulator import POOLED, SimConfig, SimRun, split_policy
 from .workloads import RequestSpec, TokenSource
 
 Progress = Callable[[str, int, int], None]
@@ -69,11 +70,16 @@ def summarize(fleet: SimRun, wall_s: float) -> dict[str, Any]:
     total_work = float(work.sum()) or 1.0
     # The least work of what each replica served, at the hits it had (sim.bounds): above the
     # arrival span on any replica, it could not have kept up at that rate for long.
-    served: dict[int, list[SimRequest]] = {}
+    served: dict[int, list[tuple[RequestSpec, int]]] = {}
     for r in done:
-        served.setdefault(r.replica, []).append(r)
+        if isinstance(r, HandedOff):  # P/D: its prefill on one replica, the rest on another
+            solo = dataclasses.replace(r.spec, output_length=1)
+            served.setdefault(r.prefill_replica, []).append((solo, r.hit or 0))
+            served.setdefault(r.replica, []).append((r.spec, r.decode_hit or 0))
+        else:
+            served.setdefault(r.replica, []).append((r.spec, r.hit or 0))
     least = [
-        least_work_s([r.spec for r in rs], [r.hit or 0 for r in rs], fleet.cfg.profile(i))
+        least_work_s([s for s, _ in rs], [h for _, h in rs], fleet.cfg.profile(i))
         for i, rs in served.items()
     ]
     return {
@@ -126,6 +132,7 @@ def summarize(fleet: SimRun, wall_s: float) -> dict[str, Any]:
             if fleet.cfg.lora
             else {}
         ),
+        **({"pd": fleet.pd.metrics()} if fleet.pd is not None else {}),
     }
 
 
@@ -173,6 +180,17 @@ def simulate(
             "host_blocks_per_replica": cfg.host_blocks(0),
             "host_bandwidth_bytes_s": sorted({p.host_bandwidth for p in cfg.profiles}),
             "lora": None if cfg.lora is None else dataclasses.asdict(cfg.lora),
+            **(
+                {
+                    "prefill_replicas": cfg.prefill_replicas,
+                    "decode_replicas": cfg.decode_replicas,
+                    "pd_split": cfg.pd_split,
+                    "link_bytes_per_s": cfg.link_bytes_per_s,
+                    "link_latency_s": cfg.link_latency_s,
+                }
+                if cfg.has_roles
+                else {}
+            ),
         },
         "workload": {
             "requests": len(specs),
@@ -268,6 +286,22 @@ def format_table(result: dict[str, Any]) -> str:
                 f"{m['adapter_reads_per_1k']:6.1f}  p99 median {m['adapter_p99_median_s']:6.2f}s"
                 f"  worst {m['adapter_p99_worst_s']:6.2f}s ({m['adapter_p99_spread']:.2f}x;"
                 f" queued {m['adapter_worst_queued_p99_s']:.2f}s)"
+            )
+    if cfg.get("prefill_replicas") or cfg.get("decode_replicas"):
+        lines.append(
+            f"P/D: {cfg['prefill_replicas']} prefill, {cfg['decode_replicas']} decode, "
+            f"{cfg['replicas'] - cfg['prefill_replicas'] - cfg['decode_replicas']} both; "
+            f"split {cfg['pd_split']}; link {cfg['link_bytes_per_s'] / 1e9:g} GB/s, "
+            f"{cfg['link_latency_s'] * 1e3:g} ms:"
+        )
+        for name, m in result["policies"].items():
+            pd = m["pd"]
+            lines.append(
+                f"  {name:<13}split {pd['split_requests']} of "
+                f"{pd['split_requests'] + pd['whole_requests']}, pulls {pd['pulls']} "
+                f"({pd['pulled_tokens']:,} tokens, {pd['pull_s_mean'] * 1e3:.1f} ms mean), "
+                f"none {pd['no_pull']}, no room {pd['pull_no_room']}, failed "
+                f"{pd['pull_failed']}; decoders prefilled {pd['decoders_prefill_tokens']:,} tokens"
             )
     lines.append("work share per replica (prefill + decode tokens computed):")
     for name, m in result["policies"].items():

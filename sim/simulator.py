@@ -30,6 +30,13 @@ adapters, and its scheduler applies the engine's ``max_loras`` rule (:mod:`.lora
 request names its adapter, which its blocks' hashes carry; replicas report residency in
 their load reports and an adapter's load times in their coefficients. A replica idle while
 adapters are read wakes when the first read ends.
+
+P/D disaggregation (``prefill_replicas``, ``decode_replicas``; the rest do both): the
+router's own split rule routes each request's prefill to a prefill replica, which hands it
+off after its first token with the engine's leases; its decode part is routed among the
+replicas that decode and pulls the prompt's blocks over a link (``link_bytes_per_s``,
+``link_latency_s``) before it decodes there (:mod:`.disagg`). A fleet without roles runs
+none of it.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ from kvroute.router.routing.index import PrefixIndex, prediction_stride
 from kvroute.router.routing.policies import make_policy
 from kvroute.router.routing.policy import Policy, RequestView
 
+from .disagg import PD_SPLITS, Disagg, Pull, roles_of
 from .lora import LoRAConfig, SimLoRA
 from .replica import SimReplica, SimRequest
 from .workloads import RequestSpec, TokenSource
@@ -85,7 +93,7 @@ def split_policy(name: str) -> tuple[str, bool]:
     return policy, not variant
 
 
-_ARRIVE, _STEP, _DELIVER, _FAULT, _RUN_STEP, _WAKE = 0, 1, 2, 3, 4, 5
+_ARRIVE, _STEP, _DELIVER, _FAULT, _RUN_STEP, _WAKE, _LAND = 0, 1, 2, 3, 4, 5, 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +130,30 @@ class SimConfig:
     # The engines share prompt tokens between tenants (the scheduler's fair share); False:
     # every request in one first-come-first-served group (the pooled fleet's, see pooled).
     fair_share: bool = True
+    # P/D (module docstring, :mod:`.disagg`): the first ``prefill_replicas`` prefill, the
+    # next ``decode_replicas`` decode, the rest do both; none: no roles. A request splits
+    # when the router's price says it pays ("priced"), or whenever it can ("always").
+    prefill_replicas: int = 0
+    decode_replicas: int = 0
+    pd_split: str = "priced"
+    # The link a pull crosses, per replica, each way: 50 GB/s, one 400 Gb/s RDMA NIC per
+    # GPU (as H100 nodes are built); its latency: the handoff's round trip, as the router
+    # prices it (routing/disagg.py HANDOFF_RTT_S).
+    link_bytes_per_s: float = 50e9
+    link_latency_s: float = 1e-3
+    lease_s: float = 30.0  # a prefill replica's leases (the engine's kv_lease_s)
+
+    @property
+    def has_roles(self) -> bool:
+        return bool(self.prefill_replicas or self.decode_replicas)
+
+    def roles(self) -> list[str]:
+        """Each replica's role (all ``both`` without roles)."""
+        if self.pd_split not in PD_SPLITS:
+            raise ValueError(f"pd_split must be one of {PD_SPLITS}, not {self.pd_split!r}")
+        if self.link_bytes_per_s <= 0 or self.link_latency_s < 0:
+            raise ValueError("the link's bandwidth must be > 0 and its latency >= 0")
+        return roles_of(self.prefill_replicas, self.decode_replicas, self.replicas)
 
     def host_blocks(self, i: int = 0) -> int:
         """Replica ``i``'s host-tier blocks (0: no host tier)."""
@@ -198,6 +230,8 @@ class SimConfig:
             lora=lora,
             faults=(),
             fair_share=False,
+            prefill_replicas=0,
+            decode_replicas=0,
         )
 
     def scheduler_config(self, i: int = 0) -> SchedulerConfig:
@@ -249,11 +283,16 @@ class SimRun:
         models = [CostModel(p) for p in cfg.profiles]
         lora = cfg.lora
         times = [lora.times(cfg.profile(i)) if lora else (0.0, 0.0) for i in range(cfg.replicas)]
+        self.now = 0.0
+        # P/D: its roles and links (None: a fleet without roles, which runs none of it)
+        self.pd = Disagg(cfg, cfg.roles(), self._clock) if cfg.has_roles else None
+        pd = self.pd
         self.reps = [
             SimReplica(
                 i, cfg.scheduler_config(i), cfg.blocks(i), self.hasher,
                 models[i % len(models)], cfg.fast_decode, hosts[i],
                 SimLoRA(lora, *times[i]) if lora else None,
+                pd.attach(i) if pd is not None else None,
             )
             for i in range(cfg.replicas)
         ]  # fmt: skip
@@ -272,7 +311,29 @@ class SimRun:
         self.rejected = self.lost_batches = 0
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = 0
-        self.now = 0.0
+        if pd is not None:
+            pd.run = self
+
+    def _clock(self) -> float:
+        return self.now
+
+    def replica(self, rid: str) -> SimReplica:
+        return self._by_id[rid]
+
+    def index_of(self, rid: str) -> int:
+        return self._index_of[rid]
+
+    def view(self, req: SimRequest) -> RequestView:
+        """What the policy knows of a request (as the front door builds it)."""
+        spec = req.spec
+        return RequestView(
+            req.request_id, spec.input_length, self.hashes[req.idx], self.cfg.block_size,
+            req.prompt_token_ids, lora_name=spec.lora_name,
+        )  # fmt: skip
+
+    def push_land(self, t: float, pull: Pull) -> None:
+        """A P/D pull's blocks are all there at ``t``."""
+        self._push(t, _LAND, pull)
 
     @property
     def preemptions(self) -> int:
@@ -322,6 +383,9 @@ class SimRun:
                 rep, epoch = payload
                 if epoch == rep.epoch and rep.alive and not rep.busy:
                     self._start_step(rep)
+            elif kind == _LAND:
+                assert self.pd is not None
+                self.pd.arrived(payload)
             elif kind == _ARRIVE:
                 self._arrive(payload)
                 done += 1
@@ -348,14 +412,22 @@ class SimRun:
         view = RequestView(
             req.request_id, spec.input_length, self.hashes[i], bs, toks, lora_name=spec.lora_name
         )
+        if self.pd is not None:  # P/D: the router's plan says which replicas may take it
+            alive = self.pd.candidates(req, view, alive, self.now)
         decision = self.policy.route(view, alive, self.now)
         rep = self._by_id[decision.replica]
         req.replica = self._index_of[decision.replica]
         rep.routed += 1
         rep.inbox.append(req)
+        self.kick(rep)
+
+    def kick(self, rep: SimReplica) -> None:
+        """Something reached ``rep`` (its inbox, a P/D pull's blocks): an idle replica steps
+        now, one in a run of decode steps at the end of the step in progress (the next step
+        sees it)."""
         if not rep.busy:
             self._start_step(rep)
-        elif rep.run is not None:  # the step after the one in progress sees it
+        elif rep.run is not None:
             end = rep.cut_run(self.now)
             if end is not None:
                 self._push(end, _STEP, (rep, rep.version))
@@ -398,12 +470,18 @@ class SimRun:
         now, policy = self.now, self.policy
         first, finished = rep.end_step()
         for r in first:
-            r.first_s = now
+            if r.resumed:  # a P/D decode part's first token there (the client had one)
+                r.resumed = False
+            else:
+                r.first_s = now
             policy.on_first_token(r.request_id, now)
         for r in finished:
             r.done_s = now
             r.release()
             policy.on_finished(r.request_id, now, r.num_output_tokens)
+        if rep.handoffs:
+            assert self.pd is not None
+            self.pd.hand_off(rep)
         self._publish(rep)
         rep.run = None
         self._start_step(rep)
@@ -439,7 +517,8 @@ class SimRun:
             raise ValueError(f"unknown fault kind {f.kind!r}")
         if not rep.alive:
             return
-        orphans = rep.crash()
+        lost = self.pd.drop(rep) if self.pd is not None else []  # waiting for pulls
+        orphans = rep.crash() + lost
         for r in orphans:
             self.policy.on_finished(r.request_id, self.now)
         if f.kind == "down":
