@@ -290,7 +290,7 @@ class Disagg:
         handoffs, rep.handoffs = rep.handoffs, []
         for src, lease in handoffs:
             self.stats.handoffs += 1
-            policy.on_finished(src.request_id, now, src.num_output_tokens)
+            policy.on_finished(src.request_id, now, None)  # one token: no output length
             req = HandedOff(src, now, run.cfg.fair_share)
             alive = [r.id for r in run.reps if r.alive]
             gen = GenerateRequest(

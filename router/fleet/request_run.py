@@ -258,7 +258,8 @@ class RequestRun:
         self._record_delta(plain)
         s = self.services
         s.counters["handoffs"] += 1
-        s.policy.on_finished(self.request_id, time.monotonic(), self.num_output_tokens)
+        # its prefill part ends; None: one token is no output length to learn from
+        s.policy.on_finished(self.request_id, time.monotonic(), None)
         if handoff is not None and handoff.num_blocks:
             self._source = KVSource.of(handoff)
         # The prefill replica did its part without failing: a failover of the decode may
