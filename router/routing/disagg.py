@@ -48,6 +48,8 @@ from typing import TYPE_CHECKING
 
 from kvroute.events.replica_api import GenerateRequest
 
+from .policy import KVPolicy
+
 if TYPE_CHECKING:
     from kvroute.events.load import CostCoefficients
 
@@ -113,32 +115,30 @@ def split_pays(
 ) -> bool:
     """Whether the cheapest split costs fewer seconds than the cheapest whole run (module
     docstring). True for a policy that does not price (no ``breakdown``)."""
-    breakdown = getattr(policy, "breakdown", None)
-    if breakdown is None:
+    if not isinstance(policy, KVPolicy):  # a baseline: no price to consult
         return True
     load = policy.load
-    parts = breakdown(view, [*prefill, *decoders], now)
+    match = policy.match(view, now)  # one walk of the index, for the prices and the pulls
+    parts = policy.breakdown(view, [*prefill, *decoders], now, match)
     n, bs = view.num_prompt_tokens, view.block_size
     full = (n // bs) * bs
     tail = n - full + 1
 
-    default = getattr(policy, "default_coefficients", None)
+    default = policy.default_coefficients
 
     def stall(r: str, compute: float, tokens: int) -> float:
         c = load.coefficients(r) or default
         _, context, decoding, _, _, _ = load.get(r, now)
-        return stall_s(c, decoding, context, compute, tokens) if c is not None else 0.0
+        return stall_s(c, decoding, context, compute, tokens)
 
     whole = min(parts[d].total + stall(d, parts[d].prefill, n) for d in decoders)
     pside = min(parts[p].total - parts[p].decode + stall(p, parts[p].prefill, n) for p in prefill)
-    hits = _device_hits(view, policy, decoders, now)
+    hits = match[0]  # device blocks held per replica: a decode replica pulls the rest
     best_split = float("inf")
     for d in decoders:
         c = load.coefficients(d) or default
-        if c is None:
-            return True
         q = parts[d]
-        moved = max(full - hits.get(d, 0), 0)
+        moved = max(full - hits.get(d, 0) * bs, 0)
         report = load.last_report(d)
         link = report.kv_link_bytes_per_s if report is not None else 0.0
         link = link if link > 0 else DEFAULT_LINK_BYTES_PER_S
@@ -164,16 +164,3 @@ def stall_s(
     chunks = -(-tokens // max(c.max_batched_tokens, 1))
     extra = compute_s - chunks * headroom
     return decoding * extra if extra > 0.0 else 0.0
-
-
-def _device_hits(
-    view: RequestView, policy: Policy, replicas: Sequence[str], now: float
-) -> dict[str, int]:
-    """Prompt tokens each replica holds in its device cache (a decode replica pulls only
-    the rest)."""
-    index = getattr(policy, "index", None)
-    cap = max(view.num_prompt_tokens - 1, 0) // view.block_size
-    if index is None or not cap or not view.reads_cache:
-        return {}
-    matched = index.match(list(view.block_hashes[:cap]), now)
-    return {r: matched.get(r, 0) * view.block_size for r in replicas}

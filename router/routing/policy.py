@@ -359,6 +359,10 @@ class KVPolicy(Policy):
         report, at = self.load.report_of(r)
         return sum(self.adapters.price(c, r, adapter, report, at, drain_s, batch, now))
 
+    def match(self, req: RequestView, now: float) -> tuple[dict[str, int], dict[str, Lower]]:
+        """Leading blocks held per replica: on the device, and beyond in lower tiers."""
+        return self._match(req, now)
+
     def _match(self, req: RequestView, now: float) -> tuple[dict[str, int], dict[str, Lower]]:
         """Leading blocks held per replica, over the blocks a hit may cover (prompt - 1): in
         its device cache, and beyond them in its lower tiers (empty while no replica has
@@ -380,13 +384,16 @@ class KVPolicy(Policy):
         )
 
     def breakdown(
-        self, req: RequestView, replicas: Sequence[str], now: float
+        self,
+        req: RequestView,
+        replicas: Sequence[str],
+        now: float,
+        match: tuple[dict[str, int], dict[str, Lower]] | None = None,
     ) -> dict[str, CostParts]:
-        """Per replica, the predicted seconds by part (for inspection, tests and logs)."""
-        (matched, lower), o = (
-            self._match(req, now),
-            self.load.expected_output_tokens(req.max_tokens),
-        )
+        """Per replica, the predicted seconds by part (for inspection, tests, logs and the
+        P/D split's price). ``match``: :meth:`match`'s answer, when the caller has it."""
+        matched, lower = match if match is not None else self._match(req, now)
+        o = self.load.expected_output_tokens(req.max_tokens)
         out = {}
         n, bs = req.num_prompt_tokens, req.block_size
         adapter = req.lora_name if self.price_adapters else None
