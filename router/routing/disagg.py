@@ -94,15 +94,18 @@ def plan(
     """The part of ``request`` to send now. ``decoding``: its first token was made (by a
     prefill replica, or before a failover): it goes to a replica that decodes. ``view``,
     ``policy``: price whether a splittable request splits (module docstring)."""
-    decoders = [c for c in candidates if role_of(c) != ROLE_PREFILL]
+    roles = [role_of(c) for c in candidates]
+    if all(r == ROLE_BOTH for r in roles):  # a unified fleet: one pass, nothing to split
+        return Part(list(candidates), False)
+    decoders = [c for c, r in zip(candidates, roles, strict=True) if r != ROLE_PREFILL]
     if decoding:
         return Part(decoders or list(candidates), False)
-    prefill = [c for c in candidates if role_of(c) == ROLE_PREFILL]
+    prefill = [c for c, r in zip(candidates, roles, strict=True) if r == ROLE_PREFILL]
     if prefill and decoders and can_split(request):
         if view is None or policy is None or split_pays(view, policy, prefill, decoders, now):
             return Part(prefill, True)
         return Part(decoders, False)
-    whole = [c for c in candidates if role_of(c) == ROLE_BOTH]
+    whole = [c for c, r in zip(candidates, roles, strict=True) if r == ROLE_BOTH]
     return Part(whole or decoders or list(candidates), False)
 
 
