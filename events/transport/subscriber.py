@@ -592,6 +592,7 @@ class ZmqEventSubscriber:
         self._drain_pending(r)
 
     def _apply_replay(self, r: _Subscription, reply: list[tuple[int, bytes]]) -> None:
+        before = r.last_seq
         first_seq = next((seq for seq, _ in reply if seq > r.last_seq), None)
         if first_seq is not None and first_seq > r.last_seq + 1 and not r.snapshot_supported:
             # The buffer no longer reaches back and there is no snapshot to ask for: what
@@ -608,6 +609,13 @@ class ZmqEventSubscriber:
             self._deliver(r, seq, batch, "replay")
         first = next(((seq, b) for seq, b in r.pending if seq > r.last_seq), None)
         if first is not None and (first[0] != r.last_seq + 1 or first[1] is None):
+            newest = max((seq for seq, _ in reply), default=-1)
+            if r.last_seq == newest > before:
+                # A newer hole, lost after the buffer was read (batches kept arriving while
+                # the reply was on its way): the next replay holds it.
+                r.stats.gaps += 1
+                self._request(r, "replay", r.last_seq + 1)
+                return
             # Still a hole: the engine's buffer no longer holds it.
             if r.snapshot_supported:
                 self._request(r, "snapshot", SNAPSHOT_REQUEST)

@@ -152,6 +152,11 @@ class VllmLikePublisher:
         self.seq = 0
         self.lock = threading.Lock()
         self._stop = threading.Event()
+        # While ``hold`` is set, a reply waits for ``release`` after its buffer was read, so
+        # a test can publish while the reply is on its way.
+        self.hold = threading.Event()
+        self.buffer_read = threading.Event()
+        self.release = threading.Event()
         self._t = threading.Thread(target=self._serve, daemon=True)
         self._t.start()
 
@@ -172,11 +177,14 @@ class VllmLikePublisher:
             ident, _, start_raw = self.router.recv_multipart()
             start = int.from_bytes(start_raw, "big")  # vLLM reads it unsigned
             with self.lock:
-                for seq, payload in self.buffer:
-                    if seq >= start:
-                        self.router.send_multipart([ident, b"", seq.to_bytes(8, "big"), payload])
-                # vLLM's end marker has no topic frame either: [b"", -1, b""]
-                self.router.send_multipart([ident, b"", pack_seq(-1), b""])
+                reply = [(seq, payload) for seq, payload in self.buffer if seq >= start]
+            if self.hold.is_set():
+                self.buffer_read.set()
+                self.release.wait(10)
+            for seq, payload in reply:
+                self.router.send_multipart([ident, b"", seq.to_bytes(8, "big"), payload])
+            # vLLM's end marker has no topic frame either: [b"", -1, b""]
+            self.router.send_multipart([ident, b"", pack_seq(-1), b""])
 
     def close(self) -> None:
         self._stop.set()

@@ -366,6 +366,58 @@ def test_reads_a_vllm_style_stream_with_int_hashes_and_recovers_a_gap():
         vllm.close()
 
 
+def test_a_gap_lost_while_a_replay_is_on_its_way_is_replayed_too():
+    """No snapshots (vLLM): a batch lost after the engine read its buffer for a replay is a
+    second hole behind the first; it is replayed as well, never answered by dropping the
+    replica's state."""
+    vllm = VllmLikePublisher()
+    views = Views()
+    sub = ZmqEventSubscriber(views, request_timeout=30)
+    try:
+        sub.add_publisher("vllm-0", vllm.endpoint, vllm.replay_endpoint)
+        assert poll(lambda: sub.in_sync("vllm-0"), timeout=10)
+        settle(sub, "vllm-0", vllm)
+        truth = {}
+
+        def store(i: int, send: bool = True) -> None:
+            h = 1000 + i
+            event = ["BlockStored", [h], (h - 1) if i else None, [i] * 16, 16, None, "GPU"]
+            vllm.publish([event], send)
+            truth[h] = 1
+
+        received = quiet(sub, "vllm-0")
+        vllm.hold.set()
+        store(0)
+        store(1, send=False)
+        store(2)  # the first hole: a replay is asked for
+        assert vllm.buffer_read.wait(10)
+        store(3, send=False)  # lost after the buffer was read
+        store(4)
+        store(5)
+        assert poll(lambda: sub.stats()["vllm-0"].received == received + 4, timeout=10)
+        vllm.hold.clear()
+        vllm.release.set()  # the first reply reaches store(2) only
+        assert poll(lambda: views.counts("vllm-0") == truth, timeout=10), sub.stats()
+        stats = sub.stats()["vllm-0"]
+        assert stats.resets == 0 and stats.gaps == 2 and stats.request_timeouts == 0, stats
+    finally:
+        vllm.release.set()
+        sub.close()
+        vllm.close()
+
+
+def quiet(sub: ZmqEventSubscriber, replica_id: str) -> int:
+    """The count of batches received once no more arrive (settle's extra empties)."""
+    counts = [-1]
+
+    def still() -> bool:
+        counts.append(sub.stats()[replica_id].received)
+        return counts[-1] == counts[-2]
+
+    assert poll(still, timeout=10, every=0.2)
+    return counts[-1]
+
+
 def settle(sub: ZmqEventSubscriber, replica_id: str, pub: VllmLikePublisher) -> None:
     """Waits until the subscriber's SUB connection is live: a PUB socket drops what it sends
     before the subscription reaches it, so empty batches go out until one is read live."""

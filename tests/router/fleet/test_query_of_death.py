@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -40,11 +41,14 @@ def _contains(ids: Sequence[int], marker: Sequence[int]) -> bool:
 class RiggedReplica(ReplicaServer):
     """A replica whose engine fails on requests that carry ``MARKER`` (tests only)."""
 
-    def rig(self, where: str, after: int = 0) -> None:
+    def rig(self, where: str, after: int = 0, hold: bool = False) -> None:
         """``where``: "process", "forward" or "sampler"; the sampler fails from a request's draw
-        ``after`` on (0: its first token)."""
+        ``after`` on (0: its first token). ``hold``: that failing draw first waits for
+        ``release`` -- so a test knows its client saw the earlier tokens before the failure,
+        however the deltas of a slow machine coalesce."""
         engine = self.engine.llm_engine
         draws: dict[str, int] = {}
+        released = self.released = threading.Event()
         if where == "process":  # the process dies with no word (a segfault, the OOM killer)
             execute = engine.runner.execute
 
@@ -72,10 +76,15 @@ class RiggedReplica(ReplicaServer):
                 draws[rid] = draws.get(rid, 0) + 1
                 poisoned = _contains(engine.scheduler.requests[rid].prompt_token_ids, MARKER)
                 if poisoned and draws[rid] > after:
+                    if hold:
+                        released.wait(60)
                     raise ValueError("rigged seed failure")
                 return generator(rid, params)
 
             sampler._generator = generator_or_fail  # type: ignore[method-assign]
+
+    def release(self) -> None:
+        self.released.set()
 
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers need not import it
@@ -118,10 +127,13 @@ def test_a_request_failing_its_own_stage_fails_alone(served: Served) -> None:
     r = httpx.post(served.url + "/v1/completions", json=req, headers=AUTH, timeout=60)
     assert r.status_code == 500 and r.json()["error"]["code"] == "request_failed"
     # Failing after its first tokens were streamed: an error event, then [DONE].
-    ray.get([a.rig.remote("sampler", after=3) for a in served.actors.values()])
+    ray.get([a.rig.remote("sampler", after=3, hold=True) for a in served.actors.values()])
     with httpx.stream("POST", served.url + "/v1/completions", json=req, headers=AUTH) as r:
         assert r.status_code == 200
-        events = [line for line in r.iter_lines() if line and not line.startswith(":")]
+        lines = r.iter_lines()
+        events = [next(line for line in lines if line.startswith("data: "))]
+        ray.get([a.release.remote() for a in served.actors.values()])
+        events += [line for line in lines if line and not line.startswith(":")]
     assert events[-1] == "data: [DONE]"
     error = json.loads(events[-2].removeprefix("data: "))["error"]
     assert error["code"] == "request_failed" and error["request_id"] == r.headers["x-request-id"]
