@@ -21,6 +21,8 @@ checksum, and recomputes from there, as after a failed lower-tier load.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 # The medium a request's blocks came from when another replica sent them: a key of
@@ -49,6 +51,10 @@ class KVHandoff(msgspec.Struct, kw_only=True, frozen=True):
     lease: bytes  # 16 random bytes: only a holder of the delta can name these blocks
     num_blocks: int  # the prompt's full blocks leased, from its first
     expires_in_s: float  # unless kept (:class:`Keep`) or released first
+    # A vLLM engine's handoff (its NixlConnector): the ``kv_transfer_params`` its prefill
+    # returned, passed to the decode engine as they are; then the first token is the
+    # decode's to make and the delta carries none (:func:`vllm_prefill_params`).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class KVSource(msgspec.Struct, kw_only=True, frozen=True):
@@ -59,6 +65,7 @@ class KVSource(msgspec.Struct, kw_only=True, frozen=True):
     endpoint: str
     lease: bytes
     num_blocks: int
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's (see KVHandoff)
 
     @classmethod
     def of(cls, handoff: KVHandoff) -> KVSource:
@@ -67,7 +74,25 @@ class KVSource(msgspec.Struct, kw_only=True, frozen=True):
             endpoint=handoff.endpoint,
             lease=handoff.lease,
             num_blocks=handoff.num_blocks,
+            kv_transfer_params=handoff.kv_transfer_params,
         )
+
+
+def vllm_prefill_params() -> dict[str, Any]:
+    """The ``kv_transfer_params`` that make a vLLM engine (NixlConnector) run a request as
+    the prefill half of a pair, as vLLM's P/D proxy and llm-d's sidecar send them (with
+    ``max_tokens`` 1 and no stream). Its answer's ``kv_transfer_params`` (``remote_block_ids``,
+    ``remote_engine_id``, ``remote_request_id``, ``remote_host``, ``remote_port``,
+    ``tp_size``, ...) go, as they are, with the decode request: that engine pulls the blocks
+    and computes the first token again (the prefill's is dropped)."""
+    return {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+    }
 
 
 # -- the transfer plane (puller DEALER -> source ROUTER, msgpack; kind byte first) --------

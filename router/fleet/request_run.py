@@ -134,6 +134,7 @@ class RequestRun:
         self._resends = 0
         self._sends = 0  # sends so far: each after the first has an id of its own
         self._source: KVSource | None = None  # the lease a handed-off request pulls from
+        self._handed_off = False  # its prefill part is done: the rest goes to a decoder
         self._conn: ReplicaConnection | None = None
         self._flight: InFlightRequest | None = None
         self._output_ids: list[int] = []  # streamed so far: what a failover resumes from
@@ -176,7 +177,7 @@ class RequestRun:
             self.request,
             candidates,
             s.replicas.role,
-            decoding=bool(self._output_ids),
+            decoding=bool(self._output_ids) or self._handed_off,
             view=self.view,
             policy=s.policy if s.pd_priced else None,
             now=now,
@@ -246,16 +247,22 @@ class RequestRun:
                 self.services.errors["invalid_request"] += 1
                 raise
             if delta.finish_reason == "handoff":
-                return self._hand_off(delta)
+                plain = self._hand_off(delta)
+                if plain is None:  # vLLM's handoff: the decode replica makes the first token
+                    continue
+                return plain
             self._record_delta(delta)
             return delta
 
-    def _hand_off(self, delta: GenerateDelta) -> GenerateDelta:
+    def _hand_off(self, delta: GenerateDelta) -> GenerateDelta | None:
         """The prefill replica made the first token and leased the prompt's blocks: the
-        client gets the token as any, and the request goes on on a decode replica."""
+        client gets the token as any, and the request goes on on a decode replica. None: a
+        handoff without a token (vLLM's ``kv_transfer_params``: the decode side makes it)."""
         handoff = delta.kv_handoff
         plain = msgspec.structs.replace(delta, finished=False, finish_reason=None, kv_handoff=None)
-        self._record_delta(plain)
+        if plain.delta_token_ids:
+            self._record_delta(plain)
+        self._handed_off = True
         s = self.services
         s.counters["handoffs"] += 1
         # its prefill part ends; None: one token is no output length to learn from
@@ -267,7 +274,7 @@ class RequestRun:
         self._tried.discard(self.replica)
         self._conn = self._flight = None
         self._send()
-        return plain
+        return plain if plain.delta_token_ids else None
 
     def stream_to(self, writer: Callable[[GenerateDelta], bool]) -> None:
         """From now on, a delta that arrives while :meth:`next` waits goes to ``writer`` at
