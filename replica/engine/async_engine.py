@@ -87,15 +87,21 @@ class _Call:
     loop: asyncio.AbstractEventLoop
 
 
+# Wakes an idle engine thread for one look at its leases (a prefix fetch waits on a pin).
+_WAKE = object()
+
+
 class AsyncLLMEngine(ReplicaEngine):
     """Thread-hosted :class:`LLMEngine` with an async streaming ``generate``; a replica's
     :class:`~.replica_engine.ReplicaEngine` (``llm_engine`` is the engine it hosts)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.llm_engine = engine
-        self._commands: queue.SimpleQueue[Submission | _Abort | _AbortSink | _Call | None] = (
+        self._commands: queue.SimpleQueue[Submission | _Abort | _AbortSink | _Call | object] = (
             queue.SimpleQueue()
         )
+        if engine.scheduler.leases is not None:
+            engine.scheduler.leases.wake = lambda: self._commands.put(_WAKE)
         self._sinks: dict[str, OutputSink] = {}
         self._touched: set[OutputSink] = set()  # sinks delivered to since the last flush
         # A step's KV events leave right after its outputs, not in the middle of the step:
@@ -459,6 +465,8 @@ class AsyncLLMEngine(ReplicaEngine):
             except queue.Empty:
                 return applied
             block = False
+            if cmd is _WAKE:  # a prefix fetch's pin waits for the next lease poll
+                continue
             applied += 1
             if cmd is None:
                 return None

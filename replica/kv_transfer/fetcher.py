@@ -124,6 +124,8 @@ class RemoteFetcher:
             self._hand(item)
 
     def _done(self, source: KVSource) -> None:
+        if not source.lease:  # a prefix fetch: the source ended its pin with the pull
+            return
         try:
             self.link.done(source)
         except Exception:  # the lease expires at the source instead

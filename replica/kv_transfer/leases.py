@@ -12,6 +12,13 @@ lease ending *during* a read; a reader therefore takes the lease with :meth:`Lea
 and gives it back with :meth:`Leases.close`, and the engine thread ends no lease a reader
 holds (it ends it at the first poll after).
 
+A prefix fetch (a request routed to one replica, its prefix held by another) comes with no
+lease: the holder computed the prefix for other requests. The puller names the blocks by
+hash, and the holder leases what its cache holds of them for the pull's length
+(:meth:`Leases.pin`): asked from the plane's thread, granted on the engine thread at its next
+poll, released by the server once the pull ends. A hash folds in the tenant's salt and the
+adapter, so a puller can only name blocks its own request would have computed.
+
 Invariants:
 - each lease holds exactly one reference on each of its blocks, taken at :meth:`grant`
   and given back exactly once, on the engine thread (release, expiry, revoke, clear);
@@ -27,7 +34,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvroute.events.kv_transfer import PULL_MISMATCH, PULL_UNKNOWN
@@ -36,6 +43,17 @@ if TYPE_CHECKING:
     from ..core.block_pool import BlockPool, KVCacheBlock
 
 LEASE_ID_BYTES = 16
+
+
+@dataclass(slots=True, eq=False)
+class _PinAsk:
+    """A fetch's ask for the cached blocks of ``hashes``, answered on the engine thread."""
+
+    hashes: list[bytes]
+    ready: threading.Event = field(default_factory=threading.Event)
+    lease: Lease | None = None
+    taken: bool = False  # the engine thread is answering it
+    cancelled: bool = False  # the asker stopped waiting: grant nothing
 
 
 @dataclass(slots=True, eq=False)
@@ -66,7 +84,13 @@ class Leases:
         self._leases: dict[bytes, Lease] = {}  # in grant order: the oldest first
         self._lock = threading.Lock()
         self._released: queue.SimpleQueue[bytes] = queue.SimpleQueue()
-        self.stats = {"granted": 0, "released": 0, "expired": 0, "revoked": 0}
+        self._pins: queue.SimpleQueue[_PinAsk] = queue.SimpleQueue()
+        # Wakes an idle engine thread so that it polls (set by the async engine); None: the
+        # engine polls on its own often enough (tests that step by hand).
+        self.wake: Callable[[], None] | None = None
+        self.stats = {
+            "granted": 0, "released": 0, "expired": 0, "revoked": 0, "pinned": 0, "pin_misses": 0
+        }  # fmt: skip
 
     # -- engine thread -------------------------------------------------------------------
     def grant(self, request_id: str, blocks: Sequence[KVCacheBlock]) -> Lease:
@@ -85,7 +109,14 @@ class Leases:
         return lease
 
     def poll(self) -> None:
-        """Each step: frees the leases released since, and those past their expiry."""
+        """Each step: grants the fetches' pins, frees the leases released since, and those
+        past their expiry."""
+        while True:
+            try:
+                ask = self._pins.get_nowait()
+            except queue.Empty:
+                break
+            self._pin(ask)
         ended: list[Lease] = []
         now = self.clock()
         with self._lock:
@@ -108,6 +139,25 @@ class Leases:
                 del self._leases[lease.lease_id]
         for lease in ended:
             self.pool.free_blocks(reversed(lease.blocks))
+
+    def _pin(self, ask: _PinAsk) -> None:
+        """Leases the longest run of ``ask.hashes``, from its first, that the cache holds."""
+        blocks = []
+        for h in ask.hashes:
+            block = self.pool.get_cached_block(h)
+            if block is None:
+                break
+            blocks.append(block)
+        with self._lock:  # the asker gives up, or waits for this answer: never both
+            if ask.cancelled:
+                return
+            ask.taken = True
+        if blocks:
+            ask.lease = self.grant("fetch", blocks)
+            self.stats["pinned"] += 1
+        else:
+            self.stats["pin_misses"] += 1
+        ask.ready.set()
 
     def revoke_oldest(self) -> bool:
         """Frees the oldest lease no pull is reading (the pool needs its blocks more than
@@ -161,6 +211,22 @@ class Leases:
             lease = self._leases.get(lease_id)
             if lease is not None:
                 lease.readers -= 1
+
+    def pin(self, hashes: Sequence[bytes], wait_s: float) -> Lease | None:
+        """A lease on the cached blocks of ``hashes`` (the longest run from the first), for
+        a fetch to read and then :meth:`release`; None if the cache holds none of them, or
+        the engine did not poll within ``wait_s``."""
+        ask = _PinAsk(list(hashes))
+        self._pins.put(ask)
+        if self.wake is not None:
+            self.wake()
+        if not ask.ready.wait(wait_s):
+            with self._lock:
+                if not ask.taken:
+                    ask.cancelled = True
+                    return None
+            ask.ready.wait()  # being granted now, on the engine thread
+        return ask.lease
 
     def keep(self, lease_id: bytes, extend_s: float) -> bool:
         """The puller still waits: the lease lives ``extend_s`` from now (at least)."""

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from kvroute.events.kv_transfer import PULL_FAILED, PULL_OK, KVSource
+from kvroute.events.kv_transfer import PULL_FAILED, PULL_OK, PULL_UNKNOWN, KVSource
 
 from ..kv_tiers.disk import checksum
 from .leases import Leases
@@ -27,6 +27,10 @@ from .leases import Leases
 # on. The bytes are valid only during the call (the reader reuses its buffer), unless the
 # pull was served with ``buffers``.
 BlockSink = Callable[[int, memoryview, int], bool]
+
+# How long a fetch waits for the engine thread to pin the blocks it names (one poll: a step,
+# or an idle engine's wake-up). Past it the pull is refused and the puller recomputes.
+PIN_WAIT_S = 2.0
 
 
 class BlockReader:
@@ -77,7 +81,8 @@ class KVSender:
         self.reader = reader
         self.replica_id = replica_id
         self.endpoint = ""  # set once a transfer plane serves it
-        self.stats = {"pulls": 0, "blocks_sent": 0, "bytes_sent": 0, "pulls_refused": 0}
+        keys = ("pulls", "fetches", "blocks_sent", "bytes_sent", "pulls_refused")
+        self.stats = dict.fromkeys(keys, 0)
 
     def serve(
         self,
@@ -90,10 +95,23 @@ class KVSender:
         """Sends the lease's blocks ``hashes`` (from position ``start``) to ``sink`` in
         order; (blocks sent, why it ended: ``PULL_OK`` or a refusal's reason). ``buffers``:
         each block read into the next buffer it gives (of ``reader.buffer()``'s size and
-        kind), which the sink may keep (a zero-copy send); None: one buffer, reused."""
+        kind), which the sink may keep (a zero-copy send); None: one buffer, reused.
+        An empty ``lease`` is a prefix fetch: the blocks of ``hashes`` the cache holds now,
+        from the first, pinned for the pull (:meth:`Leases.pin`)."""
+        pinned = b""
+        if not lease:  # a prefix fetch: what the cache holds of them, leased for this pull
+            got = self.leases.pin(hashes, PIN_WAIT_S)
+            if got is None:
+                self.stats["pulls_refused"] += 1
+                return 0, PULL_UNKNOWN
+            lease = pinned = got.lease_id
+            start, hashes = 0, got.hashes
+            self.stats["fetches"] += 1
         ids = self.leases.open(lease, start, hashes)
         if isinstance(ids, str):
             self.stats["pulls_refused"] += 1
+            if pinned:
+                self.leases.release(pinned)
             return 0, ids
         self.stats["pulls"] += 1
         sent = 0
@@ -117,6 +135,8 @@ class KVSender:
             return sent, PULL_OK
         finally:
             self.leases.close(lease)
+            if pinned:
+                self.leases.release(pinned)
 
     def keep(self, lease: bytes, extend_s: float) -> bool:
         return self.leases.keep(lease, extend_s)
