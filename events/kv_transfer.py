@@ -95,6 +95,30 @@ def vllm_prefill_params() -> dict[str, Any]:
     }
 
 
+def vllm_handoff(replica_id: str, params: dict[str, Any] | None) -> KVHandoff | None:
+    """The handoff a vLLM prefill's answer makes: its ``kv_transfer_params`` to pass on
+    (``remote_block_ids``: one list per KV-cache group in vLLM 0.32, a flat list before).
+    None where it gave none (no connector, or a failure): the decode side runs it whole."""
+    if not params:
+        return None
+    blocks = params.get("remote_block_ids") or ()
+    if blocks and isinstance(blocks[0], list | tuple):
+        blocks = blocks[0]
+    return KVHandoff(
+        replica_id=replica_id,
+        endpoint="",
+        lease=b"",
+        num_blocks=max(len(blocks), 1),  # never 0: the front door passes a source on
+        expires_in_s=VLLM_LEASE_S,
+        kv_transfer_params=params,
+    )
+
+
+# NixlConnector's ``kv_lease_duration`` default (vLLM 0.32): how long a prefill engine holds
+# the blocks for the decode engine's pull; only informative to the front door.
+VLLM_LEASE_S = 30.0
+
+
 # -- the transfer plane (puller DEALER -> source ROUTER, msgpack; kind byte first) --------
 KIND_PULL = b"P"
 KIND_BLOCK = b"B"
