@@ -14,7 +14,9 @@ port with ``SO_REUSEPORT``: the kernel spreads connections over them.
 processes kvroute did not start, with no Ray: each backend is read once at start-up
 (served model, block size, hash algorithm: :mod:`kvroute.router.backends.control`), its KV
 events indexed, its requests streamed over its own HTTP API
-(:mod:`kvroute.router.backends.connection`).
+(:mod:`kvroute.router.backends.connection`). ``--prefill URL ... --decode URL ...`` pairs
+``vllm serve`` backends started with a KV connector (NixlConnector) over vLLM's
+``kv_transfer_params`` protocol (:mod:`kvroute.router.backends.pd`).
 """
 
 from __future__ import annotations
@@ -203,7 +205,7 @@ def build_app(
         request_log.setLevel(logging.INFO)
         request_log.propagate = False
     shared = None
-    if not getattr(args, "backend", None):  # Ray's replicas: the fleet's one registry
+    if not fronts_backends(args):  # Ray's replicas: the fleet's one registry
         from kvroute.router.lora.shared import shared_registry
 
         # On a cluster it outlives this front door, as the replicas do (kvroute stop ends
@@ -222,7 +224,7 @@ def build_app(
         max_in_flight_per_tenant=per_tenant,
         admission_queue=queue,
         admission_timeout_s=args.admission_timeout,
-        find_replicas=None if getattr(args, "backend", None) else find_replicas,
+        find_replicas=None if fronts_backends(args) else find_replicas,
         admission_for=admission_for,
         pd_split=getattr(args, "pd_split", "priced"),
     )
@@ -328,8 +330,14 @@ def serve_app(
         log.removeFilter(quiet)
 
 
+def fronts_backends(args: argparse.Namespace) -> bool:
+    """Whether this front door fronts ``vllm serve`` processes (``--backend``,
+    ``--prefill``, ``--decode``) rather than Ray's replicas."""
+    return any(getattr(args, flag, None) for flag in ("backend", "prefill", "decode"))
+
+
 def run(args: argparse.Namespace) -> int:
-    if getattr(args, "backend", None):
+    if fronts_backends(args):
         return run_backends(args)
     import ray
 
@@ -379,10 +387,15 @@ def describe_backends(args: argparse.Namespace) -> list[tuple[Any, Any]]:
         describe,
     )
 
+    prefill, decode = getattr(args, "prefill", []), getattr(args, "decode", [])
+    if bool(prefill) != bool(decode):
+        raise ValueError("--prefill and --decode go together: a P/D pair needs both pools")
     specs = [BackendSpec.parse(text) for text in args.backend]
+    specs += [BackendSpec.parse(text, "prefill") for text in prefill]
+    specs += [BackendSpec.parse(text, "decode") for text in decode]
     urls = [s.url for s in specs]
     if len(set(urls)) != len(urls):
-        raise ValueError("--backend: the same URL is given twice")
+        raise ValueError("--backend/--prefill/--decode: the same URL is given twice")
     out = []
     for s in specs:
         try:
@@ -422,9 +435,16 @@ def run_backends(args: argparse.Namespace) -> int:
         say(str(exc))
         return 2
     info = backends[0][1]
+    roles = [i.role for _, i in backends]
+    pd = ""
+    if "prefill" in roles:
+        pd = (
+            f", P/D: {roles.count('prefill')} prefill + {roles.count('decode')} decode "
+            f"(kv_transfer_params, --pd-split {args.pd_split})"
+        )
     message = (
         f"ready on http://{args.host}:{args.port}/v1 ({len(backends)} vllm serve backend(s) "
-        f"of {info.model!r}, {info.block_size}-token blocks, policy {args.policy}; "
+        f"of {info.model!r}, {info.block_size}-token blocks, policy {args.policy}{pd}; "
         f"{describe_tenants(spec)})"
     )
     try:

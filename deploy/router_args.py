@@ -159,6 +159,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "tcp://10.0.0.5:5558; repeat per backend",
     )
     b.add_argument(
+        "--prefill",
+        action="append",
+        default=[],
+        metavar="URL[=EVENTS[,REPLAY]]",
+        help="a vllm serve started with a KV connector (NixlConnector) that runs prompts: "
+        "each request's prefill half goes to one of these with vLLM's kv_transfer_params, "
+        "its decode to a --decode backend (as vLLM's and llm-d's P/D proxies pair them); "
+        "its KV events, when given, let the prefix index choose it; repeat per backend",
+    )
+    b.add_argument(
+        "--decode",
+        action="append",
+        default=[],
+        metavar="URL[=EVENTS[,REPLAY]]",
+        help="a vllm serve with the same KV connector that decodes what a --prefill "
+        "backend computed (and runs a request whole when its prefill fails); repeat",
+    )
+    b.add_argument(
         "--events-topic",
         default="",
         help="the topic in the backends' --kv-events-config (default: vLLM's, empty)",

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -53,6 +54,7 @@ from kvroute.events.replica_api import (
 )
 
 from ..fleet.replica_connection import InFlightRequest, ReplicaConnectionBase
+from .pd import run_prefill
 from .wire import BackendPool, ConnectFailedError, StreamBrokenError
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort", "error": "error"}
@@ -278,6 +280,9 @@ def completion_body(req: GenerateRequest, model: str) -> dict[str, Any] | None:
         body["structured_outputs"] = {k: v for k, v in fields.items() if v not in (None, False)}
     if req.cache_salt:  # vLLM wants 1 to 1024 characters, or none
         body["cache_salt"] = req.cache_salt
+    src = req.kv_source
+    if src is not None and src.kv_transfer_params:  # the decode half of a P/D pair (.pd)
+        body["kv_transfer_params"] = src.kv_transfer_params
     return body
 
 
@@ -317,6 +322,7 @@ class HttpReplicaConnection(ReplicaConnectionBase):
         self._loop = asyncio.get_running_loop()
         self.pool = BackendPool(self.endpoint)
         self.id = next(_conn_ids)
+        self.pd_counts: Counter[str] = Counter()  # P/D prefill halves run, fallen back (.pd)
 
     # -- requests ----------------------------------------------------------------------------
     def submit(self, req: GenerateRequest) -> InFlightRequest:
@@ -341,7 +347,11 @@ class HttpReplicaConnection(ReplicaConnectionBase):
             flight.put(next_delta(reader, [], "", "length"))
             return flight
         self.flights[req.request_id] = flight
-        task = self._loop.create_task(self._run(body, reader, flight))
+        if req.kv_handoff:  # the prefill half of a P/D pair: vLLM's kv_transfer_params
+            run = run_prefill(self, body, flight, len(req.prompt_token_ids))
+        else:
+            run = self._run(body, reader, flight)
+        task = self._loop.create_task(run)
         self._tasks[req.request_id] = task
         return flight
 

@@ -56,27 +56,38 @@ class BackendError(RuntimeError):
     """A backend kvroute cannot front as configured (the message says what to change)."""
 
 
+# A P/D backend given without its KV events follows this endpoint, which nothing binds: its
+# stream stays empty, and the policy routes to it by load alone.
+NO_EVENTS_PREFIX = "inproc://kvroute-no-events/"
+
+
 @dataclass(frozen=True, slots=True)
 class BackendSpec:
-    """One ``--backend URL=EVENTS_ENDPOINT[,REPLAY_ENDPOINT]``."""
+    """One ``--backend URL=EVENTS_ENDPOINT[,REPLAY_ENDPOINT]``, or one ``--prefill`` /
+    ``--decode URL[=EVENTS_ENDPOINT[,REPLAY_ENDPOINT]]`` (``role``: its P/D role,
+    :mod:`kvroute.router.routing.disagg`; its events optional)."""
 
     url: str
     events_endpoint: str
     replay_endpoint: str | None = None
+    role: str = "both"
 
     @classmethod
-    def parse(cls, text: str) -> BackendSpec:
+    def parse(cls, text: str, role: str = "both") -> BackendSpec:
+        flag = "--backend" if role == "both" else f"--{role}"
         url, sep, events = text.partition("=")
+        if role != "both" and not sep:  # no events: indexed by nothing, routed by load
+            sep, events = "=", NO_EVENTS_PREFIX + (urlsplit(url).netloc or url)
         if not sep or not events or not url.startswith(("http://", "https://")):
             raise ValueError(
-                f"--backend {text!r}: expected URL=EVENTS_ENDPOINT[,REPLAY_ENDPOINT], e.g. "
+                f"{flag} {text!r}: expected URL=EVENTS_ENDPOINT[,REPLAY_ENDPOINT], e.g. "
                 "http://10.0.0.5:8000=tcp://10.0.0.5:5557,tcp://10.0.0.5:5558"
             )
         pub, _, replay = events.partition(",")
         for ep in (pub, replay):
-            if ep and not ep.startswith(("tcp://", "ipc://")):
-                raise ValueError(f"--backend {text!r}: {ep!r} is not a ZeroMQ endpoint")
-        return cls(url.rstrip("/"), pub, replay or None)
+            if ep and not ep.startswith(("tcp://", "ipc://", NO_EVENTS_PREFIX)):
+                raise ValueError(f"{flag} {text!r}: {ep!r} is not a ZeroMQ endpoint")
+        return cls(url.rstrip("/"), pub, replay or None, role)
 
     @property
     def replica_id(self) -> str:
@@ -186,6 +197,7 @@ def build_info(
         incarnation=f"{rid}@{metrics.start_time or 'unknown'}",
         restarted=False,
         vocab_size=_vocab_size(model_path),
+        role=spec.role,
     )
 
 
