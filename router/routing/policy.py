@@ -135,13 +135,14 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvroute.events import ExternalBlockHash as Hash
 from kvroute.events.load import REFERENCE_COEFFICIENTS, CostCoefficients
 
+from .fetch import FETCH_RTT_S, Holders, link_bytes_per_s
 from .index import PrefixIndex, TierMatch
 from .load import LoadTracker, LoadView
 from .lora_price import AdapterTracker
@@ -210,12 +211,13 @@ class CostParts(NamedTuple):
     load: float = 0.0  # loading its lower-tier blocks into the device
     adapter: float = 0.0  # its LoRA adapter's load, slot wait and eviction (lora_price)
     work: float = 0.0  # its prefill's compute again: what the requests after it wait
+    fetch: float = 0.0  # pulling its prefix from another replica's cache (:mod:`.fetch`)
 
     @property
     def total(self) -> float:
         return (
             self.wait + self.prefill + self.evict + self.decode + self.capacity + self.load
-            + self.adapter + self.work
+            + self.adapter + self.work + self.fetch
         )  # fmt: skip
 
 
@@ -253,20 +255,25 @@ def price(
     out: float,
     block_size: int,
     lower: Lower = (),
+    far: int = 0,
+    link: float = 0.0,
 ) -> CostParts:
     """The seconds a request of ``n`` prompt tokens (``hit`` in the device cache there,
     ``lower`` blocks beyond it in lower tiers, ``out`` expected output tokens) costs on a
     replica with coefficients ``c`` and load ``view``; the formula and why each term is
     there are in the module docstring. The reference for :meth:`KVPolicy.choose`, which
-    computes the same sums inline."""
+    computes the same sums inline. ``far`` tokens beyond them it may fetch from another
+    replica over a ``link`` of that many bytes/s, where that is cheaper (:mod:`.fetch`)."""
     queued, context, decoding, _, free, total = view
     loaded, load_s = lower_credit(c, lower, block_size) if lower else (0, 0.0)
+    _, _, _, fetched = _fixed_s(c, n, hit, lower, block_size, far, link)
     f = DECODE_OVERLAP
     decode = out * c.decode_step_s(f * decoding + 1, f * context + n + 0.5 * out)
     new_blocks = -(-(n + int(out)) // block_size) - hit // block_size
     short = new_blocks - free
     reuse = evicted_reuse(free, total, new_blocks)
-    compute = c.prefill_s(n - hit - loaded, hit + loaded)
+    cached = hit + loaded
+    compute = c.prefill_s(n - cached - fetched, cached + fetched)
     return CostParts(
         wait=queued * c.prefill_s_per_token,
         prefill=compute,
@@ -275,7 +282,27 @@ def price(
         capacity=preemption_s(c, short * block_size) if short > 0 else 0.0,
         load=load_s,
         work=PREFILL_WORK * compute,
+        fetch=fetched * c.kv_bytes_per_token / link + FETCH_RTT_S if fetched else 0.0,
     )
+
+
+def _fixed_s(
+    c: CostCoefficients, n: int, hit: int, ext: Lower, bs: int, far: int, link: float
+) -> tuple[float, float, int, int]:
+    """What :meth:`KVPolicy.choose` prices once per (coefficients, hit, tiers, fetch): the
+    prefill with its work and loads, the recompute of what it evicts, the tokens loaded
+    from lower tiers, and those fetched (0: recomputing them is cheaper; :mod:`.fetch`)."""
+    loaded, load_s = lower_credit(c, ext, bs) if ext else (0, 0.0)
+    cached = hit + loaded
+    prefill = (1.0 + PREFILL_WORK) * c.prefill_s(n - cached, cached) + load_s
+    fetched = 0
+    if far and c.kv_bytes_per_token > 0:
+        got = cached + far
+        fetch_s = far * c.kv_bytes_per_token / link + FETCH_RTT_S
+        alt = (1.0 + PREFILL_WORK) * c.prefill_s(n - got, got) + load_s + fetch_s
+        if alt < prefill:
+            prefill, fetched = alt, far
+    return prefill, (n - cached) * c.prefill_s_per_token, loaded, fetched
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,9 +311,12 @@ class Decision:
     hit_tokens: int  # tokens the policy expects the replica to have cached (0: unknown)
     # Why (for /metrics): cache_hit -- it holds the longest cached prefix; load -- another
     # held more, or load alone decided; spread -- no cache or load figure was used, or no
-    # replica held any of the prefix.
+    # replica held any of the prefix; fetch -- it pulls the prefix from another's cache.
     reason: str = "spread"
     loaded_tokens: int = 0  # beyond hit_tokens: tokens it expects loaded from lower tiers
+    # A prefix fetch (:mod:`.fetch`): the replica to pull from, and its blocks of the prompt.
+    fetch_from: str | None = None
+    fetch_blocks: int = 0
 
 
 class Policy(ABC):
@@ -351,6 +381,9 @@ class KVPolicy(Policy):
         self.prediction_ttl_s = prediction_ttl_s
         self.default_coefficients = default_coefficients
         self.adapters = AdapterTracker(prediction_ttl_s)
+        # Prefix fetch (:mod:`.fetch`): whether a replica can pull from and serve to others
+        # (it runs a transfer plane); None: never fetch.
+        self.fetchable: Callable[[str], object] | None = None
 
     def _adapter_s(
         self, c: CostCoefficients, r: str, adapter: str, drain_s: float, batch: int, now: float
@@ -397,11 +430,14 @@ class KVPolicy(Policy):
         out = {}
         n, bs = req.num_prompt_tokens, req.block_size
         adapter = req.lora_name if self.price_adapters else None
+        fetchable = self.fetchable
+        holders = Holders(matched, fetchable) if fetchable is not None and matched else None
         for r in replicas:
             c = self.load.coefficients(r) or self.default_coefficients
-            hit = matched.get(r, 0) * bs
+            blocks, ext = matched.get(r, 0), lower.get(r, ())
+            far, link = (0, 0.0) if holders is None else self._far(r, blocks, ext, holders)
             view = self.load.get(r, now)
-            parts = price(c, view, n, hit, o, bs, lower.get(r, ()))
+            parts = price(c, view, n, blocks * bs, o, bs, ext, far * bs, link)
             if adapter is not None:
                 s = self._adapter_s(c, r, adapter, parts.decode, view[2], now)
                 parts = parts._replace(adapter=s)
@@ -424,26 +460,22 @@ class KVPolicy(Policy):
         load, coef, default = self.load.get, self.load.coefficients, self.default_coefficients
         f, own_ctx = DECODE_OVERLAP, n + 0.5 * out
         need = -(-(n + int(out)) // bs)
-        fixed: dict[tuple[int, int, Lower], tuple[float, float, int]] = {}
+        fixed: dict[tuple[int, int, Lower, int, float], tuple[float, float, int, int]] = {}
         best, fewest, tied = float("inf"), 0, []
         adapter = req.lora_name if self.price_adapters else None
+        fetchable = self.fetchable
+        holders = Holders(matched, fetchable) if fetchable is not None and matched else None
         for r in replicas:
             queued, context, decoding, count, free, total = load(r, now)
             c = coef(r) or default
             blocks = matched.get(r, 0)
             ext = lower.get(r, ()) if lower else ()
-            key = (id(c), blocks, ext)
+            far, link = (0, 0.0) if holders is None else self._far(r, blocks, ext, holders)
+            key = (id(c), blocks, ext, far, link)
             triple = fixed.get(key)
             if triple is None:  # prefill and work (and loads), one recompute of what it evicts
-                hit = blocks * bs
-                loaded, load_s = lower_credit(c, ext, bs) if ext else (0, 0.0)
-                cached = hit + loaded
-                triple = fixed[key] = (
-                    (1.0 + PREFILL_WORK) * c.prefill_s(n - cached, cached) + load_s,
-                    (n - cached) * c.prefill_s_per_token,
-                    loaded,
-                )
-            base, recompute, _ = triple
+                triple = fixed[key] = _fixed_s(c, n, blocks * bs, ext, bs, far * bs, link)
+            base, recompute, _, _ = triple
             left = free - need + blocks  # blocks left once its own are placed; < 0: short
             if total > 0:  # evicted_reuse, inline
                 if left < total:
@@ -466,15 +498,31 @@ class KVPolicy(Policy):
                 tied.append(r)
         r = tied[0] if len(tied) == 1 else self.rng.choice(tied)
         held = matched.get(r, 0)
+        ext = lower.get(r, ()) if lower else ()
+        far, link = self._far(r, held, ext, holders)
+        _, _, loaded, fetched = fixed[(id(coef(r) or default), held, ext, far, link)]
+        if fetched:
+            assert holders is not None
+            blocks, holder = holders.best_for(r)
+            return Decision(r, held * bs, "fetch", loaded, holder, blocks)
         if lower:
-            c = coef(r) or default
-            loaded = fixed[(id(c), held, lower.get(r, ()))][2]
             span = {x: matched.get(x, 0) + sum(b for _, b in lower.get(x, ())) for x in replicas}
             mine, most = span[r], max(span.values(), default=0)
         else:
-            loaded, mine, most = 0, held, max(matched.values(), default=0)
+            mine, most = held, max(matched.values(), default=0)
         reason = "spread" if not most else "cache_hit" if mine == most else "load"
         return Decision(r, held * bs, reason, loaded)
+
+    def _far(self, r: str, blocks: int, ext: Lower, holders: Holders | None) -> tuple[int, float]:
+        """(blocks, link): what ``r`` could fetch of the prefix, beyond its own device and
+        lower-tier blocks, from its best other holder, and at what bytes/s (:mod:`.fetch`);
+        (0, 0.0) where it cannot."""
+        if holders is None or not self.fetchable(r):  # type: ignore[misc]
+            return 0, 0.0
+        far = holders.best_for(r)[0] - blocks
+        for _, b in ext:
+            far -= b
+        return (far, link_bytes_per_s(self.load, r)) if far > 0 else (0, 0.0)
 
     def on_routed(self, req: RequestView, decision: Decision, now: float) -> None:
         super().on_routed(req, decision, now)
