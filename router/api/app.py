@@ -84,6 +84,7 @@ from .responses import REPLICA_HEADER, ResponseContext, respond
 from .send_deadline import SEND_TIMEOUT_S, ClientTooSlowError, SendDeadlineMiddleware
 from .sse import RAW_SEND
 from .tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from .tools import ToolConfig
 
 __all__ = ["BODY_TIMEOUT_S", "MAX_BODY_BYTES", "REPLICA_HEADER", "create_app", "render_metrics"]
 
@@ -203,9 +204,10 @@ async def _serve(request: Request, tenant: Tenant, model: type[Any]) -> Response
             n = body.n or 1
             echo = Echo.of(admitted.prompts, runs, n, decode, alone=body.max_tokens == 0)
         ctx: ResponseContext = state.responses
+        tools = admitted.tools
         if len(runs) > 1:
-            return await respond_choices(ctx, request, rid, body, runs, arrival, echo)
-        return await respond(ctx, request, rid, body, runs[0], arrival, echo)
+            return await respond_choices(ctx, request, rid, body, runs, arrival, echo, tools)
+        return await respond(ctx, request, rid, body, runs[0], arrival, echo, tools)
     except BaseException:
         for run in runs:
             run.close()
@@ -344,6 +346,7 @@ def create_app(
     body_timeout_s: float | None = BODY_TIMEOUT_S,
     send_timeout_s: float | None = SEND_TIMEOUT_S,
     public: bool = False,
+    tools: ToolConfig | None = None,
 ) -> FastAPI:
     """The app; it starts ``door``'s restart monitor on its own loop and closes ``door`` on
     shutdown. ``served_model``: the name clients use in ``model`` (default: the replicas'
@@ -351,7 +354,8 @@ def create_app(
     read whole or parsed; ``body_timeout_s``: a body slower than this is a 408;
     ``send_timeout_s``: a client that takes no piece of its response for this long is
     dropped (:mod:`.send_deadline`); ``public``: the server listens beyond loopback (a
-    server without keys then keeps ``/fleet`` to itself)."""
+    server without keys then keeps ``/fleet`` to itself); ``tools``: the tool-call parser
+    (``--tool-call-parser``, ``--enable-auto-tool-choice``; default none)."""
     # (Not ``fleet`` and ``metrics``: the handlers of those names are registered below.)
     replicas, series = door.fleet, door.metrics
     intake = Intake(
@@ -361,6 +365,7 @@ def create_app(
         door.run,
         served_model or replicas.model,
         door.loras,
+        tools,
     )
     errors: Counter[str] = Counter()  # the HTTP layer's own (auth, slow clients, ...)
     door.add_error_counts(errors)

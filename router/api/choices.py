@@ -39,6 +39,7 @@ from .responses import (
 
 if TYPE_CHECKING:
     from .echo import Echo
+    from .tools import ToolPlan
 
 
 async def respond_choices(
@@ -49,11 +50,13 @@ async def respond_choices(
     runs: list[RequestRun],
     arrival: float | None = None,
     echo: Echo | None = None,
+    tools: ToolPlan | None = None,
 ) -> Response:
     """Every run's answer as one body, a choice per run in order. Each run's first delta
     is awaited here (:func:`~.responses.await_first_delta`: the status of a failure before
     it); usage counts each prompt once (runs ``n`` apart share one) and every choice's
-    output. ``body``: the request's, checked; ``echo``: the prompts to put ahead."""
+    output. ``body``: the request's, checked; ``echo``: the prompts to put ahead;
+    ``tools``: a chat's tool plan (each choice's text read as calls)."""
     chat, n, model = body.chat, body.n or 1, body.model
     resp_id = response_id(chat)
     top = body.num_logprobs()
@@ -110,7 +113,12 @@ async def respond_choices(
         if top is not None:  # each choice's shaped afresh: its ``text_offset`` from 0
             shapes = Logprobs(ctx.tokenizer, top, names)
             shaped = (shapes.chat if chat else shapes.completion)(c.ids, c.entries)
-        choices.append(make_choice(chat, i, c.text(), last.finish_reason, shaped))
+        text: str | None = c.text()
+        finish, calls = last.finish_reason, None
+        if tools is not None:
+            text, parsed = tools.read(c.text())
+            finish, calls = tools.finish_reason(finish, parsed), tools.tool_calls(parsed)
+        choices.append(make_choice(chat, i, text, finish, shaped, calls))
     replicas = ",".join(dict.fromkeys(str(run.replica) for run in runs))
     usage = make_usage(prompt, output, cached, by_tier)
     body_out = make_response(chat, resp_id, model, choices, usage)

@@ -53,6 +53,8 @@ from .errors import APIError, one_line, status_of
 from .openai_api import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
 from .openai_wire import ChatBody, CompletionBody, decode_body
 from .response_format import structured_outputs
+from .tool_template import template_for
+from .tools import ToolConfig, ToolPlan, plan_tools, template_messages
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +106,7 @@ class Admitted:
     body: Body
     runs: list[RequestRun]
     prompts: list[Any] | None
+    tools: ToolPlan | None = None  # a chat's tools: how its answer is read (:mod:`.tools`)
 
 
 class Intake:
@@ -117,9 +120,12 @@ class Intake:
         start_run: StartRun,
         model_name: str,
         adapters: Adapters | None = None,
+        tools: ToolConfig | None = None,
     ) -> None:
         """``model_name``: what clients call the served model (the fleet's own name is
-        accepted too); ``adapters``: the LoRA adapters ``model`` may name instead."""
+        accepted too); ``adapters``: the LoRA adapters ``model`` may name instead;
+        ``tools``: the tool-call parser flags (default: none, so ``auto`` is refused)."""
+        self.tools = tools or ToolConfig()
         self.adapters = adapters
         self.admission = admission
         self.served = served
@@ -285,15 +291,27 @@ class Intake:
             return list(prompt)
         return [prompt]
 
-    async def chat_ids(self, body: ChatCompletionRequest | ChatBody, rid: str) -> list[int]:
-        """The chat's messages through the model's template, tokenized off the loop."""
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        self.check_length(sum(len(m["content"]) for m in messages))
+    async def chat_ids(
+        self, body: ChatCompletionRequest | ChatBody, rid: str, tools: ToolPlan | None = None
+    ) -> list[int]:
+        """The chat's messages through the model's template (with ``tools``' tools, and
+        their calls and results: :mod:`.tools`), tokenized off the loop."""
+        messages = template_messages(body.messages)
+        tool_list = tools.tools if tools is not None else None
+        chars = sum(len(m["content"]) for m in messages)
+        self.check_length(chars + (len(str(tool_list)) if tool_list else 0))
         tokenizer = self.tokenizer
+        with_tools = bool(tool_list) or any(
+            m["role"] == "tool" or "tool_calls" in m for m in messages
+        )
+        template = template_for(tokenizer, with_tools)
+        kw: dict[str, Any] = {} if template is None else {"chat_template": template}
+        if tool_list:
+            kw["tools"] = tool_list
 
         def render() -> list[int]:
             text = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
+                messages, add_generation_prompt=True, tokenize=False, **kw
             )
             return list(tokenizer(text, add_special_tokens=False).input_ids)
 
@@ -371,13 +389,15 @@ class Intake:
             parsed, adapter = await self.parse_with_adapter(raw, model, tenant)
             prompts = None if parsed.chat else self.prompts(parsed)
             self._check_choices(parsed, 1 if prompts is None else len(prompts), tenant)
+            plan = plan_tools(parsed, self.tools, self.tokenizer) if parsed.chat else None
             if prompts is None:
-                all_ids = [await self.chat_ids(parsed, rid)]
+                all_ids = [await self.chat_ids(parsed, rid, plan)]
             else:
                 all_ids = [await self.prompt_ids(p) for p in prompts]
             n = parsed.n or 1
             many = len(all_ids) * n > 1
-            structured = structured_outputs(parsed)
+            forced = plan.structured() if plan is not None else None
+            structured = forced or structured_outputs(parsed)
             for ids in all_ids:
                 spec = self.sampling(parsed, len(ids), structured)
                 for sample in range(n):
@@ -395,7 +415,7 @@ class Intake:
                         self.launch(tenant, tickets[len(runs)], ids, parsed.cache_salt,
                                     choice_spec, choice_id, adapter)
                     )  # fmt: skip
-            return Admitted(parsed, runs, prompts)
+            return Admitted(parsed, runs, prompts, plan)
         except BaseException:
             for ticket in tickets[len(runs) :]:
                 self.admission.release(ticket)

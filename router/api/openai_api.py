@@ -81,6 +81,7 @@ def _neutral(value: object, neutral: tuple[object, ...]) -> bool:
 class RequestMethods:
     __slots__ = ()
     chat: ClassVar[bool] = False
+    served: ClassVar[frozenset[str]] = frozenset()  # names in UNSUPPORTED served here
     if TYPE_CHECKING:  # declared by the classes that mix this in (an annotation here would
         model: str | None  # be taken for a field by msgspec, and override theirs)
         stream: bool | None
@@ -96,6 +97,8 @@ class RequestMethods:
         """The first OpenAI parameter set that this server does not implement, or None
         (every one of them defaults to None, so "set" is "not None")."""
         for name, neutral in UNSUPPORTED.items():
+            if name in self.served:
+                continue
             value = getattr(self, name, None)
             if value is not None and not _neutral(value, neutral):
                 return name
@@ -115,6 +118,7 @@ class CompletionMethods(RequestMethods):
 class ChatMethods(RequestMethods):
     __slots__ = ()
     chat: ClassVar[bool] = True
+    served: ClassVar[frozenset[str]] = frozenset({"tools", "tool_choice"})  # router/api/tools.py
     if TYPE_CHECKING:
         logprobs: bool | None
         top_logprobs: int | None
@@ -221,10 +225,25 @@ class ContentPart(_Strict):
     text: Text | None = None
 
 
+class HistoryFunction(_Strict):
+    name: Text
+    arguments: Text  # JSON text, as the model's answer gave it
+
+
+class HistoryToolCall(_Strict):
+    """A call an assistant message made earlier in the chat (the answer's ``tool_calls``)."""
+
+    id: Text
+    type: Literal["function"] = "function"
+    function: HistoryFunction
+
+
 class ChatMessage(_Strict, ChatMessageMethods):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Text | list[ContentPart] | None = None
     name: Text | None = None
+    tool_calls: list[HistoryToolCall] | None = None  # an assistant's calls
+    tool_call_id: Text | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(_Request, ChatMethods):
@@ -310,6 +329,8 @@ class CompletionResponse(BaseModel):
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    # OpenAI's shape: [{"id", "type": "function", "function": {"name", "arguments"}}]
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -328,10 +349,17 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage | None = None
 
 
-def make_choice(chat: bool, index: int, text: str, finish: str | None, logprobs: Any) -> Any:
+def make_choice(
+    chat: bool,
+    index: int,
+    text: str | None,
+    finish: str | None,
+    logprobs: Any,
+    tool_calls: list[dict[str, Any]] | None = None,
+) -> Any:
     """One choice of a whole (not streamed) answer, in the endpoint's shape."""
     if chat:
-        msg = ChatDelta(role="assistant", content=text)
+        msg = ChatDelta(role="assistant", content=text, tool_calls=tool_calls or None)
         return ChatChoice(index=index, message=msg, finish_reason=finish, logprobs=logprobs)
     return CompletionChoice(index=index, text=text, finish_reason=finish, logprobs=logprobs)
 

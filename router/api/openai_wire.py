@@ -117,10 +117,23 @@ class ContentPart(msgspec.Struct):
     text: str | None = None
 
 
+class HistoryFunction(msgspec.Struct):
+    name: str
+    arguments: str
+
+
+class HistoryToolCall(msgspec.Struct):
+    id: str
+    function: HistoryFunction
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(ChatMessageMethods, msgspec.Struct):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[HistoryToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatBody(ChatMethods, _Request, kw_only=True):

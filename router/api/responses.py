@@ -44,10 +44,12 @@ from .openai_api import (
     make_usage,
 )
 from .sse import DONE, ChunkEncoder, Emit, SSEResponse, data_line, encode_json
+from .tools import ToolStream
 
 if TYPE_CHECKING:
     from .echo import Echo
     from .metrics import Metrics
+    from .tools import ToolPlan
 
 log = logging.getLogger(__name__)
 # One line per finished request (INFO): tenant, replica, tokens, TTFT, status. Off unless
@@ -219,12 +221,14 @@ async def respond(
     run: RequestRun,
     arrival: float | None = None,
     echo: Echo | None = None,
+    tools: ToolPlan | None = None,
 ) -> Response:
     """One run's answer: one body, or an SSE stream of its chunks. ``run`` has been sent;
     its first delta is awaited here (:func:`await_first_delta`), before the status goes
     out. ``rid``: the request's id; ``arrival``: ``perf_counter()`` when the handler
-    began, for the added-latency figure; ``echo``: the prompt to put ahead. ``body``: the
-    request's, checked (:mod:`.openai_api`'s or its :mod:`.openai_wire` twin)."""
+    began, for the added-latency figure; ``echo``: the prompt to put ahead; ``tools``: a
+    chat's tool plan (its text read as calls: :mod:`.tools`). ``body``: the request's,
+    checked (:mod:`.openai_api`'s or its :mod:`.openai_wire` twin)."""
     chat = body.chat
     resp_id = response_id(chat)
     model: str = body.model
@@ -238,7 +242,9 @@ async def respond(
         encoder = ChunkEncoder(chat, resp_id, int(time.time()), model)
 
         async def write(emit: Emit) -> None:
-            await _write_sse(ctx, run, rid, encoder, include_usage, chat, logprobs, arrival, emit)
+            await _write_sse(
+                ctx, run, rid, encoder, include_usage, chat, logprobs, arrival, emit, tools
+            )
 
         async def first() -> None:
             try:
@@ -287,7 +293,13 @@ async def respond(
     usage = _usage(last)
     end_request(ctx.metrics, rid, run, last, ttft_s, f"200 {finish}", arrival)
     shaped = logprobs(got.ids, got.entries) if logprobs is not None else None
-    choice = make_choice(chat, 0, got.text(), finish, shaped)
+    text: str | None = got.text()
+    calls = None
+    if tools is not None:
+        text, parsed = tools.read(got.text())
+        finish = tools.finish_reason(finish, parsed)
+        calls = tools.tool_calls(parsed)
+    choice = make_choice(chat, 0, text, finish, shaped, calls)
     return JSONResponse(make_response(chat, resp_id, model, [choice], usage), headers=headers)
 
 
@@ -312,8 +324,11 @@ async def _write_sse(
     logprobs: Callable[[list[int], list[dict[int, float]] | None], Any] | None,
     arrival: float | None,
     emit: Emit,
+    tools: ToolPlan | None = None,
 ) -> None:
     """``data: {json}\\n\\n`` per delta, ``data: [DONE]`` last, whatever happens.
+    ``tools``: a chat's tool plan; its text is then sent as :class:`~.tools.ToolStream`
+    shapes it (content held back where a call may begin, calls as ``tool_calls``).
 
     Before ``[DONE]``, an SSE comment (clients ignore it) gives the replica's own TTFT and
     the front door's: ``: kvroute-timing {"replica_ttft_s": ..., "router_ttft_s": ...}``,
@@ -323,17 +338,28 @@ async def _write_sse(
     status = "200"
     tail: list[bytes] = []  # sent after the loop with [DONE]: the end costs one write
 
+    shapes = None if tools is None else ToolStream(tools)
+
     def chunk(d: GenerateDelta, finish: str | None = None) -> bytes:
         shaped = None
         if logprobs is not None and d.delta_token_ids:
             shaped = logprobs(list(d.delta_token_ids), d.logprobs)
-        return encoder.chunk(d.delta_text, finish, shaped)
+        if shapes is None:
+            return encoder.chunk(d.delta_text, finish, shaped)
+        deltas = shapes.feed(d.delta_text)
+        if finish is not None:
+            more, finish = shapes.finish(finish)
+            deltas += more
+        return encoder.deltas(deltas, finish, shaped)  # b"" when all is held back
 
     def push(d: GenerateDelta) -> bool:
         """A delta between the first and the last, as the loop below writes it, straight
         from the replica connection's callback (see :meth:`RequestRun.stream_to`). Only
         while the loop waits in ``run.next()``: never before the first chunk is out."""
-        return emit.now(chunk(d)) if d.delta_token_ids or d.delta_text else True
+        if not (d.delta_token_ids or d.delta_text):
+            return True
+        data = chunk(d)
+        return emit.now(data) if data else True  # an empty write would end the body
 
     try:
         if role_first:
@@ -356,7 +382,9 @@ async def _write_sse(
                 break
             if d.delta_token_ids or d.delta_text:  # as vLLM: a token that completes no
                 # character yet still gets its (empty) chunk, so the first one is never late
-                await emit(chunk(d))
+                data = chunk(d)
+                if data:
+                    await emit(data)
             d = await run.next()
         if last is not None and last.finished and last.finish_reason != "error":
             usage = _usage(last)

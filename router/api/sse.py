@@ -78,6 +78,27 @@ class ChunkEncoder:
             + b'}],"usage":null}\n\n'
         )  # fmt: skip
 
+    def deltas(
+        self, deltas: list[dict[str, Any]], finish: str | None, logprobs: Any = None
+    ) -> bytes:
+        """A chat's chunks for ``deltas`` (OpenAI's ``delta`` objects: content or
+        ``tool_calls`` pieces), ``logprobs`` on the first and ``finish`` on the last; one
+        empty delta if there is a finish or logprobs but no delta; b"" if nothing at all."""
+        if not deltas:
+            if finish is None and logprobs is None:
+                return b""
+            deltas = [{}]
+        fin = b"null" if finish is None else _json.encode(finish)
+        lp = b"null" if logprobs is None else _json.encode(logprobs.model_dump())
+        last = len(deltas) - 1
+        return b"".join(
+            self._head + b'"delta":' + _json.encode(d)
+            + b',"logprobs":' + (lp if i == 0 else b"null")
+            + b',"finish_reason":' + (fin if i == last else b"null")
+            + b'}],"usage":null}\n\n'
+            for i, d in enumerate(deltas)
+        )  # fmt: skip
+
     def usage(self, usage: dict[str, Any]) -> bytes:
         """The last chunk when ``stream_options.include_usage``: no choices, the usage."""
         return self._usage_head + _json.encode(usage) + b"}\n\n"
