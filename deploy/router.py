@@ -168,6 +168,7 @@ def build_app(
 ) -> Any:
     """The front door over ``replicas`` and its FastAPI app."""
     from kvroute.router.api.app import create_app
+    from kvroute.router.api.tools import ToolConfig
     from kvroute.router.fleet.tenants import Tenants, resolve_fleet_secret
     from kvroute.router.frontdoor import FrontDoor
 
@@ -227,8 +228,11 @@ def build_app(
         find_replicas=None if fronts_backends(args) else find_replicas,
         admission_for=admission_for,
         pd_split=getattr(args, "pd_split", "priced"),
+        prefix_fetch=getattr(args, "prefix_fetch", False),
     )
     tenants = Tenants(spec, resolve_fleet_secret(args.fleet_secret), front_door_metrics_key(args))
+    tools = ToolConfig(getattr(args, "tool_call_parser", None),
+                       getattr(args, "enable_auto_tool_choice", False))  # fmt: skip
     return create_app(
         door,
         tenants,
@@ -237,6 +241,7 @@ def build_app(
         body_timeout_s=args.body_timeout,
         send_timeout_s=args.send_timeout,
         public=not is_loopback(args.host),
+        tools=tools,
     )
 
 

@@ -76,9 +76,32 @@ def add_front_door_arguments(p: argparse.ArgumentParser) -> None:
         "proxies do)",
     )
     p.add_argument(
+        "--prefix-fetch",
+        action="store_true",
+        help="a request may go to a replica that pulls its prefix from another replica's "
+        "cache instead of queueing behind that replica or recomputing the prefix, where "
+        "the price says so (docs/disaggregation.md; kvroute's engine: its replicas run a "
+        "KV transfer plane)",
+    )
+    p.add_argument(
         "--served-model-name",
         default=None,
         help="the model's name in the API (default: --model as given)",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="serve tool_choice auto (the default with tools): the model's calls are read "
+        "from its text by --tool-call-parser (vLLM's flag); tool_choice required and a named "
+        "function are served without it",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=("hermes", "llama3_json", "mistral"),
+        help="how the model writes tool calls (vLLM's names): hermes (Qwen2/2.5/3, Hermes; "
+        "the built-in models), llama3_json (Llama 3.x), mistral ([TOOL_CALLS]); "
+        "see docs/serving.md",
     )
     p.add_argument(
         "--max-in-flight",

@@ -325,6 +325,8 @@ def engine_config(args: argparse.Namespace) -> dict[str, Any]:
     if args.max_model_len:
         config["max_model_len"] = args.max_model_len
     if args.engine == "vllm":
+        if getattr(args, "prefix_fetch", False):
+            raise StartupError("--prefix-fetch: kvroute's engine only (vLLM has no fetch)")
         config.update(_vllm_settings(args))
         lora = dict(getattr(args, "lora", None) or {})
         if lora:  # vLLM's LoRA arguments beside --vllm-args (which win)
@@ -355,6 +357,8 @@ def engine_config(args: argparse.Namespace) -> dict[str, Any]:
             if not getattr(args, "kv_disk_encrypt", True):
                 config["kv_disk_encrypt"] = False
         config.update(getattr(args, "lora", None) or {})
+        if getattr(args, "prefix_fetch", False):  # each replica serves and pulls prefixes
+            config["kv_transfer"] = True
     return config
 
 

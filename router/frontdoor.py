@@ -54,7 +54,7 @@ from .fleet.tenants import Tenant
 from .lora.registry import Adapter, HolderReplicas, LoRARegistry, not_found
 from .lora.shared import LORA_POLL_S
 from .routing.policies import make_policy
-from .routing.policy import Policy, RequestView
+from .routing.policy import KVPolicy, Policy, RequestView
 
 __all__ = ["FleetMismatchError", "FrontDoor"]
 
@@ -88,6 +88,7 @@ class FrontDoor:
         find_replicas: Callable[[], Awaitable[dict[str, Any]]] | None = None,
         admission_for: Callable[[int], tuple[int | None, int | None, int]] | None = None,
         pd_split: str = "priced",
+        prefix_fetch: bool = False,
     ) -> None:
         """Admission's limits: see :class:`Admission`; the intervals: see :class:`Fleet`.
         ``lora_adapters``: the fleet's adapters at start (name -> folder, as the replicas
@@ -102,7 +103,9 @@ class FrontDoor:
         ``admission_for``: admission's limits (in flight, per tenant, queue) for a fleet of
         n replicas, applied whenever n changes (None: the limits given stay). ``pd_split``:
         with prefill and decode replicas, "priced" splits a request only where it pays,
-        "always" splits every request that can be (routing/disagg.py)."""
+        "always" splits every request that can be (routing/disagg.py). ``prefix_fetch``: a
+        request may be placed on a replica that pulls its prefix from another's cache,
+        where the price says so (routing/fetch.py; replicas with a transfer plane only)."""
         if pd_split not in ("priced", "always"):
             raise ValueError(f"pd_split must be priced or always, got {pd_split!r}")
         self.counters: Counter[str] = Counter()  # requests, retries, failovers
@@ -130,6 +133,8 @@ class FrontDoor:
             errors=self.run_errors,
             pd_priced=pd_split == "priced",
         )
+        self.prefix_fetch = prefix_fetch
+        self._arm_fetch(self.policy)
         fleet.on_removed.append(lambda rid: self.policy.on_replica_removed(rid))
         self.membership = Membership(fleet, find_replicas) if find_replicas else None
         if admission_for is not None:
@@ -195,7 +200,13 @@ class FrontDoor:
     @policy.setter
     def policy(self, policy: Policy) -> None:
         """Requests routed from now on use ``policy`` (runs under way keep theirs)."""
+        self._arm_fetch(policy)
         self._services = dataclasses.replace(self._services, policy=policy)
+
+    def _arm_fetch(self, policy: Policy) -> None:
+        """With prefix fetch on, a kv policy may fetch between replicas with a plane."""
+        if self.prefix_fetch and isinstance(policy, KVPolicy):
+            policy.fetchable = self.fleet.fetch_endpoint
 
     @property
     def errors(self) -> Mapping[str, int]:
@@ -333,4 +344,4 @@ class FrontDoor:
 
     def route(self, view: RequestView, candidates: list[str], now: float) -> str:
         """The policy's choice, counted in /metrics with its reason (as a run routes)."""
-        return self._services.route(view, candidates, now)
+        return self._services.route(view, candidates, now).replica

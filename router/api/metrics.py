@@ -201,7 +201,8 @@ class Metrics(Collector):
                                "Routing decisions by replica and reason: cache_hit (the "
                                "replica holds the longest cached prefix), load (another "
                                "held more, but this one was cheaper), spread (none held "
-                               "any: load alone decided).", ["replica", "reason"])  # fmt: skip
+                               "any: load alone decided), fetch (it pulls the prefix from "
+                               "another replica's cache).", ["replica", "reason"])  # fmt: skip
         # The latest streamed requests' added latency, for the recent quantiles' gauge.
         self.added_recent: deque[float] = deque(maxlen=ADDED_LATENCY_WINDOW)
         self.registry.register(self)

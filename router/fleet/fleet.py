@@ -371,6 +371,15 @@ class Fleet:
         rep = self.replicas.get(rid)
         return rep.info.role if rep is not None else "both"
 
+    def fetch_endpoint(self, rid: str) -> str:
+        """The replica's transfer plane, which a prefix fetch pulls from ("": none, or gone;
+        routing/fetch.py). Only an alive replica's: a pull from a dead one would wait out
+        its deadline."""
+        rep = self.replicas.get(rid)
+        if rep is None or not rep.alive:
+            return ""
+        return rep.info.kv_transfer_endpoint or ""
+
     def vocab_size(self) -> int | None:
         """The fleet's smallest vocabulary (None: no replica says): a token id past it
         would fail on some replica."""

@@ -54,7 +54,7 @@ from kvroute.events.replica_api import (
 )
 
 from ..routing.disagg import plan
-from ..routing.policy import NoReplicaError, Policy, RequestView
+from ..routing.policy import Decision, NoReplicaError, Policy, RequestView
 from .quarantine import Quarantine, fingerprint, not_caused_by
 
 if TYPE_CHECKING:
@@ -83,6 +83,8 @@ class Replicas(Protocol):
 
     def role(self, rid: str) -> str: ...
 
+    def fetch_endpoint(self, rid: str) -> str: ...
+
 
 @dataclass(frozen=True, slots=True)
 class RunServices:
@@ -97,11 +99,11 @@ class RunServices:
     errors: Counter[str]  # no_replica, invalid_request
     pd_priced: bool = True  # P/D: split only where it pays (routing/disagg.py); else always
 
-    def route(self, view: RequestView, candidates: list[str], now: float) -> str:
+    def route(self, view: RequestView, candidates: list[str], now: float) -> Decision:
         """The policy's choice, counted in /metrics with its reason."""
         decision = self.policy.route(view, candidates, now)
         self.metrics.routing.labels(decision.replica, decision.reason).inc()
-        return decision.replica
+        return decision
 
 
 class RequestRun:
@@ -182,7 +184,8 @@ class RequestRun:
             policy=s.policy if s.pd_priced else None,
             now=now,
         )
-        rid = s.route(self.view, part.candidates, now)
+        decision = s.route(self.view, part.candidates, now)
+        rid = decision.replica
         self._tried.add(rid)
         req = self.request
         self._sends += 1
@@ -195,6 +198,8 @@ class RequestRun:
             req = msgspec.structs.replace(
                 req, request_id=f"{req.request_id}-{self._sends - 1}", resume=resume
             )
+        if decision.fetch_from is not None and self._source is None:
+            self._source = self._fetch_source(decision.fetch_from, decision.fetch_blocks)
         if part.handoff or self._source is not None:
             req = msgspec.structs.replace(req, kv_handoff=part.handoff, kv_source=self._source)
             self._source = None  # one pull per lease
@@ -204,6 +209,13 @@ class RequestRun:
         self._flight = self._conn.submit(req)
         if self._writer is not None:
             self._flight.push = self._push
+
+    def _fetch_source(self, holder: str, num_blocks: int) -> KVSource | None:
+        """A prefix fetch (routing/fetch.py): the blocks are named by hash, no lease."""
+        endpoint = self.services.replicas.fetch_endpoint(holder)
+        if not endpoint:  # gone since the policy looked: the replica computes them
+            return None
+        return KVSource(replica_id=holder, endpoint=endpoint, lease=b"", num_blocks=num_blocks)
 
     async def start(self) -> GenerateDelta:
         """Routes the request and waits for its first delta, so that everything that can go

@@ -516,6 +516,9 @@ class HolderReplicas:
     def role(self, rid: str) -> str:
         return self._fleet.role(rid)
 
+    def fetch_endpoint(self, rid: str) -> str:  # the source need not hold the adapter
+        return self._fleet.fetch_endpoint(rid)
+
 
 async def fleet_adapters(actors: Mapping[str, Any]) -> dict[str, str]:
     """The adapters the replicas hold at start (their ``--lora-modules``), as one map;
