@@ -275,3 +275,18 @@ def test_auto_needs_the_parser_flags() -> None:
     with pytest.raises(ValueError, match="unknown tool-call parser"):
         ToolConfig("nope")
     assert ToolConfig("mistral").parser == "mistral"
+
+
+def test_serve_and_router_take_vllms_tool_flags() -> None:
+    from kvroute.deploy.cli import build_parser
+
+    parser = build_parser()
+    for command in ("serve", "router"):
+        args = parser.parse_args(
+            [command, "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"]
+        )
+        assert (args.enable_auto_tool_choice, args.tool_call_parser) == (True, "llama3_json")
+        plain = parser.parse_args([command])
+        assert (plain.enable_auto_tool_choice, plain.tool_call_parser) == (False, None)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--tool-call-parser", "pythonic"])
