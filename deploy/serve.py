@@ -11,6 +11,7 @@ processes (see :mod:`.router`), each following every replica's events and load.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -304,8 +305,9 @@ def _pd_roles(args: argparse.Namespace) -> str | None:
         return None
     if p < 1 or d < 1:
         return "--prefill-replicas and --decode-replicas go together, each >= 1"
-    if args.engine == "vllm":
-        return "--prefill-replicas/--decode-replicas: kvroute's engine only (vLLM's P/D: not yet)"
+    if args.engine == "vllm" and importlib.util.find_spec("nixl") is None:
+        # vLLM's replicas move KV with its NixlConnector (replica/vllm/disagg.py)
+        return "--engine vllm with --prefill-replicas/--decode-replicas needs `pip install nixl`"
     if args.max_replicas is not None:
         return "--prefill-replicas/--decode-replicas do not autoscale yet: drop --max-replicas"
     if args.model.startswith("sim:"):

@@ -59,6 +59,8 @@ class VllmEngineConfig:
     # max_cpu_loras and max_lora_rank go in engine_args (enable_lora implied by these).
     lora_modules: dict[str, str] = field(default_factory=dict)
     engine: str = "vllm"  # the key that tells a replica which engine a config dict is for
+    # P/D (replica/vllm/disagg.py): "prefill" or "decode" start vLLM with NixlConnector
+    role: str = "both"
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> VllmEngineConfig:

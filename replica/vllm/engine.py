@@ -45,6 +45,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvroute.events.kv_transfer import KVSource
 from kvroute.events.load import CostCoefficients, LoadReport
 from kvroute.events.replica_api import GenerateDelta, Resume, SamplingParams, next_delta
 from kvroute.events.transport.threads import name_native_thread
@@ -71,6 +72,13 @@ from .adapt import (
     to_vllm_sampling,
 )
 from .cli import spawn_main
+from .disagg import (
+    handoff_delta,
+    kv_transfer_config,
+    pd_params,
+    prepare_side_channel,
+    with_kv_transfer,
+)
 from .plugin import CACHED_BLOCKS_METHOD, LOAD_METHOD
 
 __all__ = ["HASH_ALGO", "VllmEngine", "VllmEngineConfig"]
@@ -104,6 +112,8 @@ class VllmEngine(ReplicaEngine):
         self._lora_ids = 0
         self.load = idle_load(0)
         prepare_environment(config, events_host)
+        if config.role != "both":  # P/D: NixlConnector's handshake port and address
+            prepare_side_channel(events_host, config.device == "cpu")
         self._loop = asyncio.new_event_loop()
         started: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._thread = threading.Thread(
@@ -130,7 +140,8 @@ class VllmEngine(ReplicaEngine):
             sink.flush()
             return
         args = (request_id, sub.prompt, sub.params, sink, sub.cache_salt, sub.resume, sub.lora_name)
-        self._loop.call_soon_threadsafe(self._start_request, *args)
+        pd = (sub.kv_handoff, sub.kv_source)  # P/D: vLLM's kv_transfer_params (.disagg)
+        self._loop.call_soon_threadsafe(self._start_request, *args, *pd)
 
     def abort(self, request_id: str) -> None:
         """Ends a request with ``finish_reason="abort"``; unknown ids are ignored."""
@@ -220,6 +231,7 @@ class VllmEngine(ReplicaEngine):
             max_model_len=self.max_model_len,
             vocab_size=self.vocab_size,
             cost=self.cost_coefficients(),
+            role=self.config.role,
         )
 
     def inject_failure(self, message: str) -> None:
@@ -276,6 +288,8 @@ class VllmEngine(ReplicaEngine):
 
         cpu = self.config.device == "cpu" or _vllm_platform() == "cpu"
         args = engine_args(self.config, self.model_path, cpu, topic)
+        if args.kv_transfer_config is None:  # P/D: vLLM's NixlConnector (unless given)
+            args.kv_transfer_config = kv_transfer_config(self.config.role, cpu)
         with spawn_main():  # the engine core's process hides broken torch companions too
             self.llm = AsyncLLM.from_engine_args(args)
         try:
@@ -353,6 +367,8 @@ class VllmEngine(ReplicaEngine):
         cache_salt: str | None,
         resume: Resume | None,
         lora_name: str | None = None,
+        kv_handoff: bool = False,
+        kv_source: KVSource | None = None,
     ) -> None:
         if self.error is not None or self._stopped:
             self._deliver_to(sink, rid, EngineDeadError("the engine has failed"))
@@ -374,6 +390,7 @@ class VllmEngine(ReplicaEngine):
             return
         if isinstance(prompt, str):
             prompt = self.tokenizer.encode(prompt)
+        params = pd_params(params, kv_handoff)
         live = LiveRequest(rid, sink, len(prompt), logprobs=params.logprobs is not None)
         tokens = list(prompt)
         if resume is not None:
@@ -385,7 +402,8 @@ class VllmEngine(ReplicaEngine):
             live.pending_text = self.tokenizer.decode(done)[resume.sent_chars :] if done else ""
             tokens += done
         self._live[rid] = live
-        live.task = self._loop.create_task(self._serve(live, tokens, params, cache_salt, lora))
+        pd = (kv_handoff, kv_source)
+        live.task = self._loop.create_task(self._serve(live, tokens, params, cache_salt, lora, *pd))
 
     async def _serve(
         self,
@@ -394,6 +412,8 @@ class VllmEngine(ReplicaEngine):
         params: SamplingParams,
         salt: str | None,
         lora: Any = None,
+        kv_handoff: bool = False,
+        kv_source: KVSource | None = None,
     ) -> None:
         from vllm.v1.engine.exceptions import EngineDeadError as VllmDeadError
 
@@ -403,6 +423,7 @@ class VllmEngine(ReplicaEngine):
             if sampling is None:  # a resume that already reached max_tokens
                 self._finish(live, next_delta(live, [], "", "length"))
                 return
+            sampling = with_kv_transfer(sampling, kv_handoff, kv_source)
             prompt: dict[str, Any] = {"prompt_token_ids": tokens}
             if salt:
                 prompt["cache_salt"] = salt
@@ -411,6 +432,8 @@ class VllmEngine(ReplicaEngine):
                     return  # its front door is gone (abort_sink)
                 delta = from_vllm_output(live, out)
                 if delta.finished:
+                    if kv_handoff and delta.finish_reason in ("length", "stop"):
+                        delta = handoff_delta(live, out)  # the decode side makes the token
                     self._finish(live, delta)
                     return
                 self._deliver(live, delta)

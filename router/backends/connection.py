@@ -18,6 +18,9 @@ Why the shape:
   tokens already streamed, ``max_tokens`` and ``min_tokens`` reduced by them: vLLM goes on
   as if it had made them (greedy output continues exactly; a seeded one draws afresh).
 - Abort is closing the stream: vLLM aborts a request whose client disconnects.
+- P/D (``kvroute router --prefill/--decode``): a ``kv_handoff`` request is the prefill half,
+  one non-streamed ``POST`` with vLLM's ``kv_transfer_params`` (:mod:`.pd`); a request whose
+  ``kv_source`` carries vLLM's params sends them with its body (the decode half).
 - A backend whose stream breaks mid-response (its process died: the TCP connection
   closes) is lost whole, as a ZeroMQ connection that drops: every flight fails with
   :class:`ReplicaLostError`, the most recently sent one marked as the possible cause
