@@ -10,7 +10,9 @@ Streaming (:class:`CallStream`): content is sent as it comes, up to where a call
 start; the calls themselves are parsed once the output is whole, by the same
 :meth:`ToolParser.extract` as a whole answer. So a stream's calls always equal the whole
 answer's -- a call that turns out malformed is never half sent -- at the price of calls
-arriving when the output ends rather than piece by piece.
+arriving when the output ends rather than piece by piece. The content is the whole
+answer's too, but where vLLM's whole answer drops text a stream has already sent: the text
+before a Llama 3 call, and before a Mistral marker whose calls do not parse.
 """
 
 from __future__ import annotations
