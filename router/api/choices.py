@@ -116,7 +116,7 @@ async def respond_choices(
         text: str | None = c.text()
         finish, calls = last.finish_reason, None
         if tools is not None:
-            text, parsed = tools.read(c.text())
+            text, parsed = tools.read(c.tool_text(tools))
             finish, calls = tools.finish_reason(finish, parsed), tools.tool_calls(parsed)
         choices.append(make_choice(chat, i, text, finish, shaped, calls))
     replicas = ",".join(dict.fromkeys(str(run.replica) for run in runs))

@@ -53,8 +53,9 @@ from .errors import APIError, one_line, status_of
 from .openai_api import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
 from .openai_wire import ChatBody, CompletionBody, decode_body
 from .response_format import structured_outputs
+from .tool_parsers import make_parser
 from .tool_template import template_for
-from .tools import ToolConfig, ToolPlan, plan_tools, template_messages
+from .tools import ToolConfig, ToolPlan, plan_tools, special_markers, template_messages
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,8 @@ class Intake:
         accepted too); ``adapters``: the LoRA adapters ``model`` may name instead;
         ``tools``: the tool-call parser flags (default: none, so ``auto`` is refused)."""
         self.tools = tools or ToolConfig()
+        parser = make_parser(self.tools.parser, tokenizer) if self.tools.parser else None
+        self.tool_markers = special_markers(tokenizer, parser) if parser else None
         self.adapters = adapters
         self.admission = admission
         self.served = served
@@ -389,7 +392,9 @@ class Intake:
             parsed, adapter = await self.parse_with_adapter(raw, model, tenant)
             prompts = None if parsed.chat else self.prompts(parsed)
             self._check_choices(parsed, 1 if prompts is None else len(prompts), tenant)
-            plan = plan_tools(parsed, self.tools, self.tokenizer) if parsed.chat else None
+            plan = None
+            if parsed.chat:
+                plan = plan_tools(parsed, self.tools, self.tokenizer, self.tool_markers)
             if prompts is None:
                 all_ids = [await self.chat_ids(parsed, rid, plan)]
             else:

@@ -175,6 +175,7 @@ class Collected:
 
     def __init__(self) -> None:
         self.parts: list[str] = []
+        self.sizes: list[int] = []  # each part's number of tokens
         self.ids: list[int] = []
         self.entries: list[dict[int, float] | None] = []
         self.last: Any = None
@@ -182,11 +183,22 @@ class Collected:
     def text(self) -> str:
         return "".join(self.parts)
 
+    def tool_text(self, tools: ToolPlan) -> str:
+        """The text as ``tools``' parser reads it (its special-token markers put back)."""
+        if not tools.markers:
+            return self.text()
+        out, at = [], 0
+        for part, size in zip(self.parts, self.sizes, strict=True):
+            out.append(tools.text_of(part, self.ids[at : at + size]))
+            at += size
+        return "".join(out)
+
     async def collect(self, run: RequestRun) -> None:
         """Every delta of ``run`` from its first (which must be in) to its last."""
         d = run.first
         while d is not None:
             self.parts.append(d.delta_text)
+            self.sizes.append(len(d.delta_token_ids))
             self.ids.extend(d.delta_token_ids)
             self.entries.extend(d.logprobs or [{} for _ in d.delta_token_ids])
             self.last = d
@@ -296,7 +308,7 @@ async def respond(
     text: str | None = got.text()
     calls = None
     if tools is not None:
-        text, parsed = tools.read(got.text())
+        text, parsed = tools.read(got.tool_text(tools))
         finish = tools.finish_reason(finish, parsed)
         calls = tools.tool_calls(parsed)
     choice = make_choice(chat, 0, text, finish, shaped, calls)
@@ -346,7 +358,7 @@ async def _write_sse(
             shaped = logprobs(list(d.delta_token_ids), d.logprobs)
         if shapes is None:
             return encoder.chunk(d.delta_text, finish, shaped)
-        deltas = shapes.feed(d.delta_text)
+        deltas = shapes.feed(d.delta_text, d.delta_token_ids)
         if finish is not None:
             more, finish = shapes.finish(finish)
             deltas += more

@@ -77,6 +77,19 @@ class ToolPlan:
     named: str | None = None
     parallel: bool = True
     parser: ToolParser | None = None
+    markers: dict[int, str] | None = None  # see :func:`special_markers`
+
+    def text_of(self, text: str, ids: Any) -> str:
+        """A delta's text with the parser's markers put back where the replica's
+        detokenizer skipped them as special tokens (at the delta's head when the marker
+        is its first token, else at its end: a delta is one token but after a failover)."""
+        markers = self.markers
+        if not markers or not ids:
+            return text
+        found = "".join(markers[t] for t in ids if t in markers)
+        if not found:
+            return text
+        return found + text if ids[0] in markers else text + found
 
     def structured(self) -> StructuredOutputs | None:
         """The constraint that holds a forced call to its schema (None: not forced)."""
@@ -154,9 +167,26 @@ def _required_calls(text: str) -> list[ParsedCall]:
     return calls
 
 
-def plan_tools(body: Any, config: ToolConfig, tokenizer: Any = None) -> ToolPlan | None:
+def special_markers(tokenizer: Any, parser: ToolParser) -> dict[int, str]:
+    """The token ids of ``parser``'s markers that ``tokenizer`` counts as special tokens
+    (Mistral's ``[TOOL_CALLS]``, Llama 3's ``<|python_tag|>``). Replicas decode text
+    without special tokens, so their text lacks these markers; vLLM keeps special tokens
+    in a request with tools instead. Empty when none is (``tiny``, Qwen's ``<tool_call>``)."""
+    special = set(getattr(tokenizer, "all_special_tokens", None) or ())
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    special |= {str(t) for t in decoder.values() if getattr(t, "special", False)}
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # a stand-in tokenizer: no markers to put back
+        return {}
+    return {vocab[m]: m for m in parser.markers if m in special and m in vocab}
+
+
+def plan_tools(
+    body: Any, config: ToolConfig, tokenizer: Any = None, markers: dict[int, str] | None = None
+) -> ToolPlan | None:
     """The request's tool plan (None: no tools and no ``tool_choice``), or a 400 naming
-    the field at fault."""
+    the field at fault. ``markers``: :func:`special_markers` for the configured parser."""
     tools, choice = getattr(body, "tools", None), getattr(body, "tool_choice", None)
     if not tools and choice in (None, "none"):
         return None
@@ -214,6 +244,7 @@ def plan_tools(body: Any, config: ToolConfig, tokenizer: Any = None) -> ToolPlan
         named=named,
         parallel=parallel is not False,
         parser=parser,
+        markers=markers if parser is not None else None,
     )
 
 
@@ -300,7 +331,9 @@ class ToolStream:
         if plan.mode == "auto" and plan.parser is not None:
             self.parsed = plan.parser.stream()
 
-    def feed(self, piece: str) -> list[dict[str, Any]]:
+    def feed(self, piece: str, ids: Any = None) -> list[dict[str, Any]]:
+        """``piece``: a delta's text; ``ids``: its token ids (for markers put back)."""
+        piece = self.plan.text_of(piece, ids)
         mode = self.plan.mode
         if mode == "named":
             return self._named(piece)
