@@ -7,12 +7,16 @@ one or more SLOs, side by side, for one workload and one replica count.
 A configuration: ``unified`` (no roles), ``<P>P<D>D`` (P prefill replicas, D decode
 replicas, the rest of ``--replicas`` both; every splittable request splits), with
 ``:priced`` for conditional disaggregation (a request splits only when the router's
-``split_pays`` says so). Each configuration's limit per SLO is searched as
-``kvroute simulate --sweep-speed auto`` searches a policy's (``sim.goodput.search_limit``:
-double from 1x until the SLO is missed, then bisect to within 10%; a rate counts only if
-the busiest replica keeps up, util <= 1); a run at one speed serves every SLO's search.
-Prints, per SLO, each configuration's goodput, its ratio to unified's, and what its
-limit's run looked like; then the best unified, split and conditional configurations.
+``split_pays`` says so); ``unified:priced`` every replica both, a request split between any
+two when the router's ``best_pair`` says it pays (``unified:always``: every request splits,
+its decode on the policy's choice among the others); ``4P4D:pair`` pools priced as
+``:priced`` whose prefill replicas also run whole requests where that is cheapest. Each
+configuration's limit per SLO is searched as ``kvroute simulate --sweep-speed auto``
+searches a policy's (``sim.goodput.search_limit``: double from 1x until the SLO is missed,
+then bisect to within 10%; a rate counts only if the busiest replica keeps up, util <= 1); a
+run at one speed serves every SLO's search. Prints, per SLO, each configuration's goodput,
+its ratio to unified's, and what its limit's run looked like; then the best unified, split and
+conditional configurations.
 """
 
 from __future__ import annotations
@@ -31,21 +35,28 @@ from kvroute.sim.simulator import SimConfig
 from kvroute.sim.traces import load_mooncake, specs_from_trace
 from kvroute.sim.workloads import make_workload
 
-_CONFIG = re.compile(r"^(?:unified|(\d+)P(?:(\d+)D)?)(?::(priced|always))?$")
+_CONFIG = re.compile(r"^(?:unified|(\d+)P(?:(\d+)D)?)(?::(priced|always|pair))?$")
 
 
 def parse_config(name: str) -> dict[str, Any]:
+    """``unified``: no P/D; ``unified:priced`` / ``unified:always``: every replica both, a
+    request split between any two (``SimConfig.pd_pair``); ``<P>P<D>D[:split]``: pools."""
     m = _CONFIG.match(name)
     if m is None:
-        raise ValueError(f"unknown configuration {name!r} (unified, 2P6D, 2P6D:priced, 2P)")
-    prefill, decode, split = int(m[1] or 0), int(m[2] or 0), m[3] or "always"
-    return {"prefill_replicas": prefill, "decode_replicas": decode, "pd_split": split}
+        raise ValueError(
+            f"unknown configuration {name!r} (unified, unified:priced, 2P6D, 2P6D:priced)"
+        )
+    prefill, decode = int(m[1] or 0), int(m[2] or 0)
+    pair = m[3] == "pair" or (not (prefill or decode) and m[3] is not None)
+    split = "always" if m[3] == "always" or (m[3] is None and (prefill or decode)) else "priced"
+    return {"prefill_replicas": prefill, "decode_replicas": decode, "pd_split": split,
+            "pd_pair": pair}  # fmt: skip
 
 
 def kind(name: str) -> str:
-    if name.startswith("unified"):
+    if name == "unified":
         return "unified"
-    return "conditional" if name.endswith(":priced") else "split"
+    return "conditional" if name.endswith((":priced", ":pair")) else "split"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -111,10 +111,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     sim.add_argument(
         "--pd-split",
-        choices=("priced", "always"),
-        default="priced",
+        choices=("priced", "always", "pair"),
+        default=None,
         help="P/D: split a request only when the router's price says it pays (priced: "
-        "conditional disaggregation), or every one that can split (always)",
+        "conditional disaggregation, the default with roles), or every one that can split "
+        "(always); pair: priced, and a request that stays whole may run on any replica. "
+        "Without --prefill/--decode-replicas: every replica does both and a request may "
+        "split between any two (off unless given)",
     )
     sim.add_argument(
         "--link-gbps",
@@ -300,7 +303,9 @@ def run(args: argparse.Namespace) -> int:
         else None,
         prefill_replicas=args.prefill_replicas,
         decode_replicas=args.decode_replicas,
-        pd_split=args.pd_split,
+        pd_split="always" if args.pd_split == "always" else "priced",
+        pd_pair=args.pd_split == "pair"
+        or (args.pd_split is not None and not (args.prefill_replicas or args.decode_replicas)),
         link_bytes_per_s=args.link_gbps * 1e9,
         link_latency_s=args.link_latency_ms / 1000.0,
     )

@@ -163,9 +163,12 @@ class SimPulls:
         self.loading: dict[str, tuple[Request, list[KVCacheBlock]]] = {}
         self.pulls: dict[str, Pull] = {}  # by request id, while loading
         self.landed: list[Pull] = []
-        # What its pulls took, bytes/s, a running mean (0: none yet), as the engine's
-        # fetcher measures it and its load reports carry it (the router prices splits by it)
-        self.bytes_per_s = 0.0
+        # What its pulls took, bytes/s, a running mean, as the engine's fetcher measures it
+        # and its load reports carry it (the router prices splits by it). Before its first
+        # pull: the link's own rate, as a probe at start would measure it (0, the engine's
+        # "none yet", would price every split at the router's 1 GB/s floor: on a fleet of
+        # both, where pulls only follow splits, none would ever split)
+        self.bytes_per_s = pd.link_bytes_per_s
 
     def poll(self) -> None:
         if self.landed:
@@ -193,7 +196,7 @@ class SimPulls:
         if p.source_alive and now > p.start_s:
             rate = p.num_load * self.kv.block_size * self.pd.kv_bytes / (now - p.start_s)
             old = self.bytes_per_s
-            self.bytes_per_s = rate if old == 0 else old + _LINK_EMA * (rate - old)
+            self.bytes_per_s = rate if old <= 0 else old + _LINK_EMA * (rate - old)
 
     def land(self) -> None:
         """The pulls whose blocks arrived since the last step: cached and released, their
@@ -237,7 +240,10 @@ class Disagg:
         self.link_bytes_per_s = cfg.link_bytes_per_s
         self.latency_s = cfg.link_latency_s
         self.clock = clock
-        self.has_prefill = ROLE_PREFILL in roles
+        # pairs on a fleet of both (SimConfig.pd_pair): every replica leases and pulls
+        self.pair = cfg.pd_pair
+        self.decode_for: dict[str, str] = {}  # request -> the decode replica its price chose
+        self.has_prefill = ROLE_PREFILL in roles or self.pair
         n = len(roles)
         self.tx_free = [0.0] * n  # when each replica's send side is free again
         self.rx_free = [0.0] * n
@@ -253,9 +259,9 @@ class Disagg:
 
         def attach(sched: Scheduler) -> None:
             kv = sched.kv_cache_manager
-            if self.roles[i] == ROLE_PREFILL:
+            if self.roles[i] == ROLE_PREFILL or self.pair:
                 sched.use_leases(Leases(kv.block_pool, self.lease_s, self.clock))
-            else:
+            if self.roles[i] != ROLE_PREFILL or self.pair:
                 sched.kv_loads = SimPulls(self, i, kv, sched.waiting)  # type: ignore[assignment]
 
         return attach
@@ -272,8 +278,13 @@ class Disagg:
             request_id=req.request_id, prompt_token_ids=[], sampling=req.sampling_params
         )
         policy = self.run.policy if self.priced else None
-        part = plan(gen, alive, self.role_of, decoding=decoding, view=view, policy=policy, now=now)
+        part = plan(
+            gen, alive, self.role_of, decoding=decoding, view=view, policy=policy, now=now,
+            pair=self.pair,
+        )  # fmt: skip
         req.kv_handoff = part.handoff
+        if part.decode is not None:
+            self.decode_for[req.request_id] = part.decode
         if self.has_prefill and not decoding:
             if part.handoff:
                 self.stats.split += 1
@@ -296,8 +307,12 @@ class Disagg:
             gen = GenerateRequest(
                 request_id=req.request_id, prompt_token_ids=[], sampling=req.sampling_params
             )
-            part = plan(gen, alive, self.role_of, decoding=True)
-            decision = policy.route(run.view(req), part.candidates, now)
+            candidates = plan(gen, alive, self.role_of, decoding=True).candidates
+            if self.pair:  # the replica its price chose, else any but its prefill's
+                d = self.decode_for.pop(src.request_id, None)
+                others = [r for r in candidates if r != rep.id] or candidates
+                candidates = [d] if d in others else others
+            decision = policy.route(run.view(req), candidates, now)
             dst = run.replica(decision.replica)
             req.replica = run.index_of(decision.replica)
             req.kv_source = Pull(req, rep, rep.scheduler, lease, now)  # type: ignore[assignment]
@@ -408,6 +423,7 @@ class Disagg:
         return {
             "roles": self.roles,
             "pd_split": "priced" if self.priced else "always",
+            "pd_pair": self.pair,
             "split_requests": s.split,
             "whole_requests": s.whole,
             "split_fraction": s.split / max(s.split + s.whole, 1),

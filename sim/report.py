@@ -185,6 +185,7 @@ def simulate(
                     "prefill_replicas": cfg.prefill_replicas,
                     "decode_replicas": cfg.decode_replicas,
                     "pd_split": cfg.pd_split,
+                    "pd_pair": cfg.pd_pair,
                     "link_bytes_per_s": cfg.link_bytes_per_s,
                     "link_latency_s": cfg.link_latency_s,
                 }
@@ -287,11 +288,12 @@ def format_table(result: dict[str, Any]) -> str:
                 f"  worst {m['adapter_p99_worst_s']:6.2f}s ({m['adapter_p99_spread']:.2f}x;"
                 f" queued {m['adapter_worst_queued_p99_s']:.2f}s)"
             )
-    if cfg.get("prefill_replicas") or cfg.get("decode_replicas"):
+    if cfg.get("prefill_replicas") or cfg.get("decode_replicas") or cfg.get("pd_pair"):
         lines.append(
             f"P/D: {cfg['prefill_replicas']} prefill, {cfg['decode_replicas']} decode, "
             f"{cfg['replicas'] - cfg['prefill_replicas'] - cfg['decode_replicas']} both; "
-            f"split {cfg['pd_split']}; link {cfg['link_bytes_per_s'] / 1e9:g} GB/s, "
+            f"split {cfg['pd_split']}{' (any two)' if cfg.get('pd_pair') else ''}; "
+            f"link {cfg['link_bytes_per_s'] / 1e9:g} GB/s, "
             f"{cfg['link_latency_s'] * 1e3:g} ms:"
         )
         for name, m in result["policies"].items():

@@ -131,21 +131,21 @@ class SimConfig:
     # every request in one first-come-first-served group (the pooled fleet's, see pooled).
     fair_share: bool = True
     # P/D (module docstring, :mod:`.disagg`): the first ``prefill_replicas`` prefill, the
-    # next ``decode_replicas`` decode, the rest do both; none: no roles. A request splits
-    # when the router's price says it pays ("priced"), or whenever it can ("always").
+    # next ``decode_replicas`` decode, the rest both; ``pd_pair``: any two may share one
+    # (opt-in). A request splits where the price says it pays ("priced"), or can ("always").
     prefill_replicas: int = 0
     decode_replicas: int = 0
     pd_split: str = "priced"
-    # The link a pull crosses, per replica, each way: 50 GB/s, one 400 Gb/s RDMA NIC per
-    # GPU (as H100 nodes are built); its latency: the handoff's round trip, as the router
-    # prices it (routing/disagg.py HANDOFF_RTT_S).
+    pd_pair: bool = False
+    # The link a pull crosses, per replica, each way: 50 GB/s, one 400 Gb/s RDMA NIC per GPU
+    # (H100 nodes); its latency: the handoff's round trip (routing/disagg.py HANDOFF_RTT_S).
     link_bytes_per_s: float = 50e9
     link_latency_s: float = 1e-3
     lease_s: float = 30.0  # a prefill replica's leases (the engine's kv_lease_s)
 
     @property
-    def has_roles(self) -> bool:
-        return bool(self.prefill_replicas or self.decode_replicas)
+    def has_roles(self) -> bool:  # P/D runs: roles, or pairs on a fleet of both
+        return bool(self.prefill_replicas or self.decode_replicas or self.pd_pair)
 
     def roles(self) -> list[str]:
         """Each replica's role (all ``both`` without roles)."""
@@ -232,6 +232,7 @@ class SimConfig:
             fair_share=False,
             prefill_replicas=0,
             decode_replicas=0,
+            pd_pair=False,
         )
 
     def scheduler_config(self, i: int = 0) -> SchedulerConfig:
@@ -285,8 +286,7 @@ class SimRun:
         times = [lora.times(cfg.profile(i)) if lora else (0.0, 0.0) for i in range(cfg.replicas)]
         self.now = 0.0
         # P/D: its roles and links (None: a fleet without roles, which runs none of it)
-        self.pd = Disagg(cfg, cfg.roles(), self._clock) if cfg.has_roles else None
-        pd = self.pd
+        self.pd = pd = Disagg(cfg, cfg.roles(), self._clock) if cfg.has_roles else None
         self.reps = [
             SimReplica(
                 i, cfg.scheduler_config(i), cfg.blocks(i), self.hasher,

@@ -38,6 +38,16 @@ prompt headed for a replica full of decoders splits. With a policy that does not
 Which replica within a pool is the policy's choice, as for a whole request: the prefill
 part is routed among the prefill replicas, the decode part (after the handoff) among the
 replicas that decode.
+
+**Pairs on a fleet of ``both`` (opt-in: ``plan(pair=True)``).** Fixed pools idle half the
+fleet's decode room and never send a whole request to a prefill replica. With ``pair``, any
+replica may take either part, priced per request with the same terms: the request runs
+whole on the policy's choice unless some ``split(p, d)`` with ``p != d`` costs less than
+the cheapest ``whole(r)`` over all of them (:func:`best_pair`); then its prefill goes to
+``p`` and its decode to ``d`` (:attr:`Part.decode`). That is llm-d's "decode pod first,
+then maybe a prefill pod" and Dynamo's conditional disaggregation on one pool, with the
+fixed thresholds replaced by the price. Without ``pair`` a fleet of ``both`` never splits
+and pays one pass over the roles (the routing hot path).
 """
 
 from __future__ import annotations
@@ -79,6 +89,9 @@ class Part:
 
     candidates: list[str]
     handoff: bool
+    # With ``handoff`` on a fleet of ``both`` (``plan(pair=True)``): the replica the price
+    # chose for the decode part (None: the policy's choice at the handoff).
+    decode: str | None = None
 
 
 def plan(
@@ -90,18 +103,30 @@ def plan(
     view: RequestView | None = None,
     policy: Policy | None = None,
     now: float = 0.0,
+    pair: bool = False,
 ) -> Part:
     """The part of ``request`` to send now. ``decoding``: its first token was made (by a
     prefill replica, or before a failover): it goes to a replica that decodes. ``view``,
-    ``policy``: price whether a splittable request splits (module docstring)."""
+    ``policy``: price whether a splittable request splits (module docstring). ``pair``: on
+    a fleet of ``both``, a request may split between two of them (module docstring)."""
     roles = [role_of(c) for c in candidates]
     if all(r == ROLE_BOTH for r in roles):  # a unified fleet: one pass, nothing to split
-        return Part(list(candidates), False)
+        if not pair or decoding or len(candidates) < 2 or not can_split(request):
+            return Part(list(candidates), False)
+        if view is None or policy is None or not isinstance(policy, KVPolicy):
+            return Part(list(candidates), True)  # always: the decode anywhere but p
+        chosen = best_pair(view, policy, candidates, now)
+        if chosen is None:
+            return Part(list(candidates), False)
+        return Part([chosen[0]], True, chosen[1])
     decoders = [c for c, r in zip(candidates, roles, strict=True) if r != ROLE_PREFILL]
     if decoding:
         return Part(decoders or list(candidates), False)
     prefill = [c for c, r in zip(candidates, roles, strict=True) if r == ROLE_PREFILL]
     if prefill and decoders and can_split(request):
+        if pair and view is not None and isinstance(policy, KVPolicy):  # whole anywhere
+            whole, split, _, _ = _prices(view, policy, prefill, decoders, now, whole=candidates)
+            return Part(prefill, True) if split < whole else Part(list(candidates), False)
         if view is None or policy is None or split_pays(view, policy, prefill, decoders, now):
             return Part(prefill, True)
         return Part(decoders, False)
@@ -120,9 +145,38 @@ def split_pays(
     docstring). True for a policy that does not price (no ``breakdown``)."""
     if not isinstance(policy, KVPolicy):  # a baseline: no price to consult
         return True
+    whole, split, _, _ = _prices(view, policy, prefill, decoders, now)
+    return split < whole
+
+
+def best_pair(
+    view: RequestView, policy: KVPolicy, replicas: Sequence[str], now: float
+) -> tuple[str, str] | None:
+    """On a fleet of ``both``: the (prefill, decode) pair, two distinct replicas, whose
+    split costs fewer seconds than running the request whole on any of them; None when
+    none does (module docstring)."""
+    whole, split, p, d = _prices(view, policy, replicas, replicas, now, distinct=True)
+    return (p, d) if split < whole and p and d else None
+
+
+def _prices(
+    view: RequestView,
+    policy: KVPolicy,
+    prefill: Sequence[str],
+    decoders: Sequence[str],
+    now: float,
+    *,
+    distinct: bool = False,
+    whole: Sequence[str] | None = None,
+) -> tuple[float, float, str, str]:
+    """(cheapest whole run over ``whole``, else over ``decoders``; cheapest split, its
+    prefill and decode replicas). ``distinct``: the two parts on different replicas (pools
+    that overlap)."""
     load = policy.load
     match = policy.match(view, now)  # one walk of the index, for the prices and the pulls
-    parts = policy.breakdown(view, [*prefill, *decoders], now, match)
+    whole_over = decoders if whole is None else whole
+    names = list(dict.fromkeys([*prefill, *decoders, *whole_over]))
+    parts = policy.breakdown(view, names, now, match)
     n, bs = view.num_prompt_tokens, view.block_size
     full = (n // bs) * bs
     tail = n - full + 1
@@ -134,10 +188,10 @@ def split_pays(
         _, context, decoding, _, _, _ = load.get(r, now)
         return stall_s(c, decoding, context, compute, tokens)
 
-    whole = min(parts[d].total + stall(d, parts[d].prefill, n) for d in decoders)
-    pside = min(parts[p].total - parts[p].decode + stall(p, parts[p].prefill, n) for p in prefill)
+    cheapest = min(parts[r].total + stall(r, parts[r].prefill, n) for r in whole_over)
+    pside = {p: parts[p].total - parts[p].decode + stall(p, parts[p].prefill, n) for p in prefill}
     hits = match[0]  # device blocks held per replica: a decode replica pulls the rest
-    best_split = float("inf")
+    dside: list[tuple[float, str]] = []
     for d in decoders:
         c = load.coefficients(d) or default
         q = parts[d]
@@ -146,11 +200,18 @@ def split_pays(
         link = report.kv_link_bytes_per_s if report is not None else 0.0
         link = link if link > 0 else DEFAULT_LINK_BYTES_PER_S
         xfer = moved * c.kv_bytes_per_token / link + HANDOFF_RTT_S
-        dside = q.wait + q.decode + q.evict + q.capacity
         tail_s = c.prefill_s(tail, n - tail + 1)
-        dside += tail_s + stall(d, tail_s, tail)
-        best_split = min(best_split, pside + xfer + dside)
-    return best_split < whole
+        cost = q.wait + q.decode + q.evict + q.capacity + tail_s + stall(d, tail_s, tail)
+        dside.append((xfer + cost, d))
+    dside.sort()
+    best, best_p, best_d = float("inf"), "", ""
+    for p, ps in pside.items():
+        for ds, d in dside[:2]:  # the cheapest decode side that is not p
+            if not distinct or d != p:
+                if ps + ds < best:
+                    best, best_p, best_d = ps + ds, p, d
+                break
+    return cheapest, best, best_p, best_d
 
 
 def stall_s(

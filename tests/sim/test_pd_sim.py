@@ -219,3 +219,64 @@ def test_cli_sweeps_a_split_fleet_at_a_tight_slo(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["slo"]["itl_p90_s"] == 0.05 and len(out["rows"]) == 2
     assert all(r["itl_p90_s"] > 0 for r in out["rows"]) and "kv" in out["goodput_rps"]
+
+
+def pair_cfg(**kw) -> SimConfig:
+    return SimConfig(**{"replicas": 4, "block_size": BS, "pd_pair": True, **kw})
+
+
+def test_pairs_on_a_fleet_of_both_split_between_two_replicas():
+    """pd_pair (every replica both), every request split (always): each one's prefill on
+    one replica, its decode on another that pulled the prompt; leases all end."""
+    specs = make_workload("rag", 150, seed=8, speed=2.0)
+    f = fleet(specs, pair_cfg(pd_split="always"))
+    s = f.pd.stats  # type: ignore[union-attr]
+    done = [r for r in f.reqs if r is not None and r.done_s is not None]
+    assert len(done) == len(specs) and s.split == s.handoffs == len(specs)
+    assert all(isinstance(r, HandedOff) and r.replica != r.prefill_replica for r in done)
+    assert s.pulls > 0.9 * len(specs) and not s.failed
+    assert len({r.prefill_replica for r in done}) > 1 and len({r.replica for r in done}) > 1
+    f.index.check_invariants()
+    for rep in f.reps:
+        assert f.index.counts(rep.id) == rep.kv.block_pool.cached_hash_counts(), rep.id
+        rep.scheduler.leases.poll()  # type: ignore[union-attr]
+        assert len(rep.scheduler.leases) == 0  # type: ignore[arg-type]
+    assert summarize(f, 0.0)["pd"]["pd_pair"] is True
+
+
+def test_pairs_that_never_pay_are_the_unified_fleet(monkeypatch):
+    """pd_pair priced, the price never saying a pair pays: the fleet of both as it was,
+    request for request (the leases and pulls every replica carries change nothing)."""
+    specs = make_workload("rag", 200, seed=5, speed=3.0)
+    plain = fleet(specs, SimConfig(replicas=4, block_size=BS))
+    calls = []
+
+    def never(*args, **kw):
+        calls.append(args)
+        return None
+
+    monkeypatch.setattr(router_disagg, "best_pair", never)
+    paired = fleet(specs, pair_cfg())
+    assert len(calls) == len(specs)  # priced once per request
+    assert paired.pd.stats.split == 0 and _per_request(paired) == _per_request(plain)  # type: ignore[union-attr]
+
+
+def test_priced_pairs_follow_the_price():
+    """pd_pair priced on a loaded fleet: the splits it makes are the ones best_pair chose,
+    each decode on the replica the price named."""
+    specs = make_workload("rag", 300, seed=9, speed=6.0)
+    f = fleet(specs, pair_cfg())
+    s = f.pd.stats  # type: ignore[union-attr]
+    assert s.split == s.handoffs and s.split + s.whole == len(specs)
+    assert all(r is not None and r.done_s is not None for r in f.reqs)
+    assert not f.pd.decode_for  # type: ignore[union-attr]  # every chosen decode was used
+
+
+def test_cli_pairs_only_when_asked(capsys):
+    base = ["simulate", "--workload", "rag", "--limit", "40", "--replicas", "3", "--policy",
+            "kv", "--no-bounds", "--json", "--no-progress"]  # fmt: skip
+    assert main(base) == 0
+    assert "pd" not in json.loads(capsys.readouterr().out)["policies"]["kv"]  # default: off
+    assert main([*base, "--pd-split", "always"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["config"]["pd_pair"] and out["policies"]["kv"]["pd"]["handoffs"] == 40

@@ -15,7 +15,7 @@ import pytest
 from kvroute.events import BlockHasher
 from kvroute.events.load import REFERENCE_COEFFICIENTS, LoadReport
 from kvroute.events.replica_api import GenerateRequest, Resume, SamplingParams
-from kvroute.router.routing.disagg import Part, plan, split_pays
+from kvroute.router.routing.disagg import Part, best_pair, plan, split_pays
 from kvroute.router.routing.index import PrefixIndex
 from kvroute.router.routing.load import LoadTracker
 from kvroute.router.routing.policies import make_policy
@@ -138,3 +138,89 @@ def test_slow_reported_link_keeps_a_request_whole() -> None:
     slow = msgspec.structs.replace(report, kv_link_bytes_per_s=1e7)  # 10 MB/s
     policy.load.report("d0", slow, 0.0)
     assert not split_pays(view(8000), policy, ["p0"], ["d0"], 0.0)
+
+
+def both(r: str) -> str:
+    return "both"
+
+
+def fast_link(policy, *replicas: str) -> None:  # type: ignore[no-untyped-def]
+    """Their reports say their pulls took 50 GB/s (an H100 node's NIC)."""
+    for r in replicas:
+        report = policy.load.last_report(r)
+        policy.load.report(r, msgspec.structs.replace(report, kv_link_bytes_per_s=50e9), 0.0)
+
+
+def test_pair_splits_a_cached_prompt_off_its_crowded_holder() -> None:
+    """On a fleet of both (pair=True): p0 holds the prompt but decodes 64 streams, d0 is
+    idle and holds nothing. Computing the prompt again at d0 or decoding in p0's batch
+    both cost more than prefilling at p0 (a hit) and pulling to d0."""
+    policy, index = fleet({"p0": 64, "p1": 64, "d1": 64})
+    fast_link(policy, *ROLES)
+    v = view(8000)
+    index.predict("p0", list(v.block_hashes), 60.0, 0.0)
+    part = plan(request(8000), list(ROLES), both, decoding=False, view=v, policy=policy, pair=True)
+    assert part == Part(["p0"], True, "d0")
+    # the same fleet without pair (the default): one pass, whole, as before
+    plain = plan(request(8000), list(ROLES), both, decoding=False, view=v, policy=policy)
+    assert plain == Part(list(ROLES), False)
+    # after the first token, or unsplittable: whole, anywhere
+    assert plan(request(8000), list(ROLES), both, decoding=True, pair=True) == plain
+    one = request(8000, max_tokens=1)
+    assert plan(one, list(ROLES), both, decoding=False, view=v, policy=policy, pair=True) == plain
+
+
+def test_pair_stays_whole_where_no_split_pays() -> None:
+    """An idle fleet of both, or a link that is slow: nothing to spare, the policy's choice."""
+    policy, index = fleet({})
+    fast_link(policy, *ROLES)
+    v = view(8000)
+    index.predict("p0", list(v.block_hashes), 60.0, 0.0)
+    assert best_pair(v, policy, list(ROLES), 0.0) is None
+    crowded, index = fleet({"p0": 64, "p1": 64, "d1": 64})
+    index.predict("p0", list(v.block_hashes), 60.0, 0.0)  # links unreported: 1 GB/s
+    assert best_pair(v, crowded, list(ROLES), 0.0) is None
+
+
+def test_pair_never_pairs_a_replica_with_itself() -> None:
+    policy, _ = fleet({"p1": 64, "d0": 64, "d1": 64})  # p0: idle, cheapest for both parts
+    fast_link(policy, *ROLES)
+    v = view(8000)
+    chosen = best_pair(v, policy, ["p0", "d0"], 0.0)
+    assert chosen is None or chosen[0] != chosen[1]
+    assert best_pair(v, policy, ["p0"], 0.0) is None  # one replica: no pair
+
+
+def test_pair_always_splits_without_a_price() -> None:
+    """pair with a policy that does not price (or pd_split=always): every splittable
+    request splits, its decode left to the caller (any replica but the prefill one)."""
+    assert plan(request(8000), ["a", "b"], both, decoding=False, pair=True) == Part(
+        ["a", "b"], True
+    )
+    assert plan(request(8000), ["a"], both, decoding=False, pair=True) == Part(["a"], False)
+
+
+def test_pair_on_pools_runs_whole_requests_anywhere() -> None:
+    """Pools with pair=True: a request that does not split may run on a prefill replica
+    too (the policy's choice among all), where plain pools keep it on the decoders."""
+    policy, index = fleet({"d0": 64, "d1": 64})
+    fast_link(policy, *ROLES)
+    short = plan(request(40), list(ROLES), role, decoding=False, view=view(40), policy=policy,
+                 pair=True)  # fmt: skip
+    assert short == Part(list(ROLES), False)
+    # an idle prefill replica is the cheapest whole run too: no reason to split
+    v = view(8000)
+    long_req = plan(request(8000), list(ROLES), role, decoding=False, view=v, policy=policy,
+                    pair=True)  # fmt: skip
+    assert long_req == Part(list(ROLES), False)
+    # the prompt cached at p0, whose whole requests crowd it; d0 idle: prefill there, pull
+    policy, index = fleet({"p0": 64, "p1": 64, "d1": 64})
+    fast_link(policy, *ROLES)
+    index.predict("p0", list(v.block_hashes), 60.0, 0.0)
+    long_req = plan(request(8000), list(ROLES), role, decoding=False, view=v, policy=policy,
+                    pair=True)  # fmt: skip
+    assert long_req == Part(["p0", "p1"], True)
+    # the decode part still goes to the replicas that decode
+    assert plan(request(8000), list(ROLES), role, decoding=True, pair=True) == Part(
+        ["d0", "d1"], False
+    )
