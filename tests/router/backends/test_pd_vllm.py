@@ -14,6 +14,7 @@ decode backend.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -43,12 +44,19 @@ class Pair:
 
 @pytest.fixture(scope="module")
 def pair() -> Iterator[Pair]:
+    with router_over("always") as served:
+        yield served
+
+
+@contextlib.contextmanager
+def router_over(split: str) -> Iterator[Pair]:
+    """Two stand-ins (prefill, decode) and a ``kvroute router`` before them."""
     prefill = StandIn("prefill").start()
     decode = StandIn("decode").start()
     port = free_port()
     cmd = [
         sys.executable, "-m", "kvroute.deploy.cli", "router", "--port", str(port),
-        "--prefill", prefill.url, "--decode", decode.url, "--pd-split", "always",
+        "--prefill", prefill.url, "--decode", decode.url, "--pd-split", split,
         "--backend-wait", "30",
     ]  # fmt: skip
     router = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
@@ -179,3 +187,16 @@ def test_an_unreachable_prefill_backend_runs_requests_whole(pair: Pair) -> None:
         assert "kv_transfer_params" not in d
         assert r.json()["choices"][0]["text"] == text_of(generate(d["prompt"], 5))
     assert len(pair.decode.requests) == 2
+
+
+def test_the_default_priced_split_serves_too() -> None:
+    """``--pd-split priced`` (the default) prices vLLM backends with kvroute's default
+    coefficients: an idle decode backend keeps a short prompt whole, and either way the
+    answer is the decode backend's, right."""
+    with router_over("priced") as p:
+        body = {"model": "tiny", "prompt": "priced " * 10, "max_tokens": 6, "temperature": 0}
+        r = httpx.post(f"{p.url}/v1/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        d = p.decode.requests[-1]
+        assert r.json()["choices"][0]["text"] == text_of(generate(d["prompt"], 6))
+        assert len(p.prefill.requests) + len(p.decode.requests) in (1, 2)
