@@ -327,8 +327,6 @@ def engine_config(args: argparse.Namespace) -> dict[str, Any]:
     if args.max_model_len:
         config["max_model_len"] = args.max_model_len
     if args.engine == "vllm":
-        if getattr(args, "prefix_fetch", False):
-            raise StartupError("--prefix-fetch: kvroute's engine only (vLLM has no fetch)")
         config.update(_vllm_settings(args))
         lora = dict(getattr(args, "lora", None) or {})
         if lora:  # vLLM's LoRA arguments beside --vllm-args (which win)
@@ -361,6 +359,8 @@ def engine_config(args: argparse.Namespace) -> dict[str, Any]:
         config.update(getattr(args, "lora", None) or {})
         if getattr(args, "prefix_fetch", False):  # each replica serves and pulls prefixes
             config["kv_transfer"] = True
+        if getattr(args, "kv_link_gbps", None):  # checked > 0 before anything started
+            config["kv_link_bytes_per_s"] = args.kv_link_gbps * 1e9
     return config
 
 

@@ -73,6 +73,15 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
         metavar="M",
         help="P/D: M replicas that decode requests handed off by the prefill replicas",
     )
+    serve.add_argument(
+        "--kv-link-gbps",
+        type=float,
+        default=None,
+        metavar="GB/S",
+        help="the network's KV bandwidth between replicas (P/D, --prefix-fetch), in GB/s: "
+        "the router prices a replica's pulls at it until that replica has measured its own "
+        "(default: 1, loopback TCP on a small VM; an RDMA fabric carries 25 or more)",
+    )
     serve.add_argument("--address", default=None, help="Ray cluster address (e.g. auto)")
     serve.add_argument(
         "--num-cpus-per-replica",

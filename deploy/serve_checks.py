@@ -111,6 +111,13 @@ def check_serve(
         value = getattr(args, flag, None)
         if value is not None and not value >= least:
             return f"--{flag.replace('_', '-')} must be >= {least}, not {value:g}"
+    link = getattr(args, "kv_link_gbps", None)
+    if link is not None and not link > 0:
+        return f"--kv-link-gbps must be > 0, not {link:g}"
+    if getattr(args, "prefix_fetch", False) and args.engine == "vllm":
+        return "--prefix-fetch: kvroute's engine only (vLLM has no prefix fetch)"
+    if getattr(args, "prefix_fetch", False) and simulated:
+        return "--prefix-fetch needs a model; sim: replicas are cost models"
     if getattr(args, "wait_for_resources", False) and args.max_replicas is None:
         return "--wait-for-resources applies to autoscaling (--max-replicas)"
     vllm = args.engine == "vllm"

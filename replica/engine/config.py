@@ -87,6 +87,9 @@ class EngineConfig:
     kv_transfer: bool = False
     kv_transfer_bind: str = "tcp://127.0.0.1:*"
     kv_lease_s: float = DEFAULT_LEASE_S
+    # The link's bytes/s to other replicas as the operator knows it (0: unknown): reported
+    # in the load report, and the pulls' deadline, until pulls have measured it.
+    kv_link_bytes_per_s: float = 0.0
     replica_id: str | None = None
     # Its P/D role (ReplicaInfo.role): "prefill", "decode" or "both"; any but "both" turns
     # kv_transfer on (see __post_init__).
@@ -128,6 +131,8 @@ def build_kv_tiers(
         link=link if config.kv_transfer else None,
     )
     tiers.attach(kv.block_pool)
+    if tiers.remote is not None and config.kv_link_bytes_per_s > 0:
+        tiers.remote.bytes_per_s = config.kv_link_bytes_per_s  # the pulls' mean starts there
     return tiers
 
 

@@ -39,6 +39,8 @@ def test_serve_refuses_bad_arguments_before_starting_anything():
         (["--model", "tiny", "--wait-for-resources"], "--wait-for-resources applies to"),
         (["--model", "tiny", "--dtype", "fp16"], "--dtype fp16: not one of"),
         (["--model", "sim:h100-8b", "--kv-host-bytes", "1GiB"], "sim: replicas are cost models"),
+        (["--model", "tiny", "--kv-link-gbps", "0"], "--kv-link-gbps must be > 0"),
+        (["--model", "sim:h100-8b", "--prefix-fetch"], "--prefix-fetch needs a model"),
     ):
         out = subprocess.run([*KVROUTE, "serve", *args], capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and why in out.stderr, (args, out.stderr)

@@ -143,3 +143,18 @@ def test_a_holder_that_does_not_answer_in_time_is_recomputed(
     assert got.remote_tokens == 0
     leases.poll()  # the holder's thread comes back: the abandoned ask grants nothing
     assert len(leases) == 0
+
+
+def test_the_operators_link_speed_is_reported_until_pulls_measure_it() -> None:
+    """Before its first pull a replica reports the link the operator gave
+    (``--kv-link-gbps``), so the router can price a fetch or a split on a fast fabric at
+    once (an unknown link is priced at 1 GB/s, which on a GPU never pays)."""
+    from kvroute.replica.engine.config import EngineConfig
+    from kvroute.replica.kv_transfer.sender import LocalLink
+
+    cfg = EngineConfig(model="tiny", num_blocks=32, kv_transfer=True, kv_link_bytes_per_s=25e9)
+    engine = LLMEngine(cfg, kv_link=LocalLink())
+    try:
+        assert engine.scheduler.load_report().kv_link_bytes_per_s == 25e9
+    finally:
+        engine.close()
