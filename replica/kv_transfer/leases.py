@@ -140,23 +140,32 @@ class Leases:
         for lease in ended:
             self.pool.free_blocks(reversed(lease.blocks))
 
-    def _pin(self, ask: _PinAsk) -> None:
-        """Leases the longest run of ``ask.hashes``, from its first, that the cache holds."""
+    def pin_cached(self, hashes: Sequence[bytes]) -> Lease | None:
+        """A fetch's lease on the longest run of ``hashes``, from the first, that the cache
+        holds (None: not even the first). What :meth:`pin` asks for, granted now."""
+        blocks = self._cached(hashes)
+        if not blocks:
+            self.stats["pin_misses"] += 1
+            return None
+        self.stats["pinned"] += 1
+        return self.grant("fetch", blocks)
+
+    def _cached(self, hashes: Sequence[bytes]) -> list[KVCacheBlock]:
         blocks = []
-        for h in ask.hashes:
+        for h in hashes:
             block = self.pool.get_cached_block(h)
             if block is None:
                 break
             blocks.append(block)
+        return blocks
+
+    def _pin(self, ask: _PinAsk) -> None:
+        """Answers ``ask`` (:meth:`pin_cached`), unless its asker stopped waiting."""
         with self._lock:  # the asker gives up, or waits for this answer: never both
             if ask.cancelled:
                 return
             ask.taken = True
-        if blocks:
-            ask.lease = self.grant("fetch", blocks)
-            self.stats["pinned"] += 1
-        else:
-            self.stats["pin_misses"] += 1
+        ask.lease = self.pin_cached(ask.hashes)
         ask.ready.set()
 
     def revoke_oldest(self) -> bool:
