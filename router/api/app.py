@@ -53,6 +53,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from ..fleet.tenants import AuthError, Tenant, Tenants
 from ..frontdoor import FrontDoor
 from .choices import respond_choices
+from .choices_stream import stream_choices
 from .echo import Echo
 from .errors import (
     REQUEST_ID_HEADER,
@@ -69,7 +70,7 @@ from .errors import (
     validation_error,
 )
 from .fleet_view import fleet_view
-from .intake import Intake
+from .intake import Intake, runs_per_prompt
 from .lora_admin import (
     LoadLoRAAdapterRequest,
     UnloadLoRAAdapterRequest,
@@ -201,10 +202,12 @@ async def _serve(request: Request, tenant: Tenant, model: type[Any]) -> Response
         echo = None
         if admitted.prompts is not None and body.echo:
             decode = intake.tokenizer.decode
-            n = body.n or 1
+            n = runs_per_prompt(body)
             echo = Echo.of(admitted.prompts, runs, n, decode, alone=body.max_tokens == 0)
         ctx: ResponseContext = state.responses
         tools = admitted.tools
+        if len(runs) > 1 and body.stream:
+            return stream_choices(ctx, request, rid, body, runs, arrival, echo, tools)
         if len(runs) > 1:
             return await respond_choices(ctx, request, rid, body, runs, arrival, echo, tools)
         return await respond(ctx, request, rid, body, runs[0], arrival, echo, tools)

@@ -3,8 +3,9 @@
 Why runs side by side: each choice is a request of its own (its own admission ticket,
 route and replica, as vLLM runs ``n`` as parallel requests), so ``n`` samples of one prompt
 share its cached prefix wherever the router sends them, and the choices decode in the same
-engine steps. The answer is one JSON body once all have finished (streaming several choices
-is refused at intake); any choice that fails fails the request, and every run is closed.
+engine steps. The answer is one JSON body once all have finished (streamed, they are
+:mod:`.choices_stream`'s); any choice that fails fails the request, and every run is closed.
+``best_of`` runs that many candidates per prompt and answers with the ``n`` likeliest.
 Metrics and the request log count each choice as a request; ``x-kvroute-replica`` lists
 the replicas that answered, in choice order, each once.
 
@@ -24,9 +25,11 @@ from fastapi.responses import JSONResponse, Response
 
 from ..fleet.request_run import REPLICA_FAILURES, RequestRun
 from .errors import FAILED, APIError, one_line, request_failed
+from .intake import ranked, runs_per_prompt
 from .openai_api import make_choice, make_response, make_usage
 from .responses import (
     DISCONNECT_POLL_S,
+    FLOOR,
     REPLICA_HEADER,
     Collected,
     Logprobs,
@@ -57,7 +60,7 @@ async def respond_choices(
     it); usage counts each prompt once (runs ``n`` apart share one) and every choice's
     output. ``body``: the request's, checked; ``echo``: the prompts to put ahead;
     ``tools``: a chat's tool plan (each choice's text read as calls)."""
-    chat, n, model = body.chat, body.n or 1, body.model
+    chat, n, model = body.chat, runs_per_prompt(body), body.model
     resp_id = response_id(chat)
     top = body.num_logprobs()
     names: dict[int, str] = {}  # token names, decoded once for all the choices
@@ -100,6 +103,7 @@ async def respond_choices(
     prompt = cached = output = 0
     by_tier: dict[str, int] = {}
     choices = []
+    kept = _best(got, n, body.n or 1) if ranked(body) else set(range(len(runs)))
     for i, (c, run) in enumerate(zip(got, runs, strict=True)):
         last = c.last
         if i % n == 0:
@@ -109,6 +113,8 @@ async def respond_choices(
                 by_tier[tier] = by_tier.get(tier, 0) + k
         output += last.num_output_tokens
         end_request(ctx.metrics, rid, run, last, ttft_s, f"200 {last.finish_reason}", arrival)
+        if i not in kept:
+            continue
         shaped = None
         if top is not None:  # each choice's shaped afresh: its ``text_offset`` from 0
             shapes = Logprobs(ctx.tokenizer, top, names)
@@ -118,8 +124,25 @@ async def respond_choices(
         if tools is not None:
             text, parsed = tools.read(c.tool_text(tools))
             finish, calls = tools.finish_reason(finish, parsed), tools.tool_calls(parsed)
-        choices.append(make_choice(chat, i, text, finish, shaped, calls))
+        choices.append(make_choice(chat, len(choices), text, finish, shaped, calls))
     replicas = ",".join(dict.fromkeys(str(run.replica) for run in runs))
     usage = make_usage(prompt, output, cached, by_tier)
     body_out = make_response(chat, resp_id, model, choices, usage)
     return JSONResponse(body_out, headers={REPLICA_HEADER: replicas})
+
+
+def _best(got: list[Collected], per_prompt: int, n: int) -> set[int]:
+    """``best_of``: of each prompt's ``per_prompt`` candidates, the ``n`` whose output
+    tokens have the highest summed logprob (vLLM's rule before v1; OpenAI's "highest log
+    probability per token"), kept in their order."""
+    kept: set[int] = set()
+    for start in range(0, len(got), per_prompt):
+        group = range(start, min(start + per_prompt, len(got)))
+        kept.update(sorted(group, key=lambda i: -_score(got[i]))[:n])
+    return kept
+
+
+def _score(c: Collected) -> float:
+    made = c.last.num_output_tokens if c.last is not None else 0
+    tail = list(zip(c.ids, c.entries, strict=True))[len(c.ids) - made :] if made else []
+    return sum((e or {}).get(t, FLOOR) for t, e in tail)

@@ -364,7 +364,7 @@ class Intake:
                 stop_token_ids=list(body.stop_token_ids or ()),
                 ignore_eos=bool(body.ignore_eos),
                 min_tokens=body.min_tokens or 0,
-                logprobs=body.num_logprobs(),
+                logprobs=self._logprobs(body),
                 prompt_logprobs=prompt_logprobs,
                 presence_penalty=body.presence_penalty or 0.0,
                 frequency_penalty=body.frequency_penalty or 0.0,
@@ -376,6 +376,13 @@ class Intake:
             )
         except BoundsError as exc:
             raise APIError(400, str(exc), "invalid_request_error", exc.param) from None
+
+    @staticmethod
+    def _logprobs(body: Body) -> int | None:
+        """Alternatives per token the engine reports: the request's, or 0 (the sampled
+        token's alone) when ``best_of`` ranks its candidates by them."""
+        top = body.num_logprobs()
+        return 0 if top is None and ranked(body) else top
 
     async def begin(
         self, tenant: Tenant, model: type[Body], body: bytes | ReadBody, rid: str
@@ -399,7 +406,7 @@ class Intake:
                 all_ids = [await self.chat_ids(parsed, rid, plan)]
             else:
                 all_ids = [await self.prompt_ids(p) for p in prompts]
-            n = parsed.n or 1
+            n = runs_per_prompt(parsed)
             many = len(all_ids) * n > 1
             forced = plan.structured() if plan is not None else None
             structured = forced or structured_outputs(parsed)
@@ -429,21 +436,25 @@ class Intake:
             raise
 
     def _check_choices(self, body: Body, num_prompts: int, tenant: Tenant) -> None:
-        """Several choices (a batch, ``n`` > 1) are served whole, not streamed; at most
+        """Several choices (a batch, ``n`` > 1, ``best_of``'s candidates): at most
         ``MAX_CHOICES`` of them, and no more than the tenant may ever run at once (a 429
-        would tell its client to retry what can never be admitted)."""
-        n = body.n or 1
-        param = "n" if n > 1 else "prompt"
-        if num_prompts * n > 1 and body.stream:
+        would tell its client to retry what can never be admitted). ``best_of`` is at
+        least ``n`` and, above it, not streamed: the best are known only at the end."""
+        best_of = body.best_of
+        if best_of is not None and best_of < (body.n or 1):
+            raise APIError(
+                400, "`best_of` must be at least `n`.", "invalid_request_error", "best_of"
+            )
+        if ranked(body) and body.stream:
             raise APIError(
                 400,
-                f"`stream: true` serves one choice per request; this one asks for "
-                f"{num_prompts * n} ({num_prompts} prompt(s) x n={n}): send it without "
-                "`stream`, or as separate requests.",
+                "`best_of` above `n` cannot be streamed: the best are known only once every "
+                "candidate has finished.",
                 "invalid_request_error",
-                param,
-                "unsupported_parameter",
+                "best_of",
             )
+        n = runs_per_prompt(body)
+        param = "best_of" if ranked(body) else "n" if n > 1 else "prompt"
         if num_prompts * n > MAX_CHOICES:
             raise APIError(
                 400,
@@ -499,6 +510,16 @@ class Intake:
             run.close()
             raise status_of(rid, exc) from None
         return run
+
+
+def ranked(body: Any) -> bool:
+    """Whether ``body`` asks for ``best_of`` candidates to pick its ``n`` choices from."""
+    return (body.best_of or 1) > (body.n or 1)
+
+
+def runs_per_prompt(body: Any) -> int:
+    """Runs per prompt: ``best_of`` candidates, else ``n`` choices."""
+    return max(body.n or 1, body.best_of or 1)
 
 
 def fast_encoder(tokenizer: Any) -> Callable[[str], list[int]]:

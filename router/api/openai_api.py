@@ -81,7 +81,7 @@ def _neutral(value: object, neutral: tuple[object, ...]) -> bool:
 class RequestMethods:
     __slots__ = ()
     chat: ClassVar[bool] = False
-    served: ClassVar[frozenset[str]] = frozenset()  # names in UNSUPPORTED served here
+    served: ClassVar[frozenset[str]] = frozenset({"best_of"})  # in UNSUPPORTED, served here
     if TYPE_CHECKING:  # declared by the classes that mix this in (an annotation here would
         model: str | None  # be taken for a field by msgspec, and override theirs)
         stream: bool | None
@@ -118,7 +118,7 @@ class CompletionMethods(RequestMethods):
 class ChatMethods(RequestMethods):
     __slots__ = ()
     chat: ClassVar[bool] = True
-    served: ClassVar[frozenset[str]] = frozenset({"tools", "tool_choice"})  # router/api/tools.py
+    served: ClassVar[frozenset[str]] = frozenset({"best_of", "tools", "tool_choice"})
     if TYPE_CHECKING:
         logprobs: bool | None
         top_logprobs: int | None
@@ -188,8 +188,9 @@ class _Request(_Strict, RequestMethods):
     # reads them (a 400 naming the field when malformed).
     response_format: Any = None
     structured_outputs: Any = None
+    # Candidates per prompt to return the ``n`` likeliest of (router/api/choices.py)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     # Declared only to be refused by name when set (see UNSUPPORTED); never used.
-    best_of: int | None = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None

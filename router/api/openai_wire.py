@@ -90,7 +90,7 @@ class _Request(msgspec.Struct, kw_only=True):
         | None
     ) = None
     n: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] | None = None
-    best_of: int | None = None
+    best_of: Annotated[int, Meta(ge=1, le=MAX_CHOICES)] | None = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None

@@ -326,6 +326,30 @@ def _usage(last: Any) -> Any:
     )
 
 
+def chunker(
+    encoder: ChunkEncoder,
+    logprobs: Callable[[list[int], list[dict[int, float]] | None], Any] | None,
+    tools: ToolPlan | None,
+) -> Callable[..., bytes]:
+    """One choice's ``chunk(delta, finish=None)``: its SSE bytes (b"" when a tool plan
+    holds everything back for now)."""
+    shapes = None if tools is None else ToolStream(tools)
+
+    def chunk(d: GenerateDelta, finish: str | None = None) -> bytes:
+        shaped = None
+        if logprobs is not None and d.delta_token_ids:
+            shaped = logprobs(list(d.delta_token_ids), d.logprobs)
+        if shapes is None:
+            return encoder.chunk(d.delta_text, finish, shaped)
+        deltas = shapes.feed(d.delta_text, d.delta_token_ids)
+        if finish is not None:
+            more, finish = shapes.finish(finish)
+            deltas += more
+        return encoder.deltas(deltas, finish, shaped)
+
+    return chunk
+
+
 async def _write_sse(
     ctx: ResponseContext,
     run: RequestRun,
@@ -350,19 +374,7 @@ async def _write_sse(
     status = "200"
     tail: list[bytes] = []  # sent after the loop with [DONE]: the end costs one write
 
-    shapes = None if tools is None else ToolStream(tools)
-
-    def chunk(d: GenerateDelta, finish: str | None = None) -> bytes:
-        shaped = None
-        if logprobs is not None and d.delta_token_ids:
-            shaped = logprobs(list(d.delta_token_ids), d.logprobs)
-        if shapes is None:
-            return encoder.chunk(d.delta_text, finish, shaped)
-        deltas = shapes.feed(d.delta_text, d.delta_token_ids)
-        if finish is not None:
-            more, finish = shapes.finish(finish)
-            deltas += more
-        return encoder.deltas(deltas, finish, shaped)  # b"" when all is held back
+    chunk = chunker(encoder, logprobs, tools)
 
     def push(d: GenerateDelta) -> bool:
         """A delta between the first and the last, as the loop below writes it, straight

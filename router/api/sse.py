@@ -51,13 +51,16 @@ class ChunkEncoder:
 
     __slots__ = ("_chat", "_head", "_usage_head")
 
-    def __init__(self, chat: bool, response_id: str, created: int, model: str) -> None:
+    def __init__(
+        self, chat: bool, response_id: str, created: int, model: str, index: int = 0
+    ) -> None:
+        """``index``: the choice the chunks are of (several stream side by side)."""
         self._chat = chat
         obj = "chat.completion.chunk" if chat else "text_completion"
         head = _json.encode({"id": response_id, "object": obj, "created": created, "model": model})[
             :-1
         ]
-        self._head = b"data: " + head + b',"choices":[{"index":0,'
+        self._head = b"data: " + head + b',"choices":[{"index":%d,' % index
         self._usage_head = b"data: " + head + b',"choices":[],"usage":'
 
     def chunk(

@@ -130,8 +130,6 @@ UNSUPPORTED: list[tuple[str, dict[str, Any], str]] = [
     (H, chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),
     (H, chat(tool_choice="auto"), "tool_choice"),
     (C, completion(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
-    (H, chat(n=2, stream=True), "n"),  # several choices are served whole, not streamed
-    (C, completion(best_of=2), "best_of"),
     (C, completion(prompt_logprobs=1), "prompt_logprobs"),  # vLLM's; echo gives them
     (C, completion(suffix="tail"), "suffix"),
     (H, chat([{"type": "image_url", "image_url": {"url": "http://x"}}]), "messages.0.content.0"),

@@ -221,8 +221,8 @@ def test_a_batch_and_n_are_choices_in_order(fleet: dict[str, Any]) -> None:
     assert chat.choices[0].message.content == chat.choices[1].message.content
     url, auth = fleet["url"] + "/v1/completions", {"Authorization": "Bearer key-a"}
     for extra, param in (
-        ({"n": 2, "stream": True}, "n"),
-        ({"prompt": ["a", "b"], "stream": True}, "prompt"),
+        ({"best_of": 3, "stream": True}, "best_of"),  # several choices stream; best_of not
+        ({"best_of": 65}, "best_of"),
         ({"n": 65}, "n"),
         ({"prompt": ["a"] * 33, "n": 2}, "n"),
     ):
