@@ -41,7 +41,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "kv_tier_blind (kv counting host copies as device hits), lora_affinity (most "
         "resident adapter wins, as llm-d), kv:lora_blind (kv ignoring adapters in its "
         "price); a name ending in :nohost runs on the fleet without its host tier "
-        "(kv:nohost: device-only kv); pooled: no policy but the whole fleet as one "
+        "(kv:nohost: device-only kv); kv:fetch: kv on a fleet whose replicas may pull a "
+        "prefix from another one's cache (prefix fetch, at --link-gbps); pooled: no "
+        "policy but the whole fleet as one "
         "replica of its summed resources, what no router can beat",
     )
     sim.add_argument(

@@ -63,9 +63,10 @@ from kvroute.replica.model.cost_model import (
 )
 from kvroute.router.routing.index import PrefixIndex, prediction_stride
 from kvroute.router.routing.policies import make_policy
-from kvroute.router.routing.policy import Policy, RequestView
+from kvroute.router.routing.policy import KVPolicy, Policy, RequestView
 
 from .disagg import PD_SPLITS, Disagg, Pull, roles_of
+from .fetch import FETCH, Fetching
 from .lora import LoRAConfig, SimLoRA
 from .replica import SimReplica, SimRequest
 from .workloads import RequestSpec, TokenSource
@@ -83,14 +84,17 @@ POLICY_VARIANTS = ("lora_blind",)  # ``kv:lora_blind`` names a policy, not a fle
 
 def split_policy(name: str) -> tuple[str, bool]:
     """(policy, with the fleet's host tier) of a run's name: ``kv`` or ``kv:nohost``
-    (``kv:lora_blind`` is a policy of its own, and ``kv:lora_blind:nohost`` it without)."""
+    (``kv:lora_blind`` is a policy of its own, and ``kv:lora_blind:nohost`` it without);
+    ``kv:fetch``: kv with the host tier, on a fleet whose replicas fetch (:mod:`.fetch`)."""
     policy, _, variant = name.partition(":")
     head, _, rest = variant.partition(":")
     if head in POLICY_VARIANTS:
         policy, variant = f"{policy}:{head}", rest
-    if variant not in ("", NO_HOST):
-        raise ValueError(f"unknown fleet variant {variant!r} in {name!r} (only {NO_HOST!r})")
-    return policy, not variant
+    if variant not in ("", NO_HOST, FETCH):
+        raise ValueError(
+            f"unknown fleet variant {variant!r} in {name!r} (only {NO_HOST!r} or {FETCH!r})"
+        )
+    return policy, variant != NO_HOST
 
 
 _ARRIVE, _STEP, _DELIVER, _FAULT, _RUN_STEP, _WAKE, _LAND = 0, 1, 2, 3, 4, 5, 6
@@ -286,7 +290,17 @@ class SimRun:
         times = [lora.times(cfg.profile(i)) if lora else (0.0, 0.0) for i in range(cfg.replicas)]
         self.now = 0.0
         # P/D: its roles and links (None: a fleet without roles, which runs none of it)
-        self.pd = pd = Disagg(cfg, cfg.roles(), self._clock) if cfg.has_roles else None
+        # kv:fetch: every replica may serve and pull a prefix (sim/fetch.py)
+        fetch = policy_name.endswith(f":{FETCH}")
+        if fetch:
+            if not isinstance(self.policy, KVPolicy):
+                raise ValueError(f"{policy_name}: only kv policies fetch")
+            self.policy.fetchable = lambda r: True
+        self.pd = pd = (
+            (Fetching if fetch else Disagg)(cfg, cfg.roles(), self._clock)
+            if cfg.has_roles or fetch
+            else None
+        )
         self.reps = [
             SimReplica(
                 i, cfg.scheduler_config(i), cfg.blocks(i), self.hasher,
@@ -415,6 +429,8 @@ class SimRun:
         if self.pd is not None:  # P/D: the router's plan says which replicas may take it
             alive = self.pd.candidates(req, view, alive, self.now)
         decision = self.policy.route(view, alive, self.now)
+        if decision.fetch_from is not None and isinstance(self.pd, Fetching):
+            self.pd.fetch(req, decision, self.now)
         rep = self._by_id[decision.replica]
         req.replica = self._index_of[decision.replica]
         rep.routed += 1
