@@ -82,6 +82,8 @@ from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import render_metrics
 from .openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from .responses import REPLICA_HEADER, ResponseContext, respond
+from .responses_api import create_response
+from .responses_input import ResponsesRequest
 from .send_deadline import SEND_TIMEOUT_S, ClientTooSlowError, SendDeadlineMiddleware
 from .sse import RAW_SEND
 from .tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
@@ -184,6 +186,11 @@ async def completions(request: Request, tenant: TenantDep) -> Response:
 
 async def chat_completions(request: Request, tenant: TenantDep) -> Response:
     return await _serve(request, tenant, ChatCompletionRequest)
+
+
+async def responses(request: Request, tenant: TenantDep) -> Response:
+    """OpenAI's Responses API, stateless (:mod:`.responses_api`)."""
+    return await create_response(request, tenant)
 
 
 async def _serve(request: Request, tenant: Tenant, model: type[Any]) -> Response:
@@ -424,6 +431,7 @@ def create_app(
         "/v1/chat/completions": _DirectEndpoint(
             chat_completions, app.state, send_timeout_s, count_response
         ),
+        "/v1/responses": _DirectEndpoint(responses, app.state, send_timeout_s, count_response),
     }
     app.add_exception_handler(RequestValidationError, _on_validation_error)
     app.add_exception_handler(APIError, _on_api_error)
@@ -452,6 +460,12 @@ def create_app(
         chat_completions,
         methods=["POST"],
         openapi_extra=body_schema(ChatCompletionRequest),
+    )
+    app.add_api_route(
+        "/v1/responses",
+        responses,
+        methods=["POST"],
+        openapi_extra=body_schema(ResponsesRequest),
     )
     for path, handler, body in (
         ("/v1/load_lora_adapter", load_lora_adapter, LoadLoRAAdapterRequest),
