@@ -7,10 +7,9 @@ Runs where vLLM and ``nixl`` import; skipped elsewhere. Slow: two vLLM replicas 
 built-in ``tiny`` model start for the module.
 
 What it proves: each replica reports its role; a split request's greedy output equals
-kvroute's own engine on the same weights (so the KV the decode replica pulled is the
-prompt's), streamed or not, through the ``openai`` client; the decode replica served the
-prompt's full blocks from the pull (its ``cached_tokens``, on a prompt it never saw);
-a one-token request does not split.
+kvroute's own engine on the same weights, streamed or not, through the ``openai`` client;
+the decode replica's engine runs on the params the prefill replica's handoff gave (vLLM
+reports the prefill side's cache hit from them); a one-token request does not split.
 """
 
 from __future__ import annotations
@@ -69,6 +68,13 @@ def reference(llm: Any, prompt: str, n: int) -> str:
     return str(out.outputs[0].text)
 
 
+def same_text(got: str, want: str) -> bool:
+    """kvroute's engine's text, except that a request ending part-way through a UTF-8
+    character (this byte-level model's often do) ends there in vLLM, where kvroute's engine
+    flushes the partial bytes as U+FFFD (as test_vllm_engine.py compares them)."""
+    return want.startswith(got) and set(want[len(got) :]) <= {"\ufffd"}
+
+
 def client(served: Served) -> openai.OpenAI:
     return openai.OpenAI(base_url=served.url + "/v1", api_key="key-a", max_retries=0)
 
@@ -94,17 +100,31 @@ def test_split_output_equals_kvroutes_engine(
         r = c.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0)
         text = r.choices[0].text
         assert r.usage is not None and r.usage.completion_tokens == 16
-        details = r.usage.prompt_tokens_details
-        n_prompt = r.usage.prompt_tokens
-        # the decode replica never saw this prompt: its full blocks came by the pull
-        assert details is not None and details.cached_tokens >= (n_prompt - 1) // 32 * 32 > 0
     assert split.door.counters["handoffs"] == handoffs + 1
-    assert text == reference(kvroute_tiny, prompt, 16)
+    assert text and same_text(text, reference(kvroute_tiny, prompt, 16))
+
+
+def test_the_decode_replica_runs_on_the_prefill_replicas_params(
+    split: Served, kvroute_tiny: Any
+) -> None:
+    """vLLM reports a remote prefill's cached tokens as the prefill side's hit, read from
+    the params it was given: with its own cache emptied, the decode replica reports the
+    prefill replica's hit only if the params reached its engine."""
+    prompt = "The second time, the prefill replica has it all cached. " * 6
+    c = client(split)
+    first = c.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+    assert ray.get(split.actors["d0"].reset_prefix_cache.remote(), timeout=60)
+    r = c.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+    assert r.choices[0].text == first.choices[0].text
+    assert same_text(r.choices[0].text, reference(kvroute_tiny, prompt, 8))
+    assert r.usage is not None and r.usage.prompt_tokens_details is not None
+    full = (r.usage.prompt_tokens - 1) // 32 * 32
+    assert r.usage.prompt_tokens_details.cached_tokens >= full > 0
 
 
 def test_a_one_token_request_runs_whole(split: Served, kvroute_tiny: Any) -> None:
     handoffs = split.door.counters["handoffs"]
     prompt = "one token only, please. " * 4
     r = client(split).completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0)
-    assert r.choices[0].text == reference(kvroute_tiny, prompt, 1)
+    assert same_text(r.choices[0].text, reference(kvroute_tiny, prompt, 1))
     assert split.door.counters["handoffs"] == handoffs
