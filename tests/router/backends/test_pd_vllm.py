@@ -9,7 +9,7 @@ params it answers go, unchanged, with the decode request, whose backend pulls th
 whose stream is the client's (token by token, the text a whole run gives); the official
 ``openai`` client works, completions and chat, streamed or not; a prefill backend that
 fails (HTTP 500, no params, unreachable) costs the request nothing: it runs whole on the
-decode backend.
+decode backend; a prefill backend's 400 is the client's, OpenAI-style.
 """
 
 from __future__ import annotations
@@ -173,6 +173,20 @@ def test_a_failed_prefill_runs_whole_on_the_decode_backend(pair: Pair, how: str)
     assert text == text_of(generate(d["prompt"], 7))
     assert headers["x-kvroute-replica"] == pair.decode.url.removeprefix("http://")
     pair.prefill.fail = None
+
+
+def test_a_prefill_refusal_is_the_clients_openai_style_error(pair: Pair) -> None:
+    """A 4xx from the prefill backend is the request's own fault, as from any backend."""
+    fresh(pair)
+    pair.prefill.fail = "400"
+    body = {"model": "tiny", "prompt": "refused " * 6, "max_tokens": 5, "stream": True}
+    r = httpx.post(f"{pair.url}/v1/completions", json=body, timeout=60)
+    pair.prefill.fail = None
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert "stand-in refuses this prompt" in err["message"]
+    assert {"message", "type", "param", "code"} <= set(err)
+    assert pair.decode.requests == []  # nothing ran on the decode side
 
 
 def test_an_unreachable_prefill_backend_runs_requests_whole(pair: Pair) -> None:

@@ -22,8 +22,8 @@ What it implements, as vLLM 0.32 does (``vllm/entrypoints/openai/completion``,
 
 The "model" is a fixed function of the context (:func:`next_token`): a decode that starts
 from pulled KV must give what a whole run gives. ``fail`` makes the prefill half fail
-(``"500"``: an HTTP 500; ``"no-params"``: an answer without ``kv_transfer_params``, as a
-server started without a connector gives).
+(``"500"``: an HTTP 500; ``"400"``: vLLM's refusal of a bad request; ``"no-params"``: an
+answer without ``kv_transfer_params``, as a server started without a connector gives).
 """
 
 from __future__ import annotations
@@ -145,6 +145,10 @@ def app(s: StandIn) -> FastAPI:
         if params.get("do_remote_decode"):  # the prefill half
             if s.fail == "500":
                 return JSONResponse({"error": {"message": "boom", "code": 500}}, status_code=500)
+            if s.fail == "400":  # as vLLM refuses a request (its OpenAI error shape)
+                err = {"message": "stand-in refuses this prompt", "type": "BadRequestError",
+                       "param": None, "code": 400}  # fmt: skip
+                return JSONResponse({"error": err}, status_code=400)
             if s.fail != "no-params":
                 s.held[rid] = prompt
                 n_blocks = -(-len(prompt) // BLOCK_SIZE)
