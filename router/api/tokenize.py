@@ -9,6 +9,7 @@ tokenizer runs on the front door's worker thread, after the same cheap bounds as
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Annotated, Any
 
 import pydantic
@@ -19,6 +20,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from .errors import APIError, one_line, read_body, validation_error
 from .intake import Intake
 from .openai_api import ChatMessage, Text, TokenId
+from .tool_template import template_for
+from .tools import ToolConfig, plan_tools, template_messages
 
 MAX_DETOKENIZE_IDS = 1 << 20
 
@@ -33,6 +36,7 @@ class TokenizeRequest(_Strict):
     model: Text | None = None
     prompt: Text | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    tools: list[Any] | None = None  # function tools, shown to the template (vLLM's field)
     add_special_tokens: bool = True  # a text's BOS and the like (vLLM's default)
     add_generation_prompt: bool = True  # a chat's assistant turn opened
     return_token_strs: bool = False
@@ -68,12 +72,22 @@ async def tokenize(request: Request) -> JSONResponse:
         text = body.prompt
         intake.check_length(len(text))
     else:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages or ()]
-        intake.check_length(sum(len(m["content"]) for m in messages))
+        # As a chat renders them (router/api/tools.py): its tools, calls and results too.
+        messages = template_messages(body.messages or [])
+        plan = plan_tools(SimpleNamespace(tools=body.tools, tool_choice="none"), ToolConfig())
+        kw: dict[str, Any] = {"tools": plan.tools} if plan is not None and plan.tools else {}
+        with_tools = bool(kw) or any(m["role"] == "tool" or "tool_calls" in m for m in messages)
+        template = template_for(tokenizer, with_tools)
+        if template is not None:
+            kw["chat_template"] = template
+        intake.check_length(sum(len(m["content"]) for m in messages) + len(str(body.tools or "")))
         try:
             text = await intake.off_loop(
                 lambda: tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=body.add_generation_prompt, tokenize=False
+                    messages,
+                    add_generation_prompt=body.add_generation_prompt,
+                    tokenize=False,
+                    **kw,
                 )
             )
         except Exception as exc:  # no template, or the template refuses the roles

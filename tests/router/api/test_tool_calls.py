@@ -290,3 +290,25 @@ def test_serve_and_router_take_vllms_tool_flags() -> None:
         assert (plain.enable_auto_tool_choice, plain.tool_call_parser) == (False, None)
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--tool-call-parser", "pythonic"])
+
+
+def test_tokenize_renders_a_chat_with_tools_as_the_chat_does(served: Served) -> None:
+    """/tokenize with ``messages`` and ``tools`` counts the very prompt a chat with them
+    sends (history calls and results included)."""
+    history = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "12:00"},
+    ]  # fmt: skip
+    auth = {"authorization": "Bearer key-a"}
+    chat = client(served).chat.completions.create(
+        model=MODEL, messages=history, tools=TOOLS, tool_choice="none", max_tokens=1
+    )
+    r = httpx.post(served.url + "/tokenize", json={"messages": history, "tools": TOOLS},
+                   headers=auth, timeout=60)  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert chat.usage is not None and r.json()["count"] == chat.usage.prompt_tokens
+    bare = httpx.post(served.url + "/tokenize", json={"messages": ASK}, headers=auth, timeout=60)
+    assert bare.json()["count"] < r.json()["count"]  # the tools and the turns are in it
