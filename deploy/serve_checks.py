@@ -194,4 +194,8 @@ def check_front_door(args: argparse.Namespace) -> str | None:
             continue
         if (value <= least) if strict else (value < least):
             return f"--{flag.replace('_', '-')} must be {'>' if strict else '>='} {least}"
+    if getattr(args, "enable_auto_tool_choice", False) and not getattr(
+        args, "tool_call_parser", None
+    ):
+        return "--enable-auto-tool-choice needs --tool-call-parser (how the model writes calls)"
     return None

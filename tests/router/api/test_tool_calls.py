@@ -290,6 +290,11 @@ def test_serve_and_router_take_vllms_tool_flags() -> None:
         assert (plain.enable_auto_tool_choice, plain.tool_call_parser) == (False, None)
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--tool-call-parser", "pythonic"])
+    from kvroute.deploy.serve_checks import check_front_door
+
+    for command in ("serve", "router"):
+        alone = parser.parse_args([command, "--enable-auto-tool-choice"])
+        assert "--tool-call-parser" in (check_front_door(alone) or "")
 
 
 def test_tokenize_renders_a_chat_with_tools_as_the_chat_does(served: Served) -> None:
