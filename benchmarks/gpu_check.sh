@@ -84,7 +84,8 @@ if [ "$PHASE" != bench ]; then
     tests/kernels/test_sliding_window.py tests/kernels/test_lora_triton.py \
     tests/replica/model/test_model_families.py tests/replica/model/test_engine_vs_transformers.py \
     tests/replica/kv_tiers/test_kv_tiers.py tests/replica/kv_transfer/test_pd_exactness.py \
-    tests/replica/kv_transfer/test_plane.py > "$OUT_DIR/gpu_tests.log" 2>&1
+    tests/replica/kv_transfer/test_plane.py tests/replica/kv_transfer/test_prefix_fetch.py \
+    > "$OUT_DIR/gpu_tests.log" 2>&1
   say "pytest exit $?"
   grep -E "^(FAILED|ERROR)|passed|failed|error" "$OUT_DIR/gpu_tests.log" | tail -30
 fi
