@@ -40,6 +40,7 @@ from typing import Any
 
 from .capacity import BATCH, need_of, not_running, room_for
 from .router import RAY_NAMESPACE, REPLICA_ACTOR_PREFIX, answers, named_replicas
+from .scale_roles import add_role_arguments, asked_pools, check_pools
 
 # Routers poll each replica's info() this often (Fleet's monitor interval) ...
 ROUTER_POLL_S = 2.0
@@ -48,7 +49,14 @@ SETTLE_S = 3 * ROUTER_POLL_S
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--replicas", type=int, required=True, help="the fleet's new size (>= 1)")
+    p.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="the fleet's new size (>= 1); on a P/D fleet, its whole-request (role both) "
+        "replicas' (>= 0)",
+    )
+    add_role_arguments(p)
     p.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
     p.add_argument("--namespace", default=RAY_NAMESPACE, help="where the replicas are named")
     p.add_argument(
@@ -87,8 +95,13 @@ def _say(msg: str) -> None:
 
 def check_arguments(args: argparse.Namespace) -> str | None:
     """What is wrong with ``kvroute scale``'s flags (None: nothing), before Ray."""
-    if args.replicas < 1:
+    pools = asked_pools(args)
+    if not pools:
+        return "give the new size: --replicas N, or --prefill-replicas/--decode-replicas"
+    if set(pools) == {"both"} and args.replicas < 1:
         return "--replicas must be >= 1 (kvroute stop ends a fleet)"
+    if why := check_pools(pools):
+        return why
     if not args.ready_timeout > 0:
         return "--ready-timeout must be > 0"
     if not args.drain_timeout >= 0 or not args.drain_quiet >= 0:
@@ -124,6 +137,14 @@ def run(args: argparse.Namespace) -> int:
                  "Ray, RAY_AUTH_MODE=token: its token is in ~/.ray/auth_token)")  # fmt: skip
             return 1
         signal.signal(signal.SIGTERM, _interrupted)  # after ray.init, which sets its own
+        pools = asked_pools(args)
+        if set(pools) != {"both"}:  # a P/D fleet's pools (scale_roles.py)
+            from .scale_roles import resize_pools
+
+            return resize_pools(
+                pools, args.ready_timeout, args.drain_timeout, _say, args.drain_quiet,
+                wait_for_resources=args.wait_for_resources,
+            )  # fmt: skip
         return resize(
             args.replicas,
             args.ready_timeout,
@@ -162,6 +183,13 @@ def resize(
     pending = not_running(fleet)
     infos = answers({rid: a.info.remote() for rid, a in fleet.items() if rid not in pending}, 10)
     infos.update(dict.fromkeys(pending))
+    if any(info is not None and info.role != "both" for info in infos.values()):
+        from .scale_roles import resize_pools  # a P/D fleet: n is its `both` pool's size
+
+        return resize_pools(
+            {"both": n}, ready_timeout, drain_timeout, say, quiet_s,
+            wait_for_resources=wait_for_resources, stop=stop, read=(fleet, infos),
+        )  # fmt: skip
     # Replicas left draining (a scale interrupted mid-drain) are not the fleet's: a grow
     # takes them back first (no model to load), a shrink finishes them off.
     draining = [rid for rid, info in infos.items() if info is not None and info.draining]
@@ -206,8 +234,12 @@ def _grow(
     infos: dict[str, Any],
     wait_for_resources: bool = False,
     stop: threading.Event | None = None,
+    spec: Any = None,
+    noun: str = "replicas",
 ) -> int:
-    spec = template(fleet, infos, say)
+    """Grows ``ids`` (of ``fleet``: all its names are taken) to ``n`` twins of ``spec``
+    (None: of the first running replica in ``fleet``)."""
+    spec = spec or template(fleet, infos, say)
     if spec is None:
         return 1
     need = need_of(spec.options)
@@ -243,7 +275,7 @@ def _grow(
                     with contextlib.suppress(Exception):
                         ray_kill(actor)
             say(f"stopped {len(starting)} replica(s) not ready: {_listed(starting)}")
-    say(f"{len(ids) + len(ready)} replicas; front doors route to the new ones within seconds")
+    say(f"{len(ids) + len(ready)} {noun}; front doors route to the new ones within seconds")
     return 0
 
 
@@ -303,6 +335,7 @@ def _shrink(
     quiet_s: float = SETTLE_S,
     *,
     pending: set[str] | frozenset[str] = frozenset(),
+    noun: str = "replica(s)",
 ) -> int:
     """Retires ``len(ids) - n`` of ``ids``, and finishes off ``draining`` (left so)."""
     retired = _retirees(ids, n, infos) if n < len(ids) else []
@@ -316,7 +349,7 @@ def _shrink(
     if drained:
         _drain(fleet, drained, timeout, say, quiet_s)
     kept = [rid for rid in ids if rid not in retired]
-    say(f"{len(kept)} replica(s): {_listed(kept)}")
+    say(f"{len(kept)} {noun}: {_listed(kept)}")
     return 0
 
 
