@@ -1,5 +1,5 @@
 """Hostile input from the front door's own OpenAPI schema (schemathesis): every documented
-field of both completion endpoints, fuzzed, against a live fleet.
+field of the completion endpoints and the Responses API, fuzzed, against a live fleet.
 
 What must hold whatever arrives: no 5xx, every refusal an OpenAI-style error body with a
 request id and no internals, no replica failing or restarting, ``/health`` ok at the end.
@@ -53,7 +53,8 @@ def aimed(case: Any) -> Any:
 
 
 @pytest.mark.parametrize(
-    "path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
+    "path",
+    ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"],
 )
 def test_fuzzed_bodies_never_get_a_5xx_or_hurt_a_replica(served: Served, path: str) -> None:
     schema = schemathesis.openapi.from_url(served.url + "/openapi.json")
