@@ -53,7 +53,13 @@ from kvroute.replica.core.fair_queue import FairQueue
 from kvroute.replica.core.kv_cache_manager import KVCacheManager
 from kvroute.replica.core.request import Request
 from kvroute.replica.kv_transfer.leases import Leases
-from kvroute.router.routing.disagg import ROLE_BOTH, ROLE_DECODE, ROLE_PREFILL, plan
+from kvroute.router.routing.disagg import (
+    ROLE_BOTH,
+    ROLE_DECODE,
+    ROLE_PREFILL,
+    plan,
+    route_decode,
+)
 from kvroute.router.routing.policy import RequestView
 
 from .replica import OUTPUT_TOKEN, SimReplica, SimRequest
@@ -312,7 +318,11 @@ class Disagg:
                 d = self.decode_for.pop(src.request_id, None)
                 others = [r for r in candidates if r != rep.id] or candidates
                 candidates = [d] if d in others else others
-            decision = policy.route(run.view(req), candidates, now)
+            if self.pair:  # booked with the prefill it does there: its tail
+                held = len(lease.blocks) * run.cfg.block_size if lease is not None else 0
+                decision = route_decode(policy, run.view(req), candidates, now, held)
+            else:
+                decision = policy.route(run.view(req), candidates, now)
             dst = run.replica(decision.replica)
             req.replica = run.index_of(decision.replica)
             req.kv_source = Pull(req, rep, rep.scheduler, lease, now)  # type: ignore[assignment]

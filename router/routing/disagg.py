@@ -63,7 +63,7 @@ from .policy import KVPolicy
 if TYPE_CHECKING:
     from kvroute.events.load import CostCoefficients
 
-    from .policy import Policy, RequestView
+    from .policy import Decision, Policy, RequestView
 
 ROLE_PREFILL = "prefill"
 ROLE_DECODE = "decode"
@@ -212,6 +212,23 @@ def _prices(
                     best, best_p, best_d = ps + ds, p, d
                 break
     return cheapest, best, best_p, best_d
+
+
+def route_decode(
+    policy: Policy, view: RequestView, candidates: Sequence[str], now: float, lease_tokens: int
+) -> Decision:
+    """Routes a handed-off request's decode part, and tells the load view what it will
+    compute there: the prompt past the ``lease_tokens`` it pulls (its tail), not the whole
+    uncached prompt that :meth:`Policy.route` books. Booked as a prefill, the pulled prompt
+    made a replica that takes decode parts look queued with prompts it never computes, so
+    whole requests avoided it (a fleet of both: TTFT p90 up on conversation)."""
+    decision = policy.route(view, candidates, now)
+    n, bs = view.num_prompt_tokens, view.block_size
+    hit = max(decision.hit_tokens, min(lease_tokens, max(n - 1, 0) // bs * bs))
+    out = int(policy.load.expected_output_tokens(view.max_tokens))
+    blocks = -(-(n + out) // bs) - decision.hit_tokens // bs  # the pulled ones are new here
+    policy.load.on_routed(view.request_id, decision.replica, n - hit, n, blocks)
+    return decision
 
 
 def stall_s(

@@ -15,7 +15,7 @@ import pytest
 from kvroute.events import BlockHasher
 from kvroute.events.load import REFERENCE_COEFFICIENTS, LoadReport
 from kvroute.events.replica_api import GenerateRequest, Resume, SamplingParams
-from kvroute.router.routing.disagg import Part, best_pair, plan, split_pays
+from kvroute.router.routing.disagg import Part, best_pair, plan, route_decode, split_pays
 from kvroute.router.routing.index import PrefixIndex
 from kvroute.router.routing.load import LoadTracker
 from kvroute.router.routing.policies import make_policy
@@ -224,3 +224,15 @@ def test_pair_on_pools_runs_whole_requests_anywhere() -> None:
     assert plan(request(8000), list(ROLES), role, decoding=True, pair=True) == Part(
         ["d0", "d1"], False
     )
+
+
+def test_route_decode_books_only_the_tail() -> None:
+    """A decode part pulls its prompt's full blocks: its replica's queued prefill grows by
+    the tail it computes, not by the prompt (Policy.route alone books all 8,000)."""
+    policy, _ = fleet({})
+    v = view(8000 + 5)  # 500 full blocks and 5 tokens
+    route_decode(policy, v, ["d0"], 0.0, lease_tokens=8000)
+    assert policy.load.get("d0", 0.0)[0] == 5
+    plain, _ = fleet({})
+    plain.route(v, ["d0"], 0.0)
+    assert plain.load.get("d0", 0.0)[0] == 8005
