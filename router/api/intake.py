@@ -49,6 +49,7 @@ from ..fleet.quarantine import QueryOfDeathError
 from ..fleet.request_run import RequestRun
 from ..fleet.tenants import Tenant
 from ..lora.registry import Adapter, not_found
+from .encode import chars_per_token, fast_encoder
 from .errors import APIError, one_line, status_of
 from .openai_api import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
 from .openai_wire import ChatBody, CompletionBody, decode_body
@@ -59,9 +60,6 @@ from .tools import ToolConfig, ToolPlan, plan_tools, special_markers, template_m
 
 log = logging.getLogger(__name__)
 
-# A token covers at most this many characters in the cheap bound applied before tokenizing
-# (the tokenizer's longest vocabulary entry, when it can be read, replaces it).
-DEFAULT_CHARS_PER_TOKEN = 32
 OFF_LOOP_BODY_BYTES = 64 << 10  # bodies past this are parsed on the worker thread
 M = TypeVar("M", bound=pydantic.BaseModel)
 Body = CompletionRequest | ChatCompletionRequest | CompletionBody | ChatBody
@@ -137,7 +135,7 @@ class Intake:
         self.model_name = model_name
         # One thread: a tokenizer is not safe to share between threads.
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="kvroute-tokenize")
-        self.chars_per_token = _chars_per_token(tokenizer)
+        self.chars_per_token = chars_per_token(tokenizer)
         self.encode = fast_encoder(tokenizer)
 
     def close(self) -> None:
@@ -520,43 +518,3 @@ def ranked(body: Any) -> bool:
 def runs_per_prompt(body: Any) -> int:
     """Runs per prompt: ``best_of`` candidates, else ``n`` choices."""
     return max(body.n or 1, body.best_of or 1)
-
-
-def fast_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
-    """A prompt's ids as ``tokenizer(text).input_ids`` gives them, from a fast tokenizer's
-    Rust backend called directly when it gives the same ids (checked on probes here, once):
-    no offsets computed, no ``BatchEncoding`` built, which is CPU the front door spends per
-    request (BENCHMARKS.md, "Fronting vllm serve"). Otherwise the tokenizer itself."""
-
-    def slow(text: str) -> list[int]:
-        return list(tokenizer(text).input_ids)
-
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if not getattr(tokenizer, "is_fast", False) or backend is None:
-        return slow
-    batch = getattr(backend, "encode_batch_fast", None)  # tokenizers >= 0.21: no offsets
-
-    def fast(text: str) -> list[int]:
-        if batch is not None:
-            return list(batch([text])[0].ids)
-        return list(backend.encode(text).ids)
-
-    specials = "".join(getattr(tokenizer, "all_special_tokens", None) or ())
-    probes = ["", "Hello, world!", "  two  spaces\n\nand lines\t", "ünïcödé 你好 🙂", specials,
-              f"{specials} text between {specials}"]  # fmt: skip
-    try:
-        if all(fast(p) == slow(p) for p in probes):
-            return fast
-    except Exception:  # an odd backend: the tokenizer's own call is the reference
-        log.debug("tokenizer backend not used directly", exc_info=True)
-    return slow
-
-
-def _chars_per_token(tokenizer: Any) -> int:
-    """The most characters one token can stand for (its longest vocabulary entry)."""
-    try:
-        vocab = tokenizer.get_vocab()
-        longest = max((len(t) for t in vocab), default=0)
-    except Exception:  # a stand-in tokenizer in tests
-        return DEFAULT_CHARS_PER_TOKEN
-    return max(longest, 1)

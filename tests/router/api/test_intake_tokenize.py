@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from kvroute.router.api.intake import fast_encoder
+from kvroute.router.api.encode import fast_encoder
 
 
 def test_the_backend_gives_the_tokenizers_ids() -> None:
