@@ -25,6 +25,7 @@ starts and retires actors.
   that clock). One still busy after ``--drain-timeout`` is stopped anyway: its requests
   fail over as after any replica's loss (continued elsewhere, within the front doors'
   retry bounds).
+- A P/D fleet (replicas with roles): each pool on its own, :mod:`.scale_roles`.
 """
 
 from __future__ import annotations
