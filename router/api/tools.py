@@ -33,6 +33,7 @@ from kvroute.events.replica_api import StructuredOutputs
 
 from .errors import APIError, new_id
 from .tool_parsers import CallStream, ParsedCall, ToolParser, make_parser
+from .tool_parsers.base import raw_decode
 
 Mode = Literal["none", "auto", "required", "named"]
 MAX_TOOLS = 128  # OpenAI's limit
@@ -121,7 +122,7 @@ class ToolPlan:
             assert self.named is not None
             return None, [ParsedCall(self.named, text)]
         if self.mode == "required":
-            calls = _required_calls(text)
+            calls = _required_calls(text)[: None if self.parallel else 1]
             return (None, calls) if calls else (text, [])
         if self.mode == "auto" and self.parser is not None:
             got = self.parser.extract(text)
@@ -152,19 +153,35 @@ class ToolPlan:
 
 
 def _required_calls(text: str) -> list[ParsedCall]:
-    try:
-        items = json.loads(text)
-    except ValueError:  # cut short (``length``): no calls, the text as content
-        return []
-    if not isinstance(items, list):
-        return []
+    """The calls of ``required``'s JSON array: every whole item at its head. An answer cut
+    short (``length``) keeps the items it finished (vLLM fails such a request); a stream
+    sends each item as it closes, so it gives the same calls."""
     calls = []
-    for item in items:
+    at = _skip(text, 0)
+    if not text.startswith("[", at):
+        return []
+    at += 1
+    while True:
+        at = _skip(text, at)
+        try:
+            item, at = raw_decode(text, at)
+        except ValueError:  # the array's end, or an item not finished
+            return calls
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            return []
+            return calls  # not a call (the schema allows none): the calls before it
         args = json.dumps(item.get("parameters", {}), ensure_ascii=False)
         calls.append(ParsedCall(item["name"], args))
-    return calls
+        at = _skip(text, at)
+        if not text.startswith(",", at):
+            return calls
+        at += 1
+
+
+def _skip(text: str, at: int) -> int:
+    """The index of the first non-blank character from ``at``."""
+    while at < len(text) and text[at] in " \t\n\r":
+        at += 1
+    return at
 
 
 def special_markers(tokenizer: Any, parser: ToolParser) -> dict[int, str]:
@@ -319,14 +336,16 @@ def _history_call(call: Any, at: str) -> dict[str, Any]:
 class ToolStream:
     """One streamed answer read as it comes: :meth:`feed` each text piece, get the deltas
     to send (OpenAI's ``delta`` objects); :meth:`finish` gives the last ones and the
-    finish reason. A named function's arguments stream as they come; ``required``'s calls
-    and a parser's go out whole when the output ends (:mod:`.tool_parsers.base`: a
-    stream's calls are then always the whole answer's)."""
+    finish reason. A named function's arguments stream as they come; each of
+    ``required``'s calls goes out as its item of the array closes; a parser's calls go out
+    when the output ends (:mod:`.tool_parsers.base`). A stream's calls are always the
+    whole answer's."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self.text = ""
         self.started = False
+        self.sent = 0  # calls sent
         self.parsed: CallStream | None = None
         if plan.mode == "auto" and plan.parser is not None:
             self.parsed = plan.parser.stream()
@@ -342,8 +361,26 @@ class ToolStream:
             return [{"content": content}] if content else []
         if mode == "required":
             self.text += piece
-            return []
+            if "}" not in piece:  # no item can have closed
+                return []
+            calls = _required_calls(self.text)
+            if not self.plan.parallel:
+                calls = calls[:1]
+            return self._calls(calls)
         return [{"content": piece}] if piece else []
+
+    def _calls(self, calls: list[ParsedCall]) -> list[dict[str, Any]]:
+        """The deltas of the calls not sent yet: each its head (index, id, name), then its
+        arguments."""
+        out = []
+        for i in range(self.sent, len(calls)):
+            call = calls[i]
+            head = {"index": i, "id": self.plan.call_id(), "type": "function",
+                    "function": {"name": call.name, "arguments": ""}}  # fmt: skip
+            out.append({"tool_calls": [head]})
+            out.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
+        self.sent = max(self.sent, len(calls))
+        return out
 
     def _named(self, piece: str) -> list[dict[str, Any]]:
         out = []
@@ -371,9 +408,5 @@ class ToolStream:
             content, calls = self.plan.read(self.text)
             if content:
                 out.append({"content": content})
-        for i, call in enumerate(calls):
-            head = {"index": i, "id": self.plan.call_id(), "type": "function",
-                    "function": {"name": call.name, "arguments": ""}}  # fmt: skip
-            out.append({"tool_calls": [head]})
-            out.append({"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]})
+        out += self._calls(calls)
         return out, self.plan.finish_reason(reason, calls)

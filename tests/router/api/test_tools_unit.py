@@ -106,3 +106,34 @@ def test_a_named_functions_arguments_stream_as_they_come() -> None:
         {"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}
     ]
     assert stream.finish("stop") == ([], "stop")
+
+
+def test_required_calls_stream_as_their_items_close_and_equal_the_whole() -> None:
+    plan = plan_tools(body(tool_choice="required"), ToolConfig())
+    assert plan is not None
+    text = '[{"name":"f","parameters":{"a":[1,{"b":"}"}]}},{"name":"g","parameters":{}}]'
+    whole = plan.read(text)
+    assert [c.name for c in whole[1]] == ["f", "g"]
+    for size in range(1, len(text) + 1):
+        stream = ToolStream(plan)
+        sent_at = []  # characters fed when each call's head went out
+        deltas = []
+        for at in range(0, len(text), size):
+            got = stream.feed(text[at : at + size])
+            sent_at += [at + size] * sum("id" in d["tool_calls"][0] for d in got)
+            deltas += got
+        more, finish = stream.finish("stop")
+        deltas += more
+        calls: dict[int, list[str]] = {}
+        for d in deltas:
+            piece = d["tool_calls"][0]
+            fn = piece["function"]
+            name, args = calls.setdefault(piece["index"], ["", ""])
+            calls[piece["index"]] = [name + fn.get("name", ""), args + fn.get("arguments", "")]
+        assert [ParsedCall(*calls[i]) for i in sorted(calls)] == whole[1], size
+        assert finish == "tool_calls"
+        first_end = text.index("},{") + 2  # the first item closes here
+        assert sent_at[0] <= first_end + size, (size, sent_at)
+    cut = text[: text.index(',{"name":"g"') + 5]  # cut by max_tokens inside the second
+    assert plan.read(cut) == (None, whole[1][:1])
+    assert plan.read('[{"name":"f","par') == ('[{"name":"f","par', [])
