@@ -463,7 +463,9 @@ def _run(
     )
     import ray
 
-    scale = f"kvroute scale --address {ray.get_runtime_context().gcs_address} --replicas N"
+    pd = getattr(args, "roles", None)
+    sizes = "--prefill-replicas N --decode-replicas M" if pd else "--replicas N"
+    scale = f"kvroute scale --address {ray.get_runtime_context().gcs_address} {sizes}"
     if not args.address and os.environ.get("RAY_AUTH_MODE", "token") == "token":
         scale = "RAY_AUTH_MODE=token " + scale  # another shell must send the token too
 
