@@ -317,3 +317,28 @@ def test_tokenize_renders_a_chat_with_tools_as_the_chat_does(served: Served) -> 
     assert chat.usage is not None and r.json()["count"] == chat.usage.prompt_tokens
     bare = httpx.post(served.url + "/tokenize", json={"messages": ASK}, headers=auth, timeout=60)
     assert bare.json()["count"] < r.json()["count"]  # the tools and the turns are in it
+
+
+def test_several_choices_each_call_streamed_and_not(served: Served) -> None:
+    """``n`` > 1 with tools: every choice's calls validate, whole and streamed (choices
+    interleaved by index), and a streamed choice's calls are the whole answer's."""
+    c = client(served)
+    kw: dict[str, Any] = {
+        "model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 200,
+        "tool_choice": "required", "temperature": 1, "seed": 11, "n": 2,
+    }  # fmt: skip
+    whole = c.chat.completions.create(**kw)
+    expect = {ch.index: check_calls(ch.message.tool_calls, set(SCHEMAS)) for ch in whole.choices}
+    got: dict[int, dict[int, dict[str, str]]] = {0: {}, 1: {}}
+    finish = {}
+    for chunk in c.chat.completions.create(**kw, stream=True):
+        for ch in chunk.choices:
+            for piece in ch.delta.tool_calls or ():
+                call = got[ch.index].setdefault(piece.index, {"name": "", "arguments": ""})
+                call["name"] += piece.function.name or ""
+                call["arguments"] += piece.function.arguments or ""
+            finish[ch.index] = ch.finish_reason or finish.get(ch.index)
+    assert finish == {0: "tool_calls", 1: "tool_calls"}
+    for i in (0, 1):
+        calls = [got[i][k] for k in sorted(got[i])]
+        assert [(x["name"], json.loads(x["arguments"])) for x in calls] == expect[i]
