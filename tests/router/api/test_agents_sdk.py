@@ -1,6 +1,7 @@
 """The ``openai-agents`` SDK, unmodified, runs a tool loop against the real front door on
 the random-weight ``tiny`` model, through both of its model classes: Chat Completions
-(``OpenAIChatCompletionsModel``) and the Responses API (``OpenAIResponsesModel``).
+(``OpenAIChatCompletionsModel``) and the Responses API (``OpenAIResponsesModel``), each
+run whole (``Runner.run``) and streamed (``Runner.run_streamed``).
 
 A random model cannot choose to call a tool, so the agent forces it (``tool_choice:
 "required"``, kept on every turn) and ends the loop itself after the third call (a
@@ -58,7 +59,9 @@ def run_agent(served: Served, kind: str) -> tuple[list[tuple[str, int]], Any]:
     async def main() -> Any:
         client = AsyncOpenAI(base_url=served.url + "/v1", api_key="key-a", max_retries=0)
         model_class = (
-            agents.OpenAIChatCompletionsModel if kind == "chat" else agents.OpenAIResponsesModel
+            agents.OpenAIChatCompletionsModel
+            if kind.startswith("chat")
+            else agents.OpenAIResponsesModel
         )
         agent = agents.Agent(
             name="forecaster",
@@ -71,12 +74,18 @@ def run_agent(served: Served, kind: str) -> tuple[list[tuple[str, int]], Any]:
                 max_tokens=200,
                 temperature=1.0,
                 extra_body={"seed": 3},
+                include_usage=True,  # a streamed chat's usage (stream_options)
             ),
             reset_tool_choice=False,
             tool_use_behavior=after_tools,
         )
         try:
-            return await agents.Runner.run(agent, "Weather in Lyon?", max_turns=TURNS + 1)
+            if not kind.endswith("streamed"):
+                return await agents.Runner.run(agent, "Weather in Lyon?", max_turns=TURNS + 1)
+            run = agents.Runner.run_streamed(agent, "Weather in Lyon?", max_turns=TURNS + 1)
+            async for _ in run.stream_events():
+                pass
+            return run
         finally:
             await client.close()
 
@@ -84,7 +93,7 @@ def run_agent(served: Served, kind: str) -> tuple[list[tuple[str, int]], Any]:
     return seen, asyncio.run(main())
 
 
-@pytest.mark.parametrize("kind", ["chat", "responses"])
+@pytest.mark.parametrize("kind", ["chat", "responses", "chat-streamed", "responses-streamed"])
 def test_a_three_turn_tool_loop(served: Served, kind: str) -> None:
     seen, result = run_agent(served, kind)
     assert len(seen) == TURNS
