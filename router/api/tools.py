@@ -29,7 +29,7 @@ import string
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvroute.events.replica_api import StructuredOutputs
+from kvroute.events.replica_api import BoundsError, StructuredOutputs
 
 from .errors import APIError, new_id
 from .tool_parsers import CallStream, ParsedCall, ToolParser, make_parser
@@ -114,7 +114,11 @@ class ToolPlan:
                 schema["maxItems"] = 1
         else:
             return None
-        return StructuredOutputs(json=json.dumps(schema), disable_any_whitespace=True)
+        try:
+            return StructuredOutputs(json=json.dumps(schema), disable_any_whitespace=True)
+        except BoundsError as exc:  # the schemas are too large to send as one constraint
+            param = "tools" if self.mode == "required" else "tool_choice"
+            raise _bad(f"The tools' schemas as a constraint: {exc}", param) from None
 
     def read(self, text: str) -> tuple[str | None, list[ParsedCall]]:
         """A whole output's content and calls."""

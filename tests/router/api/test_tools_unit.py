@@ -8,6 +8,8 @@ import json
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from kvroute.router.api.responses import Collected
 from kvroute.router.api.tool_parsers import ParsedCall, make_parser
 from kvroute.router.api.tools import ToolConfig, ToolStream, plan_tools, special_markers
@@ -137,3 +139,18 @@ def test_required_calls_stream_as_their_items_close_and_equal_the_whole() -> Non
     cut = text[: text.index(',{"name":"g"') + 5]  # cut by max_tokens inside the second
     assert plan.read(cut) == (None, whole[1][:1])
     assert plan.read('[{"name":"f","par') == ('[{"name":"f","par', [])
+
+
+def test_schemas_too_large_for_a_constraint_are_a_400_naming_tools() -> None:
+    from kvroute.events.bounds import MAX_STRUCTURED_CHARS
+    from kvroute.router.api.errors import APIError
+
+    big = {"type": "object", "description": "x" * MAX_STRUCTURED_CHARS}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": big}}]
+    named = {"type": "function", "function": {"name": "f"}}
+    for choice, param in (("required", "tools"), (named, "tool_choice")):
+        plan = plan_tools(body(tools=tools, tool_choice=choice), ToolConfig())
+        assert plan is not None
+        with pytest.raises(APIError) as info:
+            plan.structured()
+        assert (info.value.status, info.value.param) == (400, param)
