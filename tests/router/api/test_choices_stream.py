@@ -132,3 +132,23 @@ def test_best_of_refusals_name_it(served: Served, extra: dict[str, Any]) -> None
         timeout=60,
     )
     assert assert_clean_error(r, 400)["param"] == "best_of"
+
+
+def test_streamed_choices_each_echo_their_prompt_and_shape_their_own_logprobs(
+    served: Served,
+) -> None:
+    c = client(served)
+    stream = c.completions.create(
+        model=MODEL, prompt="Echo me", max_tokens=5, n=2, echo=True, logprobs=1, stream=True,
+        **SAMPLED,
+    )  # fmt: skip
+    texts: dict[int, str] = {}
+    offsets: dict[int, list[int]] = {}
+    for chunk in stream:
+        for ch in chunk.choices:
+            texts[ch.index] = texts.get(ch.index, "") + ch.text
+            if ch.logprobs is not None:
+                offsets.setdefault(ch.index, []).extend(ch.logprobs.text_offset)
+    assert set(texts) == {0, 1} and all(t.startswith("Echo me") for t in texts.values())
+    for i in (0, 1):
+        assert offsets[i][0] == 0 and offsets[i] == sorted(offsets[i])  # each from its start
