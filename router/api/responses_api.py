@@ -53,23 +53,31 @@ from .tools import ToolPlan, ToolStream
 
 
 async def create_response(request: Request, tenant: Tenant) -> Response:
-    """The handler: the body read and translated, the chat's intake, then the answer."""
+    """The handler: the chat's intake, which admits the request, then reads it (read and
+    translated here: a refused request is never read), then the answer."""
     arrival = time.perf_counter()
     state = request.app.state
     rid = request_id(request)
     intake: Intake = state.intake
-    raw = await read_body(request, state.max_body_bytes, state.body_timeout_s)
+    read: list[tuple[ResponsesRequest, ChatForm]] = []
+
+    async def chat_body() -> bytes:
+        raw = await read_body(request, state.max_body_bytes, state.body_timeout_s)
+        try:
+            body = ResponsesRequest.model_validate_json(raw)
+        except pydantic.ValidationError as exc:
+            raise validation_error(list(exc.errors(include_url=False))) from None
+        form = to_chat(body, json.loads(raw))
+        read.append((body, form))
+        return json.dumps(form.chat).encode()
+
     try:
-        body = ResponsesRequest.model_validate_json(raw)
-    except pydantic.ValidationError as exc:
-        raise validation_error(list(exc.errors(include_url=False))) from None
-    form = to_chat(body, json.loads(raw))
-    try:
-        chat_raw = json.dumps(form.chat).encode()
-        admitted = await intake.begin(tenant, ChatCompletionRequest, chat_raw, rid)
+        admitted = await intake.begin(tenant, ChatCompletionRequest, chat_body, rid)
     except APIError as exc:
-        exc.param = responses_param(exc.param)
+        if read:  # the chat's field names, as the Responses fields they came from
+            exc.param = responses_param(exc.param)
         raise
+    [(body, form)] = read
     run, plan = admitted.runs[0], admitted.tools
     shape = Shape(body, form, admitted.body.model, plan)
     ctx: ResponseContext = state.responses
