@@ -292,7 +292,7 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(
             f"P/D: {cfg['prefill_replicas']} prefill, {cfg['decode_replicas']} decode, "
             f"{cfg['replicas'] - cfg['prefill_replicas'] - cfg['decode_replicas']} both; "
-            f"split {cfg['pd_split']}{' (any two)' if cfg.get('pd_pair') else ''}; "
+            f"split {cfg['pd_split']}{' (pair)' if cfg.get('pd_pair') else ''}; "
             f"link {cfg['link_bytes_per_s'] / 1e9:g} GB/s, "
             f"{cfg['link_latency_s'] * 1e3:g} ms:"
         )
