@@ -88,11 +88,7 @@ async def respond_choices(
             end_request(ctx.metrics, rid, run, c.last, None, "503 replica_failed", arrival)
         raise APIError(503, FAILED, "service_unavailable", code="replica_failed") from None
     finally:
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(BaseException):
-                await t
+        await cancel_all(tasks)
         for run in runs:
             run.close()
     ttft_s = None if arrival is None else time.perf_counter() - arrival
@@ -100,18 +96,10 @@ async def respond_choices(
         if c.last is None or c.last.finish_reason == "error":
             end_request(ctx.metrics, rid, run, c.last, ttft_s, "500 request_failed", arrival)
             raise request_failed(rid, c.last)
-    prompt = cached = output = 0
-    by_tier: dict[str, int] = {}
     choices = []
     kept = _best(got, n, body.n or 1) if ranked(body) else set(range(len(runs)))
     for i, (c, run) in enumerate(zip(got, runs, strict=True)):
         last = c.last
-        if i % n == 0:
-            prompt += last.num_prompt_tokens
-            cached += last.num_cached_tokens
-            for tier, k in (getattr(last, "num_tier_cached_tokens", None) or {}).items():
-                by_tier[tier] = by_tier.get(tier, 0) + k
-        output += last.num_output_tokens
         end_request(ctx.metrics, rid, run, last, ttft_s, f"200 {last.finish_reason}", arrival)
         if i not in kept:
             continue
@@ -126,9 +114,35 @@ async def respond_choices(
             finish, calls = tools.finish_reason(finish, parsed), tools.tool_calls(parsed)
         choices.append(make_choice(chat, len(choices), text, finish, shaped, calls))
     replicas = ",".join(dict.fromkeys(str(run.replica) for run in runs))
-    usage = make_usage(prompt, output, cached, by_tier)
+    usage = choices_usage([c.last for c in got], n)
     body_out = make_response(chat, resp_id, model, choices, usage)
     return JSONResponse(body_out, headers={REPLICA_HEADER: replicas})
+
+
+async def cancel_all(tasks: list[asyncio.Future[Any]]) -> None:
+    """Every run's task cancelled, then each awaited to its end (what it raises is moot by
+    then: the request has its answer or its error), so none outlives the request."""
+    for t in tasks:
+        t.cancel()
+    for t in tasks:
+        with contextlib.suppress(BaseException):
+            await t
+
+
+def choices_usage(lasts: list[Any], n: int) -> Any:
+    """The usage of several choices, whole or streamed (:mod:`.choices_stream`): each
+    prompt once (its ``n`` runs share it; candidates ``best_of`` drops count too), every
+    choice's output. ``lasts``: each run's last delta, in choice order."""
+    prompt = cached = output = 0
+    by_tier: dict[str, int] = {}
+    for i, last in enumerate(lasts):
+        if i % n == 0:
+            prompt += last.num_prompt_tokens
+            cached += last.num_cached_tokens
+            for tier, k in (getattr(last, "num_tier_cached_tokens", None) or {}).items():
+                by_tier[tier] = by_tier.get(tier, 0) + k
+        output += last.num_output_tokens
+    return make_usage(prompt, output, cached, by_tier)
 
 
 def _best(got: list[Collected], per_prompt: int, n: int) -> set[int]:

@@ -13,7 +13,6 @@ the stream with an ``error`` event and ``[DONE]``, and every run is closed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -22,9 +21,10 @@ from fastapi.responses import Response
 
 from kvroute.events.replica_api import GenerateDelta
 
-from ..fleet.request_run import REPLICA_FAILURES, RequestRun
-from .errors import FAILED, INTERNAL_ERROR, one_line, request_failed
-from .openai_api import error_body, make_usage
+from ..fleet.request_run import RequestRun
+from .choices import cancel_all, choices_usage
+from .errors import request_failed
+from .openai_api import error_body
 from .responses import (
     REPLICA_HEADER,
     Logprobs,
@@ -32,8 +32,8 @@ from .responses import (
     await_first_delta,
     chunker,
     end_request,
-    log,
     response_id,
+    stream_failure,
 )
 from .sse import DONE, ChunkEncoder, Emit, SSEResponse, data_line
 
@@ -148,28 +148,14 @@ async def _write(
             if data:
                 await emit(data)
         if status == "200" and include_usage:
-            usage = _usage(lasts, n)
+            usage = choices_usage(lasts, n)
             await emit(chunks[0][0].usage(usage.model_dump()))
-    except REPLICA_FAILURES as exc:
-        status = "503 replica_failed (in stream)"
-        ctx.errors["stream_failure"] += 1
-        log.warning("request %s: replica failed mid-stream: %s", rid, one_line(str(exc)))
-        body = error_body(FAILED, "service_unavailable", 503, code="replica_failed", request_id=rid)
-        await emit(data_line(body))
-    except Exception:  # never a silently cut stream: say so, then [DONE]
-        log.exception("request %s: stream failed", rid)
-        status = "500 internal_error (in stream)"
-        ctx.errors["internal"] += 1
-        body = error_body(
-            INTERNAL_ERROR, "server_error", 500, code="internal_error", request_id=rid
-        )
-        await emit(data_line(body))
+    except Exception as exc:  # never a silently cut stream: say so, then [DONE]
+        failure = stream_failure(ctx, rid, exc)
+        status = failure.status
+        await emit(data_line(failure.body(rid)))
     finally:
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(BaseException):
-                await t
+        await cancel_all(tasks)
         for run, last in zip(runs, lasts, strict=True):
             run.close()
             done = status
@@ -177,17 +163,3 @@ async def _write(
                 done = f"200 {last.finish_reason}" if last and last.finished else "499 client_gone"
             end_request(ctx.metrics, rid, run, last, ttft_s, done, arrival)
     await emit(DONE, True)
-
-
-def _usage(lasts: list[Any], n: int) -> Any:
-    """Each prompt once (its ``n`` runs share it), every choice's output."""
-    prompt = cached = output = 0
-    by_tier: dict[str, int] = {}
-    for i, last in enumerate(lasts):
-        if i % n == 0:
-            prompt += last.num_prompt_tokens
-            cached += last.num_cached_tokens
-            for tier, k in (getattr(last, "num_tier_cached_tokens", None) or {}).items():
-                by_tier[tier] = by_tier.get(tier, 0) + k
-        output += last.num_output_tokens
-    return make_usage(prompt, output, cached, by_tier)

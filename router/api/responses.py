@@ -225,6 +225,78 @@ async def await_first_delta(run: RequestRun, rid: str, echo: Echo | None = None)
         echo.put_ahead(run)
 
 
+async def collect_whole(
+    ctx: ResponseContext,
+    request: Request,
+    rid: str,
+    run: RequestRun,
+    got: Collected,
+    ttft_s: float | None,
+    arrival: float | None,
+) -> Response | None:
+    """All of ``run`` into ``got``, for an answer sent whole (a chat's, a completion's, the
+    Responses API's). Starlette does not cancel a handler whose client left: this watches
+    for it, so an abandoned request stops using the replica, and gives the 499 to return
+    (nobody reads it); None once all is in. A replica's failure: its end recorded, then an
+    :class:`~.errors.APIError` 503. The run is closed whatever happens."""
+    task = asyncio.ensure_future(got.collect(run))
+    try:
+        while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
+            if await request.is_disconnected():
+                ctx.errors["client_gone"] += 1
+                return Response(status_code=499)
+        await task
+    except REPLICA_FAILURES as exc:
+        log.warning("request %s: replica failed mid-request: %s", rid, one_line(str(exc)))
+        end_request(ctx.metrics, rid, run, got.last, ttft_s, "503 replica_failed", arrival)
+        raise APIError(503, FAILED, "service_unavailable", code="replica_failed") from None
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        run.close()  # cancels the request on the replica if it still runs
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class StreamFailure:
+    """How a stream that failed after its status went out ends: the status its request's
+    end is logged with, and the error it tells the client (as an ``error`` body/event)."""
+
+    status: str
+    http: int
+    message: str
+    type: str
+    code: str
+
+    def body(self, rid: str) -> dict[str, Any]:
+        """The error as a chat's or completion's stream sends it (``{"error": {...}}``)."""
+        return error_body(self.message, self.type, self.http, code=self.code, request_id=rid)
+
+
+_REPLICA_FAILED = StreamFailure(
+    "503 replica_failed (in stream)", 503, FAILED, "service_unavailable", "replica_failed"
+)
+_INTERNAL = StreamFailure(
+    "500 internal_error (in stream)", 500, INTERNAL_ERROR, "server_error", "internal_error"
+)
+
+
+def stream_failure(ctx: ResponseContext, rid: str, exc: Exception) -> StreamFailure:
+    """What a stream's writer raised after its first chunk, made one answer for every
+    stream (one choice, several, the Responses API's), so they fail alike: a replica's
+    failure is a 503 ``replica_failed`` (counted as ``stream_failure``), anything else a
+    500 ``internal_error`` (counted, its traceback logged: call it inside the ``except``)."""
+    if isinstance(exc, REPLICA_FAILURES):
+        ctx.errors["stream_failure"] += 1
+        log.warning("request %s: replica failed mid-stream: %s", rid, one_line(str(exc)))
+        return _REPLICA_FAILED
+    log.exception("request %s: stream failed", rid)
+    ctx.errors["internal"] += 1
+    return _INTERNAL
+
+
 async def respond(
     ctx: ResponseContext,
     request: Request,
@@ -278,25 +350,9 @@ async def respond(
     ttft_s = None if arrival is None else time.perf_counter() - arrival  # first delta is in
     got = Collected()
     got.last = run.first
-    task = asyncio.ensure_future(got.collect(run))
-    try:
-        # Starlette does not cancel a handler whose client left: watch for it, so an
-        # abandoned request stops using the replica.
-        while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
-            if await request.is_disconnected():
-                ctx.errors["client_gone"] += 1
-                return Response(status_code=499)  # nobody reads it
-        await task
-    except REPLICA_FAILURES as exc:
-        log.warning("request %s: replica failed mid-request: %s", rid, one_line(str(exc)))
-        end_request(ctx.metrics, rid, run, got.last, ttft_s, "503 replica_failed", arrival)
-        raise APIError(503, FAILED, "service_unavailable", code="replica_failed") from None
-    finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-        run.close()  # cancels the request on the replica if it still runs
+    gone = await collect_whole(ctx, request, rid, run, got, ttft_s, arrival)
+    if gone is not None:
+        return gone
     last = got.last
     finish = None if last is None else last.finish_reason
     if finish == "error":
@@ -414,20 +470,10 @@ async def _write_sse(
             usage = _usage(last)
             if include_usage and usage is not None:
                 tail.append(encoder.usage(usage.model_dump()))
-    except REPLICA_FAILURES as exc:
-        status = "503 replica_failed (in stream)"
-        ctx.errors["stream_failure"] += 1
-        log.warning("request %s: replica failed mid-stream: %s", rid, one_line(str(exc)))
-        body = error_body(FAILED, "service_unavailable", 503, code="replica_failed", request_id=rid)
-        await emit(data_line(body))
-    except Exception:  # never a silently cut stream: say so, then [DONE]
-        log.exception("request %s: stream failed", rid)
-        status = "500 internal_error (in stream)"
-        ctx.errors["internal"] += 1
-        body = error_body(
-            INTERNAL_ERROR, "server_error", 500, code="internal_error", request_id=rid
-        )
-        await emit(data_line(body))
+    except Exception as exc:  # never a silently cut stream: say so, then [DONE]
+        failure = stream_failure(ctx, rid, exc)
+        status = failure.status
+        await emit(data_line(failure.body(rid)))
     finally:
         run.close()
         ttft = None if timing is None else timing["router_ttft_s"]

@@ -14,7 +14,6 @@ out as they do in a chat. An answer cut by ``max_output_tokens`` is ``incomplete
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from typing import Any
@@ -23,14 +22,11 @@ import pydantic
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from ..fleet.request_run import REPLICA_FAILURES, RequestRun
+from ..fleet.request_run import RequestRun
 from ..fleet.tenants import Tenant
 from .errors import (
-    FAILED,
-    INTERNAL_ERROR,
     APIError,
     new_id,
-    one_line,
     read_body,
     request_failed,
     request_id,
@@ -39,13 +35,13 @@ from .errors import (
 from .intake import Intake
 from .openai_api import ChatCompletionRequest
 from .responses import (
-    DISCONNECT_POLL_S,
     REPLICA_HEADER,
     Collected,
     ResponseContext,
     await_first_delta,
+    collect_whole,
     end_request,
-    log,
+    stream_failure,
 )
 from .responses_input import ChatForm, ResponsesRequest, responses_param, to_chat
 from .sse import Emit, SSEResponse, encode_json
@@ -146,23 +142,9 @@ async def _whole(
     await await_first_delta(run, rid)
     ttft_s = time.perf_counter() - arrival
     got = Collected()
-    task = asyncio.ensure_future(got.collect(run))
-    try:
-        while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
-            if await request.is_disconnected():
-                ctx.errors["client_gone"] += 1
-                return Response(status_code=499)
-        await task
-    except REPLICA_FAILURES as exc:
-        log.warning("request %s: replica failed mid-request: %s", rid, one_line(str(exc)))
-        end_request(ctx.metrics, rid, run, got.last, ttft_s, "503 replica_failed", arrival)
-        raise APIError(503, FAILED, "service_unavailable", code="replica_failed") from None
-    finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-        run.close()
+    gone = await collect_whole(ctx, request, rid, run, got, ttft_s, arrival)
+    if gone is not None:
+        return gone
     last = got.last
     if last is None or last.finish_reason == "error":
         end_request(ctx.metrics, rid, run, last, ttft_s, "500 request_failed", arrival)
@@ -312,16 +294,10 @@ async def _events(
             final = shape.response("completed", last.finish_reason)
             kind = "response.completed" if final["status"] == "completed" else "response.incomplete"
             ev.add(kind, response=final)
-    except REPLICA_FAILURES as exc:
-        status = "503 replica_failed (in stream)"
-        ctx.errors["stream_failure"] += 1
-        log.warning("request %s: replica failed mid-stream: %s", rid, one_line(str(exc)))
-        ev.add("error", code="replica_failed", message=FAILED, param=None)
-    except Exception:  # never a silently cut stream: say so
-        log.exception("request %s: stream failed", rid)
-        status = "500 internal_error (in stream)"
-        ctx.errors["internal"] += 1
-        ev.add("error", code="internal_error", message=INTERNAL_ERROR, param=None)
+    except Exception as exc:  # never a silently cut stream: say so
+        failure = stream_failure(ctx, rid, exc)
+        status = failure.status
+        ev.add("error", code=failure.code, message=failure.message, param=None)
     finally:
         run.close()
         if status == "200":

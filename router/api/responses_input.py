@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import APIError
 from .openai_api import Text
+from .tools import check_function_tool
 
 # vLLM's extensions passed on to the chat as they are.
 PASSED = ("seed", "top_k", "min_p", "repetition_penalty", "cache_salt", "ignore_eos",
@@ -178,14 +179,8 @@ def _content(content: Any, at: str, key: str = "content") -> str:
 
 
 def _tool(tool: Any, at: str) -> dict[str, Any]:
-    if not isinstance(tool, dict):
-        raise _bad("A tool must be an object.", at)
-    if tool.get("type") != "function":
-        raise _bad(
-            f"Only `function` tools are served; got {str(tool.get('type'))[:40]!r}.",
-            f"{at}.type",
-            "unsupported_parameter",
-        )
+    """A flat function tool in the chat's nested shape (the chat's intake checks the rest)."""
+    check_function_tool(tool, at)
     fn = {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k) is not None}
     return {"type": "function", "function": fn}
 

@@ -269,6 +269,19 @@ def plan_tools(
     )
 
 
+def check_function_tool(tool: Any, at: str) -> None:
+    """That ``tool`` (at ``at``) is a function tool: the check a chat's nested shape and the
+    Responses API's flat one share, so both refuse the same with the same words."""
+    if not isinstance(tool, dict):
+        raise _bad("A tool must be an object.", at)
+    if tool.get("type") != "function":
+        raise _bad(
+            f"Only `function` tools are served; got {str(tool.get('type'))[:40]!r}.",
+            f"{at}.type",
+            "unsupported_parameter",
+        )
+
+
 def _functions(tools: Any) -> dict[str, Function]:
     if tools is None:
         return {}
@@ -279,14 +292,7 @@ def _functions(tools: Any) -> dict[str, Function]:
     out: dict[str, Function] = {}
     for i, tool in enumerate(tools):
         at = f"tools.{i}"
-        if not isinstance(tool, dict):
-            raise _bad("A tool must be an object.", at)
-        if tool.get("type") != "function":
-            raise _bad(
-                f"Only `function` tools are served; got {str(tool.get('type'))[:40]!r}.",
-                f"{at}.type",
-                "unsupported_parameter",
-            )
+        check_function_tool(tool, at)
         fn = tool.get("function")
         if not isinstance(fn, dict):
             raise _bad("A function tool needs a `function` object.", f"{at}.function")
