@@ -96,7 +96,7 @@ and the busiest replica overran its capacity (``tenants``). Counted once more, a
 of one request behind it, it raised kv's limit on the adapter workload and one fresh
 workload and left the others within their runs' spread (agents on devices too small for
 its working set possibly a little lower); weights 0.5 and 2 moved hits and limits little
-(BENCHMARKS.md, *A prefill counted twice*).
+(docs/benchmarks-archive.md, *A prefill counted twice*).
 
 Why a third of the batch (:data:`DECODE_OVERLAP`): the decoders there are halfway through
 their outputs on average, and while they finish, the router sends new arrivals to lighter
