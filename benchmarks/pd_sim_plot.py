@@ -13,17 +13,15 @@ import argparse
 import json
 import sys
 from collections import defaultdict
+from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-
-def kind(name: str) -> str:
-    if name == "unified":
-        return "unified"
-    return "conditional" if name.endswith((":priced", ":pair")) else "split"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pd_sim import kind  # a configuration's kind: unified, split or conditional
 
 
 def main(argv: list[str] | None = None) -> int:
