@@ -236,7 +236,7 @@ class KVPolicy(Policy):
         load, coef, default = self.load.get, self.load.coefficients, self.default_coefficients
         f, own_ctx = DECODE_OVERLAP, n + 0.5 * out
         need = -(-(n + int(out)) // bs)
-        fixed: dict[tuple[int, int, Lower, int, float], tuple[float, float, int, int]] = {}
+        fixed: dict[tuple, tuple[float, float, int, int]] = {}
         best, fewest, tied = float("inf"), 0, []
         adapter = req.lora_name if self.price_adapters else None
         fetchable = self.fetchable
@@ -246,12 +246,15 @@ class KVPolicy(Policy):
             c = coef(r) or default
             blocks = matched.get(r, 0)
             ext = lower.get(r, ()) if lower else ()
-            far, link = (0, 0.0) if holders is None else self._far(r, blocks, ext, holders)
-            key = (id(c), blocks, ext, far, link)
+            if holders is None:  # no fetch: the key of the sums as they were before it
+                far, link, key = 0, 0.0, (id(c), blocks, ext)
+            else:
+                far, link = self._far(r, blocks, ext, holders)
+                key = (id(c), blocks, ext, far, link)
             triple = fixed.get(key)
             if triple is None:  # prefill and work (and loads), one recompute of what it evicts
                 triple = fixed[key] = fixed_s(c, n, blocks * bs, ext, bs, far * bs, link)
-            base, recompute, _, _ = triple
+            base, recompute = triple[0], triple[1]
             left = free - need + blocks  # blocks left once its own are placed; < 0: short
             if total > 0:  # evicted_reuse, inline
                 if left < total:
@@ -275,8 +278,12 @@ class KVPolicy(Policy):
         r = tied[0] if len(tied) == 1 else self.rng.choice(tied)
         held = matched.get(r, 0)
         ext = lower.get(r, ()) if lower else ()
-        far, link = self._far(r, held, ext, holders)
-        _, _, loaded, fetched = fixed[(id(coef(r) or default), held, ext, far, link)]
+        c = coef(r) or default
+        if holders is None:
+            loaded, fetched = fixed[(id(c), held, ext)][2], 0
+        else:
+            far, link = self._far(r, held, ext, holders)
+            _, _, loaded, fetched = fixed[(id(c), held, ext, far, link)]
         if fetched:
             assert holders is not None
             blocks, holder = holders.best_for(r)
