@@ -227,7 +227,8 @@ def build_app(
         admission_timeout_s=args.admission_timeout,
         find_replicas=None if fronts_backends(args) else find_replicas,
         admission_for=admission_for,
-        pd_split=getattr(args, "pd_split", "priced"),
+        pd_split="always" if getattr(args, "pd_split", "") == "always" else "priced",
+        pd_pair=getattr(args, "pd_split", "") == "pair",
         prefix_fetch=getattr(args, "prefix_fetch", False),
     )
     tenants = Tenants(spec, resolve_fleet_secret(args.fleet_secret), front_door_metrics_key(args))

@@ -69,11 +69,13 @@ def add_front_door_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--pd-split",
-        choices=("priced", "always"),
+        choices=("priced", "always", "pair"),
         default="priced",
         help="with prefill and decode replicas: split a request only where the price says "
         "it pays (priced, the default), or every request that can be (always, as vLLM's P/D "
-        "proxies do)",
+        "proxies do); pair: on a fleet of whole-request replicas, a request may split "
+        "between any two where the price says so (kvroute's engine: every replica runs a KV "
+        "transfer plane)",
     )
     p.add_argument(
         "--prefix-fetch",

@@ -357,8 +357,8 @@ def engine_config(args: argparse.Namespace) -> dict[str, Any]:
             if not getattr(args, "kv_disk_encrypt", True):
                 config["kv_disk_encrypt"] = False
         config.update(getattr(args, "lora", None) or {})
-        if getattr(args, "prefix_fetch", False):  # each replica serves and pulls prefixes
-            config["kv_transfer"] = True
+        if getattr(args, "prefix_fetch", False) or getattr(args, "pd_split", "") == "pair":
+            config["kv_transfer"] = True  # each replica serves and pulls KV (fetch, pairs)
         if getattr(args, "kv_link_gbps", None):  # checked > 0 before anything started
             config["kv_link_bytes_per_s"] = args.kv_link_gbps * 1e9
     return config

@@ -116,6 +116,8 @@ def check_serve(
         return f"--kv-link-gbps must be > 0, not {link:g}"
     if getattr(args, "prefix_fetch", False) and args.engine == "vllm":
         return "--prefix-fetch: kvroute's engine only (vLLM has no prefix fetch)"
+    if getattr(args, "pd_split", "") == "pair" and (args.engine == "vllm" or simulated):
+        return "--pd-split pair: kvroute's engine with a model only (every replica pulls KV)"
     if getattr(args, "prefix_fetch", False) and simulated:
         return "--prefix-fetch needs a model; sim: replicas are cost models"
     if getattr(args, "wait_for_resources", False) and args.max_replicas is None:
@@ -180,6 +182,9 @@ def check_front_door(args: argparse.Namespace) -> str | None:
     port = getattr(args, "port", None)
     if port is not None and not 0 <= port <= 65535:
         return f"--port must be 0-65535, not {port}"
+    backends = any(getattr(args, f, None) for f in ("backend", "prefill", "decode"))
+    if getattr(args, "pd_split", "") == "pair" and backends:
+        return "--pd-split pair: kvroute's replicas only (vllm serve backends pair by role)"
     for flag, least, strict in (
         ("max_in_flight", 1, False),
         ("max_in_flight_per_tenant", 1, False),

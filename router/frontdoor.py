@@ -89,6 +89,7 @@ class FrontDoor:
         admission_for: Callable[[int], tuple[int | None, int | None, int]] | None = None,
         pd_split: str = "priced",
         prefix_fetch: bool = False,
+        pd_pair: bool = False,
     ) -> None:
         """Admission's limits: see :class:`Admission`; the intervals: see :class:`Fleet`.
         ``lora_adapters``: the fleet's adapters at start (name -> folder, as the replicas
@@ -105,7 +106,9 @@ class FrontDoor:
         with prefill and decode replicas, "priced" splits a request only where it pays,
         "always" splits every request that can be (routing/disagg.py). ``prefix_fetch``: a
         request may be placed on a replica that pulls its prefix from another's cache,
-        where the price says so (routing/fetch.py; replicas with a transfer plane only)."""
+        where the price says so (routing/fetch.py; replicas with a transfer plane only).
+        ``pd_pair``: on a fleet of both, a request may split between any two replicas
+        (prefill on one, decode on another), priced per request (routing/disagg.py)."""
         if pd_split not in ("priced", "always"):
             raise ValueError(f"pd_split must be priced or always, got {pd_split!r}")
         self.counters: Counter[str] = Counter()  # requests, retries, failovers
@@ -132,6 +135,7 @@ class FrontDoor:
             counters=self.counters,
             errors=self.run_errors,
             pd_priced=pd_split == "priced",
+            pd_pair=pd_pair,
         )
         self.prefix_fetch = prefix_fetch
         self._arm_fetch(self.policy)

@@ -53,7 +53,7 @@ from kvroute.events.replica_api import (
     delta_error,
 )
 
-from ..routing.disagg import plan
+from ..routing.disagg import plan, route_decode
 from ..routing.policy import Decision, NoReplicaError, Policy, RequestView
 from .quarantine import Quarantine, fingerprint, not_caused_by
 
@@ -98,6 +98,7 @@ class RunServices:
     counters: Counter[str]  # requests, retries, failovers
     errors: Counter[str]  # no_replica, invalid_request
     pd_priced: bool = True  # P/D: split only where it pays (routing/disagg.py); else always
+    pd_pair: bool = False  # P/D on a fleet of both: a request may split between any two
 
     def route(self, view: RequestView, candidates: list[str], now: float) -> Decision:
         """The policy's choice, counted in /metrics with its reason."""
@@ -137,6 +138,10 @@ class RequestRun:
         self._sends = 0  # sends so far: each after the first has an id of its own
         self._source: KVSource | None = None  # the lease a handed-off request pulls from
         self._handed_off = False  # its prefill part is done: the rest goes to a decoder
+        # Pairs (routing/disagg.py, plan(pair=True)): the decode replica the price chose for
+        # its split, and whether the next send is that decode part (not a later failover).
+        self._decode_to: str | None = None
+        self._pair_decode = False
         self._conn: ReplicaConnection | None = None
         self._flight: InFlightRequest | None = None
         self._output_ids: list[int] = []  # streamed so far: what a failover resumes from
@@ -183,8 +188,14 @@ class RequestRun:
             view=self.view,
             policy=s.policy if s.pd_priced else None,
             now=now,
+            pair=s.pd_pair,
         )
-        decision = s.route(self.view, part.candidates, now)
+        if part.handoff:
+            self._decode_to = part.decode
+        if self._pair_decode:
+            decision = self._route_pair_decode(candidates, now)
+        else:
+            decision = s.route(self.view, part.candidates, now)
         rid = decision.replica
         self._tried.add(rid)
         req = self.request
@@ -209,6 +220,22 @@ class RequestRun:
         self._flight = self._conn.submit(req)
         if self._writer is not None:
             self._flight.push = self._push
+
+    def _route_pair_decode(self, candidates: list[str], now: float) -> Decision:
+        """A pair's decode part: to the replica its price chose, else to any but the one
+        that computed its prompt (while another is routable); booked as what it computes
+        there, the tail past the blocks it pulls (disagg.route_decode)."""
+        self._pair_decode = False
+        chosen = self._decode_to
+        if chosen is not None and chosen in candidates:
+            candidates = [chosen]
+        elif len(candidates) > 1:
+            candidates = [c for c in candidates if c != self.replica] or candidates
+        lease = self._source.num_blocks * self.view.block_size if self._source else 0
+        s = self.services
+        decision = route_decode(s.policy, self.view, candidates, now, lease)
+        s.metrics.routing.labels(decision.replica, decision.reason).inc()
+        return decision
 
     def _fetch_source(self, holder: str, num_blocks: int) -> KVSource | None:
         """A prefix fetch (routing/fetch.py): the blocks are named by hash, no lease."""
@@ -284,6 +311,7 @@ class RequestRun:
         # The prefill replica did its part without failing: a failover of the decode may
         # go there (the only replica left that can take it, in a 1 + 1 fleet).
         self._tried.discard(self.replica)
+        self._pair_decode = self.services.pd_pair
         self._conn = self._flight = None
         self._send()
         return plain if plain.delta_token_ids else None

@@ -41,6 +41,7 @@ def test_serve_refuses_bad_arguments_before_starting_anything():
         (["--model", "sim:h100-8b", "--kv-host-bytes", "1GiB"], "sim: replicas are cost models"),
         (["--model", "tiny", "--kv-link-gbps", "0"], "--kv-link-gbps must be > 0"),
         (["--model", "sim:h100-8b", "--prefix-fetch"], "--prefix-fetch needs a model"),
+        (["--model", "sim:h100-8b", "--pd-split", "pair"], "--pd-split pair: kvroute's engine"),
     ):
         out = subprocess.run([*KVROUTE, "serve", *args], capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and why in out.stderr, (args, out.stderr)
