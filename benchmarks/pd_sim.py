@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any
 
-from kvroute.router.routing import disagg as router_disagg
+from kvroute.router.routing import fetch as router_fetch
 from kvroute.sim.goodput import _counts, _sweep_row, search_limit
 from kvroute.sim.report import simulate
 from kvroute.sim.simulator import SimConfig
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     if args.router_link_gbps is not None:
-        router_disagg.DEFAULT_LINK_BYTES_PER_S = args.router_link_gbps * 1e9  # split_pays reads it
+        router_fetch.DEFAULT_LINK_BYTES_PER_S = args.router_link_gbps * 1e9  # split_pays reads it
     itls = [float(x) for x in args.slo_itl.split(",") if x.strip()]
     trace = load_mooncake(args.trace, args.limit) if args.trace else None
     cache: dict[float, Any] = {}
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"\n{src_name} ({n} requests), {args.replicas} h100-8b replicas, link "
             f"{args.link_gbps:g} GB/s (the router prices "
-            f"{router_disagg.DEFAULT_LINK_BYTES_PER_S / 1e9:g}); SLO TTFT p90 <= "
+            f"{router_fetch.DEFAULT_LINK_BYTES_PER_S / 1e9:g}); SLO TTFT p90 <= "
             f"{args.slo_ttft:g} s, ITL p90 <= "
             f"{itl * 1e3:g} ms (util <= 1)"
         )

@@ -27,13 +27,17 @@ Each replica reports the link's rate before a first pull (the operator's
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from kvroute.replica.kv_transfer.leases import Leases
 
 from .disagg import Disagg, Pull, SimPulls
 
 if TYPE_CHECKING:
     from kvroute.replica.core.block_pool import KVCacheBlock
+    from kvroute.replica.core.scheduler import Scheduler
     from kvroute.router.routing.policy import Decision
 
     from .replica import SimRequest
@@ -63,19 +67,17 @@ class Fetching(Disagg):
         super().__init__(*args, **kw)
         self.fetch_stats = FetchStats()
 
-    def attach(self, i: int):  # type: ignore[no-untyped-def]
+    def attach(self, i: int) -> Callable[[Scheduler], None]:
         """Every replica's scheduler: leases (it serves pins) and pulls (it fetches)."""
         inner = super().attach(i)
 
-        def attach(sched):  # type: ignore[no-untyped-def]
+        def attach(sched: Scheduler) -> None:
             inner(sched)
-            from kvroute.replica.kv_transfer.leases import Leases
-
             kv = sched.kv_cache_manager
             if sched.leases is None:
                 sched.use_leases(Leases(kv.block_pool, self.lease_s, self.clock))
             if not isinstance(sched.kv_loads, SimPulls):
-                sched.kv_loads = SimPulls(self, i, kv, sched.waiting)
+                sched.kv_loads = SimPulls(self, i, kv, sched.waiting)  # type: ignore[assignment]
                 sched.kv_loads.bytes_per_s = self.link_bytes_per_s  # the operator's figure
 
         return attach

@@ -30,7 +30,7 @@ leaves out because there it is the same wherever the request goes:
 
 with ``nb`` the prompt's full blocks, ``h_d`` the decode replica's own hit (not pulled),
 ``tail`` the prompt tokens past the last full block plus the first token, and ``link`` the
-decode replica's reported link bandwidth, else :data:`DEFAULT_LINK_BYTES_PER_S`. So a short
+decode replica's reported link bandwidth, else :data:`.fetch.DEFAULT_LINK_BYTES_PER_S`. So a short
 or mostly cached prompt, an idle decode replica or a slow link keeps a request whole; a long
 prompt headed for a replica full of decoders splits. With a policy that does not price
 (a baseline), every splittable request splits, as vLLM's P/D proxies do.
@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING
 
 from kvroute.events.replica_api import GenerateRequest
 
+from .fetch import link_bytes_per_s
 from .policy import KVPolicy
 
 if TYPE_CHECKING:
@@ -70,9 +71,6 @@ ROLE_DECODE = "decode"
 ROLE_BOTH = "both"
 ROLES = (ROLE_PREFILL, ROLE_DECODE, ROLE_BOTH)
 
-# A link whose speed the decode replica has not reported: 1 GB/s, loopback TCP's floor on
-# the 2-vCPU VM (benchmarks/bench_kv_transfer.py); never free.
-DEFAULT_LINK_BYTES_PER_S = 1e9
 # One round trip of the handoff: the pull's request and the decode request's send.
 HANDOFF_RTT_S = 1e-3
 
@@ -196,10 +194,7 @@ def _prices(
         c = load.coefficients(d) or default
         q = parts[d]
         moved = max(full - hits.get(d, 0) * bs, 0)
-        report = load.last_report(d)
-        link = report.kv_link_bytes_per_s if report is not None else 0.0
-        link = link if link > 0 else DEFAULT_LINK_BYTES_PER_S
-        xfer = moved * c.kv_bytes_per_token / link + HANDOFF_RTT_S
+        xfer = moved * c.kv_bytes_per_token / link_bytes_per_s(load, d) + HANDOFF_RTT_S
         tail_s = c.prefill_s(tail, n - tail + 1)
         cost = q.wait + q.decode + q.evict + q.capacity + tail_s + stall(d, tail_s, tail)
         dside.append((xfer + cost, d))

@@ -11,17 +11,15 @@ lease is left behind.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
-import openai
 import pytest
-import ray
 
 from kvroute.replica.serve.actor import start_replica
 
 from ...ray_session import local_ray
 from ...waiting import wait_for
 from ..served import MODEL, Served, serve
+from .test_pd_live import completion, stats
 
 CONFIG = {"model": MODEL, "block_size": 16, "num_blocks": 128}
 PROMPT = (
@@ -44,19 +42,6 @@ def fleets() -> Iterator[tuple[Served, Served]]:
             yield split, whole
 
 
-def text(served: Served, prompt: str, stream: bool) -> str:
-    c = openai.OpenAI(base_url=served.url + "/v1", api_key="key-a", max_retries=0)
-    params: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 24,
-                              "temperature": 0.0}  # fmt: skip
-    if not stream:
-        return c.completions.create(**params).choices[0].text
-    return "".join(ev.choices[0].text for ev in c.completions.create(stream=True, **params))
-
-
-def stats(served: Served, rid: str) -> dict[str, Any]:
-    return ray.get(served.actors[rid].stats.remote(), timeout=30)
-
-
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
 def test_a_pair_splits_between_two_replicas_with_the_same_text(
     fleets: tuple[Served, Served], stream: bool
@@ -66,7 +51,7 @@ def test_a_pair_splits_between_two_replicas_with_the_same_text(
     pulled = {r: stats(split, r).get("kv_pull_blocks", 0) for r in split.actors}
     handoffs = door.counters["handoffs"]
     prompt = f"{'streamed' if stream else 'whole'}: {PROMPT}"
-    assert text(split, prompt, stream) == text(whole, prompt, stream)
+    assert completion(split, prompt, stream) == completion(whole, prompt, stream)
     assert door.counters["handoffs"] == handoffs + 1
     moved = {r: stats(split, r)["kv_pull_blocks"] - pulled[r] for r in split.actors}
     assert sorted(moved.values())[0] == 0 and sorted(moved.values())[1] > 0  # one pulled
