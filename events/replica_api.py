@@ -269,6 +269,10 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     # the prompt's blocks (``kv_handoff``); or pull the prompt's blocks from ``kv_source``.
     kv_handoff: bool = False
     kv_source: KVSource | None = None
+    # vLLM's meaning: lower runs first, 0 by default, negative allowed. The front door sets
+    # it from the tenant's configuration and the request (router/fleet/tenants.py); the
+    # engine's scheduler admits, and may preempt, by it.
+    priority: int = 0
 
 
 class GenerateDelta(msgspec.Struct, kw_only=True, array_like=True):
