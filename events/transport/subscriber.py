@@ -32,12 +32,11 @@ outputs on the data plane and the step's events here, and a second thread would 
 wake-up (and a GIL hand-off) per step of every replica. The price: a snapshot is applied in
 one piece on the loop (a pause that grows with the replica's cache, once per join or restart).
 
-The thread waits on the sockets' ``ZMQ_FD`` descriptors with the platform's selector
-(epoll, kqueue), not ``zmq.Poller`` (two system calls and a scan of every socket per
-wake-up). A ``ZMQ_FD`` signals edge-like (readable when the socket's state changed, not
-while messages wait), so a socket reported ready is drained until ``ZMQ_EVENTS`` says it is
-empty, and one whose reading was cut short (a budget) or whose signal a send may have
-consumed is looked at again before the next wait.
+The sockets' wait is :mod:`.subscriber_loop`; the gap state machine above,
+:mod:`.subscriber_recovery`; the replay socket's requests and replies,
+:mod:`.subscriber_replay`; the per-replica types, :mod:`.subscription`. The thread waits on
+the sockets' ``ZMQ_FD`` descriptors with the platform's selector (see
+:mod:`.subscriber_loop`).
 """
 
 from __future__ import annotations
@@ -49,73 +48,23 @@ import selectors
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Literal
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
-from ..framing import SNAPSHOT_REQUEST, pack_seq, unpack_seq
-from ..wire import AllBlocksCleared, EventBatch, MalformedBatchError, decode_batch
-from .threads import Waker, name_native_thread
+from ..framing import SNAPSHOT_REQUEST, unpack_seq
+from ..wire import EventBatch, MalformedBatchError, decode_batch
+from .subscriber_loop import SubscriberLoop
+from .subscriber_recovery import GapRecovery
+from .subscriber_replay import ReplayClient
+from .subscription import EVENTS, POLLIN, ReplicaBatch, ReplicaStats, Source, Subscription
+from .threads import Waker
+
+__all__ = ["ReplicaBatch", "ReplicaStats", "Source", "ZmqEventSubscriber"]
 
 log = logging.getLogger(__name__)
 
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)  # plain ints: no IntFlag per question
 
-Source = Literal["live", "replay", "snapshot", "reset"]
-
-
-@dataclass(slots=True)
-class ReplicaBatch:
-    """One delivery: apply ``batch`` to ``replica_id``'s state, in delivery order."""
-
-    replica_id: str
-    seq: int
-    batch: EventBatch
-    source: Source
-
-
-@dataclass(slots=True)
-class ReplicaStats:
-    received: int = 0  # live messages read
-    delivered: int = 0  # batches handed to the consumer (all sources)
-    gaps: int = 0
-    replays: int = 0  # replay requests sent
-    snapshots: int = 0  # snapshot requests sent
-    restarts: int = 0
-    resets: int = 0  # times the replica's state was dropped (restart or unrecoverable gap)
-    malformed: int = 0
-    request_timeouts: int = 0
-    last_seq: int = -1
-    last_heard: float = 0.0  # time.monotonic() of the newest live message
-
-
-@dataclass
-class _Subscription:
-    """One publisher this subscriber follows: its sockets and where its stream stands."""
-
-    replica_id: str
-    endpoint: str
-    replay_endpoint: str | None
-    topic: bytes
-    sub: zmq.Socket
-    dealer: zmq.Socket | None = None
-    stats: ReplicaStats = field(default_factory=ReplicaStats)
-    last_seq: int = -1
-    syncing: Literal["", "replay", "snapshot"] = ""
-    deadline: float = 0.0
-    attempts: int = 0
-    pending: list[tuple[int, EventBatch | None]] = field(default_factory=list)
-    reply: list[tuple[int, bytes]] = field(default_factory=list)
-    snapshot_supported: bool = True
-    warned_malformed: bool = False
-    live_seq: int | None = None  # newest seq read on the live socket
-    monitor: zmq.Socket | None = None
-    was_disconnected: bool = False
-
-
-class ZmqEventSubscriber:
+class ZmqEventSubscriber(SubscriberLoop, GapRecovery, ReplayClient):
     def __init__(
         self,
         on_batch: Callable[[ReplicaBatch], None] | None = None,
@@ -135,7 +84,7 @@ class ZmqEventSubscriber:
         self.rcvhwm = rcvhwm
         self.malformed_frames = 0  # messages whose framing named no seq
         self._ctx = context or zmq.Context.instance()
-        self._replicas: dict[str, _Subscription] = {}
+        self._replicas: dict[str, Subscription] = {}
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._waker = Waker()
         self._async_sinks: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
@@ -250,73 +199,6 @@ class ZmqEventSubscriber:
         self._commands.put(fn)
         self._waker.wake()
 
-    # -- the subscriber's thread (or loop) -----------------------------------------------
-    def _run(self) -> None:
-        name_native_thread()
-        while self._running and not self._detaching:
-            again, self._again = self._again, {}
-            timeout = 0.0 if again else self._poll_timeout_s()
-            try:
-                ready = self._selector.select(timeout)
-            except (OSError, ValueError):  # a descriptor closed under it
-                if not self._running:
-                    break
-                raise
-            for key, _ in ready:
-                again[key.fileobj] = key.data  # type: ignore[index]
-            for handler in again.values():
-                handler()
-            self._check_deadlines()
-
-    def _watch(self, fd: int, handler: Callable[[], None]) -> None:
-        if self._loop is not None:
-            self._loop.add_reader(fd, handler)
-        else:
-            self._selector.register(fd, selectors.EVENT_READ, handler)
-
-    def _unwatch(self, sock: zmq.Socket) -> None:
-        fd = sock.getsockopt(zmq.FD)
-        if self._loop is not None:
-            if not self._loop.is_closed():
-                self._loop.remove_reader(fd)
-            return
-        try:
-            self._selector.unregister(fd)
-        except KeyError:
-            pass
-        self._again.pop(fd, None)
-
-    def _look_again(self, sock: zmq.Socket, handler: Callable[[], None]) -> None:
-        """Run ``handler`` before the next wait: ``sock`` may hold messages its FD will
-        not signal again."""
-        if self._loop is not None:
-            self._loop.call_soon(handler)
-        else:
-            self._again[sock.getsockopt(zmq.FD)] = handler
-
-    def _on_waker(self) -> None:
-        self._waker.drain()
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            self._command(cmd)
-
-    def _command(self, cmd: Callable[[], None]) -> None:
-        if not self._running:
-            return
-        try:
-            cmd()
-        except Exception:
-            log.exception("subscriber command failed")
-
-    def _poll_timeout_s(self) -> float:
-        deadlines = [r.deadline for r in self._replicas.values() if r.syncing]
-        if not deadlines:
-            return 1.0
-        return max(0.0, min(deadlines) - time.monotonic() + 0.001)
-
     def _add(self, rid: str, endpoint: str, replay_endpoint: str | None, topic: bytes) -> None:
         if rid in self._replicas:
             raise ValueError(f"replica {rid!r} is already followed")
@@ -325,7 +207,7 @@ class ZmqEventSubscriber:
         sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, topic)
-        r = _Subscription(rid, endpoint, replay_endpoint, topic, sub)
+        r = Subscription(rid, endpoint, replay_endpoint, topic, sub)
         r.monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sub.connect(endpoint)
         self._replicas[rid] = r
@@ -339,7 +221,7 @@ class ZmqEventSubscriber:
         if r is not None:
             self._close_sockets(r)
 
-    def _close_sockets(self, r: _Subscription) -> None:
+    def _close_sockets(self, r: Subscription) -> None:
         if r.monitor is not None:
             try:
                 r.sub.disable_monitor()
@@ -353,23 +235,14 @@ class ZmqEventSubscriber:
             s.close(linger=0)
         r.dealer = r.monitor = None
 
-    def _cancel_request(self, r: _Subscription) -> None:
-        """Forget an outstanding request; a fresh socket makes sure a late reply is never
-        mistaken for the answer to a later request."""
-        if r.dealer is not None:
-            self._unwatch(r.dealer)
-            r.dealer.close(linger=0)
-            r.dealer = None
-        r.syncing, r.reply = "", []
-
     # -- live stream -------------------------------------------------------------------
-    def _read_live(self, r: _Subscription, budget: int = 1024) -> None:
+    def _read_live(self, r: Subscription, budget: int = 1024) -> None:
         if r.monitor is not None:  # a reconnect must be seen before what came after it
             self._on_monitor(r)
         sub = r.sub
         for _ in range(budget):
             # Asked, not tried: a zmq.Again per drained socket costs more than the question.
-            if sub.closed or not sub.getsockopt(_EVENTS) & _POLLIN:
+            if sub.closed or not sub.getsockopt(EVENTS) & POLLIN:
                 return
             frames = sub.recv_multipart(zmq.NOBLOCK)
             r.stats.received += 1
@@ -389,14 +262,14 @@ class ZmqEventSubscriber:
         if not sub.closed:  # the budget ran out: the rest waits one turn, not for a signal
             self._look_again(sub, lambda: self._read_live(r))
 
-    def _decode(self, r: _Subscription, payload: bytes) -> EventBatch | None:
+    def _decode(self, r: Subscription, payload: bytes) -> EventBatch | None:
         try:
             return decode_batch(payload)
         except MalformedBatchError as e:
             self._malformed(r, str(e))
             return None
 
-    def _malformed(self, r: _Subscription, why: str) -> None:
+    def _malformed(self, r: Subscription, why: str) -> None:
         r.stats.malformed += 1
         if not r.warned_malformed:
             r.warned_malformed = True
@@ -406,7 +279,7 @@ class ZmqEventSubscriber:
                 why,
             )
 
-    def _on_live(self, r: _Subscription, seq: int, batch: EventBatch | None) -> None:
+    def _on_live(self, r: Subscription, seq: int, batch: EventBatch | None) -> None:
         # One connection delivers in order, so the live seq only goes back on a restart.
         # (Comparing with last_seq instead would mistake batches that were still queued
         # in the socket when a snapshot overtook them for a restart.)
@@ -428,209 +301,13 @@ class ZmqEventSubscriber:
         r.pending.append((seq, batch))
         self._recover(r)
 
-    def _restart(self, r: _Subscription) -> None:
-        r.stats.restarts += 1
-        log.info("replica %s restarted (seq went back from %s)", r.replica_id, r.live_seq)
-        self._cancel_request(r)
-        r.pending = []
-        self._reset(r)
-
-    def _on_monitor(self, r: _Subscription) -> None:
-        """A reconnect may hide a restart: resynchronize from a snapshot to be sure."""
-        while r.monitor is not None and r.monitor.getsockopt(_EVENTS) & _POLLIN:
-            msg = recv_monitor_message(r.monitor, zmq.NOBLOCK)
-            if msg["event"] == zmq.EVENT_DISCONNECTED:
-                r.was_disconnected = True
-            elif msg["event"] == zmq.EVENT_CONNECTED and r.was_disconnected:
-                r.was_disconnected = False
-                r.live_seq = None
-                if r.replay_endpoint is not None:
-                    self._cancel_request(r)
-                    r.pending = []
-                    if r.snapshot_supported:
-                        self._request(r, "snapshot", SNAPSHOT_REQUEST)
-                    else:
-                        self._resync(r)
-
-    def _resync(self, r: _Subscription) -> None:
-        """Rebuild a publisher without snapshots (vLLM) from its replay buffer: forget
-        what is known and replay from seq 0 (the buffer's first batch if it rolled)."""
-        if r.last_seq >= 0 or r.stats.delivered:
-            self._reset(r)
-        r.last_seq = -1
-        self._request(r, "replay", 0)
-
-    def _reset(self, r: _Subscription) -> None:
-        r.stats.resets += 1
-        r.last_seq = -1
-        cleared = EventBatch(time.time(), [AllBlocksCleared()])
-        self._emit(r, ReplicaBatch(r.replica_id, -1, cleared, "reset"))
-
-    def _recover(self, r: _Subscription) -> None:
-        """Fill the gap before ``r.pending``: replay if possible, else give up the state."""
-        if r.replay_endpoint is None:
-            self._give_up(r)
-        else:
-            self._request(r, "replay", r.last_seq + 1)
-
-    def _give_up(self, r: _Subscription) -> None:
-        """No way to fill the gap: drop what we knew and follow the stream from here on.
-
-        The view then lacks blocks stored before the hole -- that costs hits, never
-        correctness: blocks we do show are ones the engine announced after the reset."""
-        self._cancel_request(r)
-        r.attempts = 0
-        if r.last_seq >= 0 or r.stats.delivered:
-            self._reset(r)
-        r.pending = [(seq, b) for seq, b in r.pending if b is not None]
-        if r.pending:
-            r.last_seq = r.pending[0][0] - 1
-        self._drain_pending(r)
-
-    def _drain_pending(self, r: _Subscription) -> None:
-        pending, r.pending = r.pending, []
-        for i, (seq, batch) in enumerate(pending):
-            if seq <= r.last_seq:
-                continue
-            if seq == r.last_seq + 1 and batch is not None:
-                self._deliver(r, seq, batch, "live")
-                continue
-            r.stats.gaps += 1
-            r.pending = pending[i:]
-            self._recover(r)
-            return
-
-    # -- replay and snapshot -----------------------------------------------------------
-    def _request(self, r: _Subscription, kind: Literal["replay", "snapshot"], start: int) -> None:
-        if r.dealer is None:
-            r.dealer = self._ctx.socket(zmq.DEALER)
-            r.dealer.setsockopt(zmq.LINGER, 0)
-            r.dealer.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
-            r.dealer.connect(r.replay_endpoint)
-            self._watch(r.dealer.getsockopt(zmq.FD), lambda: self._read_reply(r))
-        if kind == "replay":
-            r.stats.replays += 1
-        else:
-            r.stats.snapshots += 1
-        r.syncing = kind
-        r.reply = []
-        r.deadline = time.monotonic() + self.request_timeout
-        r.dealer.send_multipart((b"", pack_seq(start)))
-        self._look_again(r.dealer, lambda: self._read_reply(r))  # the send may take the edge
-        if self._loop is not None:  # the thread looks after every wake-up
-            self._loop.call_later(self.request_timeout + 0.001, self._on_deadline)
-
-    def _on_deadline(self) -> None:
-        if self._running:
-            self._check_deadlines()
-
-    def _check_deadlines(self) -> None:
-        now = time.monotonic()
-        for r in list(self._replicas.values()):
-            if r.syncing and now >= r.deadline:
-                r.stats.request_timeouts += 1
-                kind = r.syncing
-                self._cancel_request(r)
-                r.attempts += 1
-                if r.attempts >= self.max_attempts:
-                    log.warning(
-                        "replica %s: no answer on %s, dropping its state",
-                        r.replica_id,
-                        r.replay_endpoint,
-                    )
-                    self._give_up(r)
-                else:
-                    start = SNAPSHOT_REQUEST if kind == "snapshot" else r.last_seq + 1
-                    self._request(r, kind, start)
-
-    def _read_reply(self, r: _Subscription) -> None:
-        while r.dealer is not None:
-            try:
-                frames = r.dealer.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            # [b"", topic, seq, payload] (kvroute) or [b"", seq, payload] (vLLM)
-            if len(frames) == 4:
-                seq_raw, payload = frames[2], frames[3]
-            elif len(frames) == 3:
-                seq_raw, payload = frames[1], frames[2]
-            else:
-                self._malformed(r, f"replay reply of {len(frames)} frames")
-                continue
-            try:
-                seq = unpack_seq(seq_raw)
-            except ValueError as e:
-                self._malformed(r, str(e))
-                continue
-            if payload == b"":  # end marker
-                self._finish_reply(r)
-                return
-            r.reply.append((seq, payload))
-
-    def _finish_reply(self, r: _Subscription) -> None:
-        kind, reply = r.syncing, r.reply
-        r.syncing, r.reply, r.attempts = "", [], 0
-        if kind == "snapshot":
-            self._apply_snapshot(r, reply)
-        else:
-            self._apply_replay(r, reply)
-
-    def _apply_snapshot(self, r: _Subscription, reply: list[tuple[int, bytes]]) -> None:
-        if not reply:
-            # The publisher keeps no snapshots (vLLM): rebuild from its replay buffer.
-            r.snapshot_supported = False
-            self._resync(r)
-            return
-        batches = [self._decode(r, payload) for _, payload in reply]
-        if any(b is None for b in batches) or len({s for s, _ in reply}) != 1:
-            self._give_up(r)
-            return
-        seq = reply[0][0]
-        for b in batches:
-            self._deliver(r, seq, b, "snapshot")  # type: ignore[arg-type]
-        r.last_seq = seq
-        self._drain_pending(r)
-
-    def _apply_replay(self, r: _Subscription, reply: list[tuple[int, bytes]]) -> None:
-        before = r.last_seq
-        first_seq = next((seq for seq, _ in reply if seq > r.last_seq), None)
-        if first_seq is not None and first_seq > r.last_seq + 1 and not r.snapshot_supported:
-            # The buffer no longer reaches back and there is no snapshot to ask for: what
-            # the hole changed is unknowable, so restart the view at the buffer's start.
-            if r.last_seq >= 0 or r.stats.delivered:
-                self._reset(r)
-            r.last_seq = first_seq - 1
-        for seq, payload in reply:
-            if seq <= r.last_seq:
-                continue
-            batch = self._decode(r, payload) if seq == r.last_seq + 1 else None
-            if batch is None:
-                break  # the replay does not reach back far enough, or holds garbage
-            self._deliver(r, seq, batch, "replay")
-        first = next(((seq, b) for seq, b in r.pending if seq > r.last_seq), None)
-        if first is not None and (first[0] != r.last_seq + 1 or first[1] is None):
-            newest = max((seq for seq, _ in reply), default=-1)
-            if r.last_seq == newest > before:
-                # A newer hole, lost after the buffer was read (batches kept arriving while
-                # the reply was on its way): the next replay holds it.
-                r.stats.gaps += 1
-                self._request(r, "replay", r.last_seq + 1)
-                return
-            # Still a hole: the engine's buffer no longer holds it.
-            if r.snapshot_supported:
-                self._request(r, "snapshot", SNAPSHOT_REQUEST)
-            else:
-                self._give_up(r)
-            return
-        self._drain_pending(r)
-
     # -- delivery ----------------------------------------------------------------------
-    def _deliver(self, r: _Subscription, seq: int, batch: EventBatch, source: Source) -> None:
+    def _deliver(self, r: Subscription, seq: int, batch: EventBatch, source: Source) -> None:
         r.last_seq = seq
         r.stats.delivered += 1
         self._emit(r, ReplicaBatch(r.replica_id, seq, batch, source))
 
-    def _emit(self, r: _Subscription, item: ReplicaBatch) -> None:
+    def _emit(self, r: Subscription, item: ReplicaBatch) -> None:
         if self._on_batch is not None:
             try:
                 self._on_batch(item)
