@@ -5,9 +5,8 @@ snapshots on ROUTER, a bounded queue drained by its own thread), :mod:`.subscrib
 (:class:`ZmqEventSubscriber`: every replica's stream in order, gaps replayed, restarts and
 snapshots applied; its own thread or an asyncio loop; its parts in :mod:`.subscription`,
 :mod:`.subscriber_loop`, :mod:`.subscriber_recovery` and :mod:`.subscriber_replay`),
-:mod:`.sockets` (the data plane's
-socket options, both ends) and :mod:`.threads` (a pipe waker and OS thread names, shared
-with the replica's data-plane and engine threads).
+:mod:`.sockets` (the data plane's socket options, both ends) and :mod:`.threads` (a pipe
+waker and OS thread names, shared with the replica's data-plane and engine threads).
 
 What they carry is the contract, one package up (:mod:`kvroute.events`): this package
 imports it; it never imports this one.
