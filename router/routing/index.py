@@ -71,6 +71,10 @@ thread, or a front door's loop once the subscriber moved there) takes it per eve
 256 blocks of a longer event, so ``match`` (asyncio thread, which holds it for its one walk)
 never waits long; a reader may see a batch half applied, which
 is a state the engine passed through or an under-approximation of one.
+
+Around the structure: :mod:`.index_holdings` (a replica's record, :class:`Holdings`),
+:mod:`.index_tree` (the tree's links), :mod:`.index_tiers` (the lower tiers' methods) and
+:mod:`.index_views` (sizes, counts, exports and :meth:`PrefixIndex.check_invariants`).
 """
 
 from __future__ import annotations
@@ -81,7 +85,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from operator import length_hint
-from typing import Any
 
 from kvroute.events import (
     MEDIUM_GPU,
@@ -94,17 +97,10 @@ from kvroute.events import (
 from kvroute.events import ExternalBlockHash as Hash
 from kvroute.events.transport import ReplicaBatch
 
-from .index_tiers import MAX_TIERS, LowerTiers, TierMatch, tier_rank
-from .index_tree import (
-    Kids,
-    Node,
-    add_kid,
-    check_tree,
-    discard_kid,
-    export_node,
-    fix_depths,
-    link,
-)
+from .index_holdings import Holdings, credit
+from .index_tiers import LowerTiers, TierMatch
+from .index_tree import Kids, Node, add_kid, discard_kid, fix_depths, link
+from .index_views import IndexViews
 
 __all__ = ["PREDICTION_SAMPLE_TOKENS", "PrefixIndex", "TierMatch", "prediction_stride"]
 
@@ -113,39 +109,12 @@ _INTERN_MAX = 65536  # interned masks kept before the cache starts over
 PREDICTION_SAMPLE_TOKENS = 128  # tokens between two predicted blocks (see the docstring)
 
 
-class _Holdings:
-    """One replica's holdings, in plain dicts the garbage collector leaves alone."""
-
-    __slots__ = (
-        "bit",
-        "blocks",
-        "copies",
-        "evicted",
-        "low",
-        "order",
-        "predicted",
-        "tick",
-        "unknown_removals",
-    )
-
-    def __init__(self, bit: int) -> None:
-        self.bit = bit
-        self.blocks: dict[Hash, int] = {}  # hash -> LRU stamp of its last touch
-        self.order: dict[int, Hash] = {}  # live stamp -> hash: the LRU order
-        self.copies: dict[Hash, int] = {}  # hash -> copies, only where more than 1
-        self.tick = 0  # the next stamp
-        self.low = 0  # no live stamp is below it
-        self.predicted: dict[Hash, float] = {}  # hash -> expiry
-        self.evicted = 0  # entries forgotten by the memory bound
-        self.unknown_removals = 0  # removes of hashes the index did not hold
-
-
 def prediction_stride(block_size: int) -> int:
     """Blocks between two predicted blocks, for blocks of ``block_size`` tokens."""
     return max(1, PREDICTION_SAMPLE_TOKENS // max(block_size, 1))
 
 
-class PrefixIndex(LowerTiers):
+class PrefixIndex(LowerTiers, IndexViews):
     """Per replica, the blocks it holds; per request, how many leading blocks each holds."""
 
     def __init__(
@@ -173,7 +142,7 @@ class PrefixIndex(LowerTiers):
         self._nodes: dict[Hash, Node] = {}  # same keys: the tree, for inspection
         self._pmasks: dict[Hash, int] = {}  # hash -> bits of replicas predicted to hold it
         self._orphans: dict[Hash, Kids] = {}
-        self._replicas: dict[str, _Holdings] = {}
+        self._replicas: dict[str, Holdings] = {}
         self._names: list[str | None] = []  # bit index -> replica id (None: free)
         self._expiries: list[tuple[float, int, str, tuple[Hash, ...]]] = []  # heap
         self._seq = itertools.count()
@@ -224,24 +193,24 @@ class PrefixIndex(LowerTiers):
                     else:
                         self._remove(rep, hashes[i : i + _CHUNK])
 
-    def _replica_at(self, rid: str, bit: int) -> _Holdings:
+    def _replica_at(self, rid: str, bit: int) -> Holdings:
         """The replica's holdings under ``bit`` (a tier's sub-index: the parent's bit)."""
         rep = self._replicas.get(rid)
         if rep is None:
             idx = bit.bit_length() - 1
             self._names.extend([None] * (idx + 1 - len(self._names)))
             self._names[idx] = rid
-            rep = self._replicas[rid] = _Holdings(bit)
+            rep = self._replicas[rid] = Holdings(bit)
         return rep
 
-    def _replica(self, rid: str) -> _Holdings:
+    def _replica(self, rid: str) -> Holdings:
         rep = self._replicas.get(rid)
         if rep is None:  # the lowest free bit: masks stay as short as the fleet is small
             if None not in self._names:
                 self._names.append(None)
             idx = self._names.index(None)
             self._names[idx] = rid
-            rep = self._replicas[rid] = _Holdings(1 << idx)
+            rep = self._replicas[rid] = Holdings(1 << idx)
         return rep
 
     def _interner(self) -> Callable[[int, int], int]:
@@ -251,7 +220,7 @@ class PrefixIndex(LowerTiers):
             self._interned.clear()
         return self._interned.setdefault
 
-    def _store(self, rep: _Holdings, hashes: Sequence[Hash], parent: Hash | None, bs: int) -> None:
+    def _store(self, rep: Holdings, hashes: Sequence[Hash], parent: Hash | None, bs: int) -> None:
         """One pass over the chunk, most blocks on the first branch (a new hash whose parent
         node is the block before it): locals and inline links, no call per block, as few
         dict operations as the invariants allow. (C-level passes -- map, zip, dict.update --
@@ -306,7 +275,7 @@ class PrefixIndex(LowerTiers):
         if len(blocks) > self.max_blocks_per_replica:
             self._evict(rep)
 
-    def _evict(self, rep: _Holdings) -> None:
+    def _evict(self, rep: Holdings) -> None:
         """Forget the replica's least recently touched entries, down to the bound."""
         blocks, order, copies = rep.blocks, rep.order, rep.copies
         low = rep.low
@@ -323,7 +292,7 @@ class PrefixIndex(LowerTiers):
             rep.evicted += 1
         rep.low = low
 
-    def _remove(self, rep: _Holdings, hashes: Sequence[Hash]) -> None:
+    def _remove(self, rep: Holdings, hashes: Sequence[Hash]) -> None:
         blocks, order, copies, bit = rep.blocks, rep.order, rep.copies, rep.bit
         self._interner()  # bounds the cache _clear_bit adds to
         for h in hashes:
@@ -341,7 +310,7 @@ class PrefixIndex(LowerTiers):
                 del order[old]
                 self._clear_bit(h, bit)
 
-    def _reset(self, rep: _Holdings) -> None:
+    def _reset(self, rep: Holdings) -> None:
         self._interner()
         for h in rep.blocks:
             self._clear_bit(h, rep.bit)
@@ -430,11 +399,11 @@ class PrefixIndex(LowerTiers):
                     m |= pmasks.get(hashes[min(i + k - 1 - i % k, last)], 0)
                     if (m & alive) == alive:
                         continue
-                _credit(self._names, alive & ~m, i, out)
+                credit(self._names, alive & ~m, i, out)
                 alive = interned.get(alive & m, alive & m)
                 if not alive:
                     return out
-        _credit(self._names, alive, total, out)
+        credit(self._names, alive, total, out)
         return out
 
     def predict(
@@ -509,7 +478,7 @@ class PrefixIndex(LowerTiers):
                     del rep.predicted[h]
                     self._clear_pbit(h, rep.bit)
 
-    # -- membership, inspection, metrics ---------------------------------------------------
+    # -- membership (inspection and metrics: :mod:`.index_views`) -------------------------
     def drop_replica(self, replica_id: str) -> bool:
         """Forget a replica that went away, in O(its blocks). False if it was unknown.
         Events that arrive for it later bring it back: stop its subscription first."""
@@ -525,108 +494,3 @@ class PrefixIndex(LowerTiers):
         for sub in self._tiers.values():  # no stale lower-tier copy outlives it
             sub._drop(replica_id)
         return True
-
-    def __len__(self) -> int:
-        """Distinct hashes indexed (predicted ones included)."""
-        masks = self._masks
-        return len(masks) + sum(1 for h in self._pmasks if h not in masks)
-
-    def replicas(self) -> list[str]:
-        with self._lock:
-            return sorted(self._replicas)
-
-    def num_blocks(self, replica_id: str, tier: str = MEDIUM_GPU) -> int:
-        """Distinct hashes the replica holds per its events (predictions excluded), in
-        ``tier`` (a :func:`~kvroute.events.tier_name`; the device's by default)."""
-        index = self if tier == MEDIUM_GPU else self._tiers.get(tier)
-        rep = index._replicas.get(replica_id) if index is not None else None
-        return len(rep.blocks) if rep else 0
-
-    def num_predicted(self, replica_id: str, now: float | None = None) -> int:
-        with self._lock:
-            self._expire(self._clock() if now is None else now)
-            rep = self._replicas.get(replica_id)
-            return len(rep.predicted) if rep else 0
-
-    def counts(self, replica_id: str, tier: str = MEDIUM_GPU) -> dict[Hash, int]:
-        """Hash -> copies held by the replica in ``tier`` (the device's by default), least
-        recently touched first (a copy)."""
-        with self._lock:
-            index = self if tier == MEDIUM_GPU else self._tiers.get(tier)
-            rep = index._replicas.get(replica_id) if index is not None else None
-            return dict(index._lru(rep)) if rep and index else {}
-
-    def _lru(self, rep: _Holdings) -> list[tuple[Hash, int]]:
-        """(hash, copies) of a replica's stored entries, least recently touched first."""
-        order, copies = rep.order, rep.copies
-        return [(h, copies.get(h, 1)) for h in map(order.__getitem__, sorted(order))]
-
-    def export(self, replica_id: str) -> dict[str, Any]:
-        """The replica's tree as JSON-ready data: bytes hashes as hex, int hashes as ints."""
-        with self._lock:
-            self._expire(self._clock())
-            rep = self._replicas.get(replica_id)
-            if rep is None:
-                raise KeyError(replica_id)
-            held = [*self._lru(rep), *((h, 0) for h in rep.predicted)]  # 0: predicted
-            nodes = [export_node(self._nodes, h, copies) for h, copies in held]
-            out: dict[str, Any] = {
-                "replica_id": replica_id,
-                "num_blocks": len(rep.blocks),
-                "num_predicted": len(rep.predicted),
-                "num_tokens": sum(d["tokens"] for d in nodes if d["copies"]),
-                "evicted": rep.evicted,
-                "unknown_removals": rep.unknown_removals  # every tier's
-                + sum(
-                    srep.unknown_removals
-                    for _, sub in self._tier_list
-                    if (srep := sub._replicas.get(replica_id)) is not None
-                ),
-                # blocks per lower tier: a load away, never device hits
-                "tiers": {
-                    t: len(srep.blocks)
-                    for t, sub in self._tier_list
-                    if (srep := sub._replicas.get(replica_id)) is not None
-                },
-            }
-        nodes.sort(key=lambda d: (d["depth"] is None, d["depth"] or 0))
-        out["nodes"] = nodes
-        return out
-
-    def check_invariants(self) -> None:
-        """Asserts the module docstring's invariants, in O(size): for tests and debugging."""
-        with self._lock:
-            want: dict[Hash, int] = {}
-            pwant: dict[Hash, int] = {}
-            for rep in self._replicas.values():
-                assert not rep.blocks.keys() & rep.predicted.keys(), "stored and predicted"
-                assert all(c >= 2 for c in rep.copies.values()), "copies below 2 kept"
-                assert rep.copies.keys() <= rep.blocks.keys(), "copies of a hash not held"
-                assert len(rep.blocks) <= self.max_blocks_per_replica, "bound exceeded"
-                assert len(rep.order) == len(rep.blocks), "LRU order disagrees"
-                for h, stamp in rep.blocks.items():
-                    assert rep.order.get(stamp) == h, "LRU stamp not in order"
-                    assert rep.low <= stamp < rep.tick, "LRU stamp out of range"
-                for h in rep.blocks:
-                    want[h] = want.get(h, 0) | rep.bit
-                for h in rep.predicted:
-                    pwant[h] = pwant.get(h, 0) | rep.bit
-            assert self._masks == want and self._nodes.keys() == want.keys(), "masks disagree"
-            assert self._pmasks == pwant, "prediction masks disagree"
-            check_tree(self._nodes, self._orphans)
-            assert len(self._tiers) <= MAX_TIERS and MEDIUM_GPU not in self._tiers
-            assert [t for t, _ in self._tier_list] == sorted(self._tiers, key=tier_rank)
-            for sub in self._tiers.values():
-                assert not sub._pmasks and not sub._tiers, "a tier with predictions or tiers"
-                for rid, srep in sub._replicas.items():
-                    assert srep.bit == self._replicas[rid].bit, "a tier's bit differs"
-        for sub in self._tiers.values():
-            sub.check_invariants()
-
-
-def _credit(names: list[str | None], bits: int, n: int, out: dict[str, int]) -> None:
-    """``out[replica] = n`` for each replica bit set in ``bits``, if ``n`` > 0."""
-    while bits and n:
-        low = bits & -bits
-        out[names[low.bit_length() - 1]] = n  # type: ignore[index]
-        bits ^= low
