@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .block_pool import KVCacheBlock
-    from .fair_queue import FairQueue, TenantUsage
+    from .fair_queue import TenantUsage
     from .kv_cache_manager import KVCacheManager
+    from .priority_queue import PriorityFairQueue
     from .request import Request, RequestStatus
     from .scheduler_types import SchedulerConfig, SchedulerOutput
 
@@ -29,7 +30,7 @@ class DecodeRuns:
     block_size: int
     max_model_len: int
     running: list[Request]
-    waiting: FairQueue[Request]
+    waiting: PriorityFairQueue[Request]
     usage: TenantUsage
     finished_req_ids: set[str]
 
@@ -100,6 +101,9 @@ class DecodeRuns:
         pure decode steps): the waiting loop of :meth:`_schedule` stops at once. (A block
         allocated or evicted can only keep it so: fewer free blocks, fewer hits.)"""
         cfg, kv = self.config, self.kv_cache_manager
+        top = self.waiting.top_priority
+        if top is not None and self.running and top < self.running[-1].priority:
+            return False  # it may preempt a less urgent running request (.admission)
         budget = cfg.max_num_batched_tokens - len(self.running)
         if not self.waiting or budget <= 0 or len(self.running) >= cfg.max_num_seqs:
             return True

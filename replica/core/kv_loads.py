@@ -37,8 +37,8 @@ import os
 from typing import TYPE_CHECKING
 
 from .block_pool import KVCacheBlock
-from .fair_queue import FairQueue
 from .kv_cache_manager import KVCacheManager
+from .priority_queue import PriorityFairQueue
 from .request import Request
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ class KVLoads:
     """Starts and lands one engine's lower-tier loads, for its scheduler."""
 
     def __init__(
-        self, tiers: KVTiers, kv_cache_manager: KVCacheManager, waiting: FairQueue[Request]
+        self, tiers: KVTiers, kv_cache_manager: KVCacheManager, waiting: PriorityFairQueue[Request]
     ) -> None:
         self.tiers = tiers
         self.kv = kv_cache_manager

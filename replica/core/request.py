@@ -67,13 +67,16 @@ class Request:
         tenant: str | None = None,
         kv_handoff: bool = False,
         kv_source: KVSource | None = None,
+        priority: int = 0,
     ) -> None:
         """``kv_handoff``: ends after its first token here (``FINISHED_HANDOFF``), its
         prompt blocks leased for the replica that decodes it. ``kv_source``: its prompt was
         computed on another replica, which holds the blocks for it to pull.
         ``output_token_ids``: tokens generated elsewhere before (a failover's resume).
         ``tenant``: whose request it is; the scheduler takes tenants in turn. ``lora_name``:
-        its LoRA adapter (None: the base model), from the folder ``lora_path``."""
+        its LoRA adapter (None: the base model), from the folder ``lora_path``.
+        ``priority``: vLLM's meaning, lower runs first (default 0, negative allowed); the
+        scheduler admits by it before tenants' turns and may preempt for it."""
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r} has an empty prompt")
         self.request_id = request_id
@@ -81,6 +84,7 @@ class Request:
         self.eos_token_id = eos_token_id
         self.cache_salt = cache_salt
         self.tenant = tenant
+        self.priority = priority
         self.lora_name = lora_name
         self.lora_path = lora_path
         self.arrival_time = time.time() if arrival_time is None else arrival_time

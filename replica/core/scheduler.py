@@ -3,14 +3,19 @@
 One step = one call to :meth:`Scheduler.schedule`, one forward pass of the model runner,
 one call to :meth:`Scheduler.update_from_output`. Per step:
 
-1. running requests, oldest admitted first: a decode costs 1 token, a partially prefilled
-   request continues its prompt with as many tokens as the budget leaves (chunked prefill);
-   when the pool runs out of blocks, the newest running request is preempted (recompute:
+1. running requests, most urgent first (``priority``, vLLM's meaning: lower first), then
+   oldest admitted: a decode costs 1 token, a partially prefilled request continues its
+   prompt with as many tokens as the budget leaves (chunked prefill); when the pool runs
+   out of blocks, the last running request (least urgent, newest) is preempted (recompute:
    its blocks are freed, it goes back to the FRONT of its tenant's queue, outputs kept);
-2. if nobody was preempted, waiting requests in fair-queue order (:mod:`.fair_queue`:
-   round-robin across tenants, FCFS within one; requests with no tenant are one group): a
-   prefix-cache lookup, then slots for the rest of the prompt (or the first chunk of it).
-   A request that does not fit stops admission for this step (no skipping).
+2. if nobody was preempted, waiting requests by priority, then in fair-queue order
+   (:mod:`.priority_queue`, :mod:`.fair_queue`: round-robin across tenants, FCFS within
+   one; requests with no tenant are one group): a prefix-cache lookup, then slots for the
+   rest of the prompt (or the first chunk of it). A request that does not fit stops
+   admission for this step (no skipping). Waiting requests more urgent than some running
+   ones are admitted before the step reaches those, and may preempt them for a batch slot
+   or blocks (:mod:`.admission` has the rules, starvation included). With every request at
+   one priority, the step is exactly the priority-less one.
 
 While two or more tenants have prompt tokens to compute, a step's prompt tokens are bounded
 and go to the least-served tenant first (:meth:`Scheduler._prefill_shares`,
@@ -44,12 +49,15 @@ import msgspec
 
 from kvroute.events.load import LoadReport
 
+from .admission import Admission, StepState
 from .block_pool import KVCacheBlock
 from .decode_run import DecodeRuns
-from .fair_queue import FairQueue, TenantUsage
+from .fair_queue import TenantUsage
 from .kv_cache_manager import KVCacheManager
-from .kv_loads import KVLoads, clamp_tiers
+from .kv_loads import KVLoads
 from .load_report import load_report
+from .prefill_shares import PrefillShares, charge_share, within_share
+from .priority_queue import PriorityFairQueue
 from .request import Request, RequestStatus
 from .scheduler_types import (
     RequestTooLongError,
@@ -67,7 +75,7 @@ _NO_LOADS: Mapping[str, Any] = MappingProxyType({})
 _RUNNING = RequestStatus.RUNNING  # an enum member read from its class costs a lookup per use
 
 
-class Scheduler(DecodeRuns):
+class Scheduler(Admission, PrefillShares, DecodeRuns):
     """Decides, each step, which requests run and how many tokens each feeds."""
 
     def __init__(
@@ -96,8 +104,9 @@ class Scheduler(DecodeRuns):
             raise ValueError(f"the KV cache / token budget allow only {limit} token(s)")
         self.max_model_len = limit  # the effective limit: prompt + outputs < this + 1
         self.requests: dict[str, Request] = {}  # live (unfinished) requests by id
-        self.waiting: FairQueue[Request] = FairQueue(_tenant_of)
-        self.running: list[Request] = []  # in admission order: preemption takes the last
+        self.waiting: PriorityFairQueue[Request] = PriorityFairQueue(_tenant_of)
+        # most urgent first, in admission order within a level: preemption takes the last
+        self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()  # since the last schedule()
         # ended by the scheduler because they can never fit; the engine owes each an output
         self.unfit_req_ids: list[str] = []
@@ -208,106 +217,59 @@ class Scheduler(DecodeRuns):
         self, shares: dict[str | None, int] | None, partial: dict[str | None, int] | None
     ) -> tuple[list[ScheduledRequest], list[Request]]:
         """One step's chunks and preemptions, within ``shares`` (see :meth:`_prefill_shares`)
-        and the partial-prefill limit (``partial``: prompts part-way per tenant, not changed)."""
-        cfg = self.config
+        and the partial-prefill limit (``partial``: prompts part-way per tenant, not changed).
+        Running requests go most urgent first; before the first one less urgent than the
+        most urgent waiting request, the waiting ones more urgent than it are admitted
+        (:meth:`_admit`), so that only requests not yet given slots are preempted for them."""
         kv = self.kv_cache_manager
-        budget = cfg.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
-        preempted: list[Request] = []
-        partial = None if partial is None else dict(partial)  # counts this step's starts
+        step = StepState(self.config.max_num_batched_tokens, shares, partial)
+        scheduled, preempted = step.scheduled, step.preempted
+        pressed = False  # a running request lacked blocks: nobody is admitted this step
 
         # 1. Running requests: decodes and unfinished prefill chunks.
         i, running = 0, self.running
-        while i < len(running) and budget > 0:
+        top = self.waiting.top_priority
+        while i < len(running) and step.budget > 0:
             req = running[i]
+            if top is not None and top < req.priority and not pressed:
+                i += self._admit(step, i, req.priority)  # admitted ones precede req now
+                top = None if step.stopped else self.waiting.top_priority
+                if top is not None and top < req.priority:
+                    top = None  # held for its adapter: tried once this step
+                continue
             num_new = len(req.all_token_ids) - req.num_computed_tokens
             if num_new > 1:  # a prompt chunk (decodes are never capped, budget > 0)
-                limit = cfg.chunk_limit(req.num_computed_tokens)
+                limit = self.config.chunk_limit(req.num_computed_tokens)
                 if 0 < limit < num_new:
                     num_new = limit
-                if num_new > budget:
-                    num_new = budget
+                if num_new > step.budget:
+                    num_new = step.budget
                 if shares is not None:
-                    num_new = _within_share(shares, req, num_new)
+                    num_new = within_share(shares, req, num_new)
             if num_new <= 0:  # nothing to feed yet, or its tenant's share is spent
                 i += 1
                 continue
             while kv.allocate_slots(req, num_new) is None:
                 if self.leases is not None and self.leases.revoke_oldest():
                     continue  # a lease goes before a running request is preempted
-                victim = self.running.pop()  # the newest; req itself when it is the last
+                # the least urgent, newest (running is sorted); req itself when the last
+                victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
+                pressed = True
                 if victim is req:
                     break
             if req.status != _RUNNING:
                 break  # req preempted itself: nothing after it is running any more
             scheduled.append(self._scheduled(req, num_new))
-            budget -= num_new
+            step.budget -= num_new
             if shares is not None:
-                _charge_share(shares, req, num_new)
+                charge_share(shares, req, num_new)
             i += 1
 
         # 2. Waiting requests, tenants in turn, unless this step already had to preempt.
-        if not preempted:
-            skipped = 0  # tenants passed over in a row (their share of this step is spent)
-            loras = self._running_loras() if cfg.max_loras else None
-            held: list[Request] = []  # passed over for their adapter; back in front after
-            while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
-                if kv.get_num_free_blocks() == 0 and self.running and not self.leases:
-                    break  # admission always needs a new block (a hit stops before the end)
-                req = self.waiting.peek()
-                if loras is not None and not self._lora_admits(req, loras):
-                    held.append(self.waiting.popleft())
-                    continue
-                hit_blocks, num_hit, num_new = self._first_chunk(req, budget)
-                loads = self.kv_loads
-                if loads is not None and loads.start(req, hit_blocks, alone=not scheduled):
-                    continue
-                if not num_new:
-                    break  # the whole prompt must fit one step, and it does not
-                num_new = _within_share(shares, req, num_new)
-                starts_partial = partial is not None and num_new < req.num_tokens - num_hit
-                if starts_partial and partial.get(req.tenant, 0) >= cfg.max_num_partial_prefills:
-                    num_new = 0  # its tenant has enough prompts under way
-                if num_new <= 0:  # its tenant's share of this step is spent: the next one
-                    if skipped >= self.waiting.num_groups:
-                        break
-                    self.waiting.rotate()
-                    skipped += 1
-                    continue
-                if kv.allocate_slots(req, num_new, num_hit, hit_blocks) is None:
-                    if self.leases is not None and self.leases.revoke_oldest():
-                        continue  # a lease's blocks are free again: its puller recomputes
-                    if self.loading:  # KV loads hold blocks: they land soon and free them
-                        break
-                    if not self.running:  # should not happen given max_model_len; if it
-                        # does, the request fails alone, with an output (never a hang)
-                        self.waiting.popleft()
-                        req.error = "kv cache capacity: its blocks do not fit an empty cache"
-                        self._finish(req, RequestStatus.FINISHED_ERROR)
-                        self.unfit_req_ids.append(req.request_id)
-                        continue
-                    break
-                kv.count_lookup(req, num_hit)
-                self.waiting.popleft()
-                if loras is not None and req.lora_name is not None:
-                    loras.add(req.lora_name)
-                self.running.append(req)
-                req.status = RequestStatus.RUNNING
-                if req.num_cached_tokens < 0:
-                    req.num_cached_tokens = num_hit
-                    if req.tier_cached_tokens:  # what its load brought, within its hit
-                        clamp_tiers(req.tier_cached_tokens, num_hit)
-                req.num_computed_tokens = num_hit
-                scheduled.append(self._scheduled(req, num_new))
-                budget -= num_new
-                skipped = 0
-                if starts_partial:
-                    partial[req.tenant] = partial.get(req.tenant, 0) + 1
-                _charge_share(shares, req, num_new)
-            for req in reversed(held):
-                self.waiting.appendleft(req)
+        if not preempted and not step.stopped:
+            self._admit(step, len(running), None)
         return scheduled, preempted
 
     def _running_loras(self) -> set[str]:
@@ -339,77 +301,6 @@ class Scheduler(DecodeRuns):
         if num_new > budget:
             num_new = budget if cfg.enable_chunked_prefill else 0
         return hit_blocks, num_hit, num_new
-
-    def _prefill_shares(
-        self, partial: dict[str | None, int] | None
-    ) -> dict[str | None, int] | None:
-        """Prompt tokens each tenant may compute this step, when two or more have some to
-        compute (None otherwise: one tenant, or none, schedules as before).
-
-        Why: a step lasts as long as all its tokens take, so a short request that shares a
-        step with another tenant's long prompt chunk waits for that chunk. While tenants
-        compete, a step computes at most ``long_prefill_token_threshold`` prompt tokens (or,
-        without one, the smallest pending need per competing tenant), and the least-served
-        tenant (:class:`TenantUsage`) takes its need first; never fewer than
-        ``min_prefill_share_tokens``, what a step costs anyway. A newcomer's short prompt thus
-        gets a step of about its own length; the long prompt goes on at full size as soon
-        as nobody else waits, and catches up in turn when it is the least served. Decodes
-        are never capped."""
-        if not self.config.enable_chunked_prefill or self.usage.num_live_tenants < 2:
-            return None  # a capped prompt would be a chunk; or nobody to compete with
-        pending: dict[str | None, int] = {}
-        for req in self.running:
-            left = req.num_tokens - req.num_computed_tokens
-            if left > 1:
-                pending[req.tenant] = pending.get(req.tenant, 0) + left
-        heads = self.waiting.heads() if len(self.running) < self.config.max_num_seqs else []
-        if len(pending.keys() | {req.tenant for req in heads}) < 2:
-            return None  # one tenant at most: no prefix lookups for nothing
-        for req in heads:  # only those that could be admitted now
-            need = self._admissible_need(req, partial)
-            if need:
-                pending[req.tenant] = pending.get(req.tenant, 0) + need
-        if len(pending) < 2:
-            return None
-        cap = self.config.long_prefill_token_threshold or max(
-            min(pending.values()) * len(pending), self.config.min_prefill_share_tokens
-        )
-        shares: dict[str | None, int] = {}
-        # Ties (a newcomer is lifted to the least count) go to the tenant with less in the
-        # engine, then to the smaller need.
-        order = sorted(pending, key=lambda t: (self.usage.count(t), self.usage.live(t), pending[t]))
-        for tenant in order:
-            shares[tenant] = min(pending[tenant], cap)
-            cap -= shares[tenant]
-        return shares
-
-    def _admissible_need(self, req: Request, partial: dict[str | None, int] | None) -> int:
-        """Prompt tokens a waiting request would compute, 0 when it could not be admitted
-        this step (its first chunk's blocks are not free, or its tenant has enough prompts
-        part-way): a share reserved for it would only hold the others back."""
-        kv, cfg = self.kv_cache_manager, self.config
-        if cfg.max_loras and not self._lora_admits(req, self._running_loras()):
-            return 0
-        num_hit = kv.peek_cached_tokens(req)
-        need = req.num_tokens - num_hit
-        chunk = min(need, cfg.chunk_limit(num_hit) or need, cfg.max_num_batched_tokens)
-        # Conservative: its cached blocks may sit in the free queue too, and come out of it.
-        if -(-(num_hit + chunk) // self.block_size) > kv.get_num_free_blocks():
-            return 0
-        limit = cfg.max_num_partial_prefills
-        at_limit = partial is not None and partial.get(req.tenant, 0) >= limit
-        return 0 if chunk < need and at_limit else need
-
-    def _partial_prefills(self) -> dict[str | None, int] | None:
-        """Running requests part-way through their prompt, per tenant (None: no limit)."""
-        cfg = self.config
-        if not (cfg.max_num_partial_prefills and cfg.enable_chunked_prefill):
-            return None
-        partial: dict[str | None, int] = {}
-        for req in self.running:
-            if req.num_tokens - req.num_computed_tokens > 1:
-                partial[req.tenant] = partial.get(req.tenant, 0) + 1
-        return partial
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         """Records the chunk and advances ``num_computed_tokens`` (blocks are allocated)."""
@@ -542,19 +433,6 @@ class Scheduler(DecodeRuns):
             "num_loading_kv": len(self.loading),  # waiting for blocks from a lower KV tier
             "num_leased_blocks": self.leases.num_blocks if self.leases is not None else 0,
         }
-
-
-def _within_share(shares: dict[str | None, int] | None, req: Request, num_new: int) -> int:
-    """``num_new`` capped by what is left of the request's tenant's prefill share (decodes,
-    and every request when no shares apply, are never capped)."""
-    if shares is None or num_new <= 1:
-        return num_new
-    return min(num_new, shares.get(req.tenant, num_new))
-
-
-def _charge_share(shares: dict[str | None, int] | None, req: Request, num_new: int) -> None:
-    if shares is not None and num_new > 1:
-        shares[req.tenant] = shares.get(req.tenant, num_new) - num_new
 
 
 def _tenant_of(req: Request) -> str | None:

@@ -224,10 +224,11 @@ class AsyncLLMEngine(ReplicaEngine):
         lora_name: str | None = None,
         resume: Resume | None = None,
         tenant: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Yields the request's output after each step that changed it, the last finished.
         ``resume``: continue a request that failed over from another replica; ``tenant``:
-        whose request (the scheduler takes tenants in turn)."""
+        whose request (the scheduler takes tenants in turn); ``priority``: lower runs first."""
         if self.error is not None:
             raise EngineDeadError("the engine has failed") from self.error
         if self._stopped:
@@ -244,6 +245,7 @@ class AsyncLLMEngine(ReplicaEngine):
             lora_name=lora_name,
             resume=resume,
             tenant=tenant,
+            priority=priority,
         )
         finished = False
         held: BaseException | None = None
@@ -507,6 +509,7 @@ class AsyncLLMEngine(ReplicaEngine):
                     deltas=cmd.sink.deltas,
                     kv_handoff=cmd.kv_handoff,
                     kv_source=cmd.kv_source,
+                    priority=cmd.priority,
                 )
             except Exception as exc:  # a bad request fails alone
                 self._deliver(cmd.request_id, exc, last=True)

@@ -35,9 +35,13 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Runs every prompt to completion; outputs come back in the prompts' order."""
+        """Runs every prompt to completion; outputs come back in the prompts' order.
+        ``priority``: one per prompt, lower runs first (vLLM's ``LLM.generate``)."""
         batch = _as_batch(prompts)
+        if priority is not None and len(priority) != len(batch):
+            raise ValueError(f"{len(priority)} priorities for {len(batch)} prompts")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(batch)
         else:
@@ -59,9 +63,12 @@ class LLM:
                         p,
                         cache_salt=prompt.get("cache_salt"),
                         lora_name=prompt.get("lora_name"),
+                        priority=priority[i] if priority is not None else 0,
                     )
                 else:
-                    engine.add_request(rid, prompt, p)
+                    engine.add_request(
+                        rid, prompt, p, priority=priority[i] if priority is not None else 0
+                    )
                 order[rid] = i
         except Exception:
             engine.abort_requests(list(order))

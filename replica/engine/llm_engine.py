@@ -271,6 +271,7 @@ class LLMEngine:
         deltas: bool = False,
         kv_handoff: bool = False,
         kv_source: KVSource | None = None,
+        priority: int = 0,
     ) -> Request:
         """Queues a request; raises ValueError (nothing queued) if it can never run.
 
@@ -284,6 +285,8 @@ class LLMEngine:
         ``finish_reason="handoff"`` and a :class:`KVHandoff` (unless that token ended it).
         ``kv_source``: the replica whose lease holds its prompt blocks (with ``resume``,
         the first token generated there): it pulls what it does not hold.
+        ``priority``: lower is admitted first and may preempt less urgent running requests
+        (vLLM's meaning; default 0).
         """
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -338,6 +341,7 @@ class LLMEngine:
             tenant=tenant,
             kv_handoff=kv_handoff,
             kv_source=kv_source,
+            priority=priority,
         )
         if params.structured_outputs is not None:
             if self.structured is None:

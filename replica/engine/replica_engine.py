@@ -99,6 +99,7 @@ class Submission:
     sink: OutputSink
     kv_handoff: bool = False  # P/D: end after the first token, the prompt's blocks leased
     kv_source: KVSource | None = None  # P/D: pull the prompt's blocks from there
+    priority: int = 0  # lower runs first (vLLM's meaning)
 
 
 class ReplicaEngine(Protocol):
@@ -131,6 +132,7 @@ class ReplicaEngine(Protocol):
         tenant: str | None = None,
         kv_handoff: bool = False,
         kv_source: KVSource | None = None,
+        priority: int = 0,
     ) -> None:
         """Queues a request from any thread; its outputs (or the error that refuses or ends
         it) go to ``sink``. Never blocks, except on a failed or stopping engine: that refuses
@@ -148,6 +150,7 @@ class ReplicaEngine(Protocol):
                 sink,
                 kv_handoff,
                 kv_source,
+                priority,
             )
         )
 

@@ -249,6 +249,7 @@ class DataPlaneServer:
             tenant=req.tenant,
             kv_handoff=req.kv_handoff,
             kv_source=req.kv_source,
+            priority=req.priority,
         )
 
     def _send(self, client: bytes, kind: bytes, payload: bytes) -> None:
