@@ -36,6 +36,10 @@ Why a registry in the router, and not only in each engine:
 
 Which tenant may use which adapter is the tenants file's (:mod:`.tenants`); an adapter a
 tenant may not use is, to that tenant, an adapter that does not exist (same 404).
+
+The adapter record and the registry's answers (404, refusals) are :mod:`.adapter`; the
+holders-only view of the fleet a request under an adapter routes over, :mod:`.holders`
+(both re-exported here).
 """
 
 from __future__ import annotations
@@ -53,67 +57,30 @@ from typing import TYPE_CHECKING, Any
 from ..api.errors import APIError, one_line
 from ..fleet.names import control_char
 from ..fleet.tenants import Tenant
+from .adapter import Adapter, AdapterConflictError, not_found, refusal, taken
+from .holders import HolderReplicas
 from .shared import LORA_POLL_S
 
 if TYPE_CHECKING:
-    from ..backends.connection import HttpReplicaConnection
-    from ..fleet.replica_connection import ReplicaConnection
-    from ..fleet.request_run import Replicas
     from .shared import SharedView
+
+__all__ = [
+    "RESYNC_TIMEOUT_S",
+    "UNLOAD_WAIT_S",
+    "Adapter",
+    "AdapterConflictError",
+    "FleetLoRAs",
+    "HolderReplicas",
+    "LoRARegistry",
+    "fleet_adapters",
+    "not_found",
+    "prepare_fleet",
+]
 
 log = logging.getLogger(__name__)
 
 UNLOAD_WAIT_S = 300.0  # longest an unload waits for this front door's requests on it
 RESYNC_TIMEOUT_S = 60.0  # longest one replica's periodic sync may hold the registry
-
-
-@dataclass(frozen=True, slots=True)
-class Adapter:
-    """One registered adapter: its name (what ``model`` says), its folder as the replicas
-    registered it (hashed into its blocks), when it was registered (``created``)."""
-
-    name: str
-    path: str
-    created: int
-
-
-class AdapterConflictError(ValueError):
-    """A replica refused an adapter (the message says why; ``param`` names the field)."""
-
-    def __init__(self, message: str, param: str = "lora_path") -> None:
-        super().__init__(message)
-        self.param = param
-
-
-def not_found(model: str) -> APIError:
-    """vLLM's answer to a model it does not serve (``NotFoundError``, ``param: model``);
-    the same for an adapter the tenant may not use, so a 404 says nothing of others'."""
-    return APIError(
-        404,
-        f"The model `{model[:100]}` does not exist.",
-        "NotFoundError",
-        "model",
-        "model_not_found",
-    )
-
-
-def _taken(name: str, why: str) -> APIError:
-    """A load or unload the fleet's registry refused: loaded already, or another front
-    door is loading or unloading it right now."""
-    if why == "loaded":
-        message = f"The lora adapter `{name[:100]}` has already been loaded."
-    else:
-        message = f"The lora adapter `{name[:100]}` is being loaded or unloaded; try again."
-    return APIError(400, message, "BadRequestError", "lora_name")
-
-
-def _refusal(exc: BaseException) -> str | None:
-    """A replica's refusal (its engine's ValueError, through Ray) as one line; None for
-    anything else (a replica that died or did not answer)."""
-    cause = getattr(exc, "cause", None) or exc  # Ray's RayTaskError keeps the raised one
-    if isinstance(cause, ValueError):
-        return one_line(str(cause))
-    return None
 
 
 class LoRARegistry:
@@ -290,7 +257,7 @@ class LoRARegistry:
             if self.shared is not None:  # the fleet's registry decides, not this copy
                 why_not = await self.shared.begin_load.remote(name)
             if why_not is not None:
-                raise _taken(name, why_not)
+                raise taken(name, why_not)
             try:
                 async with self._replica_calls():
                     adapter = await self._load(name, path, replicas)
@@ -306,7 +273,7 @@ class LoRARegistry:
         at once (400), never queued behind one that may wait minutes on a stream; calls
         for other names go on beside it."""
         if name in self._busy:
-            raise _taken(name, "busy")
+            raise taken(name, "busy")
         self._busy.add(name)
         try:
             yield
@@ -331,7 +298,7 @@ class LoRARegistry:
             *(replicas[r].add_lora.remote(name, path) for r in rids), return_exceptions=True
         )
         took = [r for r, res in zip(rids, results, strict=True) if isinstance(res, str)]
-        refusals = [_refusal(res) for res in results if isinstance(res, BaseException)]
+        refusals = [refusal(res) for res in results if isinstance(res, BaseException)]
         why = next((r for r in refusals if r is not None), None)
         paths = {res for res in results if isinstance(res, str)}
         if why is None and len(paths) > 1:
@@ -373,7 +340,7 @@ class LoRARegistry:
                     "model_not_found",
                 )
             if why_not is not None:
-                raise _taken(name, why_not)
+                raise taken(name, why_not)
             self._adapters.pop(name, None)
             try:
                 await self._unload(name, replicas)
@@ -461,7 +428,7 @@ class LoRARegistry:
                     log.log(
                         logging.ERROR if first else logging.DEBUG,
                         "replica %s cannot take adapter %r (not routed there): %s",
-                        rid, name, _refusal(exc) or one_line(repr(exc)),
+                        rid, name, refusal(exc) or one_line(repr(exc)),
                     )  # fmt: skip
                     continue
             self._refused.discard((rid, name))
@@ -488,36 +455,6 @@ class LoRARegistry:
                 except Exception as exc:  # a dying replica: the fleet's monitor sees it
                     self.errors["lora_resync_failed"] += 1
                     log.warning("replica %s: adapter sync failed: %r", rid, exc)
-
-
-class HolderReplicas:
-    """The fleet as a request under one adapter sees it: only the replicas that hold the
-    adapter are routable (asked at each routing, failover included). The rest of
-    :class:`~.request_run.Replicas` is the fleet's own."""
-
-    __slots__ = ("_fleet", "_name", "_registry")
-
-    def __init__(self, fleet: Replicas, registry: LoRARegistry, name: str) -> None:
-        self._fleet, self._registry, self._name = fleet, registry, name
-
-    def routable(self, exclude: Collection[str] = ()) -> list[str]:
-        held = self._registry.holders(self._name)
-        return [rid for rid in self._fleet.routable(exclude) if rid in held]
-
-    def connection(self, rid: str) -> ReplicaConnection | HttpReplicaConnection:
-        return self._fleet.connection(rid)
-
-    def fail(self, rid: str) -> None:
-        self._fleet.fail(rid)
-
-    def mark_routed(self, rid: str) -> None:
-        self._fleet.mark_routed(rid)
-
-    def role(self, rid: str) -> str:
-        return self._fleet.role(rid)
-
-    def fetch_endpoint(self, rid: str) -> str:  # the source need not hold the adapter
-        return self._fleet.fetch_endpoint(rid)
 
 
 async def fleet_adapters(actors: Mapping[str, Any]) -> dict[str, str]:
