@@ -120,11 +120,14 @@ def run_autoscaler(
     ready_timeout: float = 900.0,
     drain_timeout: float = 300.0,
     wait_for_resources: bool = False,
+    queued: Callable[[], int] | None = None,
 ) -> None:
     """Until ``stop``: reads every replica's load (Ray, this driver's namespace) every
     ``POLL_S`` and resizes the fleet as :class:`Autoscaler` decides, within what the
     cluster holds (unless ``wait_for_resources``). ``stop`` also ends a grow under way
-    (its replicas not ready yet are stopped)."""
+    (its replicas not ready yet are stopped). ``queued``: the requests waiting at this
+    process's front door (flow control), counted as ongoing: they are load the replicas
+    do not report."""
     from .router import answers, named_replicas
     from .scale import resize
 
@@ -138,6 +141,7 @@ def run_autoscaler(
             # What answers in time counts; a replica loading or restarting adds nothing.
             loads = answers({rid: a.load.remote() for rid, a in fleet.items()}, 5).values()
             ongoing = sum(r.num_running + r.num_waiting for r in loads if r is not None)
+            ongoing += queued() if queued is not None else 0
             failures = 0
         except Exception as exc:  # Ray's listing failed: the next poll decides
             failures += 1

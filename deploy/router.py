@@ -169,6 +169,7 @@ def build_app(
     """The front door over ``replicas`` and its FastAPI app."""
     from kvroute.router.api.app import create_app
     from kvroute.router.api.tools import ToolConfig
+    from kvroute.router.fleet.flow import DEFAULT_TOKENS
     from kvroute.router.fleet.tenants import Tenants, resolve_fleet_secret
     from kvroute.router.frontdoor import FrontDoor
 
@@ -230,6 +231,9 @@ def build_app(
         pd_split="always" if getattr(args, "pd_split", "") == "always" else "priced",
         pd_pair=getattr(args, "pd_split", "") == "pair",
         prefix_fetch=getattr(args, "prefix_fetch", False),
+        flow_depth=getattr(args, "flow_depth", 0) or None,
+        flow_tokens=getattr(args, "flow_tokens", None) or DEFAULT_TOKENS,
+        flow_max_waiting=getattr(args, "max_waiting_per_priority", None),
     )
     tenants = Tenants(spec, resolve_fleet_secret(args.fleet_secret), front_door_metrics_key(args))
     tools = ToolConfig(getattr(args, "tool_call_parser", None),
@@ -243,6 +247,7 @@ def build_app(
         send_timeout_s=args.send_timeout,
         public=not is_loopback(args.host),
         tools=tools,
+        priority_header=getattr(args, "priority_header", None),
     )
 
 

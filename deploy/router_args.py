@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 
+from kvroute.router.fleet.flow import DEFAULT_DEPTH, DEFAULT_TOKENS
+
 from .router import RAY_NAMESPACE
 
 # A burst waits rather than fails, as it would on one vLLM server (which queues without
@@ -132,6 +134,35 @@ def add_front_door_arguments(p: argparse.ArgumentParser) -> None:
         default=ADMISSION_TIMEOUT_S,
         help="seconds a request waits in the admission queue before a 429 (default: "
         f"{ADMISSION_TIMEOUT_S:g})",
+    )
+    p.add_argument(
+        "--flow-depth",
+        type=int,
+        default=DEFAULT_DEPTH,
+        help="flow control: requests without a first token this front door keeps on each "
+        "replica; later ones wait at the door, most urgent priority first, least-served "
+        f"tenant first within one (0: off, every request sent at once; default {DEFAULT_DEPTH})",
+    )
+    p.add_argument(
+        "--flow-tokens",
+        type=int,
+        default=DEFAULT_TOKENS,
+        help="flow control: and their prompt tokens at most this many (an idle replica "
+        f"takes any prompt; default {DEFAULT_TOKENS})",
+    )
+    p.add_argument(
+        "--max-waiting-per-priority",
+        type=int,
+        default=None,
+        help="flow control: requests one priority may have waiting at the door; more get "
+        "429 with Retry-After (default: no bound past admission's)",
+    )
+    p.add_argument(
+        "--priority-header",
+        default=None,
+        metavar="NAME",
+        help="a request header whose integer is the request's priority (vLLM's meaning: "
+        "lower runs first), over the body's `priority`, within the tenant's min_priority",
     )
     p.add_argument(
         "--max-body-bytes",

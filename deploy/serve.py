@@ -411,6 +411,10 @@ def _start_routers(args: argparse.Namespace, routers: list[subprocess.Popen[byte
         ("--max-in-flight-per-tenant", args.max_in_flight_per_tenant),
         ("--admission-queue", args.admission_queue),
         ("--admission-timeout", args.admission_timeout),
+        ("--flow-depth", getattr(args, "flow_depth", None)),
+        ("--flow-tokens", getattr(args, "flow_tokens", None)),
+        ("--max-waiting-per-priority", getattr(args, "max_waiting_per_priority", None)),
+        ("--priority-header", getattr(args, "priority_header", None)),
     ):
         if value is not None:
             same += [flag, str(value)]
@@ -469,6 +473,11 @@ def _run(
     if not args.address and os.environ.get("RAY_AUTH_MODE", "token") == "token":
         scale = "RAY_AUTH_MODE=token " + scale  # another shell must send the token too
 
+    flow = getattr(getattr(app.state, "door", None), "flow", None)
+
+    def queued() -> int:  # this front door's waiting requests, read from the scaler's thread
+        return flow.waiting if flow is not None else 0
+
     def announce() -> None:
         _say(message)
         _say(f"resize the fleet while it serves: {scale}")
@@ -479,7 +488,7 @@ def _run(
             autoscaler.append(threading.Thread(
                 target=run_autoscaler,
                 args=(c, _say, stop_autoscaler),
-                kwargs={"wait_for_resources": args.wait_for_resources},
+                kwargs={"wait_for_resources": args.wait_for_resources, "queued": queued},
                 name="kvroute-autoscaler",
                 daemon=True,
             ))  # fmt: skip

@@ -44,9 +44,11 @@ from typing import Any
 from kvroute.events.replica_api import GenerateRequest, ReplicaInfo, SamplingParams
 
 from .api.errors import new_id
+from .api.flow_metrics import FlowCollector, band, flow_wait_family
 from .api.metrics import FleetCollector, Metrics
 from .fleet.admission import Admission, Ticket
 from .fleet.fleet import Fleet, FleetMismatchError
+from .fleet.flow import DEFAULT_TOKENS, FlowControl
 from .fleet.membership import Membership
 from .fleet.quarantine import Quarantine, fingerprint
 from .fleet.request_run import RequestRun, RunServices
@@ -90,6 +92,9 @@ class FrontDoor:
         pd_split: str = "priced",
         prefix_fetch: bool = False,
         pd_pair: bool = False,
+        flow_depth: int | None = None,
+        flow_max_waiting: int | None = None,
+        flow_tokens: int = DEFAULT_TOKENS,
     ) -> None:
         """Admission's limits: see :class:`Admission`; the intervals: see :class:`Fleet`.
         ``lora_adapters``: the fleet's adapters at start (name -> folder, as the replicas
@@ -108,7 +113,11 @@ class FrontDoor:
         request may be placed on a replica that pulls its prefix from another's cache,
         where the price says so (routing/fetch.py; replicas with a transfer plane only).
         ``pd_pair``: on a fleet of both, a request may split between any two replicas
-        (prefill on one, decode on another), priced per request (routing/disagg.py)."""
+        (prefill on one, decode on another), priced per request (routing/disagg.py).
+        ``flow_depth``: flow control (:mod:`.flow`): requests without a first token this
+        front door keeps on each replica, the rest waiting here by priority and tenant
+        (None: off, every request sent at once); ``flow_max_waiting``: waiters per priority
+        band, past which a 429 (None: no bound); ``flow_tokens``: their prompt tokens."""
         if pd_split not in ("priced", "always"):
             raise ValueError(f"pd_split must be priced or always, got {pd_split!r}")
         self.counters: Counter[str] = Counter()  # requests, retries, failovers
@@ -121,6 +130,18 @@ class FrontDoor:
         )
         self.quarantine = Quarantine()
         self.metrics = Metrics()
+        self.flow: FlowControl | None = None
+        if flow_depth is not None:
+            waits = flow_wait_family(self.metrics)
+            self.flow = FlowControl(
+                flow_depth,
+                flow_max_waiting,
+                flow_tokens,
+                on_wait=lambda b, s: waits.labels(band(b)).observe(s),
+            )
+            fleet.on_removed.append(self.flow.wake)
+            fleet.on_members.append(self.flow.wake)
+            self.metrics.registry.register(FlowCollector(self.flow))
         self._error_counts: list[Counter[str]] = [
             fleet.errors, self.admission.errors, self.quarantine.errors, self.run_errors
         ]  # fmt: skip
@@ -136,6 +157,7 @@ class FrontDoor:
             errors=self.run_errors,
             pd_priced=pd_split == "priced",
             pd_pair=pd_pair,
+            flow=self.flow,
         )
         self.prefix_fetch = prefix_fetch
         self._arm_fetch(self.policy)
@@ -188,6 +210,8 @@ class FrontDoor:
             self._resync = asyncio.get_running_loop().create_task(self._resync_loras())
 
     async def close(self) -> None:
+        if self.flow is not None:
+            self.flow.close()
         if self._resync is not None:
             self._resync.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -236,9 +260,11 @@ class FrontDoor:
         request_salt: str | None = None,
         request_id: str | None = None,
         lora: Adapter | None = None,
+        priority: int = 0,
     ) -> RequestRun:
         """A request ready to :meth:`RequestRun.start`; it owns ``ticket`` from here on.
-        ``lora``: the adapter it runs under (None: the base model). Raises
+        ``lora``: the adapter it runs under (None: the base model); ``priority``: vLLM's
+        (lower runs first), for flow control and the engine's scheduler. Raises
         :class:`~.quarantine.QueryOfDeathError` for a quarantined request."""
         fp = None
         adapter = None if lora is None else (lora.name, lora.path)
@@ -271,6 +297,7 @@ class FrontDoor:
             cache_salt=salt,
             tenant=tenant.tenant_id,
             lora_name=lora_name,
+            priority=priority,
         )
         if lora_name is None:
             return RequestRun(self._services, ticket, view, request, fp, adapter)

@@ -81,6 +81,7 @@ from .lora_admin import (
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import render_metrics
 from .openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from .priority import read_hints
 from .responses import REPLICA_HEADER, ResponseContext, respond
 from .responses_api import create_response
 from .responses_input import ResponsesRequest
@@ -203,7 +204,8 @@ async def _serve(request: Request, tenant: Tenant, model: type[Any]) -> Response
     intake: Intake = state.intake
     # Read by intake once admitted: a refused request is never read.
     read = partial(read_body, request, state.max_body_bytes, state.body_timeout_s)
-    admitted = await intake.begin(tenant, model, read, rid)
+    hints = read_hints(request.scope, state.priority_header)
+    admitted = await intake.begin(tenant, model, read, rid, hints)
     body, runs = admitted.body, admitted.runs
     try:
         echo = None
@@ -357,6 +359,7 @@ def create_app(
     send_timeout_s: float | None = SEND_TIMEOUT_S,
     public: bool = False,
     tools: ToolConfig | None = None,
+    priority_header: str | None = None,
 ) -> FastAPI:
     """The app; it starts ``door``'s restart monitor on its own loop and closes ``door`` on
     shutdown. ``served_model``: the name clients use in ``model`` (default: the replicas'
@@ -365,7 +368,8 @@ def create_app(
     ``send_timeout_s``: a client that takes no piece of its response for this long is
     dropped (:mod:`.send_deadline`); ``public``: the server listens beyond loopback (a
     server without keys then keeps ``/fleet`` to itself); ``tools``: the tool-call parser
-    (``--tool-call-parser``, ``--enable-auto-tool-choice``; default none)."""
+    (``--tool-call-parser``, ``--enable-auto-tool-choice``; default none);
+    ``priority_header``: a header whose int is a request's priority (:mod:`.priority`)."""
     # (Not ``fleet`` and ``metrics``: the handlers of those names are registered below.)
     replicas, series = door.fleet, door.metrics
     intake = Intake(
@@ -398,6 +402,7 @@ def create_app(
     app.state.responses = ResponseContext(door.tokenizer, series, errors, send_timeout_s)
     app.state.max_body_bytes, app.state.body_timeout_s = max_body_bytes, body_timeout_s
     app.state.public = public
+    app.state.priority_header = priority_header
 
     def fleet_json() -> dict[str, Any]:  # /fleet
         stats = replicas.subscriber.stats()

@@ -34,6 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvroute.events.replica_api import InvalidRequestError
 
+from ..fleet.flow import ShedError
 from ..fleet.request_run import REPLICA_FAILURES
 from ..routing.policy import NoReplicaError
 from .openai_api import dumps, error_body
@@ -253,6 +254,9 @@ def status_of(rid: str, exc: BaseException) -> BaseException:
         message = one_line(str(exc))
         named = _NAMED.match(message)  # the replica's "field: why", e.g. a bad constraint
         return APIError(400, message, "invalid_request_error", named and named.group(1))
+    if isinstance(exc, ShedError):  # flow control's refusal: the queue or a deadline
+        return APIError(429, str(exc), "rate_limit_exceeded", code=f"flow_{exc.cause}",
+                        headers={"retry-after": exc.retry_after})  # fmt: skip
     if isinstance(exc, NoReplicaError):
         return APIError(503, str(exc), "service_unavailable", exc.param, exc.code,
                         headers={"retry-after": "1"})  # fmt: skip

@@ -49,14 +49,18 @@ from ..fleet.quarantine import QueryOfDeathError
 from ..fleet.request_run import RequestRun
 from ..fleet.tenants import Tenant
 from ..lora.registry import Adapter, not_found
+from .choice_count import check_choices, ranked, runs_per_prompt
 from .encode import chars_per_token, fast_encoder
 from .errors import APIError, one_line, status_of
-from .openai_api import MAX_CHOICES, ChatCompletionRequest, CompletionRequest
+from .openai_api import ChatCompletionRequest, CompletionRequest
 from .openai_wire import ChatBody, CompletionBody, decode_body
+from .priority import DoorHints, RequestClass, classify
 from .response_format import structured_outputs
 from .tool_parsers import make_parser
 from .tool_template import template_for
 from .tools import ToolConfig, ToolPlan, plan_tools, special_markers, template_messages
+
+__all__ = ["Admitted", "Intake", "ranked", "runs_per_prompt"]
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +91,7 @@ class StartRun(Protocol):
         request_salt: str | None = None,
         request_id: str | None = None,
         lora: Adapter | None = None,
+        priority: int = 0,
     ) -> RequestRun: ...
 
 
@@ -383,20 +388,27 @@ class Intake:
         return 0 if top is None and ranked(body) else top
 
     async def begin(
-        self, tenant: Tenant, model: type[Body], body: bytes | ReadBody, rid: str
+        self,
+        tenant: Tenant,
+        model: type[Body],
+        body: bytes | ReadBody,
+        rid: str,
+        hints: DoorHints | None = None,
     ) -> Admitted:
         """Admits the request, then reads (``body``), parses and tokenizes it, then routes
         and sends one run per choice (``n`` per prompt, prompt by prompt); every failure an
         :class:`APIError`. ``rid``: the request's id (its runs' ids, its log lines). Each run
         holds one admission ticket, taken before it is launched; on any failure the tickets
-        no run holds are given back and the runs already sent are closed."""
+        no run holds are given back and the runs already sent are closed. ``hints``: the
+        headers' priority and deadline (:mod:`.priority`)."""
         tickets = [await self.admit(tenant)]
         runs: list[RequestRun] = []
         try:
             raw = body if isinstance(body, bytes) else await body()
             parsed, adapter = await self.parse_with_adapter(raw, model, tenant)
+            klass = classify(getattr(parsed, "priority", None), hints, tenant)
             prompts = None if parsed.chat else self.prompts(parsed)
-            self._check_choices(parsed, 1 if prompts is None else len(prompts), tenant)
+            check_choices(parsed, 1 if prompts is None else len(prompts), tenant, self.admission)
             plan = None
             if parsed.chat:
                 plan = plan_tools(parsed, self.tools, self.tokenizer, self.tool_markers)
@@ -423,7 +435,7 @@ class Intake:
                     choice_id = f"{rid}-{len(runs)}" if many else rid
                     runs.append(
                         self.launch(tenant, tickets[len(runs)], ids, parsed.cache_salt,
-                                    choice_spec, choice_id, adapter)
+                                    choice_spec, choice_id, adapter, klass)
                     )  # fmt: skip
             return Admitted(parsed, runs, prompts, plan)
         except BaseException:
@@ -432,43 +444,6 @@ class Intake:
             for run in runs:
                 run.close()
             raise
-
-    def _check_choices(self, body: Body, num_prompts: int, tenant: Tenant) -> None:
-        """Several choices (a batch, ``n`` > 1, ``best_of``'s candidates): at most
-        ``MAX_CHOICES`` of them, and no more than the tenant may ever run at once (a 429
-        would tell its client to retry what can never be admitted). ``best_of`` is at
-        least ``n`` and, above it, not streamed: the best are known only at the end."""
-        best_of = body.best_of
-        if best_of is not None and best_of < (body.n or 1):
-            raise APIError(
-                400, "`best_of` must be at least `n`.", "invalid_request_error", "best_of"
-            )
-        if ranked(body) and body.stream:
-            raise APIError(
-                400,
-                "`best_of` above `n` cannot be streamed: the best are known only once every "
-                "candidate has finished.",
-                "invalid_request_error",
-                "best_of",
-            )
-        n = runs_per_prompt(body)
-        param = "best_of" if ranked(body) else "n" if n > 1 else "prompt"
-        if num_prompts * n > MAX_CHOICES:
-            raise APIError(
-                400,
-                f"{num_prompts} prompt(s) x n={n} is more than {MAX_CHOICES} choices.",
-                "invalid_request_error",
-                param,
-            )
-        cap = self.admission.concurrency_cap(tenant) if num_prompts * n > 1 else None
-        if cap is not None and num_prompts * n > cap:
-            raise APIError(
-                400,
-                f"{num_prompts} prompt(s) x n={n} choices run as {num_prompts * n} requests; "
-                f"this tenant may run at most {cap} at once.",
-                "invalid_request_error",
-                param,
-            )
 
     async def admit(self, tenant: Tenant) -> Ticket:
         """The tenant's and the router's budgets: a ticket, or a 429 with Retry-After."""
@@ -489,32 +464,28 @@ class Intake:
         spec: SamplingParams,
         rid: str,
         adapter: Adapter | None = None,
+        klass: RequestClass | None = None,
     ) -> RequestRun:
         """Routes one choice (request id ``rid``; ``adapter``: its LoRA adapter, None for
-        the base model) and sends it; every failure a status."""
+        the base model; ``klass``: its priority and deadline) and sends it, or queues it
+        at the door (flow control); every failure a status."""
         self.admission.charge(ticket, len(ids))
+        klass = klass or RequestClass()
+        kw: dict[str, Any] = {"priority": klass.priority} if klass.priority else {}
         try:
             if adapter is None:
-                run = self.start_run(ticket, tenant, ids, spec, salt, request_id=rid)
+                run = self.start_run(ticket, tenant, ids, spec, salt, request_id=rid, **kw)
             else:
-                run = self.start_run(ticket, tenant, ids, spec, salt, request_id=rid, lora=adapter)
+                run = self.start_run(
+                    ticket, tenant, ids, spec, salt, request_id=rid, lora=adapter, **kw
+                )
         except QueryOfDeathError as exc:
             raise APIError(
                 400, str(exc), "invalid_request_error", code="request_quarantined"
             ) from None
         try:
-            run.submit()
+            run.submit(klass.deadline) if klass.deadline is not None else run.submit()
         except BaseException as exc:
             run.close()
             raise status_of(rid, exc) from None
         return run
-
-
-def ranked(body: Any) -> bool:
-    """Whether ``body`` asks for ``best_of`` candidates to pick its ``n`` choices from."""
-    return (body.best_of or 1) > (body.n or 1)
-
-
-def runs_per_prompt(body: Any) -> int:
-    """Runs per prompt: ``best_of`` candidates, else ``n`` choices."""
-    return max(body.n or 1, body.best_of or 1)

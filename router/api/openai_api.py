@@ -37,6 +37,8 @@ from kvroute.events.replica_api import (
     check_text,
 )
 
+from ..fleet.tenants import PRIORITY_MAX, PRIORITY_MIN
+
 
 def _utf8(text: str) -> str:
     try:
@@ -170,6 +172,8 @@ class _Request(_Strict, RequestMethods):
     stream_options: StreamOptions | None = None
     user: Text | None = None
     cache_salt: Text | None = Field(default=None, min_length=1, max_length=256)  # vLLM
+    # vLLM's: lower runs first; checked against the tenant's range (router/api/priority.py)
+    priority: int | None = Field(default=None, ge=PRIORITY_MIN, le=PRIORITY_MAX)
     ignore_eos: bool | None = False  # vLLM extension
     min_tokens: int | None = Field(default=None, ge=0)  # vLLM extension
     presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)

@@ -42,6 +42,7 @@ from kvroute.events.replica_api import (
     TOKEN_ID_MAX,
 )
 
+from ..fleet.tenants import PRIORITY_MAX, PRIORITY_MIN
 from .errors import validation_error
 from .openai_api import (
     MAX_CHOICES,
@@ -77,6 +78,7 @@ class _Request(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    priority: Annotated[int, Meta(ge=PRIORITY_MIN, le=PRIORITY_MAX)] | None = None
     ignore_eos: bool | None = False
     min_tokens: Annotated[int, Meta(ge=0)] | None = None
     presence_penalty: Annotated[float, Meta(ge=-MAX_PENALTY, le=MAX_PENALTY)] | None = None

@@ -225,6 +225,28 @@ async def await_first_delta(run: RequestRun, rid: str, echo: Echo | None = None)
         echo.put_ahead(run)
 
 
+async def first_or_gone(
+    ctx: ResponseContext, request: Request, run: RequestRun, rid: str, echo: Echo | None
+) -> bool:
+    """:func:`await_first_delta` for an answer sent whole, watching for the client to
+    leave while the run waits at the door (Starlette does not cancel the handler): False
+    when it left (the run closed, out of the queue)."""
+    task = asyncio.ensure_future(await_first_delta(run, rid, echo))
+    try:
+        while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
+            if await request.is_disconnected():
+                ctx.errors["client_gone"] += 1
+                return False
+        task.result()  # its status, when it failed
+        return True
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            run.close()
+
+
 async def collect_whole(
     ctx: ResponseContext,
     request: Request,
@@ -345,7 +367,11 @@ async def respond(
             on_close=run.close,
             ready=first,
         )
-    await await_first_delta(run, rid, echo)
+    if run.waiting:  # at the door (flow control): a client that leaves takes it out
+        if not await first_or_gone(ctx, request, run, rid, echo):
+            return Response(status_code=499)
+    else:
+        await await_first_delta(run, rid, echo)
     headers = {REPLICA_HEADER: run.replica}
     ttft_s = None if arrival is None else time.perf_counter() - arrival  # first delta is in
     got = Collected()

@@ -34,6 +34,7 @@ from .errors import (
 )
 from .intake import Intake
 from .openai_api import ChatCompletionRequest
+from .priority import read_hints
 from .responses import (
     REPLICA_HEADER,
     Collected,
@@ -68,7 +69,8 @@ async def create_response(request: Request, tenant: Tenant) -> Response:
         return json.dumps(form.chat).encode()
 
     try:
-        admitted = await intake.begin(tenant, ChatCompletionRequest, chat_body, rid)
+        hints = read_hints(request.scope, getattr(state, "priority_header", None))
+        admitted = await intake.begin(tenant, ChatCompletionRequest, chat_body, rid, hints)
     except APIError as exc:
         if read:  # the chat's field names, as the Responses fields they came from
             exc.param = responses_param(exc.param)

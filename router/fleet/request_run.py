@@ -33,6 +33,7 @@ Where a request goes next: :mod:`.responses` reads its deltas (``first_delta``, 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import Counter
@@ -55,6 +56,7 @@ from kvroute.events.replica_api import (
 
 from ..routing.disagg import plan, route_decode
 from ..routing.policy import Decision, NoReplicaError, Policy, RequestView
+from .flow import MAX_CHARGED_OUTPUT, FlowControl, Waiter
 from .quarantine import Quarantine, fingerprint, not_caused_by
 
 if TYPE_CHECKING:
@@ -99,6 +101,7 @@ class RunServices:
     errors: Counter[str]  # no_replica, invalid_request
     pd_priced: bool = True  # P/D: split only where it pays (routing/disagg.py); else always
     pd_pair: bool = False  # P/D on a fleet of both: a request may split between any two
+    flow: FlowControl | None = None  # the front door's queue (None: every run sent at once)
 
     def route(self, view: RequestView, candidates: list[str], now: float) -> Decision:
         """The policy's choice, counted in /metrics with its reason."""
@@ -151,6 +154,9 @@ class RequestRun:
         self._last_at = 0.0
         self._closed = False
         self._writer: Callable[[GenerateDelta], bool] | None = None  # see stream_to
+        self._waiter: Waiter | None = None  # its place in the flow queue, while it waits
+        self._room: list[str] | None = None  # at dispatch: the replicas with room
+        self._slot: str | None = None  # the replica whose flow slot it holds
 
     @property
     def fingerprint(self) -> str:
@@ -162,11 +168,19 @@ class RequestRun:
             )
         return self._fingerprint
 
+    @property
+    def waiting(self) -> bool:
+        """It waits at the door for a replica with room (flow control)."""
+        return self._waiter is not None
+
     # -- routing -------------------------------------------------------------------------------
     def _send(self) -> None:
         """Routes the request among the replicas it has not tried and sends it there."""
         s = self.services
         candidates = s.replicas.routable(self._tried)
+        room = self._room
+        if room is not None:  # dispatched by flow control: among those with room
+            candidates = [c for c in candidates if c in room] or candidates
         if not candidates:
             s.errors["no_replica"] += 1
             lora = self.view.lora_name
@@ -216,6 +230,10 @@ class RequestRun:
             self._source = None  # one pull per lease
         self.replica = rid
         self._awaiting_first = True
+        if s.flow is not None:
+            self._vacate()
+            s.flow.occupy(rid, self.view.num_prompt_tokens)
+            self._slot = rid
         self._conn = s.replicas.connection(rid)
         self._flight = self._conn.submit(req)
         if self._writer is not None:
@@ -252,11 +270,59 @@ class RequestRun:
         self.submit()
         return await self.first_delta()
 
-    def submit(self) -> None:
+    def submit(self, deadline: float | None = None) -> None:
         """The first half of :meth:`start`: routed and sent (raises
-        :class:`NoReplicaError`), so the caller can get ready while the replica computes."""
-        self.services.counters["requests"] += 1
-        self._send()
+        :class:`NoReplicaError`), so the caller can get ready while the replica computes.
+        Under flow control it may wait at the door instead (its first delta waits for its
+        dispatch), or be refused (:class:`~.flow.ShedError`); ``deadline``: the monotonic
+        time its first token is due by (a request still waiting then is refused)."""
+        s = self.services
+        s.counters["requests"] += 1
+        if s.flow is None:
+            self._send()
+            return
+        view = self.view
+        waiter = Waiter(
+            band=self.request.priority,
+            tenant=self.tenant,
+            cost=view.num_prompt_tokens + min(view.max_tokens or 0, MAX_CHARGED_OUTPUT),
+            dispatch=self._dispatch,
+            eligible=lambda: s.replicas.routable(self._tried),
+            deadline=deadline,
+        )
+        if not s.flow.submit(waiter):
+            self._waiter = waiter
+
+    def _dispatch(self, room: list[str] | None) -> None:
+        """Flow control's call: route among ``room`` (None: any) and send, now."""
+        self._waiter = None
+        self._room = room
+        try:
+            self._send()
+        finally:
+            self._room = None
+
+    async def _dispatched(self) -> None:
+        """Waits for the run's turn at the door (what its send raised, raised here). A
+        cancelled wait (the client left) takes it out of the queue."""
+        waiter = self._waiter
+        assert waiter is not None and waiter.future is not None
+        try:
+            await waiter.future
+        except asyncio.CancelledError:
+            flow = self.services.flow
+            if flow is not None:
+                flow.cancel(waiter)
+            raise
+        finally:
+            self._waiter = None
+
+    def _vacate(self) -> None:
+        """Gives back its flow slot (first token, failure, end): room for the next."""
+        slot, flow = self._slot, self.services.flow
+        if slot is not None and flow is not None:
+            self._slot = None
+            flow.vacate(slot, self.view.num_prompt_tokens)
 
     async def first_delta(self) -> GenerateDelta:
         """The second half of :meth:`start`."""
@@ -268,6 +334,8 @@ class RequestRun:
     async def next(self) -> GenerateDelta:
         """The deltas since the last call, merged; the last one is ``finished``. A failure
         of the replica is failed over when it may be, else raised."""
+        if self._waiter is not None:
+            await self._dispatched()
         while True:
             flight = self._flight
             assert flight is not None, "start() first"
@@ -278,11 +346,13 @@ class RequestRun:
                     raise exc
             except REPLICA_FAILURES as exc:
                 self._conn = self._flight = None
+                self._vacate()
                 if not self._fail_over(exc):
                     raise
                 continue
             except InvalidRequestError:
                 self._flight = None
+                self._vacate()
                 self.services.errors["invalid_request"] += 1
                 raise
             if delta.finish_reason == "handoff":
@@ -353,6 +423,7 @@ class RequestRun:
             self._awaiting_first = False
             self.services.policy.on_first_token(self.request_id, time.monotonic())
             self.services.replicas.mark_routed(self.replica)
+            self._vacate()
         elif ids:
             if self._itl is None:
                 m = self.services.metrics
@@ -398,9 +469,14 @@ class RequestRun:
             return
         self._closed = True
         self._writer = None
+        flow = self.services.flow
+        if self._waiter is not None and flow is not None:
+            flow.cancel(self._waiter)
+            self._waiter = None
         if self._flight is not None and self._conn is not None:
             self._conn.abort(self._flight.request_id)
             self._flight = None
+        self._vacate()
         s = self.services
         s.policy.on_finished(self.request_id, time.monotonic(), self.num_output_tokens)
         s.release(self.ticket, self.num_output_tokens)

@@ -37,6 +37,9 @@ FLEET_SECRET_ENV = "KVROUTE_FLEET_SECRET"
 METRICS_KEY_ENV = "KVROUTE_METRICS_KEY"
 DEV_FLEET_SECRET = "kvroute-dev-fleet-secret"  # a documented development value
 DEFAULT_TENANT = "default"
+# The priorities a request may carry (vLLM's meaning: lower runs first; a 32-bit int).
+PRIORITY_MIN = -(2**31)
+PRIORITY_MAX = 2**31 - 1
 
 
 class AuthError(Exception):
@@ -54,6 +57,10 @@ class Tenant(msgspec.Struct, frozen=True):
     # a server without keys, a tenant granted "*"). Others are, to it, models that do not
     # exist (router/lora/registry.py).
     adapters: frozenset[str] | None = frozenset()
+    # Its requests' priority when they ask none, and the most urgent (lowest) they may ask
+    # for (router/api/priority.py); the anonymous tenant may ask any.
+    priority: int = 0
+    min_priority: int = PRIORITY_MIN
 
     def may_use(self, adapter: str) -> bool:
         return self.adapters is None or adapter in self.adapters
@@ -112,6 +119,15 @@ class TenantConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_concurrent: int | None = None
     # LoRA adapters it may use by name; ["*"]: all. Absent: none (the base model only).
     adapters: list[str] = []
+    # Flow control and the engines' schedulers (vLLM's meaning: lower runs first): its
+    # requests' priority when they ask none, and the most urgent they may ask for
+    # (absent: ``priority`` itself; any less urgent one is always allowed).
+    priority: int = 0
+    min_priority: int | None = None
+
+    @property
+    def most_urgent(self) -> int:
+        return self.priority if self.min_priority is None else self.min_priority
 
     @property
     def limits(self) -> Limits:
@@ -156,6 +172,11 @@ def load_tenants(path: str | os.PathLike[str]) -> TenantsFile:
             t.limits  # noqa: B018 -- builds (and so checks) the limits: each >= 1
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
+        if not PRIORITY_MIN <= t.most_urgent <= t.priority <= PRIORITY_MAX:
+            raise ValueError(
+                f"{where}: priority and min_priority must be 32-bit ints, "
+                "min_priority <= priority (lower runs first)"
+            )
         if any(not a for a in t.adapters):
             raise ValueError(f"{where}: adapters: an adapter name must be non-empty")
         for k in t.keys:
@@ -235,7 +256,10 @@ def tenants_from_api_keys(api_keys: Mapping[str, str]) -> TenantsFile:
     for key, tenant_id in api_keys.items():
         by_tenant.setdefault(tenant_id, []).append(hash_key(key))
     return TenantsFile(
-        [TenantConfig(t, ks, adapters=[ALL_ADAPTERS]) for t, ks in by_tenant.items()]
+        [
+            TenantConfig(t, ks, adapters=[ALL_ADAPTERS], min_priority=PRIORITY_MIN)
+            for t, ks in by_tenant.items()
+        ]
     )
 
 
@@ -255,7 +279,9 @@ class Tenants:
         self.tenants: dict[str, Tenant] = {}
         for t in spec.tenants if spec else ():
             salt = tenant_salt(fleet_secret, t.id)
-            tenant = self.tenants[t.id] = Tenant(t.id, salt, t.limits, t.adapter_grant)
+            tenant = self.tenants[t.id] = Tenant(
+                t.id, salt, t.limits, t.adapter_grant, t.priority, t.most_urgent
+            )
             self._by_key.update((k.lower(), tenant) for k in t.keys)
         # The anonymous tenant of a server without keys may use every adapter.
         self.default = Tenant(

@@ -1,0 +1,398 @@
+"""Flow control: admitted requests wait here, in the front door, until a replica has room.
+
+Why: without it every admitted request is sent to a replica at once, and a late request's
+wait is decided by that replica's queue, which the front door no longer controls -- a
+tenant flooding the fleet sits ahead of everyone in every engine queue, and no priority
+can overtake it. Here a request waits after it is parsed and tokenized and before it is
+routed, and is sent (routed then, with the index's view of that moment) only when some
+replica it may go to has room. What replicas hold stays small, so what decides a late
+request's wait is this queue's order, which the front door owns.
+
+Room (the saturation signal): a replica has room while the requests this front door sent
+it that have not produced their first token there yet -- queued or prefilling in its
+engine -- are fewer than ``depth`` and their prompt tokens fewer than ``tokens`` (an empty
+replica always has room, whatever the prompt) (:meth:`FlowControl.occupy` /
+:meth:`vacate`, kept by each :class:`~.request_run.RequestRun`: one slot at most per run,
+given back at its first token, its failover, its end). Tokens as well as requests: many
+short prompts share one engine step, a few long ones fill it. A decoding request holds no
+slot: decode shares the batch, and what makes a newcomer wait is the prefill queued ahead
+of it. Failover and P/D's
+decode part are sent at once (they hold a slot like any send, but never queue): they are
+requests already under way.
+
+The data structure: one band per priority (vLLM's meaning: lower runs first), each a FIFO
+per tenant; ``_order`` is the bands that hold a waiter, most urgent first. Each tenant has
+a virtual token counter (as the replicas' ``TenantUsage``): a dispatch charges the
+request's cost (prompt tokens plus its output bound, capped); a tenant that starts waiting
+is lifted to the least counter of the tenants waiting, so idle time is never banked; the
+counters clear when nothing waits.
+
+Dispatch order: the most urgent band first; in a band, the tenant with the least counter
+(ties: the older head); in a tenant, first come first served. Only each tenant's head is
+looked at; a head none of whose replicas has room is passed over for the next (so a LoRA
+request waiting on its adapter's holders never holds back one any replica can take).
+
+Invariants:
+- work-conserving: after every change (a submit, a slot given back, a replica joining or
+  leaving, and a sweep every ``SWEEP_S`` while anything waits), no waiting head has a
+  replica with room among the replicas it may go to;
+- nothing is lost or hangs: every waiter leaves exactly once -- dispatched (its future
+  done, the send's own failure in it), cancelled (its client left: :meth:`cancel`), shed
+  past its deadline (:class:`ShedError`), or failed when no replica it may go to is left
+  (the send raises :class:`~.policy.NoReplicaError`);
+- ``waiting`` equals the waiters in the bands; a slot is held at most once per run.
+
+Refused early and honestly (429 with ``Retry-After``, :class:`ShedError`): a band whose
+queue holds ``max_waiting`` (``queue_full``), or a request whose estimated wait (the
+waiters at its priority or more urgent, over the measured drain rate) would pass its
+deadline (``deadline``); and one still waiting when its deadline passes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import itertools
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+SWEEP_S = 0.5  # while anything waits, the queue is looked at at least this often
+RATE_WINDOW_S = 10.0  # the drain rate is the dispatches of the last this many seconds
+MIN_RATE_SAMPLES = 4  # fewer dispatches than this in the window: no estimate, no early shed
+MAX_CHARGED_OUTPUT = 512  # a request's output bound counts up to this in its tenant's counter
+DEFAULT_DEPTH = 16
+DEFAULT_TOKENS = 8192
+
+
+class ShedError(Exception):
+    """A request refused by flow control (the HTTP layer's 429): ``cause`` is
+    ``queue_full`` or ``deadline``; ``retry_after_s`` when to try again."""
+
+    def __init__(self, message: str, cause: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.cause = cause
+        self.retry_after_s = retry_after_s
+
+    @property
+    def retry_after(self) -> str:
+        """``Retry-After``'s value: whole seconds, at least 1."""
+        return str(max(1, math.ceil(self.retry_after_s)))
+
+
+@dataclass(eq=False, slots=True)
+class Waiter:
+    """One request at the door. ``dispatch(room)`` routes it among ``room`` (the replicas
+    with room it may go to; None: no filter) and sends it, raising what the send raises;
+    ``eligible()`` the replicas it may go to now."""
+
+    band: int
+    tenant: str
+    cost: float
+    dispatch: Callable[[list[str] | None], None]
+    eligible: Callable[[], list[str]]
+    deadline: float | None = None  # monotonic seconds; None: none
+    seq: int = 0
+    since: float = 0.0
+    future: asyncio.Future[None] | None = None
+    timer: asyncio.TimerHandle | None = None
+    queued: bool = False
+
+
+@dataclass(slots=True)
+class FlowStats:
+    """What /metrics shows of the queue (read at scrape time)."""
+
+    dispatched: dict[int, int] = field(default_factory=dict)  # band -> dispatches
+    shed: dict[tuple[int, str], int] = field(default_factory=dict)  # (band, cause) -> count
+    cancelled: int = 0
+
+
+class FlowControl:
+    """The front door's queue (one per front door, on its event loop)."""
+
+    def __init__(
+        self,
+        depth: int = DEFAULT_DEPTH,
+        max_waiting: int | None = None,
+        tokens: int = DEFAULT_TOKENS,
+        clock: Callable[[], float] = time.monotonic,
+        on_wait: Callable[[int, float], None] | None = None,
+    ) -> None:
+        """``depth``: requests without a first token this front door keeps on a replica,
+        ``tokens``: their prompt tokens (both bounds hold, except on an empty replica);
+        ``max_waiting``: waiters a band may hold (None: no bound); ``on_wait(band,
+        seconds)``: each dispatch's wait, for /metrics."""
+        if depth < 1:
+            raise ValueError("flow control's depth must be >= 1")
+        self.depth = depth
+        self.tokens = tokens
+        self.max_waiting = max_waiting
+        self.clock = clock
+        self.on_wait = on_wait
+        self.stats = FlowStats()
+        self.waiting = 0
+        self.unstarted: dict[str, int] = {}  # replica -> this front door's slots held there
+        self.unstarted_tokens: dict[str, int] = {}  # replica -> their prompt tokens
+        self._bands: dict[int, dict[str, deque[Waiter]]] = {}
+        self._band_len: dict[int, int] = {}
+        self._order: list[int] = []  # bands holding a waiter, most urgent first
+        self._counter: dict[str, float] = {}  # tenant -> virtual tokens served
+        self._seq = itertools.count()
+        self._dispatch_times: deque[float] = deque()
+        self._pumping = False
+        self._again = False
+        self._sweeper: asyncio.TimerHandle | None = None
+
+    # -- room ----------------------------------------------------------------------------
+    def has_room(self, replica: str) -> bool:
+        n = self.unstarted.get(replica, 0)
+        return not n or (n < self.depth and self.unstarted_tokens[replica] < self.tokens)
+
+    def occupy(self, replica: str, tokens: int = 0) -> None:
+        """A request of ``tokens`` prompt tokens was sent to ``replica`` and has no first
+        token there yet."""
+        self.unstarted[replica] = self.unstarted.get(replica, 0) + 1
+        self.unstarted_tokens[replica] = self.unstarted_tokens.get(replica, 0) + tokens
+
+    def vacate(self, replica: str, tokens: int = 0) -> None:
+        """That request got its first token there, or left it: room for the next."""
+        n = self.unstarted.get(replica, 0) - 1
+        if n > 0:
+            self.unstarted[replica] = n
+            self.unstarted_tokens[replica] = max(0, self.unstarted_tokens[replica] - tokens)
+        else:
+            self.unstarted.pop(replica, None)
+            self.unstarted_tokens.pop(replica, None)
+        if self.waiting:
+            self.pump()
+
+    def band_length(self, band: int) -> int:
+        return self._band_len.get(band, 0)
+
+    def lengths(self) -> dict[int, int]:
+        """Waiters per band (bands that hold one)."""
+        return {b: n for b, n in self._band_len.items() if n}
+
+    # -- the drain rate --------------------------------------------------------------------
+    def drain_rate(self) -> float | None:
+        """Dispatches per second over the last ``RATE_WINDOW_S`` (None: too few to say)."""
+        now = self.clock()
+        times = self._dispatch_times
+        while times and times[0] < now - RATE_WINDOW_S:
+            times.popleft()
+        if len(times) < MIN_RATE_SAMPLES:
+            return None
+        return len(times) / max(now - times[0], 1e-3)
+
+    def ahead_of(self, band: int) -> int:
+        """Waiters that go before a newcomer of ``band``: its band and the more urgent."""
+        return sum(self._band_len[b] for b in self._order if b <= band)
+
+    def estimated_wait(self, band: int) -> float | None:
+        rate = self.drain_rate()
+        if rate is None:
+            return None
+        return self.ahead_of(band) / rate
+
+    # -- submit, cancel --------------------------------------------------------------------
+    def submit(self, w: Waiter) -> bool:
+        """Sends ``w`` now (True; a failure of the send raised here) when nothing at its
+        priority or more urgent waits and a replica it may go to has room (or none is left:
+        the send says so); else queues it (False: await ``w.future``), or raises
+        :class:`ShedError` when its band is full or its deadline cannot be met."""
+        now = self.clock()
+        w.since = now
+        if not self.ahead_of(w.band):
+            eligible = w.eligible()
+            room = [r for r in eligible if self.has_room(r)]
+            if room or not eligible:
+                self._dispatched(w, now)
+                w.dispatch(room or None)
+                return True
+        if w.deadline is not None and w.deadline <= now:
+            self._shed(w.band, "deadline")
+            raise ShedError("The request's TTFT deadline has passed.", "deadline", 1.0)
+        if self.max_waiting is not None and self.band_length(w.band) >= self.max_waiting:
+            self._shed(w.band, "queue_full")
+            rate = self.drain_rate()
+            wait = self.band_length(w.band) / rate if rate else 1.0
+            raise ShedError(
+                f"The queue for priority {w.band} is full ({self.max_waiting} waiting); "
+                "retry later.",
+                "queue_full",
+                wait,
+            )
+        if w.deadline is not None:
+            wait = self.estimated_wait(w.band)
+            if wait is not None and now + wait > w.deadline:
+                self._shed(w.band, "deadline")
+                raise ShedError(
+                    f"The request's TTFT deadline cannot be met: about {wait:.1f} s of "
+                    "requests wait ahead of it; retry later.",
+                    "deadline",
+                    wait,
+                )
+        self._enqueue(w)
+        return False
+
+    def _enqueue(self, w: Waiter) -> None:
+        loop = asyncio.get_running_loop()
+        w.future = loop.create_future()
+        w.seq = next(self._seq)
+        w.queued = True
+        tenants = self._bands.get(w.band)
+        if tenants is None:
+            tenants = self._bands[w.band] = {}
+        if not self._band_len.get(w.band):
+            bisect.insort(self._order, w.band)
+        self._band_len[w.band] = self._band_len.get(w.band, 0) + 1
+        fifo = tenants.get(w.tenant)
+        if fifo is None:
+            fifo = tenants[w.tenant] = deque()
+        if not self._live(w.tenant):  # starts waiting: lifted, never banked
+            floor = min((self._counter.get(t, 0.0) for t in self._waiting_tenants()), default=0.0)
+            self._counter[w.tenant] = max(self._counter.get(w.tenant, 0.0), floor)
+        fifo.append(w)
+        self.waiting += 1
+        if w.deadline is not None:
+            delay = max(0.0, w.deadline - self.clock())
+            w.timer = loop.call_later(delay, self._expire, w)
+        if self._sweeper is None:
+            self._sweeper = loop.call_later(SWEEP_S, self._sweep)
+
+    def _live(self, tenant: str) -> bool:
+        return any(tenant in tenants and tenants[tenant] for tenants in self._bands.values())
+
+    def _waiting_tenants(self) -> set[str]:
+        return {t for tenants in self._bands.values() for t, q in tenants.items() if q}
+
+    def _remove(self, w: Waiter) -> None:
+        """Takes ``w`` out of its band (it is queued)."""
+        w.queued = False
+        tenants = self._bands[w.band]
+        fifo = tenants[w.tenant]
+        fifo.remove(w)
+        if not fifo:
+            del tenants[w.tenant]
+        n = self._band_len[w.band] - 1
+        self._band_len[w.band] = n
+        if not n:
+            del self._band_len[w.band]
+            del self._bands[w.band]
+            self._order.remove(w.band)
+        self.waiting -= 1
+        if w.timer is not None:
+            w.timer.cancel()
+            w.timer = None
+        if not self.waiting:
+            self._counter.clear()  # nothing waits: everyone starts equal
+
+    def cancel(self, w: Waiter) -> None:
+        """Its client left (or its run closed) while it waited: it leaves the queue.
+        Idempotent; nothing if it was dispatched already."""
+        if not w.queued:
+            return
+        self._remove(w)
+        self.stats.cancelled += 1
+        if w.future is not None and not w.future.done():
+            w.future.cancel()
+
+    def _expire(self, w: Waiter) -> None:
+        """Its deadline passed while it waited: a 429 (it would be late whatever came)."""
+        w.timer = None
+        if not w.queued:
+            return
+        self._remove(w)
+        self._shed(w.band, "deadline")
+        rate = self.drain_rate()
+        wait = self.ahead_of(w.band) / rate if rate else 1.0
+        if w.future is not None and not w.future.done():
+            w.future.set_exception(
+                ShedError(
+                    "The request's TTFT deadline passed while it waited for a replica.",
+                    "deadline",
+                    wait,
+                )
+            )
+
+    def _shed(self, band: int, cause: str) -> None:
+        key = (band, cause)
+        self.stats.shed[key] = self.stats.shed.get(key, 0) + 1
+
+    def _dispatched(self, w: Waiter, now: float) -> None:
+        self.stats.dispatched[w.band] = self.stats.dispatched.get(w.band, 0) + 1
+        self._dispatch_times.append(now)
+        if self.waiting:  # others wait: it is charged (with none, every count clears)
+            self._counter[w.tenant] = self._counter.get(w.tenant, 0.0) + w.cost
+        if self.on_wait is not None:
+            self.on_wait(w.band, now - w.since)
+
+    # -- dispatch ----------------------------------------------------------------------------
+    def pump(self) -> None:
+        """Sends waiters while some head has room (the order in the module's docstring).
+        Re-entrant calls (a send that frees a slot) are folded into the running one."""
+        if self._pumping:
+            self._again = True
+            return
+        self._pumping = True
+        try:
+            while True:
+                self._again = False
+                while self._pump_one():
+                    pass
+                if not self._again:
+                    break
+        finally:
+            self._pumping = False
+
+    def _pump_one(self) -> bool:
+        for band in list(self._order):
+            tenants = self._bands.get(band)
+            if not tenants:
+                continue
+            heads = sorted(
+                (q[0] for q in tenants.values() if q),
+                key=lambda h: (self._counter.get(h.tenant, 0.0), h.seq),
+            )
+            for head in heads:
+                eligible = head.eligible()
+                room = [r for r in eligible if self.has_room(r)]
+                if room or not eligible:
+                    self._send(head, room or None)
+                    return True
+        return False
+
+    def _send(self, w: Waiter, room: list[str] | None) -> None:
+        self._remove(w)
+        self._dispatched(w, self.clock())
+        fut = w.future
+        try:
+            w.dispatch(room)
+        except Exception as exc:  # the send's failure is the waiter's, raised where it waits
+            if fut is not None and not fut.done():
+                fut.set_exception(exc)
+            return
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+    def _sweep(self) -> None:
+        """The safety net: whatever changed unseen (a replica back, a cordon lifted)."""
+        self._sweeper = None
+        if not self.waiting:
+            return
+        self.pump()
+        if self.waiting:
+            self._sweeper = asyncio.get_running_loop().call_later(SWEEP_S, self._sweep)
+
+    def wake(self, *_: object) -> None:
+        """A replica joined or left: look again (a callback of the fleet's)."""
+        if self.waiting:
+            self.pump()
+
+    def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
