@@ -57,18 +57,19 @@ Invariants:
   engine thread's;
 - ``disk`` is None once the tier is off (never configured, or its folder was lost); then
   ``disk_meta`` is empty.
+
+The records (:class:`BlockMeta`, :class:`HostEntry`, :class:`LoadJob`) are
+:mod:`.tier_entries`; the device copies and the loader thread, :mod:`.tier_loader`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -77,64 +78,23 @@ from kvroute.events import MEDIUM_CPU, MEDIUM_STORAGE, BlockRemoved, BlockStored
 from kvroute.events.kv_transfer import MEDIUM_REMOTE, KVSource
 from kvroute.events.load import DISK_NONE, DISK_OFF, DISK_OK, DISK_UNRESPONSIVE
 
-from .disk import DiskStore, checksum
+from .disk import DiskStore
 from .disk_reads import READ_DEADLINE_S, DiskFetcher, DiskReads
 from .disk_writer import DEFAULT_QUEUE_BYTES, DiskWriter
 from .tier_costs import measure_tiers
+from .tier_entries import BlockMeta, HostEntry, LoadJob
+from .tier_loader import TierLoader
 
 if TYPE_CHECKING:
     from ..core.block_pool import BlockPool
     from ..kv_transfer.fetcher import KVLink
 
+__all__ = ["BlockMeta", "HostEntry", "KVTiers", "LoadJob"]
+
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True, frozen=True)
-class BlockMeta:
-    """What a block's ``BlockStored`` says beside its hash."""
-
-    parent: bytes | None
-    token_ids: tuple[int, ...]
-    lora_name: str | None
-
-
-@dataclass(slots=True)
-class HostEntry:
-    data: torch.Tensor  # uint8, the block's K and V of every layer, on the host
-    meta: BlockMeta
-    ready: torch.cuda.Event | None = None  # CUDA: recorded after the copy-out was enqueued
-    digest: int | None = None  # xxh3-64 of data, once sealed
-
-    def seal(self) -> int:
-        """Its checksum, computed once its bytes are there (any thread; computing it twice
-        gives the same value)."""
-        if self.digest is None:
-            if self.ready is not None:
-                self.ready.synchronize()
-            self.digest = checksum(self.data.numpy())
-        return self.digest
-
-
-@dataclass
-class LoadJob:
-    """Blocks to bring back for one request, in chain order; filled in by the loader."""
-
-    request_id: str
-    block_ids: list[int]
-    media: list[str]
-    hashes: list[bytes]
-    host_entries: list[HostEntry | None]
-    after: torch.cuda.Event | None = None  # CUDA: the step's stream when the load started
-    fetched: list[bytearray | memoryview | None] = field(default_factory=list)  # disk/remote, read
-    start: int = 0  # the chain position of hashes[0] (of block_ids[0])
-    source: KVSource | None = None  # where its REMOTE blocks (a suffix) are pulled from
-    num_ok: int = 0  # leading blocks copied and verified
-    failed: bytes | None = None  # the hash that stopped the load, if one did
-    seconds: float = 0.0
-    done: threading.Event = field(default_factory=threading.Event)
-
-
-class KVTiers:
+class KVTiers(TierLoader):
     """The host and disk tiers of one engine, and the thread that loads from them."""
 
     def __init__(
@@ -467,85 +427,3 @@ class KVTiers:
     def _emit(self, event: BlockStored | BlockRemoved) -> None:
         assert self.pool is not None
         self.pool.emit(event)
-
-    # -- copies -----------------------------------------------------------------------
-    def _copy_out(self, block_id: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """The block's bytes in every layer, as one host tensor, and on CUDA the event after
-        which they are there (the copy is only enqueued: see the module docstring)."""
-        parts = [t[block_id].reshape(-1).view(torch.uint8) for t in self.tensors]
-        out = torch.cat(parts)
-        if not self.cuda:
-            return out, None
-        host = torch.empty(out.numel(), dtype=torch.uint8, pin_memory=True)
-        host.copy_(out, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return host, ready
-
-    def _copy_in(self, block_id: int, data: torch.Tensor) -> None:
-        off = 0
-        for t, n in zip(self.tensors, self.sizes, strict=True):
-            dst = t[block_id].reshape(-1).view(torch.uint8)
-            dst.copy_(data[off : off + n], non_blocking=self.cuda)
-            off += n
-
-    def _run(self) -> None:
-        """The loader thread: one job at a time, blocks in chain order, stopping at the
-        first that fails its checks."""
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            if isinstance(job, HostEntry):
-                try:
-                    job.seal()
-                except Exception:  # the load that needs it seals it again, or fails it
-                    log.warning("KV tier copy-out could not be checksummed", exc_info=True)
-                continue
-            t0 = time.perf_counter()
-            try:
-                self._load(job)
-            except Exception:  # never the engine's death: the rest is recomputed
-                log.warning("KV tier load for %s failed", job.request_id, exc_info=True)
-                if job.failed is None and job.num_ok < len(job.hashes):
-                    job.failed = job.hashes[job.num_ok]
-            job.seconds = time.perf_counter() - t0
-            job.done.set()
-            with self._done_lock:
-                self._done.append(job)
-                self._wake.set()
-
-    def _load(self, job: LoadJob) -> None:
-        stream = self._stream
-        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with ctx:
-            if stream is not None and job.after is not None:
-                stream.wait_event(job.after)
-            for i, (h, entry) in enumerate(zip(job.hashes, job.host_entries, strict=True)):
-                data = self._fetch(entry, job.fetched[i] if job.fetched else None)
-                if data is None:
-                    job.failed = h
-                    break
-                self._copy_in(job.block_ids[i], data)
-                if job.fetched:  # copied (on CUDA into pinned memory first): the disk
-                    job.fetched[i] = None  # fetcher's buffer goes back for reuse
-                job.num_ok = i + 1
-        if stream is not None:
-            stream.synchronize()  # the blocks are in before the job says so
-
-    def _fetch(
-        self, entry: HostEntry | None, raw: bytearray | memoryview | None
-    ) -> torch.Tensor | None:
-        """A block's verified bytes from its host entry, or the disk's as the fetcher read
-        them (verified there); None if they fail a check or were not read."""
-        if entry is not None:
-            data = entry.data
-            if data.numel() != self.block_bytes or checksum(data.numpy()) != entry.seal():
-                return None
-            if self.cuda and not data.is_pinned():
-                data = data.pin_memory()
-            return data
-        if raw is None or len(raw) != self.block_bytes:
-            return None
-        data = torch.frombuffer(raw, dtype=torch.uint8)  # the fetcher's own buffer
-        return data.pin_memory() if self.cuda else data
