@@ -17,9 +17,10 @@ The rules, and why:
   the blocks they fill in the prefix cache, so a request dropped after it would leave
   hashes naming KV never written. Hence the urgent ones are admitted before the step
   reaches the less urgent running requests, not after.
-- Starvation: a running decode is never held back by priority, only preempted. Newcomers
-  admitted ahead of less urgent running requests leave one token of the step's budget per
-  less urgent decode; a less urgent prompt chunk gets what the urgent ones leave. A
+- Starvation: a running decode is never held back by priority, only preempted. A prompt
+  chunk, running or newly admitted, leaves one token of the step's budget for each less
+  urgent running decode (:func:`decode_reserve`); a less urgent prompt chunk gets what the
+  urgent ones leave. A
   preempted request waits while more urgent work keeps arriving (by design, as in vLLM);
   it is first of its level when that work is done.
 """
@@ -58,6 +59,24 @@ class StepState:
     def __post_init__(self) -> None:
         if self.partial is not None:
             self.partial = dict(self.partial)
+
+
+def decode_reserve(running: list[Request]) -> dict[int, int] | None:
+    """Per priority level of ``running`` (sorted), its less urgent decodes: the tokens a
+    prompt chunk at that level leaves in the budget for them. None when every running
+    request is at one level (no reserve: the step is the priority-less one)."""
+    if not running or running[0].priority == running[-1].priority:
+        return None
+    reserve: dict[int, int] = {}
+    behind = 0  # decodes at levels less urgent than the one being counted
+    level, here = running[-1].priority, 0
+    for req in reversed(running):
+        if req.priority != level:
+            behind += here
+            level, here = req.priority, 0
+        reserve[level] = behind
+        here += req.num_tokens - req.num_computed_tokens == 1
+    return reserve
 
 
 class Admission:

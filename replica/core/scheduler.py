@@ -49,7 +49,7 @@ import msgspec
 
 from kvroute.events.load import LoadReport
 
-from .admission import Admission, StepState
+from .admission import Admission, StepState, decode_reserve
 from .block_pool import KVCacheBlock
 from .decode_run import DecodeRuns
 from .fair_queue import TenantUsage
@@ -229,6 +229,8 @@ class Scheduler(Admission, PrefillShares, DecodeRuns):
         # 1. Running requests: decodes and unfinished prefill chunks.
         i, running = 0, self.running
         top = self.waiting.top_priority
+        # prompt chunks leave a token per less urgent decode (None: one level, no reserve)
+        reserve = decode_reserve(running)
         while i < len(running) and step.budget > 0:
             req = running[i]
             if top is not None and top < req.priority and not pressed:
@@ -244,6 +246,8 @@ class Scheduler(Admission, PrefillShares, DecodeRuns):
                     num_new = limit
                 if num_new > step.budget:
                     num_new = step.budget
+                if reserve is not None:
+                    num_new = min(num_new, step.budget - reserve.get(req.priority, 0))
                 if shares is not None:
                     num_new = within_share(shares, req, num_new)
             if num_new <= 0:  # nothing to feed yet, or its tenant's share is spent
