@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import signal
 import subprocess
@@ -50,15 +49,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+from frontdoor_floor import MODEL, floor_server
+from frontdoor_rows import derive, finite, plot, say, table
 from proc_cpu import cpu_of, stat, tree
 
-MODEL = "sim:h100-8b"
 MOONCAKE_BLOCK = 512
-
-
-def say(msg: str) -> None:
-    print(f"frontdoor_capacity: {msg}", file=sys.stderr, flush=True)
 
 
 class Group:
@@ -75,141 +70,6 @@ class Group:
     @staticmethod
     def delta(a: dict[int, float], b: dict[int, float]) -> float:
         return sum(v - a.get(pid, 0.0) for pid, v in b.items())
-
-
-# -- the floor: ZeroMQ -> SSE, nothing else -------------------------------------------------
-def floor_server(port: int, fleet_url: str) -> None:
-    import itertools
-
-    import msgspec
-    import uvicorn
-
-    from kvroute.events.replica_api import GenerateRequest, SamplingParams
-    from kvroute.router.fleet.replica_connection import ReplicaConnection
-
-    class Body(msgspec.Struct):
-        prompt: list[int]
-        max_tokens: int = 16
-        temperature: float = 1.0
-        ignore_eos: bool = False
-
-    decode = msgspec.json.Decoder(Body).decode
-    enc = msgspec.json.Encoder().encode
-    ids = itertools.count()
-    conns: list[Any] = []
-    rr: list[Any] = [None]
-    head = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]
-    models = b'{"object":"list","data":[{"id":"' + MODEL.encode() + b'","object":"model"}]}'
-
-    def lost(rid: str, why: str) -> None:
-        print(f"floor: replica {rid} lost ({why})", file=sys.stderr, flush=True)
-        conns[:] = [c for c in conns if c.lost is None]
-        rr[0] = itertools.cycle(conns) if conns else None
-
-    async def reply(send: Any, status: int, body: bytes, ctype: bytes) -> None:
-        await send(
-            {"type": "http.response.start", "status": status, "headers": [(b"content-type", ctype)]}
-        )
-        await send({"type": "http.response.body", "body": body})
-
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            while True:
-                msg = await receive()
-                if msg["type"] == "lifespan.startup":
-                    with urllib.request.urlopen(fleet_url + "/fleet", timeout=30) as r:
-                        fleet = json.load(r)
-                    for rep in fleet["replicas"]:
-                        conns.append(
-                            ReplicaConnection(
-                                rep["replica_id"],
-                                rep["data_endpoint"],
-                                rep["incarnation"],
-                                f"floor-{os.getpid()}",
-                                lost,
-                            )
-                        )
-                    rr[0] = itertools.cycle(conns)
-                    await send({"type": "lifespan.startup.complete"})
-                elif msg["type"] == "lifespan.shutdown":
-                    for c in conns:
-                        c.close()
-                    await send({"type": "lifespan.shutdown.complete"})
-                    return
-        if scope["type"] != "http":
-            return
-        arrival = time.perf_counter()
-        if scope["method"] != "POST":
-            if scope["path"] == "/v1/models":
-                return await reply(send, 200, models, b"application/json")
-            return await reply(send, 200 if scope["path"] == "/health" else 404, b"", b"text/plain")
-        raw, more = b"", True
-        while more:
-            msg = await receive()
-            raw += msg.get("body", b"")
-            more = msg.get("more_body", False)
-        body = decode(raw)
-        if rr[0] is None:
-            return await reply(send, 503, b"no replica", b"text/plain")
-        conn = next(rr[0])
-        req = GenerateRequest(
-            request_id=f"floor-{next(ids)}",
-            prompt_token_ids=body.prompt,
-            sampling=SamplingParams(
-                max_tokens=body.max_tokens, temperature=body.temperature, ignore_eos=body.ignore_eos
-            ),
-        )
-        await send({"type": "http.response.start", "status": 200, "headers": head})
-        msg = {"type": "http.response.body", "body": b"", "more_body": True}
-        timing, last = b"", None
-        try:
-            async for d in conn.stream(req):
-                if last is None and d.replica_ttft_s is not None:
-                    timing = enc(
-                        {
-                            "replica_ttft_s": d.replica_ttft_s,
-                            "router_ttft_s": time.perf_counter() - arrival,
-                        }
-                    )
-                last = d
-                if d.delta_text and not d.finished:  # the last delta goes with the tail
-                    msg["body"] = b'data: {"choices":[{"text":' + enc(d.delta_text) + b"}]}\n\n"
-                    await send(msg)
-        except Exception as exc:  # the replica failed: say so, then [DONE]
-            err = enc({"error": {"message": str(exc)}})
-            msg.update(body=b"data: " + err + b"\n\ndata: [DONE]\n\n", more_body=False)
-            return await send(msg)
-        tail = b""
-        if last is not None:  # the last chunk, the usage, the timing comment, [DONE]: one send
-            fin = enc(last.finish_reason)
-            tail = (
-                b'data: {"choices":[{"text":'
-                + enc(last.delta_text)
-                + b',"finish_reason":'
-                + fin
-                + b"}]}\n\n"
-                + b'data: {"choices":[],"usage":{"prompt_tokens":'
-                + str(last.num_prompt_tokens).encode()
-                + b',"completion_tokens":'
-                + str(last.num_output_tokens).encode()
-                + b"}}\n\n"
-            )
-        if timing:
-            tail += b": kvroute-timing " + timing + b"\n\n"
-        msg.update(body=tail + b"data: [DONE]\n\n", more_body=False)
-        await send(msg)
-
-    config = uvicorn.Config(
-        app,
-        host="127.0.0.1",
-        port=port,
-        http="httptools",
-        loop="uvloop",
-        lifespan="on",
-        log_level="warning",
-        access_log=False,
-    )
-    uvicorn.Server(config).run()
 
 
 # -- the harness ----------------------------------------------------------------------------
@@ -329,79 +189,6 @@ class Runner:
         return raw
 
 
-def pct(xs: list[float], q: float) -> float:
-    return float(np.percentile(xs, q)) if xs else math.nan
-
-
-def derive(raws: list[dict[str, Any]]) -> dict[str, Any]:
-    """One row from one or more runs of the same server and scenario (summed CPU, tokens,
-    requests and walls; pooled per-request latencies)."""
-    first = raws[0]
-    tot = {
-        k: sum(r[k] for r in raws)
-        for k in (
-            "requests",
-            "ok",
-            "output_tokens",
-            "load_wall_s",
-            "window_wall_s",
-            "frontdoor_cpu_s",
-            "replica_cpu_s",
-            "loadgen_cpu_s",
-        )
-    }
-    errors: dict[str, int] = {}
-    for r in raws:
-        for k, v in r["errors"].items():
-            errors[k] = errors.get(k, 0) + v
-    fd_idle = sum(r["frontdoor_idle_per_s"] * r["window_wall_s"] for r in raws)
-    rep_idle = sum(r["replica_idle_per_s"] * r["window_wall_s"] for r in raws)
-    # CPU while the load ran: the idle share of the time around it (the load generator's
-    # start and exit) taken out, the idle share during it kept -- a front door pays it.
-    fd_busy = tot["frontdoor_cpu_s"] - sum(
-        r["frontdoor_idle_per_s"] * max(r["window_wall_s"] - r["load_wall_s"], 0.0) for r in raws
-    )
-    fd_net, rep_net = tot["frontdoor_cpu_s"] - fd_idle, tot["replica_cpu_s"] - rep_idle
-    tokens, ok, wall = tot["output_tokens"], tot["ok"], tot["load_wall_s"]
-    idle_per_s = first["frontdoor_idle_per_s"]
-    per_token = fd_net / tokens if tokens else math.nan
-    outside = [x for r in raws for x in r["outside_s"]]
-    ttft = [x for r in raws for x in r["ttft_s"]]
-
-    def div(a: float, b: float, scale: float = 1.0) -> float:
-        return scale * a / b if b else math.nan
-
-    return {
-        "server": first["server"],
-        "scenario": first["scenario"],
-        "concurrency": first["concurrency"],
-        "rate": first["rate"],
-        "prompt_tokens": first["prompt_tokens"],
-        "max_tokens": first["max_tokens"],
-        "runs": len(raws),
-        **tot,
-        "errors": errors,
-        "frontdoor_idle_cpu_s": fd_idle,
-        "replica_idle_cpu_s": rep_idle,
-        "frontdoor_idle_cpu_per_s": idle_per_s,
-        "request_rate": div(ok, wall),
-        "tokens_per_s": div(tokens, wall),
-        "frontdoor_us_per_token": div(fd_net, tokens, 1e6),
-        "replica_us_per_token": div(rep_net, tokens, 1e6),
-        "frontdoor_ms_per_request": div(fd_net, ok, 1e3),
-        "replica_ms_per_request": div(rep_net, ok, 1e3),
-        "frontdoor_util_cores": div(fd_busy, wall),
-        # what one core sustains: tokens per front-door CPU second, idle share included ...
-        "tokens_per_s_per_core": div(tokens, fd_busy) if fd_busy > 0 else math.nan,
-        # ... and with the idle share counted once, not scaled with the load
-        "tokens_per_s_at_1_core": (1.0 - idle_per_s) / per_token if per_token > 0 else math.nan,
-        "added_ttft_p50_ms": 1e3 * pct(outside, 50),
-        "added_ttft_p99_ms": 1e3 * pct(outside, 99),
-        "ttft_p50_ms": 1e3 * pct(ttft, 50),
-        "ttft_p99_ms": 1e3 * pct(ttft, 99),
-    }
-
-
 def measure_idle(groups: list[Group], seconds: float) -> None:
     snaps = [g.snap() for g in groups]
     t0 = time.monotonic()
@@ -438,155 +225,6 @@ def stop(
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
-
-
-def fmt(x: Any, spec: str) -> str:
-    if x is None or (isinstance(x, float) and math.isnan(x)):
-        return "n/a"
-    return format(x, spec)
-
-
-def table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    by = {(r["server"], r["scenario"]): r for r in rows}
-    lines = ["| figure | kvroute | floor | kvroute / floor |", "| --- | --- | --- | --- |"]
-
-    def line(label: str, kv: Any, fl: Any, spec: str, ratio: bool = True) -> None:
-        q = (
-            kv / fl
-            if ratio and isinstance(kv, float | int) and isinstance(fl, float | int) and fl
-            else None
-        )
-        lines.append(f"| {label} | {fmt(kv, spec)} | {fmt(fl, spec)} | {fmt(q, '.2f')} |")
-
-    def add(label: str, scenario: str, key: str, spec: str) -> None:
-        k, f = by.get(("kvroute", scenario)), by.get(("floor", scenario))
-        line(label, k and k[key], f and f[key], spec)
-
-    concs = [int(c) for c in args.concurrency.split(",")]
-    for c in concs:
-        add(
-            f"front door CPU us / streamed token ({c} x {args.stream_tokens}-token streams)",
-            f"stream_c{c}",
-            "frontdoor_us_per_token",
-            ".1f",
-        )
-    for c in concs:
-        add(
-            f"replicas CPU us / streamed token ({c} streams)",
-            f"stream_c{c}",
-            "replica_us_per_token",
-            ".1f",
-        )
-    req = f"{args.prompt_tokens} in, {args.short_tokens} out, {args.request_concurrency} concurrent"
-    add(f"front door CPU ms / request ({req})", "per_request", "frontdoor_ms_per_request", ".2f")
-    add(f"replicas CPU ms / request ({req})", "per_request", "replica_ms_per_request", ".2f")
-    add("requests/s achieved (same runs)", "per_request", "request_rate", ".0f")
-    r = f"{args.rate:g} req/s, {args.short_tokens} out"
-    add(f"added TTFT p50 ms ({r})", "ttft", "added_ttft_p50_ms", ".2f")
-    add(f"added TTFT p99 ms ({r})", "ttft", "added_ttft_p99_ms", ".2f")
-    add(f"front door CPU ms / request ({r})", "ttft", "frontdoor_ms_per_request", ".2f")
-    for c in concs:
-        add(f"streamed tokens/s achieved ({c} streams)", f"stream_c{c}", "tokens_per_s", ".0f")
-    for c in concs:
-        add(
-            f"front door CPU utilisation, cores ({c} streams)",
-            f"stream_c{c}",
-            "frontdoor_util_cores",
-            ".3f",
-        )
-    for c in concs:
-        add(
-            f"tokens/s per front-door core = tokens / CPU s ({c} streams)",
-            f"stream_c{c}",
-            "tokens_per_s_per_core",
-            ".0f",
-        )
-    top = f"stream_c{concs[-1]}"
-    add(
-        f"tokens/s at 1 front-door core, idle share counted once ({concs[-1]} streams)",
-        top,
-        "tokens_per_s_at_1_core",
-        ".0f",
-    )
-    best = {}
-    for server in ("kvroute", "floor"):
-        sw = [x for x in rows if x["server"] == server and x["scenario"].startswith("stream_")]
-        if sw:
-            b = max(sw, key=lambda x: x["tokens_per_s"])
-            best[server] = (
-                f"{b['tokens_per_s']:.0f} ({b['concurrency']} streams, "
-                f"{b['frontdoor_util_cores']:.2f} cores)"
-            )
-    line("highest streamed tokens/s achieved", best.get("kvroute"), best.get("floor"), "s", False)
-
-    def total(server: str, key: str) -> Any:
-        return sum(x[key] for x in rows if x["server"] == server)
-
-    def errs(server: str) -> int:
-        return sum(sum(x["errors"].values()) for x in rows if x["server"] == server)
-
-    line("errors, all runs", errs("kvroute"), errs("floor"), "d", False)
-    line(
-        "output tokens counted, all runs",
-        total("kvroute", "output_tokens"),
-        total("floor", "output_tokens"),
-        "d",
-        False,
-    )
-    line(
-        "load generator CPU s, all runs",
-        total("kvroute", "loadgen_cpu_s"),
-        total("floor", "loadgen_cpu_s"),
-        ".1f",
-        False,
-    )
-    return "\n".join(lines)
-
-
-def plot(rows: list[dict[str, Any]], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for server, color in (("kvroute", "tab:blue"), ("floor", "tab:orange")):
-        sw = sorted(
-            (
-                r
-                for r in rows
-                if r["server"] == server
-                and r["concurrency"]
-                and r["scenario"].startswith("stream_")
-            ),
-            key=lambda r: r["concurrency"],
-        )
-        xs = [r["concurrency"] for r in sw]
-        ax.plot(
-            xs,
-            [r["frontdoor_us_per_token"] for r in sw],
-            "o-",
-            color=color,
-            label=f"{server}: front door",
-        )
-        ax.plot(
-            xs,
-            [r["replica_us_per_token"] for r in sw],
-            "s--",
-            color=color,
-            alpha=0.6,
-            label=f"{server} runs: replicas",
-        )
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrent streams")
-    ax.set_ylabel("CPU us per streamed token (idle subtracted)")
-    ax.set_title(f"Serving-path CPU per streamed token: {MODEL}, 2 replicas")
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    say(f"plot: {path}")
 
 
 def bench_all(args: argparse.Namespace) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -724,17 +362,6 @@ def main() -> int:
         plot(rows, args.plot)
     bad = [r for r in rows if not r["output_tokens"] or r["errors"]]
     return 1 if bad else 0
-
-
-def finite(obj: Any) -> Any:
-    """NaN as null: JSON has no NaN."""
-    if isinstance(obj, float) and math.isnan(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [finite(v) for v in obj]
-    return obj
 
 
 if __name__ == "__main__":
