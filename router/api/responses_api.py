@@ -42,6 +42,7 @@ from .responses import (
     await_first_delta,
     collect_whole,
     end_request,
+    first_or_gone,
     stream_failure,
 )
 from .responses_input import ChatForm, ResponsesRequest, responses_param, to_chat
@@ -141,7 +142,11 @@ async def _whole(
     ctx: ResponseContext, request: Request, rid: str, run: RequestRun, shape: Shape,
     arrival: float,
 ) -> Response:  # fmt: skip
-    await await_first_delta(run, rid)
+    if run.waiting:  # at the door (flow control): a client that leaves takes it out
+        if not await first_or_gone(ctx, request, run, rid, None):
+            return Response(status_code=499)
+    else:
+        await await_first_delta(run, rid)
     ttft_s = time.perf_counter() - arrival
     got = Collected()
     gone = await collect_whole(ctx, request, rid, run, got, ttft_s, arrival)
