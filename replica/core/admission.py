@@ -132,8 +132,9 @@ class Admission:
                 if (victim := victim_for(running, start, req)) is None:
                     step.stopped = True
                     break
-                reserve -= self._preempt_for(victim, step)
-                continue
+                if loras is None or self._lora_admits(req, loras):  # else no use preempting
+                    reserve -= self._preempt_for(victim, step)
+                    continue
             if loras is not None and not self._lora_admits(req, loras):
                 held.append(waiting.popleft())
                 continue

@@ -112,7 +112,9 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[ScheduledRequest]  # running first, then newly admitted
+    # running first, then newly admitted; with priorities, the newly admitted more urgent
+    # than some running requests come before those
+    scheduled: list[ScheduledRequest]
     num_scheduled_tokens: int
     preempted_request_ids: list[str]
     finished_request_ids: list[str]  # finished or aborted since the last step
