@@ -354,8 +354,8 @@ def engine_config(args: argparse.Namespace) -> dict[str, Any]:
             if not (args.kv_disk_path and args.kv_disk_bytes):
                 raise StartupError("--kv-disk-path and --kv-disk-bytes go together")
             config["kv_disk_bytes"] = args.kv_disk_bytes
-            if not getattr(args, "kv_disk_encrypt", True):
-                config["kv_disk_encrypt"] = False
+            if getattr(args, "kv_disk_encrypt", False):
+                config["kv_disk_encrypt"] = True
         config.update(getattr(args, "lora", None) or {})
         if getattr(args, "prefix_fetch", False) or getattr(args, "pd_split", "") == "pair":
             config["kv_transfer"] = True  # each replica serves and pulls KV (fetch, pairs)

@@ -138,9 +138,10 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--kv-disk-encrypt",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=False,
         help="seal the disk tier's blocks (tenants' prompts in KV form) with AES-GCM under a "
-        "key held only in the replica's memory (default: on; docs/kv-tiers.md)",
+        "key held only in the replica's memory, for a disk that is shared, copied or leaves "
+        "the host (default: off, the folder private to this user; docs/kv-tiers.md)",
     )
     serve.add_argument(
         "--max-num-batched-tokens",

@@ -73,10 +73,11 @@ class EngineConfig:
     kv_host_bytes: int = 0
     kv_disk_path: str | None = None
     kv_disk_bytes: int = 0
-    # The disk folder holds tenants' prompts in KV form: its blocks are sealed (AES-GCM,
-    # a key in memory only; replica/kv_tiers/seal.py) unless this is False, and a disk read that
-    # does not answer within kv_disk_read_timeout_s is recomputed (replica/kv_tiers/disk_reads.py).
-    kv_disk_encrypt: bool = True
+    # The disk folder holds tenants' prompts in KV form: private to this user (0700, files
+    # 0600) always, and with kv_disk_encrypt its blocks are sealed too (AES-GCM, a key in
+    # memory only; replica/kv_tiers/seal.py). A disk read that does not answer within
+    # kv_disk_read_timeout_s is recomputed (replica/kv_tiers/disk_reads.py).
+    kv_disk_encrypt: bool = False
     kv_disk_read_timeout_s: float = 2.0
     # KV between replicas (replica/kv_transfer/): a request with kv_handoff ends after its first
     # token, its prompt blocks leased for kv_lease_s to the replica that decodes it; one with

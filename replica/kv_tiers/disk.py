@@ -12,8 +12,11 @@ token is a function of the token alone). So the store keeps it theirs (issue 50)
 - **Files 0600, created so:** ``O_CREAT | O_EXCL | O_NOFOLLOW`` with mode 0600, then an
   atomic rename. Reads open with ``O_NONBLOCK | O_NOFOLLOW`` and ``fstat`` the result: a
   symlink, FIFO or device reads as a miss and never blocks the open.
-- **Sealed** (:mod:`.kv_seal`, on by default): AES-256-GCM under a key held in memory
-  only, the block hash and length as associated data. A file that fails authentication --
+- **Sealed** with ``--kv-disk-encrypt`` (:mod:`.seal`): AES-256-GCM under a key held in
+  memory only, the block hash and length as associated data. Off by default: the modes
+  already keep other local users out, and an open costs 15-50% of a lone block's load from
+  the page cache (BENCHMARKS, issue 50); on a shared file system (:mod:`.mounts`), where the
+  modes do not reach, an unsealed store warns at start. A file that fails authentication --
   another process's, another block's renamed, tampered -- reads as a miss. Without
   encryption a file carries an xxh3-64 of its payload (xor that of its hash, so a renamed
   file fails too) instead, checked the same way.
@@ -50,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import secrets
 import stat
@@ -64,7 +68,10 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from .mounts import file_system, is_shared
 from .seal import NONCE_BYTES, TAG_BYTES, Sealer
+
+log = logging.getLogger(__name__)
 
 MAGIC = b"KVB3"  # plain: magic, payload length, xxh3_64 of the payload ^ that of the hash
 MAGIC_SEALED = b"KVE2"  # sealed: magic, payload length, nonce; then ciphertext and tag
@@ -152,10 +159,10 @@ def wipe_replica_folders(path: str | os.PathLike[str]) -> int:
 
 class DiskStore:
     """Blocks as files in a private folder under ``path``, at most ``capacity_bytes`` of
-    payload, LRU; sealed unless ``encrypt`` is False."""
+    payload, LRU; sealed when ``encrypt``."""
 
     def __init__(
-        self, path: str | os.PathLike[str], capacity_bytes: int, *, encrypt: bool = True
+        self, path: str | os.PathLike[str], capacity_bytes: int, *, encrypt: bool = False
     ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"kv_disk_bytes must be positive, got {capacity_bytes}")
@@ -172,6 +179,14 @@ class DiskStore:
             raise OSError(f"KV disk folder {self.path} is not this user's alone")
         self._ident = (st.st_dev, st.st_ino)
         self.sealer = Sealer() if encrypt else None
+        self.file_system = file_system(self.path)
+        if not encrypt and is_shared(self.file_system):
+            log.warning(
+                "KV disk tier in %s, on a shared file system (%s): tenants' prompts leave this "
+                "host unsealed; --kv-disk-encrypt seals them (docs/kv-tiers.md)",
+                self.path,
+                self.file_system,
+            )
         self.capacity_bytes = capacity_bytes
         self.entries: OrderedDict[bytes, int] = OrderedDict()
         self.used_bytes = 0

@@ -3,7 +3,7 @@
 lower-tier hit at its load time (:mod:`.kv_tiers`, ``router/routing/policy.py``).
 
 Why measure through the tier's own code: a disk load is a read, its authentication (the
-files are sealed, :mod:`.kv_seal`) and a copy into the device cache; timing a bare read
+files are sealed, :mod:`.seal`) and a copy into the device cache; timing a bare read
 would price it too cheap. The probe is one 4 MiB copy per tier (a few ms); the disk's goes
 through the store's write and the bounded read (:mod:`.kv_disk_reads`), so a probe file
 that is not a regular one, or a disk that does not answer, leaves the disk unpriced

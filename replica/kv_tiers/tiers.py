@@ -105,7 +105,7 @@ class KVTiers(TierLoader):
         disk_path: str | None = None,
         disk_bytes: int = 0,
         disk_queue_bytes: int = DEFAULT_QUEUE_BYTES,
-        disk_encrypt: bool = True,
+        disk_encrypt: bool = False,
         disk_read_timeout_s: float = READ_DEADLINE_S,
         measure: bool = True,
         link: KVLink | None = None,

@@ -1,5 +1,5 @@
-"""``kvroute serve``'s disk-tier encryption flag reaches the engine config: on unless
-``--no-kv-disk-encrypt`` (issue 50)."""
+"""``kvroute serve``'s disk-tier encryption flag reaches the engine config: off unless
+``--kv-disk-encrypt`` (issue 50: the folder's modes protect by default)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from kvroute.replica import EngineConfig
 DISK = ["serve", "--model", "tiny", "--kv-disk-path", "/tmp/kv", "--kv-disk-bytes", "1GiB"]
 
 
-def test_disk_blocks_are_sealed_unless_the_flag_says_no() -> None:
+def test_disk_blocks_are_sealed_when_the_flag_says_so() -> None:
     default = engine_config(build_parser().parse_args(DISK))
-    assert EngineConfig(**default).kv_disk_encrypt is True
+    assert EngineConfig(**default).kv_disk_encrypt is False
     on = engine_config(build_parser().parse_args([*DISK, "--kv-disk-encrypt"]))
     assert EngineConfig(**on).kv_disk_encrypt is True
     off = engine_config(build_parser().parse_args([*DISK, "--no-kv-disk-encrypt"]))
-    assert off["kv_disk_encrypt"] is False and EngineConfig(**off).kv_disk_encrypt is False
+    assert EngineConfig(**off).kv_disk_encrypt is False

@@ -102,8 +102,8 @@ def test_a_file_renamed_to_another_block_s_name_reads_as_a_miss(
 
 
 def test_a_sealed_file_holds_no_plaintext_and_no_other_key_opens_it(tmp_path: Path) -> None:
-    store = DiskStore(tmp_path, 1 << 20)
-    plain = DiskStore(tmp_path / "plain", 1 << 20, encrypt=False)
+    store = DiskStore(tmp_path, 1 << 20, encrypt=True)
+    plain = DiskStore(tmp_path / "plain", 1 << 20)  # the default
     put(store, 1)
     put(plain, 1)
     data = block(1)
@@ -114,7 +114,7 @@ def test_a_sealed_file_holds_no_plaintext_and_no_other_key_opens_it(tmp_path: Pa
     header = kv_disk._SEALED_HEADER
     _, size, nonce = header.unpack_from(raw)
     assert Sealer().open(h(1), nonce, raw[header.size :], size) is None  # another key
-    again = DiskStore(tmp_path, 1 << 20)  # a restart: its key is new, the old files gone
+    again = DiskStore(tmp_path, 1 << 20, encrypt=True)  # a restart: a new key, old files gone
     assert again.num_wiped == 1 and again.read(h(1), 4096) is None
 
 

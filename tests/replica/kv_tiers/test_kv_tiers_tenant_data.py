@@ -20,6 +20,7 @@ import asyncio
 import logging
 import os
 import shutil
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -275,3 +276,70 @@ def test_the_engine_thread_s_end_removes_the_disk_folder(tmp_path: Path, end: st
         asyncio.run(ask())
         assert hosted.wait_failed(10)
     assert not folder.exists() and not (tmp_path / "kv").exists()
+
+
+def _read_as_nobody(root: Path) -> int:
+    """Every byte another local user (uid and gid 65534) reads of the files under ``root``,
+    in a forked child: what it could hand the attack."""
+    pid = os.fork()
+    if pid == 0:  # the child: no Python cleanup, no pytest, an exit code only
+        got = 0
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            for folder, _, names in os.walk(root):  # a folder it may not list yields nothing
+                for name in names:
+                    try:
+                        with open(os.path.join(folder, name), "rb") as f:
+                            got += len(f.read())
+                    except OSError:
+                        pass
+        finally:
+            os._exit(min(got, 255))
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to another user needs root")
+def test_another_local_user_reads_nothing_of_the_unsealed_default_while_it_runs_or_after(
+    v0_of_token: np.ndarray,
+) -> None:
+    """The default (unsealed) tier: the attack recovers the prompt from the files' bytes,
+    but another local user gets none of them, while the engine runs and after it is gone
+    without closing (a killed process leaves its folder, 0700, until the next start)."""
+    top = Path(tempfile.mkdtemp(prefix="kvroute-modes-", dir="/tmp"))
+    try:
+        _attack_as_another_user(top, v0_of_token)
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def _attack_as_another_user(top: Path, v0_of_token: np.ndarray) -> None:
+    os.chmod(top, 0o755)  # the path down to the root is open (/tmp is): only the tier's modes act
+    control = top / "control.txt"  # the child can read what the modes let it
+    control.write_bytes(b"x" * 7)
+    os.chmod(control, 0o644)
+    assert _read_as_nobody(top) == 7
+    root = top / "kv"
+    cfg = EngineConfig(
+        model="tiny",
+        dtype="float32",
+        block_size=WIDE,
+        num_blocks=12,
+        kv_disk_path=str(root),
+        kv_disk_bytes=1 << 24,
+    )
+    assert cfg.kv_disk_encrypt is False  # the default
+    eng = LLMEngine(cfg)
+    secret = list(SECRET)
+    run(eng, "tenant-b", secret)
+    for i in range(3):
+        run(eng, f"filler{i}", [(i * 31 + j) % 200 + 32 for j in range(100)])
+    assert eng.kv_tiers.disk.flush(10)
+    files = list(root.rglob("*.kvb"))
+    assert any(recover(f.read_bytes(), v0_of_token) for f in files)  # the bytes hold it
+    assert _read_as_nobody(top) == 7  # running: the control only
+    eng.kv_tiers.disk.store.close = lambda: None  # type: ignore[method-assign]  # killed
+    eng.close()
+    assert list(root.rglob("*.kvb")) and _read_as_nobody(top) == 7  # gone, its folder left
