@@ -347,6 +347,9 @@ def main() -> int:
     ap.add_argument(
         "--run-rounds", type=int, default=15, help="--disk-cost: passes of each run load"
     )
+    ap.add_argument(
+        "--run-blocks", type=int, default=16, help="--disk-cost: blocks a run loads (1: alone)"
+    )
     ap.add_argument("--chat", action="store_true", help="short prompts: kvroute bench chat")
     ap.add_argument(
         "--chat-engine", action="store_true", help="short prompts in one engine, in process"
@@ -374,7 +377,7 @@ def main() -> int:
         load0 = os.getloadavg()
         if not args.run_only:
             disk_cost(root)
-        run_cost(root, args.run_rounds)
+        run_cost(root, args.run_rounds, args.run_blocks)
         print(f"\nload average at start {load0[0]:.2f}, at end {os.getloadavg()[0]:.2f} "
               f"({os.cpu_count()} cores)")  # fmt: skip
         return 0
