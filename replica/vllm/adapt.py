@@ -104,6 +104,9 @@ def engine_args(config: VllmEngineConfig, model_path: Path, cpu: bool, topic: st
         # One worker in the engine-core process: no third process per replica (and none
         # left behind when Ray kills the actor). engine_args may ask for "mp" or "ray".
         "distributed_executor_backend": "uni",
+        # A request's priority (lower first, as kvroute's engine): vLLM refuses a nonzero one
+        # under its default "fcfs"; with every request at 0 the order is still first come.
+        "scheduling_policy": "priority",
     }
     if c.lora_modules:
         args["enable_lora"] = True

@@ -128,7 +128,8 @@ class VllmEngine(ReplicaEngine):
         return self.error is not None
 
     def _queue(self, sub: Submission) -> None:
-        """``tenant`` is not used: vLLM's scheduler has no per-tenant turns."""
+        """``tenant`` is not used: vLLM's scheduler has no per-tenant turns; ``priority``
+        goes to vLLM's (its ``scheduling_policy="priority"``, :func:`.adapt.engine_args`)."""
         request_id, sink = sub.request_id, sub.sink
         if self.error is not None or self._stopped:
             # The loop may still be failing its requests and flushing their sinks, this one
@@ -141,7 +142,7 @@ class VllmEngine(ReplicaEngine):
             return
         args = (request_id, sub.prompt, sub.params, sink, sub.cache_salt, sub.resume, sub.lora_name)
         pd = (sub.kv_handoff, sub.kv_source)  # P/D: vLLM's kv_transfer_params (.disagg)
-        self._loop.call_soon_threadsafe(self._start_request, *args, *pd)
+        self._loop.call_soon_threadsafe(self._start_request, *args, *pd, sub.priority)
 
     def abort(self, request_id: str) -> None:
         """Ends a request with ``finish_reason="abort"``; unknown ids are ignored."""
@@ -369,6 +370,7 @@ class VllmEngine(ReplicaEngine):
         lora_name: str | None = None,
         kv_handoff: bool = False,
         kv_source: KVSource | None = None,
+        priority: int = 0,
     ) -> None:
         if self.error is not None or self._stopped:
             self._deliver_to(sink, rid, EngineDeadError("the engine has failed"))
@@ -403,7 +405,8 @@ class VllmEngine(ReplicaEngine):
             tokens += done
         self._live[rid] = live
         pd = (kv_handoff, kv_source)
-        live.task = self._loop.create_task(self._serve(live, tokens, params, cache_salt, lora, *pd))
+        serve = self._serve(live, tokens, params, cache_salt, lora, *pd, priority)
+        live.task = self._loop.create_task(serve)
 
     async def _serve(
         self,
@@ -414,6 +417,7 @@ class VllmEngine(ReplicaEngine):
         lora: Any = None,
         kv_handoff: bool = False,
         kv_source: KVSource | None = None,
+        priority: int = 0,
     ) -> None:
         from vllm.v1.engine.exceptions import EngineDeadError as VllmDeadError
 
@@ -427,7 +431,8 @@ class VllmEngine(ReplicaEngine):
             prompt: dict[str, Any] = {"prompt_token_ids": tokens}
             if salt:
                 prompt["cache_salt"] = salt
-            async for out in self.llm.generate(prompt, sampling, rid, lora_request=lora):
+            gen = self.llm.generate(prompt, sampling, rid, lora_request=lora, priority=priority)
+            async for out in gen:
                 if self._live.get(rid) is not live:
                     return  # its front door is gone (abort_sink)
                 delta = from_vllm_output(live, out)

@@ -140,6 +140,33 @@ def test_greedy_output_equals_kvroutes_engine(served: Served, kvroute_tiny: Any)
         assert len(got) > 0
 
 
+def test_priorities_reach_vllms_scheduler(served: Served, kvroute_tiny: Any) -> None:
+    """Nonzero priorities (which vLLM refuses under its default fcfs policy) are served,
+    and change no request's greedy tokens."""
+    from kvroute.replica import SamplingParams as KvSampling
+
+    tok = kvroute_tiny.tokenizer
+    prompt_ids = [list(tok(p).input_ids) for p in PROMPTS]
+    want = kvroute_tiny.generate(prompt_ids, KvSampling(max_tokens=12, temperature=0))
+    actor = next(iter(served.actors.values()))
+
+    async def run_all() -> list[list[Any]]:
+        reqs = [
+            GenerateRequest(
+                request_id=f"prio-{i}",
+                prompt_token_ids=ids,
+                sampling=SamplingParams(max_tokens=12, temperature=0),
+                priority=prio,
+            )
+            for i, (ids, prio) in enumerate(zip(prompt_ids, (3, -2, 0, 1), strict=True))
+        ]
+        return await asyncio.gather(*(collect(actor, r) for r in reqs))
+
+    for deltas, expected in zip(asyncio.run(run_all()), want, strict=True):
+        assert deltas[-1].finished and deltas[-1].finish_reason != "error", deltas[-1]
+        assert [t for d in deltas for t in d.delta_token_ids] == expected.outputs[0].token_ids
+
+
 def test_penalties_equal_kvroutes_engine(served: Served, kvroute_tiny: Any) -> None:
     """vLLM's penalties and kvroute's sampler agree token for token (greedy, same weights),
     over the data plane and through the front door."""
