@@ -178,6 +178,17 @@ async def test_the_tenant_reaches_the_scheduler(engine: AsyncLLMEngine) -> None:
     await wait_until(all_blocks_free(engine))
 
 
+async def test_the_priority_reaches_the_scheduler(engine: AsyncLLMEngine) -> None:
+    """The scheduler's queue orders by the priority each request carries."""
+    stream = engine.generate("an urgent story " * 4, LONG, priority=-3, tenant="alpha")
+    first = await anext(stream)
+    assert not first.finished
+    prios = await engine.call(lambda e: [r.priority for r in e.scheduler.requests.values()])
+    assert prios == [-3]
+    await stream.aclose()  # type: ignore[attr-defined]
+    await wait_until(all_blocks_free(engine))
+
+
 async def test_cancelling_the_consumer_task_aborts_and_frees_blocks(
     engine: AsyncLLMEngine,
 ) -> None:
