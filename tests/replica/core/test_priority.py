@@ -331,3 +331,18 @@ def msgspec_replace(params: SamplingParams, **kw: Any) -> SamplingParams:
     import msgspec
 
     return msgspec.structs.replace(params, **kw)
+
+
+def test_llm_generate_takes_one_priority_per_prompt() -> None:
+    """The offline API: outputs in the prompts' order, the same tokens as without."""
+    import pytest
+
+    from kvroute.replica import LLM
+
+    llm = LLM(model="tiny", num_blocks=64, max_num_seqs=1)
+    prompts = [[5, 6, 7, 8, 9], [9, 8, 7], [1, 2, 3, 4]]
+    plain = llm.generate(prompts, GREEDY)
+    urgent_last = llm.generate(prompts, GREEDY, priority=[3, 2, -1])
+    assert [o.outputs[0].token_ids for o in urgent_last] == [o.outputs[0].token_ids for o in plain]
+    with pytest.raises(ValueError, match="priorities"):
+        llm.generate(prompts, GREEDY, priority=[0])
