@@ -7,7 +7,7 @@ A real ``kvroute serve`` (its own process; one replica of ``--model``, default t
 requests of priority 5 in flight (``--batch-prompt``-token prompts, ``--batch-output``
 tokens each), ``chat`` sends one request of priority 0 (the default) at a time, 100-150 ms
 apart (``--chat-prompt`` tokens, 4 output tokens). Each is run twice, with flow control
-(``--flow-depth``, the default 16 unless given) and without it (``--flow-depth 0``):
+(each of ``--flow-depth``'s, e.g. ``16,4``) and without it (``--flow-depth 0``):
 
 - chat TTFT p50/p90 alone (idle), then under the batch flood, and their p90 ratio;
 - batch tokens/s with chat idle (the flood alone), and under chat's probes;
@@ -69,8 +69,8 @@ async def ttft_and_tokens(
 class Phase:
     """One run: optional flood, optional chat probes, for ``seconds``."""
 
-    def __init__(self, args: argparse.Namespace, url: str) -> None:
-        self.args, self.url = args, url + "/v1/completions"
+    def __init__(self, args: argparse.Namespace, url: str, salt: int) -> None:
+        self.args, self.url, self.salt = args, url + "/v1/completions", salt
         self.chat: list[float] = []
         self.batch_ttft: list[float] = []
         self.batch_tokens = 0
@@ -79,7 +79,9 @@ class Phase:
         a, n = self.args, 0
         while time.perf_counter() < end:
             n += 1
-            prompt = [(c * 977 + n * 31 + j) % VOCAB + 1 for j in range(a.batch_prompt)]
+            # its own first block per request and phase: no phase hits another's cache
+            head = [self.salt % VOCAB + 1, c % VOCAB + 1, n % VOCAB + 1, n // VOCAB + 1]
+            prompt = head + [(c * 977 + n * 31 + j) % VOCAB + 1 for j in range(a.batch_prompt - 4)]
             body = {"prompt": prompt, "max_tokens": a.batch_output, "ignore_eos": True,
                     "priority": 5}  # fmt: skip
             ttft, tokens = await ttft_and_tokens(http, self.url, "key-batch", body)
@@ -91,7 +93,8 @@ class Phase:
         a, rng, i = self.args, random.Random(seed), seed
         while time.perf_counter() < end:
             i += 1
-            prompt = [(7 * i + j) % VOCAB + 1 for j in range(a.chat_prompt)]
+            head = [self.salt % VOCAB + 1, i % VOCAB + 1, i // VOCAB + 1]
+            prompt = head + [(7 * i + j) % VOCAB + 1 for j in range(a.chat_prompt - 3)]
             body = {"prompt": prompt, "max_tokens": 4, "ignore_eos": True}
             ttft, _ = await ttft_and_tokens(http, self.url, "key-chat", body)
             self.chat.append(ttft)
@@ -121,18 +124,23 @@ def serve(args: argparse.Namespace, depth: int, tmp: Path) -> object:
     cmd = [sys.executable, "-m", "kvroute.deploy.cli", "serve", "--model", args.model,
            "--replicas", "1", "--api-keys", str(keys), "--port", str(args.port),
            "--flow-depth", str(depth), "--max-in-flight", "256"]  # fmt: skip
+    if args.model.startswith("sim:"):  # cost-model replicas: the step times of a real GPU
+        cmd += ["--time-scale", str(args.time_scale)]
     return start_serve(cmd, tmp / f"serve-{depth}.log", 600)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="tiny")
+    ap.add_argument("--model", default="tiny", help="tiny, or sim:h100-8b (cost model)")
+    ap.add_argument("--time-scale", type=float, default=4.0, help="sim: replicas' slow-down")
     ap.add_argument("--seconds", type=float, default=20.0, help="per phase")
     ap.add_argument("--flood", type=int, default=16, help="batch requests in flight")
     ap.add_argument("--batch-prompt", type=int, default=512)
     ap.add_argument("--batch-output", type=int, default=32)
     ap.add_argument("--chat-prompt", type=int, default=64)
-    ap.add_argument("--flow-depth", type=int, default=16, help="flow control's, when on")
+    ap.add_argument(
+        "--flow-depth", default="16", help="flow control's depths to run (comma-separated)"
+    )
     ap.add_argument("--port", type=int, default=18431)
     args = ap.parse_args()
     print(f"# {platform.node()} {platform.machine()}; {args.model}, 1 replica; batch: "
@@ -143,13 +151,14 @@ def main() -> None:
           f"{'ratio':>6} {'batch tok/s alone':>18} {'with chat':>10} {'batch TTFT p99':>15}",
           flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory() as d:
-        for label, depth in ((f"on (depth {args.flow_depth})", args.flow_depth), ("off", 0)):
+        runs = [(f"on (depth {d})", int(d)) for d in args.flow_depth.split(",")] + [("off", 0)]
+        for k, (label, depth) in enumerate(runs):
             proc = serve(args, depth, Path(d))
             url = f"http://127.0.0.1:{args.port}"
             try:
-                idle = asyncio.run(Phase(args, url).run(False, True, 0))
-                alone = asyncio.run(Phase(args, url).run(True, False, 0))
-                both = asyncio.run(Phase(args, url).run(True, True, 10_000))
+                idle = asyncio.run(Phase(args, url, 3 * k).run(False, True, 0))
+                alone = asyncio.run(Phase(args, url, 3 * k + 1).run(True, False, 0))
+                both = asyncio.run(Phase(args, url, 3 * k + 2).run(True, True, 10_000))
             finally:
                 stop_serve(proc, 60)
             ms = [1000 * pct(xs, q) for xs in (idle.chat, both.chat) for q in (0.5, 0.9)]

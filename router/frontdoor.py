@@ -36,6 +36,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from types import MappingProxyType
@@ -64,6 +65,7 @@ log = logging.getLogger(__name__)
 
 MAX_ADAPTER_LABELS = 256  # past this many adapters in /metrics, the rest share "other"
 OTHER_ADAPTER = "other"
+OTHERS_REPORT_TTL_S = 1.0  # an older load report says nothing of other front doors' requests
 LORA_RESYNC_S = 30.0  # how often every live replica's adapters are checked (and retried)
 
 
@@ -138,6 +140,7 @@ class FrontDoor:
                 flow_max_waiting,
                 flow_tokens,
                 on_wait=lambda b, s: waits.labels(band(b)).observe(s),
+                others=self._others_waiting,
             )
             fleet.on_removed.append(self.flow.wake)
             fleet.on_members.append(self.flow.wake)
@@ -219,6 +222,16 @@ class FrontDoor:
         if self.membership is not None:
             await self.membership.close()
         await self.fleet.close()
+
+    def _others_waiting(self, rid: str) -> int:
+        """Requests waiting in ``rid``'s engine that are not this front door's: its fresh
+        load report's waiting, less what this front door has there without a first token
+        (an underestimate: some of those run already). 0 without a fresh report."""
+        report, at = self.fleet.load.report_of(rid)
+        if report is None or time.monotonic() - at > OTHERS_REPORT_TTL_S:
+            return 0
+        own = self.flow.unstarted.get(rid, 0) if self.flow is not None else 0
+        return max(0, report.num_waiting - own)
 
     # -- parts ---------------------------------------------------------------------------------
     @property

@@ -11,7 +11,9 @@ request's wait is this queue's order, which the front door owns.
 Room (the saturation signal): a replica has room while the requests this front door sent
 it that have not produced their first token there yet -- queued or prefilling in its
 engine -- are fewer than ``depth`` and their prompt tokens fewer than ``tokens`` (an empty
-replica always has room, whatever the prompt) (:meth:`FlowControl.occupy` /
+replica always has room, whatever the prompt; and, given ``others``, while its latest load
+report's waiting requests that are not this front door's leave room under ``depth``:
+several front doors share a replica) (:meth:`FlowControl.occupy` /
 :meth:`vacate`, kept by each :class:`~.request_run.RequestRun`: one slot at most per run,
 given back at its first token, its failover, its end). Tokens as well as requests: many
 short prompts share one engine step, a few long ones fill it. A decoding request holds no
@@ -120,11 +122,14 @@ class FlowControl:
         tokens: int = DEFAULT_TOKENS,
         clock: Callable[[], float] = time.monotonic,
         on_wait: Callable[[int, float], None] | None = None,
+        others: Callable[[str], int] | None = None,
     ) -> None:
         """``depth``: requests without a first token this front door keeps on a replica,
         ``tokens``: their prompt tokens (both bounds hold, except on an empty replica);
         ``max_waiting``: waiters a band may hold (None: no bound); ``on_wait(band,
-        seconds)``: each dispatch's wait, for /metrics."""
+        seconds)``: each dispatch's wait, for /metrics; ``others(replica)``: requests
+        waiting in its engine that are not this front door's (its load report's; other
+        front doors'), which count against ``depth`` too."""
         if depth < 1:
             raise ValueError("flow control's depth must be >= 1")
         self.depth = depth
@@ -132,6 +137,7 @@ class FlowControl:
         self.max_waiting = max_waiting
         self.clock = clock
         self.on_wait = on_wait
+        self.others = others
         self.stats = FlowStats()
         self.waiting = 0
         self.unstarted: dict[str, int] = {}  # replica -> this front door's slots held there
@@ -149,6 +155,8 @@ class FlowControl:
     # -- room ----------------------------------------------------------------------------
     def has_room(self, replica: str) -> bool:
         n = self.unstarted.get(replica, 0)
+        if self.others is not None and n + self.others(replica) >= self.depth:
+            return False  # other front doors' requests fill it (seen again at the sweep)
         return not n or (n < self.depth and self.unstarted_tokens[replica] < self.tokens)
 
     def occupy(self, replica: str, tokens: int = 0) -> None:

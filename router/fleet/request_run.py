@@ -470,9 +470,13 @@ class RequestRun:
         self._closed = True
         self._writer = None
         flow = self.services.flow
-        if self._waiter is not None and flow is not None:
-            flow.cancel(self._waiter)
+        waiter = self._waiter
+        if waiter is not None and flow is not None:
+            flow.cancel(waiter)
             self._waiter = None
+            fut = waiter.future  # a send that failed unawaited: its failure is read here
+            if fut is not None and fut.done() and not fut.cancelled():
+                fut.exception()
         if self._flight is not None and self._conn is not None:
             self._conn.abort(self._flight.request_id)
             self._flight = None

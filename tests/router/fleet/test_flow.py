@@ -297,3 +297,21 @@ def test_every_waiter_leaves_exactly_once_under_churn() -> None:
         assert sum(outcomes.values()) == submitted
 
     run(main)
+
+
+def test_other_front_doors_requests_count_against_the_depth() -> None:
+    async def main() -> None:
+        others = {"r0": 2, "r1": 0}
+        flow = FlowControl(depth=2, others=lambda r: others[r])
+        fleet = Fleet(flow, ["r0", "r1"])
+        assert flow.submit(fleet.waiter("a"))
+        assert fleet.sent == [("a", "r1")]  # r0 is full of another front door's requests
+        flow.submit(fleet.waiter("b"))
+        w = fleet.waiter("c")
+        assert not flow.submit(w)
+        others["r0"] = 0  # its load report says they started: the sweep sees it
+        assert w.future is not None
+        await asyncio.wait_for(w.future, 3)
+        assert fleet.sent[-1] == ("c", "r0")
+
+    run(main)
