@@ -25,6 +25,7 @@ import asyncio
 import json
 import platform
 import random
+import shlex
 import sys
 import tempfile
 import time
@@ -124,6 +125,7 @@ def serve(args: argparse.Namespace, depth: int, tmp: Path) -> object:
     cmd = [sys.executable, "-m", "kvroute.deploy.cli", "serve", "--model", args.model,
            "--replicas", "1", "--api-keys", str(keys), "--port", str(args.port),
            "--flow-depth", str(depth), "--max-in-flight", "256"]  # fmt: skip
+    cmd += shlex.split(args.serve_args)
     if args.model.startswith("sim:"):  # cost-model replicas: the step times of a real GPU
         cmd += ["--time-scale", str(args.time_scale)]
     return start_serve(cmd, tmp / f"serve-{depth}.log", 600)
@@ -142,6 +144,12 @@ def main() -> None:
         "--flow-depth", default="16", help="flow control's depths to run (comma-separated)"
     )
     ap.add_argument("--port", type=int, default=18431)
+    ap.add_argument(
+        "--serve-args",
+        default="",
+        help="more kvroute serve flags, e.g. '--long-prefill-token-threshold 256 "
+        "--max-num-partial-prefills 1' (the engine's step bound)",
+    )
     args = ap.parse_args()
     print(f"# {platform.node()} {platform.machine()}; {args.model}, 1 replica; batch: "
           f"{args.flood} x {args.batch_prompt}-token prompts, {args.batch_output} output tokens, "
