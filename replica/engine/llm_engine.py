@@ -13,6 +13,10 @@ others finish exactly as they would have without it. Only shared state (the mode
 the KV cache, the scheduler's bookkeeping, running out of memory) may still raise out of
 :meth:`LLMEngine.step` and take the engine down; ``current_batch`` then names the requests
 whose step failed, so a router can tell a possible query of death from a bystander.
+
+Beside it: :mod:`.output_processor` (what a step makes of each request's tokens: text,
+stop strings, outputs, a request's own failure) and :mod:`.lora_adapters` (registering
+adapters and requests' adapters), both mixins of :class:`LLMEngine`.
 """
 
 from __future__ import annotations
@@ -31,23 +35,24 @@ from kvroute.events import BlockHasher, HashConfig, KVCacheEvent, regime_salt
 from kvroute.events.bounds import check_prompt_token_ids, check_text
 from kvroute.events.kv_transfer import KVHandoff, KVSource
 from kvroute.events.load import CostCoefficients
-from kvroute.events.replica_api import GenerateDelta, Resume, SamplingParams
+from kvroute.events.replica_api import Resume, SamplingParams
 
 from ..core.detokenizer import IncrementalDetokenizer
 from ..core.kv_cache_manager import KVCacheManager
-from ..core.outputs import EngineOutput, RequestFailure, SampledToken, request_output, step_delta
+from ..core.outputs import EngineOutput, RequestFailure, SampledToken
 from ..core.request import Request, RequestStatus
 from ..core.scheduler import Scheduler
 from ..core.scheduler_types import SchedulerConfig
 from ..core.structured import StructuredOutputCompiler
 from ..model.cost_model import attention_weight, fair_share_floor, sim_profile
 from .config import EngineConfig, build_kv_tiers, build_runner, eos_token_ids
+from .lora_adapters import EngineLoRA
+from .output_processor import OutputProcessor, RequestState
 
 if TYPE_CHECKING:  # torch: a cost-model replica never imports it
     from ..kv_transfer.fetcher import KVLink
     from ..kv_transfer.plane import KVPlaneServer, PlaneLink
     from ..kv_transfer.sender import KVSender
-    from ..model.lora_adapter import AdapterSpec
     from ..model.lora_store import LoRAStore
 
 log = logging.getLogger(__name__)
@@ -57,45 +62,7 @@ _RUNNING = RequestStatus.RUNNING
 EventSink = Callable[[list[KVCacheEvent]], Any]
 
 
-class _RequestState:
-    """Per-request output bookkeeping that the scheduler need not know."""
-
-    __slots__ = (
-        "deltas",
-        "detok",
-        "detokenizes",
-        "handoff",
-        "logprobs",
-        "prompt",
-        "request",
-        "resumed_chars",
-        "sent_tokens",
-    )
-
-    def __init__(
-        self,
-        request: Request,
-        prompt: str | None,
-        detok: IncrementalDetokenizer,
-        detokenizes: bool,
-        deltas: bool,
-    ) -> None:
-        self.request = request
-        self.prompt = prompt
-        self.detok = detok
-        self.detokenizes = detokenizes  # text every step: streaming, or stop strings to watch
-        self.deltas = deltas  # outputs are GenerateDelta (see LLMEngine.add_request)
-        self.sent_tokens = request.num_output_tokens  # a resumed request's are sent already
-        self.resumed_chars = 0  # text of those tokens the client already has
-        self.handoff: KVHandoff | None = None  # set when it ends with "handoff"
-        self.logprobs: list[dict[int, float]] | None = (
-            [{} for _ in range(self.sent_tokens)]
-            if request.sampling_params.logprobs is not None
-            else None
-        )
-
-
-class LLMEngine:
+class LLMEngine(EngineLoRA, OutputProcessor):
     """One replica's engine: requests in, token deltas and KV events out."""
 
     def __init__(
@@ -214,7 +181,7 @@ class LLMEngine:
                 [t for t in (self.eos_token_id, *self.extra_eos_token_ids) if t is not None],
             )
         )
-        self._states: dict[str, _RequestState] = {}
+        self._states: dict[str, RequestState] = {}
         self.num_steps = 0
         self.num_request_failures = 0  # requests ended by a fault of their own
         # The requests of the step in progress; None while it is not known yet (schedule).
@@ -357,80 +324,12 @@ class LLMEngine:
         self.scheduler.add_request(req)
         if self.lora is not None and lora_name is not None and lora_path is not None:
             self.lora.ready(lora_name, lora_path)  # starts reading it now, if need be
-        state = _RequestState(req, text, detok, detokenizes, deltas)
+        state = RequestState(req, text, detok, detokenizes, deltas)
         self._states[request_id] = state
         if prior and resume is not None:
             state.resumed_chars = resume.sent_chars
             self.runner.prime(request_id, params, len(prior))
         return req
-
-    # -- LoRA adapters -------------------------------------------------------------------
-    def add_lora(self, name: str, path: str, spec: AdapterSpec | None = None) -> None:
-        """Registers a PEFT adapter folder under ``name`` (checked now, or ``spec``: checked
-        already, off this thread, by ``lora.inspect``; read into memory when a request
-        first needs it). LoRAError (a ValueError) names what is refused."""
-        if self.lora is None:
-            raise ValueError("this engine serves no LoRA adapters (enable_lora is off)")
-        self._pin_running()  # between steps: what runs now keeps its adapter in memory
-        self.lora.register(name, str(path), spec)
-
-    def remove_lora(self, name: str) -> bool:
-        """Unregisters an adapter: new requests cannot name it; those already queued or
-        running finish with it. False when the name is not registered."""
-        return self.lora.unregister(name) if self.lora is not None else False
-
-    def list_loras(self) -> dict[str, str]:
-        """Registered adapters: name -> folder."""
-        return self.lora.registered() if self.lora is not None else {}
-
-    def _lora_path(self, name: str) -> str:
-        if self.lora is None:
-            raise ValueError(
-                f"lora_name {name!r}: this engine serves no LoRA adapters (enable_lora is off)"
-            )
-        path = self.lora.path_of(name)
-        broken = self.lora.unavailable(name, path)
-        if broken is not None:  # a read of it failed since it was registered: fail fast
-            raise ValueError(f"model: {broken}")
-        return path
-
-    def _lora_ready(self, req: Request) -> bool:
-        name, path = req.lora_name, req.lora_path
-        return (
-            self.lora is not None
-            and name is not None
-            and path is not None
-            and (self.lora.ready(name, path))
-        )
-
-    def _lora_failures(self) -> list[EngineOutput]:
-        """Ends the waiting requests whose adapter could not be read (each alone, an
-        error output); pins the running requests' adapters in memory for this step."""
-        assert self.lora is not None
-        self._pin_running()  # first: a read settled below must not push out a running one
-        outputs: list[EngineOutput] = []
-        for (name, path), exc in self.lora.take_failures().items():
-            for rid, state in list(self._states.items()):
-                req = state.request
-                if req.lora_name == name and req.lora_path == path and not req.is_finished:
-                    outputs.append(self._fail_lora(rid, exc))
-        return outputs
-
-    def _pin_running(self) -> None:
-        """The running requests' adapters, kept in memory until the next call."""
-        assert self.lora is not None
-        keys = {(r.lora_name, r.lora_path) for r in self.scheduler.running}
-        self.lora.pin({(n, p) for n, p in keys if n is not None and p is not None})
-
-    def _fail_lora(self, request_id: str, exc: Exception) -> EngineOutput:
-        """Ends a request whose adapter cannot be served here (its read failed, or what it
-        read is not what was registered): the client's 400 naming the adapter, as for an
-        adapter refused when the request came, not a failure of the replica."""
-        self._states[request_id].request.error = f"model: {exc}"
-        out = self._fail(request_id, "LoRA adapter", None)
-        if isinstance(out, GenerateDelta):  # the data plane: a refusal, not an engine fault
-            return msgspec.structs.replace(out, failure="invalid")
-        return out
 
     def abort_requests(self, request_ids: Sequence[str]) -> list[EngineOutput]:
         """Frees the requests' blocks now; returns their final (aborted) outputs."""
@@ -525,55 +424,6 @@ class LLMEngine:
         if req.grammar.is_terminated() and not req.is_finished:
             self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
 
-    def _fail(self, request_id: str, stage: str, exc: Exception | None) -> EngineOutput:
-        """Ends one request with ``finish_reason="error"`` (its blocks freed now); the text
-        already produced is kept, nothing is decoded again."""
-        state = self._states[request_id]
-        req = state.request
-        self.num_request_failures += 1
-        if exc is not None:
-            log.warning("request %s failed in %s", request_id, stage, exc_info=exc)
-            req.error = f"{stage} failed: {type(exc).__name__}"
-        elif req.error is None:
-            req.error = f"{stage} failed"
-        if not req.is_finished:
-            self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_ERROR)
-        req.status = RequestStatus.FINISHED_ERROR  # also over a finish the output never told
-        self._forget(request_id)
-        if state.deltas:
-            return step_delta(req, [], "", None, None)
-        text = state.detok.text[: state.detok.sent]
-        return request_output(req, state.prompt, text, [], "", None, None)
-
-    def _on_update(self, req: Request, sampled: SampledToken | None) -> EngineOutput:
-        state = self._states[req.request_id]
-        if sampled is not None and state.logprobs is not None:
-            entry = dict(sampled.top_logprobs or {})
-            entry[sampled.token_id] = sampled.logprob if sampled.logprob is not None else 0.0
-            state.logprobs.append(entry)
-        output_ids = req.output_token_ids
-        new_ids = output_ids[state.sent_tokens :]
-        state.sent_tokens = len(output_ids)
-        delta = ""
-        if state.detokenizes:
-            detok = state.detok
-            # A stop token (EOS, stop_token_ids) ends the request but is no text, as in vLLM.
-            finished = req.is_finished
-            text_ids = new_ids[:-1] if finished and _stopped_by_token(req) else new_ids
-            delta = detok.update(text_ids, finished)
-            if detok.stop_string is not None:
-                req.stop_reason = detok.stop_string
-                if finished:  # max_tokens hit on the token that completed the string:
-                    req.status = RequestStatus.FINISHED_STOPPED  # the string wins (vLLM)
-                else:
-                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-        if req.kv_handoff and not req.is_finished:  # its first token: decode goes elsewhere
-            state.handoff = self._hand_off(req)
-        out = self._output(state, new_ids, delta)
-        if req.is_finished:
-            self._forget(req.request_id)
-        return out
-
     def _hand_off(self, req: Request) -> KVHandoff:
         """Ends ``req`` here with its prompt blocks leased (see :meth:`Scheduler.hand_off`)."""
         sender = self.kv_sender
@@ -586,34 +436,6 @@ class LLMEngine:
             num_blocks=len(lease.blocks) if lease is not None else 0,
             expires_in_s=self.config.kv_lease_s,
         )
-
-    def _output(self, state: _RequestState, new_ids: list[int], delta: str) -> EngineOutput:
-        req = state.request
-        # A handoff is no end of the text: held-back text (a stop string's possible start)
-        # stays held, and the replica that goes on sends it, or the whole text at its end.
-        finished = req.is_finished and state.handoff is None
-        text = ""
-        if state.detokenizes:
-            if finished:
-                delta += state.detok.flush()
-            text = state.detok.text
-        elif finished:
-            ids = req.output_token_ids[:-1] if _stopped_by_token(req) else req.output_token_ids
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            delta = text[state.resumed_chars :]  # a resumed request's client has the rest
-        logprobs, stop_reason = state.logprobs, req.stop_reason
-        if state.deltas:
-            out = step_delta(req, new_ids, delta, logprobs, stop_reason)
-            if state.handoff is not None:
-                out.kv_handoff = state.handoff
-            return out
-        out = request_output(req, state.prompt, text, new_ids, delta, logprobs, stop_reason)
-        out.kv_handoff = state.handoff
-        return out
-
-    def _forget(self, request_id: str) -> None:
-        self._states.pop(request_id, None)
-        self.runner.forget(request_id)
 
     def _publish_events(self) -> None:
         events = self.kv_cache_manager.take_events()
@@ -659,11 +481,3 @@ class LLMEngine:
             self._kv_plane_link.close()
         if self.kv_plane is not None:
             self.kv_plane.close()
-
-
-def _stopped_by_token(req: Request) -> bool:
-    """Finished by EOS or a stop token id: its last token is the stop, not output text.
-
-    Only valid where stop strings cannot have set the status yet (or are not watched).
-    """
-    return req.status == RequestStatus.FINISHED_STOPPED and not isinstance(req.stop_reason, str)
