@@ -28,13 +28,19 @@ Invariants:
   neither the scheduler's waiting queue nor its running list;
 - a request loads at most once per admission (``kv_load_tried``): after a failed or
   partial load it recomputes what did not arrive; a preemption clears the flag, since what
-  the device evicts of a preempted request meanwhile goes to the lower tiers.
+  the device evicts of a preempted request meanwhile goes to the lower tiers;
+- ``_keeps`` holds (when, request) in time order, each request at most once: one queued
+  with a ``kv_source``, until it has none (pulled, given up or ended).
 """
 
 from __future__ import annotations
 
 import os
+import time
+from collections import deque
 from typing import TYPE_CHECKING
+
+from kvroute.events.kv_transfer import DEFAULT_LEASE_S
 
 from .block_pool import KVCacheBlock
 from .kv_cache_manager import KVCacheManager
@@ -58,6 +64,12 @@ _EMA_WEIGHT = 0.2
 _MAX_WAIT_S = 0.05
 # Added to a waited-for load's estimate: the loader thread's wake-up.
 _WAKE_S = 1e-3
+# A request that will pull its prompt from another replica (P/D, prefix fetch) may queue
+# here longer than the lease its source holds for it (30 s by default), and would then
+# recompute its prompt: while it waits it asks the source for KEEP_EXTEND_S more, every
+# KEEP_EVERY_S (a Keep message; the source never shortens a lease for it).
+KEEP_EVERY_S = DEFAULT_LEASE_S / 3
+KEEP_EXTEND_S = DEFAULT_LEASE_S
 
 
 class KVLoads:
@@ -73,6 +85,8 @@ class KVLoads:
         self.loading: dict[str, tuple[Request, list[KVCacheBlock]]] = {}
         self.step_seconds = 0.0  # mean wall time of recent model steps (set by the engine)
         self.num_inline = 0  # loads landed in the step that started them
+        self.num_keeps = 0  # Keep messages sent for waiting requests' leases
+        self._keeps: deque[tuple[float, Request]] = deque()  # (when, request), in that order
 
     def note_step(self, seconds: float) -> None:
         """The engine timed a step that ran the model: a running mean of step time."""
@@ -85,6 +99,28 @@ class KVLoads:
         self.tiers.poll()
         if self.loading:
             self.land()
+        if self._keeps:
+            self._keep_leases()
+
+    def track(self, req: Request) -> None:
+        """A request queued with a ``kv_source``: its lease there is kept while it waits."""
+        if req.kv_source is not None and self.tiers.remote is not None:
+            self._keeps.append((time.monotonic() + KEEP_EVERY_S, req))
+
+    def _keep_leases(self) -> None:
+        """Sends a Keep for each waiting request whose turn came (one period apart, so
+        the deque stays in time order); a request that pulled, gave its source up or ended
+        has no ``kv_source`` left and leaves the deque."""
+        now = time.monotonic()
+        keeps = self._keeps
+        while keeps and keeps[0][0] <= now:
+            _, req = keeps.popleft()
+            source = req.kv_source
+            if source is None:
+                continue
+            self.tiers.keep_remote(source, KEEP_EXTEND_S)
+            self.num_keeps += 1
+            keeps.append((now + KEEP_EVERY_S, req))
 
     def start(self, req: Request, hit: list[KVCacheBlock], *, alone: bool) -> bool:
         """Starts loading the lower-tier run of blocks after ``req``'s device hit (``req``

@@ -155,6 +155,8 @@ class Scheduler(Admission, PrefillShares, DecodeRuns):
         self.requests[rid] = request
         self.waiting.append(request)
         self.usage.arrived(request.tenant)
+        if request.kv_source is not None and self.kv_loads is not None:
+            self.kv_loads.track(request)  # its lease at the source is kept while it waits
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Ends live requests (stop string, abort); frees their blocks now. Unknown or

@@ -290,6 +290,12 @@ class KVTiers(TierLoader):
         if self.remote is not None:
             self.remote.release(source)
 
+    def keep_remote(self, source: KVSource, extend_s: float) -> None:
+        """A request still waiting to pull from ``source``: its lease there is extended (a
+        message that never blocks: a source that is gone lets the lease lapse)."""
+        if self.remote is not None:
+            self.remote.link.keep(source, extend_s)
+
     def poll(self) -> None:
         """Announces the disk writes that failed since the last call (engine thread, each
         step): they leave the tier with a ``BlockRemoved`` STORAGE, in order with the rest;

@@ -30,6 +30,7 @@ from kvroute.events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStor
 from kvroute.events.kv_transfer import MEDIUM_REMOTE, PULL_OK, KVSource
 from kvroute.events.replica_api import Resume
 from kvroute.replica import SamplingParams
+from kvroute.replica.core import kv_loads
 from kvroute.replica.engine.config import EngineConfig
 from kvroute.replica.engine.llm_engine import LLMEngine
 from kvroute.replica.kv_transfer.sender import LocalLink
@@ -443,3 +444,39 @@ def test_smollm2_split_equals_one_engine() -> None:
     settle(pair)
     _, rest = check_same(pair, ref_engine, other, params)
     assert rest.remote_tokens == (len(other) // BS - 2) * BS
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "not-kept"])
+def test_a_lease_is_kept_while_its_request_queues_on_the_decode_side(
+    unified: LLMEngine, monkeypatch: pytest.MonkeyPatch, keep: bool
+) -> None:
+    """The decode side is busy (one sequence at a time) for longer than the source's lease:
+    kept alive by Keep messages, the lease is still there when the request's turn comes,
+    and its prompt is pulled, not recomputed. Without them it lapses (the same tokens,
+    computed)."""
+    monkeypatch.setattr(kv_loads, "KEEP_EVERY_S", 0.1 if keep else 1e9)
+    pair = make_pair(p_kw={"kv_lease_s": 0.5}, d_kw={"max_num_seqs": 1})
+    ids = prompt(100, 21)
+    ref = run_unified(unified, ids, GREEDY)
+    pair.d.add_request("busy", prompt(40, 22), SamplingParams(max_tokens=400, ignore_eos=True))
+    pair.d.step()  # it runs; the next request waits behind it
+    pair.p.add_request("kept", ids, GREEDY, kv_handoff=True)
+    first = drive(pair.p, "kept")
+    resume = Resume(output_token_ids=first.token_ids, sent_chars=len(first.text))
+    pair.d.add_request("kept-d", ids, GREEDY, resume=resume, kv_source=KVSource.of(first.handoff))
+    until = time.monotonic() + 1.2  # past the lease, twice over
+    while time.monotonic() < until:
+        pair.d.step()
+        pair.p.step()  # the source's poll: expiry is checked here
+        time.sleep(0.01)
+    assert pair.d.scheduler.requests["kept-d"].status.name == "WAITING"
+    pair.d.abort_requests(["busy"])
+    rest = drive(pair.d, "kept-d")
+    assert joined(first, rest)[0] == ref.token_ids
+    expired = pair.p.scheduler.leases.stats["expired"]
+    if keep:
+        assert rest.remote_tokens > 0 and expired == 0
+        assert pair.d.scheduler.kv_loads.num_keeps >= 5
+    else:
+        assert rest.remote_tokens == 0 and expired == 1
+    settle(pair)
