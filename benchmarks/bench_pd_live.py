@@ -1,7 +1,7 @@
 """P/D live on this CPU: streams decoding while long prompts arrive, 1 prefill + 1 decode
 replica against 2 whole-request replicas, side by side in one run.
 
-    python benchmarks/bench_pd_live.py --model smollm2-135m --seconds 90
+    python benchmarks/bench_pd_live.py --model smollm2-135m --seconds 90 [--fleets unified,pd,pairs]
 
 Each fleet is a real ``kvroute serve`` (one torch thread per replica, a local Ray), fresh
 for its run. The load is the same for both: ``--streams`` clients each stream a short
@@ -44,6 +44,7 @@ MODEL = ["smollm2-135m"]  # the served name (set from --model)
 FLEETS = {
     "unified": ["--replicas", "2"],
     "pd": ["--prefill-replicas", "1", "--decode-replicas", "1"],
+    "pairs": ["--replicas", "2", "--pd-split", "pair"],  # any two may split a request, priced
 }
 
 
@@ -223,10 +224,13 @@ def main() -> int:
     for name, row in rows.items():
         cells = [f"{v:.3g}" if isinstance(v, float) else str(v) for v in row.values()]
         print(f"| {name} | " + " | ".join(cells) + " |")
-    if "unified" in rows and "pd" in rows:
-        u, d = rows["unified"], rows["pd"]
+    for other in ("pd", "pairs"):
+        if "unified" not in rows or other not in rows:
+            continue
+        u, d = rows["unified"], rows[other]
         print(
-            f"\nP/D vs unified: ITL p99 {d['itl_p99_ms'] / u['itl_p99_ms']:.3f}x (goal <= 0.2), "
+            f"\n{other} vs unified: "
+            f"ITL p99 {d['itl_p99_ms'] / u['itl_p99_ms']:.3f}x (goal <= 0.2), "
             f"long TTFT p90 {d['long_ttft_p90_s'] / u['long_ttft_p90_s']:.2f}x (goal <= 1.3), "
             f"output tok/s {d['out_tok_s'] / u['out_tok_s']:.2f}x (goal >= 0.9)"
         )
