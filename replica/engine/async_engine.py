@@ -14,6 +14,9 @@ its blocks before the next step. If a step raises, every live request gets the e
 engine refuses new work (``errored``): a replica actor should then exit so Ray restarts it.
 A fault of one request's own (its seed, its text, its stop strings) does not get here: the
 engine ends that request with ``finish_reason="error"`` and steps on.
+
+What runs on the engine thread itself (the command queue's commands, draining them, the
+step loop, delivery to sinks, failing every request) is :mod:`.engine_thread`.
 """
 
 from __future__ import annotations
@@ -22,30 +25,23 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import itertools
-import logging
 import queue
 import sys
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvroute.events.load import LoadReport
 from kvroute.events.replica_api import Resume, SamplingParams
-from kvroute.events.transport.threads import name_native_thread
 
 from ..core.outputs import EngineOutput, RequestOutput
+from .engine_thread import WAKE, Abort, AbortSink, Call, EngineThread
 from .llm_engine import EngineConfig, EventSink, LLMEngine
 from .replica_engine import EngineDeadError, EngineFacts, OutputSink, ReplicaEngine, Submission
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "OutputSink"]
 
-log = logging.getLogger(__name__)
-
 T = TypeVar("T")
-
-LOAD_REFRESH_S = 0.02  # the engine's load report is at most this stale between commands
 
 
 class _QueueSink:
@@ -68,40 +64,17 @@ class _QueueSink:
         pass
 
 
-@dataclass(slots=True)
-class _Abort:
-    request_id: str
-
-
-@dataclass(slots=True)
-class _AbortSink:
-    """Every request of one sink (a front door that has gone)."""
-
-    sink: OutputSink
-
-
-@dataclass(slots=True)
-class _Call:
-    fn: Callable[[LLMEngine], Any]
-    future: asyncio.Future[Any]
-    loop: asyncio.AbstractEventLoop
-
-
-# Wakes an idle engine thread for one look at its leases (a prefix fetch waits on a pin).
-_WAKE = object()
-
-
-class AsyncLLMEngine(ReplicaEngine):
+class AsyncLLMEngine(EngineThread, ReplicaEngine):
     """Thread-hosted :class:`LLMEngine` with an async streaming ``generate``; a replica's
     :class:`~.replica_engine.ReplicaEngine` (``llm_engine`` is the engine it hosts)."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.llm_engine = engine
-        self._commands: queue.SimpleQueue[Submission | _Abort | _AbortSink | _Call | object] = (
+        self._commands: queue.SimpleQueue[Submission | Abort | AbortSink | Call | object] = (
             queue.SimpleQueue()
         )
         if engine.scheduler.leases is not None:
-            engine.scheduler.leases.wake = lambda: self._commands.put(_WAKE)
+            engine.scheduler.leases.wake = lambda: self._commands.put(WAKE)
         self._sinks: dict[str, OutputSink] = {}
         self._touched: set[OutputSink] = set()  # sinks delivered to since the last flush
         # A step's KV events leave right after its outputs, not in the middle of the step:
@@ -269,7 +242,7 @@ class AsyncLLMEngine(ReplicaEngine):
                     return
         finally:
             if not finished:
-                self._commands.put(_Abort(rid))
+                self._commands.put(Abort(rid))
 
     def _queue(self, add: Submission) -> None:
         if self._refused_dead(add.request_id, add.sink):
@@ -318,14 +291,14 @@ class AsyncLLMEngine(ReplicaEngine):
         with self._compiling_lock:
             if self._compiling.pop(request_id, None) is not None:
                 return  # still compiling: it never reaches the engine
-        self._commands.put(_Abort(request_id))
+        self._commands.put(Abort(request_id))
 
     def abort_sink(self, sink: OutputSink) -> None:
         """Aborts every live request of ``sink`` (its reader is gone)."""
         with self._compiling_lock:
             for rid in [r for r, add in self._compiling.items() if add.sink is sink]:
                 del self._compiling[rid]
-        self._commands.put(_AbortSink(sink))
+        self._commands.put(AbortSink(sink))
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Runs ``fn(engine)`` on the engine thread between steps and returns its result.
@@ -339,7 +312,7 @@ class AsyncLLMEngine(ReplicaEngine):
             raise EngineDeadError("the engine is shut down")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
-        self._commands.put(_Call(fn, future, loop))
+        self._commands.put(Call(fn, future, loop))
         return await future
 
     def wait_failed(self, timeout: float) -> bool:
@@ -362,167 +335,6 @@ class AsyncLLMEngine(ReplicaEngine):
         if not self._thread.is_alive():  # a request queued while it stopped: fail it too
             self._fail_queued(EngineDeadError("the engine is shut down"))
 
-    # -- the engine thread ---------------------------------------------------------------
-    def _run(self) -> None:
-        name_native_thread()
-        engine = self.llm_engine
-        scheduler = engine.scheduler
-        load_at = time.monotonic()
-        try:
-            while True:
-                # Block only when there is nothing to compute.
-                applied = self._drain(block=not scheduler.has_unfinished_requests())
-                if applied is None:
-                    self._fail_all(EngineDeadError("the engine is shut down"))
-                    self._close_engine()
-                    return
-                # The load changes only by a command or a step. It is read every 0.1 s at
-                # most (the data plane's push, Ray polls), and a report walks every waiting
-                # request's prefix: remade after commands (before the step, which may be a
-                # long prefill) and after a step that ended a request, otherwise once it
-                # is LOAD_REFRESH_S old (decode steps come faster).
-                if applied:
-                    self.load, load_at = scheduler.load_report(), time.monotonic()
-                ended = False
-                if scheduler.has_unfinished_requests():
-                    if self._injected_failure is not None:
-                        raise RuntimeError(self._injected_failure)
-                    for out in engine.step():
-                        ended |= out.finished
-                        self._deliver(out.request_id, out, last=out.finished)
-                    now = time.monotonic()
-                    if ended or now - load_at >= LOAD_REFRESH_S:
-                        self.load, load_at = scheduler.load_report(), now
-                elif scheduler.leases is not None:  # idle (no step): a lease released by
-                    scheduler.leases.poll()  # its puller, or expired, frees its blocks now
-                self._flush()
-        except BaseException as exc:
-            batch = engine.current_batch  # None: it failed before the batch was known
-            log.exception("engine step failed (batch: %s)", "unknown" if batch is None else batch)
-            self.error = exc
-            for rid in list(self._sinks):
-                suspect = batch is None or rid in batch
-                err = EngineDeadError(f"engine step failed: {exc!r}", suspect=suspect)
-                self._deliver(rid, err, last=True)
-            self._fail_queued(EngineDeadError(f"engine step failed: {exc!r}"))
-            self._flush()
-            self._close_engine()
-            self._failed.set()
-
-    def _close_engine(self) -> None:
-        """The engine thread's last act: the engine's threads stop and its KV disk folder
-        (tenants' data) is removed. Its own failure is logged, never raised."""
-        try:
-            self.llm_engine.close()
-        except Exception:
-            log.exception("closing the engine failed")
-
-    def _flush(self) -> None:
-        touched = self._touched
-        while touched:
-            sink = touched.pop()
-            try:
-                sink.flush()
-            except Exception:  # a sink's own failure must not stop the engine
-                log.exception("output sink failed to flush")
-        if self._events:  # the engine appends to this very list (its only event sink)
-            batches = self._events.copy()
-            self._events.clear()
-            for events in batches:
-                for publish in self._event_sinks:
-                    try:
-                        publish(events)
-                    except Exception:
-                        log.exception("event sink failed")
-
-    def _fail_all(self, err: EngineDeadError) -> None:
-        """On shutdown: free every live request's blocks and end its stream with ``err``."""
-        live = list(self._sinks)
-        self.llm_engine.abort_requests(live)
-        for rid in live:
-            self._deliver(rid, err, last=True)
-        self._fail_queued(err)
-        self._flush()
-
-    def _fail_queued(self, err: EngineDeadError) -> None:
-        """Requests still in the command queue will never run: their callers must not wait."""
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(cmd, Submission):
-                cmd.sink.deliver(cmd.request_id, err)
-                self._touched.add(cmd.sink)
-            elif isinstance(cmd, _Call):
-                _resolve(cmd, err)
-
-    def _drain(self, block: bool) -> int | None:
-        """Applies queued commands; how many (None: asked to stop). Looks before it takes
-        when not blocking: most steps find the queue empty, and an Empty raised costs more."""
-        commands, applied = self._commands, 0
-        while block or not commands.empty():
-            try:
-                cmd = commands.get(block=block, timeout=0.5 if block else None)
-            except queue.Empty:
-                return applied
-            block = False
-            if cmd is _WAKE:  # a prefix fetch's pin waits for the next lease poll
-                continue
-            applied += 1
-            if cmd is None:
-                return None
-            if isinstance(cmd, _Abort):
-                for out in self.llm_engine.abort_requests([cmd.request_id]):
-                    self._deliver(out.request_id, out, last=True)
-                continue
-            if isinstance(cmd, _AbortSink):
-                mine = [rid for rid, sink in self._sinks.items() if sink is cmd.sink]
-                for rid in mine:  # nobody reads them: no outputs, just free the blocks
-                    del self._sinks[rid]
-                self.llm_engine.abort_requests(mine)
-                continue
-            if isinstance(cmd, _Call):
-                try:
-                    result = cmd.fn(self.llm_engine)
-                except Exception as exc:
-                    _resolve(cmd, exc)
-                else:
-                    _resolve(cmd, result, ok=True)
-                continue
-            if cmd.request_id in self._sinks:
-                # The id is live: refuse the newcomer without touching the owner's stream.
-                err = ValueError(f"request id {cmd.request_id!r} is already in use")
-                cmd.sink.deliver(cmd.request_id, err)
-                self._touched.add(cmd.sink)
-                continue
-            self._sinks[cmd.request_id] = cmd.sink
-            try:
-                self.llm_engine.add_request(
-                    cmd.request_id,
-                    cmd.prompt,
-                    cmd.params,
-                    cache_salt=cmd.cache_salt,
-                    lora_name=cmd.lora_name,
-                    resume=cmd.resume,
-                    tenant=cmd.tenant,
-                    deltas=cmd.sink.deltas,
-                    kv_handoff=cmd.kv_handoff,
-                    kv_source=cmd.kv_source,
-                    priority=cmd.priority,
-                )
-            except Exception as exc:  # a bad request fails alone
-                self._deliver(cmd.request_id, exc, last=True)
-        return applied
-
-    def _deliver(self, rid: str, item: EngineOutput | BaseException, last: bool) -> None:
-        sink = self._sinks.pop(rid, None) if last else self._sinks.get(rid)
-        if sink is None:
-            return
-        self._touched.add(sink)
-        if not sink.deliver(rid, item) and not last:
-            self._commands.put(_Abort(rid))  # nobody is listening any more
-
 
 def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
     """Two consecutive outputs of one request as one: the later state, both deltas."""
@@ -531,20 +343,3 @@ def _merge(first: RequestOutput, then: RequestOutput) -> RequestOutput:
         delta_text=first.delta_text + then.delta_text,
         delta_token_ids=[*first.delta_token_ids, *then.delta_token_ids],
     )
-
-
-def _resolve(call: _Call, value: Any, ok: bool = False) -> None:
-    """Completes a :meth:`AsyncLLMEngine.call` future from the engine thread."""
-
-    def settle() -> None:
-        if call.future.done():  # the caller gave up (cancelled)
-            return
-        if ok:
-            call.future.set_result(value)
-        else:
-            call.future.set_exception(value)
-
-    try:
-        call.loop.call_soon_threadsafe(settle)
-    except RuntimeError:  # the caller's loop is closed
-        pass
