@@ -8,17 +8,20 @@ routed, and is sent (routed then, with the index's view of that moment) only whe
 replica it may go to has room. What replicas hold stays small, so what decides a late
 request's wait is this queue's order, which the front door owns.
 
-Room (the saturation signal): a replica has room while the requests this front door sent
-it that have not produced their first token there yet -- queued or prefilling in its
-engine -- are fewer than ``depth`` and their prompt tokens fewer than ``tokens`` (an empty
-replica always has room, whatever the prompt; and, given ``others``, while its latest load
-report's waiting requests that are not this front door's leave room under ``depth``:
-several front doors share a replica) (:meth:`FlowControl.occupy` /
-:meth:`vacate`, kept by each :class:`~.request_run.RequestRun`: one slot at most per run,
-given back at its first token, its failover, its end). Tokens as well as requests: many
-short prompts share one engine step, a few long ones fill it. A decoding request holds no
-slot: decode shares the batch, and what makes a newcomer wait is the prefill queued ahead
-of it. Failover and P/D's
+Room (the saturation signal), for a request of priority ``p`` and tenant ``t``: a replica
+has room while the requests this front door sent it that have not produced their first
+token there yet -- queued or prefilling in its engine -- and are of priority ``p`` or more
+urgent are fewer than ``depth`` and their prompt tokens fewer than ``tokens`` (none: room,
+whatever the prompt); or while ``t`` has none of those there and they are fewer than
+``2 * depth`` (a light tenant's request goes in beside a flood, whose engine's fair queue
+takes it next). Less urgent work never holds a request back: the engine (vLLM's priority
+scheduling, kvroute's) puts it ahead. Given ``others``, the replica's latest load report's
+waiting requests that are not this front door's count as well (several front doors).
+Slots are kept by :meth:`FlowControl.occupy` / :meth:`vacate`, called by each
+:class:`~.request_run.RequestRun`: one slot at most per run, given back at its first
+token, its failover, its end. Tokens as well as requests: many short prompts share one
+engine step, a few long ones fill it. A decoding request holds no slot: decode shares the
+batch, and what makes a newcomer wait is the prefill queued ahead of it. Failover and P/D's
 decode part are sent at once (they hold a slot like any send, but never queue): they are
 requests already under way.
 
@@ -142,6 +145,8 @@ class FlowControl:
         self.waiting = 0
         self.unstarted: dict[str, int] = {}  # replica -> this front door's slots held there
         self.unstarted_tokens: dict[str, int] = {}  # replica -> their prompt tokens
+        # replica -> (band, tenant) -> [requests, prompt tokens]: what room is reckoned from
+        self._classes: dict[str, dict[tuple[int, str], list[int]]] = {}
         self._bands: dict[int, dict[str, deque[Waiter]]] = {}
         self._band_len: dict[int, int] = {}
         self._order: list[int] = []  # bands holding a waiter, most urgent first
@@ -153,19 +158,35 @@ class FlowControl:
         self._sweeper: asyncio.TimerHandle | None = None
 
     # -- room ----------------------------------------------------------------------------
-    def has_room(self, replica: str) -> bool:
-        n = self.unstarted.get(replica, 0)
-        if self.others is not None and n + self.others(replica) >= self.depth:
-            return False  # other front doors' requests fill it (seen again at the sweep)
-        return not n or (n < self.depth and self.unstarted_tokens[replica] < self.tokens)
+    def has_room(self, replica: str, band: int = 0, tenant: str = "") -> bool:
+        """Whether a request of ``band`` and ``tenant`` may be sent to ``replica`` now:
+        only this front door's requests there at its priority or more urgent count (less
+        urgent ones never hold it back); a tenant's first such request there may go past
+        ``depth`` (up to twice it), so a light tenant is not held behind a flood the
+        engine's own fair queue would let it pass."""
+        n = tokens = mine = 0
+        for (b, t), (count, toks) in self._classes.get(replica, {}).items():
+            if b <= band:
+                n += count
+                tokens += toks
+                if b == band and t == tenant:
+                    mine += count
+        if self.others is not None:
+            n += self.others(replica)  # other front doors' (seen again at the sweep)
+        if not n or (n < self.depth and tokens < self.tokens):
+            return True
+        return not mine and n < 2 * self.depth
 
-    def occupy(self, replica: str, tokens: int = 0) -> None:
+    def occupy(self, replica: str, tokens: int = 0, band: int = 0, tenant: str = "") -> None:
         """A request of ``tokens`` prompt tokens was sent to ``replica`` and has no first
         token there yet."""
         self.unstarted[replica] = self.unstarted.get(replica, 0) + 1
         self.unstarted_tokens[replica] = self.unstarted_tokens.get(replica, 0) + tokens
+        held = self._classes.setdefault(replica, {}).setdefault((band, tenant), [0, 0])
+        held[0] += 1
+        held[1] += tokens
 
-    def vacate(self, replica: str, tokens: int = 0) -> None:
+    def vacate(self, replica: str, tokens: int = 0, band: int = 0, tenant: str = "") -> None:
         """That request got its first token there, or left it: room for the next."""
         n = self.unstarted.get(replica, 0) - 1
         if n > 0:
@@ -174,6 +195,15 @@ class FlowControl:
         else:
             self.unstarted.pop(replica, None)
             self.unstarted_tokens.pop(replica, None)
+        classes = self._classes.get(replica)
+        held = classes.get((band, tenant)) if classes is not None else None
+        if classes is not None and held is not None:
+            held[0] -= 1
+            held[1] -= tokens
+            if held[0] <= 0:
+                del classes[(band, tenant)]
+            if not classes:
+                del self._classes[replica]
         if self.waiting:
             self.pump()
 
@@ -213,9 +243,9 @@ class FlowControl:
         :class:`ShedError` when its band is full or its deadline cannot be met."""
         now = self.clock()
         w.since = now
-        if not self.ahead_of(w.band):
+        if not self.ahead_of(w.band):  # nothing goes before it: sent if there is room
             eligible = w.eligible()
-            room = [r for r in eligible if self.has_room(r)]
+            room = [r for r in eligible if self.has_room(r, w.band, w.tenant)]
             if room or not eligible:
                 self._dispatched(w, now)
                 w.dispatch(room or None)
@@ -244,6 +274,7 @@ class FlowControl:
                     wait,
                 )
         self._enqueue(w)
+        self.pump()  # it may have room where the heads ahead of it have none
         return False
 
     def _enqueue(self, w: Waiter) -> None:
@@ -367,7 +398,7 @@ class FlowControl:
             )
             for head in heads:
                 eligible = head.eligible()
-                room = [r for r in eligible if self.has_room(r)]
+                room = [r for r in eligible if self.has_room(r, head.band, head.tenant)]
                 if room or not eligible:
                     self._send(head, room or None)
                     return True

@@ -232,7 +232,7 @@ class RequestRun:
         self._awaiting_first = True
         if s.flow is not None:
             self._vacate()
-            s.flow.occupy(rid, self.view.num_prompt_tokens)
+            s.flow.occupy(rid, self.view.num_prompt_tokens, self.request.priority, self.tenant)
             self._slot = rid
         self._conn = s.replicas.connection(rid)
         self._flight = self._conn.submit(req)
@@ -322,7 +322,7 @@ class RequestRun:
         slot, flow = self._slot, self.services.flow
         if slot is not None and flow is not None:
             self._slot = None
-            flow.vacate(slot, self.view.num_prompt_tokens)
+            flow.vacate(slot, self.view.num_prompt_tokens, self.request.priority, self.tenant)
 
     async def first_delta(self) -> GenerateDelta:
         """The second half of :meth:`start`."""

@@ -7,15 +7,17 @@ import asyncio
 import pytest
 
 from kvroute.router.fleet.flow import FlowControl, ShedError, Waiter
+from kvroute.router.fleet.tenants import PRIORITY_MIN
 
 
 class Fleet:
-    """Replicas and what was sent where, in order."""
+    """Replicas, what was sent where (in order), and the slots held (oldest first)."""
 
     def __init__(self, flow: FlowControl, replicas: list[str]) -> None:
         self.flow = flow
         self.replicas = replicas
         self.sent: list[tuple[str, str]] = []  # (name, replica)
+        self.held: list[tuple[str, int, str]] = []  # (replica, band, tenant)
 
     def waiter(
         self,
@@ -31,10 +33,27 @@ class Fleet:
             if not choices:
                 raise RuntimeError("no replica")
             rid = choices[0]
-            self.flow.occupy(rid, 10)
+            self.flow.occupy(rid, 10, band, tenant)
+            self.held.append((rid, band, tenant))
             self.sent.append((name, rid))
 
         return Waiter(band, tenant, cost, dispatch, lambda: self.eligible(only), deadline)
+
+    def block(self, rid: str, slots: int) -> None:
+        """``slots`` of the most urgent work on ``rid``: room for nobody."""
+        for _ in range(slots):
+            self.flow.occupy(rid, 0, PRIORITY_MIN, "blocker")
+            self.held.append((rid, PRIORITY_MIN, "blocker"))
+
+    def first_token(self, rid: str | None = None) -> None:
+        """The oldest slot held (on ``rid``) gets its first token."""
+        i = next(i for i, h in enumerate(self.held) if rid is None or h[0] == rid)
+        r, band, tenant = self.held.pop(i)
+        self.flow.vacate(r, 0 if tenant == "blocker" else 10, band, tenant)
+
+    def drain(self) -> None:
+        while self.held:
+            self.first_token()
 
     def eligible(self, only: list[str] | None) -> list[str]:
         return [r for r in self.replicas if only is None or r in only]
@@ -56,9 +75,22 @@ def test_sent_at_once_while_there_is_room() -> None:
         w = fleet.waiter("a4")
         assert not flow.submit(w)  # full: it waits
         assert flow.waiting == 1 and flow.lengths() == {0: 1}
-        flow.vacate("r1", 10)  # a first token on r1: room, taken at once (work-conserving)
+        fleet.first_token("r1")  # room on r1, taken at once (work-conserving)
         assert w.future is not None and w.future.done() and fleet.sent[-1] == ("a4", "r1")
         assert flow.waiting == 0
+
+    run(main)
+
+
+def test_less_urgent_work_never_holds_a_request_back() -> None:
+    async def main() -> None:
+        flow = FlowControl(depth=1)
+        fleet = Fleet(flow, ["r0"])
+        for i in range(2):
+            flow.submit(fleet.waiter(f"batch{i}", f"b{i}", band=5))
+        assert not flow.submit(fleet.waiter("batch2", "b2", band=5))
+        assert flow.submit(fleet.waiter("urgent", band=0))  # sent beside them at once
+        assert fleet.sent[-1] == ("urgent", "r0")
 
     run(main)
 
@@ -67,12 +99,11 @@ def test_bands_go_most_urgent_first() -> None:
     async def main() -> None:
         flow = FlowControl(depth=1)
         fleet = Fleet(flow, ["r0"])
-        assert flow.submit(fleet.waiter("first"))
+        fleet.block("r0", 2)
         for name, band in (("batch1", 5), ("batch2", 5), ("normal", 0), ("urgent", -3)):
             assert not flow.submit(fleet.waiter(name, band=band))
-        for _ in range(4):
-            flow.vacate("r0", 10)
-        assert fleet.names() == ["first", "urgent", "normal", "batch1", "batch2"]
+        fleet.drain()
+        assert fleet.names() == ["urgent", "normal", "batch1", "batch2"]
 
     run(main)
 
@@ -81,32 +112,46 @@ def test_the_least_served_tenant_goes_first_fifo_within_it() -> None:
     async def main() -> None:
         flow = FlowControl(depth=1)
         fleet = Fleet(flow, ["r0"])
-        assert flow.submit(fleet.waiter("x"))
+        fleet.block("r0", 2)
         for i in range(5):  # a flood of a, queued first
             flow.submit(fleet.waiter(f"a{i}", "a"))
         flow.submit(fleet.waiter("b0", "b"))
         flow.submit(fleet.waiter("b1", "b"))
-        for _ in range(7):
-            flow.vacate("r0", 10)
-        # b arrived after a's flood yet is served at a's pace: one each, a's older head first
-        assert fleet.names() == ["x", "a0", "b0", "a1", "b1", "a2", "a3", "a4"]
+        fleet.drain()
+        # b came after a's flood yet is served at a's pace: turn about, a's older head first
+        assert fleet.names() == ["a0", "b0", "a1", "b1", "a2", "a3", "a4"]
 
     run(main)
 
 
 def test_a_heavy_request_costs_its_tenant_more_turns() -> None:
     async def main() -> None:
-        flow = FlowControl(depth=1)
+        flow = FlowControl(depth=3)
         fleet = Fleet(flow, ["r0"])
-        flow.submit(fleet.waiter("x"))
-        flow.submit(fleet.waiter("big", "a", cost=1000))
-        for i in range(3):
+        fleet.block("r0", 6)
+        for i in range(4):
             flow.submit(fleet.waiter(f"a{i}", "a", cost=1000))
-        for i in range(3):
+        for i in range(4):
             flow.submit(fleet.waiter(f"b{i}", "b", cost=100))
-        for _ in range(7):
-            flow.vacate("r0", 10)
-        assert fleet.names()[:6] == ["x", "big", "b0", "b1", "b2", "a0"]
+        fleet.drain()
+        order = fleet.names()
+        assert order.index("b3") < order.index("a2")  # b's four cost less than a's second
+
+    run(main)
+
+
+def test_a_light_tenants_first_request_goes_beside_a_flood() -> None:
+    async def main() -> None:
+        flow = FlowControl(depth=2)
+        fleet = Fleet(flow, ["r0"])
+        for i in range(3):
+            flow.submit(fleet.waiter(f"a{i}", "a"))
+        assert fleet.names() == ["a0", "a1"]  # a waits at the door past the depth
+        flow.submit(fleet.waiter("b0", "b"))  # b has nothing there: in beside it
+        flow.submit(fleet.waiter("b1", "b"))  # its second waits its turn
+        flow.submit(fleet.waiter("c0", "c"))  # c's first: in, up to twice the depth
+        flow.submit(fleet.waiter("d0", "d"))  # past that, it waits too
+        assert fleet.names() == ["a0", "a1", "b0", "c0"] and flow.waiting == 3
 
     run(main)
 
@@ -115,13 +160,14 @@ def test_a_head_without_room_is_passed_over() -> None:
     async def main() -> None:
         flow = FlowControl(depth=1)
         fleet = Fleet(flow, ["r0", "r1"])
-        flow.submit(fleet.waiter("x0"))
-        flow.submit(fleet.waiter("x1"))
+        fleet.block("r0", 2)
+        fleet.block("r1", 2)
         assert not flow.submit(fleet.waiter("lora", "a", band=-1, only=["r0"]))
         assert not flow.submit(fleet.waiter("base", "b"))
-        flow.vacate("r1", 10)  # r1 has room: the lora head cannot use it, the other can
-        assert fleet.sent[-1] == ("base", "r1")
-        flow.vacate("r0", 10)
+        fleet.first_token("r1")
+        fleet.first_token("r1")  # r1 has room: the lora head cannot use it, the other can
+        assert fleet.sent == [("base", "r1")]
+        fleet.first_token("r0")
         assert fleet.sent[-1] == ("lora", "r0")
 
     run(main)
@@ -134,7 +180,7 @@ def test_tokens_bound_room_but_an_empty_replica_takes_anything() -> None:
         assert flow.submit(fleet.waiter("a"))  # 10 tokens
         assert flow.submit(fleet.waiter("b"))  # 20 now: past the bound
         assert not flow.submit(fleet.waiter("c"))
-        flow.vacate("r0", 10)  # 10 left: room
+        fleet.first_token()  # 10 left: room
         assert fleet.names() == ["a", "b", "c"]
 
     run(main)
@@ -144,14 +190,14 @@ def test_cancel_takes_it_out_and_nothing_is_sent() -> None:
     async def main() -> None:
         flow = FlowControl(depth=1)
         fleet = Fleet(flow, ["r0"])
-        flow.submit(fleet.waiter("x"))
+        fleet.block("r0", 2)
         w = fleet.waiter("gone")
         flow.submit(w)
         flow.cancel(w)
         flow.cancel(w)  # idempotent
         assert flow.waiting == 0 and flow.stats.cancelled == 1
-        flow.vacate("r0", 10)
-        assert fleet.names() == ["x"]
+        fleet.drain()
+        assert fleet.names() == []
 
     run(main)
 
@@ -160,7 +206,7 @@ def test_a_full_band_is_refused_with_a_retry_after() -> None:
     async def main() -> None:
         flow = FlowControl(depth=1, max_waiting=2)
         fleet = Fleet(flow, ["r0"])
-        flow.submit(fleet.waiter("x"))
+        fleet.block("r0", 2)
         flow.submit(fleet.waiter("w0"))
         flow.submit(fleet.waiter("w1"))
         with pytest.raises(ShedError) as info:
@@ -181,7 +227,7 @@ def test_a_deadline_that_cannot_be_met_is_refused_at_once() -> None:
             flow.submit(fleet.waiter(f"d{i}"))
             now[0] += 1.0
             if i < 4:
-                flow.vacate("r0", 10)
+                fleet.first_token()
         now[0] -= 1.0
         for i in range(4):
             flow.submit(fleet.waiter(f"q{i}"))
@@ -189,8 +235,8 @@ def test_a_deadline_that_cannot_be_met_is_refused_at_once() -> None:
         with pytest.raises(ShedError) as info:
             flow.submit(fleet.waiter("late", deadline=now[0] + 1.0))
         assert info.value.cause == "deadline" and info.value.retry_after == "4"
-        # a more urgent band has nothing ahead of it: its deadline can be met
-        assert not flow.submit(fleet.waiter("urgent", band=-1, deadline=now[0] + 1.0))
+        # a more urgent band has nothing ahead of it: sent at once, beside less urgent work
+        assert flow.submit(fleet.waiter("urgent", band=-1, deadline=now[0] + 1.0))
 
     run(main)
 
@@ -254,7 +300,6 @@ def test_every_waiter_leaves_exactly_once_under_churn() -> None:
         flow = FlowControl(depth=2, max_waiting=20)
         fleet = Fleet(flow, ["r0", "r1", "r2"])
         waiters: list[Waiter] = []
-        held: list[str] = []
         outcomes = {"sent": 0, "cancelled": 0, "shed": 0}
         submitted = 0
         for i in range(400):
@@ -266,22 +311,17 @@ def test_every_waiter_leaves_exactly_once_under_churn() -> None:
                 try:
                     if flow.submit(w):
                         outcomes["sent"] += 1
-                        held.append(fleet.sent[-1][1])
                     else:
                         waiters.append(w)
                 except ShedError:
                     outcomes["shed"] += 1
-            elif op < 0.85 and held:
-                before = len(fleet.sent)
-                flow.vacate(held.pop(rng.randrange(len(held))), 10)
-                held += [r for _, r in fleet.sent[before:]]
+            elif op < 0.85 and fleet.held:
+                fleet.first_token(fleet.held[rng.randrange(len(fleet.held))][0])
             elif waiters:
                 flow.cancel(waiters[rng.randrange(len(waiters))])
             await asyncio.sleep(0)
         while flow.waiting:
-            before = len(fleet.sent)
-            flow.vacate(held.pop(), 10)
-            held += [r for _, r in fleet.sent[before:]]
+            fleet.first_token()
             await asyncio.sleep(0)
         for w in waiters:
             assert w.future is not None and w.future.done() and not w.queued
@@ -301,7 +341,7 @@ def test_every_waiter_leaves_exactly_once_under_churn() -> None:
 
 def test_other_front_doors_requests_count_against_the_depth() -> None:
     async def main() -> None:
-        others = {"r0": 2, "r1": 0}
+        others = {"r0": 4, "r1": 0}
         flow = FlowControl(depth=2, others=lambda r: others[r])
         fleet = Fleet(flow, ["r0", "r1"])
         assert flow.submit(fleet.waiter("a"))

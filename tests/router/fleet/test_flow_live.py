@@ -20,6 +20,7 @@ import pytest
 
 from kvroute.replica.serve.actor import start_replica
 from kvroute.router.fleet.flow import FlowControl
+from kvroute.router.fleet.tenants import PRIORITY_MIN
 
 from ...ray_session import local_ray
 from ...waiting import wait_for
@@ -61,17 +62,36 @@ def on_loop(s: Served, fn: Callable[[], Any]) -> Any:
     return done.result(10)
 
 
+HOLD = 2  # slots of the most urgent work that leave room for nobody (twice the depth)
+
+
 def hold(s: Served) -> None:
-    """Every replica busy: a slot of this front door's taken on each."""
+    """Every replica busy: slots of this front door's taken on each."""
     flow = flow_of(s)
     for rid in s.actors:
-        on_loop(s, lambda r=rid: flow.occupy(r, 0))
+        for _ in range(HOLD):
+            on_loop(s, lambda r=rid: flow.occupy(r, 0, PRIORITY_MIN, "hold"))
 
 
 def release(s: Served, replicas: list[str] | None = None) -> None:
     flow = flow_of(s)
     for rid in s.actors if replicas is None else replicas:
-        on_loop(s, lambda r=rid: flow.vacate(r, 0))
+        for _ in range(HOLD):
+            on_loop(s, lambda r=rid: flow.vacate(r, 0, PRIORITY_MIN, "hold"))
+
+
+def record_dispatches(s: Served) -> list[tuple[int, str]]:
+    """(band, tenant) of each request the queue sends from now on, in order."""
+    flow = flow_of(s)
+    sent: list[tuple[int, str]] = []
+    inner = flow._dispatched
+
+    def dispatched(w: Any, now: float) -> None:
+        sent.append((w.band, w.tenant))
+        inner(w, now)
+
+    on_loop(s, lambda: setattr(flow, "_dispatched", dispatched))
+    return sent
 
 
 def settled(s: Served) -> None:
@@ -136,8 +156,10 @@ def test_the_most_urgent_band_goes_first(served: Served) -> None:
         ]
         return await queue_then_release(served, calls)
 
+    sent = record_dispatches(served)
     batch1, batch2, urgent, normal = asyncio.run(main())
-    assert urgent < normal < batch1 < batch2
+    assert [band for band, _ in sent] == [-2, 0, 5, 5]
+    assert urgent < batch1 < batch2 and normal < batch2
     settled(served)
     flow = flow_of(served)
     assert {-2, 0, 5} <= set(flow.stats.dispatched)
@@ -154,8 +176,10 @@ def test_within_a_band_the_least_served_tenant_goes_first(served: Served) -> Non
         ]
         return await queue_then_release(served, calls)
 
+    sent = record_dispatches(served)
     a1, a2, a3, b1 = asyncio.run(main())
-    assert a1 < b1 < a2 < a3
+    assert [tenant for _, tenant in sent] == ["alpha", "beta", "alpha", "alpha"]
+    assert a1 < a2 < a3 and b1 < a3
     settled(served)
 
 
