@@ -27,13 +27,15 @@ import time
 
 import torch
 
-from kvroute.kernels import cpu
+from kvroute.kernels import AttentionMetadata, cpu
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 32
+SCALE = HEAD_DIM**-0.5
 
 
 def _case(layers: int, specs: list[tuple[int, int]], seed: int = 0):  # type: ignore[no-untyped-def]
-    """(query, caches per layer, index kwargs, query-key pairs seen) for (cached, new) specs."""
+    """(query, caches per layer, the step's metadata, query-key pairs seen) for (cached, new)
+    specs."""
     g = torch.Generator().manual_seed(seed)
     lens = [c + n for c, n in specs]
     per = [-(-s // BLOCK) for s in lens]
@@ -54,30 +56,29 @@ def _case(layers: int, specs: list[tuple[int, int]], seed: int = 0):  # type: ig
     new = [n for _, n in specs]
     qsl = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
     query = torch.randn(sum(new), HEADS, HEAD_DIM, generator=g)
-    kwargs = {
-        "block_tables": tables,
-        "seq_lens": torch.tensor(lens, dtype=torch.int32),
-        "query_start_loc": qsl,
-        "scale": HEAD_DIM**-0.5,
-        "max_query_len": max(new),
-        "max_seq_len": max(lens),
-    }
+    meta = AttentionMetadata.of(
+        tables,
+        torch.tensor(lens, dtype=torch.int32),
+        qsl,
+        max_query_len=max(new),
+        max_seq_len=max(lens),
+    )
     pairs = sum(sum(c + i + 1 for i in range(n)) for c, n in specs)
-    return query, caches, kwargs, pairs
+    return query, caches, meta, pairs
 
 
 def _time(
-    query, caches, kwargs, repeat: int, clock=time.process_time, **switches
+    query, caches, meta, repeat: int, clock=time.process_time, **switches
 ) -> tuple[float, torch.Tensor]:  # type: ignore[no-untyped-def]
     """``switches``: cpu.paged_attention's ``decode_kernel`` / ``prefill_kernel``."""
     out = None
     for k, v in caches:  # warm-up: plans, allocator
-        out = cpu.paged_attention(query, k, v, **kwargs, **switches)
+        out = cpu.paged_attention(query, k, v, meta, scale=SCALE, **switches)
     best = float("inf")
     for _ in range(repeat):
         t0 = clock()
         for k, v in caches:
-            out = cpu.paged_attention(query, k, v, **kwargs, **switches)
+            out = cpu.paged_attention(query, k, v, meta, scale=SCALE, **switches)
         best = min(best, clock() - t0)
     assert out is not None
     return best, out
@@ -113,10 +114,10 @@ def main() -> None:
     print("| kind | batch | torch ms | C ms | C vs torch | C useful GFLOP/s | max abs diff |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for kind, name, specs in cases:
-        query, caches, kwargs, pairs = _case(args.layers, specs)
+        query, caches, meta, pairs = _case(args.layers, specs)
         off = {"prefill_kernel" if kind == "prefill" else "decode_kernel": False}
-        slow, want = _time(query, caches, kwargs, args.repeat, **off)
-        fast, got = _time(query, caches, kwargs, args.repeat)
+        slow, want = _time(query, caches, meta, args.repeat, **off)
+        fast, got = _time(query, caches, meta, args.repeat)
         flops = 4 * HEADS * HEAD_DIM * pairs * args.layers
         diff = (got - want).abs().max().item()
         print(
@@ -137,11 +138,11 @@ def threads(args: argparse.Namespace, cases: list) -> None:  # type: ignore[type
     print(f"| kind | batch | 1 thread ms | {n} threads ms | speed-up | outputs equal |")
     print("| --- | --- | ---: | ---: | ---: | --- |")
     for kind, name, specs in cases:
-        query, caches, kwargs, _ = _case(args.layers, specs)
+        query, caches, meta, _ = _case(args.layers, specs)
         torch.set_num_threads(1)
-        one, want = _time(query, caches, kwargs, args.repeat, time.perf_counter)
+        one, want = _time(query, caches, meta, args.repeat, time.perf_counter)
         torch.set_num_threads(n)
-        many, got = _time(query, caches, kwargs, args.repeat, time.perf_counter)
+        many, got = _time(query, caches, meta, args.repeat, time.perf_counter)
         print(
             f"| {kind} | {name} | {one * 1e3:,.1f} | {many * 1e3:,.1f} | {one / many:.2f}x "
             f"| {torch.equal(got, want)} |"

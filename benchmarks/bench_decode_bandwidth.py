@@ -26,6 +26,8 @@ from functools import partial
 
 import torch
 
+from kvroute.kernels import AttentionMetadata
+
 BLOCK = 16
 SHAPES = {  # name: (heads, KV heads, head_dim)
     "tiny 8/4/32": (8, 4, 32),
@@ -42,14 +44,14 @@ def make_case(heads: int, kv_heads: int, d: int, batch: int, ctx: int, dtype: to
     k_cache = torch.randn(num_blocks, BLOCK, kv_heads, d, dtype=dtype, device="cuda")
     v_cache = torch.randn_like(k_cache)
     query = torch.randn(batch, heads, d, dtype=dtype, device="cuda")
-    kwargs = {
-        "block_tables": tables.cuda(),
-        "seq_lens": torch.full((batch,), ctx, dtype=torch.int32, device="cuda"),
-        "query_start_loc": torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
-        "scale": d**-0.5,
-        "max_query_len": 1,
-        "max_seq_len": ctx,
-    }
+    meta = AttentionMetadata.of(
+        tables.cuda(),
+        torch.full((batch,), ctx, dtype=torch.int32, device="cuda"),
+        torch.arange(batch + 1, dtype=torch.int32, device="cuda"),
+        max_query_len=1,
+        max_seq_len=ctx,
+    )
+    kwargs = {"meta": meta, "scale": d**-0.5}
     nbytes = k_cache.element_size() * (2 * batch * ctx * kv_heads * d + 2 * batch * heads * d)
     return query, k_cache, v_cache, kwargs, nbytes
 

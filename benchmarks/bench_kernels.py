@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-from kvroute.kernels import available_backends, reference
+from kvroute.kernels import AttentionMetadata, available_backends, reference
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 8, 4, 32, 16
 
@@ -79,14 +79,13 @@ class Case:
         self.query = torch.randn(self.num_tokens, HEADS, HEAD_DIM, generator=g).to(dtype)
         self.query = self.query.to(device)
         starts = torch.tensor([0, *q_lens]).cumsum(0).to(torch.int32)
-        self.kwargs = {
-            "block_tables": tables.to(device),
-            "seq_lens": torch.tensor(seq_lens, dtype=torch.int32, device=device),
-            "query_start_loc": starts.to(device),
-            "scale": HEAD_DIM**-0.5,
-            "max_query_len": max(q_lens),
-            "max_seq_len": max(seq_lens),
-        }
+        self.meta = AttentionMetadata.of(
+            tables.to(device),
+            torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            starts.to(device),
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+        )
         self.seq_lens, self.q_lens, self.tables = seq_lens, q_lens, tables
         self.dtype, self.device = dtype, device
 
@@ -152,7 +151,9 @@ class Case:
 
 
 def attention(backend: ModuleType, case: Case) -> Tensor:
-    return backend.paged_attention(case.query, case.k_cache, case.v_cache, **case.kwargs)
+    return backend.paged_attention(
+        case.query, case.k_cache, case.v_cache, case.meta, scale=HEAD_DIM**-0.5
+    )
 
 
 def main() -> None:

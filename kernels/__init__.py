@@ -75,34 +75,21 @@ def paged_attention(
     query: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
+    meta: AttentionMetadata,
     *,
-    block_tables: Tensor,
-    seq_lens: Tensor,
-    query_start_loc: Tensor,
     scale: float,
-    max_query_len: int | None = None,
-    max_seq_len: int | None = None,
     sliding_window: int | None = None,
 ) -> Tensor:
     """Bottom-right causal attention of a flattened varlen batch over the paged cache.
 
-    query: [num_tokens, num_heads, head_dim]; sequence i's new tokens are
-    ``query[query_start_loc[i]:query_start_loc[i+1]]`` at positions
-    ``seq_lens[i] - q_len_i .. seq_lens[i] - 1``, already stored by ``store_kv``. GQA when
-    num_heads is a multiple of num_kv_heads. ``sliding_window`` W: a query at position p
-    sees keys p - W + 1 .. p (transformers' and vLLM's convention); None sees all.
-    Returns [num_tokens, num_heads, head_dim] in ``query.dtype``, accumulated in fp32 (rows
-    past the last sequence are zero).
+    query: [num_tokens, num_heads, head_dim]; with ``meta``'s index tensors, sequence i's
+    new tokens are ``query[query_start_loc[i]:query_start_loc[i+1]]`` at positions
+    ``seq_lens[i] - q_len_i .. seq_lens[i] - 1``, already stored by ``store_kv``
+    (:meth:`AttentionMetadata.of` wraps bare tensors). GQA when num_heads is a multiple of
+    num_kv_heads. ``sliding_window`` W: a query at position p sees keys p - W + 1 .. p
+    (transformers' and vLLM's convention); None sees all. Returns [num_tokens, num_heads,
+    head_dim] in ``query.dtype``, accumulated in fp32 (rows past the last sequence are zero).
     """
     return _backend(query).paged_attention(
-        query,
-        k_cache,
-        v_cache,
-        block_tables=block_tables,
-        seq_lens=seq_lens,
-        query_start_loc=query_start_loc,
-        scale=scale,
-        max_query_len=max_query_len,
-        max_seq_len=max_seq_len,
-        sliding_window=sliding_window,
+        query, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window
     )

@@ -9,9 +9,9 @@
 - ``KVROUTE_CPU_DECODE_KERNEL=0``: CPU decodes through the torch reference, not the C kernel.
 - ``KVROUTE_CPU_PREFILL_KERNEL=0``: CPU prefills through torch's SDPA, not the C kernel.
 
-Every backend offers the kernels' contract (``store_kv``, and ``paged_attention`` with
-:func:`kvroute.kernels.reference.paged_attention`'s signature) and :meth:`KernelBackend.attend`,
-which takes the step's :class:`AttentionMetadata` in place of its five index arguments.
+Every backend offers the kernels' contract: ``store_kv``, and ``paged_attention`` with
+:func:`kvroute.kernels.reference.paged_attention`'s signature (the step's
+:class:`~kvroute.kernels.metadata.AttentionMetadata`, what each layer passes).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import torch
 from torch import Tensor
 
 from kvroute.kernels import cpu, reference
-from kvroute.kernels.metadata import AttentionMetadata
 
 __all__ = [
     "BACKEND_ENV",
@@ -67,30 +66,8 @@ class KernelBackend:
 
     name = "abstract"
     store_kv: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], None]
+    # (query, k_cache, v_cache, meta, *, scale, sliding_window): the reference's signature
     paged_attention: Callable[..., Tensor]
-
-    def attend(
-        self,
-        query: Tensor,
-        k_cache: Tensor,
-        v_cache: Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None = None,
-    ) -> Tensor:
-        """``paged_attention`` over the step's metadata (what each layer calls)."""
-        return self.paged_attention(
-            query,
-            k_cache,
-            v_cache,
-            block_tables=meta.block_tables,
-            seq_lens=meta.seq_lens,
-            query_start_loc=meta.query_start_loc,
-            scale=scale,
-            max_query_len=meta.max_query_len,
-            max_seq_len=meta.max_seq_len,
-            sliding_window=sliding_window,
-        )
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

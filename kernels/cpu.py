@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from kvroute.kernels import reference
+from kvroute.kernels.metadata import AttentionMetadata
 
 __all__ = [
     "decode_kernel_available",
@@ -150,22 +151,18 @@ class _StepPlans:
         query: Tensor,
         k_cache: Tensor,
         v_cache: Tensor,
-        block_tables: Tensor,
-        seq_lens: Tensor,
-        query_start_loc: Tensor,
-        max_query_len: int | None,
-        max_seq_len: int | None,
+        meta: AttentionMetadata,
         sliding_window: int | None,
     ) -> _Plan:
-        tensors = (block_tables, seq_lens, query_start_loc)
+        tensors = (meta.block_tables, meta.seq_lens, meta.query_start_loc)
         # Everything check_batch reads besides the tensors' contents: a hit has passed it.
         key = (
             *(-1 if t.is_inference() else t._version for t in tensors),
             *query.shape,
             *k_cache.shape,
             *v_cache.shape,
-            max_query_len or -1,
-            max_seq_len or -1,
+            meta.max_query_len or -1,
+            meta.max_seq_len or -1,
             -1 if sliding_window is None else sliding_window,
             torch.get_num_threads(),
         )
@@ -177,17 +174,7 @@ class _StepPlans:
             and all(c is None or torch.equal(c, t) for c, t in zip(last[2], tensors, strict=True))
         ):
             return last[3]
-        qsl, lens = reference.check_batch(
-            query,
-            k_cache,
-            v_cache,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            max_query_len,
-            max_seq_len,
-            sliding_window,
-        )
+        qsl, lens = reference.check_batch(query, k_cache, v_cache, meta, sliding_window)
         threads = torch.get_num_threads()
         decodes = [i for i in range(len(lens)) if qsl[i + 1] - qsl[i] == 1]
         prefills, windowed = [], []  # more than one new token: uncut / cut by the window
@@ -196,7 +183,7 @@ class _StepPlans:
                 cut = reference.window_applies(lens[i], sliding_window)
                 (windowed if cut else prefills).append(i)
         if len(decodes) > 1:
-            first = block_tables[:, 0].tolist()
+            first = meta.block_tables[:, 0].tolist()
             decodes.sort(key=first.__getitem__)
         pairs = [(qsl[i + 1] - qsl[i]) * (lens[i] - (qsl[i + 1] - qsl[i]) / 2) for i in prefills]
         plan = _Plan(
@@ -206,8 +193,8 @@ class _StepPlans:
             prefills=prefills,
             prefill_seqs=_split(prefills, pairs, threads, _MIN_PREFILL_PAIRS),
             windowed=windowed,
-            seq_lens=seq_lens.to(torch.int32).contiguous(),
-            query_start_loc=query_start_loc.to(torch.int32).contiguous(),
+            seq_lens=meta.seq_lens.to(torch.int32).contiguous(),
+            query_start_loc=meta.query_start_loc.to(torch.int32).contiguous(),
         )
         refs = tuple(weakref.ref(t) for t in tensors)
         copies = tuple(t.clone() if t.is_inference() else None for t in tensors)
@@ -256,13 +243,9 @@ def paged_attention(
     query: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
+    meta: AttentionMetadata,
     *,
-    block_tables: Tensor,
-    seq_lens: Tensor,
-    query_start_loc: Tensor,
     scale: float,
-    max_query_len: int | None = None,
-    max_seq_len: int | None = None,
     sliding_window: int | None = None,
     decode_kernel: bool = True,
     prefill_kernel: bool = True,
@@ -270,34 +253,16 @@ def paged_attention(
     """Same contract as :func:`kvroute.kernels.reference.paged_attention`. ``decode_kernel``
     False: everything through the reference; ``prefill_kernel`` False: prefills through
     torch's SDPA (each kernel is used only where it is built)."""
+    block_tables = meta.block_tables
     if not (
         decode_kernel
         and _cpu_attention is not None
         and _fits(query, k_cache, v_cache, block_tables)
     ):
         return reference.paged_attention(
-            query,
-            k_cache,
-            v_cache,
-            block_tables=block_tables,
-            seq_lens=seq_lens,
-            query_start_loc=query_start_loc,
-            scale=scale,
-            max_query_len=max_query_len,
-            max_seq_len=max_seq_len,
-            sliding_window=sliding_window,
+            query, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window
         )
-    plan = _plans.get(
-        query,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        max_query_len,
-        max_seq_len,
-        sliding_window,
-    )
+    plan = _plans.get(query, k_cache, v_cache, meta, sliding_window)
     out = torch.empty(query.shape, dtype=query.dtype)
     out[plan.qsl[-1] :].zero_()
     torch_prefills = plan.windowed

@@ -24,8 +24,11 @@ class AttentionMetadata:
     block_tables: Tensor  # [num_seqs, max_blocks_per_seq] int32
     seq_lens: Tensor  # [num_seqs] int32, context length after this step
     query_start_loc: Tensor  # [num_seqs + 1] int32
-    max_query_len: int
-    max_seq_len: int
+    # Upper bounds the kernels may trust (the runner always sets them). None: not known
+    # (callers with bare tensors): the reference then checks nothing against them and
+    # Triton takes its large tile.
+    max_query_len: int | None
+    max_seq_len: int | None
     num_decodes: int | None = None
 
     @property
@@ -38,17 +41,32 @@ class AttentionMetadata:
 
     @property
     def decode_only(self) -> bool:
-        return self.max_query_len <= 1
+        return self.max_query_len is not None and self.max_query_len <= 1
 
-    def attention_kwargs(self) -> dict[str, Tensor | int]:
-        """Keyword arguments of ``paged_attention`` except ``scale``."""
-        return {
-            "block_tables": self.block_tables,
-            "seq_lens": self.seq_lens,
-            "query_start_loc": self.query_start_loc,
-            "max_query_len": self.max_query_len,
-            "max_seq_len": self.max_seq_len,
-        }
+    @classmethod
+    def of(
+        cls,
+        block_tables: Tensor,
+        seq_lens: Tensor,
+        query_start_loc: Tensor,
+        *,
+        max_query_len: int | None = None,
+        max_seq_len: int | None = None,
+        slot_mapping: Tensor | None = None,
+    ) -> AttentionMetadata:
+        """Metadata around index tensors a caller already has (tests, benchmarks, cascade
+        attention), for ``paged_attention``, which reads neither ``slot_mapping`` (default:
+        empty) nor ``num_decodes`` (None)."""
+        if slot_mapping is None:
+            slot_mapping = torch.empty(0, dtype=torch.int64, device=block_tables.device)
+        return cls(
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            seq_lens=seq_lens,
+            query_start_loc=query_start_loc,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+        )
 
     @classmethod
     def build(

@@ -23,6 +23,8 @@ import torch
 from torch import Tensor
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
+from kvroute.kernels.metadata import AttentionMetadata
+
 __all__ = ["attend_decodes", "attend_prefills", "check_batch", "paged_attention", "store_kv"]
 
 # Bytes of gathered K (and again of V) per decode chunk: big enough to batch dozens of short
@@ -287,14 +289,12 @@ def check_batch(
     query: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
-    block_tables: Tensor,
-    seq_lens: Tensor,
-    query_start_loc: Tensor,
-    max_query_len: int | None,
-    max_seq_len: int | None,
+    meta: AttentionMetadata,
     sliding_window: int | None,
 ) -> tuple[list[int], list[int]]:
     """Validates a batch; returns (query_start_loc, seq_lens) as host lists."""
+    block_tables = meta.block_tables
+    max_query_len, max_seq_len = meta.max_query_len, meta.max_seq_len
     if query.dim() != 3 or k_cache.dim() != 4:
         raise ValueError("query must be [T, H, D] and caches [num_blocks, block_size, Hk, D]")
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
@@ -304,8 +304,8 @@ def check_batch(
         raise ValueError("query, k_cache and v_cache disagree on head_dim or shape")
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, not {sliding_window}")
-    qsl = query_start_loc.tolist()
-    lens = seq_lens.tolist()
+    qsl = meta.query_start_loc.tolist()
+    lens = meta.seq_lens.tolist()
     num_seqs = len(lens)
     if len(qsl) != num_seqs + 1 or qsl[0] != 0 or qsl[-1] > query.shape[0]:
         raise ValueError("query_start_loc must be [num_seqs + 1], start at 0, end <= num_tokens")
@@ -441,34 +441,22 @@ def paged_attention(
     query: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
+    meta: AttentionMetadata,
     *,
-    block_tables: Tensor,
-    seq_lens: Tensor,
-    query_start_loc: Tensor,
     scale: float,
-    max_query_len: int | None = None,
-    max_seq_len: int | None = None,
     sliding_window: int | None = None,
 ) -> Tensor:
     """Causal (bottom-right) attention of a varlen batch of new tokens over the paged cache.
 
-    ``sliding_window``: a query at position p sees keys p - sliding_window + 1 .. p only
-    (transformers' and vLLM's convention); None sees all. The maxima are accepted for
-    parity with the Triton path (which sizes its tiles from ``max_query_len``); here they
-    are only checked, so a runner that passes maxima below the real ones fails on CPU, in
-    tests, rather than silently on a GPU.
+    ``meta`` gives the step's index tensors (its ``slot_mapping`` and ``num_decodes`` are
+    not read). ``sliding_window``: a query at position p sees keys p - sliding_window + 1 ..
+    p only (transformers' and vLLM's convention); None sees all. The maxima in ``meta`` are
+    accepted for parity with the Triton path (which sizes its tiles from ``max_query_len``);
+    here they are only checked, so a runner that passes maxima below the real ones fails on
+    CPU, in tests, rather than silently on a GPU.
     """
-    qsl, lens = check_batch(
-        query,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        max_query_len,
-        max_seq_len,
-        sliding_window,
-    )
+    qsl, lens = check_batch(query, k_cache, v_cache, meta, sliding_window)
+    block_tables = meta.block_tables
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     out[qsl[-1] :].zero_()  # rows past the last sequence are padding
     decodes = attend_prefills(

@@ -28,6 +28,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kvroute.kernels.metadata import AttentionMetadata
+
 __all__ = ["paged_attention", "store_kv"]
 
 _LOG2E = 1.4426950408889634
@@ -270,20 +272,16 @@ def paged_attention(
     query: Tensor,
     k_cache: Tensor,
     v_cache: Tensor,
+    meta: AttentionMetadata,
     *,
-    block_tables: Tensor,
-    seq_lens: Tensor,
-    query_start_loc: Tensor,
     scale: float,
-    max_query_len: int | None = None,
-    max_seq_len: int | None = None,
     sliding_window: int | None = None,
 ) -> Tensor:
     """Same contract as ``kvroute.kernels.reference.paged_attention``; never syncs.
 
-    ``max_query_len`` only picks the tile size (results are right whatever it says; 1 for a
-    decode-only step gets the small tile); ``max_seq_len`` is accepted for parity and unused:
-    each program reads its own sequence's length.
+    ``meta.max_query_len`` only picks the tile size (results are right whatever it says; 1
+    for a decode-only step gets the small tile); ``meta.max_seq_len`` is unused: each
+    program reads its own sequence's length.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -292,13 +290,13 @@ def paged_attention(
     if k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim:
         raise ValueError("query, k_cache and v_cache disagree on head_dim or shape")
     out = torch.zeros_like(query)  # rows past the last sequence stay zero, as in the reference
-    num_seqs = seq_lens.shape[0]
+    num_seqs = meta.num_seqs
     if num_tokens == 0 or num_seqs == 0:
         return out
     # The kernel indexes these as dense vectors / rows (no-ops for the runner's tensors).
-    block_tables, seq_lens = block_tables.contiguous(), seq_lens.contiguous()
-    query_start_loc = query_start_loc.contiguous()
-    cfg = launch_config(num_heads, num_kv_heads, head_dim, max_query_len)
+    block_tables, seq_lens = meta.block_tables.contiguous(), meta.seq_lens.contiguous()
+    query_start_loc = meta.query_start_loc.contiguous()
+    cfg = launch_config(num_heads, num_kv_heads, head_dim, meta.max_query_len)
     grid = (num_tokens // cfg["BLOCK_Q"] + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out,

@@ -259,7 +259,9 @@ class PagedDecoder:
                 qk = _rotate(qkv[:, : (h + hk) * d].view(t, h + hk, d), cos[:, None], sin[:, None])
             q, k = qk[:, :h], qk[:, h:]
             kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-            o = kernels.attend(q, k_cache, v_cache, meta, self.scale, layer.window)
+            o = kernels.paged_attention(
+                q, k_cache, v_cache, meta, scale=self.scale, sliding_window=layer.window
+            )
             o = o.view(t, h * d)
             hidden = layer.o(o)
             if lora is not None:

@@ -114,7 +114,9 @@ def _paged_attention_forward(
         key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, meta.slot_mapping
     )
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = kernels.attend(q, k_cache, v_cache, meta, scale, sliding_window)
+    out = kernels.paged_attention(
+        q, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window
+    )
     return out.unsqueeze(0), None  # [1, tokens, heads, head_dim], no weights
 
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from kvroute.kernels import AttentionMetadata
+
 
 @dataclass
 class Batch:
@@ -29,13 +31,18 @@ class Batch:
     q_lens: list[int]
     scale: float
 
-    def kwargs(self) -> dict:
-        return {
-            "block_tables": self.block_tables,
-            "seq_lens": self.seq_lens,
-            "query_start_loc": self.query_start_loc,
-            "scale": self.scale,
-        }
+    def meta(
+        self, *, max_query_len: int | None = None, max_seq_len: int | None = None
+    ) -> AttentionMetadata:
+        """The batch's index tensors as ``paged_attention``'s metadata (maxima: none given)."""
+        return AttentionMetadata.of(
+            self.block_tables,
+            self.seq_lens,
+            self.query_start_loc,
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            slot_mapping=self.slot_mapping,
+        )
 
 
 def make_batch(

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvroute.kernels import paged_attention
+from kvroute.kernels import AttentionMetadata, paged_attention
 from kvroute.kernels import reference as ref
 
 
@@ -58,13 +58,12 @@ def _shared_prefix_batch(
         values.append(v)
     padded = [t + [10**6] * (width - len(t)) for t in tables]  # garbage past each table
     query = torch.randn(len(lens), num_heads, head_dim, generator=g, dtype=torch.float64)
-    kwargs = {
-        "block_tables": torch.tensor(padded, dtype=torch.int32),
-        "seq_lens": torch.tensor(lens, dtype=torch.int32),
-        "query_start_loc": torch.arange(len(lens) + 1, dtype=torch.int32),
-        "scale": head_dim**-0.5,
-    }
-    return query, k_cache, v_cache, kwargs, keys, values
+    meta = AttentionMetadata.of(
+        torch.tensor(padded, dtype=torch.int32),
+        torch.tensor(lens, dtype=torch.int32),
+        torch.arange(len(lens) + 1, dtype=torch.int32),
+    )
+    return query, k_cache, v_cache, meta, head_dim**-0.5, keys, values
 
 
 def _oracle(query, keys, values, scale):
@@ -80,46 +79,40 @@ def _oracle(query, keys, values, scale):
 @pytest.mark.parametrize("group", [1, 2, 4])
 @pytest.mark.parametrize("tails", [[1, 5, 16, 17, 40, 3], [1, 1, 1, 1], [33] * 9])
 def test_cascade_matches_dense(group: int, tails: list[int]) -> None:
-    query, kc, vc, kw, keys, values = _shared_prefix_batch(
+    query, kc, vc, meta, scale, keys, values = _shared_prefix_batch(
         512, tails, loners=[20, 700], num_heads=2 * group, num_kv_heads=2
     )
     groups, rest = ref._cascade_groups(
-        list(range(len(tails) + 2)), kw["block_tables"], kw["seq_lens"].tolist(), 16
+        list(range(len(tails) + 2)), meta.block_tables, meta.seq_lens.tolist(), 16
     )
     assert [sorted(m) for m, _ in groups] == [list(range(len(tails)))]  # the path under test ran
     assert groups[0][1] == 32  # all 512 prefix tokens: every tail is at least one token
     assert sorted(rest) == [len(tails), len(tails) + 1]
-    out = paged_attention(query, kc, vc, **kw)
-    torch.testing.assert_close(
-        out, _oracle(query, keys, values, kw["scale"]), atol=1e-10, rtol=1e-10
-    )
+    out = paged_attention(query, kc, vc, meta, scale=scale)
+    torch.testing.assert_close(out, _oracle(query, keys, values, scale), atol=1e-10, rtol=1e-10)
 
 
 def test_cascade_stops_at_the_first_differing_block_and_keeps_a_tail() -> None:
     """A member whose context ends exactly on a shared block boundary keeps its last block."""
-    query, kc, vc, kw, keys, values = _shared_prefix_batch(
+    query, kc, vc, meta, scale, keys, values = _shared_prefix_batch(
         320, [16, 16, 16, 16, 48], loners=[], num_heads=4, num_kv_heads=2
     )
-    lens = kw["seq_lens"].tolist()
-    groups, _ = ref._cascade_groups(list(range(5)), kw["block_tables"], lens, 16)
+    lens = meta.seq_lens.tolist()
+    groups, _ = ref._cascade_groups(list(range(5)), meta.block_tables, lens, 16)
     members, shared = groups[0]
     assert shared == 20  # 320 tokens; every member still has >= 1 own token after it
     assert all(lens[i] > shared * 16 for i in members)
-    out = paged_attention(query, kc, vc, **kw)
-    torch.testing.assert_close(
-        out, _oracle(query, keys, values, kw["scale"]), atol=1e-10, rtol=1e-10
-    )
+    out = paged_attention(query, kc, vc, meta, scale=scale)
+    torch.testing.assert_close(out, _oracle(query, keys, values, scale), atol=1e-10, rtol=1e-10)
 
 
 def test_small_groups_and_short_prefixes_take_the_plain_path() -> None:
-    query, kc, vc, kw, keys, values = _shared_prefix_batch(
+    query, kc, vc, meta, scale, keys, values = _shared_prefix_batch(
         64, [4, 4, 4, 4, 4], loners=[], num_heads=4, num_kv_heads=2
     )
     groups, rest = ref._cascade_groups(
-        list(range(5)), kw["block_tables"], kw["seq_lens"].tolist(), 16
+        list(range(5)), meta.block_tables, meta.seq_lens.tolist(), 16
     )
     assert groups == [] and rest == list(range(5))
-    out = paged_attention(query, kc, vc, **kw)
-    torch.testing.assert_close(
-        out, _oracle(query, keys, values, kw["scale"]), atol=1e-10, rtol=1e-10
-    )
+    out = paged_attention(query, kc, vc, meta, scale=scale)
+    torch.testing.assert_close(out, _oracle(query, keys, values, scale), atol=1e-10, rtol=1e-10)

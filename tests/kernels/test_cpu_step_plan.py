@@ -8,7 +8,7 @@ import gc
 import pytest
 import torch
 
-from kvroute.kernels import cpu, reference
+from kvroute.kernels import AttentionMetadata, cpu, reference
 
 from .batches import dense_attention, make_batch, tolerance
 
@@ -21,7 +21,9 @@ def _run(batch) -> torch.Tensor:  # type: ignore[no-untyped-def]
     reference.store_kv(
         batch.new_keys, batch.new_values, batch.k_cache, batch.v_cache, batch.slot_mapping
     )
-    return cpu.paged_attention(batch.query, batch.k_cache, batch.v_cache, **batch.kwargs())
+    return cpu.paged_attention(
+        batch.query, batch.k_cache, batch.v_cache, batch.meta(), scale=batch.scale
+    )
 
 
 def test_layers_of_one_step_share_a_plan() -> None:
@@ -75,9 +77,7 @@ def _change_in_place() -> tuple[torch.Tensor, torch.Tensor]:
         b.query,
         b.k_cache,
         b.v_cache,
-        block_tables=a.block_tables,
-        seq_lens=a.seq_lens,
-        query_start_loc=a.query_start_loc,
+        AttentionMetadata.of(a.block_tables, a.seq_lens, a.query_start_loc),
         scale=b.scale,
     )
     return got, dense_attention(b).float()

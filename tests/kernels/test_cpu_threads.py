@@ -20,7 +20,9 @@ pytestmark = pytest.mark.skipif(
 
 
 def _attend(batch: Batch) -> torch.Tensor:
-    return cpu.paged_attention(batch.query, batch.k_cache, batch.v_cache, **batch.kwargs())
+    return cpu.paged_attention(
+        batch.query, batch.k_cache, batch.v_cache, batch.meta(), scale=batch.scale
+    )
 
 
 def _batch(specs: list[tuple[int, int]], seed: int = 0) -> Batch:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -91,7 +93,9 @@ def test_matches_dense(scenario: str, group: int, block_size: int, dtype: torch.
         seed=group * 100 + block_size,
     )
     _fill(batch)
-    out = paged_attention(batch.query, batch.k_cache, batch.v_cache, **batch.kwargs())
+    out = paged_attention(
+        batch.query, batch.k_cache, batch.v_cache, batch.meta(), scale=batch.scale
+    )
     assert out.dtype == dtype and out.shape == batch.query.shape
     assert not out.isnan().any()  # NaN garbage in unwritten slots never leaks
     torch.testing.assert_close(out.double(), dense_attention(batch), **tolerance(dtype))
@@ -101,7 +105,9 @@ def test_float64_is_exact_enough() -> None:
     """In float64 the reference must agree with the oracle to rounding, not to a tolerance."""
     batch = make_batch(SCENARIOS["mixed"], num_heads=8, num_kv_heads=2, dtype=torch.float64)
     _fill(batch)
-    out = paged_attention(batch.query, batch.k_cache, batch.v_cache, **batch.kwargs())
+    out = paged_attention(
+        batch.query, batch.k_cache, batch.v_cache, batch.meta(), scale=batch.scale
+    )
     torch.testing.assert_close(out, dense_attention(batch), **tolerance(torch.float64))
 
 
@@ -109,7 +115,9 @@ def test_cached_prefix_is_bottom_right_aligned() -> None:
     """The pitfall: SDPA's is_causal aligns top-left; a chunk over a prefix must see it all."""
     batch = make_batch([(48, 8)], num_heads=2, num_kv_heads=2, dtype=torch.float64)
     _fill(batch)
-    out = paged_attention(batch.query, batch.k_cache, batch.v_cache, **batch.kwargs())
+    out = paged_attention(
+        batch.query, batch.k_cache, batch.v_cache, batch.meta(), scale=batch.scale
+    )
     k, v = batch.keys[0].double(), batch.values[0].double()
     q = batch.query.double().transpose(0, 1)
     top_left = torch.nn.functional.scaled_dot_product_attention(
@@ -123,27 +131,35 @@ def test_padding_rows_are_zero_and_max_hints_checked() -> None:
     batch = make_batch([(10, 3), (4, 1)], num_heads=4, num_kv_heads=2, padding_rows=5)
     _fill(batch)
     out = paged_attention(
-        batch.query, batch.k_cache, batch.v_cache, max_query_len=3, max_seq_len=13, **batch.kwargs()
+        batch.query,
+        batch.k_cache,
+        batch.v_cache,
+        batch.meta(max_query_len=3, max_seq_len=13),
+        scale=batch.scale,
     )
     assert torch.equal(out[4:], torch.zeros_like(out[4:]))
     torch.testing.assert_close(out[:4].double(), dense_attention(batch)[:4], **tolerance(out.dtype))
     with pytest.raises(ValueError, match="max_query_len"):
         paged_attention(
-            batch.query, batch.k_cache, batch.v_cache, max_query_len=1, **batch.kwargs()
+            batch.query,
+            batch.k_cache,
+            batch.v_cache,
+            batch.meta(max_query_len=1),
+            scale=batch.scale,
         )
 
 
 def test_rejects_inconsistent_inputs() -> None:
     batch = make_batch([(10, 3)], num_heads=4, num_kv_heads=2)
-    kw = batch.kwargs()
+    meta = batch.meta()
     with pytest.raises(ValueError, match="multiple"):
-        paged_attention(batch.query[:, :3], batch.k_cache, batch.v_cache, **kw)
+        paged_attention(batch.query[:, :3], batch.k_cache, batch.v_cache, meta, scale=batch.scale)
     with pytest.raises(ValueError, match="new tokens"):
-        kw_bad = {**kw, "seq_lens": torch.tensor([2], dtype=torch.int32)}
-        paged_attention(batch.query, batch.k_cache, batch.v_cache, **kw_bad)
+        bad = replace(meta, seq_lens=torch.tensor([2], dtype=torch.int32))
+        paged_attention(batch.query, batch.k_cache, batch.v_cache, bad, scale=batch.scale)
     with pytest.raises(ValueError, match="block table"):
-        kw_bad = {**kw, "seq_lens": torch.tensor([10**4], dtype=torch.int32)}
-        paged_attention(batch.query, batch.k_cache, batch.v_cache, **kw_bad)
+        bad = replace(meta, seq_lens=torch.tensor([10**4], dtype=torch.int32))
+        paged_attention(batch.query, batch.k_cache, batch.v_cache, bad, scale=batch.scale)
 
 
 def test_decode_chunks_cover_every_sequence_once_within_budget() -> None:
@@ -167,7 +183,9 @@ def test_decode_chunking_does_not_change_results(
     monkeypatch.setattr(ref, "_DECODE_CHUNK_BYTES", budget)
     batch = make_batch(SCENARIOS[scenario], num_heads=8, num_kv_heads=2, dtype=torch.float64)
     _fill(batch)
-    out = paged_attention(batch.query, batch.k_cache, batch.v_cache, **batch.kwargs())
+    out = paged_attention(
+        batch.query, batch.k_cache, batch.v_cache, batch.meta(), scale=batch.scale
+    )
     torch.testing.assert_close(out, dense_attention(batch), **tolerance(torch.float64))
 
 
@@ -195,7 +213,9 @@ def test_property_random_batches(
         dtype=torch.float64,
     )
     _fill(batch)
-    out = paged_attention(batch.query, batch.k_cache, batch.v_cache, **batch.kwargs())
+    out = paged_attention(
+        batch.query, batch.k_cache, batch.v_cache, batch.meta(), scale=batch.scale
+    )
     torch.testing.assert_close(out, dense_attention(batch), **tolerance(torch.float64))
 
 
@@ -221,9 +241,7 @@ def test_metadata_build_matches_batch_and_drives_a_step() -> None:
     padded_v = torch.cat([batch.new_values, torch.zeros(2, *batch.new_values.shape[1:])])
     store_kv(padded_k, padded_v, batch.k_cache, batch.v_cache, meta.slot_mapping)
     query = torch.cat([batch.query, torch.zeros(2, *batch.query.shape[1:])])
-    out = paged_attention(
-        query, batch.k_cache, batch.v_cache, scale=batch.scale, **meta.attention_kwargs()
-    )
+    out = paged_attention(query, batch.k_cache, batch.v_cache, meta, scale=batch.scale)
     torch.testing.assert_close(out[:-2].double(), dense_attention(batch), **tolerance(out.dtype))
 
 
@@ -241,7 +259,9 @@ def test_backends_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVROUTE_KERNELS_BACKEND", "triton")
     batch = make_batch([(5, 2)], num_heads=2, num_kv_heads=1)
     _fill(batch)
-    out = paged_attention(batch.query, batch.k_cache, batch.v_cache, **batch.kwargs())
+    out = paged_attention(
+        batch.query, batch.k_cache, batch.v_cache, batch.meta(), scale=batch.scale
+    )
     torch.testing.assert_close(out.double(), dense_attention(batch), **tolerance(out.dtype))
 
 
