@@ -131,6 +131,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sim.add_argument("--link-latency-ms", type=float, default=1.0,
                      help="P/D: a pull's latency on top of its bytes (default 1 ms)")  # fmt: skip
     sim.add_argument(
+        "--flow-depth",
+        type=int,
+        default=0,
+        metavar="N",
+        help="flow control in the front door, as `kvroute serve --flow-depth` (its default "
+        "16): requests wait at the door while every replica has N of them without a first "
+        "token, then are routed among those with room (default 0: off, routed on arrival)",
+    )
+    sim.add_argument(
+        "--flow-tokens",
+        type=int,
+        default=8192,
+        metavar="T",
+        help="flow control: ... or T of their prompt tokens (default 8192)",
+    )
+    sim.add_argument(
         "--long-prefill-token-threshold",
         type=int,
         default=0,
@@ -310,6 +326,8 @@ def run(args: argparse.Namespace) -> int:
         or (args.pd_split is not None and not (args.prefill_replicas or args.decode_replicas)),
         link_bytes_per_s=args.link_gbps * 1e9,
         link_latency_s=args.link_latency_ms / 1000.0,
+        flow_depth=args.flow_depth or None,
+        flow_tokens=args.flow_tokens,
     )
     show = args.progress if args.progress is not None else sys.stderr.isatty()
     if args.sweep_speed:

@@ -44,11 +44,13 @@ is to say whether the router's split rule and its price pay on the engine as it 
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvroute.events.replica_api import GenerateRequest
+from kvroute.replica.core import kv_loads
 from kvroute.replica.core.fair_queue import FairQueue
 from kvroute.replica.core.kv_cache_manager import KVCacheManager
 from kvroute.replica.core.request import Request
@@ -162,7 +164,8 @@ class PDStats:
 class SimPulls:
     """A decode replica's pulls, as its scheduler sees them: the engine's
     :class:`~kvroute.replica.core.kv_loads.KVLoads` interface (``loading``, ``poll``,
-    ``start``, ``drop_source``), with the link's time in place of a loader thread."""
+    ``start``, ``drop_source``, ``track``), with the link's time in place of a loader
+    thread."""
 
     def __init__(self, pd: Disagg, index: int, kv: KVCacheManager, waiting: FairQueue) -> None:
         self.pd, self.index, self.kv, self.waiting = pd, index, kv, waiting
@@ -175,10 +178,13 @@ class SimPulls:
         # "none yet", would price every split at the router's 1 GB/s floor: on a fleet of
         # both, where pulls only follow splits, none would ever split)
         self.bytes_per_s = pd.link_bytes_per_s
+        self._keeps: deque[tuple[float, Request]] = deque()  # as KVLoads': (when, request)
 
     def poll(self) -> None:
         if self.landed:
             self.land()
+        if self._keeps:
+            self._keep_leases()
 
     def start(self, req: Request, hit: list[KVCacheBlock], *, alone: bool) -> bool:
         """``req`` is at the head of the queue: starts its pull (True: it left the queue),
@@ -189,6 +195,25 @@ class SimPulls:
         req.kv_source = None  # one pull per request, at most
         assert isinstance(p, Pull)
         return self.pd.start(p, self, hit)
+
+    def track(self, req: Request) -> None:
+        """A request queued with a source: its lease there is kept alive while it waits,
+        as the engine's Keep messages do (:meth:`KVLoads.track`), on the simulation's clock."""
+        self._keeps.append((self.pd.clock() + kv_loads.KEEP_EVERY_S, req))
+
+    def _keep_leases(self) -> None:
+        now = self.pd.clock()
+        keeps = self._keeps
+        while keeps and keeps[0][0] <= now:
+            _, req = keeps.popleft()
+            p = req.kv_source
+            if not isinstance(p, Pull):  # pulled, given up, or ended
+                continue
+            if p.lease is not None and p.source_alive:
+                leases = p.src_sched.leases
+                assert leases is not None
+                leases.keep(p.lease.lease_id, kv_loads.KEEP_EXTEND_S)
+            keeps.append((now + kv_loads.KEEP_EVERY_S, req))
 
     def drop_source(self, req: Request) -> None:
         """``req`` ended before its pull: its lease goes."""

@@ -63,6 +63,7 @@ from kvroute.router.routing.policy import KVPolicy, Policy, RequestView
 
 from .config import NO_HOST, POLICY_VARIANTS, POOLED, Fault, SimConfig, split_policy
 from .disagg import Disagg, Pull
+from .door import Door
 from .fetch import FETCH, Fetching
 from .lora import SimLoRA
 from .replica import SimReplica, SimRequest
@@ -154,6 +155,8 @@ class SimRun:
         self._seq = 0
         if pd is not None:
             pd.run = self
+        # Flow control (sim/door.py): None routes every request on arrival.
+        self.door = Door(cfg.flow_depth, cfg.flow_tokens) if cfg.flow_depth else None
 
     def _clock(self) -> float:
         return self.now
@@ -249,20 +252,50 @@ class SimRun:
             self.rejected += 1
             req.release()
             return
-        alive = [r.id for r in self.reps if r.alive]
         view = RequestView(
             req.request_id, spec.input_length, self.hashes[i], bs, toks, lora_name=spec.lora_name
         )
+        door = self.door
+        # With flow control, behind those already waiting (first come, first served), or at
+        # the door when no replica it may go to has room.
+        if door is not None and (door.waiting or not self._send(req, view)):
+            door.waiting.append((req, view))
+            door.num_waited += 1
+        elif door is None:
+            self._send(req, view)
+
+    def _send(self, req: SimRequest, view: RequestView) -> bool:
+        """Routes ``req`` and hands it to its replica; False (nothing done) when flow
+        control holds it at the door: no replica it may go to has room."""
+        alive = [r.id for r in self.reps if r.alive]
         if self.pd is not None:  # P/D: the router's plan says which replicas may take it
             alive = self.pd.candidates(req, view, alive, self.now)
+        door = self.door
+        if door is not None and alive:
+            alive = door.room(alive)
+            if not alive:
+                return False
         decision = self.policy.route(view, alive, self.now)
         if decision.fetch_from is not None and isinstance(self.pd, Fetching):
             self.pd.fetch(req, decision, self.now)
         rep = self._by_id[decision.replica]
         req.replica = self._index_of[decision.replica]
         rep.routed += 1
+        if door is not None:
+            door.occupy(req.idx, rep.id, req.spec.input_length)
         rep.inbox.append(req)
         self.kick(rep)
+        return True
+
+    def _open_door(self) -> None:
+        """Slots were given back: the waiting requests go, in order, while there is room."""
+        door = self.door
+        assert door is not None
+        while door.waiting:
+            req, view = door.waiting[0]
+            if not self._send(req, view):
+                return
+            door.waiting.popleft()
 
     def kick(self, rep: SimReplica) -> None:
         """Something reached ``rep`` (its inbox, a P/D pull's blocks): an idle replica steps
@@ -312,22 +345,29 @@ class SimRun:
     def _end_step(self, rep: SimReplica) -> None:
         now, policy = self.now, self.policy
         first, finished = rep.end_step()
+        door, moved = self.door, False
         for r in first:
             if r.resumed:  # a P/D decode part's first token there (the client had one)
                 r.resumed = False
             else:
                 r.first_s = now
             policy.on_first_token(r.request_id, now)
+            if door is not None:
+                moved |= door.vacate(r.idx)
         for r in finished:
             r.done_s = now
             r.release()
             policy.on_finished(r.request_id, now, r.num_output_tokens)
+            if door is not None:
+                moved |= door.vacate(r.idx)
         if rep.handoffs:
             assert self.pd is not None
             self.pd.hand_off(rep)
         self._publish(rep)
         rep.run = None
         self._start_step(rep)
+        if moved:  # after this replica's next step is set: sending may kick it
+            self._open_door()
 
     def _publish(self, rep: SimReplica, events: list | None = None, run_steps: int = 0) -> None:
         """After a step (the ``run_steps``-th of a run in flight): its events, and a load
@@ -355,6 +395,8 @@ class SimRun:
                 rep.crash()  # a fresh, empty engine
                 rep.alive = True
                 rep.epoch += 1
+                if self.door is not None:
+                    self._open_door()  # room again
             return
         if f.kind not in ("restart", "down"):
             raise ValueError(f"unknown fault kind {f.kind!r}")
@@ -364,6 +406,8 @@ class SimRun:
         orphans = rep.crash() + lost
         for r in orphans:
             self.policy.on_finished(r.request_id, self.now)
+            if self.door is not None:
+                self.door.vacate(r.idx)
         if f.kind == "down":
             rep.alive = False
             rep.epoch += 1  # stop its subscription; in-flight batches are dropped
@@ -372,3 +416,5 @@ class SimRun:
             self._publish(rep, [AllBlocksCleared()])
         for r in orphans:  # the front door retries them from scratch
             self._arrive(r.idx, r.first_s)
+        if self.door is not None:
+            self._open_door()
