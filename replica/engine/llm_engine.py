@@ -16,7 +16,8 @@ whose step failed, so a router can tell a possible query of death from a bystand
 
 Beside it: :mod:`.output_processor` (what a step makes of each request's tokens: text,
 stop strings, outputs, a request's own failure) and :mod:`.lora_adapters` (registering
-adapters and requests' adapters), both mixins of :class:`LLMEngine`.
+adapters and requests' adapters), both mixins of :class:`LLMEngine`; and
+:mod:`.kv_transfer_wiring` (its side of kv_transfer: the sender, the handoff, counters).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -46,6 +46,7 @@ from ..core.scheduler_types import SchedulerConfig
 from ..core.structured import StructuredOutputCompiler
 from ..model.cost_model import attention_weight, fair_share_floor, sim_profile
 from .config import EngineConfig, build_kv_tiers, build_runner, eos_token_ids
+from .kv_transfer_wiring import build_kv_plane, build_kv_sender, hand_off, kv_transfer_stats
 from .lora_adapters import EngineLoRA
 from .output_processor import OutputProcessor, RequestState
 
@@ -154,20 +155,12 @@ class LLMEngine(EngineLoRA, OutputProcessor):
         )
         if self.kv_tiers is not None:
             self.scheduler.use_tiers(self.kv_tiers)
-        self.kv_sender: KVSender | None = None
-        if config.kv_transfer:
-            from ..kv_transfer.leases import Leases
-            from ..kv_transfer.sender import BlockReader, KVSender
-
-            leases = Leases(self.kv_cache_manager.block_pool, config.kv_lease_s)
-            self.scheduler.use_leases(leases)
-            replica_id = config.replica_id or f"engine-{os.urandom(6).hex()}"
-            self.kv_sender = KVSender(leases, BlockReader(self.runner.kv_caches), replica_id)
-        self.kv_plane: KVPlaneServer | None = None
-        if self.kv_sender is not None and self._kv_plane_link is not None:
-            from ..kv_transfer.plane import KVPlaneServer
-
-            self.kv_plane = KVPlaneServer(self.kv_sender, config.kv_transfer_bind)
+        self.kv_sender: KVSender | None = build_kv_sender(
+            config, self.kv_cache_manager, self.runner, self.scheduler
+        )
+        self.kv_plane: KVPlaneServer | None = build_kv_plane(
+            config, self.kv_sender, self._kv_plane_link
+        )
         self.event_sinks: list[EventSink] = list(event_sinks)
         self.eos_token_id, self.extra_eos_token_ids = eos_token_ids(path, self.tokenizer)
         # Structured outputs compile against the tokenizer, for the logits' width; a cost
@@ -426,16 +419,7 @@ class LLMEngine(EngineLoRA, OutputProcessor):
 
     def _hand_off(self, req: Request) -> KVHandoff:
         """Ends ``req`` here with its prompt blocks leased (see :meth:`Scheduler.hand_off`)."""
-        sender = self.kv_sender
-        assert sender is not None
-        lease = self.scheduler.hand_off(req)
-        return KVHandoff(
-            replica_id=sender.replica_id,
-            endpoint=sender.endpoint,
-            lease=lease.lease_id if lease is not None else b"",
-            num_blocks=len(lease.blocks) if lease is not None else 0,
-            expires_in_s=self.config.kv_lease_s,
-        )
+        return hand_off(self.scheduler, self.kv_sender, self.config.kv_lease_s, req)
 
     def _publish_events(self) -> None:
         events = self.kv_cache_manager.take_events()
@@ -452,16 +436,9 @@ class LLMEngine(EngineLoRA, OutputProcessor):
         runner_stats = getattr(self.runner, "stats", None)
         if runner_stats is not None:
             s.update(runner_stats())
-        if self.kv_sender is not None:
-            s.update({f"kv_send_{k}": v for k, v in self.kv_sender.stats.items()})
-            leases = self.kv_sender.leases
-            s.update({f"kv_leases_{k}": v for k, v in leases.stats.items()})
-        if self.kv_tiers is not None and self.kv_tiers.remote is not None:
-            s.update({f"kv_pull_{k}": v for k, v in self.kv_tiers.remote.stats.items()})
-        if self.kv_plane is not None:  # the transfer plane's server and link (ZeroMQ)
-            s.update({f"kv_plane_{k}": v for k, v in self.kv_plane.stats.items()})
-        if self._kv_plane_link is not None:
-            s.update({f"kv_link_{k}": v for k, v in self._kv_plane_link.stats.items()})
+        s.update(
+            kv_transfer_stats(self.kv_sender, self.kv_tiers, self.kv_plane, self._kv_plane_link)
+        )
         if self.kv_tiers is not None:
             t = self.kv_tiers
             s.update({f"kv_tier_{k}": v for k, v in t.counters().items()})
