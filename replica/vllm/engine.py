@@ -30,7 +30,14 @@ How it maps:
   request was in the step that failed) and sets ``error``; the actor then exits so Ray
   restarts it.
 
-vLLM is imported only here, and only when a replica asks for ``engine="vllm"``.
+vLLM is imported only here (with the modules below), and only when a replica asks for
+``engine="vllm"``.
+
+This file holds the adapter's surface and lifecycle (start-up, what it reports, fault
+injection, shutdown); beside it, mixins of :class:`VllmEngine`: :mod:`.live_requests`
+(each request's task on the loop, deliveries and flushes, a dead engine core),
+:mod:`.load_watch` (the load poll and ``stats``) and :mod:`.lora_adapters` (vLLM's
+``LoRARequest``s by name).
 """
 
 from __future__ import annotations
@@ -41,13 +48,10 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-from kvroute.events.kv_transfer import KVSource
-from kvroute.events.load import CostCoefficients, LoadReport
-from kvroute.events.replica_api import GenerateDelta, Resume, SamplingParams, next_delta
+from kvroute.events.load import CostCoefficients
 from kvroute.events.transport.threads import name_native_thread
 
 from ..engine.replica_engine import (
@@ -64,33 +68,26 @@ from .adapt import (
     VllmEngineConfig,
     count_params,
     engine_args,
-    estimate_load,
-    from_vllm_output,
     idle_load,
     prepare_environment,
     reported_hash_algo,
-    to_vllm_sampling,
 )
 from .cli import spawn_main
 from .disagg import (
-    handoff_delta,
     kv_transfer_config,
-    pd_params,
     prepare_side_channel,
-    with_kv_transfer,
 )
-from .plugin import CACHED_BLOCKS_METHOD, LOAD_METHOD
+from .live_requests import VllmRequests
+from .load_watch import VllmLoad, engine_stats
+from .lora_adapters import VllmLoRA
+from .plugin import CACHED_BLOCKS_METHOD
 
 __all__ = ["HASH_ALGO", "VllmEngine", "VllmEngineConfig"]
 
 log = logging.getLogger(__name__)
 
-LOAD_POLL_S = 0.05  # scheduler load polled this often while requests run
-IDLE_POLL_S = 0.5  # and this often while none do (engine death is noticed here too)
-LOAD_CALL_TIMEOUT_S = 5.0  # a load poll unanswered this long (a dead engine core) is skipped
 
-
-class VllmEngine(ReplicaEngine):
+class VllmEngine(VllmRequests, VllmLoad, VllmLoRA, ReplicaEngine):
     """``AsyncLLM`` on a loop of its own thread: a replica's
     :class:`~.replica_engine.ReplicaEngine`."""
 
@@ -164,7 +161,7 @@ class VllmEngine(ReplicaEngine):
 
     async def stats(self) -> dict[str, Any]:
         """The scheduler's load and this adapter's counts (read on the engine's loop)."""
-        return await self.call(_stats)
+        return await self.call(engine_stats)
 
     async def cached_blocks(self) -> dict[Any, int]:
         """External block hash -> cached copies in vLLM's prefix cache (needs the plugin)."""
@@ -174,52 +171,6 @@ class VllmEngine(ReplicaEngine):
         """False when blocks are in use; True after vLLM cleared its cache (and published
         ``AllBlocksCleared``)."""
         return bool(await self.call(lambda e: e.llm.reset_prefix_cache()))
-
-    # -- LoRA adapters: vLLM's LoRARequests, by name (vLLM hashes name and path) ----------
-    async def add_lora(self, name: str, path: str) -> str:
-        """Registers a PEFT folder under ``name`` in vLLM (read and checked there); returns
-        the path vLLM hashes with. A refusal is a ValueError naming the field."""
-        return str(await self.call(lambda e: e._add_lora(name, path)))
-
-    async def remove_lora(self, name: str) -> bool:
-        return bool(await self.call(lambda e: e._remove_lora(name)))
-
-    async def list_loras(self) -> dict[str, str]:
-        return {name: req.lora_path for name, req in self._loras.items()}
-
-    async def _add_lora(self, name: str, path: str) -> str:
-        from vllm.lora.request import LoRARequest
-
-        if not name:
-            raise ValueError("lora_name must not be empty")
-        old = self._loras.get(name)
-        if old is not None:
-            if old.lora_path != str(path):
-                raise ValueError(
-                    f"LoRA adapter {name!r} is already registered from {old.lora_path}"
-                )
-            return str(old.lora_path)
-        if not self.config.lora_modules and not self.config.engine_args.get("enable_lora"):
-            raise ValueError("this replica serves no LoRA adapters (start it with --enable-lora)")
-        if not (Path(path) / "adapter_config.json").is_file():
-            raise ValueError(
-                f"lora_path {path}: no adapter_config.json (not a PEFT adapter folder)"
-            )
-        self._lora_ids += 1
-        request = LoRARequest(name, self._lora_ids, str(path))
-        try:
-            await self.llm.add_lora(request)
-        except Exception as exc:  # vLLM's own check (rank, targets): the folder's fault
-            raise ValueError(f"lora_path {path}: {exc}") from None
-        self._loras[name] = request
-        return str(request.lora_path)
-
-    async def _remove_lora(self, name: str) -> bool:
-        request = self._loras.pop(name, None)
-        if request is None:
-            return False
-        await self.llm.remove_lora(request.lora_int_id)
-        return True
 
     def describe(self) -> EngineFacts:
         return EngineFacts(
@@ -351,218 +302,6 @@ class VllmEngine(ReplicaEngine):
             device_name=gpu,
         )
         return CostModel(profile).coefficients()
-
-    # -- requests (the engine's loop) ----------------------------------------------------
-    def _call_soon(self, fn: Callable[..., None], *args: Any) -> None:
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop is closed: nothing left to abort
-            pass
-
-    def _start_request(
-        self,
-        rid: str,
-        prompt: str | Sequence[int],
-        params: SamplingParams,
-        sink: OutputSink,
-        cache_salt: str | None,
-        resume: Resume | None,
-        lora_name: str | None = None,
-        kv_handoff: bool = False,
-        kv_source: KVSource | None = None,
-        priority: int = 0,
-    ) -> None:
-        if self.error is not None or self._stopped:
-            self._deliver_to(sink, rid, EngineDeadError("the engine has failed"))
-            return
-        lora = None
-        if lora_name is not None:  # refused here, on the loop that delivers to this sink
-            lora = self._loras.get(lora_name)
-            if lora is None:
-                why = ValueError(f"unknown LoRA adapter {lora_name[:100]!r} (lora_name)")
-                self._deliver_to(sink, rid, why)
-                return
-        if rid in self._live:
-            self._deliver_to(sink, rid, ValueError(f"request id {rid!r} is already in use"))
-            return
-        if resume is not None and resume.output_token_ids and params.structured_outputs:
-            # vLLM would start the constraint again after the earlier tokens (its prompt).
-            why = "a structured output cannot be resumed on a vLLM replica"
-            self._deliver_to(sink, rid, ValueError(why))
-            return
-        if isinstance(prompt, str):
-            prompt = self.tokenizer.encode(prompt)
-        params = pd_params(params, kv_handoff)
-        live = LiveRequest(rid, sink, len(prompt), logprobs=params.logprobs is not None)
-        tokens = list(prompt)
-        if resume is not None:
-            # Continue as if the tokens had come from here: they join the prompt, and the
-            # text the client has not had yet (held back there for stop strings) goes
-            # first in this replica's first delta.
-            done = list(resume.output_token_ids)
-            live.num_output = len(done)
-            live.pending_text = self.tokenizer.decode(done)[resume.sent_chars :] if done else ""
-            tokens += done
-        self._live[rid] = live
-        pd = (kv_handoff, kv_source)
-        serve = self._serve(live, tokens, params, cache_salt, lora, *pd, priority)
-        live.task = self._loop.create_task(serve)
-
-    async def _serve(
-        self,
-        live: LiveRequest,
-        tokens: list[int],
-        params: SamplingParams,
-        salt: str | None,
-        lora: Any = None,
-        kv_handoff: bool = False,
-        kv_source: KVSource | None = None,
-        priority: int = 0,
-    ) -> None:
-        from vllm.v1.engine.exceptions import EngineDeadError as VllmDeadError
-
-        rid = live.request_id
-        try:
-            sampling = to_vllm_sampling(params, live.num_output)
-            if sampling is None:  # a resume that already reached max_tokens
-                self._finish(live, next_delta(live, [], "", "length"))
-                return
-            sampling = with_kv_transfer(sampling, kv_handoff, kv_source)
-            prompt: dict[str, Any] = {"prompt_token_ids": tokens}
-            if salt:
-                prompt["cache_salt"] = salt
-            gen = self.llm.generate(prompt, sampling, rid, lora_request=lora, priority=priority)
-            async for out in gen:
-                if self._live.get(rid) is not live:
-                    return  # its front door is gone (abort_sink)
-                delta = from_vllm_output(live, out)
-                if delta.finished:
-                    if kv_handoff and delta.finish_reason in ("length", "stop"):
-                        delta = handoff_delta(live, out)  # the decode side makes the token
-                    self._finish(live, delta)
-                    return
-                self._deliver(live, delta)
-        except asyncio.CancelledError:  # abort(): vLLM has aborted it in generate()
-            if self._live.get(rid) is live:
-                self._finish(live, next_delta(live, [], "", "abort"))
-        except VllmDeadError as exc:
-            self._died(exc)
-        except Exception as exc:  # vLLM refused it (too long, bad parameters): a 4xx
-            if self._live.get(rid) is live:
-                del self._live[rid]
-                self._deliver_to(live.sink, rid, ValueError(f"request rejected: {exc}"))
-        else:  # generate() ended without a finished output (it does not): end it anyway
-            if self._live.get(rid) is live:
-                self._finish(live, next_delta(live, [], "", "abort"))
-        finally:
-            if self.llm.errored and self.error is None and not self._stopped:
-                self._died(self.llm.dead_error)
-
-    def _abort(self, rid: str) -> None:
-        live = self._live.get(rid)
-        if live is not None and live.task is not None:
-            live.task.cancel()
-
-    def _abort_sink(self, sink: OutputSink) -> None:
-        for rid, live in list(self._live.items()):
-            if live.sink is sink:
-                del self._live[rid]
-                if live.task is not None:
-                    live.task.cancel()
-
-    def _deliver(self, live: LiveRequest, delta: GenerateDelta) -> None:
-        if not live.sink.deliver(live.request_id, delta):
-            self._abort(live.request_id)  # nobody listens any more
-        self._touch(live.sink)
-
-    def _finish(self, live: LiveRequest, delta: GenerateDelta) -> None:
-        self._live.pop(live.request_id, None)
-        live.sink.deliver(live.request_id, delta)
-        self._touch(live.sink)
-
-    def _deliver_to(self, sink: OutputSink, rid: str, item: BaseException) -> None:
-        sink.deliver(rid, item)
-        self._touch(sink)
-
-    def _touch(self, sink: OutputSink) -> None:
-        """One flush per sink after every request of this engine step has delivered."""
-        self._touched.add(sink)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            self._loop.call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        touched, self._touched = self._touched, set()
-        for sink in touched:
-            try:
-                sink.flush()
-            except Exception:  # a sink's own failure must not stop the engine
-                log.exception("output sink failed to flush")
-
-    def _died(self, exc: BaseException, *, shutdown: bool = False) -> None:
-        """vLLM's engine core is gone (or being shut down): fail every live request;
-        ``error`` set (not on shutdown) makes the actor exit so Ray restarts it."""
-        if self.error is None and not shutdown:
-            log.error("vLLM engine died: %r", exc)
-            self.error = exc
-        for rid, live in list(self._live.items()):
-            del self._live[rid]
-            # vLLM does not say which request was in the step that failed: all may be.
-            why = "the engine is shut down" if shutdown else f"vLLM engine failed: {exc!r}"
-            err = EngineDeadError(why, suspect=not shutdown)
-            self._deliver_to(live.sink, rid, err)
-            if live.task is not None and live.task is not asyncio.current_task():
-                live.task.cancel()
-        self._loop.call_soon(self._failed.set)  # after the flush the deliveries scheduled
-
-    async def _watch(self) -> None:
-        """Polls the scheduler's load while requests run (and notices a dead engine)."""
-        while not self._stopped:
-            if self.llm.errored:
-                self._died(self.llm.dead_error)
-                return
-            busy = bool(self._live)
-            report = await self._read_load()
-            if report != self.load:  # a new object only on a change: the data plane's cue
-                self.load = report
-            await asyncio.sleep(LOAD_POLL_S if busy else IDLE_POLL_S)
-
-    async def _read_load(self) -> LoadReport:
-        if self._plugin:
-            try:
-                fields = await asyncio.wait_for(
-                    self.llm.engine_core.call_utility_async(LOAD_METHOD), LOAD_CALL_TIMEOUT_S
-                )
-                return LoadReport(**dict(zip(LoadReport.__struct_fields__, fields, strict=False)))
-            except TimeoutError:  # a killed engine core may never answer: the watcher goes
-                return self.load  # back to asking vLLM whether it has died
-            except Exception as exc:
-                if self.llm.errored:
-                    return self.load
-                self._plugin = False
-                log.warning(
-                    "kvroute's vLLM plugin is not loaded in the engine core (%s): load is "
-                    "estimated from this replica's own requests",
-                    exc,
-                )
-        return self._estimate_load()
-
-    def _estimate_load(self) -> LoadReport:
-        return estimate_load(list(self._live.values()), self.num_blocks, self.block_size)
-
-
-async def _stats(engine: VllmEngine) -> dict[str, Any]:
-    import vllm
-
-    report = await engine._read_load()
-    return {
-        "engine": "vllm",
-        "vllm_version": vllm.__version__,
-        "live_requests": len(engine._live),
-        "load_source": "scheduler" if engine._plugin else "estimate",
-        **{f: getattr(report, f) for f in report.__struct_fields__},
-    }
 
 
 async def _shutdown(engine: VllmEngine) -> None:
