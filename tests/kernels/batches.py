@@ -44,6 +44,13 @@ class Batch:
             slot_mapping=self.slot_mapping,
         )
 
+    def inputs(
+        self, *, max_query_len: int | None = None, max_seq_len: int | None = None
+    ) -> tuple[Tensor, Tensor, Tensor, AttentionMetadata]:
+        """``paged_attention``'s positional arguments: query, caches and :meth:`meta`."""
+        meta = self.meta(max_query_len=max_query_len, max_seq_len=max_seq_len)
+        return self.query, self.k_cache, self.v_cache, meta
+
 
 def make_batch(
     specs: list[tuple[int, int]],

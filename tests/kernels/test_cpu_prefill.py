@@ -28,7 +28,7 @@ def _run(batch, backend: KernelBackend | None = None) -> torch.Tensor:  # type: 
         batch.new_keys, batch.new_values, batch.k_cache, batch.v_cache, batch.slot_mapping
     )
     attend = cpu.paged_attention if backend is None else backend.paged_attention
-    return attend(batch.query, batch.k_cache, batch.v_cache, batch.meta(), scale=batch.scale)
+    return attend(*batch.inputs(), scale=batch.scale)
 
 
 @pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
@@ -106,21 +106,7 @@ def test_what_the_kernel_cannot_serve_takes_the_torch_path(
     reference.store_kv(
         batch.new_keys, batch.new_values, batch.k_cache, batch.v_cache, batch.slot_mapping
     )
-    got = cpu.paged_attention(
-        batch.query,
-        batch.k_cache,
-        batch.v_cache,
-        batch.meta(),
-        scale=batch.scale,
-        sliding_window=window,
-    )
+    got = cpu.paged_attention(*batch.inputs(), scale=batch.scale, sliding_window=window)
     assert calls[-1] == [0, 2]  # only the windowed ones; the uncut prompt took the kernel
-    want = reference.paged_attention(
-        batch.query,
-        batch.k_cache,
-        batch.v_cache,
-        batch.meta(),
-        scale=batch.scale,
-        sliding_window=window,
-    )
+    want = reference.paged_attention(*batch.inputs(), scale=batch.scale, sliding_window=window)
     torch.testing.assert_close(got, want, **tolerance(torch.float32))

@@ -21,9 +21,7 @@ def _run(batch) -> torch.Tensor:  # type: ignore[no-untyped-def]
     reference.store_kv(
         batch.new_keys, batch.new_values, batch.k_cache, batch.v_cache, batch.slot_mapping
     )
-    return cpu.paged_attention(
-        batch.query, batch.k_cache, batch.v_cache, batch.meta(), scale=batch.scale
-    )
+    return cpu.paged_attention(*batch.inputs(), scale=batch.scale)
 
 
 def test_layers_of_one_step_share_a_plan() -> None:

@@ -20,9 +20,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def _attend(batch: Batch) -> torch.Tensor:
-    return cpu.paged_attention(
-        batch.query, batch.k_cache, batch.v_cache, batch.meta(), scale=batch.scale
-    )
+    return cpu.paged_attention(*batch.inputs(), scale=batch.scale)
 
 
 def _batch(specs: list[tuple[int, int]], seed: int = 0) -> Batch:

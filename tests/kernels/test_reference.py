@@ -93,9 +93,7 @@ def test_matches_dense(scenario: str, group: int, block_size: int, dtype: torch.
         seed=group * 100 + block_size,
     )
     _fill(batch)
-    out = paged_attention(
-        batch.query, batch.k_cache, batch.v_cache, batch.meta(), scale=batch.scale
-    )
+    out = paged_attention(*batch.inputs(), scale=batch.scale)
     assert out.dtype == dtype and out.shape == batch.query.shape
     assert not out.isnan().any()  # NaN garbage in unwritten slots never leaks
     torch.testing.assert_close(out.double(), dense_attention(batch), **tolerance(dtype))
@@ -105,9 +103,7 @@ def test_float64_is_exact_enough() -> None:
     """In float64 the reference must agree with the oracle to rounding, not to a tolerance."""
     batch = make_batch(SCENARIOS["mixed"], num_heads=8, num_kv_heads=2, dtype=torch.float64)
     _fill(batch)
-    out = paged_attention(
-        batch.query, batch.k_cache, batch.v_cache, batch.meta(), scale=batch.scale
-    )
+    out = paged_attention(*batch.inputs(), scale=batch.scale)
     torch.testing.assert_close(out, dense_attention(batch), **tolerance(torch.float64))
 
 
@@ -115,9 +111,7 @@ def test_cached_prefix_is_bottom_right_aligned() -> None:
     """The pitfall: SDPA's is_causal aligns top-left; a chunk over a prefix must see it all."""
     batch = make_batch([(48, 8)], num_heads=2, num_kv_heads=2, dtype=torch.float64)
     _fill(batch)
-    out = paged_attention(
-        batch.query, batch.k_cache, batch.v_cache, batch.meta(), scale=batch.scale
-    )
+    out = paged_attention(*batch.inputs(), scale=batch.scale)
     k, v = batch.keys[0].double(), batch.values[0].double()
     q = batch.query.double().transpose(0, 1)
     top_left = torch.nn.functional.scaled_dot_product_attention(
@@ -130,23 +124,11 @@ def test_cached_prefix_is_bottom_right_aligned() -> None:
 def test_padding_rows_are_zero_and_max_hints_checked() -> None:
     batch = make_batch([(10, 3), (4, 1)], num_heads=4, num_kv_heads=2, padding_rows=5)
     _fill(batch)
-    out = paged_attention(
-        batch.query,
-        batch.k_cache,
-        batch.v_cache,
-        batch.meta(max_query_len=3, max_seq_len=13),
-        scale=batch.scale,
-    )
+    out = paged_attention(*batch.inputs(max_query_len=3, max_seq_len=13), scale=batch.scale)
     assert torch.equal(out[4:], torch.zeros_like(out[4:]))
     torch.testing.assert_close(out[:4].double(), dense_attention(batch)[:4], **tolerance(out.dtype))
     with pytest.raises(ValueError, match="max_query_len"):
-        paged_attention(
-            batch.query,
-            batch.k_cache,
-            batch.v_cache,
-            batch.meta(max_query_len=1),
-            scale=batch.scale,
-        )
+        paged_attention(*batch.inputs(max_query_len=1), scale=batch.scale)
 
 
 def test_rejects_inconsistent_inputs() -> None:
@@ -183,9 +165,7 @@ def test_decode_chunking_does_not_change_results(
     monkeypatch.setattr(ref, "_DECODE_CHUNK_BYTES", budget)
     batch = make_batch(SCENARIOS[scenario], num_heads=8, num_kv_heads=2, dtype=torch.float64)
     _fill(batch)
-    out = paged_attention(
-        batch.query, batch.k_cache, batch.v_cache, batch.meta(), scale=batch.scale
-    )
+    out = paged_attention(*batch.inputs(), scale=batch.scale)
     torch.testing.assert_close(out, dense_attention(batch), **tolerance(torch.float64))
 
 
@@ -213,9 +193,7 @@ def test_property_random_batches(
         dtype=torch.float64,
     )
     _fill(batch)
-    out = paged_attention(
-        batch.query, batch.k_cache, batch.v_cache, batch.meta(), scale=batch.scale
-    )
+    out = paged_attention(*batch.inputs(), scale=batch.scale)
     torch.testing.assert_close(out, dense_attention(batch), **tolerance(torch.float64))
 
 
@@ -259,9 +237,7 @@ def test_backends_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVROUTE_KERNELS_BACKEND", "triton")
     batch = make_batch([(5, 2)], num_heads=2, num_kv_heads=1)
     _fill(batch)
-    out = paged_attention(
-        batch.query, batch.k_cache, batch.v_cache, batch.meta(), scale=batch.scale
-    )
+    out = paged_attention(*batch.inputs(), scale=batch.scale)
     torch.testing.assert_close(out.double(), dense_attention(batch), **tolerance(out.dtype))
 
 

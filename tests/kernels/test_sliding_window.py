@@ -54,14 +54,7 @@ def test_window_matches_dense(path, window: int, group: int, block_size: int) ->
     else:
         store, attend = reference.store_kv, path
     store(batch.new_keys, batch.new_values, batch.k_cache, batch.v_cache, batch.slot_mapping)
-    out = attend(
-        batch.query,
-        batch.k_cache,
-        batch.v_cache,
-        batch.meta(),
-        scale=batch.scale,
-        sliding_window=window,
-    )
+    out = attend(*batch.inputs(), scale=batch.scale, sliding_window=window)
     want = dense_attention(batch, window)
     assert not out.isnan().any()
     torch.testing.assert_close(out.double(), want, **tolerance(torch.float32))
@@ -74,25 +67,11 @@ def test_window_wider_than_every_sequence_is_full_attention() -> None:
     reference.store_kv(
         batch.new_keys, batch.new_values, batch.k_cache, batch.v_cache, batch.slot_mapping
     )
-    out = cpu.paged_attention(
-        batch.query,
-        batch.k_cache,
-        batch.v_cache,
-        batch.meta(),
-        scale=batch.scale,
-        sliding_window=10_000,
-    )
+    out = cpu.paged_attention(*batch.inputs(), scale=batch.scale, sliding_window=10_000)
     torch.testing.assert_close(out.double(), dense_attention(batch), **tolerance(torch.float32))
 
 
 def test_bad_window_is_refused() -> None:
     batch = make_batch([(0, 3)], num_heads=2, num_kv_heads=2)
     with pytest.raises(ValueError, match="sliding_window"):
-        reference.paged_attention(
-            batch.query,
-            batch.k_cache,
-            batch.v_cache,
-            batch.meta(),
-            scale=batch.scale,
-            sliding_window=0,
-        )
+        reference.paged_attention(*batch.inputs(), scale=batch.scale, sliding_window=0)

@@ -96,12 +96,8 @@ def test_paged_attention_matches(
     tk = _tk()
     tk.store_kv(batch.new_keys, batch.new_values, batch.k_cache, batch.v_cache, batch.slot_mapping)
     hints = {"max_query_len": max(q for _, q in specs)} if hint else {}
-    out = tk.paged_attention(
-        batch.query, batch.k_cache, batch.v_cache, batch.meta(**hints), scale=batch.scale
-    )
-    want = reference.paged_attention(
-        batch.query, batch.k_cache, batch.v_cache, batch.meta(), scale=batch.scale
-    )
+    out = tk.paged_attention(*batch.inputs(**hints), scale=batch.scale)
+    want = reference.paged_attention(*batch.inputs(), scale=batch.scale)
     assert out.dtype == dtype and out.shape == batch.query.shape
     assert not out.isnan().any()
     # fp32: the kernel's dots are IEEE, so it must match closely; bf16: P is rounded for P@V.
@@ -129,13 +125,7 @@ def test_odd_shapes(
     )
     tk = _tk()
     tk.store_kv(batch.new_keys, batch.new_values, batch.k_cache, batch.v_cache, batch.slot_mapping)
-    out = tk.paged_attention(
-        batch.query,
-        batch.k_cache,
-        batch.v_cache,
-        batch.meta(max_query_len=max_query_len),
-        scale=batch.scale,
-    )
+    out = tk.paged_attention(*batch.inputs(max_query_len=max_query_len), scale=batch.scale)
     torch.testing.assert_close(out.cpu().double(), dense_attention(batch), atol=1e-4, rtol=1e-4)
 
 
