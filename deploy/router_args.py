@@ -148,7 +148,7 @@ def add_front_door_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_TOKENS,
         help="flow control: and their prompt tokens at most this many (an idle replica "
-        f"takes any prompt; default {DEFAULT_TOKENS})",
+        "takes any prompt; default: no bound, which keeps routing quality: docs/serving.md)",
     )
     p.add_argument(
         "--max-waiting-per-priority",

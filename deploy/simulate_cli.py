@@ -142,9 +142,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     sim.add_argument(
         "--flow-tokens",
         type=int,
-        default=8192,
+        default=0,
         metavar="T",
-        help="flow control: ... or T of their prompt tokens (default 8192)",
+        help="flow control: ... or T of their prompt tokens (default 0: no bound, as "
+        "`kvroute serve`)",
     )
     sim.add_argument(
         "--long-prefill-token-threshold",
@@ -327,7 +328,7 @@ def run(args: argparse.Namespace) -> int:
         link_bytes_per_s=args.link_gbps * 1e9,
         link_latency_s=args.link_latency_ms / 1000.0,
         flow_depth=args.flow_depth or None,
-        flow_tokens=args.flow_tokens,
+        flow_tokens=args.flow_tokens or None,
     )
     show = args.progress if args.progress is not None else sys.stderr.isatty()
     if args.sweep_speed:

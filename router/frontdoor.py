@@ -96,7 +96,7 @@ class FrontDoor:
         pd_pair: bool = False,
         flow_depth: int | None = None,
         flow_max_waiting: int | None = None,
-        flow_tokens: int = DEFAULT_TOKENS,
+        flow_tokens: int | None = DEFAULT_TOKENS,
     ) -> None:
         """Admission's limits: see :class:`Admission`; the intervals: see :class:`Fleet`.
         ``lora_adapters``: the fleet's adapters at start (name -> folder, as the replicas

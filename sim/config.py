@@ -99,10 +99,10 @@ class SimConfig:
     lease_s: float = 30.0  # a prefill replica's leases (the engine's kv_lease_s)
     # Flow control in the front door (sim/door.py, `kvroute serve --flow-depth/--flow-tokens`):
     # requests wait at the door until a replica has fewer than flow_depth of its requests
-    # without a first token (and fewer than flow_tokens of their prompt tokens). None: off,
-    # every request is routed on arrival.
+    # without a first token (and fewer than flow_tokens of their prompt tokens, if given).
+    # None: off, every request is routed on arrival.
     flow_depth: int | None = None
-    flow_tokens: int = 8192
+    flow_tokens: int | None = None
 
     @property
     def has_roles(self) -> bool:  # P/D runs: roles, or pairs on a fleet of both

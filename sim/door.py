@@ -7,11 +7,12 @@ moment (the index's view at dispatch). Both change hit rate and goodput; the sim
 must show whether routing quality holds (issue 53).
 
 Room, as live: a replica has room while the requests the door sent it that have no first
-token yet are fewer than ``depth`` and their prompt tokens fewer than ``tokens``; an empty
-one always has room. Order: first come first served (the live door's bands and per-tenant
-counters are not modelled: a simulated workload has no priorities, and its tenants share
-one band). A request whose replicas all lack room waits; the head of the queue is looked
-at again whenever a slot is given back, so the door is work-conserving.
+token yet are fewer than ``depth`` and their prompt tokens fewer than ``tokens`` (None: no
+bound, the live default); an empty one always has room. Order: first come first served
+(the live door's bands and per-tenant counters are not modelled: a simulated workload
+has no priorities, and its tenants share one band). A request whose replicas all lack
+room waits; the head of the queue is looked at again whenever a slot is given back, so
+the door is work-conserving.
 
 Invariants: ``pending[r]`` is the number of requests in ``holding`` on replica ``r``, and
 ``pending_tokens[r]`` the sum of their tokens; a request holds at most one slot.
@@ -26,9 +27,9 @@ from typing import Any
 class Door:
     """The door's slots per replica and its queue of waiting requests (any payload)."""
 
-    def __init__(self, depth: int, tokens: int) -> None:
-        if depth < 1 or tokens < 1:
-            raise ValueError("flow control needs a depth and a token bound >= 1")
+    def __init__(self, depth: int, tokens: int | None = None) -> None:
+        if depth < 1 or (tokens is not None and tokens < 1):
+            raise ValueError("flow control needs a depth (and a token bound, if any) >= 1")
         self.depth, self.tokens = depth, tokens
         self.pending: dict[str, int] = {}
         self.pending_tokens: dict[str, int] = {}
@@ -38,7 +39,9 @@ class Door:
 
     def has_room(self, replica: str) -> bool:
         n = self.pending.get(replica, 0)
-        return n == 0 or (n < self.depth and self.pending_tokens.get(replica, 0) < self.tokens)
+        if n == 0 or self.tokens is None:
+            return n < self.depth
+        return n < self.depth and self.pending_tokens.get(replica, 0) < self.tokens
 
     def room(self, candidates: list[str]) -> list[str]:
         return [r for r in candidates if self.has_room(r)]

@@ -69,7 +69,11 @@ RATE_WINDOW_S = 10.0  # the drain rate is the dispatches of the last this many s
 MIN_RATE_SAMPLES = 4  # fewer dispatches than this in the window: no estimate, no early shed
 MAX_CHARGED_OUTPUT = 512  # a request's output bound counts up to this in its tenant's counter
 DEFAULT_DEPTH = 16
-DEFAULT_TOKENS = 8192
+# No bound on prompt tokens by default: in the simulator (kvroute simulate --flow-tokens,
+# 8 x h100-8b, --sweep-speed auto) 8,192 cut kv's goodput on `agents` to 0.71x (32,768:
+# 0.84x) -- a hot prefix's holder, two long prompts in, lost its room and the requests went
+# where they recompute -- while depth 16 alone held every workload at 1.00x (BENCHMARKS).
+DEFAULT_TOKENS: int | None = None
 
 
 class ShedError(Exception):
@@ -122,7 +126,7 @@ class FlowControl:
         self,
         depth: int = DEFAULT_DEPTH,
         max_waiting: int | None = None,
-        tokens: int = DEFAULT_TOKENS,
+        tokens: int | None = DEFAULT_TOKENS,
         clock: Callable[[], float] = time.monotonic,
         on_wait: Callable[[int, float], None] | None = None,
         others: Callable[[str], int] | None = None,
@@ -173,7 +177,7 @@ class FlowControl:
                     mine += count
         if self.others is not None:
             n += self.others(replica)  # other front doors' (seen again at the sweep)
-        if not n or (n < self.depth and tokens < self.tokens):
+        if not n or (n < self.depth and (self.tokens is None or tokens < self.tokens)):
             return True
         return not mine and n < 2 * self.depth
 
