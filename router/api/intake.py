@@ -56,6 +56,7 @@ from .openai_api import ChatCompletionRequest, CompletionRequest
 from .openai_wire import ChatBody, CompletionBody, decode_body
 from .priority import DoorHints, RequestClass, classify
 from .response_format import structured_outputs
+from .segment_cache import SegmentEncoder
 from .tool_parsers import make_parser
 from .tool_template import template_for
 from .tools import ToolConfig, ToolPlan, plan_tools, special_markers, template_messages
@@ -142,6 +143,8 @@ class Intake:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="kvroute-tokenize")
         self.chars_per_token = chars_per_token(tokenizer)
         self.encode = fast_encoder(tokenizer)
+        # A chat's pieces between its template's markers, kept: a turn tokenizes its news.
+        self.encode_chat = SegmentEncoder(tokenizer)
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
@@ -319,7 +322,7 @@ class Intake:
             text = tokenizer.apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=False, **kw
             )
-            return list(tokenizer(text, add_special_tokens=False).input_ids)
+            return self.encode_chat(text)
 
         try:
             ids: list[int] = await self.off_loop(render)
