@@ -83,8 +83,7 @@ class Tracer:
 BACKGROUND = (
     "events/transport/",
     "router/fleet/membership.py",
-    "router/fleet/fleet.py:_watch",
-    "router/fleet/fleet.py:_poll",
+    "router/fleet/fleet_monitor.py",
 )
 
 

@@ -51,6 +51,7 @@ from ..backends.connection import HttpReplicaConnection
 from ..backends.control import HttpBackend
 from ..routing.index import PrefixIndex, prediction_stride
 from ..routing.load import LoadTracker
+from .fleet_monitor import FleetMonitor
 from .replica_connection import ReplicaConnection
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class ReplicaHandle:
     conn: ReplicaConnection | HttpReplicaConnection | None = None  # made at first use
 
 
-class Fleet:
+class Fleet(FleetMonitor):
     """Replicas, their connections and health, the prefix index and the load view."""
 
     def __init__(
@@ -244,6 +245,15 @@ class Fleet:
     def _members_changed(self) -> None:
         for callback in self.on_members:
             callback(len(self.replicas))
+
+    def _rejoin(self, rid: str, actor: Any, info: ReplicaInfo) -> None:
+        """A restarted replica joins again (the monitor's call), or is failed when its
+        configuration no longer matches the fleet's."""
+        try:
+            self.add(actor, info)
+        except FleetMismatchError as exc:
+            log.error("%s", exc)
+            self.fail(rid)
 
     async def _prepare(self, actor: Any, info: ReplicaInfo) -> None:
         if self.prepare is None:
@@ -449,97 +459,3 @@ class Fleet:
             if isinstance(rep.actor, HttpBackend):  # its control client
                 await rep.actor.aclose()
         self.subscriber.close()
-
-    async def _watch(self) -> None:
-        """Every ``load_interval_s``: a data-plane connection to each live replica (its
-        silence checked), and the :class:`LoadReport` of each replica that does not push
-        its load over that connection, polled over Ray instead (the path the simulator's
-        reports take too); every ``monitor_interval_s``: restarts and recoveries."""
-        last_poll = time.monotonic()
-        while True:
-            await asyncio.sleep(min(self.load_interval_s, self.monitor_interval_s))
-            try:
-                last_poll = await self._watch_round(last_poll)
-            except Exception:  # one round's surprise must not end the monitor
-                self.errors["monitor_failed"] += 1
-                log.exception("the fleet monitor's round failed")
-
-    async def _watch_round(self, last_poll: float) -> float:
-        """One round of :meth:`_watch`; returns when replicas were last polled."""
-        now = time.monotonic()
-        polled = []  # replicas whose load does not come over the data plane (yet)
-        for rid in self.alive():
-            rep = self.replicas[rid]
-            if rep.conn is None and rep.info.data_endpoint:
-                self.connection(rid)  # every front door connects to every replica
-            if rep.conn is not None:
-                rep.conn.check_silence(now)
-            if rep.conn is None or rep.conn.lost is not None or not rep.conn.loads:
-                polled.append(rid)
-        await asyncio.gather(*(self._load_report(rid) for rid in polled))
-        if time.monotonic() - last_poll >= self.monitor_interval_s:
-            last_poll = time.monotonic()
-            await asyncio.gather(*(self._poll(rid) for rid in list(self.replicas)))
-        return last_poll
-
-    async def _load_report(self, rid: str) -> None:
-        rep = self.replicas.get(rid)
-        if rep is None:
-            return
-        try:
-            report = await asyncio.wait_for(rep.actor.load.remote(), self.monitor_interval_s)
-        except Exception:  # a failing replica is the monitor's business, not the load view's
-            self.errors["load_report_failed"] += 1
-            return
-        if rep.alive and self.replicas.get(rid) is rep:
-            self.load.report(rid, report, time.monotonic())
-
-    async def _poll(self, rid: str) -> None:
-        rep = self.replicas.get(rid)
-        if rep is None:
-            return
-        try:
-            info = await asyncio.wait_for(rep.actor.info.remote(), self.monitor_interval_s * 5)
-        except Exception as exc:
-            if self.replicas.get(rid) is not rep:  # removed (or replaced) meanwhile
-                return
-            if rep.alive and rid not in self.draining:
-                log.warning("replica %s does not answer (%s)", rid, type(exc).__name__)
-            self.fail(rid)
-            return
-        if self.replicas.get(rid) is not rep:  # removed (or replaced) while it answered
-            return
-        if not info.draining and rid in self.draining:  # drained, then taken back
-            self.draining.discard(rid)
-            self.cordoned.discard(rid)
-            log.warning("replica %s is no longer draining", rid)
-        if info.draining and rid not in self.draining:
-            log.warning("replica %s is draining: no new requests go to it", rid)
-            self.draining.add(rid)
-            self.cordoned.add(rid)
-        if info.incarnation != rep.info.incarnation:
-            log.warning("replica %s restarted: following its new endpoints", rid)
-            rep.alive = False  # not routed to while it is prepared
-            await self._prepare(rep.actor, info)
-            if self.replicas.get(rid) is not rep:
-                return
-            try:
-                self.add(rep.actor, info)
-            except FleetMismatchError as exc:
-                log.error("%s", exc)
-                self.fail(rid)
-        elif not rep.alive:
-            # The same process answers info() even while its engine is dead (it exits a
-            # moment later, so Ray restarts it): only a passing health check brings it back.
-            try:
-                await asyncio.wait_for(rep.actor.health.remote(), self.monitor_interval_s * 5)
-            except Exception:
-                return
-            if self.replicas.get(rid) is not rep:
-                return
-            rep.alive = True  # the same process, healthy again (a transient failure)
-            self.connection(rid)
-            self.subscriber.add_publisher(
-                rid, info.events_endpoint, info.replay_endpoint, info.topic
-            )
-            log.info("replica %s is back", rid)

@@ -1,0 +1,140 @@
+"""The fleet's monitor: each replica's health, restarts and load, watched on the loop.
+
+Why a module of its own: :class:`~.fleet.Fleet` is membership, sockets and the feeds into
+routing; the monitor is the one periodic task beside them. Every ``load_interval_s`` it
+opens a data-plane connection to each live replica that lacks one (and checks its
+silence), and polls the load report of each replica that does not push it over that
+connection; every ``monitor_interval_s`` it asks each replica's ``info()`` over Ray, and
+follows a restart (a new incarnation: new endpoints), a drain, a recovery or a death.
+
+A mixin of :class:`~.fleet.Fleet`: it reads and changes the fleet's own state (replicas,
+draining, cordoned, errors, the load view, the subscriber) through the fleet's methods
+(``add``, ``fail``, ``connection``, ``_prepare``), on the loop like everything else there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvroute.events.replica_api import ReplicaInfo
+    from kvroute.events.transport import ZmqEventSubscriber
+
+    from ..routing.load import LoadTracker
+    from .fleet import ReplicaHandle
+
+log = logging.getLogger("kvroute.router.fleet.fleet")  # the fleet's: its messages, as before
+
+
+class FleetMonitor:
+    """The monitor's rounds (see the module doc); ``Fleet.start`` runs :meth:`_watch`."""
+
+    if TYPE_CHECKING:  # the fleet's own
+        replicas: dict[str, ReplicaHandle]
+        draining: set[str]
+        cordoned: set[str]
+        errors: Counter[str]
+        load: LoadTracker
+        subscriber: ZmqEventSubscriber
+        load_interval_s: float
+        monitor_interval_s: float
+
+        def alive(self) -> list[str]: ...
+        def fail(self, rid: str) -> None: ...
+        def connection(self, rid: str) -> Any: ...
+        def _rejoin(self, rid: str, actor: Any, info: ReplicaInfo) -> None: ...
+        async def _prepare(self, actor: Any, info: ReplicaInfo) -> None: ...
+
+    async def _watch(self) -> None:
+        """Every ``load_interval_s``: a data-plane connection to each live replica (its
+        silence checked), and the :class:`LoadReport` of each replica that does not push
+        its load over that connection, polled over Ray instead (the path the simulator's
+        reports take too); every ``monitor_interval_s``: restarts and recoveries."""
+        last_poll = time.monotonic()
+        while True:
+            await asyncio.sleep(min(self.load_interval_s, self.monitor_interval_s))
+            try:
+                last_poll = await self._watch_round(last_poll)
+            except Exception:  # one round's surprise must not end the monitor
+                self.errors["monitor_failed"] += 1
+                log.exception("the fleet monitor's round failed")
+
+    async def _watch_round(self, last_poll: float) -> float:
+        """One round of :meth:`_watch`; returns when replicas were last polled."""
+        now = time.monotonic()
+        polled = []  # replicas whose load does not come over the data plane (yet)
+        for rid in self.alive():
+            rep = self.replicas[rid]
+            if rep.conn is None and rep.info.data_endpoint:
+                self.connection(rid)  # every front door connects to every replica
+            if rep.conn is not None:
+                rep.conn.check_silence(now)
+            if rep.conn is None or rep.conn.lost is not None or not rep.conn.loads:
+                polled.append(rid)
+        await asyncio.gather(*(self._load_report(rid) for rid in polled))
+        if time.monotonic() - last_poll >= self.monitor_interval_s:
+            last_poll = time.monotonic()
+            await asyncio.gather(*(self._poll(rid) for rid in list(self.replicas)))
+        return last_poll
+
+    async def _load_report(self, rid: str) -> None:
+        rep = self.replicas.get(rid)
+        if rep is None:
+            return
+        try:
+            report = await asyncio.wait_for(rep.actor.load.remote(), self.monitor_interval_s)
+        except Exception:  # a failing replica is the monitor's business, not the load view's
+            self.errors["load_report_failed"] += 1
+            return
+        if rep.alive and self.replicas.get(rid) is rep:
+            self.load.report(rid, report, time.monotonic())
+
+    async def _poll(self, rid: str) -> None:
+        rep = self.replicas.get(rid)
+        if rep is None:
+            return
+        try:
+            info = await asyncio.wait_for(rep.actor.info.remote(), self.monitor_interval_s * 5)
+        except Exception as exc:
+            if self.replicas.get(rid) is not rep:  # removed (or replaced) meanwhile
+                return
+            if rep.alive and rid not in self.draining:
+                log.warning("replica %s does not answer (%s)", rid, type(exc).__name__)
+            self.fail(rid)
+            return
+        if self.replicas.get(rid) is not rep:  # removed (or replaced) while it answered
+            return
+        if not info.draining and rid in self.draining:  # drained, then taken back
+            self.draining.discard(rid)
+            self.cordoned.discard(rid)
+            log.warning("replica %s is no longer draining", rid)
+        if info.draining and rid not in self.draining:
+            log.warning("replica %s is draining: no new requests go to it", rid)
+            self.draining.add(rid)
+            self.cordoned.add(rid)
+        if info.incarnation != rep.info.incarnation:
+            log.warning("replica %s restarted: following its new endpoints", rid)
+            rep.alive = False  # not routed to while it is prepared
+            await self._prepare(rep.actor, info)
+            if self.replicas.get(rid) is not rep:
+                return
+            self._rejoin(rid, rep.actor, info)
+        elif not rep.alive:
+            # The same process answers info() even while its engine is dead (it exits a
+            # moment later, so Ray restarts it): only a passing health check brings it back.
+            try:
+                await asyncio.wait_for(rep.actor.health.remote(), self.monitor_interval_s * 5)
+            except Exception:
+                return
+            if self.replicas.get(rid) is not rep:
+                return
+            rep.alive = True  # the same process, healthy again (a transient failure)
+            self.connection(rid)
+            self.subscriber.add_publisher(
+                rid, info.events_endpoint, info.replay_endpoint, info.topic
+            )
+            log.info("replica %s is back", rid)
