@@ -12,8 +12,8 @@ Implementations:
   third one: its ``LLMEngine`` runs the real scheduler, block pool and KV events with a
   :class:`~.cost_model_runner.CostModelRunner` (step times from the cost model) in place of
   a model runner.
-- :class:`~.vllm_engine.VllmEngine`: vLLM's ``AsyncLLM`` on an event loop of its own thread
-  (``engine="vllm"``); vLLM publishes its own KV events.
+- :class:`~kvroute.replica.vllm.engine.VllmEngine`: vLLM's ``AsyncLLM`` on an event loop
+  of its own thread (``engine="vllm"``); vLLM publishes its own KV events.
 
 Threads: ``submit``, ``abort``, ``abort_sink``, ``inject_failure`` and ``shutdown`` may be
 called from any thread; ``load`` and ``error`` are read from any thread at once; the
