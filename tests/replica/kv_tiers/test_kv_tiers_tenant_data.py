@@ -23,6 +23,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -301,21 +302,24 @@ def _read_as_nobody(root: Path) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="switching to another user needs root")
-def test_another_local_user_reads_nothing_of_the_unsealed_default_while_it_runs_or_after(
-    v0_of_token: np.ndarray,
-) -> None:
-    """The default (unsealed) tier: the attack recovers the prompt from the files' bytes,
-    but another local user gets none of them, while the engine runs and after it is gone
-    without closing (a killed process leaves its folder, 0700, until the next start)."""
+@pytest.fixture
+def open_top() -> Iterator[Path]:
+    """A folder under /tmp that any user may enter (pytest's own tmp folders are 0700)."""
     top = Path(tempfile.mkdtemp(prefix="kvroute-modes-", dir="/tmp"))
     try:
-        _attack_as_another_user(top, v0_of_token)
+        yield top
     finally:
         shutil.rmtree(top, ignore_errors=True)
 
 
-def _attack_as_another_user(top: Path, v0_of_token: np.ndarray) -> None:
+@pytest.mark.skipif(os.geteuid() != 0, reason="switching to another user needs root")
+def test_another_local_user_reads_nothing_of_the_unsealed_default_while_it_runs_or_after(
+    open_top: Path, v0_of_token: np.ndarray
+) -> None:
+    """The default (unsealed) tier: the attack recovers the prompt from the files' bytes,
+    but another local user gets none of them, while the engine runs and after it is gone
+    without closing (a killed process leaves its folder, 0700, until the next start)."""
+    top = open_top
     os.chmod(top, 0o755)  # the path down to the root is open (/tmp is): only the tier's modes act
     control = top / "control.txt"  # the child can read what the modes let it
     control.write_bytes(b"x" * 7)
