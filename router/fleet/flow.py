@@ -148,7 +148,6 @@ class FlowControl:
         self.stats = FlowStats()
         self.waiting = 0
         self.unstarted: dict[str, int] = {}  # replica -> this front door's slots held there
-        self.unstarted_tokens: dict[str, int] = {}  # replica -> their prompt tokens
         # replica -> (band, tenant) -> [requests, prompt tokens]: what room is reckoned from
         self._classes: dict[str, dict[tuple[int, str], list[int]]] = {}
         self._bands: dict[int, dict[str, deque[Waiter]]] = {}
@@ -185,7 +184,6 @@ class FlowControl:
         """A request of ``tokens`` prompt tokens was sent to ``replica`` and has no first
         token there yet."""
         self.unstarted[replica] = self.unstarted.get(replica, 0) + 1
-        self.unstarted_tokens[replica] = self.unstarted_tokens.get(replica, 0) + tokens
         held = self._classes.setdefault(replica, {}).setdefault((band, tenant), [0, 0])
         held[0] += 1
         held[1] += tokens
@@ -195,10 +193,8 @@ class FlowControl:
         n = self.unstarted.get(replica, 0) - 1
         if n > 0:
             self.unstarted[replica] = n
-            self.unstarted_tokens[replica] = max(0, self.unstarted_tokens[replica] - tokens)
         else:
             self.unstarted.pop(replica, None)
-            self.unstarted_tokens.pop(replica, None)
         classes = self._classes.get(replica)
         held = classes.get((band, tenant)) if classes is not None else None
         if classes is not None and held is not None:
