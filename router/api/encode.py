@@ -16,14 +16,18 @@ log = logging.getLogger(__name__)
 DEFAULT_CHARS_PER_TOKEN = 32
 
 
-def fast_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
-    """A prompt's ids as ``tokenizer(text).input_ids`` gives them, from a fast tokenizer's
-    Rust backend called directly when it gives the same ids (checked on probes here, once):
-    no offsets computed, no ``BatchEncoding`` built, which is CPU the front door spends per
-    request (BENCHMARKS.md, "Fronting vllm serve"). Otherwise the tokenizer itself."""
+def fast_encoder(tokenizer: Any, add_special_tokens: bool = True) -> Callable[[str], list[int]]:
+    """A prompt's ids as ``tokenizer(text, add_special_tokens=...).input_ids`` gives them,
+    from a fast tokenizer's Rust backend called directly when it gives the same ids (checked
+    on probes here, once): no offsets computed, no ``BatchEncoding`` built, which is CPU the
+    front door spends per request (BENCHMARKS.md, "Fronting vllm serve"). Otherwise the
+    tokenizer itself."""
+    special = add_special_tokens
 
     def slow(text: str) -> list[int]:
-        return list(tokenizer(text).input_ids)
+        if special:  # the tokenizer's default (a stand-in may take no keyword)
+            return list(tokenizer(text).input_ids)
+        return list(tokenizer(text, add_special_tokens=False).input_ids)
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if not getattr(tokenizer, "is_fast", False) or backend is None:
@@ -32,8 +36,8 @@ def fast_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
 
     def fast(text: str) -> list[int]:
         if batch is not None:
-            return list(batch([text])[0].ids)
-        return list(backend.encode(text).ids)
+            return list(batch([text], add_special_tokens=special)[0].ids)
+        return list(backend.encode(text, add_special_tokens=special).ids)
 
     specials = "".join(getattr(tokenizer, "all_special_tokens", None) or ())
     probes = ["", "Hello, world!", "  two  spaces\n\nand lines\t", "ünïcödé 你好 🙂", specials,

@@ -32,6 +32,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .encode import fast_encoder
+
 log = logging.getLogger(__name__)
 
 # Text kept with its ids: a few thousand conversations' worth of pieces.
@@ -80,7 +82,7 @@ class SegmentEncoder:
         self.cached_chars = 0
         self.hits = 0
         self.misses = 0
-        self._whole = self._whole_encoder(tokenizer)
+        self._whole = fast_encoder(tokenizer, add_special_tokens=False)
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._batch: Callable[[list[str]], list[list[int]]] | None = None
         self._added: dict[str, int] = {}
@@ -96,15 +98,6 @@ class SegmentEncoder:
         if not self.splits:
             self._ids.clear()
             self.cached_chars = 0
-
-    @staticmethod
-    def _whole_encoder(tokenizer: Any) -> Callable[[str], list[int]]:
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is not None and getattr(tokenizer, "is_fast", False):
-            fast = getattr(backend, "encode_batch_fast", None)
-            if fast is not None:
-                return lambda text: list(fast([text], add_special_tokens=False)[0].ids)
-        return lambda text: list(tokenizer(text, add_special_tokens=False).input_ids)
 
     def _probes(self) -> list[str]:
         markers = list(self._added)[:8]
