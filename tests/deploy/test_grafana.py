@@ -1,6 +1,6 @@
 """``deploy/grafana/kvroute.json``: a dashboard Grafana can import. That every query names
 a series a live front door exports is checked against a served fleet, in
-``tests/router/api/test_http_api.py::test_the_grafana_dashboard_queries_only_exported_series``."""
+``tests/router/api/test_http_serving.py::test_the_grafana_dashboard_queries_only_exported_series``."""
 
 from __future__ import annotations
 
