@@ -1,8 +1,9 @@
 """Which of kvroute's files one chat request crosses in the front door (issue 52's path goal).
 
-A real front door (FastAPI under uvicorn, in this process) in front of one real replica
-actor of ``tiny`` (Ray, its own process), as ``tests/router/api/test_http_api.py`` builds it.
-After two warm-up requests, every Python call made in this process while one chat request
+A real front door (FastAPI under uvicorn, in this process, flow control on as
+``kvroute serve`` runs it by default) in front of one real replica actor of ``tiny`` (Ray,
+its own process), as ``tests/router/api/conftest.py`` builds it. After two warm-up
+requests, every Python call made in this process while one chat request
 is served (``stream`` false, then true) is recorded by a profile hook on every thread, and
 only calls into kvroute's own files count. Printed per request:
 
@@ -15,7 +16,7 @@ only calls into kvroute's own files count. Printed per request:
 
 The replica's own path runs in its actor process and is not traced here.
 
-    python benchmarks/request_files.py [--list]
+    python benchmarks/request_files.py [--list] [--functions]
 """
 
 from __future__ import annotations
@@ -106,12 +107,22 @@ def summarize(calls: list[Call]) -> dict[str, Any]:
         returns += rel in seen
         seen.add(rel)
     callbacks = Counter((rel, fn) for _, rel, fn, cb, _ in calls if cb)
-    return {"files": sorted(seen), "stops": stops, "returns": returns, "callbacks": callbacks}
+    functions: dict[str, Counter[str]] = {}
+    for _, rel, fn, _, _ in calls:
+        functions.setdefault(rel, Counter())[fn] += 1
+    return {
+        "files": sorted(seen),
+        "stops": stops,
+        "returns": returns,
+        "callbacks": callbacks,
+        "functions": functions,
+    }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--list", action="store_true", help="print each request's stops")
+    ap.add_argument("--functions", action="store_true", help="print the functions run per file")
     args = ap.parse_args()
     tracer = Tracer()
     threading.setprofile(tracer.hook)  # threads started from here on (uvicorn's included)
@@ -124,6 +135,7 @@ def main() -> int:
     from kvroute.deploy.http_server import uvicorn_config
     from kvroute.replica.serve.actor import start_replica
     from kvroute.router.api.app import create_app
+    from kvroute.router.fleet.flow import DEFAULT_DEPTH
     from kvroute.router.fleet.tenants import Tenants, tenants_from_api_keys
     from kvroute.router.frontdoor import FrontDoor
 
@@ -134,7 +146,8 @@ def main() -> int:
             torch_threads=1,
         )  # fmt: skip
         info = ray.get(actor.info.remote(), timeout=120)
-        door = FrontDoor([(actor, info)], monitor_interval_s=0.5)
+        # Flow control on, at its depth by default in ``kvroute serve``, as users run it.
+        door = FrontDoor([(actor, info)], monitor_interval_s=0.5, flow_depth=DEFAULT_DEPTH)
         app = create_app(door, Tenants(tenants_from_api_keys({"key": "t"}), "secret", None))
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -187,6 +200,9 @@ def main() -> int:
                 print(f"{name}, {where}: call-backs: {cbs}")
             if args.list:
                 print(f"{name}, {where}: stops: {' > '.join(s['stops'])}")
+            if args.functions:
+                for rel, fns in sorted(s["functions"].items()):
+                    print(f"  {rel}: {', '.join(f'{fn} x{n}' for fn, n in fns.items())}")
         server.should_exit = True
         thread.join(10)
     finally:

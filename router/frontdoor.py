@@ -281,7 +281,7 @@ class FrontDoor:
         :class:`~.quarantine.QueryOfDeathError` for a quarantined request."""
         fp = None
         adapter = None if lora is None else (lora.name, lora.path)
-        if self.quarantine:  # nothing to check against (the usual case): no hashing
+        if self.quarantine.entries:  # nothing to check against (the usual case): no hashing
             fp = fingerprint(prompt_token_ids, sampling, tenant.tenant_id, adapter)
             self.quarantine.check(fp)
         request_id = request_id or new_id()

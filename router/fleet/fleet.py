@@ -138,6 +138,9 @@ class Fleet(FleetMonitor):
         # removals at runtime: :class:`~.membership.Membership`).
         self.on_members: list[Callable[[int], object]] = []
         self._monitor: asyncio.Task[None] | None = None
+        # Some replica prefills or decodes only (P/D): runs plan their parts
+        # (routing/disagg.py). Kept as replicas come and go, read by every run.
+        self.split_roles = False
         for actor, info in replicas:
             self.add(actor, info)
 
@@ -183,6 +186,7 @@ class Fleet(FleetMonitor):
         if old is not None:
             self._forget(rid)
         rep = self.replicas[rid] = ReplicaHandle(info, actor)
+        self._roles_changed()
         if info.draining:  # found while it retires: never routed to
             self.draining.add(rid)
             self.cordoned.add(rid)
@@ -234,6 +238,7 @@ class Fleet(FleetMonitor):
         if rep.conn is not None:
             rep.conn.close()
         del self.replicas[rid]
+        self._roles_changed()
         self.cordoned.discard(rid)
         retired = rid in self.draining
         self.draining.discard(rid)
@@ -241,6 +246,9 @@ class Fleet(FleetMonitor):
         self.translators.pop(rid, None)
         log.warning("replica %s %s", rid, "retired" if retired else "removed from the fleet")
         self._members_changed()
+
+    def _roles_changed(self) -> None:
+        self.split_roles = any(r.info.role != "both" for r in self.replicas.values())
 
     def _members_changed(self) -> None:
         for callback in self.on_members:

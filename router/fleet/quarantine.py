@@ -80,26 +80,27 @@ class Quarantine:
         self.errors: Counter[str] = Counter()
         self.ttl_s = ttl_s
         self.max_entries = max_entries
-        self._entries: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        # Read by the front door before it fingerprints a request: empty, nothing to check.
+        self.entries: OrderedDict[str, tuple[int, float]] = OrderedDict()
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self.entries)
 
     def refused(self) -> int:
         """Fingerprints refused right now."""
         now = time.monotonic()
-        return sum(1 for _, until in self._entries.values() if until > now)
+        return sum(1 for _, until in self.entries.values() if until > now)
 
     def strike(self, fp: str, request_id: str, replica: str, strikes: int) -> None:
         """Counts a failure of ``replica`` that the request ``fp`` may have caused; at two
         strikes its fingerprint is refused for ``ttl_s``."""
         now = time.monotonic()
-        old, until = self._entries.pop(fp, (0, 0.0))
+        old, until = self.entries.pop(fp, (0, 0.0))
         total = (old if until == 0.0 or until > now else 0) + strikes
         refused = total >= STRIKES_TO_REFUSE
-        self._entries[fp] = (total, now + self.ttl_s if refused else 0.0)
-        while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+        self.entries[fp] = (total, now + self.ttl_s if refused else 0.0)
+        while len(self.entries) > self.max_entries:
+            self.entries.popitem(last=False)
         self.errors["suspect_request"] += 1
         log.error(
             "request %s (fingerprint %s) was being computed when replica %s failed: not retried%s",
@@ -111,12 +112,12 @@ class Quarantine:
 
     def check(self, fp: str) -> None:
         """Raises :class:`QueryOfDeathError` while ``fp`` is refused."""
-        entry = self._entries.get(fp)
+        entry = self.entries.get(fp)
         if entry is None or entry[1] == 0.0:
             return
         left = entry[1] - time.monotonic()
         if left <= 0:
-            del self._entries[fp]
+            del self.entries[fp]
             return
         self.errors["quarantined"] += 1
         log.warning("refused request fingerprint %s: quarantined for %.0f s more", fp, left)

@@ -75,6 +75,9 @@ MAX_RESENDS = 1  # another replica gets a request at most this often
 class Replicas(Protocol):
     """What a run needs of the fleet (:class:`~.fleet.Fleet` is one)."""
 
+    @property
+    def split_roles(self) -> bool: ...  # some replica prefills or decodes only (P/D)
+
     def routable(self, exclude: Collection[str] = ()) -> list[str]: ...
 
     def connection(self, rid: str) -> ReplicaConnection | HttpReplicaConnection: ...
@@ -194,22 +197,24 @@ class RequestRun:
         # P/D (routing/disagg.py): its prefill on a prefill replica, which hands off after
         # the first token; then the rest on a replica that decodes, pulling the prompt's KV.
         now = time.monotonic()
-        part = plan(
-            self.request,
-            candidates,
-            s.replicas.role,
-            decoding=bool(self._output_ids) or self._handed_off,
-            view=self.view,
-            policy=s.policy if s.pd_priced else None,
-            now=now,
-            pair=s.pd_pair,
-        )
-        if part.handoff:
-            self._decode_to = part.decode
+        part = None  # a unified fleet without pairs: one pass, nothing to plan
+        if s.pd_pair or s.replicas.split_roles:
+            part = plan(
+                self.request,
+                candidates,
+                s.replicas.role,
+                decoding=bool(self._output_ids) or self._handed_off,
+                view=self.view,
+                policy=s.policy if s.pd_priced else None,
+                now=now,
+                pair=s.pd_pair,
+            )
+            if part.handoff:
+                self._decode_to = part.decode
         if self._pair_decode:
             decision = self._route_pair_decode(candidates, now)
         else:
-            decision = s.route(self.view, part.candidates, now)
+            decision = s.route(self.view, candidates if part is None else part.candidates, now)
         rid = decision.replica
         self._tried.add(rid)
         req = self.request
@@ -225,8 +230,9 @@ class RequestRun:
             )
         if decision.fetch_from is not None and self._source is None:
             self._source = self._fetch_source(decision.fetch_from, decision.fetch_blocks)
-        if part.handoff or self._source is not None:
-            req = msgspec.structs.replace(req, kv_handoff=part.handoff, kv_source=self._source)
+        handoff = part is not None and part.handoff
+        if handoff or self._source is not None:
+            req = msgspec.structs.replace(req, kv_handoff=handoff, kv_source=self._source)
             self._source = None  # one pull per lease
         self.replica = rid
         self._awaiting_first = True
@@ -341,9 +347,10 @@ class RequestRun:
             assert flight is not None, "start() first"
             try:
                 delta = await flight.next()
-                exc = delta_error(delta, self.replica)
-                if exc is not None:
-                    raise exc
+                if delta.failure is not None:  # checked here: most deltas carry none
+                    exc = delta_error(delta, self.replica)
+                    if exc is not None:
+                        raise exc
             except REPLICA_FAILURES as exc:
                 self._conn = self._flight = None
                 self._vacate()

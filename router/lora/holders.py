@@ -42,6 +42,10 @@ class HolderReplicas:
     def mark_routed(self, rid: str) -> None:
         self._fleet.mark_routed(rid)
 
+    @property
+    def split_roles(self) -> bool:
+        return self._fleet.split_roles
+
     def role(self, rid: str) -> str:
         return self._fleet.role(rid)
 

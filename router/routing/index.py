@@ -97,7 +97,7 @@ from kvroute.events import (
 from kvroute.events import ExternalBlockHash as Hash
 from kvroute.events.transport import ReplicaBatch
 
-from .index_holdings import Holdings, credit
+from .index_holdings import Holdings
 from .index_tiers import LowerTiers, TierMatch
 from .index_tree import Kids, Node, add_kid, discard_kid, fix_depths, link
 from .index_views import IndexViews
@@ -112,6 +112,14 @@ PREDICTION_SAMPLE_TOKENS = 128  # tokens between two predicted blocks (see the d
 def prediction_stride(block_size: int) -> int:
     """Blocks between two predicted blocks, for blocks of ``block_size`` tokens."""
     return max(1, PREDICTION_SAMPLE_TOKENS // max(block_size, 1))
+
+
+def _credit(names: list[str | None], bits: int, n: int, out: dict[str, int]) -> None:
+    """``out[replica] = n`` for each replica bit set in ``bits``, if ``n`` > 0."""
+    while bits and n:
+        low = bits & -bits
+        out[names[low.bit_length() - 1]] = n  # type: ignore[index]
+        bits ^= low
 
 
 class PrefixIndex(LowerTiers, IndexViews):
@@ -149,6 +157,7 @@ class PrefixIndex(LowerTiers, IndexViews):
         self._interned: dict[int, int] = {}
         self._tiers: dict[str, PrefixIndex] = {}  # lower tier -> its copies (docstring)
         self._tier_list: list[tuple[str, PrefixIndex]] = []  # the same, fastest first
+        self.has_lower_tiers = False  # a lower tier was ever stored to (matches may extend)
         self.unindexed_tier_blocks = 0  # blocks of tiers beyond MAX_TIERS, dropped
 
     # -- events (where the subscriber runs) -------------------------------------------------
@@ -399,11 +408,11 @@ class PrefixIndex(LowerTiers, IndexViews):
                     m |= pmasks.get(hashes[min(i + k - 1 - i % k, last)], 0)
                     if (m & alive) == alive:
                         continue
-                credit(self._names, alive & ~m, i, out)
+                _credit(self._names, alive & ~m, i, out)
                 alive = interned.get(alive & m, alive & m)
                 if not alive:
                     return out
-        credit(self._names, alive, total, out)
+        _credit(self._names, alive, total, out)
         return out
 
     def predict(

@@ -1,16 +1,15 @@
-"""One replica's holdings in the prefix index, and the helper that credits a match.
+"""One replica's holdings in the prefix index.
 
-Split out of :mod:`.index` (the data structure and its invariants, which these obey): the
+Split out of :mod:`.index` (the data structure and its invariants, which this obeys): the
 per-replica record (:class:`Holdings`: its bit, its stored blocks as an LRU of stamps, its
-copies, its predictions, its counters) and :func:`credit`, which turns the bits of the
-replicas a match walk dropped into their hit lengths.
+copies, its predictions, its counters). Events write it; a match never reads it.
 """
 
 from __future__ import annotations
 
 from kvroute.events import ExternalBlockHash as Hash
 
-__all__ = ["Holdings", "credit"]
+__all__ = ["Holdings"]
 
 
 class Holdings:
@@ -39,10 +38,3 @@ class Holdings:
         self.evicted = 0  # entries forgotten by the memory bound
         self.unknown_removals = 0  # removes of hashes the index did not hold
 
-
-def credit(names: list[str | None], bits: int, n: int, out: dict[str, int]) -> None:
-    """``out[replica] = n`` for each replica bit set in ``bits``, if ``n`` > 0."""
-    while bits and n:
-        low = bits & -bits
-        out[names[low.bit_length() - 1]] = n  # type: ignore[index]
-        bits ^= low

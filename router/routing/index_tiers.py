@@ -181,6 +181,7 @@ class LowerTiers:
 
     _lock: threading.Lock
     _tiers: dict[str, PrefixIndex]
+    has_lower_tiers: bool
     _tier_list: list[tuple[str, PrefixIndex]]
     _replicas: dict[str, Any]
     _clock: Callable[[], float]
@@ -222,6 +223,7 @@ class LowerTiers:
     def _add_tier(self, tier: str) -> PrefixIndex:
         sub = type(self)(self.max_lower_blocks_per_replica, self._clock)  # type: ignore[call-arg]
         self._tiers[tier] = sub  # type: ignore[assignment]
+        self.has_lower_tiers = True
         self._tier_list = sorted(self._tiers.items(), key=lambda kv: tier_rank(kv[0]))
         return sub  # type: ignore[return-value]
 
@@ -249,11 +251,6 @@ class LowerTiers:
         for r, ext in lower.items():
             out[r] = TierMatch(0, tuple(ext))
         return out
-
-    @property
-    def has_lower_tiers(self) -> bool:
-        """Whether any lower tier was ever stored to (matches may then extend)."""
-        return bool(self._tiers)
 
     def tiers(self) -> list[str]:
         """The lower tiers indexed, fastest first."""

@@ -91,7 +91,8 @@ class AdapterTracker:
         self.placed_ttl_s = placed_ttl_s
         self._decay = math.log(2.0) / half_life_s
         self._reps: dict[str, _Adapters] = {}
-        self._flights: dict[str, tuple[str, str]] = {}  # request -> (replica, adapter)
+        # request -> (replica, adapter); the policy looks here before it calls finished
+        self.flights: dict[str, tuple[str, str]] = {}
 
     def _rep(self, replica: str) -> _Adapters:
         rep = self._reps.get(replica)
@@ -116,10 +117,10 @@ class AdapterTracker:
         rep.in_flight[adapter] = rep.in_flight.get(adapter, 0) + 1
         count, at = rep.demand.get(adapter, (0.0, now))
         rep.demand[adapter] = (count * math.exp(-self._decay * max(now - at, 0.0)) + 1.0, now)
-        self._flights[request_id] = (replica, adapter)
+        self.flights[request_id] = (replica, adapter)
 
     def finished(self, request_id: str) -> None:
-        got = self._flights.pop(request_id, None)
+        got = self.flights.pop(request_id, None)
         if got is None:
             return
         replica, adapter = got
@@ -133,8 +134,8 @@ class AdapterTracker:
 
     def drop_replica(self, replica: str) -> None:
         self._reps.pop(replica, None)
-        for rid in [rid for rid, (r, _) in self._flights.items() if r == replica]:
-            del self._flights[rid]
+        for rid in [rid for rid, (r, _) in self.flights.items() if r == replica]:
+            del self.flights[rid]
 
     # -- what the replica holds -----------------------------------------------------------
     def resident(

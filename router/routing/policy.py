@@ -318,7 +318,8 @@ class KVPolicy(Policy):
             self.index.predict(decision.replica, hashes, self.prediction_ttl_s, now)
 
     def on_finished(self, request_id: str, now: float, output_tokens: int | None = None) -> None:
-        self.adapters.finished(request_id)
+        if request_id in self.adapters.flights:  # under an adapter
+            self.adapters.finished(request_id)
         super().on_finished(request_id, now, output_tokens)
 
     def on_replica_removed(self, replica: str) -> list[str]:
