@@ -1,11 +1,12 @@
-"""Publisher and subscriber over real loopback sockets: nothing is silently lost."""
+"""Publisher and subscriber over real loopback sockets: nothing is silently lost (lossy
+paths, gaps, snapshots, restarts, heartbeats, garbage on the wire). vLLM-style streams and
+the replay socket's protocol have files of their own (test_pubsub_vllm_streams.py,
+test_replay_protocol.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import random
-import sys
-import threading
 import time
 
 import msgspec
@@ -13,55 +14,13 @@ import pytest
 import zmq
 
 from kvroute.events import BlockStored, EventBatch, encode_batch
-from kvroute.events.framing import pack_seq, unpack_seq
+from kvroute.events.framing import pack_seq
 from kvroute.events.transport import ZmqEventPublisher, ZmqEventSubscriber
 
 from ...waiting import poll
-from .streams import (
-    BS,
-    LOCAL,
-    Churn,
-    LossyProxy,
-    Views,
-    VllmLikePublisher,
-    publisher,
-    wait_until_synced,
-)
+from .streams import BS, LOCAL, Churn, LossyProxy, Views, publisher, wait_until_synced
 
-
-class OnLoop(ZmqEventSubscriber):
-    """The subscriber as a front door runs it: moved onto an event loop once that runs
-    (here a loop on a thread of its own, so the tests drive it as they drive the thread)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.test_loop = asyncio.new_event_loop()
-        self.test_thread = threading.Thread(target=self.test_loop.run_forever, daemon=True)
-        self.test_thread.start()
-        self._on_test_loop(lambda: self.attach(self.test_loop))
-        assert self._thread is None and self._loop is self.test_loop
-
-    def _on_test_loop(self, fn) -> None:
-        async def run() -> None:
-            fn()
-
-        asyncio.run_coroutine_threadsafe(run(), self.test_loop).result(10)
-
-    def close(self) -> None:
-        if self.test_loop.is_closed():
-            return
-        self._on_test_loop(super().close)
-        self.test_loop.call_soon_threadsafe(self.test_loop.stop)
-        self.test_thread.join(10)
-        self.test_loop.close()
-
-
-@pytest.fixture(autouse=True, params=["thread", "loop"])
-def where(request, monkeypatch):
-    """Every test twice: on the subscriber's own thread, and attached to an event loop."""
-    if request.param == "loop":
-        monkeypatch.setattr(sys.modules[__name__], "ZmqEventSubscriber", OnLoop)
-    return request.param
+pytestmark = pytest.mark.usefixtures("where")  # conftest.py: every test on a thread and on a loop
 
 
 def test_100k_events_through_a_lossy_path_rebuild_the_exact_block_set():
@@ -248,7 +207,6 @@ def test_idle_publisher_sends_heartbeats_so_a_lost_last_batch_is_noticed():
 
 
 def test_async_stream_delivers_in_order():
-    import asyncio
 
     pub = publisher(topic="r0", heartbeat_interval=None)
     sub = ZmqEventSubscriber()
@@ -337,217 +295,3 @@ def test_garbage_is_counted_and_skipped_and_the_stream_goes_on():
     finally:
         sub.close()
         raw_pub.close(0)
-
-
-# -- a vLLM engine's stream ---------------------------------------------------------------
-def test_reads_a_vllm_style_stream_with_int_hashes_and_recovers_a_gap():
-    vllm = VllmLikePublisher()
-    views = Views()
-    sub = ZmqEventSubscriber(views)
-    try:
-        sub.add_publisher("vllm-0", vllm.endpoint, vllm.replay_endpoint)
-        # The snapshot request is answered with just the end marker: no snapshots in vLLM.
-        assert poll(lambda: sub.in_sync("vllm-0"), timeout=10)
-        settle(sub, "vllm-0", vllm)
-        truth = {}
-        for i in range(30):
-            h = 1000 + i
-            vllm.publish(
-                [["BlockStored", [h], (h - 1) if i else None, list(range(16)), 16, None, "GPU"]],
-                send=(i % 7 != 3),
-            )  # some batches never go out live
-            truth[h] = 1
-        vllm.publish([["BlockRemoved", [1000], "GPU"]])
-        del truth[1000]
-        assert poll(lambda: views.counts("vllm-0") == truth, timeout=10), sub.stats()
-        assert sub.stats()["vllm-0"].gaps >= 1 and sub.stats()["vllm-0"].replays >= 1
-    finally:
-        sub.close()
-        vllm.close()
-
-
-def test_a_gap_lost_while_a_replay_is_on_its_way_is_replayed_too():
-    """No snapshots (vLLM): a batch lost after the engine read its buffer for a replay is a
-    second hole behind the first; it is replayed as well, never answered by dropping the
-    replica's state."""
-    vllm = VllmLikePublisher()
-    views = Views()
-    sub = ZmqEventSubscriber(views, request_timeout=30)
-    try:
-        sub.add_publisher("vllm-0", vllm.endpoint, vllm.replay_endpoint)
-        assert poll(lambda: sub.in_sync("vllm-0"), timeout=10)
-        settle(sub, "vllm-0", vllm)
-        truth = {}
-
-        def store(i: int, send: bool = True) -> None:
-            h = 1000 + i
-            event = ["BlockStored", [h], (h - 1) if i else None, [i] * 16, 16, None, "GPU"]
-            vllm.publish([event], send)
-            truth[h] = 1
-
-        received = quiet(sub, "vllm-0")
-        vllm.hold.set()
-        store(0)
-        store(1, send=False)
-        store(2)  # the first hole: a replay is asked for
-        assert vllm.buffer_read.wait(10)
-        store(3, send=False)  # lost after the buffer was read
-        store(4)
-        store(5)
-        assert poll(lambda: sub.stats()["vllm-0"].received == received + 4, timeout=10)
-        vllm.hold.clear()
-        vllm.release.set()  # the first reply reaches store(2) only
-        assert poll(lambda: views.counts("vllm-0") == truth, timeout=10), sub.stats()
-        stats = sub.stats()["vllm-0"]
-        assert stats.resets == 0 and stats.gaps == 2 and stats.request_timeouts == 0, stats
-    finally:
-        vllm.release.set()
-        sub.close()
-        vllm.close()
-
-
-def quiet(sub: ZmqEventSubscriber, replica_id: str) -> int:
-    """The count of batches received once no more arrive (settle's extra empties)."""
-    counts = [-1]
-
-    def still() -> bool:
-        counts.append(sub.stats()[replica_id].received)
-        return counts[-1] == counts[-2]
-
-    assert poll(still, timeout=10, every=0.2)
-    return counts[-1]
-
-
-def settle(sub: ZmqEventSubscriber, replica_id: str, pub: VllmLikePublisher) -> None:
-    """Waits until the subscriber's SUB connection is live: a PUB socket drops what it sends
-    before the subscription reaches it, so empty batches go out until one is read live."""
-    before = sub.stats()[replica_id].received
-
-    def heard() -> bool:
-        pub.publish([])
-        return sub.stats()[replica_id].received > before
-
-    assert poll(heard, timeout=10), "the SUB connection never went live"
-
-
-def stored(h: int, parent: int | None) -> list:
-    return [["BlockStored", [h], parent, list(range(16)), 16, None, "GPU"]]
-
-
-def test_a_late_subscriber_replays_a_vllm_style_buffer_from_seq_0():
-    """No snapshots: a subscriber joining an idle engine rebuilds its state from the
-    replay buffer at once, not only when the next live batch reveals a gap."""
-    vllm = VllmLikePublisher()
-    for i in range(20):
-        vllm.publish(stored(2000 + i, 1999 + i if i else None))
-    vllm.publish([["BlockRemoved", [2005], "GPU"]])
-    truth = {2000 + i: 1 for i in range(20) if i != 5}
-    views = Views()
-    sub = ZmqEventSubscriber(views)
-    try:
-        sub.add_publisher("vllm-0", vllm.endpoint, vllm.replay_endpoint)
-        assert poll(lambda: views.counts("vllm-0") == truth, timeout=10), sub.stats()
-        stats = sub.stats()["vllm-0"]
-        assert (stats.snapshots, stats.replays, stats.gaps, stats.last_seq) == (1, 1, 0, 20)
-    finally:
-        sub.close()
-        vllm.close()
-
-
-def test_a_rolled_vllm_style_buffer_restarts_the_view_at_its_start():
-    """The buffer no longer reaches seq 0: the view holds what the buffer holds, then
-    follows the live stream without asking for replays again."""
-    vllm = VllmLikePublisher(buffer_steps=5)
-    for i in range(12):
-        vllm.publish(stored(3000 + i, 2999 + i if i else None))
-    views = Views()
-    sub = ZmqEventSubscriber(views)
-    try:
-        sub.add_publisher("vllm-0", vllm.endpoint, vllm.replay_endpoint)
-        in_buffer = {3000 + i: 1 for i in range(7, 12)}
-        assert poll(lambda: views.counts("vllm-0") == in_buffer, timeout=10), sub.stats()
-        # The SUB connection must be live before the next batches; a probe batch (the way
-        # settle() waits) would change the seq and replay counts this test asserts.
-        time.sleep(0.2)
-        for i in range(12, 15):
-            vllm.publish(stored(3000 + i, 2999 + i))
-        want = {**in_buffer, **{3000 + i: 1 for i in range(12, 15)}}
-        assert poll(lambda: views.counts("vllm-0") == want, timeout=10), sub.stats()
-        stats = sub.stats()["vllm-0"]
-        assert stats.replays == 1 and stats.gaps == 0 and stats.last_seq == 14
-    finally:
-        sub.close()
-        vllm.close()
-
-
-def test_replay_protocol_frames_as_designed():
-    """A bare DEALER speaking the documented protocol to a kvroute publisher."""
-    pub = publisher(topic="r7", heartbeat_interval=None)
-    dealer = zmq.Context.instance().socket(zmq.DEALER)
-    dealer.connect(pub.replay_endpoint)
-    try:
-        for i in range(5):
-            pub.publish([BlockStored([bytes([i + 1]) * 16], None, [0] * BS, BS, None, "GPU", None)])
-        pub.flush()
-        dealer.send_multipart([b"", pack_seq(3)])
-        replies = [dealer.recv_multipart() for _ in range(3)]
-        assert [r[:3] for r in replies[:2]] == [
-            [b"", b"r7", pack_seq(3)],
-            [b"", b"r7", pack_seq(4)],
-        ]
-        assert msgspec.msgpack.decode(replies[0][3])[1][0]["block_hashes"] == [bytes([4]) * 16]
-        assert replies[2] == [b"", b"", pack_seq(-1), b""]
-        dealer.send_multipart([b"", pack_seq(-2)])  # snapshot
-        snap = [dealer.recv_multipart() for _ in range(2)]
-        assert snap[0][:3] == [b"", b"r7", pack_seq(4)]  # consistent with seq 4
-        events = msgspec.msgpack.decode(snap[0][3])[1]
-        assert events[0] == {"type": "AllBlocksCleared"}
-        assert sorted(e["block_hashes"][0] for e in events[1:]) == [
-            bytes([i + 1]) * 16 for i in range(5)
-        ]
-        assert snap[1] == [b"", b"", pack_seq(-1), b""]
-    finally:
-        dealer.close(0)
-        pub.close()
-
-
-def test_seq_frame_is_8_byte_big_endian_signed():
-    assert pack_seq(1) == b"\x00" * 7 + b"\x01"
-    assert unpack_seq(pack_seq(-1)) == -1
-    with pytest.raises(ValueError):
-        unpack_seq(b"\x00" * 4)
-
-
-def test_garbage_sent_to_the_replay_socket_is_counted_and_ignored():
-    """Random frames, a bad sequence frame and a negative start on the publisher's replay
-    socket are counted and dropped; a proper replay request afterwards is answered whole."""
-    rng = random.Random(7)
-    with publisher() as pub:
-        h = b"\x02" * 16
-        pub.publish(EventBatch(0.0, [BlockStored([h], None, [0] * BS, BS, None, "GPU", None)]))
-        assert pub.flush()
-        dealer = zmq.Context.instance().socket(zmq.DEALER)
-        dealer.connect(pub.replay_endpoint)
-        try:
-            garbage = [
-                [b"junk"],  # no empty delimiter frame
-                [b"", b"\x00" * 3],  # a sequence frame of the wrong size
-                [b"", pack_seq(-7)],  # neither a sequence nor the snapshot request
-                [b"", pack_seq(0), b"extra"],
-                *([bytes(rng.randrange(256) for _ in range(rng.randrange(1, 40)))]
-                  for _ in range(20)),
-            ]  # fmt: skip
-            for frames in garbage:
-                dealer.send_multipart(frames)
-            dealer.send_multipart([b"", pack_seq(0)])
-            assert dealer.poll(10_000), "no reply to a proper replay request"
-            reply = [dealer.recv_multipart()]
-            while unpack_seq(reply[-1][2]) != -1:  # up to the end marker
-                assert dealer.poll(10_000)
-                reply.append(dealer.recv_multipart())
-            assert [unpack_seq(r[2]) for r in reply] == [0, -1]
-            assert pub.malformed_requests == len(garbage)
-            # Counted by the publisher's thread just after the end marker went out.
-            assert poll(lambda: pub.replays_served == 1, timeout=20)
-        finally:
-            dealer.close(0)
