@@ -67,6 +67,7 @@ from dataclasses import dataclass, field
 SWEEP_S = 0.5  # while anything waits, the queue is looked at at least this often
 RATE_WINDOW_S = 10.0  # the drain rate is the dispatches of the last this many seconds
 MIN_RATE_SAMPLES = 4  # fewer dispatches than this in the window: no estimate, no early shed
+SLOT_SAMPLES = 64  # the per-position engine time is the mean of the last this many samples
 MAX_CHARGED_OUTPUT = 512  # a request's output bound counts up to this in its tenant's counter
 DEFAULT_DEPTH = 16
 # No bound on prompt tokens by default: in the simulator (kvroute simulate --flow-tokens,
@@ -156,6 +157,10 @@ class FlowControl:
         self._counter: dict[str, float] = {}  # tenant -> virtual tokens served
         self._seq = itertools.count()
         self._dispatch_times: deque[float] = deque()
+        # replica -> (band, tenant) -> (when sent, this door's slots there before it): the
+        # slots held, oldest first, for the engine's time per position (``slot_time``)
+        self._sent_at: dict[str, dict[tuple[int, str], deque[tuple[float, int]]]] = {}
+        self._slot_samples: deque[tuple[float, float]] = deque(maxlen=SLOT_SAMPLES)
         self._pumping = False
         self._again = False
         self._sweeper: asyncio.TimerHandle | None = None
@@ -180,16 +185,26 @@ class FlowControl:
             return True
         return not mine and n < 2 * self.depth
 
+    def unstarted_ahead(self, replica: str, band: int) -> int:
+        """Requests on ``replica`` without a first token that go before a newcomer of
+        ``band`` there: this front door's of its priority or more urgent, and others'."""
+        n = sum(c for (b, _), (c, _) in self._classes.get(replica, {}).items() if b <= band)
+        return n + (self.others(replica) if self.others is not None else 0)
+
     def occupy(self, replica: str, tokens: int = 0, band: int = 0, tenant: str = "") -> None:
         """A request of ``tokens`` prompt tokens was sent to ``replica`` and has no first
         token there yet."""
-        self.unstarted[replica] = self.unstarted.get(replica, 0) + 1
+        before = self.unstarted.get(replica, 0)
+        sent = self._sent_at.setdefault(replica, {}).setdefault((band, tenant), deque())
+        sent.append((self.clock(), before))
+        self.unstarted[replica] = before + 1
         held = self._classes.setdefault(replica, {}).setdefault((band, tenant), [0, 0])
         held[0] += 1
         held[1] += tokens
 
     def vacate(self, replica: str, tokens: int = 0, band: int = 0, tenant: str = "") -> None:
         """That request got its first token there, or left it: room for the next."""
+        self._sample(replica, band, tenant)
         n = self.unstarted.get(replica, 0) - 1
         if n > 0:
             self.unstarted[replica] = n
@@ -225,6 +240,48 @@ class FlowControl:
             return None
         return len(times) / max(now - times[0], 1e-3)
 
+    def _sample(self, replica: str, band: int, tenant: str) -> None:
+        """A slot given back: its time in the engine over its position there (the slots
+        before it, plus its own) is one sample of the engine's time per position. Slots of
+        one class on one replica are taken as given back in the order they were sent."""
+        classes = self._sent_at.get(replica)
+        sent = classes.get((band, tenant)) if classes is not None else None
+        if not sent:
+            return
+        at, before = sent.popleft()
+        if not sent:
+            del classes[(band, tenant)]  # type: ignore[union-attr]
+            if not classes:
+                del self._sent_at[replica]
+        now = self.clock()
+        self._slot_samples.append((now, (now - at) / (before + 1)))
+
+    def slot_time(self) -> float | None:
+        """The engine's seconds to a first token per position in its queue (a request
+        sent behind ``k`` others gets its first token after about ``(k + 1)`` times this):
+        the mean of the samples of the last ``RATE_WINDOW_S`` (None: too few to say)."""
+        samples = self._slot_samples
+        now = self.clock()
+        while samples and samples[0][0] < now - RATE_WINDOW_S:
+            samples.popleft()
+        if len(samples) < MIN_RATE_SAMPLES:
+            return None
+        return sum(x for _, x in samples) / len(samples)
+
+    def engine_wait(self, replica: str, band: int) -> float | None:
+        """Seconds from a send to ``replica`` now to its first token there (None: unknown)."""
+        per = self.slot_time()
+        return None if per is None else (self.unstarted_ahead(replica, band) + 1) * per
+
+    def in_time(self, w: Waiter, replicas: list[str], now: float) -> list[str]:
+        """Those of ``replicas`` where ``w``, sent now, would get its first token by its
+        deadline (all of them: no deadline, or no estimate yet)."""
+        per = self.slot_time()
+        if w.deadline is None or per is None:
+            return replicas
+        slack = w.deadline - now
+        return [r for r in replicas if (self.unstarted_ahead(r, w.band) + 1) * per <= slack]
+
     def ahead_of(self, band: int) -> int:
         """Waiters that go before a newcomer of ``band``: its band and the more urgent."""
         return sum(self._band_len[b] for b in self._order if b <= band)
@@ -246,9 +303,23 @@ class FlowControl:
         if not self.ahead_of(w.band):  # nothing goes before it: sent if there is room
             eligible = w.eligible()
             room = [r for r in eligible if self.has_room(r, w.band, w.tenant)]
-            if room or not eligible:
+            if room:
+                fits = self.in_time(w, room, now)
+                if not fits:  # room, but a queue in every engine it could go to too long
+                    self._shed(w.band, "deadline")
+                    wait = min(self.engine_wait(r, w.band) or 1.0 for r in room)
+                    raise ShedError(
+                        f"The request's TTFT deadline cannot be met: about {wait:.1f} s of "
+                        "requests are queued in the replicas it may go to; retry later.",
+                        "deadline",
+                        wait,
+                    )
                 self._dispatched(w, now)
-                w.dispatch(room or None)
+                w.dispatch(fits)
+                return True
+            if not eligible:
+                self._dispatched(w, now)
+                w.dispatch(None)
                 return True
         if w.deadline is not None and w.deadline <= now:
             self._shed(w.band, "deadline")
@@ -265,13 +336,24 @@ class FlowControl:
             )
         if w.deadline is not None:
             wait = self.estimated_wait(w.band)
-            if wait is not None and now + wait > w.deadline:
+            # then, sent behind what fills the emptiest replica it may go to
+            per = self.slot_time()
+            eligible = w.eligible()
+            engine = (
+                per * max(1, min(self.unstarted_ahead(r, w.band) for r in eligible))
+                if per is not None and eligible
+                else None
+            )
+            if (wait is not None or engine is not None) and now + (wait or 0.0) + (
+                engine or 0.0
+            ) > w.deadline:
                 self._shed(w.band, "deadline")
                 raise ShedError(
-                    f"The request's TTFT deadline cannot be met: about {wait:.1f} s of "
-                    "requests wait ahead of it; retry later.",
+                    f"The request's TTFT deadline cannot be met: about {wait or 0.0:.1f} s "
+                    "of requests wait ahead of it at the door, and "
+                    f"{engine or 0.0:.1f} s in the replica it would go to; retry later.",
                     "deadline",
-                    wait,
+                    wait if wait is not None else 1.0,
                 )
         self._enqueue(w)
         self.pump()  # it may have room where the heads ahead of it have none
@@ -399,10 +481,34 @@ class FlowControl:
             for head in heads:
                 eligible = head.eligible()
                 room = [r for r in eligible if self.has_room(r, head.band, head.tenant)]
-                if room or not eligible:
-                    self._send(head, room or None)
+                if room:
+                    fits = self.in_time(head, room, self.clock())
+                    if not fits:  # checked at dispatch: refused rather than sent late
+                        self._late(head)
+                        return True
+                    self._send(head, fits)
+                    return True
+                if not eligible:
+                    self._send(head, None)
                     return True
         return False
+
+    def _late(self, w: Waiter) -> None:
+        """``w``'s turn came, but no replica with room can give it its first token by its
+        deadline: a 429, as if the deadline had passed."""
+        self._remove(w)
+        self._shed(w.band, "deadline")
+        rate = self.drain_rate()
+        wait = self.ahead_of(w.band) / rate if rate else 1.0
+        if w.future is not None and not w.future.done():
+            w.future.set_exception(
+                ShedError(
+                    "The request's TTFT deadline can no longer be met: the replicas with "
+                    "room for it have too long a queue.",
+                    "deadline",
+                    wait,
+                )
+            )
 
     def _send(self, w: Waiter, room: list[str] | None) -> None:
         self._remove(w)

@@ -258,6 +258,72 @@ def test_a_deadline_that_passes_while_queued_is_a_429() -> None:
     run(main)
 
 
+def learn_one_second_per_position(fleet: Fleet, now: list[float], rid: str) -> None:
+    """Four requests sent to an empty ``rid``, each with its first token a second later:
+    the engine's time per position is 1 s."""
+    for i in range(4):
+        assert fleet.flow.submit(fleet.waiter(f"learn{i}", only=[rid]))
+        now[0] += 1.0
+        fleet.first_token(rid)
+    assert fleet.flow.slot_time() == pytest.approx(1.0)
+
+
+def test_a_deadline_is_checked_against_the_replicas_queues() -> None:
+    """Room at the door is not enough: a request with a deadline goes only where the
+    requests queued ahead of it in the engine leave time for its first token, and is
+    refused at once when no replica with room does (it would have been served late)."""
+
+    async def main() -> None:
+        now = [100.0]
+        flow = FlowControl(depth=16, clock=lambda: now[0])
+        fleet = Fleet(flow, ["r0", "r1"])
+        learn_one_second_per_position(fleet, now, "r0")
+        assert flow.engine_wait("r0", 0) == pytest.approx(1.0)
+        fleet.block("r0", 0)
+        for i in range(3):  # three queued on r0, none on r1
+            assert flow.submit(fleet.waiter(f"q{i}", only=["r0"]))
+        assert flow.engine_wait("r0", 0) == pytest.approx(4.0)
+        assert flow.submit(fleet.waiter("a", deadline=now[0] + 1.5))
+        assert fleet.sent[-1] == ("a", "r1")  # r0 has room, but its first token would be late
+        with pytest.raises(ShedError) as info:  # r0 only: refused at once, not sent late
+            flow.submit(fleet.waiter("b", deadline=now[0] + 1.5, only=["r0"]))
+        assert info.value.cause == "deadline" and info.value.retry_after == "4"
+        assert fleet.names()[-1] == "a" and flow.waiting == 0
+        assert flow.stats.shed == {(0, "deadline"): 1}
+        # no deadline, or one the queue leaves time for: sent there as before
+        assert flow.submit(fleet.waiter("c", only=["r0"]))
+        assert flow.submit(fleet.waiter("d", deadline=now[0] + 10.0, only=["r0"]))
+        assert fleet.names()[-2:] == ["c", "d"]
+
+    run(main)
+
+
+def test_a_waiter_whose_turn_comes_too_late_for_its_deadline_is_refused() -> None:
+    """Checked again at dispatch: a waiter whose turn comes when even the replica with
+    room would give it its first token past its deadline gets the 429 then, unsent; a
+    waiter the estimate says waits too long is refused when it arrives."""
+
+    async def main() -> None:
+        now = [100.0]
+        flow = FlowControl(depth=1, clock=lambda: now[0])
+        fleet = Fleet(flow, ["r0"])
+        learn_one_second_per_position(fleet, now, "r0")
+        assert flow.submit(fleet.waiter("x"))
+        w = fleet.waiter("w", deadline=now[0] + 1.5)
+        assert not flow.submit(w)  # 1 s queued in r0, then its own second: in time
+        with pytest.raises(ShedError, match="cannot be met"):  # behind w at the door, then
+            flow.submit(fleet.waiter("v", deadline=now[0] + 1.5))  # a second in r0: too late
+        now[0] += 0.8
+        fleet.first_token()  # x started; w's turn, but 1 s from now is past its deadline
+        assert w.future is not None and w.future.done()
+        with pytest.raises(ShedError, match="can no longer be met"):
+            w.future.result()
+        assert fleet.names()[-1] == "x" and flow.waiting == 0
+        assert flow.stats.shed == {(0, "deadline"): 2}
+
+    run(main)
+
+
 def test_no_replica_left_fails_the_waiters_instead_of_holding_them() -> None:
     async def main() -> None:
         flow = FlowControl(depth=1)
