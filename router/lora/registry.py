@@ -37,9 +37,9 @@ Why a registry in the router, and not only in each engine:
 Which tenant may use which adapter is the tenants file's (:mod:`.tenants`); an adapter a
 tenant may not use is, to that tenant, an adapter that does not exist (same 404).
 
-The adapter record and the registry's answers (404, refusals) are :mod:`.adapter`; the
-holders-only view of the fleet a request under an adapter routes over, :mod:`.holders`
-(both re-exported here).
+The adapter record, the fleet's adapters at start (:class:`FleetLoRAs`) and the registry's
+answers (404s, refusals, refused loads) are :mod:`.adapter`; the holders-only view of the
+fleet a request under an adapter routes over, :mod:`.holders` (both re-exported here).
 """
 
 from __future__ import annotations
@@ -51,13 +51,21 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Collection, Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..api.errors import APIError, one_line
-from ..fleet.names import control_char
+from ..api.errors import one_line
 from ..fleet.tenants import Tenant
-from .adapter import Adapter, AdapterConflictError, not_found, refusal, taken
+from .adapter import (
+    Adapter,
+    AdapterConflictError,
+    FleetLoRAs,
+    check_load,
+    not_found,
+    not_loaded,
+    refusal,
+    taken,
+    unknown,
+)
 from .holders import HolderReplicas
 from .shared import LORA_POLL_S
 
@@ -238,20 +246,7 @@ class LoRARegistry:
         Raises :class:`APIError` (400) naming the field when a replica refuses it; the
         replicas that took it then drop it again. A replica that does not answer is
         skipped (it gets the adapter from :meth:`sync` when it is back)."""
-        if not name:
-            raise APIError(400, "`lora_name` must be given", "BadRequestError", "lora_name")
-        if (bad := control_char(name)) is not None:  # it becomes a /metrics label, log words
-            why = f"`lora_name` must not hold a control character ({bad})"
-            raise APIError(400, why, "BadRequestError", "lora_name")
-        if not path:
-            raise APIError(400, "`lora_path` must be given", "BadRequestError", "lora_path")
-        if name in self.base_names:
-            raise APIError(
-                400,
-                f"`lora_name` {name[:100]!r} is the base model's name",
-                "BadRequestError",
-                "lora_name",
-            )
+        check_load(name, path, self.base_names)
         async with self._name(name):
             why_not = "loaded" if name in self._adapters else None
             if self.shared is not None:  # the fleet's registry decides, not this copy
@@ -307,12 +302,7 @@ class LoRARegistry:
             await asyncio.gather(
                 *(replicas[r].remove_lora.remote(name) for r in took), return_exceptions=True
             )
-            raise APIError(
-                400,
-                f"LoRA adapter `{name[:100]}` not loaded: {why or 'no replica answered'}",
-                "BadRequestError",
-                "lora_name" if why and "lora_name" in why else "lora_path",
-            )
+            raise not_loaded(name, why)
         for rid, res in zip(rids, results, strict=True):
             if isinstance(res, BaseException):
                 self.errors["lora_load_failed"] += 1
@@ -332,13 +322,7 @@ class LoRARegistry:
                 lease = self.unload_wait_s + RESYNC_TIMEOUT_S * 2
                 why_not = await self.shared.begin_unload.remote(name, lease)
             if why_not == "unknown":
-                raise APIError(
-                    404,
-                    f"The lora adapter `{name[:100]}` cannot be found.",
-                    "NotFoundError",
-                    "lora_name",
-                    "model_not_found",
-                )
+                raise unknown(name)
             if why_not is not None:
                 raise taken(name, why_not)
             self._adapters.pop(name, None)
@@ -471,15 +455,6 @@ async def fleet_adapters(actors: Mapping[str, Any]) -> dict[str, str]:
                     "lora_name",
                 )
     return out
-
-
-@dataclass(frozen=True, slots=True)
-class FleetLoRAs:
-    """What a front door's registry starts from: ``paths`` (name -> folder, as the replicas
-    registered it) and ``holders`` (name -> the replica ids that hold it)."""
-
-    paths: dict[str, str]
-    holders: dict[str, frozenset[str]]
 
 
 async def prepare_fleet(actors: Mapping[str, Any], shared: Any = None) -> FleetLoRAs:
