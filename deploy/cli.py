@@ -253,7 +253,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from kvroute.bench.command import run_bench, run_report
+    from kvroute.loadgen.command import run_bench, run_report
 
     if args.bench_command == "report":
         return run_report(args)

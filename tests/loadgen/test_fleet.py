@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kvroute.bench.report import load_result
 from kvroute.deploy.cli import main
+from kvroute.loadgen.report import load_result
 from kvroute.replica.serve.actor import start_replica
 
 from ..ray_session import local_ray

@@ -18,8 +18,8 @@ import httpx
 
 from kvroute.sim.workloads import DEFAULT_VOCAB
 
-from .loadgen import Breaker, Progress, describe_failure, error_examples, fetch_card, run_load
 from .report import format_table, load_result, plot, summarize, to_json
+from .sending import Breaker, Progress, describe_failure, error_examples, fetch_card, run_load
 from .sources import fit_context, load_specs, plan, scale_lengths
 
 # `kvroute bench` with no --trace or --workload: a quick look that fits a small CPU server.

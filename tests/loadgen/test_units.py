@@ -14,7 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvroute.bench.loadgen import (
+from kvroute.deploy.cli import main
+from kvroute.loadgen.report import format_table, load_result, percentile, summarize, to_json
+from kvroute.loadgen.sending import (
     Breaker,
     Record,
     SSEReader,
@@ -23,8 +25,7 @@ from kvroute.bench.loadgen import (
     run_load,
     send_one,
 )
-from kvroute.bench.report import format_table, load_result, percentile, summarize, to_json
-from kvroute.bench.sources import (
+from kvroute.loadgen.sources import (
     Planned,
     fit_context,
     pick_key,
@@ -32,7 +33,6 @@ from kvroute.bench.sources import (
     scale_lengths,
     tokens_to_text,
 )
-from kvroute.deploy.cli import main
 from kvroute.router.api.responses import REPLICA_HEADER
 from kvroute.router.backends.wire import BackendPool
 from kvroute.sim.traces import TraceRequest, prompt_tokens, specs_from_trace
@@ -220,7 +220,7 @@ def test_requests_fit_the_context_and_skip_avoided_ids() -> None:
 
 
 def test_a_tokenizer_folder_gives_vocabulary_context_and_special_ids() -> None:
-    from kvroute.bench.command import _tokenizer_facts
+    from kvroute.loadgen.command import _tokenizer_facts
     from kvroute.replica.model.models import tiny_model_path
 
     vocab, context, special = _tokenizer_facts(str(tiny_model_path()))

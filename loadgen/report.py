@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from .loadgen import Record, count_errors
+from .sending import Record, count_errors
 
 PCTS = (50, 90, 99)
 ITL_STATS = ("p90", "mean")
