@@ -167,8 +167,8 @@ def build_app(
     args: argparse.Namespace, replicas: list[tuple[Any, Any]], spec: TenantsFile | None
 ) -> Any:
     """The front door over ``replicas`` and its FastAPI app."""
+    from kvroute.router.api.agents.tools import ToolConfig
     from kvroute.router.api.app import create_app
-    from kvroute.router.api.tools import ToolConfig
     from kvroute.router.fleet.flow import DEFAULT_TOKENS
     from kvroute.router.fleet.tenants import Tenants, resolve_fleet_secret
     from kvroute.router.frontdoor import FrontDoor

@@ -23,7 +23,7 @@ The path of one completion request, each module crossed once, downwards:
    check, tokenize, build the sampling; one run per choice from the front door
    (:meth:`~.frontdoor.FrontDoor.run`), routed and sent (:mod:`.request_run`, which asks
    the policy and the fleet); back here with the runs (:class:`~.intake.Admitted`);
-3. :mod:`.responses` (or :mod:`.choices` for several): the first delta awaited (a failure
+3. :mod:`.responses` (or :mod:`.choices.respond` for several): the first delta awaited (a failure
    before it a status, :func:`~.errors.status_of`), the echoed prompt put ahead
    (:mod:`.echo`), the body or the SSE stream (:mod:`.sse`), the request's end recorded
    (:mod:`.metrics`).
@@ -52,9 +52,21 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ..fleet.tenants import AuthError, Tenant, Tenants
 from ..frontdoor import FrontDoor
-from .choices import respond_choices
-from .choices_stream import stream_choices
-from .echo import Echo
+from .admin.fleet_view import fleet_view
+from .admin.lora_admin import (
+    LoadLoRAAdapterRequest,
+    UnloadLoRAAdapterRequest,
+    load_lora_adapter,
+    require_admin,
+    unload_lora_adapter,
+)
+from .admin.tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from .agents.responses_api import create_response
+from .agents.responses_input import ResponsesRequest
+from .agents.tools import ToolConfig
+from .choices.echo import Echo
+from .choices.respond import respond_choices
+from .choices.stream import stream_choices
 from .errors import (
     REQUEST_ID_HEADER,
     APIError,
@@ -69,26 +81,14 @@ from .errors import (
     request_id,
     validation_error,
 )
-from .fleet_view import fleet_view
 from .intake import Intake, runs_per_prompt
-from .lora_admin import (
-    LoadLoRAAdapterRequest,
-    UnloadLoRAAdapterRequest,
-    load_lora_adapter,
-    require_admin,
-    unload_lora_adapter,
-)
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import render_metrics
 from .openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from .priority import read_hints
 from .responses import REPLICA_HEADER, ResponseContext, respond
-from .responses_api import create_response
-from .responses_input import ResponsesRequest
 from .send_deadline import SEND_TIMEOUT_S, ClientTooSlowError, SendDeadlineMiddleware
 from .sse import RAW_SEND
-from .tokenize import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
-from .tools import ToolConfig
 
 __all__ = ["BODY_TIMEOUT_S", "MAX_BODY_BYTES", "REPLICA_HEADER", "create_app", "render_metrics"]
 

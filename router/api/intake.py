@@ -49,17 +49,17 @@ from ..fleet.quarantine import QueryOfDeathError
 from ..fleet.request_run import RequestRun
 from ..fleet.tenants import Tenant
 from ..lora.registry import Adapter, not_found
-from .choice_count import check_choices, ranked, runs_per_prompt
+from .agents.response_format import structured_outputs
+from .agents.tool_parsers import make_parser
+from .agents.tool_template import template_for
+from .agents.tools import ToolConfig, ToolPlan, plan_tools, special_markers, template_messages
+from .choices.count import check_choices, ranked, runs_per_prompt
 from .encode import chars_per_token, fast_encoder
 from .errors import APIError, one_line, status_of
 from .openai_api import ChatCompletionRequest, CompletionRequest
 from .openai_wire import ChatBody, CompletionBody, decode_body
 from .priority import DoorHints, RequestClass, classify
-from .response_format import structured_outputs
 from .segment_cache import SegmentEncoder
-from .tool_parsers import make_parser
-from .tool_template import template_for
-from .tools import ToolConfig, ToolPlan, plan_tools, special_markers, template_messages
 
 __all__ = ["Admitted", "Intake", "ranked", "runs_per_prompt"]
 

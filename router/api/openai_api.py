@@ -188,11 +188,11 @@ class _Request(_Strict, RequestMethods):
         | None
     ) = None
     n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)  # choices per prompt
-    # OpenAI's and vLLM's output constraints, free-form here: router/api/response_format.py
+    # OpenAI's and vLLM's output constraints, free-form here: router/api/agents/response_format.py
     # reads them (a 400 naming the field when malformed).
     response_format: Any = None
     structured_outputs: Any = None
-    # Candidates per prompt to return the ``n`` likeliest of (router/api/choices.py)
+    # Candidates per prompt to return the ``n`` likeliest of (router/api/choices/respond.py)
     best_of: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
     # Declared only to be refused by name when set (see UNSUPPORTED); never used.
     tools: Any = None

@@ -12,7 +12,7 @@ Where it sits on a request's path (see :mod:`.http_api`): last. :mod:`.http_api`
 the runs :mod:`.intake` started, with a :class:`ResponseContext` (the tokenizer, /metrics'
 series, the HTTP layer's error counts, the send deadline); it reads each run
 (:mod:`.request_run`), puts an echoed prompt ahead (:mod:`.echo`), writes (:mod:`.sse`),
-and records the request's end. Several choices are :mod:`.choices`' (same parts).
+and records the request's end. Several choices are :mod:`.choices.respond`' (same parts).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response
 from kvroute.events.replica_api import GenerateDelta
 
 from ..fleet.request_run import REPLICA_FAILURES, RequestRun
+from .agents.tools import ToolStream
 from .errors import FAILED, INTERNAL_ERROR, APIError, new_id, one_line, request_failed, status_of
 from .openai_api import (
     ChatLogprobs,
@@ -44,12 +45,11 @@ from .openai_api import (
     make_usage,
 )
 from .sse import DONE, ChunkEncoder, Emit, SSEResponse, data_line, encode_json
-from .tools import ToolStream
 
 if TYPE_CHECKING:
-    from .echo import Echo
+    from .agents.tools import ToolPlan
+    from .choices.echo import Echo
     from .metrics import Metrics
-    from .tools import ToolPlan
 
 log = logging.getLogger(__name__)
 # One line per finished request (INFO): tenant, replica, tokens, TTFT, status. Off unless

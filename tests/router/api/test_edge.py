@@ -125,7 +125,7 @@ def test_invalid_requests_are_clean_400s(
 
 
 UNSUPPORTED: list[tuple[str, dict[str, Any], str]] = [
-    # tools' "auto" (their default) needs --enable-auto-tool-choice (tests/router/api/
+    # tools' "auto" (their default) needs --enable-auto-tool-choice (tests/router/api/agents/
     # test_tool_calls.py serves them); tools stay refused on the legacy completions
     (H, chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),
     (H, chat(tool_choice="auto"), "tool_choice"),

@@ -22,8 +22,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .errors import APIError
-from .openai_api import Text
+from ..errors import APIError
+from ..openai_api import Text
 from .tools import check_function_tool
 
 # vLLM's extensions passed on to the chat as they are.

@@ -5,7 +5,7 @@ A random model writes no call by itself, so each way of getting one is forced: `
 and a named function by the tools' schemas (the server's own constraint), ``auto`` by a
 ``structured_outputs`` regex that makes the model write a Hermes call, which the server's
 ``hermes`` parser must then read. ``tiny``'s template cannot show tools, so kvroute's
-ChatML tool template renders them (router/api/tool_template.py)."""
+ChatML tool template renders them (router/api/agents/tool_template.py)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ import openai
 import pytest
 
 from kvroute.replica.serve.actor import start_replica
-from kvroute.router.api.tools import ToolConfig
+from kvroute.router.api.agents.tools import ToolConfig
 
-from ...ray_session import local_ray
-from ..served import MODEL, Served, assert_clean_error, serve
+from ....ray_session import local_ray
+from ...served import MODEL, Served, assert_clean_error, serve
 
 CONFIG = {"model": MODEL, "block_size": 16, "num_blocks": 256}
 WEATHER = {

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 from kvroute.events.replica_api import BoundsError, StructuredOutputs
 
-from .errors import APIError, new_id
+from ..errors import APIError, new_id
 from .tool_parsers import CallStream, ParsedCall, ToolParser, make_parser
 from .tool_parsers.base import raw_decode
 

@@ -14,7 +14,7 @@ import openai
 import pydantic
 import pytest
 
-from ..served import MODEL, Served, assert_clean_error, serve_model
+from ...served import MODEL, Served, assert_clean_error, serve_model
 
 CONFIG = {"model": MODEL, "block_size": 16, "num_blocks": 160}
 COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}

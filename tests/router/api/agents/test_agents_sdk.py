@@ -19,10 +19,10 @@ from typing import Any, Literal
 import pytest
 
 from kvroute.replica.serve.actor import start_replica
-from kvroute.router.api.tools import ToolConfig
+from kvroute.router.api.agents.tools import ToolConfig
 
-from ...ray_session import local_ray
-from ..served import MODEL, Served, serve
+from ....ray_session import local_ray
+from ...served import MODEL, Served, serve
 
 agents = pytest.importorskip("agents", reason="openai-agents not installed")
 

@@ -17,11 +17,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from .errors import APIError, one_line, read_body, validation_error
-from .intake import Intake
-from .openai_api import ChatMessage, Text, TokenId
-from .tool_template import template_for
-from .tools import ToolConfig, plan_tools, template_messages
+from ..agents.tool_template import template_for
+from ..agents.tools import ToolConfig, plan_tools, template_messages
+from ..errors import APIError, one_line, read_body, validation_error
+from ..intake import Intake
+from ..openai_api import ChatMessage, Text, TokenId
 
 MAX_DETOKENIZE_IDS = 1 << 20
 
@@ -72,7 +72,7 @@ async def tokenize(request: Request) -> JSONResponse:
         text = body.prompt
         intake.check_length(len(text))
     else:
-        # As a chat renders them (router/api/tools.py): its tools, calls and results too.
+        # As a chat renders them (router/api/agents/tools.py): its tools, calls and results too.
         messages = template_messages(body.messages or [])
         plan = plan_tools(SimpleNamespace(tools=body.tools, tool_choice="none"), ToolConfig())
         kw: dict[str, Any] = {"tools": plan.tools} if plan is not None and plan.tools else {}

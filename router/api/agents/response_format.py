@@ -17,7 +17,7 @@ import msgspec
 
 from kvroute.events.replica_api import BoundsError, StructuredOutputs
 
-from .errors import APIError
+from ..errors import APIError
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 OPTIONS = ("disable_any_whitespace",)

@@ -1,7 +1,7 @@
 """Several choices streamed: ``n`` > 1 (or a batch of prompts) with ``stream: true``.
 
 Why a writer of its own: each choice is a run of its own (its own route and replica, as in
-:mod:`.choices`), and OpenAI streams them interleaved, each chunk naming its choice by
+:mod:`.respond`), and OpenAI streams them interleaved, each chunk naming its choice by
 ``index``, in whatever order their tokens come. One task per run feeds a queue; the writer
 sends what is in it as it arrives (several deltas in one write when they queue up), each
 choice's last chunk with its own ``finish_reason``, then the usage (each prompt counted
@@ -21,11 +21,10 @@ from fastapi.responses import Response
 
 from kvroute.events.replica_api import GenerateDelta
 
-from ..fleet.request_run import RequestRun
-from .choices import cancel_all, choices_usage
-from .errors import request_failed
-from .openai_api import error_body
-from .responses import (
+from ...fleet.request_run import RequestRun
+from ..errors import request_failed
+from ..openai_api import error_body
+from ..responses import (
     REPLICA_HEADER,
     Logprobs,
     ResponseContext,
@@ -35,11 +34,12 @@ from .responses import (
     response_id,
     stream_failure,
 )
-from .sse import DONE, ChunkEncoder, Emit, SSEResponse, data_line
+from ..sse import DONE, ChunkEncoder, Emit, SSEResponse, data_line
+from .respond import cancel_all, choices_usage
 
 if TYPE_CHECKING:
+    from ..agents.tools import ToolPlan
     from .echo import Echo
-    from .tools import ToolPlan
 
 
 def stream_choices(
@@ -53,7 +53,7 @@ def stream_choices(
     tools: ToolPlan | None = None,
 ) -> Response:
     """The runs' answers as one SSE stream, a choice per run in order (``n`` runs per
-    prompt, prompt by prompt: :func:`~.choices.respond_choices`' indexing)."""
+    prompt, prompt by prompt: :func:`~.respond.respond_choices`' indexing)."""
     chat, n = body.chat, body.n or 1  # best_of above n is never streamed (intake)
     resp_id, created = response_id(chat), int(time.time())
     top = body.num_logprobs()

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from kvroute.replica import tiny_model_path
 
-from ..served import MODEL, Served, assert_clean_error, serve_model
+from ...served import MODEL, Served, assert_clean_error, serve_model
 
 AUTH = {"Authorization": "Bearer key-a"}
 

@@ -1,5 +1,5 @@
 """The tool plan without a server: markers a replica's detokenizer drops put back, and how
-each mode reads a whole and a streamed answer (tests/router/api/test_tool_calls.py runs
+each mode reads a whole and a streamed answer (tests/router/api/agents/test_tool_calls.py runs
 them live)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from kvroute.router.api.agents.tool_parsers import ParsedCall, make_parser
+from kvroute.router.api.agents.tools import ToolConfig, ToolStream, plan_tools, special_markers
 from kvroute.router.api.responses import Collected
-from kvroute.router.api.tool_parsers import ParsedCall, make_parser
-from kvroute.router.api.tools import ToolConfig, ToolStream, plan_tools, special_markers
 
 TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
          {"type": "function", "function": {"name": "g"}}]  # fmt: skip

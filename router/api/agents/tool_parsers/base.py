@@ -4,7 +4,7 @@ Why a parser per model family: each family writes its calls in its own way (Qwen
 Hermes' ``<tool_call>`` JSON, Llama 3's bare JSON, Mistral's ``[TOOL_CALLS]``), and vLLM
 names the parser on the command line (``--tool-call-parser``), so a client moving between
 vLLM and kvroute gets the same calls from the same text: the parsers here follow vLLM's
-(``tests/router/api/test_tool_parser_corpus.py`` compares them on a corpus).
+(``tests/router/api/agents/test_tool_parser_corpus.py`` compares them on a corpus).
 
 Streaming (:class:`CallStream`): content is sent as it comes, up to where a call may
 start; the calls themselves are parsed once the output is whole, by the same

@@ -18,8 +18,8 @@ import pydantic
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from ..fleet.tenants import AuthError
-from .errors import APIError, read_body, validation_error
+from ...fleet.tenants import AuthError
+from ..errors import APIError, read_body, validation_error
 
 Name = Annotated[str, pydantic.Field(min_length=1, max_length=256)]
 Path = Annotated[str, pydantic.Field(min_length=1, max_length=4096)]

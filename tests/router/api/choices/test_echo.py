@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from kvroute.replica import tiny_model_path
 
-from ..served import MODEL, Served, assert_clean_error, serve_model
+from ...served import MODEL, Served, assert_clean_error, serve_model
 
 CONFIG = {"model": MODEL, "block_size": 16, "num_blocks": 160}
 PROMPTS = ["The capital of France is", "Two plus two equals four, and"]

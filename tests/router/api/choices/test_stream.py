@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from ..served import MODEL, Served, assert_clean_error, serve_model
+from ...served import MODEL, Served, assert_clean_error, serve_model
 
 CONFIG = {"model": MODEL, "block_size": 16, "num_blocks": 256}
 SAMPLED: dict[str, Any] = {"temperature": 1.0, "seed": 5, "extra_body": {"ignore_eos": True}}

@@ -16,8 +16,8 @@ import msgspec
 
 from kvroute.events.transport import ReplicaStats
 
-from ..fleet.admission import Admission
-from ..fleet.fleet import Fleet
+from ...fleet.admission import Admission
+from ...fleet.fleet import Fleet
 
 
 def fleet_view(

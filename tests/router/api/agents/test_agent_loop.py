@@ -3,7 +3,7 @@ last call's result. Each turn must land where the previous turn's KV is, and fin
 
 The model (random ``tiny``) is made to call a tool each turn with ``tool_choice: auto`` and
 a regex, so its output is the Hermes call the template renders back: the next prompt then
-extends this turn's prompt and output token for token (router/api/tool_template.py)."""
+extends this turn's prompt and output token for token (router/api/agents/tool_template.py)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ import httpx
 import pytest
 
 from kvroute.replica.serve.actor import start_replica
-from kvroute.router.api.tools import ToolConfig
+from kvroute.router.api.agents.tools import ToolConfig
 
-from ...ray_session import local_ray
-from ..served import MODEL, Served, serve
+from ....ray_session import local_ray
+from ...served import MODEL, Served, serve
 
 CONFIG = {"model": MODEL, "block_size": 16, "num_blocks": 512}
 TURNS = 8

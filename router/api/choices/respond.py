@@ -4,7 +4,7 @@ Why runs side by side: each choice is a request of its own (its own admission ti
 route and replica, as vLLM runs ``n`` as parallel requests), so ``n`` samples of one prompt
 share its cached prefix wherever the router sends them, and the choices decode in the same
 engine steps. The answer is one JSON body once all have finished (streamed, they are
-:mod:`.choices_stream`'s); any choice that fails fails the request, and every run is closed.
+:mod:`.stream`'s); any choice that fails fails the request, and every run is closed.
 ``best_of`` runs that many candidates per prompt and answers with the ``n`` likeliest.
 Metrics and the request log count each choice as a request; ``x-kvroute-replica`` lists
 the replicas that answered, in choice order, each once.
@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from ..fleet.request_run import REPLICA_FAILURES, RequestRun
-from .errors import FAILED, APIError, one_line, request_failed
-from .intake import ranked, runs_per_prompt
-from .openai_api import make_choice, make_response, make_usage
-from .responses import (
+from ...fleet.request_run import REPLICA_FAILURES, RequestRun
+from ..errors import FAILED, APIError, one_line, request_failed
+from ..intake import ranked, runs_per_prompt
+from ..openai_api import make_choice, make_response, make_usage
+from ..responses import (
     DISCONNECT_POLL_S,
     FLOOR,
     REPLICA_HEADER,
@@ -41,8 +41,8 @@ from .responses import (
 )
 
 if TYPE_CHECKING:
+    from ..agents.tools import ToolPlan
     from .echo import Echo
-    from .tools import ToolPlan
 
 
 async def respond_choices(
@@ -130,7 +130,7 @@ async def cancel_all(tasks: list[asyncio.Future[Any]]) -> None:
 
 
 def choices_usage(lasts: list[Any], n: int) -> Any:
-    """The usage of several choices, whole or streamed (:mod:`.choices_stream`): each
+    """The usage of several choices, whole or streamed (:mod:`.stream`): each
     prompt once (its ``n`` runs share it; candidates ``best_of`` drops count too), every
     choice's output. ``lasts``: each run's last delta, in choice order."""
     prompt = cached = output = 0

@@ -22,9 +22,9 @@ import pydantic
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from ..fleet.request_run import RequestRun
-from ..fleet.tenants import Tenant
-from .errors import (
+from ...fleet.request_run import RequestRun
+from ...fleet.tenants import Tenant
+from ..errors import (
     APIError,
     new_id,
     read_body,
@@ -32,10 +32,10 @@ from .errors import (
     request_id,
     validation_error,
 )
-from .intake import Intake
-from .openai_api import ChatCompletionRequest
-from .priority import read_hints
-from .responses import (
+from ..intake import Intake
+from ..openai_api import ChatCompletionRequest
+from ..priority import read_hints
+from ..responses import (
     REPLICA_HEADER,
     Collected,
     ResponseContext,
@@ -45,8 +45,8 @@ from .responses import (
     first_or_gone,
     stream_failure,
 )
+from ..sse import Emit, SSEResponse, encode_json
 from .responses_input import ChatForm, ResponsesRequest, responses_param, to_chat
-from .sse import Emit, SSEResponse, encode_json
 from .tools import ToolPlan, ToolStream
 
 

@@ -2,7 +2,7 @@
 
 Why apart from :mod:`.intake`: a request with several choices (a batch of prompts, ``n``
 > 1, ``best_of``'s candidates) runs as several requests, and the count is read by intake
-(to admit and check them), :mod:`.choices` (to answer them) and the app (to echo them):
+(to admit and check them), :mod:`.respond` (to answer them) and the app (to echo them):
 one definition for all three.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..fleet.admission import Admission
-from ..fleet.tenants import Tenant
-from .errors import APIError
-from .openai_api import MAX_CHOICES
+from ...fleet.admission import Admission
+from ...fleet.tenants import Tenant
+from ..errors import APIError
+from ..openai_api import MAX_CHOICES
 
 
 def check_choices(body: Any, num_prompts: int, tenant: Tenant, admission: Admission) -> None:

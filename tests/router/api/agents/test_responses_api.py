@@ -15,10 +15,10 @@ import openai
 import pytest
 
 from kvroute.replica.serve.actor import start_replica
-from kvroute.router.api.tools import ToolConfig
+from kvroute.router.api.agents.tools import ToolConfig
 
-from ...ray_session import local_ray
-from ..served import MODEL, Served, assert_clean_error, serve
+from ....ray_session import local_ray
+from ...served import MODEL, Served, assert_clean_error, serve
 
 CONFIG = {"model": MODEL, "block_size": 16, "num_blocks": 256}
 WEATHER = {

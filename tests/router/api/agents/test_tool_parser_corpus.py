@@ -5,7 +5,7 @@ the corpus has one call, several, text before and after, malformed JSON, a call 
 mid-way, odd spacing and non-ASCII arguments. A whole output's content and calls must equal
 vLLM's ``extract_tool_calls``; the same output streamed in pieces of every size must give
 the same calls, and the content vLLM gives, with the two documented exceptions of
-:mod:`kvroute.router.api.tool_parsers.base` (a streamed Llama 3 answer keeps the text sent
+:mod:`kvroute.router.api.agents.tool_parsers.base` (a streamed Llama 3 answer keeps the text sent
 before a call; a streamed Mistral answer whose calls do not parse keeps the text before
 the marker, which vLLM's content drops).
 """
@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
-from kvroute.router.api.tool_parsers import Extracted, ToolParser
-from kvroute.router.api.tool_parsers.hermes import HermesParser
-from kvroute.router.api.tool_parsers.llama3_json import Llama3JsonParser
-from kvroute.router.api.tool_parsers.mistral import MistralParser
+from kvroute.router.api.agents.tool_parsers import Extracted, ToolParser
+from kvroute.router.api.agents.tool_parsers.hermes import HermesParser
+from kvroute.router.api.agents.tool_parsers.llama3_json import Llama3JsonParser
+from kvroute.router.api.agents.tool_parsers.mistral import MistralParser
 
 pytest.importorskip("vllm.tool_parsers.hermes_tool_parser", reason="vllm not installed")
 
@@ -132,7 +132,7 @@ REQUEST = SimpleNamespace(tool_choice="auto", tools=None)
 
 
 def reference(kind: str, text: str) -> Extracted:
-    from kvroute.router.api.tool_parsers import ParsedCall
+    from kvroute.router.api.agents.tool_parsers import ParsedCall
 
     got = _vllm(kind).extract_tool_calls(text, REQUEST)
     calls = [ParsedCall(c.function.name, c.function.arguments) for c in got.tool_calls]

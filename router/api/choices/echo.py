@@ -20,7 +20,7 @@ import msgspec
 
 from kvroute.events.replica_api import GenerateDelta
 
-from ..fleet.request_run import RequestRun
+from ...fleet.request_run import RequestRun
 
 
 class Echo:
