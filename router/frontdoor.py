@@ -26,7 +26,7 @@ read in its constructor. Each part keeps its own error counts; :attr:`FrontDoor.
 sums them (with those of the request path and of the HTTP layer, added by
 :meth:`add_error_counts`) for /metrics and tests.
 
-On a request's path (see :mod:`.http_api`) the front door is one stop: :mod:`.intake`
+On a request's path (see :mod:`.api.app`) the front door is one stop: :mod:`.intake`
 calls :meth:`FrontDoor.run` and goes on with the run it returns.
 """
 

@@ -14,19 +14,12 @@ Why the shape:
   before it get a real status (400, 500, 503) and the ``x-kvroute-replica`` header can name
   the replica; a failure after it ends the SSE stream with an ``error`` event, ``[DONE]``.
 
-The path of one completion request, each module crossed once, downwards:
-
-1. here, :class:`_DirectEndpoint`: the request id, the tenant (:func:`authenticate`);
-   :func:`_serve` hands :mod:`.intake` the tenant, the id and a reader of the body
-   (:func:`~.errors.read_body`: the size cap, the deadline);
-2. :mod:`.intake` (:meth:`~.intake.Intake.begin`): admit (:mod:`.admission`), read, parse,
-   check, tokenize, build the sampling; one run per choice from the front door
-   (:meth:`~.frontdoor.FrontDoor.run`), routed and sent (:mod:`.request_run`, which asks
-   the policy and the fleet); back here with the runs (:class:`~.intake.Admitted`);
-3. :mod:`.responses` (or :mod:`.choices.respond` for several): the first delta awaited (a failure
-   before it a status, :func:`~.errors.status_of`), the echoed prompt put ahead
-   (:mod:`.echo`), the body or the SSE stream (:mod:`.sse`), the request's end recorded
-   (:mod:`.metrics`).
+The path of one completion request, each module crossed once, downwards: here
+(:class:`_DirectEndpoint`: the request id, the tenant); :mod:`.intake` (admit, read the
+body through :func:`~.errors.read_body`, parse, check, tokenize, one run per choice from
+the front door, routed and sent); :mod:`.responses` or :mod:`.choices.respond` (the first
+delta awaited, then the body, or the stream written by :mod:`.sse`; the end recorded in
+:mod:`.metrics`). ``python benchmarks/request_files.py`` lists the files it crosses.
 
 An :class:`~.errors.APIError` raised anywhere on the way comes back here as its response.
 """
@@ -85,10 +78,10 @@ from .intake import Intake, runs_per_prompt
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import render_metrics
 from .openai_api import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from .priority import read_hints
+from .priority import SLO_HEADERS, read_hints
 from .responses import REPLICA_HEADER, ResponseContext, respond
 from .send_deadline import SEND_TIMEOUT_S, ClientTooSlowError, SendDeadlineMiddleware
-from .sse import RAW_SEND
+from .sse import RAW_SEND, SSEResponse
 
 __all__ = ["BODY_TIMEOUT_S", "MAX_BODY_BYTES", "REPLICA_HEADER", "create_app", "render_metrics"]
 
@@ -204,7 +197,10 @@ async def _serve(request: Request, tenant: Tenant, model: type[Any]) -> Response
     intake: Intake = state.intake
     # Read by intake once admitted: a refused request is never read.
     read = partial(read_body, request, state.max_body_bytes, state.body_timeout_s)
-    hints = read_hints(request.scope, state.priority_header)
+    scope, by_header = request.scope, state.priority_header
+    hints = None  # most requests carry no class header: :mod:`.priority` is not asked
+    if by_header or any(header(scope, name) is not None for name in SLO_HEADERS):
+        hints = read_hints(scope, by_header)
     admitted = await intake.begin(tenant, model, read, rid, hints)
     body, runs = admitted.body, admitted.runs
     try:
@@ -275,8 +271,9 @@ class _DirectEndpoint:
     unhandled exception as a 500 naming the id (:class:`~.errors.RequestIdMiddleware`) --
     and what FastAPI's dependency and exception handler do (authentication, an
     :class:`APIError` as its OpenAI-style response), with one closure per request instead
-    of a wrapper per layer. An SSE response sends its body on the server's raw ``send``
-    (:mod:`.sse`): only its head, and a JSON body, pass through here."""
+    of a wrapper per layer. An SSE response sends its head and body on the server's raw
+    ``send``, given the id header and the status counter (:mod:`.sse`): nothing in a
+    stream calls back into this module. A JSON body passes through here."""
 
     def __init__(
         self,
@@ -313,13 +310,17 @@ class _DirectEndpoint:
                 raise ClientTooSlowError from None
 
         errors = self.state.errors
+        response: Any = None
         try:
             request = Request(scope, receive)
             try:
                 response = await self.handler(request, authenticate(scope, self.state))
+                if isinstance(response, SSEResponse):  # its head goes raw too (sse.py)
+                    response.head_extra = [id_header]
+                    response.on_head = partial(self.count_response, scope)
                 await response(scope, receive, send_with_id)
             except APIError as exc:  # from the handler, or a stream's before its head
-                if started:
+                if started or getattr(response, "head_sent", False):
                     raise
                 await api_error_response(request, exc)(scope, receive, send_with_id)
         except ClientTooSlowError:
@@ -328,8 +329,8 @@ class _DirectEndpoint:
         except Exception:
             log.exception("request %s failed (%s %s)", rid, scope.get("method"), scope.get("path"))
             errors["internal"] += 1
-            if started:  # the status is out: the body simply ends
-                return
+            if started or getattr(response, "head_sent", False):  # the status is out: the
+                return  # body simply ends
 
             async def send_plain(message: Message) -> None:  # no deadline, as before
                 if message["type"] == "http.response.start":
@@ -413,10 +414,7 @@ def create_app(
 
     app.state.fleet_view, app.state.metrics_text = fleet_json, metrics_text
 
-    def count_response(scope: Any, status: int) -> None:
-        if str(scope.get("path", "")).startswith("/v1/"):
-            tenant = series.tenant(scope.get("state", {}).get("tenant"))
-            series.http.labels(tenant, str(status)).inc()
+    count_response = series.count_response
 
     def with_middleware(inner: ASGIApp) -> ASGIApp:
         """kvroute's middleware around ``inner`` (the send deadline inside the request id's: a

@@ -24,6 +24,7 @@ import os
 import random
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -281,3 +282,41 @@ def request_failed(rid: str, last: Any) -> APIError:
 
 def _too_large(limit: int) -> str:
     return f"The request body exceeds this server's limit of {limit} bytes."
+
+
+@dataclass(frozen=True, slots=True)
+class StreamFailure:
+    """How a stream that failed after its status went out ends: the status its request's
+    end is logged with, and the error it tells the client (as an ``error`` body/event)."""
+
+    status: str
+    http: int
+    message: str
+    type: str
+    code: str
+
+    def body(self, rid: str) -> dict[str, Any]:
+        """The error as a chat's or completion's stream sends it (``{"error": {...}}``)."""
+        return error_body(self.message, self.type, self.http, code=self.code, request_id=rid)
+
+
+_REPLICA_FAILED = StreamFailure(
+    "503 replica_failed (in stream)", 503, FAILED, "service_unavailable", "replica_failed"
+)
+_INTERNAL = StreamFailure(
+    "500 internal_error (in stream)", 500, INTERNAL_ERROR, "server_error", "internal_error"
+)
+
+
+def stream_failure(ctx: Any, rid: str, exc: Exception) -> StreamFailure:
+    """What a stream's writer raised after its first chunk, made one answer for every
+    stream (one choice, several, the Responses API's), so they fail alike: a replica's
+    failure is a 503 ``replica_failed`` (counted as ``stream_failure``), anything else a
+    500 ``internal_error`` (counted, its traceback logged: call it inside the ``except``)."""
+    if isinstance(exc, REPLICA_FAILURES):
+        ctx.errors["stream_failure"] += 1
+        log.warning("request %s: replica failed mid-stream: %s", rid, one_line(str(exc)))
+        return _REPLICA_FAILED
+    log.exception("request %s: stream failed", rid)
+    ctx.errors["internal"] += 1
+    return _INTERNAL

@@ -8,19 +8,14 @@ cheap length bound before the tokenizer, the shared bounds before routing -- and
 heavy steps (parsing big bodies, chat templates, tokenization) run on a worker thread, so
 one large request never stalls the event loop that serves /health and every other tenant.
 
-Why no FastAPI ``Request``: what HTTP adds (the body read under its size cap and deadline,
-the request id from the scope) is :mod:`.http_api`'s. :meth:`Intake.begin` takes the body
-(bytes, or a coroutine that reads them once the request is admitted), the tenant and the
-request id, so a request can go through intake -- in a test, a benchmark, another server
--- without an HTTP server. Its parts are handed in: admission, the fleet's facts
-(:class:`Served`), the tokenizer, and the front door's :meth:`~.frontdoor.FrontDoor.run`.
-
-The request path (one request, one direction; see :mod:`.http_api` for the whole):
-:meth:`Intake.begin` admits (:mod:`.admission`), reads the body, decodes it
-(:mod:`.openai_wire`, pydantic's :mod:`.openai_api` for the error), checks it, tokenizes,
-builds the sampling (:mod:`.response_format` for a constraint), and launches one run per
-choice through the front door (:mod:`.frontdoor` -> :mod:`.request_run`), which routes and
-sends it. It returns :class:`Admitted`; waiting for the first delta is :mod:`.responses`'.
+Why no FastAPI ``Request``: :meth:`Intake.begin` takes the body (bytes, or a coroutine
+that reads them once the request is admitted: :mod:`.app` reads it under its cap and
+deadline), the tenant and the request id, so a request can go through intake -- in a
+test, a benchmark, another server -- without an HTTP server. Its parts are handed in:
+admission, the fleet's facts (:class:`Served`), the tokenizer, the front door's
+:meth:`~.frontdoor.FrontDoor.run`. A feature's module (:mod:`.priority`,
+:mod:`.choices.count`, :mod:`.agents.tools`, :mod:`.agents.response_format`) is called
+only by a request that uses the feature. Waiting for the first delta is :mod:`.responses`'.
 """
 
 from __future__ import annotations
@@ -305,15 +300,17 @@ class Intake:
     ) -> list[int]:
         """The chat's messages through the model's template (with ``tools``' tools, and
         their calls and results: :mod:`.tools`), tokenized off the loop."""
-        messages = template_messages(body.messages)
+        msgs = body.messages
         tool_list = tools.tools if tools is not None else None
+        if any(m.tool_calls or m.tool_call_id is not None for m in msgs):
+            messages = template_messages(msgs)  # calls' arguments parsed (:mod:`.agents.tools`)
+        else:
+            messages = [m.template_dict() for m in msgs]
+        with_tools = bool(tool_list) or any(m.role == "tool" or m.tool_calls for m in msgs)
         chars = sum(len(m["content"]) for m in messages)
         self.check_length(chars + (len(str(tool_list)) if tool_list else 0))
         tokenizer = self.tokenizer
-        with_tools = bool(tool_list) or any(
-            m["role"] == "tool" or "tool_calls" in m for m in messages
-        )
-        template = template_for(tokenizer, with_tools)
+        template = template_for(tokenizer, with_tools) if with_tools else None
         kw: dict[str, Any] = {} if template is None else {"chat_template": template}
         if tool_list:
             kw["tools"] = tool_list
@@ -388,7 +385,7 @@ class Intake:
         """Alternatives per token the engine reports: the request's, or 0 (the sampled
         token's alone) when ``best_of`` ranks its candidates by them."""
         top = body.num_logprobs()
-        return 0 if top is None and ranked(body) else top
+        return 0 if top is None and body.best_of is not None and ranked(body) else top
 
     async def begin(
         self,
@@ -409,20 +406,32 @@ class Intake:
         try:
             raw = body if isinstance(body, bytes) else await body()
             parsed, adapter = await self.parse_with_adapter(raw, model, tenant)
-            klass = classify(getattr(parsed, "priority", None), hints, tenant)
+            # Each feature's module is called only by a request that uses it: a plain chat
+            # costs the front door none of priorities, choices, tools or constraints.
+            priority = getattr(parsed, "priority", None)
+            klass = None
+            if hints is not None or priority is not None or tenant.priority:
+                klass = classify(priority, hints, tenant)
             prompts = None if parsed.chat else self.prompts(parsed)
-            check_choices(parsed, 1 if prompts is None else len(prompts), tenant, self.admission)
+            one = parsed.best_of is None and (parsed.n or 1) == 1
+            if not (one and prompts is None):
+                n_prompts = 1 if prompts is None else len(prompts)
+                check_choices(parsed, n_prompts, tenant, self.admission)
             plan = None
-            if parsed.chat:
+            if parsed.chat and (parsed.tools or parsed.tool_choice is not None):
                 plan = plan_tools(parsed, self.tools, self.tokenizer, self.tool_markers)
             if prompts is None:
                 all_ids = [await self.chat_ids(parsed, rid, plan)]
             else:
                 all_ids = [await self.prompt_ids(p) for p in prompts]
-            n = runs_per_prompt(parsed)
+            n = 1 if one else runs_per_prompt(parsed)
             many = len(all_ids) * n > 1
-            forced = plan.structured() if plan is not None else None
-            structured = forced or structured_outputs(parsed)
+            structured = plan.structured() if plan is not None else None
+            if structured is None and (
+                getattr(parsed, "structured_outputs", None) is not None
+                or getattr(parsed, "response_format", None) is not None
+            ):
+                structured = structured_outputs(parsed)
             for ids in all_ids:
                 spec = self.sampling(parsed, len(ids), structured)
                 for sample in range(n):

@@ -19,6 +19,7 @@ process; none touches the global one).
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from bisect import bisect_left
@@ -39,6 +40,10 @@ from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from kvroute.events.load import DISK_NONE, DISK_OFF, DISK_OK
+
+# One line per finished request (INFO): tenant, replica, tokens, TTFT, status. Off unless
+# that logger's level lets INFO through (`kvroute serve --log-requests`).
+request_log = logging.getLogger("kvroute.requests")
 
 if TYPE_CHECKING:
     from kvroute.events.transport import ReplicaStats
@@ -226,6 +231,13 @@ class Metrics(Collector):
             return tid
         return OTHER_TENANT
 
+    def count_response(self, scope: Any, status: int) -> None:
+        """A response's status, counted per tenant for the API's paths (its head as it
+        leaves: the app's for a body, :class:`~.sse.SSEResponse`'s for a stream)."""
+        if str(scope.get("path", "")).startswith("/v1/"):
+            tenant = self.tenant(scope.get("state", {}).get("tenant"))
+            self.http.labels(tenant, str(status)).inc()
+
     def time_first_delta(self, router_ttft_s: float, replica_ttft_s: float) -> dict[str, float]:
         """One streamed request's TTFT at the front door and at its replica; their
         difference (what routing, the data plane and HTTP added) is recorded."""
@@ -265,6 +277,34 @@ class Metrics(Collector):
         for tier, n in lower.items():
             if n > 0:
                 self.cache_hits_by_tier.labels(t, tier).inc(n)
+
+
+def end_request(
+    metrics: Metrics,
+    rid: str,
+    run: Any,
+    last: Any,
+    ttft_s: float | None,
+    status: str,
+    arrival: float | None,
+) -> None:
+    """A request's end: its metrics (when it ran to its end) and its log line."""
+    if status.startswith("200") and last is not None and last.finished:
+        e2e = None if arrival is None else time.perf_counter() - arrival
+        metrics.finished(run.tenant, run.replica, ttft_s, e2e, last)
+    if not request_log.isEnabledFor(logging.INFO):
+        return
+    request_log.info(
+        "request %s tenant=%s replica=%s prompt=%s cached=%s output=%s ttft_ms=%s status=%s",
+        rid,
+        run.tenant,
+        run.replica,
+        getattr(last, "num_prompt_tokens", None),
+        getattr(last, "num_cached_tokens", None),
+        getattr(last, "num_output_tokens", None),
+        "-" if ttft_s is None else f"{ttft_s * 1000:.1f}",
+        status,
+    )
 
 
 class FleetCollector(Collector):

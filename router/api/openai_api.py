@@ -133,13 +133,22 @@ class ChatMethods(RequestMethods):
 class ChatMessageMethods:
     __slots__ = ()
     if TYPE_CHECKING:
+        role: str
         content: Any
+        name: str | None
 
     def text(self) -> str:
         """The message's text (parts joined); non-text parts are refused before this."""
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         return "".join(p.text or "" for p in self.content)
+
+    def template_dict(self) -> dict[str, Any]:
+        """The message as a chat template reads it, for a message without tool calls or a
+        call id (those: :func:`~.agents.tools.template_messages`, which parses calls)."""
+        if self.name is None:
+            return {"role": self.role, "content": self.text()}
+        return {"role": self.role, "content": self.text(), "name": self.name}
 
     def non_text_part(self) -> tuple[int, str] | None:
         """(index, type) of the first part that is not text (an image, audio, a file)."""
@@ -288,6 +297,18 @@ def make_usage(
         completion_tokens=completion,
         total_tokens=prompt + completion,
         prompt_tokens_details=details,
+    )
+
+
+def usage_of(last: Any) -> Usage | None:
+    """The usage a request's last delta reports (None: no last delta)."""
+    if last is None:
+        return None
+    return make_usage(
+        last.num_prompt_tokens,
+        last.num_output_tokens,
+        last.num_cached_tokens,
+        getattr(last, "num_tier_cached_tokens", None),
     )
 
 

@@ -8,11 +8,12 @@ its first token and its head sent after, so making it is off the time to first t
 the client goes away, the SSE writer is cancelled (streaming) or the handler notices
 (non-streaming); closing the :class:`RequestRun` cancels the request on the replica.
 
-Where it sits on a request's path (see :mod:`.http_api`): last. :mod:`.http_api` hands it
-the runs :mod:`.intake` started, with a :class:`ResponseContext` (the tokenizer, /metrics'
-series, the HTTP layer's error counts, the send deadline); it reads each run
-(:mod:`.request_run`), puts an echoed prompt ahead (:mod:`.echo`), writes (:mod:`.sse`),
-and records the request's end. Several choices are :mod:`.choices.respond`' (same parts).
+Where it sits on a request's path (see :mod:`.app`): last. :mod:`.app` hands it the runs
+:mod:`.intake` started, with a :class:`ResponseContext` (the tokenizer, /metrics' series,
+the HTTP layer's error counts, the send deadline); it reads each run (:mod:`.request_run`),
+puts an echoed prompt ahead (:mod:`.choices.echo`), and either answers with one body or
+hands the stream to :mod:`.sse`, which writes it. A request's end is recorded by
+:func:`~.metrics.end_request`. Several choices are :mod:`.choices.respond`' (same parts).
 """
 
 from __future__ import annotations
@@ -22,29 +23,26 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from kvroute.events.replica_api import GenerateDelta
-
 from ..fleet.request_run import REPLICA_FAILURES, RequestRun
-from .agents.tools import ToolStream
-from .errors import FAILED, INTERNAL_ERROR, APIError, new_id, one_line, request_failed, status_of
+from .errors import FAILED, APIError, new_id, one_line, request_failed, status_of
+from .metrics import end_request
 from .openai_api import (
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,
     TopLogprob,
-    error_body,
     make_choice,
     make_response,
-    make_usage,
+    usage_of,
 )
-from .sse import DONE, ChunkEncoder, Emit, SSEResponse, data_line, encode_json
+from .sse import ChunkEncoder, SSEResponse, write_stream
 
 if TYPE_CHECKING:
     from .agents.tools import ToolPlan
@@ -52,9 +50,6 @@ if TYPE_CHECKING:
     from .metrics import Metrics
 
 log = logging.getLogger(__name__)
-# One line per finished request (INFO): tenant, replica, tokens, TTFT, status. Off unless
-# that logger's level lets INFO through (`kvroute serve --log-requests`).
-request_log = logging.getLogger("kvroute.requests")
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,34 +61,6 @@ class ResponseContext:
     metrics: Metrics
     errors: Counter[str]
     send_timeout_s: float | None = None
-
-
-def end_request(
-    metrics: Metrics,
-    rid: str,
-    run: RequestRun,
-    last: Any,
-    ttft_s: float | None,
-    status: str,
-    arrival: float | None,
-) -> None:
-    """A request's end: its metrics (when it ran to its end) and its log line."""
-    if status.startswith("200") and last is not None and last.finished:
-        e2e = None if arrival is None else time.perf_counter() - arrival
-        metrics.finished(run.tenant, run.replica, ttft_s, e2e, last)
-    if not request_log.isEnabledFor(logging.INFO):
-        return
-    request_log.info(
-        "request %s tenant=%s replica=%s prompt=%s cached=%s output=%s ttft_ms=%s status=%s",
-        rid,
-        run.tenant,
-        run.replica,
-        getattr(last, "num_prompt_tokens", None),
-        getattr(last, "num_cached_tokens", None),
-        getattr(last, "num_output_tokens", None),
-        "-" if ttft_s is None else f"{ttft_s * 1000:.1f}",
-        status,
-    )
 
 
 REPLICA_HEADER = "x-kvroute-replica"
@@ -281,44 +248,6 @@ async def collect_whole(
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class StreamFailure:
-    """How a stream that failed after its status went out ends: the status its request's
-    end is logged with, and the error it tells the client (as an ``error`` body/event)."""
-
-    status: str
-    http: int
-    message: str
-    type: str
-    code: str
-
-    def body(self, rid: str) -> dict[str, Any]:
-        """The error as a chat's or completion's stream sends it (``{"error": {...}}``)."""
-        return error_body(self.message, self.type, self.http, code=self.code, request_id=rid)
-
-
-_REPLICA_FAILED = StreamFailure(
-    "503 replica_failed (in stream)", 503, FAILED, "service_unavailable", "replica_failed"
-)
-_INTERNAL = StreamFailure(
-    "500 internal_error (in stream)", 500, INTERNAL_ERROR, "server_error", "internal_error"
-)
-
-
-def stream_failure(ctx: ResponseContext, rid: str, exc: Exception) -> StreamFailure:
-    """What a stream's writer raised after its first chunk, made one answer for every
-    stream (one choice, several, the Responses API's), so they fail alike: a replica's
-    failure is a 503 ``replica_failed`` (counted as ``stream_failure``), anything else a
-    500 ``internal_error`` (counted, its traceback logged: call it inside the ``except``)."""
-    if isinstance(exc, REPLICA_FAILURES):
-        ctx.errors["stream_failure"] += 1
-        log.warning("request %s: replica failed mid-stream: %s", rid, one_line(str(exc)))
-        return _REPLICA_FAILED
-    log.exception("request %s: stream failed", rid)
-    ctx.errors["internal"] += 1
-    return _INTERNAL
-
-
 async def respond(
     ctx: ResponseContext,
     request: Request,
@@ -347,10 +276,10 @@ async def respond(
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         encoder = ChunkEncoder(chat, resp_id, int(time.time()), model)
 
-        async def write(emit: Emit) -> None:
-            await _write_sse(
-                ctx, run, rid, encoder, include_usage, chat, logprobs, arrival, emit, tools
-            )
+        # A partial, not a closure: the stream's writer is sse.py's own code.
+        write = partial(
+            write_stream, ctx, run, rid, encoder, include_usage, chat, logprobs, arrival, tools
+        )
 
         async def first() -> None:
             try:
@@ -384,7 +313,7 @@ async def respond(
     if finish == "error":
         end_request(ctx.metrics, rid, run, last, ttft_s, "500 request_failed", arrival)
         raise request_failed(rid, last)
-    usage = _usage(last)
+    usage = usage_of(last)
     end_request(ctx.metrics, rid, run, last, ttft_s, f"200 {finish}", arrival)
     shaped = logprobs(got.ids, got.entries) if logprobs is not None else None
     text: str | None = got.text()
@@ -395,118 +324,3 @@ async def respond(
         calls = tools.tool_calls(parsed)
     choice = make_choice(chat, 0, text, finish, shaped, calls)
     return JSONResponse(make_response(chat, resp_id, model, [choice], usage), headers=headers)
-
-
-def _usage(last: Any) -> Any:
-    if last is None:
-        return None
-    return make_usage(
-        last.num_prompt_tokens,
-        last.num_output_tokens,
-        last.num_cached_tokens,
-        getattr(last, "num_tier_cached_tokens", None),
-    )
-
-
-def chunker(
-    encoder: ChunkEncoder,
-    logprobs: Callable[[list[int], list[dict[int, float]] | None], Any] | None,
-    tools: ToolPlan | None,
-) -> Callable[..., bytes]:
-    """One choice's ``chunk(delta, finish=None)``: its SSE bytes (b"" when a tool plan
-    holds everything back for now)."""
-    shapes = None if tools is None else ToolStream(tools)
-
-    def chunk(d: GenerateDelta, finish: str | None = None) -> bytes:
-        shaped = None
-        if logprobs is not None and d.delta_token_ids:
-            shaped = logprobs(list(d.delta_token_ids), d.logprobs)
-        if shapes is None:
-            return encoder.chunk(d.delta_text, finish, shaped)
-        deltas = shapes.feed(d.delta_text, d.delta_token_ids)
-        if finish is not None:
-            more, finish = shapes.finish(finish)
-            deltas += more
-        return encoder.deltas(deltas, finish, shaped)
-
-    return chunk
-
-
-async def _write_sse(
-    ctx: ResponseContext,
-    run: RequestRun,
-    rid: str,
-    encoder: ChunkEncoder,
-    include_usage: bool,
-    role_first: bool,
-    logprobs: Callable[[list[int], list[dict[int, float]] | None], Any] | None,
-    arrival: float | None,
-    emit: Emit,
-    tools: ToolPlan | None = None,
-) -> None:
-    """``data: {json}\\n\\n`` per delta, ``data: [DONE]`` last, whatever happens.
-    ``tools``: a chat's tool plan; its text is then sent as :class:`~.tools.ToolStream`
-    shapes it (content held back where a call may begin, calls as ``tool_calls``).
-
-    Before ``[DONE]``, an SSE comment (clients ignore it) gives the replica's own TTFT and
-    the front door's: ``: kvroute-timing {"replica_ttft_s": ..., "router_ttft_s": ...}``,
-    so a load generator can tell the router's added latency from the replica's."""
-    last = None
-    timing: dict[str, float] | None = None
-    status = "200"
-    tail: list[bytes] = []  # sent after the loop with [DONE]: the end costs one write
-
-    chunk = chunker(encoder, logprobs, tools)
-
-    def push(d: GenerateDelta) -> bool:
-        """A delta between the first and the last, as the loop below writes it, straight
-        from the replica connection's callback (see :meth:`RequestRun.stream_to`). Only
-        while the loop waits in ``run.next()``: never before the first chunk is out."""
-        if not (d.delta_token_ids or d.delta_text):
-            return True
-        data = chunk(d)
-        return emit.now(data) if data else True  # an empty write would end the body
-
-    try:
-        if role_first:
-            await emit(encoder.chunk("", None, role=True))
-        d = run.first
-        if d is not None and arrival is not None and d.replica_ttft_s is not None:
-            timing = ctx.metrics.time_first_delta(time.perf_counter() - arrival, d.replica_ttft_s)
-        run.stream_to(push)
-        while d is not None:
-            last = d
-            if d.finish_reason == "error":
-                status = "500 request_failed (in stream)"
-                err = request_failed(rid, d)
-                await emit(
-                    data_line(error_body(err.message, err.type, 500, code=err.code, request_id=rid))
-                )
-                break
-            if d.finished:  # the last chunk leaves with the tail, in one write
-                tail.append(chunk(d, d.finish_reason))
-                break
-            if d.delta_token_ids or d.delta_text:  # as vLLM: a token that completes no
-                # character yet still gets its (empty) chunk, so the first one is never late
-                data = chunk(d)
-                if data:
-                    await emit(data)
-            d = await run.next()
-        if last is not None and last.finished and last.finish_reason != "error":
-            usage = _usage(last)
-            if include_usage and usage is not None:
-                tail.append(encoder.usage(usage.model_dump()))
-    except Exception as exc:  # never a silently cut stream: say so, then [DONE]
-        failure = stream_failure(ctx, rid, exc)
-        status = failure.status
-        await emit(data_line(failure.body(rid)))
-    finally:
-        run.close()
-        ttft = None if timing is None else timing["router_ttft_s"]
-        if status == "200":  # no [DONE] reached the client: it went away mid-stream
-            status = f"200 {last.finish_reason}" if last and last.finished else "499 client_gone"
-        end_request(ctx.metrics, rid, run, last, ttft, status, arrival)
-    if timing is not None:
-        tail.append(b": kvroute-timing " + encode_json(timing) + b"\n\n")
-    tail.append(DONE)
-    await emit(b"".join(tail), True)

@@ -7,7 +7,9 @@ tail once per request and splices the rest in with msgspec (no pydantic model an
 ``json.dumps`` per token). :class:`SSEResponse` sends the response head through the app's
 middleware (request id, status counters) and the body chunks on the server's own ``send``,
 which the app keeps in the scope (``RAW_SEND``): a chunk does not pass through every
-middleware's wrapper. The deadline on a client that stops reading
+middleware's wrapper; from the app's own endpoints the head goes there too. A completion's
+stream is written here (:func:`write_stream`), so a chunk is encoded and sent without a
+call back into the module that asked for it. The deadline on a client that stops reading
 (:mod:`.send_deadline`) is kept here with two timestamps per send instead of a timer, read
 by one sweeper task per event loop; a disconnect is watched by one task per stream.
 """
@@ -16,14 +18,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from kvroute.events.replica_api import GenerateDelta
+
+from .agents.tools import ToolStream
+from .errors import request_failed, stream_failure
+from .metrics import end_request
+from .openai_api import error_body, usage_of
 from .send_deadline import ClientTooSlowError
+
+if TYPE_CHECKING:
+    from ..fleet.request_run import RequestRun
+    from .agents.tools import ToolPlan
+    from .responses import ResponseContext
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +136,8 @@ class SSEResponse(Response):
     chunk (a coroutine, not an async generator: one layer less per token), and
     ``emit(chunk, last=True)`` for the last, which then ends the body in the same write
     (else an empty last message ends it: one more write per request). The head goes
-    through the app's middleware; the chunks go on the server's raw ``send``. The writer is
+    through the app's middleware (or raw: ``head_extra``); the chunks go on the server's
+    raw ``send``. The writer is
     cancelled when the client disconnects, or when one send waits longer than
     ``send_timeout_s`` (:class:`ClientTooSlowError`); ``on_close`` runs however it ends
     (the request ends on its replica, its slot is released). ``ready``, when given, is
@@ -145,6 +160,12 @@ class SSEResponse(Response):
         self.ready = ready
         self.headers_of = headers if callable(headers) else lambda: headers
         self.send_timeout_s = send_timeout_s
+        # Set by the app's own endpoints (app.py): the head then goes on the raw send too,
+        # with these headers, and ``on_head(status)`` counts it (nothing calls back into
+        # the app); else through the app's middleware, which does both.
+        self.head_extra: list[tuple[bytes, bytes]] | None = None
+        self.on_head: Callable[[int], None] | None = None
+        self.head_sent = False
         self._sending_since = 0.0  # loop time the send in progress began; 0: none
         self._disconnected = False
         self._ended = False
@@ -166,7 +187,17 @@ class SSEResponse(Response):
                 await self.ready()
             headers = [(k.encode(), v.encode()) for k, v in self.headers_of().items()]
             headers += _SSE_HEADERS
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            head = {"type": "http.response.start", "status": 200, "headers": headers}
+            if self.head_extra is None:
+                await send(head)
+            else:
+                headers += self.head_extra
+                if self.on_head is not None:
+                    self.on_head(200)
+                self._sending_since = loop.time()  # the send deadline holds for it too
+                await raw(head)
+                self._sending_since = 0.0
+            self.head_sent = True
             await self.write(body)
             if body.more:  # the writer did not end the body
                 await raw({"type": "http.response.body", "body": b"", "more_body": False})
@@ -292,3 +323,107 @@ class _Sweeper:
 async def _until_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+def chunker(
+    encoder: ChunkEncoder,
+    logprobs: Callable[[list[int], list[dict[int, float]] | None], Any] | None,
+    tools: ToolPlan | None,
+) -> Callable[..., bytes]:
+    """One choice's ``chunk(delta, finish=None)``: its SSE bytes (b"" when a tool plan
+    holds everything back for now)."""
+    shapes = None if tools is None else ToolStream(tools)
+
+    def chunk(d: GenerateDelta, finish: str | None = None) -> bytes:
+        shaped = None
+        if logprobs is not None and d.delta_token_ids:
+            shaped = logprobs(list(d.delta_token_ids), d.logprobs)
+        if shapes is None:
+            return encoder.chunk(d.delta_text, finish, shaped)
+        deltas = shapes.feed(d.delta_text, d.delta_token_ids)
+        if finish is not None:
+            more, finish = shapes.finish(finish)
+            deltas += more
+        return encoder.deltas(deltas, finish, shaped)
+
+    return chunk
+
+
+async def write_stream(
+    ctx: ResponseContext,
+    run: RequestRun,
+    rid: str,
+    encoder: ChunkEncoder,
+    include_usage: bool,
+    role_first: bool,
+    logprobs: Callable[[list[int], list[dict[int, float]] | None], Any] | None,
+    arrival: float | None,
+    tools: ToolPlan | None,
+    emit: Emit,
+) -> None:
+    """``data: {json}\\n\\n`` per delta, ``data: [DONE]`` last, whatever happens.
+    ``tools``: a chat's tool plan; its text is then sent as :class:`~.agents.tools.ToolStream`
+    shapes it (content held back where a call may begin, calls as ``tool_calls``).
+
+    Before ``[DONE]``, an SSE comment (clients ignore it) gives the replica's own TTFT and
+    the front door's: ``: kvroute-timing {"replica_ttft_s": ..., "router_ttft_s": ...}``,
+    so a load generator can tell the router's added latency from the replica's."""
+    last = None
+    timing: dict[str, float] | None = None
+    status = "200"
+    tail: list[bytes] = []  # sent after the loop with [DONE]: the end costs one write
+
+    chunk = chunker(encoder, logprobs, tools)
+
+    def push(d: GenerateDelta) -> bool:
+        """A delta between the first and the last, as the loop below writes it, straight
+        from the replica connection's callback (see :meth:`RequestRun.stream_to`). Only
+        while the loop waits in ``run.next()``: never before the first chunk is out."""
+        if not (d.delta_token_ids or d.delta_text):
+            return True
+        data = chunk(d)
+        return emit.now(data) if data else True  # an empty write would end the body
+
+    try:
+        if role_first:
+            await emit(encoder.chunk("", None, role=True))
+        d = run.first
+        if d is not None and arrival is not None and d.replica_ttft_s is not None:
+            timing = ctx.metrics.time_first_delta(time.perf_counter() - arrival, d.replica_ttft_s)
+        run.stream_to(push)
+        while d is not None:
+            last = d
+            if d.finish_reason == "error":
+                status = "500 request_failed (in stream)"
+                err = request_failed(rid, d)
+                await emit(
+                    data_line(error_body(err.message, err.type, 500, code=err.code, request_id=rid))
+                )
+                break
+            if d.finished:  # the last chunk leaves with the tail, in one write
+                tail.append(chunk(d, d.finish_reason))
+                break
+            if d.delta_token_ids or d.delta_text:  # as vLLM: a token that completes no
+                # character yet still gets its (empty) chunk, so the first one is never late
+                data = chunk(d)
+                if data:
+                    await emit(data)
+            d = await run.next()
+        if last is not None and last.finished and last.finish_reason != "error":
+            usage = usage_of(last)
+            if include_usage and usage is not None:
+                tail.append(encoder.usage(usage.model_dump()))
+    except Exception as exc:  # never a silently cut stream: say so, then [DONE]
+        failure = stream_failure(ctx, rid, exc)
+        status = failure.status
+        await emit(data_line(failure.body(rid)))
+    finally:
+        run.close()
+        ttft = None if timing is None else timing["router_ttft_s"]
+        if status == "200":  # no [DONE] reached the client: it went away mid-stream
+            status = f"200 {last.finish_reason}" if last and last.finished else "499 client_gone"
+        end_request(ctx.metrics, rid, run, last, ttft, status, arrival)
+    if timing is not None:
+        tail.append(b": kvroute-timing " + encode_json(timing) + b"\n\n")
+    tail.append(DONE)
+    await emit(b"".join(tail), True)

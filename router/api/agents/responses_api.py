@@ -30,9 +30,11 @@ from ..errors import (
     read_body,
     request_failed,
     request_id,
+    stream_failure,
     validation_error,
 )
 from ..intake import Intake
+from ..metrics import end_request
 from ..openai_api import ChatCompletionRequest
 from ..priority import read_hints
 from ..responses import (
@@ -41,9 +43,7 @@ from ..responses import (
     ResponseContext,
     await_first_delta,
     collect_whole,
-    end_request,
     first_or_gone,
-    stream_failure,
 )
 from ..sse import Emit, SSEResponse, encode_json
 from .responses_input import ChatForm, ResponsesRequest, responses_param, to_chat

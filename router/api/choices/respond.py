@@ -9,7 +9,7 @@ engine steps. The answer is one JSON body once all have finished (streamed, they
 Metrics and the request log count each choice as a request; ``x-kvroute-replica`` lists
 the replicas that answered, in choice order, each once.
 
-On a request's path (see :mod:`.http_api`) this is the last stop, in place of
+On a request's path (see :mod:`.app`) this is the last stop, in place of
 :func:`.responses.respond`, with the same parts (:class:`~.responses.ResponseContext`).
 """
 
@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from ...fleet.request_run import REPLICA_FAILURES, RequestRun
 from ..errors import FAILED, APIError, one_line, request_failed
 from ..intake import ranked, runs_per_prompt
+from ..metrics import end_request
 from ..openai_api import make_choice, make_response, make_usage
 from ..responses import (
     DISCONNECT_POLL_S,
@@ -35,7 +36,6 @@ from ..responses import (
     Logprobs,
     ResponseContext,
     await_first_delta,
-    end_request,
     log,
     response_id,
 )

@@ -22,19 +22,17 @@ from fastapi.responses import Response
 from kvroute.events.replica_api import GenerateDelta
 
 from ...fleet.request_run import RequestRun
-from ..errors import request_failed
+from ..errors import request_failed, stream_failure
+from ..metrics import end_request
 from ..openai_api import error_body
 from ..responses import (
     REPLICA_HEADER,
     Logprobs,
     ResponseContext,
     await_first_delta,
-    chunker,
-    end_request,
     response_id,
-    stream_failure,
 )
-from ..sse import DONE, ChunkEncoder, Emit, SSEResponse, data_line
+from ..sse import DONE, ChunkEncoder, Emit, SSEResponse, chunker, data_line
 from .respond import cancel_all, choices_usage
 
 if TYPE_CHECKING:
