@@ -14,7 +14,7 @@ door off, every admitted request sent to a replica at once), and each is driven 
    50 ms) is printed;
 2. capacity (flow-control server only; the baseline gets the same offered rate): a closed
    loop of ``--concurrency`` clients, each sending the next request when its last ends, for
-   ``--capacity-seconds``: requests completed per second (after a warm-up of a fifth of it);
+   ``--capacity-seconds``: requests completed per second (after a warm-up of a third of it);
 3. overload: an open-loop Poisson arrival at ``--load`` x that capacity for ``--seconds``
    (the same arrival times and prompts for both servers), every request streamed, with its
    TTFT deadline in ``x-kvroute-slo-ttft-ms``. Per request: its status; a 429's time to the
@@ -147,7 +147,7 @@ async def idle(url: str, args: argparse.Namespace) -> list[float]:
 async def capacity(url: str, args: argparse.Namespace) -> float:
     """Requests completed per second under a closed loop of ``--concurrency`` clients."""
     start = time.perf_counter()
-    warm, end = start + args.capacity_seconds / 5, start + args.capacity_seconds
+    warm, end = start + args.capacity_seconds / 3, start + args.capacity_seconds
     done: list[float] = []
 
     async def loop(c: int) -> None:
@@ -220,15 +220,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="sim:h100-8b", help="sim:h100-8b (cost model), or tiny")
     ap.add_argument("--replicas", type=int, default=2)
-    ap.add_argument("--time-scale", type=float, default=4.0, help="sim: replicas' slow-down")
+    ap.add_argument("--time-scale", type=float, default=8.0, help="sim: replicas' slow-down")
     ap.add_argument("--prompt", type=int, default=512, help="prompt tokens (random ids)")
     ap.add_argument("--output", type=int, default=32, help="output tokens (ignore_eos)")
     ap.add_argument("--load", type=float, default=3.0, help="offered rate / capacity")
     ap.add_argument("--seconds", type=float, default=20.0, help="the overload's arrivals")
     ap.add_argument("--deadline-ms", default="auto", help="TTFT deadline (auto: 5x idle p90)")
     ap.add_argument("--idle", type=int, default=20, help="idle requests (one at a time)")
-    ap.add_argument("--concurrency", type=int, default=64, help="capacity's closed loop")
-    ap.add_argument("--capacity-seconds", type=float, default=15.0)
+    ap.add_argument("--concurrency", type=int, default=128, help="capacity's closed loop")
+    ap.add_argument("--capacity-seconds", type=float, default=30.0, help="a third: warm-up")
     ap.add_argument("--client-timeout", type=float, default=180.0, help="past it: hung")
     ap.add_argument(
         "--flow-depth", default="16", help="flow control's depths to run (comma-separated)"
