@@ -48,9 +48,20 @@ Invariants:
 - ``waiting`` equals the waiters in the bands; a slot is held at most once per run.
 
 Refused early and honestly (429 with ``Retry-After``, :class:`ShedError`): a band whose
-queue holds ``max_waiting`` (``queue_full``), or a request whose estimated wait (the
-waiters at its priority or more urgent, over the measured drain rate) would pass its
-deadline (``deadline``); and one still waiting when its deadline passes.
+queue holds ``max_waiting`` (``queue_full``), or a request whose estimated time to its
+first token would pass its deadline (``deadline``); and one still waiting when its
+deadline passes. The estimate has two parts: the wait at the door (the waiters at its
+priority or more urgent, over the measured drain rate) and the wait in the engine it is
+sent to: ``(k + 1)`` times the engine's time per position (:meth:`slot_time`: each slot's
+time from its send to its first token over ``k + 1``, ``k`` the requests there without a
+first token when it was sent; the mean of the last ``SLOT_SAMPLES`` of ``RATE_WINDOW_S``),
+``k`` the requests without a first token there that go before it. A request with a
+deadline is sent only to a replica with room where that estimate meets its deadline, at
+its submit and again at its turn; where none does, it is refused then rather than sent to
+be served late (room is a count, and ``depth`` requests' prefill can take longer than a
+deadline: 2 x ``sim:h100-8b`` at 3x capacity, 512-token prompts, an 850 ms deadline, depth
+16: 2.8% of the admitted requests met it with the door's wait alone counted, 98.3% with
+the engine's too; ``benchmarks/bench_overload.py``).
 """
 
 from __future__ import annotations
@@ -157,7 +168,7 @@ class FlowControl:
         self._counter: dict[str, float] = {}  # tenant -> virtual tokens served
         self._seq = itertools.count()
         self._dispatch_times: deque[float] = deque()
-        # replica -> (band, tenant) -> (when sent, this door's slots there before it): the
+        # replica -> (band, tenant) -> (when sent, requests there without a first token): the
         # slots held, oldest first, for the engine's time per position (``slot_time``)
         self._sent_at: dict[str, dict[tuple[int, str], deque[tuple[float, int]]]] = {}
         self._slot_samples: deque[tuple[float, float]] = deque(maxlen=SLOT_SAMPLES)
@@ -195,8 +206,9 @@ class FlowControl:
         """A request of ``tokens`` prompt tokens was sent to ``replica`` and has no first
         token there yet."""
         before = self.unstarted.get(replica, 0)
+        ahead = before + (self.others(replica) if self.others is not None else 0)
         sent = self._sent_at.setdefault(replica, {}).setdefault((band, tenant), deque())
-        sent.append((self.clock(), before))
+        sent.append((self.clock(), ahead))
         self.unstarted[replica] = before + 1
         held = self._classes.setdefault(replica, {}).setdefault((band, tenant), [0, 0])
         held[0] += 1
