@@ -105,7 +105,7 @@ def is_loopback(host: str) -> bool:
 def describe_tenants(spec: TenantsFile | None) -> str:
     if spec is None:
         return "anonymous: one tenant 'default', no API key needed"
-    from kvroute.router.fleet.limits import Limits
+    from kvroute.router.fleet.tenants import Limits
 
     limited = sum(t.limits != Limits() for t in spec.tenants)
     return (

@@ -28,7 +28,6 @@ from pathlib import Path
 
 import msgspec
 
-from .limits import Limits
 from .names import check_name
 
 log = logging.getLogger(__name__)
@@ -40,6 +39,20 @@ DEFAULT_TENANT = "default"
 # The priorities a request may carry (vLLM's meaning: lower runs first; a 32-bit int).
 PRIORITY_MIN = -(2**31)
 PRIORITY_MAX = 2**31 - 1
+
+
+class Limits(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A tenant's limits (None: none of that kind)."""
+
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    max_concurrent: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in self.__struct_fields__:
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
 
 
 class AuthError(Exception):

@@ -8,8 +8,7 @@ import asyncio
 import pytest
 
 from kvroute.router.fleet.admission import Admission, OverloadedError
-from kvroute.router.fleet.limits import Limits
-from kvroute.router.fleet.tenants import Tenant
+from kvroute.router.fleet.tenants import Limits, Tenant
 
 from ...waiting import wait_until
 

@@ -7,14 +7,14 @@ import asyncio
 
 import pytest
 
-from kvroute.router.fleet.limits import (
+from kvroute.router.fleet.admission import (
     AdmissionQueue,
-    Limits,
     OverloadedError,
     RateLimits,
     TenantShares,
     TokenBucket,
 )
+from kvroute.router.fleet.tenants import Limits
 
 from ...waiting import wait_until
 

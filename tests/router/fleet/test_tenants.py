@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from kvroute.router.fleet.limits import Limits
 from kvroute.router.fleet.tenants import (
     AuthError,
+    Limits,
     Tenants,
     TenantsFile,
     hash_key,

@@ -19,7 +19,7 @@ import httpx
 import pytest
 import ray
 
-from kvroute.router.fleet.limits import AdmissionQueue
+from kvroute.router.fleet.admission import AdmissionQueue
 
 from ...waiting import wait_for
 from ..served import Served, serve_sim
