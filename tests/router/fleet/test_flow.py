@@ -268,6 +268,33 @@ def learn_one_second_per_position(fleet: Fleet, now: list[float], rid: str) -> N
     assert fleet.flow.slot_time() == pytest.approx(1.0)
 
 
+def test_the_engines_time_per_position_is_a_high_quantile_of_recent_samples() -> None:
+    """Admitted on an estimate most requests meet, not the mean (which half miss); old
+    samples age out, and with too few there is no estimate (nothing refused on it)."""
+
+    async def main() -> None:
+        now = [100.0]
+        flow = FlowControl(depth=16, clock=lambda: now[0])
+        fleet = Fleet(flow, ["r0"])
+        assert flow.slot_time() is None
+        for i, secs in enumerate([0.1] * 8 + [0.5, 1.0]):  # one at a time: position 1
+            assert flow.submit(fleet.waiter(f"s{i}"))
+            now[0] += secs
+            fleet.first_token()
+        assert flow.slot_time() == pytest.approx(0.5)  # the 90th percentile of ten
+        for i in range(2):  # two behind each other: the second waited 2 x 0.2 s
+            assert flow.submit(fleet.waiter(f"p{i}"))
+        now[0] += 0.2
+        fleet.first_token()
+        now[0] += 0.2
+        fleet.first_token()
+        assert flow._slot_samples[-1][1] == pytest.approx(0.2)  # 0.4 s over position 2
+        now[0] += 11.0  # past RATE_WINDOW_S: forgotten
+        assert flow.slot_time() is None
+
+    run(main)
+
+
 def test_a_deadline_is_checked_against_the_replicas_queues() -> None:
     """Room at the door is not enough: a request with a deadline goes only where the
     requests queued ahead of it in the engine leave time for its first token, and is
