@@ -23,9 +23,10 @@ door off, every admitted request sent to a replica at once), and each is driven 
    ``--client-timeout``).
 
 Every request has the same shape: ``--prompt`` random token ids (no prefix is shared, so
-no cache hit helps) and ``--output`` tokens (``ignore_eos``). Columns: ``admitted`` (200s),
-``refused`` (429s), ``other`` (any other status or a transport error before a status),
-``met`` (admitted whose TTFT was within the deadline, of admitted), the 429s' time to refusal
+no cache hit helps) and ``--output`` tokens (``ignore_eos``). Columns: ``cap`` (the
+capacity), ``200`` (admitted), ``200/s`` (admitted per second of arrivals: about the
+capacity when the door is work-conserving), ``429`` (refused), ``other`` (any other status
+or a transport error before a status), ``met`` (admitted whose TTFT was within the deadline, of admitted), the 429s' time to refusal
 p50/p99/max and their ``Retry-After`` values (value x count), ``hung`` (no end within
 ``--client-timeout``), ``lost`` (a 200 whose stream broke off or ended short of ``--output``
 tokens), ``lag`` (the client's worst lateness in sending an arrival: past a few ms, the
@@ -210,6 +211,7 @@ def row(label: str, offered: float, cap: float, run: Run, args: argparse.Namespa
         ra += f",none x{no_ra}"
     ttft = [1000 * r.ttft for r in ok if not math.isnan(r.ttft)]
     return (f"{label:<10} {offered:>7.1f} {cap:>6.1f} {len(rs):>5} {len(ok):>5} "
+            f"{len(ok) / args.seconds:>6.1f} "
             f"{len(refused):>5} {other:>5} {met_pct:>6.1f}% "
             f"{pct(ttft, 0.5):>6.0f}/{pct(ttft, 0.99):<6.0f} "
             f"{pct(ref, 0.5):>5.0f}/{pct(ref, 0.99):>5.0f}/{max(ref, default=math.nan):<6.0f} "
@@ -289,8 +291,8 @@ def main() -> None:
     finally:
         if not args.keep_logs:
             shutil.rmtree(d, ignore_errors=True)
-    print(f"\n{'mode':<10} {'offered':>7} {'cap':>6} {'sent':>5} {'200':>5} {'429':>5} "
-          f"{'other':>5} {'met':>7} {'TTFT p50/p99':>13} {'429 ms p50/p99/max':>18} "
+    print(f"\n{'mode':<10} {'offered':>7} {'cap':>6} {'sent':>5} {'200':>5} {'200/s':>6} "
+          f"{'429':>5} {'other':>5} {'met':>7} {'TTFT p50/p99':>13} {'429 ms p50/p99/max':>18} "
           f"{'hung':>4} {'lost':>4} {'lag':>5}  Retry-After (s x count)")  # fmt: skip
     for r in rows:
         print(r)
