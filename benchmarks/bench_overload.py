@@ -26,11 +26,12 @@ Every request has the same shape: ``--prompt`` random token ids (no prefix is sh
 no cache hit helps) and ``--output`` tokens (``ignore_eos``). Columns: ``cap`` (the
 capacity), ``200`` (admitted), ``200/s`` (admitted per second of arrivals: about the
 capacity when the door is work-conserving), ``429`` (refused), ``other`` (any other status
-or a transport error before a status), ``met`` (admitted whose TTFT was within the deadline, of admitted), the 429s' time to refusal
-p50/p99/max and their ``Retry-After`` values (value x count), ``hung`` (no end within
-``--client-timeout``), ``lost`` (a 200 whose stream broke off or ended short of ``--output``
-tokens), ``lag`` (the client's worst lateness in sending an arrival: past a few ms, the
-client could not keep the rate and the offered load is lower than said).
+or a transport error before a status), ``met`` (admitted whose TTFT was within the
+deadline, of admitted), the 429s' time to refusal p50/p99/max and their ``Retry-After``
+values (value x count), ``hung`` (no end within ``--client-timeout``), ``lost`` (a 200
+whose stream broke off or ended short of ``--output`` tokens), ``lag`` (the client's worst
+lateness in sending an arrival: past a few ms, the client could not keep the rate and the
+offered load is lower than said).
 
 The goal (issue 53): met >= 95%, every refusal a 429 with ``Retry-After`` within 50 ms,
 hung = lost = 0. Times are wall times, measured by the client (one event loop): on a small
