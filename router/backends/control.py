@@ -19,12 +19,14 @@ Why the shape:
 - Load comes from ``/metrics`` (running and waiting requests, KV use), at most every
   ``min_load_interval_s`` (every ``idle_load_interval_s`` while the backend is idle):
   rendering vLLM's ~50 kB of metrics costs its API server CPU, and reading it the router's.
-- Its own small HTTP client: health checks must not queue behind a data pool full of
-  streams.
+- Its own pool of connections (:mod:`.wire`'s, not the data plane's): health checks must
+  not queue behind a data pool full of streams. Not httpx: a GET of ``/metrics`` through it
+  cost the router ~1.9 ms of CPU against ~0.4 ms here, several times a second per backend.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -38,6 +40,8 @@ import httpx
 from kvroute.events.load import LoadReport
 from kvroute.events.replica_api import ReplicaInfo
 from kvroute.events.translate import from_vllm_hash_algo
+
+from .wire import BackendPool
 
 HASH_ALGO = "sha256_cbor_tagged"  # vLLM 0.32's sha256_cbor, salts tagged (events/hashing.py)
 VLLM_HASH_ALGO = "sha256_cbor"  # the `--prefix-caching-hash-algo` kvroute reproduces
@@ -272,34 +276,45 @@ class HttpBackend:
         self._models: dict[str, Any] | None = None
         self._report: LoadReport | None = None
         self._report_at = float("-inf")
-        self._client: httpx.AsyncClient | None = None
+        self._pool: BackendPool | None = None
         self.info = _Call(self._get_info)
         self.health = _Call(self._get_health)
         self.load = _Call(self._get_load)
 
     @property
-    def client(self) -> httpx.AsyncClient:
-        if self._client is None:  # made on the loop that uses it
-            self._client = httpx.AsyncClient(timeout=self.timeout_s)
-        return self._client
+    def pool(self) -> BackendPool:
+        if self._pool is None:  # made on the loop that uses it
+            self._pool = BackendPool(self.spec.url, connect_timeout_s=self.timeout_s, max_idle=4)
+        return self._pool
 
     async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+
+    async def _get(self, path: str) -> bytes:
+        """The body of ``GET path``, whole, within ``timeout_s``; raises
+        :class:`BackendError` on a status other than 200, ``TimeoutError`` or the pool's
+        ``ConnectionError`` s (:mod:`.wire`) when it does not answer."""
+        pool = self.pool
+        head = (
+            f"GET {pool.base_path}{path} HTTP/1.1\r\nhost: {pool.host_header}\r\n"
+            "accept: */*\r\n\r\n"
+        ).encode("latin-1")
+        async with asyncio.timeout(self.timeout_s):
+            _, status, body = await pool.send(head, None)
+        if status != 200:
+            raise BackendError(f"backend {self.spec.replica_id}: GET {path}: HTTP {status}")
+        return body
 
     async def _metrics(self) -> BackendMetrics:
-        r = await self.client.get(f"{self.spec.url}/metrics")
-        r.raise_for_status()
-        return parse_metrics(r.text)
+        return parse_metrics((await self._get("/metrics")).decode(errors="replace"))
 
     async def _get_info(self) -> ReplicaInfo:
         """Fresh: the monitor's liveness check and restart detection."""
         metrics = await self._metrics()
         if self._models is None or not self._info.incarnation.endswith(f"@{metrics.start_time}"):
-            r = await self.client.get(f"{self.spec.url}/v1/models")
-            r.raise_for_status()
-            self._models = r.json()
+            self._models = json.loads(await self._get("/v1/models"))
         self._info = build_info(
             self.spec,
             self._models,
@@ -312,8 +327,7 @@ class HttpBackend:
         return self._info
 
     async def _get_health(self) -> None:
-        r = await self.client.get(f"{self.spec.url}/health")
-        r.raise_for_status()
+        await self._get("/health")
 
     async def _get_load(self) -> LoadReport:
         now = time.monotonic()

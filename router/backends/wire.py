@@ -29,7 +29,7 @@ MAX_HEAD_BYTES = 64 << 10
 _HEAD, _SIZE, _DATA, _CRLF, _TRAILER, _LENGTH, _EOF, _IDLE = range(8)
 
 # Called with each line of a 200 response's body (without its "\n"); False stops the
-# response there (the connection is closed).
+# response there (the connection is closed). None in its place: the body is kept whole.
 OnLine = Callable[[bytes], "bool | None"]
 
 
@@ -62,9 +62,10 @@ class Connection(asyncio.Protocol):
         self._done: asyncio.Future[tuple[int, bytes]] | None = None
 
     # -- the caller's side -----------------------------------------------------------------
-    def request(self, data: bytes, on_line: OnLine) -> asyncio.Future[tuple[int, bytes]]:
+    def request(self, data: bytes, on_line: OnLine | None) -> asyncio.Future[tuple[int, bytes]]:
         """Sends one request; the future is (status, body) once the response is whole
-        (the body only when the status is not 200: a 200's body went to ``on_line``)."""
+        (the body only when the status is not 200 or ``on_line`` is None: a 200's body
+        went to ``on_line``)."""
         assert self.transport is not None and self._state == _IDLE
         self.uses += 1
         self.got_bytes = False
@@ -224,7 +225,7 @@ class Connection(asyncio.Protocol):
 
     def _payload(self, data: bytes) -> bool:
         """Body bytes: lines to ``on_line`` (a 200), else kept. False: the caller stopped."""
-        if self._status != 200:
+        if self._status != 200 or self._on_line is None:
             self._body += data
             return True
         lines = self._lines
@@ -339,14 +340,18 @@ class BackendPool:
         return conn
 
     async def send(
-        self, data: bytes, on_line: OnLine, on_conn: Callable[[Connection], None] | None = None
+        self,
+        data: bytes,
+        on_line: OnLine | None,
+        on_conn: Callable[[Connection], None] | None = None,
     ) -> tuple[Connection, int, bytes]:
         """Sends one request (head and body in ``data``) and waits for the whole response:
-        (its connection, status, body; see :meth:`Connection.request`). ``on_conn`` is told each
-        connection as the request goes out on it. A kept-alive connection that the server
-        closed as the request went out (nothing of it answered) is retried once on a fresh
-        one. Given up on (cancelled, or the caller's ``on_line`` failed), the connection is
-        closed, so the server sees the client go. Raises :class:`ConnectFailedError` or
+        (its connection, status, body; see :meth:`Connection.request`: ``on_line`` None keeps
+        a 200's body too). ``on_conn`` is told each connection as the request goes out on
+        it. A kept-alive connection that the server closed as the request went out (nothing
+        of it answered) is retried once on a fresh one. Given up on (cancelled, or the
+        caller's ``on_line`` failed), the connection is closed, so the server sees the client
+        go. Raises :class:`ConnectFailedError` or
         :class:`StreamBrokenError` as the failures are told apart above."""
         for attempt in (0, 1):
             conn = await self.acquire()

@@ -284,3 +284,82 @@ def test_an_idle_backends_load_is_read_less_often() -> None:
         assert len(reads) == 3  # idle now: the next read waits for the idle interval
 
     run(main())
+
+
+def test_a_backends_control_calls_read_whole_bodies_over_one_kept_alive_connection() -> None:
+    """``info``/``load``/``health`` (the fleet monitor's calls) over :mod:`.wire`'s pool:
+    /metrics chunked across writes, /v1/models by content-length, one connection reused; a
+    5xx is a :class:`BackendError`, a backend that does not answer a ``TimeoutError``."""
+    from kvroute.router.backends.control import BackendError, BackendSpec, HttpBackend
+
+    metrics = (
+        b"# HELP process_start_time_seconds Start time.\n"
+        b"process_start_time_seconds 1.5e+09\n"
+        b'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+        b'vllm:num_requests_waiting{engine="0",model_name="m"} 1.0\n'
+        b'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5\n'
+        b'vllm:cache_config_info{block_size="32",enable_prefix_caching="True",'
+        b'num_gpu_blocks="100",prefix_caching_hash_algo="sha256_cbor"} 1.0\n'
+    ) + b"# filler\n" * 5000
+    models = json.dumps({"data": [{"id": "m", "root": "/nowhere/m", "max_model_len": 64}]})
+    seen: list[str] = []
+    connections = [0]
+    health = [200]
+
+    async def serve(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        connections[0] += 1
+        try:
+            while True:
+                head = (await r.readuntil(b"\r\n\r\n")).decode()
+                path = head.split(" ")[1]
+                seen.append(path)
+                if path == "/metrics":
+                    data = HEAD + chunked(
+                        [metrics[i : i + 999] for i in range(0, len(metrics), 999)]
+                    )
+                    for i in range(0, len(data), 4096):
+                        w.write(data[i : i + 4096])
+                        await w.drain()
+                elif path == "/v1/models":
+                    w.write(
+                        b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s"
+                        % (len(models), models.encode())
+                    )
+                elif path == "/health" and health[0] == 200:
+                    w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+                elif path == "/health" and health[0] == 0:
+                    await asyncio.sleep(60)  # hangs
+                else:
+                    w.write(b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 4\r\n\r\noops")
+                await w.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            w.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        spec = BackendSpec.parse(f"http://127.0.0.1:{port}=tcp://127.0.0.1:2")
+        info: Any = type("I", (), {"block_size": 32, "topic": "kv", "incarnation": "x@0"})()
+        backend = HttpBackend(spec, info, block_size=32, min_load_interval_s=0.0, timeout_s=0.5)
+        got = await backend.info.remote()
+        assert got.incarnation == f"127.0.0.1:{port}@1.5e+09" and got.num_blocks == 100
+        assert got.model == "m" and got.max_model_len == 64
+        report = await backend.load.remote()
+        assert (report.num_running, report.num_waiting, report.free_blocks) == (3, 1, 50)
+        await backend.health.remote()
+        assert seen == ["/metrics", "/v1/models", "/metrics", "/health"]
+        assert connections[0] == 1  # kept alive, reused
+        health[0] = 500
+        with pytest.raises(BackendError, match="HTTP 500"):
+            await backend.health.remote()
+        health[0] = 0
+        with pytest.raises(TimeoutError):
+            await backend.health.remote()
+        health[0] = 200
+        await backend.health.remote()  # a fresh connection after the hung one was closed
+        await backend.aclose()
+        server.close()
+
+    run(main())
