@@ -36,20 +36,20 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from functools import partial
 from types import MappingProxyType
 from typing import Any
 
 from kvroute.events.replica_api import GenerateRequest, ReplicaInfo, SamplingParams
 
 from .api.errors import new_id
-from .api.flow_metrics import FlowCollector, band, flow_wait_family
+from .api.flow_metrics import FlowCollector, flow_wait_family, observe_wait
 from .api.metrics import FleetCollector, Metrics
 from .fleet.admission import Admission, Ticket
 from .fleet.fleet import Fleet, FleetMismatchError
-from .fleet.flow import DEFAULT_TOKENS, FlowControl
+from .fleet.flow import DEFAULT_TOKENS, FlowControl, others_waiting
 from .fleet.membership import Membership
 from .fleet.quarantine import Quarantine, fingerprint
 from .fleet.request_run import RequestRun, RunServices
@@ -65,7 +65,6 @@ log = logging.getLogger(__name__)
 
 MAX_ADAPTER_LABELS = 256  # past this many adapters in /metrics, the rest share "other"
 OTHER_ADAPTER = "other"
-OTHERS_REPORT_TTL_S = 1.0  # an older load report says nothing of other front doors' requests
 LORA_RESYNC_S = 30.0  # how often every live replica's adapters are checked (and retried)
 
 
@@ -136,12 +135,9 @@ class FrontDoor:
         if flow_depth is not None:
             waits = flow_wait_family(self.metrics)
             self.flow = FlowControl(
-                flow_depth,
-                flow_max_waiting,
-                flow_tokens,
-                on_wait=lambda b, s: waits.labels(band(b)).observe(s),
-                others=self._others_waiting,
+                flow_depth, flow_max_waiting, flow_tokens, on_wait=partial(observe_wait, waits)
             )
+            self.flow.others = partial(others_waiting, fleet.load, self.flow)
             fleet.on_removed.append(self.flow.wake)
             fleet.on_members.append(self.flow.wake)
             self.metrics.registry.register(FlowCollector(self.flow))
@@ -222,16 +218,6 @@ class FrontDoor:
         if self.membership is not None:
             await self.membership.close()
         await self.fleet.close()
-
-    def _others_waiting(self, rid: str) -> int:
-        """Requests waiting in ``rid``'s engine that are not this front door's: its fresh
-        load report's waiting, less what this front door has there without a first token
-        (an underestimate: some of those run already). 0 without a fresh report."""
-        report, at = self.fleet.load.report_of(rid)
-        if report is None or time.monotonic() - at > OTHERS_REPORT_TTL_S:
-            return 0
-        own = self.flow.unstarted.get(rid, 0) if self.flow is not None else 0
-        return max(0, report.num_waiting - own)
 
     # -- parts ---------------------------------------------------------------------------------
     @property

@@ -41,6 +41,12 @@ def band(priority: int) -> str:
     return "other"
 
 
+def observe_wait(family: _Family, priority: int, seconds: float) -> None:
+    """One dispatch's wait at the door, under its band's label (flow control's
+    ``on_wait``, with ``family`` bound: the door calls it, nothing calls back)."""
+    family.labels(band(priority)).observe(seconds)
+
+
 def flow_wait_family(metrics: Metrics) -> _Family:
     """The wait histogram, listed among ``metrics``' own series."""
     family = _Family(

@@ -77,6 +77,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..routing.load import LoadTracker
 
 SWEEP_S = 0.5  # while anything waits, the queue is looked at at least this often
 RATE_WINDOW_S = 10.0  # the drain rate is the dispatches of the last this many seconds
@@ -87,6 +91,8 @@ SLOT_SAMPLES = 64  # the per-position engine time is read from the last this man
 SLOT_QUANTILE = 0.9
 MAX_CHARGED_OUTPUT = 512  # a request's output bound counts up to this in its tenant's counter
 DEFAULT_DEPTH = 16
+OTHERS_REPORT_TTL_S = 1.0  # an older load report says nothing of other front doors' requests
+
 # No bound on prompt tokens by default: in the simulator (kvroute simulate --flow-tokens,
 # 8 x h100-8b, --sweep-speed auto) 8,192 cut kv's goodput on `agents` to 0.71x (32,768:
 # 0.84x) -- a hot prefix's holder, two long prompts in, lost its room and the requests went
@@ -107,6 +113,26 @@ class ShedError(Exception):
     def retry_after(self) -> str:
         """``Retry-After``'s value: whole seconds, at least 1."""
         return str(max(1, math.ceil(self.retry_after_s)))
+
+
+def others_waiting(load: LoadTracker, flow: FlowControl, rid: str) -> int:
+    """Requests waiting in ``rid``'s engine that are not this front door's: its fresh load
+    report's waiting (``load``: the fleet's reports), less what this front door has there
+    without a first token (an underestimate: some of those run already). 0 without a fresh
+    report. Bound with ``functools.partial`` as a door's ``others``."""
+    report, at = load.report_of(rid)
+    if report is None or time.monotonic() - at > OTHERS_REPORT_TTL_S:
+        return 0
+    return max(0, report.num_waiting - flow.unstarted.get(rid, 0))
+
+
+class Queued:
+    """:meth:`FlowControl.enter`'s answer for a waiter it queued (:data:`QUEUED`)."""
+
+    __slots__ = ()
+
+
+QUEUED = Queued()
 
 
 @dataclass(eq=False, slots=True)
@@ -324,6 +350,17 @@ class FlowControl:
         priority or more urgent waits and a replica it may go to has room (or none is left:
         the send says so); else queues it (False: await ``w.future``), or raises
         :class:`ShedError` when its band is full or its deadline cannot be met."""
+        room = self.enter(w)
+        if isinstance(room, Queued):
+            return False
+        w.dispatch(room)
+        return True
+
+    def enter(self, w: Waiter) -> list[str] | Queued | None:
+        """:meth:`submit` without calling ``w.dispatch``: the replicas to send ``w`` among
+        now (None: any), which the caller does at once, or :data:`QUEUED` (``dispatch`` is
+        called when its turn comes). A run sends itself (request_run.py): the door never
+        calls back into it on its way in."""
         now = self.clock()
         w.since = now
         if not self.ahead_of(w.band):  # nothing goes before it: sent if there is room
@@ -341,12 +378,10 @@ class FlowControl:
                         wait,
                     )
                 self._dispatched(w, now)
-                w.dispatch(fits)
-                return True
+                return fits
             if not eligible:
                 self._dispatched(w, now)
-                w.dispatch(None)
-                return True
+                return None
         if w.deadline is not None and w.deadline <= now:
             self._shed(w.band, "deadline")
             raise ShedError("The request's TTFT deadline has passed.", "deadline", 1.0)
@@ -383,7 +418,7 @@ class FlowControl:
                 )
         self._enqueue(w)
         self.pump()  # it may have room where the heads ahead of it have none
-        return False
+        return QUEUED
 
     def _enqueue(self, w: Waiter) -> None:
         loop = asyncio.get_running_loop()

@@ -39,6 +39,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
@@ -56,7 +57,7 @@ from kvroute.events.replica_api import (
 
 from ..routing.disagg import plan, route_decode
 from ..routing.policy import Decision, NoReplicaError, Policy, RequestView
-from .flow import MAX_CHARGED_OUTPUT, FlowControl, Waiter
+from .flow import MAX_CHARGED_OUTPUT, FlowControl, Queued, Waiter
 from .quarantine import Quarantine, fingerprint, not_caused_by
 
 if TYPE_CHECKING:
@@ -293,11 +294,14 @@ class RequestRun:
             tenant=self.tenant,
             cost=view.num_prompt_tokens + min(view.max_tokens or 0, MAX_CHARGED_OUTPUT),
             dispatch=self._dispatch,
-            eligible=lambda: s.replicas.routable(self._tried),
+            eligible=partial(s.replicas.routable, self._tried),
             deadline=deadline,
         )
-        if not s.flow.submit(waiter):
+        room = s.flow.enter(waiter)
+        if isinstance(room, Queued):  # its dispatch is called when its turn comes
             self._waiter = waiter
+        else:
+            self._dispatch(room)
 
     def _dispatch(self, room: list[str] | None) -> None:
         """Flow control's call: route among ``room`` (None: any) and send, now."""
