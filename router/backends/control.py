@@ -47,6 +47,9 @@ HASH_ALGO = "sha256_cbor_tagged"  # vLLM 0.32's sha256_cbor, salts tagged (event
 VLLM_HASH_ALGO = "sha256_cbor"  # the `--prefix-caching-hash-algo` kvroute reproduces
 VLLM_DEFAULT_SEED = "vllm-none-hash"  # vLLM's seed for sha256* without $PYTHONHASHSEED
 HASH_FORM = "int"  # vLLM publishes block hashes as uint64 ints
+# A /metrics read this recent stands for a fresh one in info(): the fleet monitor's round
+# polls load, then info, back to back (its rounds are load_interval_s = 0.2 s apart).
+SAME_ROUND_S = 0.1
 _WANTED = (
     "vllm:num_requests_running{",
     "vllm:num_requests_waiting{",
@@ -275,7 +278,8 @@ class HttpBackend:
         self._info = info
         self._models: dict[str, Any] | None = None
         self._report: LoadReport | None = None
-        self._report_at = float("-inf")
+        self._report_at = float("-inf")  # when /metrics was last read
+        self._last_metrics: BackendMetrics | None = None
         self._pool: BackendPool | None = None
         self.info = _Call(self._get_info)
         self.health = _Call(self._get_health)
@@ -311,8 +315,11 @@ class HttpBackend:
         return parse_metrics((await self._get("/metrics")).decode(errors="replace"))
 
     async def _get_info(self) -> ReplicaInfo:
-        """Fresh: the monitor's liveness check and restart detection."""
-        metrics = await self._metrics()
+        """Fresh: the monitor's liveness check and restart detection. A /metrics read at
+        most ``SAME_ROUND_S`` ago (the load poll of the monitor's same round) is fresh."""
+        metrics = self._last_metrics
+        if metrics is None or time.monotonic() - self._report_at > SAME_ROUND_S:
+            metrics = await self._metrics()
         if self._models is None or not self._info.incarnation.endswith(f"@{metrics.start_time}"):
             self._models = json.loads(await self._get("/v1/models"))
         self._info = build_info(
@@ -329,19 +336,29 @@ class HttpBackend:
     async def _get_health(self) -> None:
         await self._get("/health")
 
-    async def _get_load(self) -> LoadReport:
-        now = time.monotonic()
+    def cached_load(self) -> LoadReport | None:
+        """What ``load.remote()`` returns while no read of /metrics is due (the last
+        report), without awaiting anything; None when it would read. The fleet's monitor
+        asks this first, so a poll that is not due costs it no task."""
         report = self._report
+        if report is None:
+            return None
         interval = self.min_load_interval_s
-        if report is not None and not report.num_running and not report.num_waiting:
+        if not report.num_running and not report.num_waiting:
             interval = max(interval, self.idle_load_interval_s)
-        if report is None or now - self._report_at >= interval:
+        return report if time.monotonic() - self._report_at < interval else None
+
+    async def _get_load(self) -> LoadReport:
+        report = self.cached_load()
+        if report is None:
             self._remember(await self._metrics())
-        assert self._report is not None
-        return self._report
+            report = self._report
+        assert report is not None
+        return report
 
     def _remember(self, metrics: BackendMetrics) -> None:
         self._report = load_report(metrics, self._info.block_size)
+        self._last_metrics = metrics
         self._report_at = time.monotonic()
 
 

@@ -4,8 +4,10 @@ Why a module of its own: :class:`~.fleet.Fleet` is membership, sockets and the f
 routing; the monitor is the one periodic task beside them. Every ``load_interval_s`` it
 opens a data-plane connection to each live replica that lacks one (and checks its
 silence), and polls the load report of each replica that does not push it over that
-connection; every ``monitor_interval_s`` it asks each replica's ``info()`` over Ray, and
-follows a restart (a new incarnation: new endpoints), a drain, a recovery or a death.
+connection (one whose actor has ``cached_load``, an HTTP backend, is asked first whether a
+read is due: when not, its last report is taken without a call); every
+``monitor_interval_s`` it asks each replica's ``info()`` over Ray, and follows a restart
+(a new incarnation: new endpoints), a drain, a recovery or a death.
 
 A mixin of :class:`~.fleet.Fleet`: it reads and changes the fleet's own state (replicas,
 draining, cordoned, errors, the load view, the subscriber) through the fleet's methods
@@ -74,8 +76,16 @@ class FleetMonitor:
             if rep.conn is not None:
                 rep.conn.check_silence(now)
             if rep.conn is None or rep.conn.lost is not None or not rep.conn.loads:
-                polled.append(rid)
-        await asyncio.gather(*(self._load_report(rid) for rid in polled))
+                # A replica that paces its own reads (an HTTP backend) says when one is not
+                # due: its last report is taken as is, with no call and no task.
+                cached = getattr(type(rep.actor), "cached_load", None)
+                report = cached(rep.actor) if cached is not None else None
+                if report is not None:
+                    self.load.report(rid, report, now)
+                else:
+                    polled.append(rid)
+        if polled:
+            await asyncio.gather(*(self._load_report(rid) for rid in polled))
         if time.monotonic() - last_poll >= self.monitor_interval_s:
             last_poll = time.monotonic()
             await asyncio.gather(*(self._poll(rid) for rid in list(self.replicas)))

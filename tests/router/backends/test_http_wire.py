@@ -363,3 +363,80 @@ def test_a_backends_control_calls_read_whole_bodies_over_one_kept_alive_connecti
         server.close()
 
     run(main())
+
+
+def test_a_load_poll_not_due_costs_the_monitor_no_call_and_info_reuses_its_rounds_read() -> None:
+    """The fleet monitor's rounds (every 0.2 s) over an HTTP backend: while no read of
+    /metrics is due the backend's last report goes to the load view as before (fresh
+    each round), with no ``load.remote()`` call; a round's info() poll reuses the read its
+    load poll just made, and a later one reads again."""
+    import time
+    from collections import Counter
+
+    from kvroute.events.load import LoadReport
+    from kvroute.router.backends import control
+    from kvroute.router.backends.control import BackendMetrics, BackendSpec, HttpBackend
+    from kvroute.router.fleet.fleet_monitor import FleetMonitor
+
+    reads: list[str] = []
+
+    class Backend(HttpBackend):
+        async def _metrics(self) -> BackendMetrics:
+            reads.append("metrics")
+            return BackendMetrics(running=1.0, start_time="7")
+
+    reported: list[tuple[str, LoadReport, float]] = []
+
+    class Load:
+        def report(self, rid: str, report: LoadReport, now: float) -> None:
+            reported.append((rid, report, now))
+
+    class Rep:
+        def __init__(self, actor: Any, info: Any) -> None:
+            self.actor, self.info, self.conn, self.alive = actor, info, None, True
+
+    class Monitor(FleetMonitor):
+        def __init__(self, actor: Any, info: Any) -> None:
+            self.replicas = {"b": Rep(actor, info)}
+            self.draining, self.cordoned = set(), set()
+            self.errors = Counter()
+            self.load = Load()  # type: ignore[assignment]
+            self.load_interval_s, self.monitor_interval_s = 0.2, 2.0
+
+        def alive(self) -> list[str]:
+            return ["b"]
+
+    async def main() -> None:
+        spec = BackendSpec.parse("http://127.0.0.1:1=tcp://127.0.0.1:2")
+        info: Any = type(
+            "I", (), {"block_size": 32, "topic": "kv", "incarnation": "b@7", "data_endpoint": ""}
+        )()
+        backend = Backend(spec, info, block_size=32, min_load_interval_s=0.5)
+        backend._models = {"data": [{"id": "m", "root": "/nowhere/m"}]}
+        calls = [0]
+        get_load = backend._get_load
+
+        async def counted() -> LoadReport:
+            calls[0] += 1
+            return await get_load()
+
+        backend.load = control._Call(counted)
+        monitor = Monitor(backend, info)
+        last = await monitor._watch_round(time.monotonic())  # no report yet: a read
+        assert (calls[0], reads, len(reported)) == (1, ["metrics"], 1)
+        for _ in range(3):  # not due (0.5 s): the last report, no call, reported each round
+            last = await monitor._watch_round(last)
+        assert (calls[0], len(reads), len(reported)) == (1, 1, 4)
+        assert all(r[1] is reported[0][1] for r in reported)
+        assert reported[-1][2] > reported[0][2]  # fresh in the load view as before
+        got = await backend.info.remote()  # the same round's read stands for a fresh one
+        assert len(reads) == 1 and got.incarnation == "127.0.0.1:1@7"
+        await asyncio.sleep(control.SAME_ROUND_S + 0.02)
+        await backend.info.remote()
+        assert len(reads) == 2
+        await asyncio.sleep(0.5)
+        assert backend.cached_load() is None  # due again: the next round reads
+        await monitor._watch_round(time.monotonic())
+        assert (calls[0], len(reads)) == (2, 3)
+
+    run(main())
