@@ -119,9 +119,7 @@ def parse_metrics(text: str) -> BackendMetrics:
     histograms per poll would cost the router's loop for nothing). Summed over engines
     (``engine="0"``, ``"1"``...: a data-parallel server is one backend)."""
     m = BackendMetrics()
-    for line in text.splitlines():
-        if not line.startswith(_WANTED):
-            continue
+    for line in _wanted_lines("\n" + text):
         head, _, value = line.rpartition(" ")
         if line.startswith("process_start_time_seconds"):
             m.start_time = value
@@ -134,6 +132,21 @@ def parse_metrics(text: str) -> BackendMetrics:
         else:
             m.kv_usage = max(m.kv_usage, float(value))
     return m
+
+
+def _wanted_lines(text: str) -> list[str]:
+    """The lines of ``text`` (which starts with a newline) that start with one of
+    ``_WANTED``, each kind in the text's order: found with ``str.find``, not by splitting
+    ~80 kB into lines (a third of the time)."""
+    out = []
+    for prefix in _WANTED:
+        needle = "\n" + prefix
+        i = text.find(needle)
+        while i >= 0:
+            j = text.find("\n", i + 1)
+            out.append(text[i + 1 : j if j >= 0 else None].rstrip("\r"))
+            i = text.find(needle, j) if j >= 0 else -1
+    return out
 
 
 def _labels(text: str) -> dict[str, str]:

@@ -253,3 +253,22 @@ def test_backend_specs() -> None:
     for bad in ("http://h:1", "h:1=tcp://h:2", "http://h:1=h:2"):
         with pytest.raises(ValueError, match="--backend"):
             BackendSpec.parse(bad)
+
+
+def test_metrics_are_summed_over_engines_wherever_their_lines_are() -> None:
+    """Data-parallel engines' gauges summed (KV use: the fullest), lines found at the very
+    start or end of the text, with CRLF endings, never inside another metric's name."""
+    text = (
+        'vllm:num_requests_running{engine="0"} 2.0\r\n'
+        '# vllm:num_requests_running{engine="9"} 50.0\n'
+        'x_vllm:num_requests_waiting{engine="9"} 70.0\n'
+        'vllm:kv_cache_usage_perc{engine="0"} 0.5\n'
+        'vllm:num_requests_waiting{engine="0"} 1.0\n'
+        'vllm:num_requests_running{engine="1"} 3.5\n'
+        'vllm:kv_cache_usage_perc{engine="1"} 0.25\n'
+        'vllm:num_requests_waiting{engine="1"} 2.0\n'
+        "process_start_time_seconds 6.5"
+    )
+    m = parse_metrics(text)
+    assert (m.running, m.waiting, m.kv_usage, m.start_time) == (5.5, 3.0, 0.5, "6.5")
+    assert parse_metrics("") == parse_metrics("\n") == parse_metrics("# nothing\n")
