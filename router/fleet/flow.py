@@ -485,20 +485,20 @@ class FlowControl:
     def _expire(self, w: Waiter) -> None:
         """Its deadline passed while it waited: a 429 (it would be late whatever came)."""
         w.timer = None
-        if not w.queued:
-            return
+        if w.queued:
+            self._refuse_late(
+                w, "The request's TTFT deadline passed while it waited for a replica."
+            )
+
+    def _refuse_late(self, w: Waiter, message: str) -> None:
+        """A queued waiter out for its deadline: out of the queue, counted, told with a 429
+        whose ``Retry-After`` is the drain of those ahead of its band."""
         self._remove(w)
         self._shed(w.band, "deadline")
         rate = self.drain_rate()
         wait = self.ahead_of(w.band) / rate if rate else 1.0
         if w.future is not None and not w.future.done():
-            w.future.set_exception(
-                ShedError(
-                    "The request's TTFT deadline passed while it waited for a replica.",
-                    "deadline",
-                    wait,
-                )
-            )
+            w.future.set_exception(ShedError(message, "deadline", wait))
 
     def _shed(self, band: int, cause: str) -> None:
         key = (band, cause)
@@ -557,19 +557,11 @@ class FlowControl:
     def _late(self, w: Waiter) -> None:
         """``w``'s turn came, but no replica with room can give it its first token by its
         deadline: a 429, as if the deadline had passed."""
-        self._remove(w)
-        self._shed(w.band, "deadline")
-        rate = self.drain_rate()
-        wait = self.ahead_of(w.band) / rate if rate else 1.0
-        if w.future is not None and not w.future.done():
-            w.future.set_exception(
-                ShedError(
-                    "The request's TTFT deadline can no longer be met: the replicas with "
-                    "room for it have too long a queue.",
-                    "deadline",
-                    wait,
-                )
-            )
+        self._refuse_late(
+            w,
+            "The request's TTFT deadline can no longer be met: the replicas with room for it "
+            "have too long a queue.",
+        )
 
     def _send(self, w: Waiter, room: list[str] | None) -> None:
         self._remove(w)
