@@ -52,19 +52,13 @@ queue holds ``max_waiting`` (``queue_full``), or a request whose estimated time 
 first token would pass its deadline (``deadline``); and one still waiting when its
 deadline passes. The estimate has two parts: the wait at the door (the waiters at its
 priority or more urgent, over the measured drain rate) and the wait in the engine it is
-sent to: ``(k + 1)`` times the engine's time per position (:meth:`slot_time`: each slot's
-time from its send to its first token over ``k + 1``, ``k`` the requests there without a
-first token when it was sent; the 90th percentile of the last ``SLOT_SAMPLES`` of
-``RATE_WINDOW_S``),
-``k`` the requests without a first token there that go before it. A request with a
-deadline is sent only to a replica with room where that estimate meets its deadline, at
-its submit and again at its turn; where none does, it is refused then rather than sent to
-be served late (room is a count, and ``depth`` requests' prefill can take longer than a
-deadline: 2 x ``sim:h100-8b`` at 3x capacity, 512-token prompts, an 850 ms deadline, depth
-16: 2.8% of the admitted requests met it with the door's wait alone counted, 98.3% with
-the engine's too at its mean per position, 100% at its 90th percentile, admitting as many;
-on ``tiny``, a 350 ms deadline: 90.6% at the mean, 95.8% at the 90th percentile;
-``benchmarks/bench_overload.py``).
+sent to, ``(k + 1)`` times the engine's time per position (:meth:`slot_time`), ``k`` the
+requests without a first token there that go before it. A request with a deadline is sent
+only to a replica with room where that estimate meets its deadline, at its submit and
+again at its turn; where none does, it is refused then rather than sent to be served late:
+room is a count, and ``depth`` requests' prefill can take longer than a deadline
+(``benchmarks/bench_overload.py``: with the door's wait alone counted, 97% of the admitted
+requests missed at 3x capacity).
 """
 
 from __future__ import annotations
