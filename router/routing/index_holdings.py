@@ -37,4 +37,3 @@ class Holdings:
         self.predicted: dict[Hash, float] = {}  # hash -> expiry
         self.evicted = 0  # entries forgotten by the memory bound
         self.unknown_removals = 0  # removes of hashes the index did not hold
-
