@@ -406,15 +406,13 @@ class Intake:
         try:
             raw = body if isinstance(body, bytes) else await body()
             parsed, adapter = await self.parse_with_adapter(raw, model, tenant)
-            # Each feature's module is called only by a request that uses it: a plain chat
-            # costs the front door none of priorities, choices, tools or constraints.
             priority = getattr(parsed, "priority", None)
             klass = None
             if hints is not None or priority is not None or tenant.priority:
                 klass = classify(priority, hints, tenant)
             prompts = None if parsed.chat else self.prompts(parsed)
             one = parsed.best_of is None and (parsed.n or 1) == 1
-            if not (one and prompts is None):
+            if not (one and prompts is None):  # a feature's module only where it is used
                 n_prompts = 1 if prompts is None else len(prompts)
                 check_choices(parsed, n_prompts, tenant, self.admission)
             plan = None
