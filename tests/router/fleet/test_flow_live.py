@@ -80,6 +80,14 @@ def release(s: Served, replicas: list[str] | None = None) -> None:
             on_loop(s, lambda r=rid: flow.vacate(r, 0, PRIORITY_MIN, "hold"))
 
 
+def forget_estimates(s: Served) -> None:
+    """No estimate of the engine's time per position nor of the drain rate: a held slot's
+    seconds, given back, count as engine time, and a test that released one within the
+    window would have the next request shed at once on that estimate."""
+    flow = flow_of(s)
+    on_loop(s, lambda: (flow._slot_samples.clear(), flow._dispatch_times.clear()))
+
+
 def record_dispatches(s: Served) -> list[tuple[int, str]]:
     """(band, tenant) of each request the queue sends from now on, in order."""
     flow = flow_of(s)
@@ -238,6 +246,7 @@ def test_a_full_band_is_429_with_retry_after_and_the_queued_still_run(served: Se
 def test_a_deadline_that_passes_in_the_queue_is_429(served: Served) -> None:
     async def main() -> None:
         c = client(served, B)
+        forget_estimates(served)  # so it is queued, and shed when its deadline passes
         hold(served)
         try:
             start = time.perf_counter()
