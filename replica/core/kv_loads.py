@@ -55,8 +55,9 @@ if TYPE_CHECKING:
 # A load waited for in its own step may lengthen that step by at most this fraction: the
 # issue's bound on how much a load may slow other requests' steps (5%).
 INLINE_FRACTION = 0.05
-# KVROUTE_KV_INLINE_LOADS=0: no load is waited for (each lands a step later), for A/B runs.
-_INLINE = os.environ.get("KVROUTE_KV_INLINE_LOADS", "1") != "0"
+# KVROUTE_KV_INLINE_LOADS=0: no load is waited for (each lands a step later), for A/B runs;
+# read when an engine's KVLoads is built.
+INLINE_ENV = "KVROUTE_KV_INLINE_LOADS"
 # The weight of each newly timed step in the running mean of step time.
 _EMA_WEIGHT = 0.2
 # The longest a step waits for a load when nothing else runs: past it, requests that arrive
@@ -87,6 +88,7 @@ class KVLoads:
         self.num_inline = 0  # loads landed in the step that started them
         self.num_keeps = 0  # Keep messages sent for waiting requests' leases
         self._keeps: deque[tuple[float, Request]] = deque()  # (when, request), in that order
+        self.inline = os.environ.get(INLINE_ENV, "1") != "0"  # short loads waited for in-step
 
     def note_step(self, seconds: float) -> None:
         """The engine timed a step that ran the model: a running mean of step time."""
@@ -163,7 +165,7 @@ class KVLoads:
         self.loading[req.request_id] = (req, [*hit, *new])
         tiers.start(job, [b.block_id for b in new])
         estimate = self.estimate(job)
-        short = _INLINE and (alone or estimate <= INLINE_FRACTION * self.step_seconds)
+        short = self.inline and (alone or estimate <= INLINE_FRACTION * self.step_seconds)
         # Twice the estimate, and the thread's wake-up.
         if short and job.done.wait(min(2.0 * estimate + _WAKE_S, _MAX_WAIT_S)):
             self.num_inline += 1

@@ -81,6 +81,32 @@ def test_beside_a_running_batch_only_a_short_load_lands_in_its_step(
     assert eng.stats()["kv_tier_loads_inline"] == int(inline)
 
 
+def test_kvroute_kv_inline_loads_0_waits_for_no_load(
+    monkeypatch: pytest.MonkeyPatch, uncached: list[list[int]]
+) -> None:
+    """``KVROUTE_KV_INLINE_LOADS=0``, read when the engine is built: even a load with
+    nothing else to run lands a step later, and the output is the same."""
+    monkeypatch.setenv(kv_loads.INLINE_ENV, "0")
+    assert kv_loads.INLINE_ENV == "KVROUTE_KV_INLINE_LOADS"
+    eng = engine(kv_host_bytes=64 * BLOCK_BYTES)
+    monkeypatch.delenv(kv_loads.INLINE_ENV)  # read once: unsetting it now changes nothing
+    loads = eng.scheduler.kv_loads
+    assert loads is not None and not loads.inline
+    ps = prompts()
+    for i, p in enumerate(ps):
+        run(eng, f"a{i}", p)
+    loads.step_seconds = 1e-9
+    eng.add_request("again", ps[0], GREEDY)
+    eng.step()
+    assert "again" in eng.scheduler.loading  # alone in its step, and still not waited for
+    final = None
+    while eng.has_unfinished_requests():
+        final = next((o for o in eng.step() if o.finished), final)
+    assert final is not None and final.outputs[0].token_ids == uncached[0]
+    assert final.num_tier_cached_tokens == {"CPU": HIT}
+    assert eng.stats()["kv_tier_loads_inline"] == 0
+
+
 def test_the_engine_times_its_steps_for_the_rule(
     warm: tuple[LLMEngine, list[list[int]]],
 ) -> None:
