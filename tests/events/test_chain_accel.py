@@ -194,6 +194,7 @@ def test_concurrent_threads_get_the_same_hashes():
 
 
 def test_env_var_forces_the_pure_path(monkeypatch):
+    assert hashing_mod.PURE_PYTHON_ENV == "KVROUTE_PURE_PYTHON_HASH"  # docs/extending.md's name
     monkeypatch.setenv(hashing_mod.PURE_PYTHON_ENV, "1")
     assert not BlockHasher().accelerated
     assert BlockHasher(accelerate=True).accelerated  # an explicit request wins

@@ -163,3 +163,24 @@ def test_every_environment_variable_is_in_the_one_table() -> None:
     doc = (root / "docs" / "extending.md").read_text()
     table = doc[doc.index("## Environment variables") :]
     assert found and {name for name in found if name not in table} == set()
+
+
+def test_every_environment_variable_is_named_by_a_test() -> None:
+    """Each KVROUTE_* variable the library reads is named in some test file (a test that
+    sets it, or one that holds its constant to the documented name)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    libraries = ("events", "replica", "kernels", "router", "sim", "deploy", "loadgen")
+    name = r"\bKVROUTE_[A-Z0-9_]*[A-Z0-9]\b"  # not KVROUTE_CPU of "KVROUTE_CPU_*_KERNEL"
+    read: set[str] = set()
+    for lib in libraries:
+        for pattern in ("*.py", "*.c"):
+            for path in (root / lib).rglob(pattern):
+                read |= set(re.findall(name, path.read_text(errors="ignore")))
+    read.discard("KVROUTE_DTYPES")  # a tuple of dtype names in deploy/serve_checks.py
+    named: set[str] = set()
+    for path in (root / "tests").rglob("*.py"):
+        named |= set(re.findall(name, path.read_text(errors="ignore")))
+    assert read and read - named == set()

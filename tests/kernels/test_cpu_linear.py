@@ -103,3 +103,27 @@ def test_replica_linear_picks_its_form() -> None:
     for lin in (tiled, other):
         _close(lin(x), F.linear(x, weight, bias))
     assert Linear(weight, bias, prepack=False).form == "plain"
+
+
+@pytest.mark.parametrize(
+    "switch, form",
+    [("KVROUTE_CPU_LINEAR", ("onednn", "plain")), ("KVROUTE_CPU_PREPACK", ("plain",))],
+)
+def test_the_switches_turn_the_packed_forms_off(
+    monkeypatch: pytest.MonkeyPatch, switch: str, form: tuple[str, ...]
+) -> None:
+    """``KVROUTE_CPU_LINEAR=0``: no tiled kernel, even on one thread; ``KVROUTE_CPU_PREPACK=0``:
+    the weight as it is. Read when a ``Linear`` is built; the product is F.linear's."""
+    g = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(40, 32, generator=g), torch.randn(40, generator=g)
+    x = torch.randn(3, 32, generator=g)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert Linear(weight, bias).form == "tiled"
+        monkeypatch.setenv(switch, "0")
+        lin = Linear(weight, bias)
+    finally:
+        torch.set_num_threads(threads)
+    assert lin.form in form and (lin.weight is None) == (lin.form != "plain")
+    _close(lin(x), F.linear(x, weight, bias))

@@ -98,3 +98,13 @@ def test_bad_shapes_are_refused() -> None:
         cpu_ops.rms_norm_heads_(torch.zeros(2, 64), torch.ones(64), 2, 64, 1e-6)
     with pytest.raises(ValueError):
         cpu_ops.rms_norm_heads_(torch.zeros(2, 128), torch.ones(32), 2, 64, 1e-6)
+
+
+def test_kvroute_cpu_layer_ops_0_turns_them_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read by ``usable`` (once per engine, when its decoder is built)."""
+    cpu = torch.device("cpu")
+    assert not cpu_ops.usable(cpu, torch.float16)  # fp32 only
+    monkeypatch.setenv("KVROUTE_CPU_LAYER_OPS", "0")
+    assert not cpu_ops.usable(cpu, torch.float32)
+    monkeypatch.setenv("KVROUTE_CPU_LAYER_OPS", "1")
+    assert cpu_ops.usable(cpu, torch.float32)

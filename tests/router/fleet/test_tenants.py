@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvroute.router.fleet.tenants import (
+    DEV_FLEET_SECRET,
     AuthError,
     Limits,
     Tenants,
@@ -14,6 +15,7 @@ from kvroute.router.fleet.tenants import (
     hash_key,
     load_api_keys,
     load_tenants,
+    resolve_fleet_secret,
     tenant_salt,
     tenants_from_api_keys,
 )
@@ -158,3 +160,17 @@ def test_metrics_need_an_admin_or_the_metrics_key_once_any_key_is_set() -> None:
         only_metrics.may_scrape(None)
     with pytest.raises(ValueError, match="also a tenant's key"):
         Tenants(spec, "s", metrics_key="key-a")
+
+
+def test_the_fleet_secret_comes_from_the_flag_then_kvroute_fleet_secret(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``--fleet-secret``, else ``$KVROUTE_FLEET_SECRET`` (read at router start), else the
+    development value, warned about."""
+    monkeypatch.setenv("KVROUTE_FLEET_SECRET", "from-env")
+    assert resolve_fleet_secret("from-flag") == "from-flag"
+    assert resolve_fleet_secret(None) == "from-env"
+    monkeypatch.delenv("KVROUTE_FLEET_SECRET")
+    with caplog.at_level("WARNING"):
+        dev = resolve_fleet_secret(None)
+    assert dev == DEV_FLEET_SECRET and "no fleet secret" in caplog.text
