@@ -82,7 +82,7 @@ MAGIC_SEALED = b"KVE2"  # sealed: magic, payload length, nonce; then ciphertext 
 HEADER_BYTES = 64
 _HEADER = struct.Struct(f"<4sQQ{HEADER_BYTES - 20}x")
 _SEALED_HEADER = struct.Struct(f"<4sQ{NONCE_BYTES}s{HEADER_BYTES - 12 - NONCE_BYTES}x")
-assert _HEADER.size == _SEALED_HEADER.size == HEADER_BYTES
+assert _HEADER.size == _SEALED_HEADER.size == HEADER_BYTES  # both layouts pad to it
 SUFFIX = ".kvb"
 FOLDER_PREFIX = "kvroute-kv-"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

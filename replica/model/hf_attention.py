@@ -125,6 +125,8 @@ def _no_mask(*args: object, **kwargs: object) -> None:
     return None
 
 
+# Registered with transformers at import: a model built with attn_implementation="kvroute_paged"
+# finds it by name, and this module is imported before any such model is built.
 AttentionInterface.register(ATTN_IMPLEMENTATION, _paged_attention_forward)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
 

