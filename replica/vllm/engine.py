@@ -36,7 +36,7 @@ vLLM is imported only here (with the modules below), and only when a replica ask
 This file holds the adapter's surface and lifecycle (start-up, what it reports, fault
 injection, shutdown); beside it, mixins of :class:`VllmEngine`: :mod:`.live_requests`
 (each request's task on the loop, deliveries and flushes, a dead engine core),
-:mod:`.load_watch` (the load poll and ``stats``) and :mod:`.lora_adapters` (vLLM's
+:mod:`.load_watch` (the load poll and ``stats``) and :mod:`.lora_requests` (vLLM's
 ``LoRARequest``s by name).
 """
 
@@ -79,7 +79,7 @@ from .disagg import (
 )
 from .live_requests import VllmRequests
 from .load_watch import VllmLoad, engine_stats
-from .lora_adapters import VllmLoRA
+from .lora_requests import VllmLoRA
 from .plugin import CACHED_BLOCKS_METHOD
 
 __all__ = ["HASH_ALGO", "VllmEngine", "VllmEngineConfig"]
