@@ -25,10 +25,15 @@ from __future__ import annotations
 import argparse
 import platform
 import random
+import sys
 import time
+from pathlib import Path
 
 from kvroute.events.replica_api import SamplingParams
 from kvroute.replica.engine.llm_engine import EngineConfig, LLMEngine
+
+sys.path.insert(0, str(Path(__file__).parent))
+from ttft_floor import floor_ratio
 
 SETTINGS = {
     "one queue": (False, 0, 0),
@@ -123,7 +128,7 @@ def main() -> None:
           f"output tokens; "
           f"{args.seconds:g} s per run", flush=True)  # fmt: skip
     print(f"{'setting':<22} {'idle p50':>9} {'idle p90':>9} {'flood p50':>10} {'flood p90':>10}"
-          f" {'probes':>7} {'p90 ratio':>10}", flush=True)  # fmt: skip
+          f" {'probes':>7} {'p90 ratio':>10} {'floor':>6}", flush=True)  # fmt: skip
     rows: list[tuple[str, float, float]] = []
     for k, (name, (tenants, threshold, partial)) in enumerate(SETTINGS.items()):
         config = EngineConfig(
@@ -138,7 +143,8 @@ def main() -> None:
         ms = [1000 * x for x in (sorted(idle)[len(idle) // 2], p90(idle))]
         ms += [1000 * x for x in (sorted(loaded)[len(loaded) // 2], p90(loaded))]
         print(f"{name:<22} {ms[0]:>7.0f}ms {ms[1]:>7.0f}ms {ms[2]:>8.0f}ms {ms[3]:>8.0f}ms "
-              f"{len(loaded):>7} {p90(loaded) / p90(idle):>9.2f}x", flush=True)  # fmt: skip
+              f"{len(loaded):>7} {p90(loaded) / p90(idle):>9.2f}x "
+              f"{floor_ratio(p90(idle), 2048, args.time_scale):>5.2f}x", flush=True)  # fmt: skip
         rows.append((name, ms[1], ms[3]))
     if args.plot:
         title = (f"sim:h100-8b x{args.time_scale:g}: tenant a keeps {args.flood} x 2,048-token "

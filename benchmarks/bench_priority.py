@@ -35,6 +35,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from serve_proc import start_serve, stop_serve
+from ttft_floor import floor_ratio
 
 VOCAB = 250  # tiny's byte-level vocabulary; fine for any model with more
 KEYS = {"key-chat": "chat", "key-batch": "batch"}
@@ -156,7 +157,8 @@ def main() -> None:
           f"priority 5; chat: {args.chat_prompt}-token prompts, priority 0; {args.seconds:g} s "
           "per phase", flush=True)  # fmt: skip
     print(f"{'flow control':<14} {'chat idle p50/p90':>18} {'chat flood p50/p90':>19} "
-          f"{'ratio':>6} {'batch tok/s alone':>18} {'with chat':>10} {'batch TTFT p99':>15}",
+          f"{'ratio':>6} {'floor':>6} {'batch tok/s alone':>18} {'with chat':>10} "
+          f"{'batch TTFT p99':>15}",
           flush=True)  # fmt: skip
     with tempfile.TemporaryDirectory() as d:
         runs = [(f"on (depth {d})", int(d)) for d in args.flow_depth.split(",")] + [("off", 0)]
@@ -171,8 +173,13 @@ def main() -> None:
                 stop_serve(proc, 60)
             ms = [1000 * pct(xs, q) for xs in (idle.chat, both.chat) for q in (0.5, 0.9)]
             ratio = pct(both.chat, 0.9) / pct(idle.chat, 0.9)
+            floor = (
+                f"{floor_ratio(pct(idle.chat, 0.9), args.batch_prompt, args.time_scale):>5.2f}x"
+                if args.model.startswith("sim:")
+                else f"{'-':>6}"
+            )
             print(f"{label:<14} {ms[0]:>8.0f}/{ms[1]:<5.0f}ms {ms[2]:>9.0f}/{ms[3]:<5.0f}ms "
-                  f"{ratio:>5.2f}x {alone.batch_tokens / args.seconds:>18.0f} "
+                  f"{ratio:>5.2f}x {floor} {alone.batch_tokens / args.seconds:>18.0f} "
                   f"{both.batch_tokens / args.seconds:>10.0f} "
                   f"{1000 * pct(both.batch_ttft, 0.99):>13.0f}ms"
                   f"  ({len(both.chat)} probes)", flush=True)  # fmt: skip
