@@ -465,28 +465,3 @@ def run_backends(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 130
     return 0
-
-
-def stop(args: argparse.Namespace) -> int:
-    """``kvroute stop``: ends every named replica (front doors then find none and fail
-    their requests with 503 until replicas are started again), and the fleet's LoRA
-    registry (the next fleet starts from its replicas' ``--lora-modules``)."""
-    import ray
-
-    from kvroute.router.lora.shared import LORA_REGISTRY_ACTOR
-
-    ray.init(address=args.address, namespace=args.namespace, logging_level="warning")
-    try:
-        named = ray.util.list_named_actors()
-        names = [n for n in named if n.startswith(REPLICA_ACTOR_PREFIX)]
-        from .scale import stop_replicas
-
-        # each replica closes its engine first (its KV disk folder goes), then is killed
-        stop_replicas([ray.get_actor(name) for name in names])
-        for name in [n for n in named if n == LORA_REGISTRY_ACTOR]:
-            ray.kill(ray.get_actor(name), no_restart=True)
-        print(f"kvroute stop: stopped {len(names)} replica(s) in namespace {args.namespace!r}",
-              file=sys.stderr)  # fmt: skip
-        return 0
-    finally:
-        ray.shutdown()

@@ -25,7 +25,11 @@ starts and retires actors.
   that clock). One still busy after ``--drain-timeout`` is stopped anyway: its requests
   fail over as after any replica's loss (continued elsewhere, within the front doors'
   retry bounds).
-- A P/D fleet (replicas with roles): each pool on its own, :mod:`.scale_roles`.
+- A P/D fleet (replicas with roles): each pool on its own (:func:`resize_pools`, by the
+  rules of :mod:`.scale_roles`).
+
+``kvroute stop`` (:func:`stop`) ends the whole fleet, which a scale refuses: every replica
+at once (each closing its engine first, :func:`stop_replicas`), with no drain.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from typing import Any
 
 from .capacity import BATCH, need_of, not_running, room_for
 from .router import RAY_NAMESPACE, REPLICA_ACTOR_PREFIX, answers, named_replicas
-from .scale_roles import add_role_arguments, asked_pools, check_pools
+from .scale_roles import NOUN, ROLES, add_role_arguments, asked_pools, check_pools, refusal
 
 # Routers poll each replica's info() this often (Fleet's monitor interval) ...
 ROUTER_POLL_S = 2.0
@@ -140,8 +144,6 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, _interrupted)  # after ray.init, which sets its own
         pools = asked_pools(args)
         if set(pools) != {"both"}:  # a P/D fleet's pools (scale_roles.py)
-            from .scale_roles import resize_pools
-
             return resize_pools(
                 pools, args.ready_timeout, args.drain_timeout, _say, args.drain_quiet,
                 wait_for_resources=args.wait_for_resources,
@@ -180,14 +182,9 @@ def resize(
     if not fleet:
         say("no replicas in this namespace: start a fleet with kvroute serve")
         return 1
-    # Only running actors are asked: a call to one waiting for resources would wait too.
-    pending = not_running(fleet)
-    infos = answers({rid: a.info.remote() for rid, a in fleet.items() if rid not in pending}, 10)
-    infos.update(dict.fromkeys(pending))
+    infos, pending = _infos(fleet)
     if any(info is not None and info.role != "both" for info in infos.values()):
-        from .scale_roles import resize_pools  # a P/D fleet: n is its `both` pool's size
-
-        return resize_pools(
+        return resize_pools(  # a P/D fleet: n is its `both` pool's size
             {"both": n}, ready_timeout, drain_timeout, say, quiet_s,
             wait_for_resources=wait_for_resources, stop=stop, read=(fleet, infos),
         )  # fmt: skip
@@ -206,6 +203,83 @@ def resize(
         return _shrink(fleet, ids, n, drain_timeout, say, infos, draining, quiet_s, pending=pending)
     say(f"the fleet already has {len(ids)} replica(s): {', '.join(ids)}")
     return 0
+
+
+def resize_pools(
+    want: dict[str, int],
+    ready_timeout: float,
+    drain_timeout: float,
+    say: Callable[[str], None],
+    quiet_s: float,
+    *,
+    wait_for_resources: bool = False,
+    stop: threading.Event | None = None,
+    read: tuple[dict[str, Any], dict[str, Any]] | None = None,
+) -> int:
+    """The fleet on this driver's Ray with each pool in ``want`` (role -> size) resized
+    (:mod:`.scale_roles`); an exit code: 2 when refused (nothing started or stopped).
+    ``read``: the fleet and its replicas' infos, already read (None: not running)."""
+    import ray
+
+    if read is None:
+        fleet = named_replicas()
+        if not fleet:
+            say("no replicas in this namespace: start a fleet with kvroute serve")
+            return 1
+        infos, _ = _infos(fleet)
+    else:
+        fleet, infos = read
+    role_of = {rid: info.role for rid, info in infos.items() if info is not None}
+    if unknown := [rid for rid in fleet if rid not in role_of]:
+        say(f"not answering, role unknown (left as they are): {_listed(unknown)}")
+    pool = {role: [rid for rid in fleet if role_of.get(rid) == role] for role in ROLES}
+    live = {role: [rid for rid in ids if not infos[rid].draining] for role, ids in pool.items()}
+    after = {role: want.get(role, len(live[role])) for role in ROLES}
+    if why := refusal(want, after, live, pool):
+        say(why)
+        return 2
+    specs: dict[str, Any] = {}  # a twin of a running replica per pool to grow, read first
+    for role, n in want.items():
+        if n > len(pool[role]):  # more than taking back its drained ones gives
+            specs[role] = template({rid: fleet[rid] for rid in pool[role]}, infos, say)
+            if specs[role] is None:
+                return 1
+    order = sorted(want, key=lambda role: want[role] > len(live[role]))  # shrinks first
+    for role in order:
+        ids, n = list(live[role]), want[role]
+        draining = [rid for rid in pool[role] if rid not in ids]
+        while n > len(ids) and draining:  # as scale.resize: a drained one is taken back
+            rid = draining.pop(0)
+            ray.get(fleet[rid].undrain.remote(), timeout=30)
+            ids = sorted([*ids, rid], key=list(fleet).index)
+            say(f"replica {rid} ({role}) was left draining: taken back")
+        if n > len(ids):
+            say(f"{role} pool: {len(ids)} -> {n}")
+            code = _grow(
+                fleet, ids, n, ready_timeout, say, infos, wait_for_resources, stop,
+                spec=specs[role], noun=NOUN[role],
+            )  # fmt: skip
+        elif n < len(ids) or draining:
+            say(f"{role} pool: {len(ids)} -> {n}")
+            code = _shrink(
+                fleet, ids, n, drain_timeout, say, infos, draining, quiet_s, noun=NOUN[role]
+            )
+        else:
+            say(f"the {role} pool already has {n}: {_listed(ids) or 'none'}")
+            code = 0
+        if code:
+            return code
+    return 0
+
+
+def _infos(fleet: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
+    """Each replica's info (None: not running, so not asked, or no answer), and the ones
+    not running. Only running actors are asked: a call to one waiting for resources would
+    wait too."""
+    pending = not_running(fleet)
+    infos = answers({rid: a.info.remote() for rid, a in fleet.items() if rid not in pending}, 10)
+    infos.update(dict.fromkeys(pending))
+    return infos, pending
 
 
 def template(
@@ -497,3 +571,26 @@ def _short_of(options: dict[str, Any]) -> str:
     return ", ".join(
         f"{k} {v:g} ({free.get(k, 0):g} free)" for k, v in need.items() if free.get(k, 0) < v
     )
+
+
+def stop(args: argparse.Namespace) -> int:
+    """``kvroute stop``: ends every named replica (front doors then find none and fail
+    their requests with 503 until replicas are started again), and the fleet's LoRA
+    registry (the next fleet starts from its replicas' ``--lora-modules``)."""
+    import ray
+
+    from kvroute.router.lora.shared import LORA_REGISTRY_ACTOR
+
+    ray.init(address=args.address, namespace=args.namespace, logging_level="warning")
+    try:
+        named = ray.util.list_named_actors()
+        names = [n for n in named if n.startswith(REPLICA_ACTOR_PREFIX)]
+        # each replica closes its engine first (its KV disk folder goes), then is killed
+        stop_replicas([ray.get_actor(name) for name in names])
+        for name in [n for n in named if n == LORA_REGISTRY_ACTOR]:
+            ray.kill(ray.get_actor(name), no_restart=True)
+        print(f"kvroute stop: stopped {len(names)} replica(s) in namespace {args.namespace!r}",
+              file=sys.stderr)  # fmt: skip
+        return 0
+    finally:
+        ray.shutdown()

@@ -16,14 +16,14 @@ other keeps replicas (a P/D fleet needs both pools, or neither), a fleet left em
 Shrinks run before grows, so a pool's retired replicas make room for another's new ones.
 Replicas that do not answer (waiting for resources, loading, restarting) have no known
 role: they are left as they are, and said.
+
+This module holds the pools' flags and the rules (:func:`refusal`); :func:`.scale.resize_pools`
+resizes the pools by them.
 """
 
 from __future__ import annotations
 
 import argparse
-import threading
-from collections.abc import Callable
-from typing import Any
 
 ROLES = ("prefill", "decode", "both")
 FLAG = {"prefill": "--prefill-replicas", "decode": "--decode-replicas", "both": "--replicas"}
@@ -92,88 +92,7 @@ def _lopsided(p: int | None, d: int | None) -> str | None:
     )
 
 
-def resize_pools(
-    want: dict[str, int],
-    ready_timeout: float,
-    drain_timeout: float,
-    say: Callable[[str], None],
-    quiet_s: float,
-    *,
-    wait_for_resources: bool = False,
-    stop: threading.Event | None = None,
-    read: tuple[dict[str, Any], dict[str, Any]] | None = None,
-) -> int:
-    """The fleet on this driver's Ray with each pool in ``want`` (role -> size) resized
-    (module docstring); an exit code: 2 when refused (nothing started or stopped).
-    ``read``: the fleet and its replicas' infos, already read (None: not running)."""
-    import ray
-
-    from .scale import _grow, _listed, _shrink, template
-
-    if read is None:
-        fleet, infos = _read()
-        if not fleet:
-            say("no replicas in this namespace: start a fleet with kvroute serve")
-            return 1
-    else:
-        fleet, infos = read
-    role_of = {rid: info.role for rid, info in infos.items() if info is not None}
-    if unknown := [rid for rid in fleet if rid not in role_of]:
-        say(f"not answering, role unknown (left as they are): {_listed(unknown)}")
-    pool = {role: [rid for rid in fleet if role_of.get(rid) == role] for role in ROLES}
-    live = {role: [rid for rid in ids if not infos[rid].draining] for role, ids in pool.items()}
-    after = {role: want.get(role, len(live[role])) for role in ROLES}
-    if why := _refusal(want, after, live, pool):
-        say(why)
-        return 2
-    specs: dict[str, Any] = {}  # a twin of a running replica per pool to grow, read first
-    for role, n in want.items():
-        if n > len(pool[role]):  # more than taking back its drained ones gives
-            specs[role] = template({rid: fleet[rid] for rid in pool[role]}, infos, say)
-            if specs[role] is None:
-                return 1
-    order = sorted(want, key=lambda role: want[role] > len(live[role]))  # shrinks first
-    for role in order:
-        ids, n = list(live[role]), want[role]
-        draining = [rid for rid in pool[role] if rid not in ids]
-        while n > len(ids) and draining:  # as scale.resize: a drained one is taken back
-            rid = draining.pop(0)
-            ray.get(fleet[rid].undrain.remote(), timeout=30)
-            ids = sorted([*ids, rid], key=list(fleet).index)
-            say(f"replica {rid} ({role}) was left draining: taken back")
-        if n > len(ids):
-            say(f"{role} pool: {len(ids)} -> {n}")
-            code = _grow(
-                fleet, ids, n, ready_timeout, say, infos, wait_for_resources, stop,
-                spec=specs[role], noun=NOUN[role],
-            )  # fmt: skip
-        elif n < len(ids) or draining:
-            say(f"{role} pool: {len(ids)} -> {n}")
-            code = _shrink(
-                fleet, ids, n, drain_timeout, say, infos, draining, quiet_s, noun=NOUN[role]
-            )
-        else:
-            say(f"the {role} pool already has {n}: {_listed(ids) or 'none'}")
-            code = 0
-        if code:
-            return code
-    return 0
-
-
-def _read() -> tuple[dict[str, Any], dict[str, Any]]:
-    """The fleet and each replica's info (None: not running, so not asked, or no answer),
-    as :func:`kvroute.deploy.scale.resize` reads them."""
-    from .capacity import not_running
-    from .router import answers, named_replicas
-
-    fleet = named_replicas()
-    pending = not_running(fleet)
-    infos = answers({rid: a.info.remote() for rid, a in fleet.items() if rid not in pending}, 10)
-    infos.update(dict.fromkeys(pending))
-    return fleet, infos
-
-
-def _refusal(
+def refusal(
     want: dict[str, int],
     after: dict[str, int],
     live: dict[str, list[str]],

@@ -19,7 +19,7 @@ import pytest
 import ray
 
 from kvroute.deploy.router import REPLICA_ACTOR_PREFIX, named_replicas
-from kvroute.deploy.scale_roles import _refusal, check_pools
+from kvroute.deploy.scale_roles import check_pools, refusal
 from kvroute.replica.serve.actor import start_replica
 
 from ..ray_session import local_ray
@@ -93,17 +93,17 @@ def test_refusals_that_need_the_fleet_read() -> None:
     """:func:`_refusal` on pools as read: role -> live (not draining) and all replicas."""
     pd = {"prefill": ["r0"], "decode": ["r1"], "both": []}
     unified = {"prefill": [], "decode": [], "both": ["r0", "r1"]}
-    why = _refusal({"prefill": 2}, {"prefill": 2, "decode": 0, "both": 2}, unified, unified)
+    why = refusal({"prefill": 2}, {"prefill": 2, "decode": 0, "both": 2}, unified, unified)
     assert why and "no running prefill replica to copy" in why and "no P/D roles" in why
-    why = _refusal({"both": 1}, {"prefill": 1, "decode": 1, "both": 1}, pd, pd)
+    why = refusal({"both": 1}, {"prefill": 1, "decode": 1, "both": 1}, pd, pd)
     assert why and "--replicas 1: no running whole-request replica" in why
-    why = _refusal({"decode": 0}, {"prefill": 1, "decode": 0, "both": 0}, pd, pd)
+    why = refusal({"decode": 0}, {"prefill": 1, "decode": 0, "both": 0}, pd, pd)
     assert why and "--decode-replicas 0 would leave 1 prefill replica(s)" in why
     both0 = {"prefill": 0, "decode": 0, "both": 0}
-    assert "no replica" in (_refusal({"prefill": 0, "decode": 0}, both0, pd, pd) or "")
+    assert "no replica" in (refusal({"prefill": 0, "decode": 0}, both0, pd, pd) or "")
     # P/D ended on purpose: both pools to 0 while whole-request replicas serve on
     mixed = {**pd, "both": ["r2"]}
-    assert _refusal({"prefill": 0, "decode": 0}, {**both0, "both": 1}, mixed, mixed) is None
+    assert refusal({"prefill": 0, "decode": 0}, {**both0, "both": 1}, mixed, mixed) is None
     assert check_pools({"prefill": 3, "decode": 1}) is None
 
 
