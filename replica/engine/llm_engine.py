@@ -254,36 +254,11 @@ class LLMEngine(EngineLoRA, OutputProcessor):
             raise ValueError("kv_handoff needs a replica with kv_transfer")
         if kv_source is not None and (self.kv_tiers is None or self.kv_tiers.remote is None):
             raise ValueError("kv_source needs a replica with kv_transfer and a link to pull over")
-        params = params or SamplingParams()
-        if self.extra_eos_token_ids and not params.ignore_eos:
-            # generation_config.json may name several EOS tokens (chat models often do).
-            params = msgspec.structs.replace(
-                params, stop_token_ids=[*params.stop_token_ids, *self.extra_eos_token_ids]
-            )
         text = prompt if isinstance(prompt, str) else None
-        vocab = self.vocab_size
-        if isinstance(prompt, str):
-            check_text(prompt, "prompt")
-            try:
-                token_ids = self.tokenize(prompt)
-            except Exception as exc:  # e.g. a lone surrogate: the prompt's fault, a 4xx
-                raise ValueError(f"the prompt cannot be tokenized ({type(exc).__name__})") from exc
-        else:
-            token_ids = [t if isinstance(t, bool) else operator.index(t) for t in prompt]
-        check_prompt_token_ids(token_ids, vocab)
+        token_ids = self._prompt_token_ids(prompt)
         lora_path = self._lora_path(lora_name) if lora_name is not None else None
         prior = list(resume.output_token_ids) if resume is not None else []
-        if prior:
-            check_prompt_token_ids(prior, vocab)
-            if params.prompt_logprobs is not None:  # its client has them from the first replica
-                params = msgspec.structs.replace(params, prompt_logprobs=None)
-            if len(prior) >= params.max_tokens:
-                raise ValueError("a resumed request must have tokens left to generate")
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            if k is not None and k > vocab:
-                # Caught here, not in a topk, where it would fail the whole step.
-                raise ValueError(f"{name} must be <= the vocabulary size {vocab}, got {k}")
+        params = self._params_to_run(params or SamplingParams(), prior)
         # past a rotary switch its blocks' keys are of the other regime (rope_spans); on
         # Phi-3 a resumed request's earlier outputs count too (the whole sequence's regime)
         length = len(token_ids) + (len(prior) if self.switch_recompute_at is not None else 0)
@@ -323,6 +298,43 @@ class LLMEngine(EngineLoRA, OutputProcessor):
             state.resumed_chars = resume.sent_chars
             self.runner.prime(request_id, params, len(prior))
         return req
+
+    def _prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """``add_request``'s prompt as token ids, checked against the vocabulary (ValueError:
+        it can never run)."""
+        if isinstance(prompt, str):
+            check_text(prompt, "prompt")
+            try:
+                token_ids = self.tokenize(prompt)
+            except Exception as exc:  # e.g. a lone surrogate: the prompt's fault, a 4xx
+                raise ValueError(f"the prompt cannot be tokenized ({type(exc).__name__})") from exc
+        else:
+            token_ids = [t if isinstance(t, bool) else operator.index(t) for t in prompt]
+        check_prompt_token_ids(token_ids, self.vocab_size)
+        return token_ids
+
+    def _params_to_run(self, params: SamplingParams, prior: list[int]) -> SamplingParams:
+        """``add_request``'s ``params`` as this engine runs them: the model's other EOS tokens
+        added, a resumed request's (``prior``: its outputs so far) prompt logprobs dropped;
+        ValueError where they can never run."""
+        vocab = self.vocab_size
+        if self.extra_eos_token_ids and not params.ignore_eos:
+            # generation_config.json may name several EOS tokens (chat models often do).
+            params = msgspec.structs.replace(
+                params, stop_token_ids=[*params.stop_token_ids, *self.extra_eos_token_ids]
+            )
+        if prior:
+            check_prompt_token_ids(prior, vocab)
+            if params.prompt_logprobs is not None:  # its client has them from the first replica
+                params = msgspec.structs.replace(params, prompt_logprobs=None)
+            if len(prior) >= params.max_tokens:
+                raise ValueError("a resumed request must have tokens left to generate")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > vocab:
+                # Caught here, not in a topk, where it would fail the whole step.
+                raise ValueError(f"{name} must be <= the vocabulary size {vocab}, got {k}")
+        return params
 
     def abort_requests(self, request_ids: Sequence[str]) -> list[EngineOutput]:
         """Frees the requests' blocks now; returns their final (aborted) outputs."""
