@@ -49,12 +49,13 @@ from .agents.tool_parsers import make_parser
 from .agents.tool_template import template_for
 from .agents.tools import ToolConfig, ToolPlan, plan_tools, special_markers, template_messages
 from .choices.count import check_choices, ranked, runs_per_prompt
-from .encode import chars_per_token, fast_encoder
+from .encode import chars_per_token
 from .errors import APIError, one_line, status_of
 from .openai_api import ChatCompletionRequest, CompletionRequest
 from .openai_wire import ChatBody, CompletionBody, decode_body
 from .priority import DoorHints, RequestClass, classify
 from .segment_cache import SegmentEncoder
+from .text_cache import TextEncoder
 
 __all__ = ["Admitted", "Intake", "ranked", "runs_per_prompt"]
 
@@ -137,7 +138,8 @@ class Intake:
         # One thread: a tokenizer is not safe to share between threads.
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="kvroute-tokenize")
         self.chars_per_token = chars_per_token(tokenizer)
-        self.encode = fast_encoder(tokenizer)
+        # A text prompt's stretches seen before, kept: a shared prefix is tokenized once.
+        self.encode = TextEncoder(tokenizer)
         # A chat's pieces between its template's markers, kept: a turn tokenizes its news.
         self.encode_chat = SegmentEncoder(tokenizer)
 
