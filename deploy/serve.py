@@ -43,7 +43,7 @@ def _say(msg: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .serve_checks import check_front_door, check_serve
+    from .serve_checks import check_front_door
 
     try:
         if why := check_front_door(args):
@@ -52,90 +52,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         _say(str(exc))
         return 2
-    if why := _pd_roles(args):
-        _say(why)
-        return 2
-    if args.replicas is not None and args.replicas < 1:
-        _say("--replicas must be >= 1")
-        return 2
-    if args.routers < 1:
-        _say("--routers must be >= 1")
-        return 2
-    if args.max_replicas is not None:
-        from .autoscale import AutoscaleConfig
-
-        args.autoscale = AutoscaleConfig(
-            args.min_replicas if args.min_replicas is not None else (args.replicas or 1),
-            args.max_replicas,
-            args.target_ongoing_requests,
-            args.upscale_delay,
-            args.downscale_delay,
-        )
-        if why := args.autoscale.check():
-            _say(why)
-            return 2
-        if args.replicas is None:
-            args.replicas = args.autoscale.min_replicas
-        if not args.autoscale.min_replicas <= args.replicas <= args.autoscale.max_replicas:
-            _say("--replicas must lie between --min-replicas and --max-replicas")
-            return 2
-    elif args.min_replicas is not None:
-        _say("--min-replicas needs --max-replicas (autoscaling)")
-        return 2
-    else:
-        args.autoscale = None
-    for flag in ("max_num_batched_tokens", "max_num_seqs"):
-        if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            _say(f"--{flag.replace('_', '-')} must be >= 1")
-            return 2
-    from kvroute.replica.model.cost_model import sim_profile
-
-    try:
-        simulated = sim_profile(args.model) is not None
-    except ValueError as exc:
-        _say(str(exc))
-        return 2
-    if not simulated and not args.address:  # a local fleet: the model is on this machine
-        from kvroute.replica.model.models import check_model_name
-
-        try:
-            check_model_name(args.model)
-        except ValueError as exc:
-            _say(str(exc))
-            return 2
-    busy = _port_in_use(args.host, args.port)
-    if busy:
-        _say(f"cannot listen on {args.host}:{args.port} ({busy}); is another server on it? --port")
-        return 2
-    if args.time_scale <= 0 or (args.time_scale != 1.0 and not simulated):
-        _say("--time-scale must be > 0 and applies to sim: models only")
-        return 2
-    if args.engine == "vllm" and simulated:
-        _say("--engine vllm runs a real model: sim: models are kvroute's cost-model replicas")
-        return 2
-    if args.vllm_args and args.engine != "vllm":
-        _say("--vllm-args applies to --engine vllm only")
-        return 2
-    try:
-        args.lora = lora_settings(args)
-    except LoRAFlagError as exc:
-        _say(str(exc))
-        return 2
-    if args.lora and simulated:
-        _say("--enable-lora: sim: models are cost models, with no weights to adapt")
-        return 2
-    if args.block_size is None:
-        args.block_size = 32 if args.engine == "vllm" else 16
-    if args.num_cpus_per_replica is None:
-        args.num_cpus_per_replica = 0.0 if simulated else 1.0
-    for flag in ("--resources-per-replica", "--runtime-env", "--vllm-args"):
-        attr = flag[2:].replace("-", "_")
-        try:
-            setattr(args, attr, _json_object(getattr(args, attr)))
-        except ValueError as exc:
-            _say(f"{flag}: {exc}")
-            return 2
-    if why := check_serve(args, simulated, lambda m: _say(f"warning: {m}")):
+    if why := _refused(args):
         _say(why)
         return 2
 
@@ -164,6 +81,90 @@ def run(args: argparse.Namespace) -> int:
             from kvroute.replica.kv_tiers.disk import wipe_replica_folders
 
             wipe_replica_folders(args.kv_disk_path)  # their KV disk folders: tenants' data
+
+
+def _refused(args: argparse.Namespace) -> str | None:
+    """Why ``kvroute serve``'s flags are refused (None: they are not), before Ray starts;
+    the flags whose defaults hang on others are resolved on ``args`` meanwhile (autoscaling,
+    block size, CPUs per replica, LoRA, the JSON objects)."""
+    from .serve_checks import check_serve
+
+    if why := _pd_roles(args):
+        return why
+    if args.replicas is not None and args.replicas < 1:
+        return "--replicas must be >= 1"
+    if args.routers < 1:
+        return "--routers must be >= 1"
+    if why := _autoscale(args):
+        return why
+    for flag in ("max_num_batched_tokens", "max_num_seqs"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            return f"--{flag.replace('_', '-')} must be >= 1"
+    from kvroute.replica.model.cost_model import sim_profile
+
+    try:
+        simulated = sim_profile(args.model) is not None
+    except ValueError as exc:
+        return str(exc)
+    if not simulated and not args.address:  # a local fleet: the model is on this machine
+        from kvroute.replica.model.models import check_model_name
+
+        try:
+            check_model_name(args.model)
+        except ValueError as exc:
+            return str(exc)
+    busy = _port_in_use(args.host, args.port)
+    if busy:
+        return f"cannot listen on {args.host}:{args.port} ({busy}); is another server on it? --port"
+    if args.time_scale <= 0 or (args.time_scale != 1.0 and not simulated):
+        return "--time-scale must be > 0 and applies to sim: models only"
+    if args.engine == "vllm" and simulated:
+        return "--engine vllm runs a real model: sim: models are kvroute's cost-model replicas"
+    if args.vllm_args and args.engine != "vllm":
+        return "--vllm-args applies to --engine vllm only"
+    try:
+        args.lora = lora_settings(args)
+    except LoRAFlagError as exc:
+        return str(exc)
+    if args.lora and simulated:
+        return "--enable-lora: sim: models are cost models, with no weights to adapt"
+    if args.block_size is None:
+        args.block_size = 32 if args.engine == "vllm" else 16
+    if args.num_cpus_per_replica is None:
+        args.num_cpus_per_replica = 0.0 if simulated else 1.0
+    for flag in ("--resources-per-replica", "--runtime-env", "--vllm-args"):
+        attr = flag[2:].replace("-", "_")
+        try:
+            setattr(args, attr, _json_object(getattr(args, attr)))
+        except ValueError as exc:
+            return f"{flag}: {exc}"
+    return check_serve(args, simulated, lambda m: _say(f"warning: {m}"))
+
+
+def _autoscale(args: argparse.Namespace) -> str | None:
+    """``args.autoscale`` from the autoscaling flags (None: a fixed size), and
+    ``args.replicas`` from them where not given; why they are refused (None: they are not)."""
+    if args.max_replicas is not None:
+        from .autoscale import AutoscaleConfig
+
+        args.autoscale = AutoscaleConfig(
+            args.min_replicas if args.min_replicas is not None else (args.replicas or 1),
+            args.max_replicas,
+            args.target_ongoing_requests,
+            args.upscale_delay,
+            args.downscale_delay,
+        )
+        if why := args.autoscale.check():
+            return why
+        if args.replicas is None:
+            args.replicas = args.autoscale.min_replicas
+        if not args.autoscale.min_replicas <= args.replicas <= args.autoscale.max_replicas:
+            return "--replicas must lie between --min-replicas and --max-replicas"
+        return None
+    if args.min_replicas is not None:
+        return "--min-replicas needs --max-replicas (autoscaling)"
+    args.autoscale = None
+    return None
 
 
 def _port_in_use(host: str, port: int) -> str | None:
