@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvroute.sim.simulator import SimConfig
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -232,14 +235,12 @@ def _with_adapters(args: argparse.Namespace, specs: list[Any]) -> list[Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Check the arguments, simulate each policy (or sweep the rate), print the result."""
-    import dataclasses
     import json
 
     from kvroute.replica.model.cost_model import PROFILES
     from kvroute.router.routing.policies import POLICIES
-    from kvroute.sim.lora import LoRAConfig
     from kvroute.sim.report import format_table, simulate, stderr_progress, to_json
-    from kvroute.sim.simulator import POOLED, SimConfig, split_policy
+    from kvroute.sim.simulator import POOLED, split_policy
     from kvroute.sim.traces import load_mooncake, specs_from_trace
     from kvroute.sim.workloads import make_workload
 
@@ -298,8 +299,37 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as e:
         print(f"kvroute simulate: {e}", file=sys.stderr)
         return 2
+    cfg = _sim_config(args, profiles)
+    show = args.progress if args.progress is not None else sys.stderr.isatty()
+    if args.sweep_speed:
+        return _sweep(args, policies, cfg, stderr_progress if show else None)
+    result = simulate(
+        specs, policies, cfg, stderr_progress if show else None, with_bounds=not args.no_bounds
+    )
+    result["workload"]["source"] = args.trace or args.workload
+    result["workload"]["speed"] = args.speed
+    if args.plot:
+        from kvroute.sim.report import plot
+
+        src = args.trace.rsplit("/", 1)[-1] if args.trace else args.workload
+        plot(result, args.plot, f"{src}, {args.replicas} replicas, speed {args.speed}")
+    if args.json:
+        print(json.dumps(to_json(result), indent=1))
+    else:
+        print(format_table(result))
+    return 0
+
+
+def _sim_config(args: argparse.Namespace, profiles: list[str]) -> SimConfig:
+    """The simulated fleet ``kvroute simulate``'s flags describe (checked by :func:`run`)."""
+    import dataclasses
+
+    from kvroute.replica.model.cost_model import PROFILES
+    from kvroute.sim.lora import LoRAConfig
+    from kvroute.sim.simulator import SimConfig
+
     kv_params = {k: v for k, v in (("prediction_ttl_s", args.kv_ttl),) if v is not None}
-    cfg = SimConfig(
+    return SimConfig(
         replicas=args.replicas,
         blocks_per_replica=args.blocks_per_replica,
         block_size=args.block_size or (512 if args.trace else 64),
@@ -330,21 +360,3 @@ def run(args: argparse.Namespace) -> int:
         flow_depth=args.flow_depth or None,
         flow_tokens=args.flow_tokens or None,
     )
-    show = args.progress if args.progress is not None else sys.stderr.isatty()
-    if args.sweep_speed:
-        return _sweep(args, policies, cfg, stderr_progress if show else None)
-    result = simulate(
-        specs, policies, cfg, stderr_progress if show else None, with_bounds=not args.no_bounds
-    )
-    result["workload"]["source"] = args.trace or args.workload
-    result["workload"]["speed"] = args.speed
-    if args.plot:
-        from kvroute.sim.report import plot
-
-        src = args.trace.rsplit("/", 1)[-1] if args.trace else args.workload
-        plot(result, args.plot, f"{src}, {args.replicas} replicas, speed {args.speed}")
-    if args.json:
-        print(json.dumps(to_json(result), indent=1))
-    else:
-        print(format_table(result))
-    return 0
