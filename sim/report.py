@@ -232,6 +232,30 @@ def format_table(result: dict[str, Any]) -> str:
         f"{cfg['replicas']} replicas x {cfg['blocks_per_replica']} blocks of "
         f"{cfg['block_size']} tokens ({cfg['profile']})",
     ]
+    lines += _bound_lines(result)
+    head = (
+        f"{'policy':<13}{'hit':>7}{'prefill tok':>14}{'TTFT mean':>10}{'p50':>7}{'p90':>7}"
+        f"{'p99':>7}{'e2e mean':>9}{'p90':>7}{'ITL p90':>8}{'tok/s':>7}{'imbal':>6}{'preempt':>8}"
+    )
+    lines += [head, "-" * len(head)]
+    for name, m in result["policies"].items():
+        t, e = m["ttft_s"], m["e2e_s"]
+        lines.append(
+            f"{name:<13}{m['hit_rate']:>7.3f}{m['prefill_tokens']:>14,}"
+            f"{t['mean']:>10.2f}{t['p50']:>7.2f}{t['p90']:>7.2f}{t['p99']:>7.2f}"
+            f"{e['mean']:>9.2f}{e['p90']:>7.2f}{m['itl_s']['p90'] * 1e3:>6.0f}ms"
+            f"{m['throughput_tok_s']:>7.0f}{m['imbalance']:>6.2f}{m['preemptions']:>8}"
+        )
+    lines += _feature_lines(result)
+    lines += _share_lines(result)
+    return "\n".join(lines)
+
+
+def _bound_lines(result: dict[str, Any]) -> list[str]:
+    """:func:`format_table`'s bounds: the hit-rate and throughput ceilings (none when not
+    computed)."""
+    cfg = result["config"]
+    lines: list[str] = []
     if "bounds" in result:
         b = result["bounds"]
         tiered = b.get("pooled_tiered_hit_rate")
@@ -248,19 +272,14 @@ def format_table(result: dict[str, Any]) -> str:
         )
         if b.get("slot_ceiling") is not None:
             lines.append(describe_slot_ceiling(b["slot_ceiling"]))
-    head = (
-        f"{'policy':<13}{'hit':>7}{'prefill tok':>14}{'TTFT mean':>10}{'p50':>7}{'p90':>7}"
-        f"{'p99':>7}{'e2e mean':>9}{'p90':>7}{'ITL p90':>8}{'tok/s':>7}{'imbal':>6}{'preempt':>8}"
-    )
-    lines += [head, "-" * len(head)]
-    for name, m in result["policies"].items():
-        t, e = m["ttft_s"], m["e2e_s"]
-        lines.append(
-            f"{name:<13}{m['hit_rate']:>7.3f}{m['prefill_tokens']:>14,}"
-            f"{t['mean']:>10.2f}{t['p50']:>7.2f}{t['p90']:>7.2f}{t['p99']:>7.2f}"
-            f"{e['mean']:>9.2f}{e['p90']:>7.2f}{m['itl_s']['p90'] * 1e3:>6.0f}ms"
-            f"{m['throughput_tok_s']:>7.0f}{m['imbalance']:>6.2f}{m['preemptions']:>8}"
-        )
+    return lines
+
+
+def _feature_lines(result: dict[str, Any]) -> list[str]:
+    """:func:`format_table`'s lines for the fleet's host tiers, LoRA adapters and P/D roles,
+    each where the run had them."""
+    cfg = result["config"]
+    lines: list[str] = []
     if cfg.get("host_blocks_per_replica"):
         lines.append(
             f"hits by tier (host tier {cfg['host_blocks_per_replica']} blocks per replica; "
@@ -305,7 +324,12 @@ def format_table(result: dict[str, Any]) -> str:
                 f"none {pd['no_pull']}, no room {pd['pull_no_room']}, failed "
                 f"{pd['pull_failed']}; decoders prefilled {pd['decoders_prefill_tokens']:,} tokens"
             )
-    lines.append("work share per replica (prefill + decode tokens computed):")
+    return lines
+
+
+def _share_lines(result: dict[str, Any]) -> list[str]:
+    """:func:`format_table`'s work share per replica, and per profile on a mixed fleet."""
+    lines = ["work share per replica (prefill + decode tokens computed):"]
     for name, m in result["policies"].items():
         shares = " ".join(f"{r['work_share']:.3f}" for r in m["replicas"])
         extra = (
@@ -322,7 +346,7 @@ def format_table(result: dict[str, Any]) -> str:
                 for prof, d in m["by_profile"].items()
             )
             lines.append(f"  {name:<13}{per}")
-    return "\n".join(lines)
+    return lines
 
 
 def plot(result: dict[str, Any], path: str, title: str = "") -> None:
