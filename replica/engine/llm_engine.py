@@ -44,7 +44,7 @@ from ..core.request import Request, RequestStatus
 from ..core.scheduler import Scheduler
 from ..core.scheduler_types import SchedulerConfig
 from ..core.structured import StructuredOutputCompiler
-from ..model.cost_model import attention_weight, fair_share_floor, sim_profile
+from ..model.cost_model import Profile, attention_weight, fair_share_floor, sim_profile
 from .config import EngineConfig, build_kv_tiers, build_runner, eos_token_ids
 from .kv_transfer_wiring import build_kv_plane, build_kv_sender, hand_off, kv_transfer_stats
 from .lora_adapters import EngineLoRA
@@ -63,6 +63,23 @@ _RUNNING = RequestStatus.RUNNING
 EventSink = Callable[[list[KVCacheEvent]], Any]
 
 
+def _with_batch_limits(config: EngineConfig, profile: Profile | None) -> EngineConfig:
+    """``config`` with its batch limits filled: a cost model's (``profile``, None: a real
+    model) from the modelled engine's own, then kvroute's defaults (2048 tokens, 128
+    sequences)."""
+    if profile is not None:
+        config = dataclasses.replace(
+            config,
+            max_num_batched_tokens=config.max_num_batched_tokens or profile.max_batched_tokens,
+            max_num_seqs=config.max_num_seqs or profile.max_num_seqs,
+        )
+    return dataclasses.replace(
+        config,
+        max_num_batched_tokens=config.max_num_batched_tokens or 2048,
+        max_num_seqs=config.max_num_seqs or 128,
+    )
+
+
 class LLMEngine(EngineLoRA, OutputProcessor):
     """One replica's engine: requests in, token deltas and KV events out."""
 
@@ -75,18 +92,7 @@ class LLMEngine(EngineLoRA, OutputProcessor):
         """``kv_link``: how this engine reaches other replicas' leased blocks (kv_transfer;
         None: it pulls none)."""
         profile = sim_profile(config.model)
-        if profile is not None:  # fill the batch limits with the modelled engine's own
-            config = dataclasses.replace(
-                config,
-                max_num_batched_tokens=config.max_num_batched_tokens or profile.max_batched_tokens,
-                max_num_seqs=config.max_num_seqs or profile.max_num_seqs,
-            )
-        config = dataclasses.replace(
-            config,
-            max_num_batched_tokens=config.max_num_batched_tokens or 2048,
-            max_num_seqs=config.max_num_seqs or 128,
-        )
-        self.config = config
+        self.config = config = _with_batch_limits(config, profile)
         self.model_path, self.tokenizer, self.runner = build_runner(config)
         path = self.model_path
         self.hasher = BlockHasher(config.hash_algo, config.hash_seed, config.block_size)
@@ -122,18 +128,7 @@ class LLMEngine(EngineLoRA, OutputProcessor):
         if config.lora_enabled:
             if profile is not None:
                 raise ValueError("LoRA adapters need a model; this replica is a cost model")
-            self.lora = self.runner.enable_lora(
-                max_loras=config.max_loras,
-                max_cpu_loras=config.max_cpu_loras,
-                max_lora_rank=config.max_lora_rank,
-            )
-            for name, lora_path in config.lora_modules.items():
-                self.lora.register(name, lora_path)
-            # One load timed at start, for routers to price a load here (0: none served).
-            self.lora_load_s = self.lora_read_s = 0.0
-            if config.lora_modules:
-                first = next(iter(config.lora_modules))
-                self.lora_load_s, self.lora_read_s = self.lora.measure_load(first)
+            self.lora = self._start_lora(config)
         if not config.enforce_eager and profile is None:
             self.runner.enable_decode_graphs(config.max_num_seqs, max_len)
         cost = self.cost_coefficients()
@@ -179,6 +174,23 @@ class LLMEngine(EngineLoRA, OutputProcessor):
         self.num_request_failures = 0  # requests ended by a fault of their own
         # The requests of the step in progress; None while it is not known yet (schedule).
         self.current_batch: frozenset[str] | None = frozenset()
+
+    def _start_lora(self, config: EngineConfig) -> LoRAStore:
+        """The runner's LoRA store with ``config``'s adapters registered, and one load timed
+        at start (``lora_load_s``, ``lora_read_s``), for routers to price a load here (0:
+        none served)."""
+        lora = self.runner.enable_lora(
+            max_loras=config.max_loras,
+            max_cpu_loras=config.max_cpu_loras,
+            max_lora_rank=config.max_lora_rank,
+        )
+        for name, lora_path in config.lora_modules.items():
+            lora.register(name, lora_path)
+        self.lora_load_s = self.lora_read_s = 0.0
+        if config.lora_modules:
+            first = next(iter(config.lora_modules))
+            self.lora_load_s, self.lora_read_s = lora.measure_load(first)
+        return lora
 
     # -- requests ------------------------------------------------------------------------
     @property
