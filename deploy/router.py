@@ -173,18 +173,7 @@ def build_app(
     from kvroute.router.fleet.tenants import Tenants, resolve_fleet_secret
     from kvroute.router.frontdoor import FrontDoor
 
-    tokenizer = None
-    folder = getattr(args, "tokenizer", None)
-    if folder is not None:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    elif not Path(replicas[0][1].model_path).is_dir():  # the replicas live on another node
-        from transformers import AutoTokenizer
-
-        from kvroute.replica.model.models import resolve_model
-
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model(replicas[0][1].model))
+    tokenizer = _tokenizer(args, replicas)
 
     def admission_for(n: int) -> tuple[int | None, int | None, int]:
         """Admission's limits for a fleet of ``n`` replicas (what was not given grows and
@@ -198,14 +187,7 @@ def build_app(
 
     max_in_flight, per_tenant, queue = admission_for(len(replicas))
     if args.log_requests:
-        import logging
-
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
-        request_log = logging.getLogger("kvroute.requests")
-        request_log.addHandler(handler)
-        request_log.setLevel(logging.INFO)
-        request_log.propagate = False
+        _log_requests_to_stderr()
     shared = None
     if not fronts_backends(args):  # Ray's replicas: the fleet's one registry
         from kvroute.router.lora.shared import shared_registry
@@ -249,6 +231,34 @@ def build_app(
         tools=tools,
         priority_header=getattr(args, "priority_header", None),
     )
+
+
+def _tokenizer(args: argparse.Namespace, replicas: list[tuple[Any, Any]]) -> Any | None:
+    """The front door's tokenizer: ``--tokenizer``'s folder, else the model's where the
+    replicas' folder is not on this node; None: the front door reads the replicas' own."""
+    folder = getattr(args, "tokenizer", None)
+    if folder is not None:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(folder)
+    if not Path(replicas[0][1].model_path).is_dir():  # the replicas live on another node
+        from transformers import AutoTokenizer
+
+        from kvroute.replica.model.models import resolve_model
+
+        return AutoTokenizer.from_pretrained(resolve_model(replicas[0][1].model))
+    return None
+
+
+def _log_requests_to_stderr() -> None:
+    """``--log-requests``: the ``kvroute.requests`` log (a line per finished request) to
+    stderr."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    request_log = logging.getLogger("kvroute.requests")
+    request_log.addHandler(handler)
+    request_log.setLevel(logging.INFO)
+    request_log.propagate = False
 
 
 def _fleet_adapters(replicas: list[tuple[Any, Any]], shared: Any = None) -> FleetLoRAs:
