@@ -59,6 +59,7 @@ log = logging.getLogger(__name__)
 PREPARE_TIMEOUT_S = 120.0  # longest a joining replica's preparation (its adapters) may take
 # Summed into /metrics across a replica's subscriptions.
 RETIRED_EVENT_FIELDS = ("delivered", "gaps", "malformed", "restarts", "resets")
+HASH_MEMO = 1 << 14  # block hashes kept by what they hash (~0.5 kB each, sha256_cbor only)
 
 
 class FleetMismatchError(ValueError):
@@ -107,7 +108,8 @@ class Fleet(FleetMonitor):
         # Prompts past a rotary switch hash with their own salt (hashing.regime_salt).
         self.long_prompt_after = first.long_prompt_after
         bs = self.hash_config.block_size
-        self.hasher = BlockHasher(self.hash_config.algo, self.hash_config.seed, bs)
+        # Shared prefixes are hashed request after request: their blocks' hashes are kept.
+        self.hasher = BlockHasher(self.hash_config.algo, self.hash_config.seed, bs, memo=HASH_MEMO)
         self.index = PrefixIndex(prediction_stride=prediction_stride(bs))
         # Token-indexed replicas' translators (read where the subscriber runs).
         self.translators: dict[str, EventTranslator] = {}

@@ -252,3 +252,23 @@ def test_regime_salt_parts_prompts_past_a_rotary_switch():
         hasher.hash_blocks(tokens, cache_salt=short)
     )
     assert regime_salt("u", 64, 63) != long
+
+
+@pytest.mark.parametrize("algo", ["sha256_cbor", "sha256_cbor_tagged"])
+def test_a_memo_gives_the_same_hashes_and_stays_within_its_bound(algo: str) -> None:
+    """Kept block hashes (a router's shared prefixes) are the hashes made afresh, whatever
+    the salt, adapter or chain they came with; the memo never holds more than asked."""
+    plain, kept = BlockHasher(algo, block_size=4), BlockHasher(algo, block_size=4, memo=16)
+    prefix = list(range(100, 120))
+    for i in range(30):
+        tokens = [*prefix, i, i + 1, i + 2, i + 3, 7]
+        for salt in (None, "s", "t", "lora"):
+            for lora in (None, "lora", "s"):
+                kw = {"lora_path": "/a"} if lora and algo == "sha256_cbor_tagged" else {}
+                want = plain.hash_blocks(tokens, cache_salt=salt, lora_name=lora, **kw)
+                assert kept.hash_blocks(tokens, cache_salt=salt, lora_name=lora, **kw) == want
+                assert kept.hash_blocks(tokens, cache_salt=salt, lora_name=lora, **kw) == want
+        head = plain.hash_blocks(tokens[:8])
+        tail = plain.hash_blocks(tokens[8:], parent=head[-1], start_block=2, cache_salt="s")
+        assert kept.hash_blocks(tokens[8:], parent=head[-1], start_block=2, cache_salt="s") == tail
+        assert len(kept._memo) <= 16
