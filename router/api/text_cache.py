@@ -155,12 +155,20 @@ class TextEncoder:
     def __call__(self, text: str) -> list[int]:
         if not self.cuts or len(text) < 2 * self.stretch_chars:
             return self._whole(text)
-        return self._cut(text, self.stretch_chars)
+        ids = self._cut(text, self.stretch_chars)
+        assert ids is not None
+        return ids
 
-    def _cut(self, text: str, every: int) -> list[int]:
-        assert self._bare is not None
-        out = list(self._head)
-        cache, bare = self._ids, self._bare
+    def cheap(self, text: str, budget: int) -> list[int] | None:
+        """The ids of ``text`` when at most ``budget`` of its characters are tokenized afresh
+        (the stretches kept are free); None, with nothing tokenized, when more would be."""
+        if not self.cuts or len(text) < 2 * self.stretch_chars:
+            return self._whole(text) if len(text) <= budget else None
+        return self._cut(text, self.stretch_chars, budget)
+
+    def _stretches(self, text: str, every: int) -> list[str]:
+        """``text`` cut at the first cut past every ``every`` characters."""
+        out: list[str] = []
         start, end = 0, len(text)
         while start < end:
             cut = text.find(" ", start + every)
@@ -170,8 +178,21 @@ class TextEncoder:
                 cut = text.find(" ", cut + 1)
             if cut < 0 or cut >= end - 1:
                 cut = end
-            stretch = text[start:cut]
-            got = cache.get(stretch)
+            out.append(text[start:cut])
+            start = cut
+        return out
+
+    def _cut(self, text: str, every: int, budget: int | None = None) -> list[int] | None:
+        assert self._bare is not None
+        stretches = self._stretches(text, every)
+        cache, bare = self._ids, self._bare
+        kept = [cache.get(s) for s in stretches]
+        if budget is not None:
+            fresh = sum(len(s) for s, ids in zip(stretches, kept, strict=True) if ids is None)
+            if fresh > budget:
+                return None
+        out = list(self._head)
+        for stretch, got in zip(stretches, kept, strict=True):
             if got is not None:
                 cache.move_to_end(stretch)
                 self.hits += 1
@@ -180,15 +201,15 @@ class TextEncoder:
                 got = list(bare(stretch))
                 self._keep(stretch, got)
             out += got
-            start = cut
         out += self._tail
         return out
 
     def _keep(self, stretch: str, ids: list[int]) -> None:
         if len(stretch) > self.max_chars // 4:
             return
+        if stretch not in self._ids:  # a text may repeat a stretch: counted once
+            self.cached_chars += len(stretch)
         self._ids[stretch] = ids
-        self.cached_chars += len(stretch)
         while self.cached_chars > self.max_chars:
             old, _ = self._ids.popitem(last=False)
             self.cached_chars -= len(old)

@@ -162,3 +162,16 @@ def test_the_cache_stays_within_its_bound() -> None:
         enc(f"{'word ' * 40}and {i} more words here {'tail ' * i}")
     assert enc.cached_chars <= 4000
     assert enc.cached_chars == sum(len(k) for k in enc._ids)
+
+
+def test_cheap_tokenizes_only_within_its_budget() -> None:
+    """What is known is free; past the budget nothing is tokenized (None), and the ids
+    that come back are the whole text's."""
+    enc = TextEncoder(byte_level(), stretch_chars=16)
+    prefix = "word " * 40
+    text = prefix + "and one more tail here"
+    assert enc.cheap(text, 50) is None and enc.misses == 0
+    assert enc(prefix + "x") == whole(enc.tokenizer, prefix + "x")
+    assert enc.cheap(text, 50) == whole(enc.tokenizer, text)  # only the tail was fresh
+    assert enc.cheap("short text", 5) is None
+    assert enc.cheap("short text", 50) == whole(enc.tokenizer, "short text")
