@@ -331,5 +331,26 @@ def _events(args: argparse.Namespace) -> int:
     return 0
 
 
+def entry() -> None:
+    """The console script: :func:`main`, then an exit that skips the interpreter's teardown
+    where Triton was imported (torch's compiler imports it wherever it is installed: GPU
+    machines, the ``structured`` extra). Triton 3.x's nanobind bindings print some 600
+    lines of "leaked" warnings at teardown, after ``kvroute serve: stopped``, whatever the
+    command did. Exit handlers (Ray's shutdown among them) still run, and stdio is flushed,
+    first. Tests call :func:`main`, which returns."""
+    code = main()
+    if "triton" not in sys.modules:
+        sys.exit(code)
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe: nothing more to say
+            pass
+    os._exit(code or 0)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

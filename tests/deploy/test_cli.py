@@ -243,3 +243,38 @@ def test_serve_passes_the_step_limits_to_either_engine():
     vllm = engine_config(args)
     assert vllm["engine_args"]["max_num_batched_tokens"] == 512
     assert vllm["engine_args"]["max_num_seqs"] == 4
+
+
+def test_the_console_script_exits_quietly_where_triton_was_imported():
+    """Triton's bindings print hundreds of "leaked" lines at the interpreter's teardown
+    (seen after ``kvroute serve: stopped``); the console script (``entry``) skips the
+    teardown where Triton was imported, after the exit handlers, with main's exit status
+    and its output flushed. The teardown is seen here by an object that speaks when it is
+    finalized with the modules."""
+    pytest.importorskip("triton")
+    script = (
+        "import atexit, sys, triton\n"
+        "class Teardown:\n"
+        "    def __del__(self):\n"
+        "        print('torn down', file=sys.stderr)\n"
+        "held = Teardown()\n"
+        "atexit.register(lambda: print('exit handler ran', file=sys.stderr))\n"
+        "sys.argv = ['kvroute', 'hash', '--block-size', '2', '1,2,3,4']\n"
+        "from kvroute.deploy.cli import ENTRY\n"
+        "ENTRY()\n"
+    )
+
+    def run(entry: str, tokens: str = "1,2,3,4") -> subprocess.CompletedProcess[str]:
+        code = script.replace("ENTRY", entry).replace("1,2,3,4", tokens)
+        return subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+        )
+
+    out = run("entry")
+    assert out.returncode == 0, out.stderr
+    assert len(out.stdout.strip().splitlines()) == 2  # two blocks' hashes, flushed
+    assert "exit handler ran" in out.stderr
+    assert "torn down" not in out.stderr
+    assert run("entry", "1,x").returncode == 2  # main's status
+    plain = run("main")  # main alone returns; the interpreter then tears down
+    assert "torn down" in plain.stderr
