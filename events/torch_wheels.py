@@ -40,6 +40,17 @@ rewriting vLLM's command for it would mean patching a private name (its registry
 the variable (not under ``-S``, ``-I`` or ``-E``); that one calls :func:`hide_broken`,
 then runs the ``sitecustomize`` it shadows, if the interpreter has one. It is set only
 where a companion is broken, so a sound environment is left exactly as it was.
+
+Shadowed names: a checkout's top-level folders install as ``kvroute.events``,
+``kvroute.kernels`` and so on (pyproject's ``package-dir``), but a process whose ``sys.path``
+holds the checkout's root also finds them under their bare names -- and Ray puts the
+driver's working directory on every worker's ``sys.path``, as pytest puts the root of a
+``tests`` package. Run from the checkout (the README's commands), ``import kernels`` then
+finds kvroute's ``kernels/`` instead of Hugging Face's ``kernels``, which transformers
+(5.2x: a dependency of its own) imports with its model code: every replica failed to start.
+:func:`unshadow` puts a finder before Python's own that, for those names only, looks past
+the checkout's root; where nothing else of that name is installed it steps aside, so the
+bare name resolves as before. :func:`hide_broken` calls it, so every caller above gets it.
 """
 
 from __future__ import annotations
@@ -53,6 +64,10 @@ from collections.abc import MutableMapping
 from pathlib import Path
 
 COMPANIONS = ("torchvision", "torchaudio", "torchcodec")
+# kvroute's top-level folders (pyproject's package-dir), which a checkout's root on
+# sys.path makes importable under their bare names
+SOURCE_FOLDERS = frozenset(("events", "replica", "kernels", "router", "sim", "deploy", "loadgen"))
+SOURCE_ROOT = os.path.realpath(Path(__file__).parent.parent)  # a checkout, or site's kvroute/
 SITE_DIR = Path(__file__).with_name("torch_wheels_site")  # its sitecustomize hides them
 _VERSION = re.compile(r"""^__version__\s*(?::[^=]*)?=\s*['"]([^'"]+)['"]""", re.M)
 _FIELD = re.compile(r"""^(cuda|hip)\s*(?::[^=]*)?=\s*['"]([^'"]+)['"]""", re.M)
@@ -116,9 +131,35 @@ def broken(path: tuple[str, ...] | None = None) -> tuple[str, ...]:
     return tuple(out)
 
 
+class _PastTheCheckout:
+    """A ``sys.meta_path`` finder: a top-level import of one of :data:`SOURCE_FOLDERS`
+    resolved on ``sys.path`` without the checkout's root (module docstring). None -- the
+    next finder's turn, the bare name as before -- where nothing else has that name or the
+    root is not on the path."""
+
+    @staticmethod
+    def find_spec(
+        name: str, path: object = None, target: object = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if path is not None or name not in SOURCE_FOLDERS:
+            return None
+        rest = [p for p in sys.path if os.path.realpath(p or os.curdir) != SOURCE_ROOT]
+        if len(rest) == len(sys.path):
+            return None
+        return importlib.machinery.PathFinder.find_spec(name, rest)
+
+
+def unshadow() -> None:
+    """Puts :class:`_PastTheCheckout` first on ``sys.meta_path`` (once)."""
+    if _PastTheCheckout not in sys.meta_path:
+        sys.meta_path.insert(0, _PastTheCheckout)  # type: ignore[arg-type]
+
+
 def hide_broken() -> tuple[str, ...]:
     """Enter each broken companion in ``sys.modules`` as None (one already imported is
-    left alone); returns the companions hidden. Cheap after the first call."""
+    left alone), after :func:`unshadow`; returns the companions hidden. Cheap after the
+    first call."""
+    unshadow()
     for name in broken():
         if name not in sys.modules:
             sys.modules[name] = None  # type: ignore[assignment]

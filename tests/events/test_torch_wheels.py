@@ -173,3 +173,38 @@ def test_the_verdict_on_the_installed_wheels_matches_importing_them() -> None:
     assert set(torch_wheels.hide_broken()) == set(judged)
     for name in judged:
         assert sys.modules[name] is None
+
+
+def test_a_checkout_on_sys_path_does_not_shadow_an_installed_package(tmp_path: Path) -> None:
+    """A process whose sys.path holds the checkout's root (a Ray worker started from it, a
+    pytest run) finds the installed package of a name kvroute's top-level folders also
+    have (Hugging Face's ``kernels``, which transformers imports) once kvroute is imported,
+    not the folder; a name nothing else installs still resolves as before."""
+    site = tmp_path / "site"
+    (site / "kernels").mkdir(parents=True)
+    (site / "kernels" / "__init__.py").write_text("MARK = 'installed'\n")
+    root = torch_wheels.SOURCE_ROOT
+    assert Path(root, "kernels", "__init__.py").exists()  # a checkout (editable install)
+    script = (
+        "import sys, importlib.util\n"
+        f"sys.path[:0] = [{root!r}, {str(site)!r}]\n"
+        "HOOK\n"
+        "import kernels, sim\n"
+        "spec = importlib.util.find_spec('kernels')\n"
+        "print(getattr(kernels, 'MARK', 'shadowed'), spec and spec.origin)\n"
+        "print(sim.__file__)\n"
+    )
+
+    def run(hook: str) -> list[str]:
+        code = script.replace("HOOK", hook)
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path
+        )
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split("\n")
+
+    before = run("pass")
+    assert before[0].startswith("shadowed")  # the failure: kvroute's folder answers
+    after = run("import kvroute.replica")  # hide_broken, hence unshadow, at import
+    assert after[0] == f"installed {site / 'kernels' / '__init__.py'}"
+    assert after[1] == str(Path(root, "sim", "__init__.py"))  # nothing else named sim
