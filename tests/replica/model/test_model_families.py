@@ -387,15 +387,36 @@ def test_gemma3_switches_each_change_the_tokens(model_dir) -> None:  # type: ign
             lambda: transformers.BloomConfig(vocab_size=261, hidden_size=64, n_layer=2, n_head=4),
             "0 of 2 layers attend through kvroute's paged kernels",
         ),
-        (  # attention classes picked by name, none for the paged kernels
-            lambda: transformers.GPTJConfig(
-                vocab_size=261, n_embd=64, n_layer=2, n_head=4, n_positions=1024, rotary_dim=8
-            ),
-            "picks its attention classes by name",
-        ),
     ],
 )
 def test_unservable_models_are_refused_at_load(tmp_path: Path, config, field: str) -> None:  # type: ignore[no-untyped-def]
     path = write_model(config(), tmp_path / "m")
     with pytest.raises(UnsupportedModelError, match=field):
         LLM(str(path), num_blocks=16)
+
+
+def test_gptj_is_refused_where_it_picks_attention_by_name_else_served_exactly(
+    tmp_path: Path,
+) -> None:
+    """GPT-J chose its attention classes by name (``GPTJ_ATTENTION_CLASSES``, none for the
+    paged kernels) up to transformers 5.19 at least, and is refused there; in 5.25 it
+    attends through transformers' registry, and is served, token for token as
+    transformers' own greedy output. Which one holds depends on the transformers pip
+    installs: each is checked where it is the case."""
+    from transformers.models.gptj import modeling_gptj
+
+    config = transformers.GPTJConfig(
+        vocab_size=261, n_embd=64, n_layer=2, n_head=4, n_positions=1024, rotary_dim=8
+    )
+    path = write_model(config, tmp_path / "m")
+    if hasattr(modeling_gptj, "GPTJ_ATTENTION_CLASSES"):
+        with pytest.raises(UnsupportedModelError, match="picks its attention classes by name"):
+            LLM(str(path), num_blocks=16)
+        return
+    hf = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    )
+    hf.eval()
+    cold, shared = _prompts(seed=3)
+    llm = LLM(str(path), num_blocks=256, dtype="float32")
+    _check(hf, cold + shared, llm.generate(cold + shared, GREEDY))
