@@ -6,7 +6,7 @@ them per request) because they depend only on the tokenizer."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -58,3 +58,25 @@ def chars_per_token(tokenizer: Any) -> int:
     except Exception:  # a stand-in tokenizer in tests
         return DEFAULT_CHARS_PER_TOKEN
     return max(longest, 1)
+
+
+def pieces_add_up(
+    probes: Iterable[str],
+    whole: Callable[[str], list[int]],
+    pieces: Callable[[str], list[int] | None],
+    cache: str,
+) -> bool:
+    """Whether every probe tokenized in ``pieces`` (twice: the second time from the cache
+    the first filled) gives the ids of the probe tokenized ``whole``: the start-up check of
+    a cache of pieces' ids (:mod:`.text_cache`, :mod:`.segment_cache`), which is off,
+    logged as ``cache``'s, where it fails."""
+    try:
+        for text in probes:
+            want = whole(text)
+            if pieces(text) != want or pieces(text) != want:
+                log.info("%s off: this tokenizer's pieces do not add up", cache)
+                return False
+    except Exception:
+        log.info("%s off: the check failed", cache, exc_info=True)
+        return False
+    return True

@@ -32,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .encode import fast_encoder
+from .encode import fast_encoder, pieces_add_up
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,9 @@ class SegmentEncoder:
         if self._added:
             longest_first = sorted(self._added, key=len, reverse=True)
             self._cut = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
-        self.splits = self._cut is not None and self._check()
+        self.splits = self._cut is not None and pieces_add_up(
+            self._probes(), self._whole, self._split, "segment cache"
+        )
         if not self.splits:
             self._ids.clear()
             self.cached_chars = 0
@@ -119,20 +121,6 @@ class SegmentEncoder:
         except Exception:  # no template: the plain probes decide
             log.debug("segment cache: no chat template to probe", exc_info=True)
         return texts
-
-    def _check(self) -> bool:
-        """Whether every probe's pieces, tokenized apart (and again from the cache), give
-        the ids of the probe tokenized whole."""
-        try:
-            for text in self._probes():
-                want = self._whole(text)
-                if self._split(text) != want or self._split(text) != want:
-                    log.info("segment cache off: this tokenizer's pieces do not add up")
-                    return False
-        except Exception:
-            log.info("segment cache off: the check failed", exc_info=True)
-            return False
-        return True
 
     def __call__(self, text: str) -> list[int]:
         if not self.splits:

@@ -19,7 +19,8 @@ for a tokenizer is checked at start, on probes cut at every such space, as
 pre-tokenizer, with an added token that holds a space or strips what is around it, or
 whose probes differ is never cut: every prompt is tokenized whole, as before.
 
-Thread-safety: none; one per tokenizer thread (intake runs every tokenization on one).
+Thread-safety: none; used from one thread at a time (intake: the tokenizer thread, or the
+event loop while that thread is idle, :meth:`TextEncoder.cheap`).
 Invariants: ``cached_chars`` is the sum of the lengths of the keys of ``_ids``, at most
 ``max_chars`` after each call; each cached value is the tokenizer's own ids of its key
 (without special tokens).
@@ -34,7 +35,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from .encode import fast_encoder
+from .encode import fast_encoder, pieces_add_up
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +105,9 @@ class TextEncoder:
         self._head: list[int] = []  # special tokens the tokenizer puts around a text
         self._tail: list[int] = []
         self._bare: Callable[[str], list[int]] | None = None
-        self.cuts = self._eligible() and self._check()
+        self.cuts = self._eligible() and pieces_add_up(
+            _PROBES, self._whole, lambda text: self._cut(text, 1), "text cache"
+        )
         self._ids.clear()  # the probes' stretches
         self.cached_chars = self.hits = self.misses = 0
 
@@ -138,20 +141,6 @@ class TextEncoder:
                 self._head, self._tail = marked[:i], marked[i + len(plain) :]
                 return True
         return False
-
-    def _check(self) -> bool:
-        """Whether every probe cut at every cut (and again from the cache) gives the ids
-        of the probe tokenized whole."""
-        try:
-            for text in _PROBES:
-                want = self._whole(text)
-                if self._cut(text, 1) != want or self._cut(text, 1) != want:
-                    log.info("text cache off: this tokenizer's stretches do not add up")
-                    return False
-        except Exception:
-            log.info("text cache off: the check failed", exc_info=True)
-            return False
-        return True
 
     def __call__(self, text: str) -> list[int]:
         if not self.cuts or len(text) < 2 * self.stretch_chars:
