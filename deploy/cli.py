@@ -23,7 +23,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_router(args)
     if args.command == "stop":
-        from .scale import stop as stop_fleet
+        from .stop import stop as stop_fleet
 
         return stop_fleet(args)
     if args.command == "scale":

@@ -28,8 +28,7 @@ starts and retires actors.
 - A P/D fleet (replicas with roles): each pool on its own (:func:`resize_pools`, by the
   rules of :mod:`.scale_roles`).
 
-``kvroute stop`` (:func:`stop`) ends the whole fleet, which a scale refuses: every replica
-at once (each closing its engine first, :func:`stop_replicas`), with no drain.
+``kvroute stop`` (:mod:`.stop`) ends the whole fleet, which a scale refuses.
 """
 
 from __future__ import annotations
@@ -40,17 +39,14 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .capacity import BATCH, need_of, not_running, room_for
+from .retire import SETTLE_S, listed, shrink
 from .router import RAY_NAMESPACE, REPLICA_ACTOR_PREFIX, answers, named_replicas
 from .scale_roles import NOUN, ROLES, add_role_arguments, asked_pools, check_pools, refusal
-
-# Routers poll each replica's info() this often (Fleet's monitor interval) ...
-ROUTER_POLL_S = 2.0
-# ... so a drained replica is idle for good once this long has passed since the drain.
-SETTLE_S = 3 * ROUTER_POLL_S
+from .stop import ray_kill
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -200,7 +196,7 @@ def resize(
     if n > len(ids):
         return _grow(fleet, ids, n, ready_timeout, say, infos, wait_for_resources, stop)
     if n < len(ids) or draining:
-        return _shrink(fleet, ids, n, drain_timeout, say, infos, draining, quiet_s, pending=pending)
+        return shrink(fleet, ids, n, drain_timeout, say, infos, draining, quiet_s, pending=pending)
     say(f"the fleet already has {len(ids)} replica(s): {', '.join(ids)}")
     return 0
 
@@ -231,7 +227,7 @@ def resize_pools(
         fleet, infos = read
     role_of = {rid: info.role for rid, info in infos.items() if info is not None}
     if unknown := [rid for rid in fleet if rid not in role_of]:
-        say(f"not answering, role unknown (left as they are): {_listed(unknown)}")
+        say(f"not answering, role unknown (left as they are): {listed(unknown)}")
     pool = {role: [rid for rid in fleet if role_of.get(rid) == role] for role in ROLES}
     live = {role: [rid for rid in ids if not infos[rid].draining] for role, ids in pool.items()}
     after = {role: want.get(role, len(live[role])) for role in ROLES}
@@ -261,11 +257,11 @@ def resize_pools(
             )  # fmt: skip
         elif n < len(ids) or draining:
             say(f"{role} pool: {len(ids)} -> {n}")
-            code = _shrink(
+            code = shrink(
                 fleet, ids, n, drain_timeout, say, infos, draining, quiet_s, noun=NOUN[role]
             )
         else:
-            say(f"the {role} pool already has {n}: {_listed(ids) or 'none'}")
+            say(f"the {role} pool already has {n}: {listed(ids) or 'none'}")
             code = 0
         if code:
             return code
@@ -349,7 +345,7 @@ def _grow(
                 for actor in starting.values():
                     with contextlib.suppress(Exception):
                         ray_kill(actor)
-            say(f"stopped {len(starting)} replica(s) not ready: {_listed(starting)}")
+            say(f"stopped {len(starting)} replica(s) not ready: {listed(starting)}")
     say(f"{len(ids) + len(ready)} {noun}; front doors route to the new ones within seconds")
     return 0
 
@@ -372,7 +368,7 @@ def _await_ready(
     while waiting:
         left = timeout - (time.monotonic() - t0)
         if left <= 0:
-            say(f"not ready after {timeout:g} s: {_listed(waiting.values())}")
+            say(f"not ready after {timeout:g} s: {listed(waiting.values())}")
             return False
         if stop is not None and stop.is_set():
             return False
@@ -397,153 +393,6 @@ def _await_ready(
                 "kvroute serve has only its own machine's" if short else ""
             ))  # fmt: skip
     return failed == 0
-
-
-def _shrink(
-    fleet: dict[str, Any],
-    ids: list[str],
-    n: int,
-    timeout: float,
-    say: Callable[[str], None],
-    infos: dict[str, Any],
-    draining: Sequence[str] = (),
-    quiet_s: float = SETTLE_S,
-    *,
-    pending: set[str] | frozenset[str] = frozenset(),
-    noun: str = "replica(s)",
-) -> int:
-    """Retires ``len(ids) - n`` of ``ids``, and finishes off ``draining`` (left so)."""
-    retired = _retirees(ids, n, infos) if n < len(ids) else []
-    retired += [rid for rid in draining if rid not in retired]
-    now = [rid for rid in retired if rid in pending]  # nothing runs there: no drain
-    for rid in now:
-        ray_kill(fleet[rid])
-    if now:
-        say(f"stopped {len(now)} replica(s) not running yet: {_listed(now)}")
-    drained = [rid for rid in retired if rid not in pending]
-    if drained:
-        _drain(fleet, drained, timeout, say, quiet_s)
-    kept = [rid for rid in ids if rid not in retired]
-    say(f"{len(kept)} {noun}: {_listed(kept)}")
-    return 0
-
-
-def _drain(
-    fleet: dict[str, Any],
-    retired: list[str],
-    timeout: float,
-    say: Callable[[str], None],
-    quiet_s: float,
-) -> None:
-    """Drains ``retired`` together, waits until each is idle (or ``timeout``), kills them."""
-    say(f"draining {_listed(retired)} ...")
-    done = _succeeded({rid: fleet[rid].drain.remote() for rid in retired}, 30)
-    for rid in retired:
-        if rid not in done:  # dead already (nothing runs there), or stuck: not waited for
-            say(f"replica {rid} does not answer its drain: stopping it")
-    # Stopped once nothing runs there and no request has arrived for quiet_s: every front
-    # door has read `draining` by then, and one that had not would have reset the clock.
-    t0 = time.monotonic()
-    quiet: dict[str, tuple[int, float]] = {}  # rid -> (requests received, since when)
-    busy = set(done)
-    while busy and time.monotonic() - t0 < timeout:
-        statuses = _drain_statuses({rid: fleet[rid] for rid in busy})
-        now = time.monotonic()
-        for rid, status in statuses.items():
-            if status is None:  # gone: nothing to wait for
-                busy.discard(rid)
-                continue
-            ongoing, received = status
-            if quiet.get(rid, (None, 0.0))[0] != received:
-                quiet[rid] = (received, now)
-            if ongoing == 0 and now - quiet[rid][1] >= quiet_s:
-                busy.discard(rid)
-        if busy:
-            time.sleep(0.5)
-    if busy:
-        say(f"still busy after {timeout:g} s: {', '.join(sorted(busy))}; their "
-            "requests fail over")  # fmt: skip
-    stop_replicas([fleet[rid] for rid in retired])
-    for rid in retired:
-        say(f"replica {rid} stopped")
-
-
-def _succeeded(refs: dict[str, Any], timeout_s: float) -> set[str]:
-    """The keys of ``refs`` whose Ray call returned (whatever it returned, None too) within
-    ``timeout_s``, asked together."""
-    import ray
-
-    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
-    done, ok = set(ready), set()
-    for key, ref in refs.items():
-        if ref in done:
-            with contextlib.suppress(Exception):
-                ray.get(ref)
-                ok.add(key)
-    return ok
-
-
-def _retirees(ids: list[str], n: int, infos: dict[str, Any]) -> list[str]:
-    """The ``len(ids) - n`` replicas to retire: those that did not answer (``infos``: None;
-    failed, restarting, still loading) first, then the highest ids."""
-    order = [rid for rid in ids if infos.get(rid) is None]
-    order += [rid for rid in reversed(ids) if infos.get(rid) is not None]
-    return sorted(order[: len(ids) - n], key=ids.index)
-
-
-def _drain_statuses(actors: dict[str, Any], timeout_s: float = 10) -> dict[str, Any]:
-    """(ongoing, received) of each draining replica, asked together; None where it is
-    gone. One that does not answer in time counts as busy (it may be mid-step)."""
-    import ray
-
-    refs = {rid: a.drain_status.remote() for rid, a in actors.items()}
-    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
-    done = set(ready)
-    out: dict[str, Any] = {}
-    for rid, ref in refs.items():
-        if ref not in done:
-            out[rid] = (1, -1)
-            continue
-        try:
-            out[rid] = tuple(ray.get(ref))
-        except Exception:
-            out[rid] = None
-    return out
-
-
-def ray_kill(actor: Any) -> None:
-    import ray
-
-    ray.kill(actor, no_restart=True)
-
-
-# How long a retired replica gets to close its engine before it is killed: its KV disk
-# tier's folder (tenants' data, issue 50) is removed then, not at a later start.
-STOP_GRACE_S = 10.0
-
-
-def stop_replicas(actors: Sequence[Any], grace_s: float = STOP_GRACE_S) -> None:
-    """Asks each replica to shut its engine down (all at once, at most ``grace_s``), then
-    kills it: a replica that does not answer is killed all the same."""
-    import ray
-
-    refs = []
-    for actor in actors:
-        try:
-            refs.append(actor.shutdown.remote())
-        except Exception:  # a handle to a dead actor: nothing to close
-            continue
-    if refs:
-        ray.wait(refs, num_returns=len(refs), timeout=grace_s)
-    for actor in actors:
-        ray_kill(actor)
-
-
-def _listed(ids: Any, most: int = 12) -> str:
-    """``ids`` joined, the first ``most`` of a long list and how many more."""
-    ids = list(ids)
-    shown = ", ".join(ids[:most])
-    return shown + (f" and {len(ids) - most} more" if len(ids) > most else "")
 
 
 @contextlib.contextmanager
@@ -571,26 +420,3 @@ def _short_of(options: dict[str, Any]) -> str:
     return ", ".join(
         f"{k} {v:g} ({free.get(k, 0):g} free)" for k, v in need.items() if free.get(k, 0) < v
     )
-
-
-def stop(args: argparse.Namespace) -> int:
-    """``kvroute stop``: ends every named replica (front doors then find none and fail
-    their requests with 503 until replicas are started again), and the fleet's LoRA
-    registry (the next fleet starts from its replicas' ``--lora-modules``)."""
-    import ray
-
-    from kvroute.router.lora.shared import LORA_REGISTRY_ACTOR
-
-    ray.init(address=args.address, namespace=args.namespace, logging_level="warning")
-    try:
-        named = ray.util.list_named_actors()
-        names = [n for n in named if n.startswith(REPLICA_ACTOR_PREFIX)]
-        # each replica closes its engine first (its KV disk folder goes), then is killed
-        stop_replicas([ray.get_actor(name) for name in names])
-        for name in [n for n in named if n == LORA_REGISTRY_ACTOR]:
-            ray.kill(ray.get_actor(name), no_restart=True)
-        print(f"kvroute stop: stopped {len(names)} replica(s) in namespace {args.namespace!r}",
-              file=sys.stderr)  # fmt: skip
-        return 0
-    finally:
-        ray.shutdown()
