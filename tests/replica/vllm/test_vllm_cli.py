@@ -148,6 +148,8 @@ print("torch" in kvroute.kernels.available_backends())
 def test_from_the_repository_root_pypis_kernels_is_not_installed() -> None:
     """The checkout's ``kernels/`` (kvroute.kernels) is found under the top-level name
     transformers probes for, PyPI's ``kernels``: the probe says it is not installed."""
+    if "kernels" in _names():
+        pytest.skip("PyPI's kernels is installed: the next test covers this machine")
     out = subprocess.run(
         [sys.executable, "-c", KERNELS_PROBE, str(ROOT / "kernels")],
         capture_output=True,
@@ -163,3 +165,32 @@ def test_from_the_repository_root_pypis_kernels_is_not_installed() -> None:
         "import fails",
         "True",
     ], out.stdout
+
+
+# Run as above, where PyPI's ``kernels`` is installed (transformers >= 5.25 depends on it).
+INSTALLED_PROBE = """
+import importlib.util, sys
+from kvroute.events.torch_wheels import hide_broken
+hide_broken()
+import kernels
+print(kernels.__file__.startswith(sys.argv[1]))
+import kvroute.kernels
+print("torch" in kvroute.kernels.available_backends())
+"""
+
+
+def test_from_the_repository_root_an_installed_pypi_kernels_is_the_one_imported() -> None:
+    """Where PyPI's ``kernels`` is installed, a kvroute process (``hide_broken`` runs
+    before transformers) imports it, not the checkout's folder of the same name, and
+    ``kvroute.kernels`` still works: the failure a fresh ``kvroute serve`` hit under Ray."""
+    if "kernels" not in _names():
+        pytest.skip("PyPI's kernels is not installed: the test above covers this machine")
+    out = subprocess.run(
+        [sys.executable, "-c", INSTALLED_PROBE, str(ROOT / "kernels")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["False", "True"], out.stdout

@@ -29,6 +29,7 @@ from kvroute.router.frontdoor import FrontDoor
 from ...lora_adapters import make_adapters, peft_reference
 from ...waiting import wait_until
 
+pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
 
 NEW_TOKENS = 8
