@@ -25,12 +25,7 @@ batch, and what makes a newcomer wait is the prefill queued ahead of it. Failove
 decode part are sent at once (they hold a slot like any send, but never queue): they are
 requests already under way.
 
-The data structure: one band per priority (vLLM's meaning: lower runs first), each a FIFO
-per tenant; ``_order`` is the bands that hold a waiter, most urgent first. Each tenant has
-a virtual token counter (as the replicas' ``TenantUsage``): a dispatch charges the
-request's cost (prompt tokens plus its output bound, capped); a tenant that starts waiting
-is lifted to the least counter of the tenants waiting, so idle time is never banked; the
-counters clear when nothing waits.
+The waiting requests' order lives in :mod:`.bands` (its invariants there).
 
 Dispatch order: the most urgent band first; in a band, the tenant with the least counter
 (ties: the older head); in a tenant, first come first served. Only each tenant's head is
@@ -45,7 +40,7 @@ Invariants:
   done, the send's own failure in it), cancelled (its client left: :meth:`cancel`), shed
   past its deadline (:class:`ShedError`), or failed when no replica it may go to is left
   (the send raises :class:`~.policy.NoReplicaError`);
-- ``waiting`` equals the waiters in the bands; a slot is held at most once per run.
+- a slot is held at most once per run.
 
 Refused early and honestly (429 with ``Retry-After``, :class:`ShedError`): a band whose
 queue holds ``max_waiting`` (``queue_full``), or a request whose estimated time to its
@@ -64,14 +59,14 @@ requests missed at 3x capacity).
 from __future__ import annotations
 
 import asyncio
-import bisect
-import itertools
 import math
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from .bands import Bands, Waiter
 
 if TYPE_CHECKING:
     from ..routing.load import LoadTracker
@@ -129,25 +124,6 @@ class Queued:
 QUEUED = Queued()
 
 
-@dataclass(eq=False, slots=True)
-class Waiter:
-    """One request at the door. ``dispatch(room)`` routes it among ``room`` (the replicas
-    with room it may go to; None: no filter) and sends it, raising what the send raises;
-    ``eligible()`` the replicas it may go to now."""
-
-    band: int
-    tenant: str
-    cost: float
-    dispatch: Callable[[list[str] | None], None]
-    eligible: Callable[[], list[str]]
-    deadline: float | None = None  # monotonic seconds; None: none
-    seq: int = 0
-    since: float = 0.0
-    future: asyncio.Future[None] | None = None
-    timer: asyncio.TimerHandle | None = None
-    queued: bool = False
-
-
 @dataclass(slots=True)
 class FlowStats:
     """What /metrics shows of the queue (read at scrape time)."""
@@ -184,15 +160,10 @@ class FlowControl:
         self.on_wait = on_wait
         self.others = others
         self.stats = FlowStats()
-        self.waiting = 0
+        self.bands = Bands()
         self.unstarted: dict[str, int] = {}  # replica -> this front door's slots held there
         # replica -> (band, tenant) -> [requests, prompt tokens]: what room is reckoned from
         self._classes: dict[str, dict[tuple[int, str], list[int]]] = {}
-        self._bands: dict[int, dict[str, deque[Waiter]]] = {}
-        self._band_len: dict[int, int] = {}
-        self._order: list[int] = []  # bands holding a waiter, most urgent first
-        self._counter: dict[str, float] = {}  # tenant -> virtual tokens served
-        self._seq = itertools.count()
         self._dispatch_times: deque[float] = deque()
         # replica -> (band, tenant) -> (when sent, requests there without a first token): the
         # slots held, oldest first, for the engine's time per position (``slot_time``)
@@ -261,12 +232,14 @@ class FlowControl:
         if self.waiting:
             self.pump()
 
-    def band_length(self, band: int) -> int:
-        return self._band_len.get(band, 0)
+    @property
+    def waiting(self) -> int:
+        """Requests waiting at the door, all bands."""
+        return len(self.bands)
 
     def lengths(self) -> dict[int, int]:
         """Waiters per band (bands that hold one)."""
-        return {b: n for b, n in self._band_len.items() if n}
+        return self.bands.lengths()
 
     # -- the drain rate --------------------------------------------------------------------
     def drain_rate(self) -> float | None:
@@ -328,15 +301,11 @@ class FlowControl:
         slack = w.deadline - now
         return [r for r in replicas if (self.unstarted_ahead(r, w.band) + 1) * per <= slack]
 
-    def ahead_of(self, band: int) -> int:
-        """Waiters that go before a newcomer of ``band``: its band and the more urgent."""
-        return sum(self._band_len[b] for b in self._order if b <= band)
-
     def estimated_wait(self, band: int) -> float | None:
         rate = self.drain_rate()
         if rate is None:
             return None
-        return self.ahead_of(band) / rate
+        return self.bands.ahead_of(band) / rate
 
     # -- submit, cancel --------------------------------------------------------------------
     def submit(self, w: Waiter) -> bool:
@@ -357,7 +326,7 @@ class FlowControl:
         calls back into it on its way in."""
         now = self.clock()
         w.since = now
-        if not self.ahead_of(w.band):  # nothing goes before it: sent if there is room
+        if not self.bands or not self.bands.ahead_of(w.band):  # none before it: sent if room
             eligible = w.eligible()
             room = [r for r in eligible if self.has_room(r, w.band, w.tenant)]
             if room:
@@ -379,10 +348,10 @@ class FlowControl:
         if w.deadline is not None and w.deadline <= now:
             self._shed(w.band, "deadline")
             raise ShedError("The request's TTFT deadline has passed.", "deadline", 1.0)
-        if self.max_waiting is not None and self.band_length(w.band) >= self.max_waiting:
+        if self.max_waiting is not None and self.bands.length(w.band) >= self.max_waiting:
             self._shed(w.band, "queue_full")
             rate = self.drain_rate()
-            wait = self.band_length(w.band) / rate if rate else 1.0
+            wait = self.bands.length(w.band) / rate if rate else 1.0
             raise ShedError(
                 f"The queue for priority {w.band} is full ({self.max_waiting} waiting); "
                 "retry later.",
@@ -417,54 +386,19 @@ class FlowControl:
     def _enqueue(self, w: Waiter) -> None:
         loop = asyncio.get_running_loop()
         w.future = loop.create_future()
-        w.seq = next(self._seq)
-        w.queued = True
-        tenants = self._bands.get(w.band)
-        if tenants is None:
-            tenants = self._bands[w.band] = {}
-        if not self._band_len.get(w.band):
-            bisect.insort(self._order, w.band)
-        self._band_len[w.band] = self._band_len.get(w.band, 0) + 1
-        fifo = tenants.get(w.tenant)
-        if fifo is None:
-            fifo = tenants[w.tenant] = deque()
-        if not self._live(w.tenant):  # starts waiting: lifted, never banked
-            floor = min((self._counter.get(t, 0.0) for t in self._waiting_tenants()), default=0.0)
-            self._counter[w.tenant] = max(self._counter.get(w.tenant, 0.0), floor)
-        fifo.append(w)
-        self.waiting += 1
+        self.bands.push(w)
         if w.deadline is not None:
             delay = max(0.0, w.deadline - self.clock())
             w.timer = loop.call_later(delay, self._expire, w)
         if self._sweeper is None:
             self._sweeper = loop.call_later(SWEEP_S, self._sweep)
 
-    def _live(self, tenant: str) -> bool:
-        return any(tenant in tenants and tenants[tenant] for tenants in self._bands.values())
-
-    def _waiting_tenants(self) -> set[str]:
-        return {t for tenants in self._bands.values() for t, q in tenants.items() if q}
-
     def _remove(self, w: Waiter) -> None:
-        """Takes ``w`` out of its band (it is queued)."""
-        w.queued = False
-        tenants = self._bands[w.band]
-        fifo = tenants[w.tenant]
-        fifo.remove(w)
-        if not fifo:
-            del tenants[w.tenant]
-        n = self._band_len[w.band] - 1
-        self._band_len[w.band] = n
-        if not n:
-            del self._band_len[w.band]
-            del self._bands[w.band]
-            self._order.remove(w.band)
-        self.waiting -= 1
+        """Takes ``w`` out of the queue (it is queued), and its deadline's timer."""
+        self.bands.remove(w)
         if w.timer is not None:
             w.timer.cancel()
             w.timer = None
-        if not self.waiting:
-            self._counter.clear()  # nothing waits: everyone starts equal
 
     def cancel(self, w: Waiter) -> None:
         """Its client left (or its run closed) while it waited: it leaves the queue.
@@ -490,7 +424,7 @@ class FlowControl:
         self._remove(w)
         self._shed(w.band, "deadline")
         rate = self.drain_rate()
-        wait = self.ahead_of(w.band) / rate if rate else 1.0
+        wait = self.bands.ahead_of(w.band) / rate if rate else 1.0
         if w.future is not None and not w.future.done():
             w.future.set_exception(ShedError(message, "deadline", wait))
 
@@ -501,8 +435,7 @@ class FlowControl:
     def _dispatched(self, w: Waiter, now: float) -> None:
         self.stats.dispatched[w.band] = self.stats.dispatched.get(w.band, 0) + 1
         self._dispatch_times.append(now)
-        if self.waiting:  # others wait: it is charged (with none, every count clears)
-            self._counter[w.tenant] = self._counter.get(w.tenant, 0.0) + w.cost
+        self.bands.charge(w.tenant, w.cost)
         if self.on_wait is not None:
             self.on_wait(w.band, now - w.since)
 
@@ -525,27 +458,21 @@ class FlowControl:
             self._pumping = False
 
     def _pump_one(self) -> bool:
-        for band in list(self._order):
-            tenants = self._bands.get(band)
-            if not tenants:
-                continue
-            heads = sorted(
-                (q[0] for q in tenants.values() if q),
-                key=lambda h: (self._counter.get(h.tenant, 0.0), h.seq),
-            )
-            for head in heads:
-                eligible = head.eligible()
-                room = [r for r in eligible if self.has_room(r, head.band, head.tenant)]
-                if room:
-                    fits = self.in_time(head, room, self.clock())
-                    if not fits:  # checked at dispatch: refused rather than sent late
-                        self._late(head)
-                        return True
-                    self._send(head, fits)
+        """Sends (or refuses as late) the first head in dispatch order with a replica it may
+        go to with room, or none left; whether it did (the bands changed)."""
+        for head in self.bands.heads():
+            eligible = head.eligible()
+            room = [r for r in eligible if self.has_room(r, head.band, head.tenant)]
+            if room:
+                fits = self.in_time(head, room, self.clock())
+                if not fits:  # checked at dispatch: refused rather than sent late
+                    self._late(head)
                     return True
-                if not eligible:
-                    self._send(head, None)
-                    return True
+                self._send(head, fits)
+                return True
+            if not eligible:
+                self._send(head, None)
+                return True
         return False
 
     def _late(self, w: Waiter) -> None:

@@ -57,7 +57,8 @@ from kvroute.events.replica_api import (
 
 from ..routing.disagg import plan, route_decode
 from ..routing.policy import Decision, NoReplicaError, Policy, RequestView
-from .flow import MAX_CHARGED_OUTPUT, FlowControl, Queued, Waiter
+from .bands import Waiter
+from .flow import MAX_CHARGED_OUTPUT, FlowControl, Queued
 from .quarantine import Quarantine, fingerprint, not_caused_by
 
 if TYPE_CHECKING:

@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from kvroute.router.fleet.flow import FlowControl, ShedError, Waiter
+from kvroute.router.fleet.bands import Waiter
+from kvroute.router.fleet.flow import FlowControl, ShedError
 from kvroute.router.fleet.tenants import PRIORITY_MIN
 
 
