@@ -21,9 +21,11 @@ every token. Without them, h11 on asyncio, with the same deadlines.
 from __future__ import annotations
 
 import asyncio
+import time
+from types import FrameType
 from typing import Any
 
-from uvicorn import Config
+from uvicorn import Config, Server
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 try:  # uvicorn[standard] installs both (httptools' protocol is most of the saving per chunk)
@@ -187,3 +189,38 @@ def uvicorn_config(
     kw.setdefault("log_level", "warning")
     kw.setdefault("timeout_keep_alive", idle_timeout_s)
     return Config(app, http=protocol, **kw)
+
+
+class IdleQuietServer(Server):
+    """uvicorn's server, waking its loop once a second rather than ten times.
+
+    Why: uvicorn's ``main_loop`` sleeps 0.1 s at a time to look at ``should_exit``, and
+    refreshes the ``Date`` header every tenth wake-up: an idle front door's loop woke ten
+    times a second for it. Here it wakes on each second's turn (the header, to the second,
+    as before) and at once when a signal asks it to stop (:meth:`handle_exit`); setting
+    ``should_exit`` directly is seen within the second."""
+
+    _wake: asyncio.Future[None] | None = None
+    _loop: asyncio.AbstractEventLoop | None = None
+
+    async def main_loop(self) -> None:
+        loop = self._loop = asyncio.get_running_loop()
+        while not await self.on_tick(0):  # counter 0: uvicorn's tick that dates the header
+            wake = self._wake = loop.create_future()
+            timer = loop.call_later(1.0 - time.time() % 1.0, _settle, wake)
+            try:
+                await wake
+            finally:
+                timer.cancel()
+                self._wake = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(_settle, wake)
+
+
+def _settle(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)

@@ -314,11 +314,9 @@ def serve_app(
     ``ready`` runs once the server accepts connections (what a "ready" line may promise);
     ``head_timeout_s``: a request head slower than this closes its connection. On Ctrl-C,
     requests in flight get :data:`DRAIN_S` to finish (a second Ctrl-C ends them at once)."""
-    import uvicorn
+    from .http_server import IdleQuietServer, uvicorn_config
 
-    from .http_server import uvicorn_config
-
-    class Server(uvicorn.Server):
+    class Server(IdleQuietServer):
         async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
             busy = len(self.server_state.tasks)
             if busy:

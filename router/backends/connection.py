@@ -433,6 +433,10 @@ class HttpReplicaConnection(ReplicaConnectionBase):
         flight.fail(exc)
 
     # -- liveness ----------------------------------------------------------------------------
+    def silence_due_in(self, now: float) -> float:
+        """Never: see :meth:`check_silence`."""
+        return float("inf")
+
     def check_silence(self, now: float) -> None:
         """Nothing to check: an HTTP stream has no heartbeat, and a request waiting in
         vLLM's queue streams nothing. A hung backend is the monitor's (its /metrics)."""

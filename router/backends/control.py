@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import httpx
 
@@ -56,6 +56,13 @@ _WANTED = (
     "vllm:kv_cache_usage_perc{",
     "vllm:cache_config_info{",
     "process_start_time_seconds ",
+)
+# GET /metrics naming them: vLLM's exposition (prometheus_client's ASGI app) then renders
+# those few lines (~1 kB), not its ~50 kB of histograms, which cost the backend's API server
+# and the router CPU every poll; a server that ignores the query sends the whole text,
+# which parse_metrics reads as well.
+METRICS_PATH = "/metrics?" + "&".join(
+    "name%5B%5D=" + quote(w.rstrip("{ "), safe="") for w in _WANTED
 )
 
 
@@ -290,6 +297,7 @@ class HttpBackend:
         self.timeout_s = timeout_s
         self._info = info
         self._models: dict[str, Any] | None = None
+        self._info_key: tuple[Any, ...] | None = None  # what self._info was built from
         self._report: LoadReport | None = None
         self._report_at = float("-inf")  # when /metrics was last read
         self._last_metrics: BackendMetrics | None = None
@@ -325,7 +333,7 @@ class HttpBackend:
         return body
 
     async def _metrics(self) -> BackendMetrics:
-        return parse_metrics((await self._get("/metrics")).decode(errors="replace"))
+        return parse_metrics((await self._get(METRICS_PATH)).decode(errors="replace"))
 
     async def _get_info(self) -> ReplicaInfo:
         """Fresh: the monitor's liveness check and restart detection. A /metrics read at
@@ -335,14 +343,20 @@ class HttpBackend:
             metrics = await self._metrics()
         if self._models is None or not self._info.incarnation.endswith(f"@{metrics.start_time}"):
             self._models = json.loads(await self._get("/v1/models"))
-        self._info = build_info(
-            self.spec,
-            self._models,
-            metrics,
-            topic=self._info.topic,
-            hash_seed=self.hash_seed,
-            block_size=self.block_size,
-        )
+            self._info_key = None
+        # The same process with the same cache: the same info (built again, it would read
+        # the model's config.json every poll for its vocabulary).
+        key = (metrics.start_time, tuple(metrics.cache_config.items()))
+        if key != self._info_key:
+            self._info = build_info(
+                self.spec,
+                self._models,
+                metrics,
+                topic=self._info.topic,
+                hash_seed=self.hash_seed,
+                block_size=self.block_size,
+            )
+            self._info_key = key
         self._remember(metrics)
         return self._info
 
@@ -354,12 +368,18 @@ class HttpBackend:
         report), without awaiting anything; None when it would read. The fleet's monitor
         asks this first, so a poll that is not due costs it no task."""
         report = self._report
+        return report if self.load_due_in(time.monotonic()) > 0 else None
+
+    def load_due_in(self, now: float) -> float:
+        """Seconds until :meth:`cached_load` says a read is due (0: due now): how soon the
+        fleet's monitor needs its next round for this backend."""
+        report = self._report
         if report is None:
-            return None
+            return 0.0
         interval = self.min_load_interval_s
         if not report.num_running and not report.num_waiting:
             interval = max(interval, self.idle_load_interval_s)
-        return report if time.monotonic() - self._report_at < interval else None
+        return max(0.0, self._report_at + interval - now)
 
     async def _get_load(self) -> LoadReport:
         report = self.cached_load()

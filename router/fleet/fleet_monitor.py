@@ -9,6 +9,13 @@ read is due: when not, its last report is taken without a call); every
 ``monitor_interval_s`` it asks each replica's ``info()`` over Ray, and follows a restart
 (a new incarnation: new endpoints), a drain, a recovery or a death.
 
+Rounds are as far apart as nothing needs them sooner: ``load_interval_s`` while some
+replica's load is polled (or a connection is to be made), else until the next of a
+connection's silence deadline, an HTTP backend's next due read, and the next
+``monitor_interval_s`` poll. An idle front door over replicas that push their load, or
+over ``vllm serve`` backends, so wakes every second or two, not five times a second, and
+a silent replica is found at its deadline, as soon as before.
+
 A mixin of :class:`~.fleet.Fleet`: it reads and changes the fleet's own state (replicas,
 draining, cordoned, errors, the load view, the subscriber) through the fleet's methods
 (``add``, ``fail``, ``connection``, ``_prepare``), on the loop like everything else there.
@@ -28,6 +35,9 @@ if TYPE_CHECKING:
 
     from ..routing.load import LoadTracker
     from .fleet import ReplicaHandle
+
+# A round woken a hair early must still find a read due (else it waits one more floor).
+TIMER_SLACK_S = 0.002
 
 log = logging.getLogger("kvroute.router.fleet.fleet")  # the fleet's: its messages, as before
 
@@ -57,13 +67,37 @@ class FleetMonitor:
         its load over that connection, polled over Ray instead (the path the simulator's
         reports take too); every ``monitor_interval_s``: restarts and recoveries."""
         last_poll = time.monotonic()
+        delay = self._round_delay(last_poll)
         while True:
-            await asyncio.sleep(min(self.load_interval_s, self.monitor_interval_s))
+            await asyncio.sleep(delay)
             try:
                 last_poll = await self._watch_round(last_poll)
+                delay = self._round_delay(last_poll)
             except Exception:  # one round's surprise must not end the monitor
                 self.errors["monitor_failed"] += 1
                 log.exception("the fleet monitor's round failed")
+                delay = min(self.load_interval_s, self.monitor_interval_s)
+
+    def _round_delay(self, last_poll: float) -> float:
+        """Seconds to the next round: to whatever is due first (see the module doc), at
+        least ``load_interval_s`` and at most to the next ``monitor_interval_s`` poll."""
+        now = time.monotonic()
+        floor = min(self.load_interval_s, self.monitor_interval_s)
+        due = last_poll + self.monitor_interval_s - now
+        for rid in self.alive():
+            rep = self.replicas[rid]
+            conn = rep.conn
+            if conn is None and rep.info.data_endpoint:
+                return floor  # a connection to make
+            if conn is not None and conn.lost is None:
+                due = min(due, conn.silence_due_in(now))
+                if conn.loads:
+                    continue  # its load comes pushed
+            due_in = getattr(type(rep.actor), "load_due_in", None)
+            if due_in is None:
+                return floor  # its load is polled over Ray every round
+            due = min(due, due_in(rep.actor, now) + TIMER_SLACK_S)
+        return max(floor, due)
 
     async def _watch_round(self, last_poll: float) -> float:
         """One round of :meth:`_watch`; returns when replicas were last polled."""
@@ -80,8 +114,9 @@ class FleetMonitor:
                 # due: its last report is taken as is, with no call and no task.
                 cached = getattr(type(rep.actor), "cached_load", None)
                 report = cached(rep.actor) if cached is not None else None
-                if report is not None:
-                    self.load.report(rid, report, now)
+                if report is not None:  # good until the backend reads again
+                    good_for = type(rep.actor).load_due_in(rep.actor, now)
+                    self.load.report(rid, report, now, good_for)
                 else:
                     polled.append(rid)
         if polled:

@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 # Plain ints: ``zmq.POLLIN`` is an IntFlag, and ``int & IntFlag`` builds a flag through
 # Python's enum machinery, on every wake-up of the loop, twice; ``int & int`` builds nothing.
 _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
+INF = float("inf")
 
 
 class InFlightRequest:
@@ -233,6 +234,11 @@ class ReplicaConnection(ReplicaConnectionBase):
                 self.flights.pop(req.request_id, None)
 
     # -- liveness ----------------------------------------------------------------------------
+    def silence_due_in(self, now: float) -> float:
+        """Seconds until :meth:`check_silence` could find this replica silent (the
+        monitor's next round need not come sooner for it)."""
+        return self.last_heard + dp.SILENCE_TIMEOUT_S - now if self.lost is None else INF
+
     def check_silence(self, now: float) -> None:
         """Lost when nothing (not even a heartbeat) came for ``SILENCE_TIMEOUT_S``."""
         if self.lost is None and now - self.last_heard > dp.SILENCE_TIMEOUT_S:

@@ -55,6 +55,7 @@ class ReplicaLoad:
     blocks: int = 0  # KV blocks this router's flights will hold
     report: LoadReport | None = None
     report_expiry: float = float("-inf")
+    report_at: float = float("-inf")  # when the report arrived (or was last confirmed)
     blocks_at_report: int = 0  # ``blocks`` when the report arrived
 
 
@@ -130,10 +131,13 @@ class LoadTracker:
         return float(min(mean, max_tokens)) if max_tokens else mean
 
     # -- replicas' reports -----------------------------------------------------------------
-    def report(self, replica: str, report: LoadReport, now: float) -> None:
-        """A replica's own figures; fresh for ``report_ttl_s``."""
+    def report(self, replica: str, report: LoadReport, now: float, good_for_s: float = 0.0) -> None:
+        """A replica's own figures; fresh for ``report_ttl_s``, plus ``good_for_s`` for a
+        report its source stands by until then (an HTTP backend's, read again only when
+        due: the fleet's monitor need not wake to confirm it meanwhile)."""
         load = self._load(replica)
-        load.report, load.report_expiry = report, now + self.report_ttl_s
+        load.report, load.report_at = report, now
+        load.report_expiry = now + self.report_ttl_s + good_for_s
         load.blocks_at_report = load.blocks
         if not load.total_blocks:
             load.total_blocks = report.total_blocks
@@ -189,7 +193,7 @@ class LoadTracker:
         load = self._loads.get(replica)
         if load is None or load.report is None:
             return None, float("-inf")
-        return load.report, load.report_expiry - self.report_ttl_s
+        return load.report, load.report_at
 
     def last_report(self, replica: str) -> LoadReport | None:
         """The replica's latest report, however old (for /metrics; routing uses get())."""
