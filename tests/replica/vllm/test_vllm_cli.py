@@ -145,19 +145,26 @@ print("torch" in kvroute.kernels.available_backends())
 """
 
 
-def test_from_the_repository_root_pypis_kernels_is_not_installed() -> None:
-    """The checkout's ``kernels/`` (kvroute.kernels) is found under the top-level name
-    transformers probes for, PyPI's ``kernels``: the probe says it is not installed."""
-    if "kernels" in _names():
-        pytest.skip("PyPI's kernels is installed: the next test covers this machine")
+def from_the_root(probe: str) -> subprocess.CompletedProcess[str]:
+    """``probe`` run with the repository's root as the current directory (first on
+    ``sys.path``), the checkout's ``kernels/`` folder as its argument; it must succeed."""
     out = subprocess.run(
-        [sys.executable, "-c", KERNELS_PROBE, str(ROOT / "kernels")],
+        [sys.executable, "-c", probe, str(ROOT / "kernels")],
         capture_output=True,
         text=True,
         timeout=300,
         cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+def test_from_the_repository_root_pypis_kernels_is_not_installed() -> None:
+    """The checkout's ``kernels/`` (kvroute.kernels) is found under the top-level name
+    transformers probes for, PyPI's ``kernels``: the probe says it is not installed."""
+    if "kernels" in _names():
+        pytest.skip("PyPI's kernels is installed: the next test covers this machine")
+    out = from_the_root(KERNELS_PROBE)
     assert out.stdout.splitlines() == [
         "True",  # found on the path: what the probe has to answer for
         "(False, 'N/A')",
@@ -185,12 +192,5 @@ def test_from_the_repository_root_an_installed_pypi_kernels_is_the_one_imported(
     ``kvroute.kernels`` still works: the failure a fresh ``kvroute serve`` hit under Ray."""
     if "kernels" not in _names():
         pytest.skip("PyPI's kernels is not installed: the test above covers this machine")
-    out = subprocess.run(
-        [sys.executable, "-c", INSTALLED_PROBE, str(ROOT / "kernels")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    out = from_the_root(INSTALLED_PROBE)
     assert out.stdout.splitlines() == ["False", "True"], out.stdout
