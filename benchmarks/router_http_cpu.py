@@ -98,7 +98,7 @@ def _per(before: dict[str, float], after: dict[str, float], div: float) -> dict[
 
 
 # -- the fake vllm serve --------------------------------------------------------------------
-def _metrics_text(start: float, blocks: int, running: int, named: bool = False) -> bytes:
+def _metrics_text(start: float, blocks: int, running: int) -> bytes:
     lines = [
         "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
         "# TYPE vllm:cache_config_info gauge",
@@ -110,7 +110,7 @@ def _metrics_text(start: float, blocks: int, running: int, named: bool = False) 
         f"process_start_time_seconds {start}",
     ]
     # vLLM renders ~50 kB: histograms of latencies, token counts... (the router skips them)
-    for h in () if named else ("time_to_first_token_seconds", "inter_token_latency_seconds",
+    for h in ("time_to_first_token_seconds", "inter_token_latency_seconds",
               "e2e_request_latency_seconds", "request_prompt_tokens", "request_generation_tokens",
               "request_queue_time_seconds", "request_prefill_time_seconds",
               "request_decode_time_seconds", "request_inference_time_seconds",
@@ -169,9 +169,8 @@ class FakeVllm:
                     card = {"id": MODEL, "object": "model", "root": self.root,
                             "max_model_len": 2048, "owned_by": "vllm"}  # fmt: skip
                     self.reply(w, json.dumps({"object": "list", "data": [card]}).encode())
-                elif path.partition("?")[0] == "/metrics":
-                    # vLLM's exposition renders only the metrics a query names (name[]=)
-                    text = _metrics_text(self.start, 4096, self.running, "name%5B%5D" in path)
+                elif path == "/metrics":
+                    text = _metrics_text(self.start, 4096, self.running)
                     self.reply(w, text, b"text/plain; version=0.0.4")
                 elif path == "/health":
                     self.reply(w, b"")

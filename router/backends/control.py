@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -56,13 +56,6 @@ _WANTED = (
     "vllm:kv_cache_usage_perc{",
     "vllm:cache_config_info{",
     "process_start_time_seconds ",
-)
-# GET /metrics naming them: vLLM's exposition (prometheus_client's ASGI app) then renders
-# those few lines (~1 kB), not its ~50 kB of histograms, which cost the backend's API server
-# and the router CPU every poll; a server that ignores the query sends the whole text,
-# which parse_metrics reads as well.
-METRICS_PATH = "/metrics?" + "&".join(
-    "name%5B%5D=" + quote(w.rstrip("{ "), safe="") for w in _WANTED
 )
 
 
@@ -333,7 +326,7 @@ class HttpBackend:
         return body
 
     async def _metrics(self) -> BackendMetrics:
-        return parse_metrics((await self._get(METRICS_PATH)).decode(errors="replace"))
+        return parse_metrics((await self._get("/metrics")).decode(errors="replace"))
 
     async def _get_info(self) -> ReplicaInfo:
         """Fresh: the monitor's liveness check and restart detection. A /metrics read at
