@@ -47,8 +47,9 @@ HASH_ALGO = "sha256_cbor_tagged"  # vLLM 0.32's sha256_cbor, salts tagged (event
 VLLM_HASH_ALGO = "sha256_cbor"  # the `--prefix-caching-hash-algo` kvroute reproduces
 VLLM_DEFAULT_SEED = "vllm-none-hash"  # vLLM's seed for sha256* without $PYTHONHASHSEED
 HASH_FORM = "int"  # vLLM publishes block hashes as uint64 ints
-# A /metrics read this recent stands for a fresh one in info(): the fleet monitor's round
-# polls load, then info, back to back (its rounds are load_interval_s = 0.2 s apart).
+# A /metrics read at least this recent stands for a fresh one in info() (and one within the
+# backend's min_load_interval_s, as fresh as its load view): info's liveness poll then costs
+# no read of its own -- vLLM renders ~56 kB of /metrics per read, whatever is asked.
 SAME_ROUND_S = 0.1
 _WANTED = (
     "vllm:num_requests_running{",
@@ -330,9 +331,11 @@ class HttpBackend:
 
     async def _get_info(self) -> ReplicaInfo:
         """Fresh: the monitor's liveness check and restart detection. A /metrics read at
-        most ``SAME_ROUND_S`` ago (the load poll of the monitor's same round) is fresh."""
+        most ``min_load_interval_s`` (at least ``SAME_ROUND_S``) ago is fresh: the backend
+        answered then, and a restart since is seen at the next read, as a failure is."""
         metrics = self._last_metrics
-        if metrics is None or time.monotonic() - self._report_at > SAME_ROUND_S:
+        fresh_s = max(SAME_ROUND_S, self.min_load_interval_s)
+        if metrics is None or time.monotonic() - self._report_at > fresh_s:
             metrics = await self._metrics()
         if self._models is None or not self._info.incarnation.endswith(f"@{metrics.start_time}"):
             self._models = json.loads(await self._get("/v1/models"))

@@ -429,12 +429,16 @@ def test_a_load_poll_not_due_costs_the_monitor_no_call_and_info_reuses_its_round
         assert (calls[0], len(reads), len(reported)) == (1, 1, 4)
         assert all(r[1] is reported[0][1] for r in reported)
         assert reported[-1][2] > reported[0][2]  # fresh in the load view as before
-        got = await backend.info.remote()  # the same round's read stands for a fresh one
+        got = await backend.info.remote()  # a read within the load's 0.5 s stands for one
         assert len(reads) == 1 and got.incarnation == "127.0.0.1:1@7"
         await asyncio.sleep(control.SAME_ROUND_S + 0.02)
         await backend.info.remote()
-        assert len(reads) == 2
+        assert len(reads) == 1  # still within min_load_interval_s: no read of its own
         await asyncio.sleep(0.5)
+        await backend.info.remote()  # past it: info reads (liveness), and that read ...
+        assert len(reads) == 2
+        assert backend.cached_load() is not None  # ... serves the load view as well
+        await asyncio.sleep(0.55)
         assert backend.cached_load() is None  # due again: the next round reads
         await monitor._watch_round(time.monotonic())
         assert (calls[0], len(reads)) == (2, 3)
