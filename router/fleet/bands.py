@@ -14,7 +14,8 @@ starts waiting is lifted to the least counter of the tenants waiting, so idle ti
 banked; the counters clear when nothing waits.
 
 Invariants:
-- ``len(self)`` equals the waiters in the bands, and ``length(b)`` those in band ``b``;
+- ``waiting`` (and ``len(self)``) equals the waiters in the bands, and ``length(b)`` those
+  in band ``b``;
 - ``order`` is sorted and holds exactly the bands with a waiter; a band's dict holds only
   tenants with a waiter;
 - a waiter is in the bands iff its ``queued`` is True;
@@ -62,10 +63,12 @@ class Bands:
         self.order: list[int] = []  # bands holding a waiter, most urgent first
         self._counter: dict[str, float] = {}  # tenant -> virtual tokens served
         self._seq = itertools.count()
-        self._waiting = 0
+        # A plain attribute, not only __len__: flow control reads it on every request, and
+        # a request that finds nothing waiting never calls into this module.
+        self.waiting = 0
 
     def __len__(self) -> int:
-        return self._waiting
+        return self.waiting
 
     def length(self, band: int) -> int:
         return self._length.get(band, 0)
@@ -94,7 +97,7 @@ class Bands:
         if fifo is None:
             fifo = tenants[w.tenant] = deque()
         fifo.append(w)
-        self._waiting += 1
+        self.waiting += 1
 
     def remove(self, w: Waiter) -> None:
         """Takes ``w`` out of its band (it is queued)."""
@@ -111,14 +114,14 @@ class Bands:
             del self._length[w.band]
             del self._bands[w.band]
             self.order.remove(w.band)
-        self._waiting -= 1
-        if not self._waiting:
+        self.waiting -= 1
+        if not self.waiting:
             self._counter.clear()  # nothing waits: everyone starts equal
 
     def charge(self, tenant: str, cost: float) -> None:
         """A request of ``tenant`` was dispatched while others wait (with none waiting every
         count clears, so nothing is charged)."""
-        if self._waiting:
+        if self.waiting:
             self._counter[tenant] = self._counter.get(tenant, 0.0) + cost
 
     def heads(self) -> Iterator[Waiter]:

@@ -235,7 +235,7 @@ class FlowControl:
     @property
     def waiting(self) -> int:
         """Requests waiting at the door, all bands."""
-        return len(self.bands)
+        return self.bands.waiting
 
     def lengths(self) -> dict[int, int]:
         """Waiters per band (bands that hold one)."""
@@ -326,7 +326,7 @@ class FlowControl:
         calls back into it on its way in."""
         now = self.clock()
         w.since = now
-        if not self.bands or not self.bands.ahead_of(w.band):  # none before it: sent if room
+        if not self.bands.waiting or not self.bands.ahead_of(w.band):  # none before: sent if room
             eligible = w.eligible()
             room = [r for r in eligible if self.has_room(r, w.band, w.tenant)]
             if room:
@@ -435,7 +435,8 @@ class FlowControl:
     def _dispatched(self, w: Waiter, now: float) -> None:
         self.stats.dispatched[w.band] = self.stats.dispatched.get(w.band, 0) + 1
         self._dispatch_times.append(now)
-        self.bands.charge(w.tenant, w.cost)
+        if self.bands.waiting:  # others wait: charged (nothing waiting, no counter is kept)
+            self.bands.charge(w.tenant, w.cost)
         if self.on_wait is not None:
             self.on_wait(w.band, now - w.since)
 
