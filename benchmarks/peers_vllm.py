@@ -198,6 +198,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="restart the backends between router runs instead of resetting their prefix caches",
     )
+    g.add_argument(
+        "--router-py-spy",
+        action="store_true",
+        help="record each kvroute router with py-spy during its run (raw stacks in the "
+        "results folder; its CPU figures then carry py-spy's pauses: profile, not measure)",
+    )
     p.add_argument("--vllm-serve-args", default="", help="more `vllm serve` flags (one string)")
     p.add_argument("--kvroute-serve-args", default="", help="more `kvroute serve` flags")
     p.add_argument("--vllm-router-args", default="", help="more `vllm-router` flags")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -121,9 +123,13 @@ def routers_phase(env: Env) -> list[dict]:
                 time.sleep(a.idle_seconds)
                 idle_rate = (server.cpu_seconds() - idle0) / (time.monotonic() - t_idle)
                 m0 = [scrape(b.url + "/metrics") for b in backends]
+                spy = py_spy(env, name, server) if a.router_py_spy else None
                 cpu0, t_run = server.cpu_seconds(), time.monotonic()
                 r = bench(env, server.url, f"routers-{name}", router_dataset(a), a.router_prompts)
                 cpu1, t_run = server.cpu_seconds(), time.monotonic() - t_run
+                if spy is not None:
+                    spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+                    spy.wait(timeout=60)
                 m1 = [scrape(b.url + "/metrics") for b in backends]
                 extra = router_diagnostics(name, server)
             dq = dh = 0.0
@@ -153,6 +159,18 @@ def routers_phase(env: Env) -> list[dict]:
     finally:
         stack.close()
     return rows
+
+
+def py_spy(env: Env, name: str, server: Server) -> subprocess.Popen[bytes] | None:
+    """py-spy recording a kvroute router (raw collapsed stacks, every thread) until
+    SIGINT; None for the other front doors (not Python)."""
+    if not name.startswith("kvroute") or server.proc is None:
+        return None
+    out = env.out / f"router-{name}.py-spy.txt"
+    cmd = ["py-spy", "record", "--pid", str(server.proc.pid), "--format", "raw",
+           "--threads", "--rate", "200", "--output", str(out)]  # fmt: skip
+    say(f"profiling {name}: {shell_line(cmd)}")
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def router_diagnostics(name: str, server: Server) -> dict:

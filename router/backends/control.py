@@ -17,8 +17,10 @@ Why the shape:
 - The incarnation is the server's ``process_start_time_seconds``: a restarted ``vllm
   serve`` (new cache, event seq from 0) is followed as a restarted replica.
 - Load comes from ``/metrics`` (running and waiting requests, KV use), at most every
-  ``min_load_interval_s`` (every ``idle_load_interval_s`` while the backend is idle):
-  rendering vLLM's ~50 kB of metrics costs its API server CPU, and reading it the router's.
+  ``min_load_interval_s`` (every ``idle_load_interval_s`` while the backend is idle, or
+  while its last read counted no request the router had not sent: the router's own
+  count is then the whole of it): rendering vLLM's ~50 kB of metrics costs its API server
+  CPU, and reading it the router's.
 - Its own pool of connections (:mod:`.wire`'s, not the data plane's): health checks must
   not queue behind a data pool full of streams. Not httpx: a GET of ``/metrics`` through it
   cost the router ~1.9 ms of CPU against ~0.4 ms here, several times a second per backend.
@@ -294,6 +296,9 @@ class HttpBackend:
         self._info_key: tuple[Any, ...] | None = None  # what self._info was built from
         self._report: LoadReport | None = None
         self._report_at = float("-inf")  # when /metrics was last read
+        # Whether others send to it too: its last read counted more requests than the
+        # router had there (:meth:`observe`). Until a read says not, assume they do.
+        self.shared = True
         self._last_metrics: BackendMetrics | None = None
         self._pool: BackendPool | None = None
         self.info = _Call(self._get_info)
@@ -373,9 +378,32 @@ class HttpBackend:
         if report is None:
             return 0.0
         interval = self.min_load_interval_s
-        if not report.num_running and not report.num_waiting:
+        if not self.shared or (not report.num_running and not report.num_waiting):
             interval = max(interval, self.idle_load_interval_s)
         return max(0.0, self._report_at + interval - now)
+
+    def good_for(self, now: float) -> float:
+        """Seconds the last report stands in the load view past its ttl: to the next read,
+        but never longer than a busy, shared backend's would (``min_load_interval_s``
+        after it was read) while it runs anything: a read put off because the router is
+        its only client must not leave a stale count in the view (the router's own count
+        is the exact one then)."""
+        report = self._report
+        if report is not None and not report.num_running and not report.num_waiting:
+            return self.load_due_in(now)
+        busy_until = self._report_at + self.min_load_interval_s - now
+        return max(0.0, min(self.load_due_in(now), busy_until))
+
+    def observe(self, own_in_flight: int) -> None:
+        """After a read: ``own_in_flight``, the router's requests at this backend (the
+        most it had while the read was out). A backend that runs and queues no more than
+        that serves this router alone, and is read every ``idle_load_interval_s`` while
+        it does: its report then tells the router little that its own count does not, and
+        each read of vLLM's ~56 kB ``/metrics`` costs both sides CPU. One that runs more
+        (another router, a client of its own) is read every ``min_load_interval_s``."""
+        report = self._report
+        if report is not None:
+            self.shared = report.num_running + report.num_waiting > own_in_flight
 
     async def _get_load(self) -> LoadReport:
         report = self.cached_load()

@@ -115,7 +115,7 @@ class FleetMonitor:
                 cached = getattr(type(rep.actor), "cached_load", None)
                 report = cached(rep.actor) if cached is not None else None
                 if report is not None:  # good until the backend reads again
-                    good_for = type(rep.actor).load_due_in(rep.actor, now)
+                    good_for = type(rep.actor).good_for(rep.actor, now)
                     self.load.report(rid, report, now, good_for)
                 else:
                     polled.append(rid)
@@ -130,13 +130,21 @@ class FleetMonitor:
         rep = self.replicas.get(rid)
         if rep is None:
             return
+        own = self.load.in_flight_at(rid)
         try:
             report = await asyncio.wait_for(rep.actor.load.remote(), self.monitor_interval_s)
         except Exception:  # a failing replica is the monitor's business, not the load view's
             self.errors["load_report_failed"] += 1
             return
         if rep.alive and self.replicas.get(rid) is rep:
-            self.load.report(rid, report, time.monotonic())
+            now = time.monotonic()
+            observe = getattr(type(rep.actor), "observe", None)
+            if observe is None:
+                self.load.report(rid, report, now)
+                return
+            # An HTTP backend: whether it serves this router alone paces its reads.
+            observe(rep.actor, max(own, self.load.in_flight_at(rid)))
+            self.load.report(rid, report, now, type(rep.actor).good_for(rep.actor, now))
 
     async def _poll(self, rid: str) -> None:
         rep = self.replicas.get(rid)

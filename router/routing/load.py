@@ -136,9 +136,10 @@ class LoadTracker:
         report its source stands by until then (an HTTP backend's, read again only when
         due: the fleet's monitor need not wake to confirm it meanwhile)."""
         load = self._load(replica)
+        if report is not load.report:  # the same one confirmed: placed since it was read
+            load.blocks_at_report = load.blocks
         load.report, load.report_at = report, now
         load.report_expiry = now + self.report_ttl_s + good_for_s
-        load.blocks_at_report = load.blocks
         if not load.total_blocks:
             load.total_blocks = report.total_blocks
 

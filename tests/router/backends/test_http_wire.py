@@ -286,6 +286,48 @@ def test_an_idle_backends_load_is_read_less_often() -> None:
     run(main())
 
 
+def test_a_backend_that_serves_this_router_alone_is_read_less_often() -> None:
+    """A busy backend whose read counts no more requests than the router has there is
+    read every ``idle_load_interval_s``; its report stands in the load view no longer than
+    a shared one's. One that counts more (another client) is read every
+    ``min_load_interval_s`` again."""
+    from kvroute.router.backends.control import BackendMetrics, BackendSpec, HttpBackend
+
+    async def main() -> None:
+        spec = BackendSpec.parse("http://127.0.0.1:1=tcp://127.0.0.1:2")
+        info: Any = type("I", (), {"block_size": 32})()
+        backend = HttpBackend(spec, info, min_load_interval_s=0.5, idle_load_interval_s=2.0)
+        running = [3.0]
+
+        async def metrics() -> BackendMetrics:
+            return BackendMetrics(running=running[0], waiting=1.0 if running[0] else 0.0)
+
+        backend._metrics = metrics  # type: ignore[method-assign]
+        await backend.load.remote()
+        now = backend._report_at
+        assert backend.shared  # not known yet: as a shared one
+        assert 0.49 <= backend.load_due_in(now) <= 0.5
+        backend.observe(4)  # 3 running + 1 waiting, all the router's
+        assert not backend.shared
+        assert 1.99 <= backend.load_due_in(now) <= 2.0
+        assert 0.49 <= backend.good_for(now) <= 0.5  # its counts no staler than before
+        assert backend.good_for(now + 1.0) == 0.0
+        running[0] = 5.0
+        backend._report_at = float("-inf")  # due: the next call reads
+        await backend.load.remote()
+        backend.observe(4)  # 6 there, 4 of them the router's: someone else sends too
+        assert backend.shared
+        assert 0.49 <= backend.load_due_in(backend._report_at) <= 0.5
+        running[0] = 0.0
+        backend._report_at = float("-inf")
+        await backend.load.remote()
+        backend.observe(0)
+        idle_at = backend._report_at  # idle: its report stands until the next read
+        assert 1.99 <= backend.good_for(idle_at) <= 2.0
+
+    run(main())
+
+
 def test_a_backends_control_calls_read_whole_bodies_over_one_kept_alive_connection() -> None:
     """``info``/``load``/``health`` (the fleet monitor's calls) over :mod:`.wire`'s pool:
     /metrics chunked across writes, /v1/models by content-length, one connection reused; a
@@ -390,6 +432,9 @@ def test_a_load_poll_not_due_costs_the_monitor_no_call_and_info_reuses_its_round
     class Load:
         def report(self, rid: str, report: LoadReport, now: float, good_for: float = 0) -> None:
             reported.append((rid, report, now))
+
+        def in_flight_at(self, rid: str) -> int:
+            return 0  # the backend runs a request the router did not send: shared
 
     class Rep:
         def __init__(self, actor: Any, info: Any) -> None:

@@ -138,3 +138,39 @@ def test_a_silent_replica_is_lost_at_its_deadline_with_few_rounds_before() -> No
         assert monitor.rounds <= 2, monitor.rounds  # not one round per 0.2 s
 
     asyncio.run(main())
+
+
+def test_a_busy_backend_that_only_this_router_feeds_is_read_every_idle_interval() -> None:
+    """The monitor tells an HTTP backend how many requests the router has there after each
+    read: one that runs no more (this router's alone) is next read 2 s on, not 0.5 s; one
+    that runs more (another client too) 0.5 s on. Its counts stand in the view no longer
+    than a shared backend's."""
+
+    async def main() -> None:
+        b = backend(0)
+        b._report_at = float("-inf")  # a read is due
+        running = [2]
+
+        async def metrics() -> Any:
+            from kvroute.router.backends.control import BackendMetrics
+
+            return BackendMetrics(running=float(running[0]), cache_config={})
+
+        b._metrics = metrics  # type: ignore[method-assign]
+        monitor = Monitor({"b": Rep(b)})
+        for i in range(2):  # the router's two requests there
+            monitor.load.on_routed(f"q{i}", "b", prefill=10, context=10)
+        await monitor._watch_round(time.monotonic())
+        assert not b.shared
+        assert 1.9 <= monitor._round_delay(time.monotonic()) <= 2.01
+        now = time.monotonic()
+        assert monitor.load.get("b", now)[3] == 2
+        monitor.load.on_finished("q0")  # the report's count is not kept past 1.5 s
+        assert monitor.load.get("b", now + 1.6)[3] == 1
+        running[0] = 3  # a request from elsewhere
+        b._report_at = float("-inf")
+        await monitor._watch_round(time.monotonic())
+        assert b.shared
+        assert 0.45 <= monitor._round_delay(time.monotonic()) <= 0.51
+
+    asyncio.run(main())
