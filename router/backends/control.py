@@ -335,13 +335,18 @@ class HttpBackend:
         return parse_metrics((await self._get("/metrics")).decode(errors="replace"))
 
     async def _get_info(self) -> ReplicaInfo:
-        """Fresh: the monitor's liveness check and restart detection. A /metrics read at
-        most ``min_load_interval_s`` (at least ``SAME_ROUND_S``) ago is fresh: the backend
-        answered then, and a restart since is seen at the next read, as a failure is."""
+        """Fresh: the monitor's liveness check and restart detection. A /metrics read
+        made within the backend's current read interval (at least ``SAME_ROUND_S``) is
+        fresh: the backend answered then, and a restart since is seen at the next read, as
+        a failure is. So the periodic reads are the load's (:meth:`_get_load`, after which
+        the monitor tells the backend its own count: :meth:`observe`), and info rides on
+        them: the monitor's round reads a due load before it polls info."""
         metrics = self._last_metrics
-        fresh_s = max(SAME_ROUND_S, self.min_load_interval_s)
-        if metrics is None or time.monotonic() - self._report_at > fresh_s:
+        fresh_s = max(SAME_ROUND_S, self._read_interval())
+        read = metrics is None or time.monotonic() - self._report_at > fresh_s
+        if read:
             metrics = await self._metrics()
+        assert metrics is not None
         if self._models is None or not self._info.incarnation.endswith(f"@{metrics.start_time}"):
             self._models = json.loads(await self._get("/v1/models"))
             self._info_key = None
@@ -358,7 +363,8 @@ class HttpBackend:
                 block_size=self.block_size,
             )
             self._info_key = key
-        self._remember(metrics)
+        if read:  # (after the info: the report counts in its blocks) a re-used read is
+            self._remember(metrics)  # not made fresh again, or the next would never be due
         return self._info
 
     async def _get_health(self) -> None:
@@ -374,13 +380,20 @@ class HttpBackend:
     def load_due_in(self, now: float) -> float:
         """Seconds until :meth:`cached_load` says a read is due (0: due now): how soon the
         fleet's monitor needs its next round for this backend."""
-        report = self._report
-        if report is None:
+        if self._report is None:
             return 0.0
+        return max(0.0, self._report_at + self._read_interval() - now)
+
+    def _read_interval(self) -> float:
+        """Seconds between reads of /metrics: ``min_load_interval_s`` while the backend
+        runs requests others sent, else ``idle_load_interval_s`` (see :meth:`observe`)."""
+        report = self._report
         interval = self.min_load_interval_s
+        if report is None:
+            return interval
         if not self.shared or (not report.num_running and not report.num_waiting):
             interval = max(interval, self.idle_load_interval_s)
-        return max(0.0, self._report_at + interval - now)
+        return interval
 
     def good_for(self, now: float) -> float:
         """Seconds the last report stands in the load view past its ttl: to the next read,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -324,6 +325,43 @@ def test_a_backend_that_serves_this_router_alone_is_read_less_often() -> None:
         backend.observe(0)
         idle_at = backend._report_at  # idle: its report stands until the next read
         assert 1.99 <= backend.good_for(idle_at) <= 2.0
+
+    run(main())
+
+
+def test_info_rides_on_the_loads_reads_of_a_backend_read_every_2_s() -> None:
+    """A backend read every ``idle_load_interval_s`` (this router's alone): the monitor's
+    info() poll reuses the load's last read within that interval, so the load's reads
+    (after which the monitor tells the backend its count) are the only periodic ones."""
+    from kvroute.router.backends.control import BackendMetrics, BackendSpec, HttpBackend
+
+    async def main() -> None:
+        spec = BackendSpec.parse("http://127.0.0.1:1=tcp://127.0.0.1:2")
+        info: Any = type(
+            "I", (), {"block_size": 32, "topic": "kv", "incarnation": "b@7", "data_endpoint": ""}
+        )()
+        backend = HttpBackend(spec, info, block_size=32, min_load_interval_s=0.2,
+                              idle_load_interval_s=0.6)  # fmt: skip
+        backend._models = {"data": [{"id": "m", "root": "/nowhere/m"}]}
+        reads: list[float] = []
+
+        async def metrics() -> BackendMetrics:
+            reads.append(time.monotonic())
+            return BackendMetrics(running=2.0, start_time="7")
+
+        backend._metrics = metrics  # type: ignore[method-assign]
+        await backend.load.remote()
+        backend.observe(2)  # both running requests are this router's
+        await asyncio.sleep(0.3)  # past min_load_interval_s, within idle_load_interval_s
+        await backend.info.remote()
+        assert len(reads) == 1
+        await asyncio.sleep(0.35)  # past the interval: a read of its own (liveness)
+        await backend.info.remote()
+        assert len(reads) == 2
+        backend.observe(1)  # a request from elsewhere: read every 0.2 s again
+        await asyncio.sleep(0.25)
+        await backend.info.remote()
+        assert len(reads) == 3
 
     run(main())
 
