@@ -50,8 +50,8 @@ VLLM_HASH_ALGO = "sha256_cbor"  # the `--prefix-caching-hash-algo` kvroute repro
 VLLM_DEFAULT_SEED = "vllm-none-hash"  # vLLM's seed for sha256* without $PYTHONHASHSEED
 HASH_FORM = "int"  # vLLM publishes block hashes as uint64 ints
 # A /metrics read at least this recent stands for a fresh one in info() (and one within the
-# backend's min_load_interval_s, as fresh as its load view): info's liveness poll then costs
-# no read of its own -- vLLM renders ~56 kB of /metrics per read, whatever is asked.
+# backend's current read interval, as fresh as its load view): info's liveness poll then
+# costs no read of its own -- vLLM renders ~56 kB of /metrics per read, whatever is asked.
 SAME_ROUND_S = 0.1
 _WANTED = (
     "vllm:num_requests_running{",
