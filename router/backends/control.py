@@ -363,8 +363,10 @@ class HttpBackend:
                 block_size=self.block_size,
             )
             self._info_key = key
-        if read:  # (after the info: the report counts in its blocks) a re-used read is
-            self._remember(metrics)  # not made fresh again, or the next would never be due
+        # Remembered after the info is built (the report counts in its block size); a
+        # re-used read is not made fresh again, or the next read would never come due.
+        if read:
+            self._remember(metrics)
         return self._info
 
     async def _get_health(self) -> None:
@@ -387,13 +389,15 @@ class HttpBackend:
     def _read_interval(self) -> float:
         """Seconds between reads of /metrics: ``min_load_interval_s`` while the backend
         runs requests others sent, else ``idle_load_interval_s`` (see :meth:`observe`)."""
-        report = self._report
         interval = self.min_load_interval_s
-        if report is None:
-            return interval
-        if not self.shared or (not report.num_running and not report.num_waiting):
+        if self._report is not None and (not self.shared or not self._busy()):
             interval = max(interval, self.idle_load_interval_s)
         return interval
+
+    def _busy(self) -> bool:
+        """The last report counts a request running or waiting."""
+        report = self._report
+        return report is not None and bool(report.num_running or report.num_waiting)
 
     def good_for(self, now: float) -> float:
         """Seconds the last report stands in the load view past its ttl: to the next read,
@@ -401,8 +405,7 @@ class HttpBackend:
         after it was read) while it runs anything: a read put off because the router is
         its only client must not leave a stale count in the view (the router's own count
         is the exact one then)."""
-        report = self._report
-        if report is not None and not report.num_running and not report.num_waiting:
+        if self._report is not None and not self._busy():
             return self.load_due_in(now)
         busy_until = self._report_at + self.min_load_interval_s - now
         return max(0.0, min(self.load_due_in(now), busy_until))
