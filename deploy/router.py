@@ -301,16 +301,38 @@ class _QuietCancel(logging.Filter):
         return True
 
 
+def listen_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
+    """The front door's socket, bound before Ray or any model starts (as ``vllm serve``
+    binds its own): a port one of Ray's processes took meanwhile would otherwise fail the
+    start once the model had loaded. ``port`` 0 lets the kernel pick one (read it back with
+    ``getsockname``); with ``reuse_port``, several processes share it. OSError: it cannot
+    be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def cannot_listen(host: str, port: int, exc: OSError) -> str:
+    why = exc.strerror or exc
+    return f"cannot listen on {host}:{port} ({why}); is another server on it? --port"
+
+
 def serve_app(
     app: Any,
-    host: str,
-    port: int,
-    reuse_port: bool,
+    sock: socket.socket,
     ready: Callable[[], None] | None = None,
     head_timeout_s: float = 30.0,
     say: Callable[[str], None] = say,
 ) -> None:
-    """uvicorn on a socket bound here: with ``reuse_port``, several processes share it.
+    """uvicorn on ``sock`` (from :func:`listen_socket`).
     ``ready`` runs once the server accepts connections (what a "ready" line may promise);
     ``head_timeout_s``: a request head slower than this closes its connection. On Ctrl-C,
     requests in flight get :data:`DRAIN_S` to finish (a second Ctrl-C ends them at once)."""
@@ -323,12 +345,6 @@ def serve_app(
                 say(f"stopping: {busy} request(s) in flight get {DRAIN_S:.0f} s to finish")
             await super().shutdown(sockets)
 
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if reuse_port:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
     server = Server(uvicorn_config(app, head_timeout_s, timeout_graceful_shutdown=DRAIN_S))
 
     def announce() -> None:
@@ -371,6 +387,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         say(str(exc))
         return 2
+    try:
+        sock = listen_socket(args.host, args.port, args.reuse_port)
+    except OSError as exc:
+        say(cannot_listen(args.host, args.port, exc))
+        return 2
+    port = sock.getsockname()[1]
     ray.init(address=args.address, namespace=args.namespace, logging_level="warning")
     try:
         replicas = discover()
@@ -383,16 +405,15 @@ def run(args: argparse.Namespace) -> int:
             say(str(exc))
             return 2
         message = (
-            f"ready on http://{args.host}:{args.port}/v1 ({len(replicas)} replicas, "
+            f"ready on http://{args.host}:{port}/v1 ({len(replicas)} replicas, "
             f"policy {args.policy}; {describe_tenants(spec)})"
         )
-        serve_app(
-            app, args.host, args.port, args.reuse_port, lambda: say(message), args.body_timeout
-        )
+        serve_app(app, sock, lambda: say(message), args.body_timeout)
         return 0
     except KeyboardInterrupt:
         return 130
     finally:
+        sock.close()
         ray.shutdown()
 
 
@@ -440,14 +461,28 @@ def describe_backends(args: argparse.Namespace) -> list[tuple[Any, Any]]:
 
 def run_backends(args: argparse.Namespace) -> int:
     """``kvroute router --backend ...``: the front door over ``vllm serve`` processes."""
-    from kvroute.router.frontdoor import FleetMismatchError
-
     from .serve_checks import check_front_door
 
     try:
         if why := check_front_door(args):
             raise ValueError(why)
         spec = front_door_tenants(args)
+    except ValueError as exc:
+        say(str(exc))
+        return 2
+    try:
+        sock = listen_socket(args.host, args.port, args.reuse_port)
+    except OSError as exc:
+        say(cannot_listen(args.host, args.port, exc))
+        return 2
+    with sock:
+        return _serve_backends(args, spec, sock)
+
+
+def _serve_backends(args: argparse.Namespace, spec: Any, sock: socket.socket) -> int:
+    from kvroute.router.frontdoor import FleetMismatchError
+
+    try:
         backends = describe_backends(args)
         app = build_app(args, backends, spec)
     except (ValueError, FleetMismatchError) as exc:
@@ -461,15 +496,14 @@ def run_backends(args: argparse.Namespace) -> int:
             f", P/D: {roles.count('prefill')} prefill + {roles.count('decode')} decode "
             f"(kv_transfer_params, --pd-split {args.pd_split})"
         )
+    port = sock.getsockname()[1]
     message = (
-        f"ready on http://{args.host}:{args.port}/v1 ({len(backends)} vllm serve backend(s) "
+        f"ready on http://{args.host}:{port}/v1 ({len(backends)} vllm serve backend(s) "
         f"of {info.model!r}, {info.block_size}-token blocks, policy {args.policy}{pd}; "
         f"{describe_tenants(spec)})"
     )
     try:
-        serve_app(
-            app, args.host, args.port, args.reuse_port, lambda: say(message), args.body_timeout
-        )
+        serve_app(app, sock, lambda: say(message), args.body_timeout)
     except KeyboardInterrupt:
         return 130
     return 0

@@ -26,7 +26,12 @@ def add_front_door_arguments(p: argparse.ArgumentParser) -> None:
         help="address to listen on (default: loopback only; 0.0.0.0 for every interface "
         "needs API keys or --allow-anonymous)",
     )
-    p.add_argument("--port", type=int, default=8000, help="port of the OpenAI API (default 8000)")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=8000,
+        help="port of the OpenAI API (default 8000; 0: a free one, named in the ready line)",
+    )
     auth = p.add_mutually_exclusive_group()
     auth.add_argument(
         "--tenants",

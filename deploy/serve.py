@@ -28,8 +28,10 @@ from .router import (
     RAY_NAMESPACE,
     REPLICA_ACTOR_PREFIX,
     build_app,
+    cannot_listen,
     describe_tenants,
     front_door_tenants,
+    listen_socket,
     serve_app,
 )
 from .startup_cause import StartupError, root_cause
@@ -55,12 +57,18 @@ def run(args: argparse.Namespace) -> int:
     if why := _refused(args):
         _say(why)
         return 2
+    try:  # before Ray starts: a busy port costs a line, not a fleet started for nothing
+        sock = listen_socket(args.host, args.port, args.routers > 1)
+    except OSError as exc:
+        _say(cannot_listen(args.host, args.port, exc))
+        return 2
+    args.port = sock.getsockname()[1]  # --port 0: the one the kernel picked, for all doors
 
     import ray
 
     routers: list[subprocess.Popen[bytes]] = []
     try:
-        return _run(args, spec, routers)
+        return _run(args, spec, routers, sock)
     except StartupError as exc:
         _say(str(exc))
         return 2
@@ -68,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
         _say("interrupted")
         return 130
     finally:
+        sock.close()
         for proc in routers:
             proc.terminate()
         for proc in routers:
@@ -113,9 +122,6 @@ def _refused(args: argparse.Namespace) -> str | None:
             check_model_name(args.model)
         except ValueError as exc:
             return str(exc)
-    busy = _port_in_use(args.host, args.port)
-    if busy:
-        return f"cannot listen on {args.host}:{args.port} ({busy}); is another server on it? --port"
     if args.time_scale <= 0 or (args.time_scale != 1.0 and not simulated):
         return "--time-scale must be > 0 and applies to sim: models only"
     if args.engine == "vllm" and simulated:
@@ -164,19 +170,6 @@ def _autoscale(args: argparse.Namespace) -> str | None:
     if args.min_replicas is not None:
         return "--min-replicas needs --max-replicas (autoscaling)"
     args.autoscale = None
-    return None
-
-
-def _port_in_use(host: str, port: int) -> str | None:
-    """Why ``host:port`` cannot be listened on now (None: it can): checked before Ray and
-    the replicas start, so a busy port costs a line, not a fleet started for nothing."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            return exc.strerror or str(exc)
     return None
 
 
@@ -357,7 +350,10 @@ def _relay(stream: Any) -> None:
 
 
 def _run(
-    args: argparse.Namespace, spec: TenantsFile | None, routers: list[subprocess.Popen[bytes]]
+    args: argparse.Namespace,
+    spec: TenantsFile | None,
+    routers: list[subprocess.Popen[bytes]],
+    sock: socket.socket,
 ) -> int:
     from kvroute.router.frontdoor import FleetMismatchError
 
@@ -411,15 +407,7 @@ def _run(
 
     stop_autoscaler = threading.Event()
     autoscaler: list[threading.Thread] = []
-    serve_app(
-        app,
-        args.host,
-        args.port,
-        args.routers > 1,
-        announce,
-        args.body_timeout,
-        say=_say,
-    )
+    serve_app(app, sock, announce, args.body_timeout, say=_say)
     stop_autoscaler.set()
     for thread in autoscaler:  # a grow under way stops its replicas not ready yet
         thread.join(15)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import socket
 import subprocess
@@ -29,19 +30,23 @@ def kvroute_serve(
     cwd: Path | None = None,
     log: list[str] | None = None,
 ) -> Iterator[str]:
-    """``kvroute serve ARGS --port PORT`` until the block ends (then Ctrl-C, as a user
-    stops it); yields its base URL once it printed ``ready:``. ``env`` and ``cwd``: the
-    process's environment and directory (default: this one's); ``log``: gets every line it
-    prints, as it prints them."""
+    """``kvroute serve ARGS --port PORT`` (default 0: a free one) until the block ends
+    (then Ctrl-C, as a user stops it); yields its base URL once it printed ``ready:``.
+    ``env`` and ``cwd``: the process's environment and directory (default: this one's);
+    ``log``: gets every line it prints, as it prints them."""
     lines: list[str] = log if log is not None else []
-    port = free_port() if port is None else port
-    cmd = [*KVROUTE, "serve", *args, "--port", str(port)]
+    # Port 0 by default: the server binds a free one before Ray starts and names it in its
+    # ready line (a port picked here could be taken by one of Ray's processes meanwhile).
+    cmd = [*KVROUTE, "serve", *args, "--port", str(port or 0)]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd)
     assert proc.stderr is not None
     try:
         for line in proc.stderr:
             lines.append(line)
             if "ready:" in line:
+                bound = re.search(r"http://\S+?:(\d+)/v1", line)
+                assert bound, line
+                port = int(bound.group(1))
                 break
         else:
             raise AssertionError(f"kvroute serve exited {proc.wait()}:\n{''.join(lines)}")
