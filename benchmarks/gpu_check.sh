@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The GPU checks and benchmarks, for a session lent a device (two calls of ~4 minutes each):
+# The GPU checks and benchmarks, for a session lent a device (one call, under 9 minutes:
+# each step has its own timeout, so a hung one cannot eat the rest):
 #
-#   run(command="bash benchmarks/gpu_check.sh tests", carry=["wheels"], timeout_s=300)
-#   run(command="bash benchmarks/gpu_check.sh bench", carry=["wheels"], timeout_s=420)
+#   run(command="bash benchmarks/gpu_check.sh all", carry=["wheels"], timeout_s=570)
 #   bash benchmarks/gpu_check.sh [all|tests|bench] [--quick]       # any CUDA machine
 #
 # tests: the GPU tests: the kernels (Triton against the reference, sliding windows and LoRA
@@ -21,8 +21,10 @@
 # transformers, triton, peft, pytest and xxhash; kvroute itself is imported from a folder of
 # links (nothing installed), and the small wheels it lacks (msgspec, pyzmq, cbor2) are
 # installed into that folder from ./wheels, carried there (an ignored folder): first, here,
-# `pip download --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64
-# --dest wheels msgspec pyzmq cbor2 xxhash` (3.12: the device's Python).
+# `pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+# --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform
+# manylinux2014_x86_64 -d wheels msgspec pyzmq cbor2 cryptography cffi pycparser`
+# (3.12: the device's Python; cryptography seals the disk tier, cffi and pycparser are its).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PHASE=all
@@ -56,12 +58,12 @@ PY
 # kvroute.* from this tree without installing it: a folder whose kvroute/ links the packages.
 site=$(mktemp -d)
 mkdir -p "$site/kvroute"
-for pkg in events replica kernels router sim deploy bench; do ln -s "$PWD/$pkg" "$site/kvroute/$pkg"; done
+for pkg in events replica kernels router sim deploy loadgen; do ln -s "$PWD/$pkg" "$site/kvroute/$pkg"; done
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 
 missing=$($PY - <<'PY'
 import importlib.util
-print(" ".join(m for m in ("msgspec", "zmq", "cbor2", "xxhash", "transformers", "triton")
+print(" ".join(m for m in ("msgspec", "zmq", "cbor2", "cryptography", "xxhash", "transformers", "triton")
                if importlib.util.find_spec(m) is None))
 PY
 )
@@ -78,13 +80,14 @@ $PY -c "import kvroute.kernels, kvroute.replica, kvroute.events; print('kvroute 
 
 if [ "$PHASE" != bench ]; then
   say "GPU tests (log: $OUT_DIR/gpu_tests.log)"
-  timeout 300 $PY -m pytest -q -rfE -p no:cacheprovider \
+  # The engine's exactness first; the kernels' many Triton compiles last.
+  timeout 240 $PY -m pytest -q -rfE -p no:cacheprovider --timeout 120 \
     --deselect tests/replica/kv_transfer/test_pd_exactness.py::test_smollm2_split_equals_one_engine \
-    tests/replica/model/test_cuda_graphs.py tests/kernels/test_triton.py \
-    tests/kernels/test_sliding_window.py tests/kernels/test_lora_triton.py \
-    tests/replica/model/test_model_families.py tests/replica/model/test_engine_vs_transformers.py \
-    tests/replica/kv_tiers/test_kv_tiers.py tests/replica/kv_transfer/test_pd_exactness.py \
-    tests/replica/kv_transfer/test_plane.py tests/replica/kv_transfer/test_prefix_fetch.py \
+    tests/replica/model/test_engine_vs_transformers.py tests/replica/model/test_model_families.py \
+    tests/replica/model/test_cuda_graphs.py tests/replica/kv_tiers/test_kv_tiers.py \
+    tests/replica/kv_transfer/test_pd_exactness.py tests/replica/kv_transfer/test_plane.py \
+    tests/replica/kv_transfer/test_prefix_fetch.py tests/kernels/test_sliding_window.py \
+    tests/kernels/test_lora_triton.py tests/kernels/test_triton.py \
     > "$OUT_DIR/gpu_tests.log" 2>&1
   say "pytest exit $?"
   grep -E "^(FAILED|ERROR)|passed|failed|error" "$OUT_DIR/gpu_tests.log" | tail -30
@@ -96,15 +99,15 @@ if [ "$PHASE" != tests ]; then
   batches=1,16,64,128
   impls=${GPU_CHECK_IMPLS:-transformers,kvroute}  # each loads the 8B model once (~30-60 s)
   [ "$QUICK" = "--quick" ] && steps=10 && batches=1,64
-  timeout 240 $PY benchmarks/bench_decode_step.py --model llama-8b --batch "$batches" \
-    --steps "$steps" --profile --impl "$impls" 2>&1 \
+  timeout 180 $PY benchmarks/bench_decode_step.py --model llama-8b --batch "$batches" \
+    --steps "$steps" --profile --impl "$impls" 2>&1 | tee "$OUT_DIR/decode_step.log" \
     | grep -E '^(\||#)|Error|error|CUDA graphs off|captured'
 
   say "KV host tier: load against recompute, decode beside the load (llama-8b shapes, bf16)"
-  timeout 120 $PY benchmarks/bench_kv_load.py --model llama-8b --prefix 2048 --decoders 16 \
-    --steps 20 2>&1 | grep -vE '^(Loading|writing)'
+  timeout 75 $PY benchmarks/bench_kv_load.py --model llama-8b --prefix 2048 --decoders 16 \
+    --steps 20 2>&1 | tee "$OUT_DIR/kv_load.log" | grep -vE '^(Loading|writing)'
   say "KV transfer between two processes on the device: 8B blocks, pinned D2H, loopback TCP, H2D"
-  timeout 90 $PY benchmarks/bench_kv_transfer.py --device cuda --shapes 8B --repeats 5 \
-    --no-recompute 2>&1 | grep -E '^(#|shape|8B)|Error|error'
+  timeout 60 $PY benchmarks/bench_kv_transfer.py --device cuda --shapes 8B --repeats 5 \
+    --no-recompute 2>&1 | tee "$OUT_DIR/kv_transfer.log" | grep -E '^(#|shape|8B)|Error|error'
 fi
 say "done"
