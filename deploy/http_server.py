@@ -16,11 +16,15 @@ for as long as it likes, and enough of them exhaust the server's file descriptor
 With ``uvicorn[standard]`` installed the server runs httptools on uvloop: uvicorn's h11
 protocol costs two to three times its CPU per streamed chunk, and the front door streams
 every token. Without them, h11 on asyncio, with the same deadlines.
+
+Its socket is bound before anything else starts (:func:`listen_socket`), as ``vllm serve``
+binds its own before the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from types import FrameType
 from typing import Any
@@ -224,3 +228,27 @@ class IdleQuietServer(Server):
 def _settle(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
+
+
+def listen_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
+    """The front door's socket, bound before Ray or any model starts (as ``vllm serve``
+    binds its own): a port one of Ray's processes took meanwhile would otherwise fail the
+    start once the model had loaded. ``port`` 0 lets the kernel pick one (read it back with
+    ``getsockname``); with ``reuse_port``, several processes share it. OSError: it cannot
+    be bound."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def cannot_listen(host: str, port: int, exc: OSError) -> str:
+    why = exc.strerror or exc
+    return f"cannot listen on {host}:{port} ({why}); is another server on it? --port"

@@ -301,30 +301,6 @@ class _QuietCancel(logging.Filter):
         return True
 
 
-def listen_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
-    """The front door's socket, bound before Ray or any model starts (as ``vllm serve``
-    binds its own): a port one of Ray's processes took meanwhile would otherwise fail the
-    start once the model had loaded. ``port`` 0 lets the kernel pick one (read it back with
-    ``getsockname``); with ``reuse_port``, several processes share it. OSError: it cannot
-    be bound."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-def cannot_listen(host: str, port: int, exc: OSError) -> str:
-    why = exc.strerror or exc
-    return f"cannot listen on {host}:{port} ({why}); is another server on it? --port"
-
-
 def serve_app(
     app: Any,
     sock: socket.socket,
@@ -387,6 +363,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         say(str(exc))
         return 2
+    from .http_server import cannot_listen, listen_socket
+
     try:
         sock = listen_socket(args.host, args.port, args.reuse_port)
     except OSError as exc:
@@ -470,6 +448,8 @@ def run_backends(args: argparse.Namespace) -> int:
     except ValueError as exc:
         say(str(exc))
         return 2
+    from .http_server import cannot_listen, listen_socket
+
     try:
         sock = listen_socket(args.host, args.port, args.reuse_port)
     except OSError as exc:

@@ -28,10 +28,8 @@ from .router import (
     RAY_NAMESPACE,
     REPLICA_ACTOR_PREFIX,
     build_app,
-    cannot_listen,
     describe_tenants,
     front_door_tenants,
-    listen_socket,
     serve_app,
 )
 from .startup_cause import StartupError, root_cause
@@ -57,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
     if why := _refused(args):
         _say(why)
         return 2
+    from .http_server import cannot_listen, listen_socket
+
     try:  # before Ray starts: a busy port costs a line, not a fleet started for nothing
         sock = listen_socket(args.host, args.port, args.routers > 1)
     except OSError as exc:
