@@ -3,7 +3,10 @@
 # each step has its own timeout, so a hung one cannot eat the rest):
 #
 #   run(command="bash benchmarks/gpu_check.sh all", carry=["wheels"], timeout_s=570)
-#   bash benchmarks/gpu_check.sh [all|tests|bench] [--quick]       # any CUDA machine
+#   bash benchmarks/gpu_check.sh [all|tests|bench|kv] [--quick]    # any CUDA machine
+#
+# kv (under 4 minutes): the KV tiers' and transfer plane's CUDA tests, then the KV load and
+#    transfer benchmarks below alone: the check to rerun after changing how KV moves.
 #
 # tests: the GPU tests: the kernels (Triton against the reference, sliding windows and LoRA
 #    included), CUDA graphs against eager, the engine against transformers (every family,
@@ -31,9 +34,9 @@ PHASE=all
 QUICK=
 for arg in "$@"; do
   case "$arg" in
-    all|tests|bench) PHASE=$arg ;;
+    all|tests|bench|kv) PHASE=$arg ;;
     --quick) QUICK=--quick ;;
-    *) echo "usage: $0 [all|tests|bench] [--quick]" >&2; exit 2 ;;
+    *) echo "usage: $0 [all|tests|bench|kv] [--quick]" >&2; exit 2 ;;
   esac
 done
 PY=${PYTHON:-python3}  # the device's python3 is the one with torch
@@ -78,14 +81,24 @@ if [ -n "$missing" ]; then
 fi
 $PY -c "import kvroute.kernels, kvroute.replica, kvroute.events; print('kvroute imports from', kvroute.kernels.__file__)" || exit 1
 
-if [ "$PHASE" != bench ]; then
+if [ "$PHASE" = kv ]; then
+  say "KV tiers and transfer, CUDA tests (log: $OUT_DIR/gpu_kv_tests.log)"
+  timeout 100 $PY -m pytest -q -rfE -p no:cacheprovider --timeout 60 \
+    tests/replica/kv_tiers/test_block_copies.py tests/replica/kv_tiers/test_kv_tiers.py \
+    tests/replica/kv_transfer/test_plane.py tests/replica/kv_transfer/test_prefix_fetch.py \
+    > "$OUT_DIR/gpu_kv_tests.log" 2>&1
+  say "pytest exit $?"
+  grep -E "^(FAILED|ERROR)|passed|failed|error" "$OUT_DIR/gpu_kv_tests.log" | tail -30
+fi
+
+if [ "$PHASE" = all ] || [ "$PHASE" = tests ]; then
   say "GPU tests (log: $OUT_DIR/gpu_tests.log)"
   # The engine's exactness first; the kernels' many Triton compiles last.
   timeout 240 $PY -m pytest -q -rfE -p no:cacheprovider --timeout 120 \
     --deselect tests/replica/kv_transfer/test_pd_exactness.py::test_smollm2_split_equals_one_engine \
     tests/replica/model/test_engine_vs_transformers.py tests/replica/model/test_model_families.py \
     tests/replica/model/test_cuda_graphs.py tests/replica/kv_tiers/test_kv_tiers.py \
-    tests/replica/kv_transfer/test_pd_exactness.py tests/replica/kv_transfer/test_plane.py \
+    tests/replica/kv_tiers/test_block_copies.py tests/replica/kv_transfer/test_pd_exactness.py tests/replica/kv_transfer/test_plane.py \
     tests/replica/kv_transfer/test_prefix_fetch.py tests/kernels/test_sliding_window.py \
     tests/kernels/test_lora_triton.py tests/kernels/test_triton.py \
     > "$OUT_DIR/gpu_tests.log" 2>&1
@@ -93,21 +106,25 @@ if [ "$PHASE" != bench ]; then
   grep -E "^(FAILED|ERROR)|passed|failed|error" "$OUT_DIR/gpu_tests.log" | tail -30
 fi
 
-if [ "$PHASE" != tests ]; then
+if [ "$PHASE" = all ] || [ "$PHASE" = bench ]; then
   say "decode step, llama-8b shapes, bf16"
   steps=30
   batches=1,16,64,128
   impls=${GPU_CHECK_IMPLS:-transformers,kvroute}  # each loads the 8B model once (~30-60 s)
   [ "$QUICK" = "--quick" ] && steps=10 && batches=1,64
-  timeout 180 $PY benchmarks/bench_decode_step.py --model llama-8b --batch "$batches" \
+  timeout 150 $PY benchmarks/bench_decode_step.py --model llama-8b --batch "$batches" \
     --steps "$steps" --profile --impl "$impls" 2>&1 | tee "$OUT_DIR/decode_step.log" \
     | grep -E '^(\||#)|Error|error|CUDA graphs off|captured'
+fi
 
+if [ "$PHASE" != tests ]; then
+  load_s=120 transfer_s=60
+  [ "$PHASE" = kv ] && load_s=75 transfer_s=35  # kv: the whole phase in under 4 minutes
   say "KV host tier: load against recompute, decode beside the load (llama-8b shapes, bf16)"
-  timeout 75 $PY benchmarks/bench_kv_load.py --model llama-8b --prefix 2048 --decoders 16 \
+  timeout $load_s $PY benchmarks/bench_kv_load.py --model llama-8b --prefix 2048 --decoders 16 \
     --steps 20 2>&1 | tee "$OUT_DIR/kv_load.log" | grep -vE '^(Loading|writing)'
   say "KV transfer between two processes on the device: 8B blocks, pinned D2H, loopback TCP, H2D"
-  timeout 60 $PY benchmarks/bench_kv_transfer.py --device cuda --shapes 8B --repeats 5 \
+  timeout $transfer_s $PY benchmarks/bench_kv_transfer.py --device cuda --shapes 8B --repeats 5 \
     --no-recompute 2>&1 | tee "$OUT_DIR/kv_transfer.log" | grep -E '^(#|shape|8B)|Error|error'
 fi
 say "done"

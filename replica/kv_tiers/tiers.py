@@ -50,7 +50,7 @@ Invariants:
 - the loader thread reads host copies and the disk bytes the fetcher read for its job (it
   opens no file), and writes only the device blocks of its job, which the scheduler holds
   (refcount > 0, no hash) until the job lands, and the digest of host entries it seals
-  (queued at copy-out, ahead of any load of them);
+  (queued at copy-out; a load queued meanwhile goes first and seals what it reads);
 - the disk writer thread touches only files and its own queue (see :mod:`.kv_disk_writer`);
   the disk fetcher and its readers touch only files, the writer's pending bytes and the
   ``fetched`` list of the job in hand; every tier structure here, and every event, is the
@@ -64,6 +64,7 @@ The records (:class:`BlockMeta`, :class:`HostEntry`, :class:`LoadJob`) are
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -83,7 +84,7 @@ from .disk_reads import READ_DEADLINE_S, DiskFetcher, DiskReads
 from .disk_writer import DEFAULT_QUEUE_BYTES, DiskWriter
 from .tier_costs import measure_tiers
 from .tier_entries import BlockMeta, HostEntry, LoadJob
-from .tier_loader import TierLoader
+from .tier_loader import LOAD, SEAL, STAGE_BYTES, STOP, TierLoader, byte_rows
 
 if TYPE_CHECKING:
     from ..core.block_pool import BlockPool
@@ -92,6 +93,8 @@ if TYPE_CHECKING:
 __all__ = ["BlockMeta", "HostEntry", "KVTiers", "LoadJob"]
 
 log = logging.getLogger(__name__)
+
+CLOSE_WAIT_S = 5.0  # how long close() waits for the loader's job in hand
 
 
 class KVTiers(TierLoader):
@@ -119,6 +122,10 @@ class KVTiers(TierLoader):
         self.cuda = self.device.type == "cuda"
         self.sizes = [t[0].numel() * t.element_size() for t in self.tensors]
         self.block_bytes = sum(self.sizes)
+        self._rows = [byte_rows(t) for t in self.tensors]
+        self._chunk_blocks = max(1, STAGE_BYTES // self.block_bytes)
+        staged = self._chunk_blocks if self.cuda else 0  # the CPU copies each block in place
+        self._stage = torch.empty((staged, self.block_bytes), dtype=torch.uint8, device=self.device)
         self.host_capacity = host_bytes // self.block_bytes
         if host_bytes and not self.host_capacity:
             raise ValueError(f"kv_host_bytes {host_bytes} holds no block of {self.block_bytes}")
@@ -150,7 +157,11 @@ class KVTiers(TierLoader):
         }
         self.offload_seconds = 0.0
         self.bytes_per_s: dict[str, float] = measure_tiers(self) if measure else {}
-        self._jobs: queue.SimpleQueue[LoadJob | HostEntry | None] = queue.SimpleQueue()
+        # (LOAD, STOP or SEAL, order queued, job): in that order, then first queued first.
+        self._jobs: queue.PriorityQueue[tuple[int, int, LoadJob | HostEntry | None]] = (
+            queue.PriorityQueue()
+        )
+        self._queued = itertools.count()
         self._done: list[LoadJob] = []
         self._done_lock = threading.Lock()
         self._wake = threading.Event()
@@ -186,6 +197,7 @@ class KVTiers(TierLoader):
         pool = self.pool
         assert pool is not None
         t0 = time.perf_counter()
+        down: list[tuple[int, bytes, BlockMeta]] = []  # what goes down a tier, in order
         for block_id, h in evicted:
             if pool.get_cached_block(h) is not None:
                 continue  # another physical copy still serves it
@@ -201,12 +213,14 @@ class KVTiers(TierLoader):
                 continue
             if not self.host_capacity and self.disk is None:
                 continue
-            data, ready = self._copy_out(block_id)
+            down.append((block_id, h, meta))
+        copies = self._copy_out_blocks([block_id for block_id, _, _ in down])
+        for (_, h, meta), (data, ready) in zip(down, copies, strict=True):
             entry = HostEntry(data, meta, ready)
             self.stats["offloaded"] += 1
             if self.host_capacity:
                 self._host_put(h, entry)
-                self._jobs.put(entry)  # the loader thread seals it, off the step
+                self._jobs.put((SEAL, next(self._queued), entry))  # sealed off the step
             else:
                 self._disk_put(h, data, entry.seal(), meta)
         self.offload_seconds += time.perf_counter() - t0
@@ -283,7 +297,7 @@ class KVTiers(TierLoader):
         if job.source is not None and self.remote is not None:
             self.remote.submit(job)  # hands it back here, its source cleared
             return
-        self._jobs.put(job)
+        self._jobs.put((LOAD, next(self._queued), job))
 
     def release_remote(self, source: KVSource) -> None:
         """A request with a source that will not pull from it: its lease is freed."""
@@ -380,13 +394,16 @@ class KVTiers(TierLoader):
     def close(self) -> None:
         """Stops the loader, the disk reads and the disk writer (its writes not yet started
         are dropped; its files and folder are removed: tenants' data ends with the engine)."""
-        self._jobs.put(None)
+        self._jobs.put((STOP, next(self._queued), None))
         if self._fetcher is not None:
             self._fetcher.close()
         if self.remote is not None:
             self.remote.close()
         if self.disk is not None:
             self.disk.close()
+        # Its load in hand finishes first: a process that exits while the thread is inside
+        # a CUDA call aborts ("terminate called without an active exception").
+        self._thread.join(CLOSE_WAIT_S)
 
     # -- tiers ------------------------------------------------------------------------
     def _host_put(self, h: bytes, entry: HostEntry) -> None:

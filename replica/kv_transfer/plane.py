@@ -127,7 +127,9 @@ class KVPlaneServer:
         # tracker that says when it is done), and those it is done with, for the next reads.
         self._sending: deque[tuple[zmq.MessageTracker, torch.Tensor]] = deque()
         self._spare: list[torch.Tensor] = []
-        self._filling = torch.empty(0)  # the buffer the sender reads into now
+        # Buffers handed to the sender and read into, not sent yet: in block order (the
+        # sender reads a chunk of blocks before it sends the first).
+        self._handed: deque[torch.Tensor] = deque()
         self._waker = Waker()
         self._running = True
         self._thread = threading.Thread(target=self._run, name="kvr-kvsend", daemon=True)
@@ -215,11 +217,15 @@ class KVPlaneServer:
             except zmq.ZMQError:
                 cut = True
                 return False
-            self._sending.append((tracker, self._filling))
+            self._sending.append((tracker, self._handed.popleft()))
             return True
 
         buffers = self._buffer if self.zero_copy else None
         sent, reason = self.sender.serve(pull.lease, pull.start, pull.hashes, sink, buffers)
+        while self._handed:  # read but never sent (the pull ended early): for the next
+            buf = self._handed.popleft()
+            if len(self._spare) < SPARE_BUFFERS:
+                self._spare.append(buf)
         if cut:
             self.stats["send_failures"] += 1
             return
@@ -239,8 +245,9 @@ class KVPlaneServer:
             buf = sending.popleft()[1]
             if len(self._spare) < SPARE_BUFFERS:
                 self._spare.append(buf)
-        self._filling = self._spare.pop() if self._spare else self.sender.reader.buffer()
-        return self._filling
+        buf = self._spare.pop() if self._spare else self.sender.reader.buffer()
+        self._handed.append(buf)
+        return buf
 
 
 class PlaneLink:

@@ -21,6 +21,7 @@ import torch
 from kvroute.events.kv_transfer import PULL_FAILED, PULL_OK, PULL_UNKNOWN, KVSource
 
 from ..kv_tiers.disk import checksum
+from ..kv_tiers.tier_loader import STAGE_BYTES, byte_rows
 from .leases import Leases
 
 # A sink takes (index in the pull, the block's bytes, their xxh3-64) and says whether to go
@@ -34,7 +35,7 @@ PIN_WAIT_S = 2.0
 
 
 class BlockReader:
-    """Copies one block of every layer's K and V into one host buffer (reused)."""
+    """Copies blocks of every layer's K and V into host buffers, one a block."""
 
     def __init__(self, kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.tensors = [t for kv in kv_caches for t in kv]
@@ -43,6 +44,16 @@ class BlockReader:
         device = self.tensors[0].device
         self.cuda = device.type == "cuda"
         self._stream = torch.cuda.Stream(device) if self.cuda else None
+        # Blocks read at once: on CUDA one kernel per layer's K or V gathers them into a
+        # device buffer kept for it, and each block leaves in one copy (a copy per block
+        # and layer is bound by launches, as the tiers' loads are: kv_tiers.tier_loader).
+        self.chunk_blocks = max(1, STAGE_BYTES // self.block_bytes) if self.cuda else 1
+        self._rows = [byte_rows(t) for t in self.tensors] if self.cuda else []
+        self._stage = (
+            torch.empty((self.chunk_blocks, self.block_bytes), dtype=torch.uint8, device=device)
+            if self.cuda
+            else None
+        )
         # On the CPU, each tensor's bytes as one flat view: a block's copy is then a slice
         # assignment per tensor (about a microsecond) where a torch copy_ costs several.
         self._flat: list[memoryview] | None = None
@@ -52,6 +63,26 @@ class BlockReader:
     def buffer(self) -> torch.Tensor:
         """A host buffer for one block (pinned on CUDA): one per reading thread."""
         return torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=self.cuda)
+
+    def read_many(self, block_ids: Sequence[int], outs: Sequence[torch.Tensor]) -> None:
+        """Blocks ``block_ids`` into ``outs`` (one :meth:`buffer` each), at most
+        :attr:`chunk_blocks` at a time; returns once they are all there."""
+        if self._stream is None or self._stage is None:
+            for block_id, out in zip(block_ids, outs, strict=True):
+                self.read_into(block_id, out)
+            return
+        k = len(block_ids)
+        with torch.cuda.stream(self._stream):
+            ids = torch.tensor(list(block_ids), dtype=torch.long).pin_memory()
+            ids = ids.to(self._stage.device, non_blocking=True)
+            stage = self._stage[:k]
+            off = 0
+            for rows, n in zip(self._rows, self.sizes, strict=True):
+                torch.index_select(rows, 0, ids, out=stage[:, off : off + n])
+                off += n
+            for j, out in enumerate(outs):
+                out.copy_(stage[j], non_blocking=True)
+        self._stream.synchronize()
 
     def read_into(self, block_id: int, out: torch.Tensor) -> None:
         off = 0
@@ -115,21 +146,26 @@ class KVSender:
             return 0, ids
         self.stats["pulls"] += 1
         sent = 0
+        reader = self.reader
         try:
-            buf = self.reader.buffer() if buffers is None else buffers()
-            view = memoryview(buf.numpy())
-            for i, block_id in enumerate(ids):
-                if buffers is not None and i:
-                    buf = buffers()
-                    view = memoryview(buf.numpy())
+            fresh = buffers or reader.buffer
+            reused = [] if buffers is not None else [fresh() for _ in range(reader.chunk_blocks)]
+            stop = False
+            for first in range(0, len(ids), reader.chunk_blocks):
+                chunk = ids[first : first + reader.chunk_blocks]
+                bufs = reused[: len(chunk)] if reused else [fresh() for _ in chunk]
                 try:
-                    self.reader.read_into(block_id, buf)
-                    digest = checksum(view)
+                    reader.read_many(chunk, bufs)
                 except Exception:
                     return sent, PULL_FAILED
-                if not sink(i, view, digest):
+                for buf in bufs:
+                    view = memoryview(buf.numpy())
+                    if not sink(sent, view, checksum(view)):
+                        stop = True
+                        break
+                    sent += 1
+                if stop:
                     break
-                sent += 1
             self.stats["blocks_sent"] += sent
             self.stats["bytes_sent"] += sent * self.reader.block_bytes
             return sent, PULL_OK

@@ -58,6 +58,11 @@ def test_chunked_copies_in_and_out_move_each_block_whole(device: str) -> None:
     for b, d in zip(ids, datas, strict=True):
         assert block_bytes(kv, b) == d.numpy().tobytes(), b
     assert all(block_bytes(kv, b) == raw for b, raw in untouched.items())
+    copies = tiers._copy_out_blocks(ids)  # eviction's copies, a chunk at a time on CUDA
+    for _, ready in copies:
+        if ready is not None:
+            ready.synchronize()
+    assert [c.numpy().tobytes() for c, _ in copies] == [d.numpy().tobytes() for d in datas]
     outs = [reader.buffer() for _ in ids]
     for first in range(0, len(ids), 3):
         reader.read_many(ids[first : first + 3], outs[first : first + 3])

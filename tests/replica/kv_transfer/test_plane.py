@@ -167,6 +167,23 @@ def test_partial_pull_over_zeromq(pair: Pair, unified: LLMEngine) -> None:
     assert rest.remote_tokens == (7 - 3) * BS
 
 
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_blocks_read_a_chunk_at_a_time_arrive_each_as_itself(
+    pair: Pair, unified: LLMEngine, monkeypatch: pytest.MonkeyPatch, zero_copy: bool
+) -> None:
+    """The sender reads several blocks before it sends the first (on CUDA, one gather a
+    chunk): each goes out from its own buffer, none is reused while ZeroMQ sends it."""
+    plane = pair.p.kv_plane
+    assert plane is not None and pair.p.kv_sender is not None
+    monkeypatch.setattr(pair.p.kv_sender.reader, "chunk_blocks", 4)
+    monkeypatch.setattr(plane, "zero_copy", zero_copy)
+    for n in (100, 150):  # 6 blocks (a chunk and a short one), then 9
+        _, rest = check_same(pair, unified, prompt(n, n + zero_copy), GREEDY)  # fresh prompts
+        assert rest.remote_tokens == (n - 1) // BS * BS
+    assert not plane._handed  # every buffer read into was sent or went back to the spares
+    healthy(pair)
+
+
 # -- (b) faults: recompute, the same tokens, nothing wedged ---------------------------------------
 @pytest.mark.parametrize(
     ("change", "seed"), [(flipped, 40), (truncated, 50)], ids=["flipped-byte", "truncated"]
