@@ -214,15 +214,19 @@ class KVTiers(TierLoader):
             if not self.host_capacity and self.disk is None:
                 continue
             down.append((block_id, h, meta))
-        copies = self._copy_out_blocks([block_id for block_id, _, _ in down])
-        for (_, h, meta), (data, ready) in zip(down, copies, strict=True):
-            entry = HostEntry(data, meta, ready)
-            self.stats["offloaded"] += 1
-            if self.host_capacity:
-                self._host_put(h, entry)
-                self._jobs.put((SEAL, next(self._queued), entry))  # sealed off the step
-            else:
-                self._disk_put(h, data, entry.seal(), meta)
+        # A chunk's copies, then its puts: the host entries those evict free their pinned
+        # buffers for the next chunk's copies (all copies first would pin memory afresh).
+        for first in range(0, len(down), self._chunk_blocks):
+            chunk = down[first : first + self._chunk_blocks]
+            copies = self._copy_out_blocks([block_id for block_id, _, _ in chunk])
+            for (_, h, meta), (data, ready) in zip(chunk, copies, strict=True):
+                entry = HostEntry(data, meta, ready)
+                self.stats["offloaded"] += 1
+                if self.host_capacity:
+                    self._host_put(h, entry)
+                    self._jobs.put((SEAL, next(self._queued), entry))  # sealed off the step
+                else:
+                    self._disk_put(h, data, entry.seal(), meta)
         self.offload_seconds += time.perf_counter() - t0
 
     def clear(self) -> None:

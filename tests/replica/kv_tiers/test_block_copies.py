@@ -15,7 +15,16 @@ from kvroute.replica import EngineConfig, LLMEngine
 from kvroute.replica.kv_tiers.tiers import KVTiers
 from kvroute.replica.kv_transfer.sender import BlockReader
 
-from .test_kv_tiers import BLOCK, BLOCK_BYTES, HIT, NUM_BLOCKS, prompts, run, tier_configs
+from .test_kv_tiers import (
+    BLOCK,
+    BLOCK_BYTES,
+    HIT,
+    NUM_BLOCKS,
+    engine,
+    prompts,
+    run,
+    tier_configs,
+)
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
@@ -68,6 +77,31 @@ def test_chunked_copies_in_and_out_move_each_block_whole(device: str) -> None:
         reader.read_many(ids[first : first + 3], outs[first : first + 3])
     assert [o.numpy().tobytes() for o in outs] == [d.numpy().tobytes() for d in datas]
     tiers.close()
+
+
+@pytest.fixture(scope="module")
+def uncached_cpu() -> list[list[int]]:
+    ref = LLMEngine(EngineConfig(model="tiny", dtype="float32", block_size=BLOCK, num_blocks=256))
+    return [run(ref, f"u{i}", p).outputs[0].token_ids for i, p in enumerate(prompts())]
+
+
+@pytest.mark.parametrize("tiers", ["host", "host+disk"])
+def test_loads_and_evictions_in_chunks_of_three_give_the_uncached_output(
+    tiers: str, uncached_cpu: list[list[int]], tmp_path: Path
+) -> None:
+    """Chunks far smaller than a load (9 blocks) and than an admission's evictions."""
+    uncached = uncached_cpu
+    config, media = tier_configs(tmp_path)[tiers]
+    eng = engine(**config)
+    eng.kv_tiers._chunk_blocks = 3
+    ps = prompts()
+    for i, p in enumerate(ps):
+        assert run(eng, f"a{i}", p).outputs[0].token_ids == uncached[i]
+    again = run(eng, "again", ps[0])
+    assert again.outputs[0].token_ids == uncached[0]
+    assert set(again.num_tier_cached_tokens) == media
+    assert sum(again.num_tier_cached_tokens.values()) == HIT
+    assert eng.stats()["kv_tier_load_failures"] == 0
 
 
 def cuda_engine(**tiers: object) -> LLMEngine:
