@@ -2,10 +2,10 @@
 
 A mixin of :class:`~.tiers.KVTiers`, split out of :mod:`.tiers` (where the tiers' LRUs,
 their events and the engine thread's side live): how a block's bytes leave the device at
-eviction (:meth:`TierLoader._copy_out`, only enqueued on CUDA) and come back
-(:meth:`TierLoader._copy_in`), and the loader thread that seals host copies and runs each
-:class:`~.tier_entries.LoadJob`, block by block in chain order, stopping at the first that
-fails its checks (the invariants are :mod:`.tiers`'s docstring's).
+eviction (:meth:`TierLoader._copy_out_blocks`, only enqueued on CUDA) and come back
+(:meth:`TierLoader._copy_in_blocks`), and the loader thread that seals host copies and runs
+each :class:`~.tier_entries.LoadJob`, in chain order a chunk at a time, stopping at the
+first block that fails its checks (the invariants are :mod:`.tiers`'s docstring's).
 """
 
 from __future__ import annotations
@@ -59,27 +59,19 @@ class TierLoader:
     _wake: threading.Event
     _stream: torch.cuda.Stream | None
 
-    def _copy_out(self, block_id: int) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """The block's bytes in every layer, as one host tensor, and on CUDA the event after
-        which they are there (the copy is only enqueued: see the module docstring)."""
-        parts = [t[block_id].reshape(-1).view(torch.uint8) for t in self.tensors]
-        out = torch.cat(parts)
-        if not self.cuda:
-            return out, None
-        host = torch.empty(out.numel(), dtype=torch.uint8, pin_memory=True)
-        host.copy_(out, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return host, ready
-
     def _copy_out_blocks(
         self, block_ids: list[int]
     ) -> list[tuple[torch.Tensor, torch.cuda.Event | None]]:
-        """:meth:`_copy_out` of each block; on CUDA a chunk at a time, gathered on the
-        device by one kernel per layer's K or V (a block's 64 slices each cost a launch,
-        and evictions come by the hundred when a long prompt is admitted)."""
+        """Each block's bytes in every layer, as one host tensor, and on CUDA the event
+        after which they are there (the copies are only enqueued: see the module
+        docstring). On CUDA a chunk at a time, gathered on the device by one kernel per
+        layer's K or V (a block's 64 slices each cost a launch, and evictions come by the
+        hundred when a long prompt is admitted)."""
         if not self.cuda:
-            return [self._copy_out(b) for b in block_ids]
+            return [
+                (torch.cat([t[b].reshape(-1).view(torch.uint8) for t in self.tensors]), None)
+                for b in block_ids
+            ]
         out: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
         for first in range(0, len(block_ids), self._chunk_blocks):
             chunk = block_ids[first : first + self._chunk_blocks]
@@ -102,13 +94,6 @@ class TierLoader:
 
     def _pinned_block(self) -> torch.Tensor:
         return torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=True)
-
-    def _copy_in(self, block_id: int, data: torch.Tensor) -> None:
-        off = 0
-        for t, n in zip(self.tensors, self.sizes, strict=True):
-            dst = t[block_id].reshape(-1).view(torch.uint8)
-            dst.copy_(data[off : off + n], non_blocking=self.cuda)
-            off += n
 
     def _copy_in_blocks(
         self, block_ids: list[int], datas: list[torch.Tensor], rows: list[torch.Tensor]
