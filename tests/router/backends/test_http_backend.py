@@ -23,6 +23,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -256,6 +257,13 @@ class Stream:
     error: str | None = None
     done: bool = False
     started: threading.Event = field(default_factory=threading.Event)
+    # when (time.monotonic()) it was sent, its headers came, its first text, its end
+    times: dict[str, float] = field(default_factory=dict)
+
+    def timeline(self, t0: float) -> str:
+        marks = ", ".join(f"{k} +{v - t0:.2f}s" for k, v in self.times.items())
+        state = f"{self.tokens} tokens, done={self.done}, {self.error}"
+        return f"{self.replica or '-'}: {state}; {marks}"
 
 
 def read_stream(fleet: Fleet, s: Stream, max_tokens: int) -> None:
@@ -269,8 +277,10 @@ def read_stream(fleet: Fleet, s: Stream, max_tokens: int) -> None:
         "stream_options": {"include_usage": True},
     }
     url = f"{fleet.url}/v1/completions"
+    s.times["sent"] = time.monotonic()
     try:
         with httpx.stream("POST", url, json=body, headers=auth("key-a"), timeout=300) as r:
+            s.times["headers"] = time.monotonic()
             if r.status_code != 200:  # failed before its first token: a clean status
                 s.error, s.done = f"HTTP {r.status_code}: {r.read()[:200]!r}", True
                 return
@@ -289,22 +299,19 @@ def read_stream(fleet: Fleet, s: Stream, max_tokens: int) -> None:
                     s.tokens = chunk["usage"]["completion_tokens"]
                 for c in chunk["choices"]:
                     s.text += c["text"]
+                    if not s.started.is_set():
+                        s.times["first text"] = time.monotonic()
                     s.started.set()
     finally:
+        s.times["end"] = time.monotonic()
         s.started.set()
 
 
 @pytest.mark.timeout(900)
 def test_killing_a_backend_mid_stream_fails_its_requests_over(fleet: Fleet) -> None:
     max_tokens = 1200  # streams long enough to outlast the others' start on a busy host
-    # 4 streams on 2 backends: two share one even if a stream fails early on a loaded host.
-    streams = [Stream(prompt(200 + i, 10)) for i in range(4)]
-    threads = [
-        threading.Thread(target=read_stream, args=(fleet, s, max_tokens), daemon=True)
-        for s in streams
-    ]
-    for t in threads:
-        t.start()
+    streams: list[Stream] = []
+    threads: list[threading.Thread] = []
 
     def on_victim() -> list[Stream]:
         """The streams of the backend streaming the most (at least two, by pigeonhole)."""
@@ -314,8 +321,30 @@ def test_killing_a_backend_mid_stream_fails_its_requests_over(fleet: Fleet) -> N
                 by_replica.setdefault(s.replica, []).append(s)
         return max(by_replica.values(), key=len, default=[])
 
-    assert poll(lambda: len(on_victim()) >= 2, timeout=300), "no backend streams two: " + str(
-        [(s.replica, s.tokens, s.done, s.error) for s in streams]
+    # 4 streams on 2 backends: two share one even if a stream fails early on a loaded host.
+    # Once (a whole-suite run, 2026-12-04) all four ended without two ever streaming on one backend at once;
+    # that set-up, not the failover under test, is then tried with a fresh batch.
+    t0 = time.monotonic()
+    seen: list[Stream] = []  # every batch's, for the message
+    for batch in range(2):
+        streams[:] = [Stream(prompt(200 + 10 * batch + i, 10)) for i in range(4)]
+        seen += streams
+        threads[:] = [
+            threading.Thread(target=read_stream, args=(fleet, s, max_tokens), daemon=True)
+            for s in streams
+        ]
+        for t in threads:
+            t.start()
+        poll(lambda: len(on_victim()) >= 2 or all(s.done for s in streams), timeout=300)
+        if len(on_victim()) >= 2:
+            break
+        for t in threads:  # all ended (or the poll timed out): the next batch starts clean
+            t.join(300)
+        assert all(s.error is None and s.tokens == max_tokens for s in streams), [
+            s.timeline(t0) for s in seen
+        ]
+    assert len(on_victim()) >= 2, "no backend streams two:\n" + "\n".join(
+        s.timeline(t0) for s in seen
     )
     victims = on_victim()
     victim_id = victims[0].replica
