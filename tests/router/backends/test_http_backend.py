@@ -322,8 +322,8 @@ def test_killing_a_backend_mid_stream_fails_its_requests_over(fleet: Fleet) -> N
         return max(by_replica.values(), key=len, default=[])
 
     # 4 streams on 2 backends: two share one even if a stream fails early on a loaded host.
-    # Once (a whole-suite run, 2026-12-04) all four ended without two ever streaming on one backend at once;
-    # that set-up, not the failover under test, is then tried with a fresh batch.
+    # Once (a whole-suite run, 2026-12-04) all four ended without two ever streaming on one
+    # backend at once; that set-up, not the failover under test, is then tried afresh.
     t0 = time.monotonic()
     seen: list[Stream] = []  # every batch's, for the message
     for batch in range(2):
