@@ -347,13 +347,10 @@ def fronts_backends(args: argparse.Namespace) -> bool:
     return any(getattr(args, flag, None) for flag in ("backend", "prefill", "decode"))
 
 
-def run(args: argparse.Namespace) -> int:
-    if fronts_backends(args):
-        return run_backends(args)
-    import ray
-
-    from kvroute.router.frontdoor import FleetMismatchError
-
+def open_door(args: argparse.Namespace) -> tuple[Any, socket.socket] | None:
+    """``kvroute router``'s flags checked, its tenants read and its socket bound (before
+    Ray or any backend is reached): (tenants, socket), or None once it said why not."""
+    from .http_server import cannot_listen, listen_socket
     from .serve_checks import check_front_door
 
     try:
@@ -362,14 +359,25 @@ def run(args: argparse.Namespace) -> int:
         spec = front_door_tenants(args)
     except ValueError as exc:
         say(str(exc))
-        return 2
-    from .http_server import cannot_listen, listen_socket
-
+        return None
     try:
-        sock = listen_socket(args.host, args.port, args.reuse_port)
+        return spec, listen_socket(args.host, args.port, args.reuse_port)
     except OSError as exc:
         say(cannot_listen(args.host, args.port, exc))
+        return None
+
+
+def run(args: argparse.Namespace) -> int:
+    if fronts_backends(args):
+        return run_backends(args)
+    import ray
+
+    from kvroute.router.frontdoor import FleetMismatchError
+
+    door = open_door(args)
+    if door is None:
         return 2
+    spec, sock = door
     port = sock.getsockname()[1]
     ray.init(address=args.address, namespace=args.namespace, logging_level="warning")
     try:
@@ -439,22 +447,10 @@ def describe_backends(args: argparse.Namespace) -> list[tuple[Any, Any]]:
 
 def run_backends(args: argparse.Namespace) -> int:
     """``kvroute router --backend ...``: the front door over ``vllm serve`` processes."""
-    from .serve_checks import check_front_door
-
-    try:
-        if why := check_front_door(args):
-            raise ValueError(why)
-        spec = front_door_tenants(args)
-    except ValueError as exc:
-        say(str(exc))
+    door = open_door(args)
+    if door is None:
         return 2
-    from .http_server import cannot_listen, listen_socket
-
-    try:
-        sock = listen_socket(args.host, args.port, args.reuse_port)
-    except OSError as exc:
-        say(cannot_listen(args.host, args.port, exc))
-        return 2
+    spec, sock = door
     with sock:
         return _serve_backends(args, spec, sock)
 

@@ -58,6 +58,25 @@ def test_serve_refuses_bad_arguments_before_starting_anything():
     assert "starting" not in out.stderr, out.stderr
 
 
+def test_router_refuses_a_busy_port_before_it_reaches_ray_or_backends():
+    """The socket is bound first: an address where no Ray listens, or a backend that does
+    not answer, would hang a router that reached them before finding its port taken."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        for where in (["--address", "127.0.0.1:1"], ["--backend", "http://127.0.0.1:1"]):
+            out = subprocess.run(
+                [*KVROUTE, "router", *where, "--port", port],
+                capture_output=True, text=True, timeout=30,
+            )  # fmt: skip
+            assert out.returncode == 2, (where, out.stderr)
+            assert out.stderr.strip() == (
+                f"kvroute router: cannot listen on 127.0.0.1:{port} (Address already in use); "
+                "is another server on it? --port"
+            ), out.stderr
+
+
 def refused_fast(args: list[str]) -> tuple[int, str, float]:
     """``kvroute serve ARGS``: (exit status, stderr, seconds). One still running after 60 s
     started a fleet: it is stopped with Ctrl-C (so its Ray ends with it) and fails."""
