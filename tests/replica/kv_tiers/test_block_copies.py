@@ -1,7 +1,8 @@
-"""Blocks in and out of the KV cache a chunk at a time (the tiers' loads, the transfer
-plane's reads): every layer's K and V lands in the right block, whatever the ids' order
-and however many chunks a load spans; on CUDA, a load from each tier and a copy damaged
-in the host give the outputs an engine with room for everything gives."""
+"""Blocks in and out of the KV cache a chunk at a time (the tiers' loads and evictions,
+the transfer plane's reads): every layer's K and V lands in the right block, whatever the
+ids' order and however many chunks a load spans; a load from each tier, in chunks of 3 or
+one, and a host copy damaged mid-chunk give the outputs an engine with room for everything
+gives (on the CPU, and on CUDA where there is one)."""
 
 from __future__ import annotations
 
@@ -15,16 +16,7 @@ from kvroute.replica import EngineConfig, LLMEngine
 from kvroute.replica.kv_tiers.tiers import KVTiers
 from kvroute.replica.kv_transfer.sender import BlockReader
 
-from .test_kv_tiers import (
-    BLOCK,
-    BLOCK_BYTES,
-    HIT,
-    NUM_BLOCKS,
-    engine,
-    prompts,
-    run,
-    tier_configs,
-)
+from .test_kv_tiers import BLOCK, BLOCK_BYTES, HIT, NUM_BLOCKS, prompts, run, tier_configs
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
@@ -79,21 +71,52 @@ def test_chunked_copies_in_and_out_move_each_block_whole(device: str) -> None:
     tiers.close()
 
 
-@pytest.fixture(scope="module")
-def uncached_cpu() -> list[list[int]]:
-    ref = LLMEngine(EngineConfig(model="tiny", dtype="float32", block_size=BLOCK, num_blocks=256))
-    return [run(ref, f"u{i}", p).outputs[0].token_ids for i, p in enumerate(prompts())]
+_UNCACHED: dict[str, list[list[int]]] = {}
 
 
-@pytest.mark.parametrize("tiers", ["host", "host+disk"])
-def test_loads_and_evictions_in_chunks_of_three_give_the_uncached_output(
-    tiers: str, uncached_cpu: list[list[int]], tmp_path: Path
+def uncached_on(device: str) -> list[list[int]]:
+    """Each prompt's greedy output from an engine on ``device`` with room for all."""
+    if device not in _UNCACHED:
+        cfg = EngineConfig(
+            model="tiny", dtype="float32", block_size=BLOCK, num_blocks=256, device=device
+        )
+        ref = LLMEngine(cfg)
+        _UNCACHED[device] = [
+            run(ref, f"u{i}", p).outputs[0].token_ids for i, p in enumerate(prompts())
+        ]
+    return _UNCACHED[device]
+
+
+def tier_engine(device: str, chunk: int | None, **tiers: object) -> LLMEngine:
+    """A small pool over ``tiers``; ``chunk``: blocks a load's or an eviction's chunk holds
+    (None: as many as STAGE_BYTES holds, more than any load here)."""
+    eng = LLMEngine(
+        EngineConfig(
+            model="tiny", dtype="float32", block_size=BLOCK, num_blocks=NUM_BLOCKS,
+            device=device, **tiers,
+        )  # type: ignore[arg-type]
+    )  # fmt: skip
+    if chunk is not None:
+        eng.kv_tiers._chunk_blocks = chunk
+    return eng
+
+
+# Chunks of 3: far smaller than a load (9 blocks) and than an admission's evictions.
+CHUNKS = [
+    pytest.param("cpu", 3, id="cpu-chunks-of-3"),
+    pytest.param("cuda", 3, marks=CUDA, id="cuda-chunks-of-3"),
+    pytest.param("cuda", None, marks=CUDA, id="cuda-one-chunk"),
+]
+
+
+@pytest.mark.parametrize(("device", "chunk"), CHUNKS)
+@pytest.mark.parametrize("tiers", ["host", "disk", "host+disk"])
+def test_a_load_from_each_tier_gives_the_uncached_output(
+    device: str, chunk: int | None, tiers: str, tmp_path: Path
 ) -> None:
-    """Chunks far smaller than a load (9 blocks) and than an admission's evictions."""
-    uncached = uncached_cpu
+    uncached = uncached_on(device)
     config, media = tier_configs(tmp_path)[tiers]
-    eng = engine(**config)
-    eng.kv_tiers._chunk_blocks = 3
+    eng = tier_engine(device, chunk, **config)
     ps = prompts()
     for i, p in enumerate(ps):
         assert run(eng, f"a{i}", p).outputs[0].token_ids == uncached[i]
@@ -104,52 +127,19 @@ def test_loads_and_evictions_in_chunks_of_three_give_the_uncached_output(
     assert eng.stats()["kv_tier_load_failures"] == 0
 
 
-def cuda_engine(**tiers: object) -> LLMEngine:
-    return LLMEngine(
-        EngineConfig(
-            model="tiny", dtype="float32", block_size=BLOCK, num_blocks=NUM_BLOCKS,
-            device="cuda", **tiers,
-        )  # type: ignore[arg-type]
-    )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def uncached_cuda() -> list[list[int]]:
-    ref = LLMEngine(
-        EngineConfig(model="tiny", dtype="float32", block_size=BLOCK, num_blocks=256, device="cuda")
-    )
-    return [run(ref, f"u{i}", p).outputs[0].token_ids for i, p in enumerate(prompts())]
-
-
-@CUDA
-@pytest.mark.parametrize("tiers", ["host", "disk", "host+disk"])
-def test_a_load_from_each_tier_on_cuda_gives_the_uncached_output(
-    tiers: str, uncached_cuda: list[list[int]], tmp_path: Path
+@pytest.mark.parametrize(("device", "chunk"), CHUNKS)
+def test_a_host_copy_damaged_mid_chunk_loads_the_blocks_before_it(
+    device: str, chunk: int | None
 ) -> None:
-    config, media = tier_configs(tmp_path)[tiers]
-    eng = cuda_engine(**config)
-    ps = prompts()
-    for i, p in enumerate(ps):
-        assert run(eng, f"a{i}", p).outputs[0].token_ids == uncached_cuda[i]
-    again = run(eng, "again", ps[0])
-    assert again.outputs[0].token_ids == uncached_cuda[0]
-    assert set(again.num_tier_cached_tokens) == media
-    assert sum(again.num_tier_cached_tokens.values()) == HIT
-
-
-@CUDA
-def test_a_host_copy_damaged_mid_chunk_on_cuda_loads_the_blocks_before_it(
-    uncached_cuda: list[list[int]],
-) -> None:
-    eng = cuda_engine(kv_host_bytes=64 * BLOCK_BYTES)
+    eng = tier_engine(device, chunk, kv_host_bytes=64 * BLOCK_BYTES)
     ps = prompts()
     for i, p in enumerate(ps):
         run(eng, f"a{i}", p)
     hashes = eng.hasher.hash_blocks(ps[0])
-    entry = eng.kv_tiers.host[hashes[4]]
+    entry = eng.kv_tiers.host[hashes[4]]  # the middle of the second chunk of 3
     entry.seal()
     entry.data[100] ^= 0x01  # after its checksum: caught at load
     again = run(eng, "again", ps[0])
-    assert again.outputs[0].token_ids == uncached_cuda[0]
+    assert again.outputs[0].token_ids == uncached_on(device)[0]
     assert again.num_tier_cached_tokens == {"CPU": 4 * BLOCK}
     assert eng.stats()["kv_tier_load_failures"] == 1
