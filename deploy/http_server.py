@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -249,6 +250,13 @@ def listen_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
     return sock
 
 
-def cannot_listen(host: str, port: int, exc: OSError) -> str:
-    why = exc.strerror or exc
-    return f"cannot listen on {host}:{port} ({why}); is another server on it? --port"
+def listen_or_say(
+    host: str, port: int, reuse_port: bool, say: Callable[[str], None]
+) -> socket.socket | None:
+    """:func:`listen_socket`, or None once ``say`` told why it cannot be bound."""
+    try:
+        return listen_socket(host, port, reuse_port)
+    except OSError as exc:
+        why = exc.strerror or exc
+        say(f"cannot listen on {host}:{port} ({why}); is another server on it? --port")
+        return None

@@ -350,7 +350,7 @@ def fronts_backends(args: argparse.Namespace) -> bool:
 def open_door(args: argparse.Namespace) -> tuple[Any, socket.socket] | None:
     """``kvroute router``'s flags checked, its tenants read and its socket bound (before
     Ray or any backend is reached): (tenants, socket), or None once it said why not."""
-    from .http_server import cannot_listen, listen_socket
+    from .http_server import listen_or_say
     from .serve_checks import check_front_door
 
     try:
@@ -360,11 +360,8 @@ def open_door(args: argparse.Namespace) -> tuple[Any, socket.socket] | None:
     except ValueError as exc:
         say(str(exc))
         return None
-    try:
-        return spec, listen_socket(args.host, args.port, args.reuse_port)
-    except OSError as exc:
-        say(cannot_listen(args.host, args.port, exc))
-        return None
+    sock = listen_or_say(args.host, args.port, args.reuse_port, say)
+    return None if sock is None else (spec, sock)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -55,12 +55,11 @@ def run(args: argparse.Namespace) -> int:
     if why := _refused(args):
         _say(why)
         return 2
-    from .http_server import cannot_listen, listen_socket
+    from .http_server import listen_or_say
 
-    try:  # before Ray starts: a busy port costs a line, not a fleet started for nothing
-        sock = listen_socket(args.host, args.port, args.routers > 1)
-    except OSError as exc:
-        _say(cannot_listen(args.host, args.port, exc))
+    # Before Ray starts: a busy port costs a line, not a fleet started for nothing.
+    sock = listen_or_say(args.host, args.port, args.routers > 1, _say)
+    if sock is None:
         return 2
     args.port = sock.getsockname()[1]  # --port 0: the one the kernel picked, for all doors
 
