@@ -15,6 +15,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -42,6 +43,33 @@ def byte_rows(t: torch.Tensor) -> torch.Tensor:
     return u.as_strided((t.shape[0], n), (t.stride(0) * t.element_size(), 1), u.storage_offset())
 
 
+def device_ids(block_ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``block_ids`` on ``device``, copied without holding up the host."""
+    ids = torch.tensor(list(block_ids), dtype=torch.long).pin_memory()
+    return ids.to(device, non_blocking=True)
+
+
+def gather_blocks(
+    rows: list[torch.Tensor], sizes: list[int], ids: torch.Tensor, out: torch.Tensor
+) -> None:
+    """Blocks ``ids`` of every ``rows`` (:func:`byte_rows`) into ``out``'s rows, one block a
+    row in the tiers' layout (each tensor's part in turn): one kernel a tensor."""
+    off = 0
+    for r, n in zip(rows, sizes, strict=True):
+        torch.index_select(r, 0, ids, out=out[:, off : off + n])
+        off += n
+
+
+def scatter_blocks(
+    rows: list[torch.Tensor], sizes: list[int], ids: torch.Tensor, src: torch.Tensor
+) -> None:
+    """:func:`gather_blocks` undone: ``src``'s rows into blocks ``ids`` of every ``rows``."""
+    off = 0
+    for r, n in zip(rows, sizes, strict=True):
+        r.index_copy_(0, ids, src[:, off : off + n])
+        off += n
+
+
 class TierLoader:
     """:class:`~.tiers.KVTiers`'s copies and loader thread (its attributes)."""
 
@@ -64,36 +92,23 @@ class TierLoader:
     ) -> list[tuple[torch.Tensor, torch.cuda.Event | None]]:
         """Each block's bytes in every layer, as one host tensor, and on CUDA the event
         after which they are there (the copies are only enqueued: see the module
-        docstring). On CUDA a chunk at a time, gathered on the device by one kernel per
-        layer's K or V (a block's 64 slices each cost a launch, and evictions come by the
-        hundred when a long prompt is admitted)."""
+        docstring). On CUDA the blocks (a chunk: the caller cuts them) are gathered on the
+        device by one kernel per layer's K or V, then each copied out whole (a block's 64
+        slices each cost a launch, and evictions come by the hundred when a long prompt is
+        admitted)."""
         if not self.cuda:
-            return [
-                (torch.cat([t[b].reshape(-1).view(torch.uint8) for t in self.tensors]), None)
-                for b in block_ids
-            ]
-        out: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
-        for first in range(0, len(block_ids), self._chunk_blocks):
-            chunk = block_ids[first : first + self._chunk_blocks]
-            ids = torch.tensor(chunk, dtype=torch.long).pin_memory()
-            ids = ids.to(self.device, non_blocking=True)
-            gathered = torch.empty(
-                (len(chunk), self.block_bytes), dtype=torch.uint8, device=self.device
-            )
-            off = 0
-            for rows, n in zip(self._rows, self.sizes, strict=True):
-                torch.index_select(rows, 0, ids, out=gathered[:, off : off + n])
-                off += n
-            hosts = [self._pinned_block() for _ in chunk]
-            for host, row in zip(hosts, gathered, strict=True):
-                host.copy_(row, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-            out += [(host, ready) for host in hosts]
-        return out
-
-    def _pinned_block(self) -> torch.Tensor:
-        return torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=True)
+            return [(torch.cat([r[b] for r in self._rows]), None) for b in block_ids]
+        gathered = torch.empty(
+            (len(block_ids), self.block_bytes), dtype=torch.uint8, device=self.device
+        )
+        gather_blocks(self._rows, self.sizes, device_ids(block_ids, self.device), gathered)
+        hosts = []
+        for row in gathered:
+            hosts.append(torch.empty(self.block_bytes, dtype=torch.uint8, pin_memory=True))
+            hosts[-1].copy_(row, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return [(host, ready) for host in hosts]
 
     def _copy_in_blocks(
         self, block_ids: list[int], datas: list[torch.Tensor], rows: list[torch.Tensor]
@@ -110,16 +125,11 @@ class TierLoader:
                     r[b].copy_(d[off : off + n])
                     off += n
             return
-        k = len(block_ids)
-        stage = self._stage[:k]
-        ids = torch.tensor(block_ids, dtype=torch.long).pin_memory()
-        ids = ids.to(self.device, non_blocking=True)
+        stage = self._stage[: len(block_ids)]
+        ids = device_ids(block_ids, self.device)
         for j, d in enumerate(datas):
             stage[j].copy_(d, non_blocking=True)
-        off = 0
-        for r, n in zip(rows, self.sizes, strict=True):
-            r.index_copy_(0, ids, stage[:, off : off + n])
-            off += n
+        scatter_blocks(rows, self.sizes, ids, stage)
 
     def _run(self) -> None:
         """The loader thread: one job at a time, blocks in chain order, stopping at the

@@ -21,7 +21,7 @@ import torch
 from kvroute.events.kv_transfer import PULL_FAILED, PULL_OK, PULL_UNKNOWN, KVSource
 
 from ..kv_tiers.disk import checksum
-from ..kv_tiers.tier_loader import STAGE_BYTES, byte_rows
+from ..kv_tiers.tier_loader import STAGE_BYTES, byte_rows, device_ids, gather_blocks
 from .leases import Leases
 
 # A sink takes (index in the pull, the block's bytes, their xxh3-64) and says whether to go
@@ -69,30 +69,18 @@ class BlockReader:
         :attr:`chunk_blocks` at a time; returns once they are all there."""
         if self._stream is None or self._stage is None:
             for block_id, out in zip(block_ids, outs, strict=True):
-                self.read_into(block_id, out)
+                self._read_one(block_id, out)
             return
-        k = len(block_ids)
+        stage = self._stage[: len(block_ids)]
         with torch.cuda.stream(self._stream):
-            ids = torch.tensor(list(block_ids), dtype=torch.long).pin_memory()
-            ids = ids.to(self._stage.device, non_blocking=True)
-            stage = self._stage[:k]
-            off = 0
-            for rows, n in zip(self._rows, self.sizes, strict=True):
-                torch.index_select(rows, 0, ids, out=stage[:, off : off + n])
-                off += n
-            for j, out in enumerate(outs):
-                out.copy_(stage[j], non_blocking=True)
+            gather_blocks(self._rows, self.sizes, device_ids(block_ids, stage.device), stage)
+            for row, out in zip(stage, outs, strict=True):
+                out.copy_(row, non_blocking=True)
         self._stream.synchronize()
 
-    def read_into(self, block_id: int, out: torch.Tensor) -> None:
+    def _read_one(self, block_id: int, out: torch.Tensor) -> None:
+        """One block on the CPU (CUDA reads go a chunk at a time: :meth:`read_many`)."""
         off = 0
-        if self._stream is not None:
-            with torch.cuda.stream(self._stream):
-                for t, n in zip(self.tensors, self.sizes, strict=True):
-                    out[off : off + n].copy_(t[block_id].reshape(-1).view(torch.uint8), True)
-                    off += n
-            self._stream.synchronize()
-            return
         if self._flat is not None:
             dst = memoryview(out.numpy())
             for src, n in zip(self._flat, self.sizes, strict=True):
