@@ -137,7 +137,8 @@ class KVSender:
         reader = self.reader
         try:
             fresh = buffers or reader.buffer
-            reused = [] if buffers is not None else [fresh() for _ in range(reader.chunk_blocks)]
+            per_chunk = min(reader.chunk_blocks, len(ids))
+            reused = [] if buffers is not None else [fresh() for _ in range(per_chunk)]
             stop = False
             for first in range(0, len(ids), reader.chunk_blocks):
                 chunk = ids[first : first + reader.chunk_blocks]
